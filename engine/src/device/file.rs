@@ -1,0 +1,134 @@
+use super::{Device, SegmentFile};
+use crate::error::{Error, Result};
+use crate::format::SegId;
+use crate::io::{backend, IoBackend, IoMode};
+use parking_lot::RwLock;
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{ErrorKind, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const SUPERBLOCK: &str = "superblock";
+
+/// Segment files in a local directory.
+pub struct FileDevice {
+    dir: PathBuf,
+    io: Arc<dyn IoBackend>,
+    open: RwLock<HashMap<SegId, Arc<dyn SegmentFile>>>,
+}
+
+struct FileSegment {
+    file: File,
+    io: Arc<dyn IoBackend>,
+}
+
+impl FileDevice {
+    pub fn open(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir)?;
+        Ok(Arc::new(FileDevice { dir, io: backend(mode)?, open: RwLock::new(HashMap::new()) }))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn sync_dir(&self) -> Result<()> {
+        File::open(&self.dir)?.sync_all()?;
+        Ok(())
+    }
+
+    fn remember(&self, id: SegId, file: File) -> Arc<dyn SegmentFile> {
+        let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment { file, io: self.io.clone() });
+        self.open.write().entry(id).or_insert(seg).clone()
+    }
+}
+
+impl Device for FileDevice {
+    fn create_segment(&self, id: SegId) -> Result<Arc<dyn SegmentFile>> {
+        let path = self.dir.join(id.file_name());
+        let file = File::options().read(true).write(true).create_new(true).open(path)?;
+        self.sync_dir()?;
+        Ok(self.remember(id, file))
+    }
+
+    fn open_segment(&self, id: SegId) -> Result<Option<Arc<dyn SegmentFile>>> {
+        if let Some(s) = self.open.read().get(&id) {
+            return Ok(Some(s.clone()));
+        }
+        match File::options().read(true).write(true).open(self.dir.join(id.file_name())) {
+            Ok(file) => Ok(Some(self.remember(id, file))),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn list_segments(&self) -> Result<Vec<SegId>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&self.dir)? {
+            if let Some(id) = entry?.file_name().to_str().and_then(SegId::parse_file_name) {
+                out.push(id);
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn remove_segment(&self, id: SegId) -> Result<()> {
+        self.open.write().remove(&id);
+        match fs::remove_file(self.dir.join(id.file_name())) {
+            Err(e) if e.kind() != ErrorKind::NotFound => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+
+    fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
+        match fs::read(self.dir.join(SUPERBLOCK)) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
+        let tmp = self.dir.join("superblock.tmp");
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, self.dir.join(SUPERBLOCK))?;
+        self.sync_dir()
+    }
+
+    fn io_name(&self) -> &'static str {
+        self.io.name()
+    }
+}
+
+impl SegmentFile for FileSegment {
+    fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
+        Ok(self.io.write_at(self.file.as_raw_fd(), buf, off)?)
+    }
+
+    fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        self.file.read_exact_at(buf, off).map_err(|e| match e.kind() {
+            ErrorKind::UnexpectedEof => Error::corrupted("segment (short read)", off),
+            _ => e.into(),
+        })
+    }
+
+    fn sync(&self) -> Result<()> {
+        Ok(self.io.fdatasync(self.file.as_raw_fd())?)
+    }
+
+    fn len(&self) -> Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    fn truncate(&self, len: u64) -> Result<()> {
+        self.file.set_len(len)?;
+        Ok(self.file.sync_all()?)
+    }
+}

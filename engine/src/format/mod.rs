@@ -1,0 +1,12 @@
+//! Bytes on disk: record headers, addresses and the small binary codec that
+//! every decoder of untrusted bytes uses. See `engine/FORMAT.md`.
+
+mod address;
+mod codec;
+mod record;
+
+pub use address::{Addr, SegId};
+pub use codec::{decode_value, encode_value, Reader, Writer};
+pub use record::{
+    block_crcs, RecordHeader, RecordKind, BLOCK_SIZE, FORMAT_VERSION, HEADER_LEN, MAGIC, MAX_PAYLOAD,
+};

@@ -1,0 +1,21 @@
+//! arbor's storage engine.
+//!
+//! Everything that stores bytes lives here: the record format ([`format`]),
+//! the storage devices under the log ([`device`], [`io`]), the append-only
+//! segment log ([`log`]), the copy-on-write B+tree ([`tree`]), the POSIX-shaped
+//! [`Volume`] API, and the object-store seam ([`bucket`]). The engine knows
+//! nothing of FUSE or the command line.
+
+pub mod bucket;
+pub mod device;
+pub mod env;
+pub mod error;
+pub mod format;
+pub mod fuzzing;
+pub mod io;
+pub mod log;
+pub mod tree;
+pub mod volume;
+
+pub use error::{Error, Result};
+

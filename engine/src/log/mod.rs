@@ -1,0 +1,9 @@
+//! The append-only segment log. One [`Log`] per open branch, one writer
+//! epoch per open: records are appended to the open segment, which is
+//! sealed (synced, then never written again) at the size limit.
+
+mod reader;
+mod writer;
+
+pub use reader::{read_record, Cursor, Next, Record};
+pub use writer::{Appended, Log};

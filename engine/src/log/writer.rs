@@ -1,0 +1,184 @@
+use crate::device::{failpoints, Device, SegmentFile};
+use crate::error::{Error, Result};
+use crate::format::{block_crcs, Addr, RecordHeader, RecordKind, SegId, HEADER_LEN};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use zerocopy::IntoBytes;
+
+/// Where an appended record landed.
+#[derive(Clone, Debug)]
+pub struct Appended {
+    /// The whole record.
+    pub addr: Addr,
+    /// Its data bytes (empty if it carries none).
+    pub data: Addr,
+    pub seq: u64,
+    /// crc32c of each 4 KiB block of the data bytes.
+    pub crcs: Vec<u32>,
+}
+
+pub struct Log {
+    device: Arc<dyn Device>,
+    segment_size: u64,
+    tail: Mutex<Tail>,
+    /// Held by the one thread running an fdatasync; the others wait here and
+    /// usually find their record already durable when they get it.
+    sync_lock: Mutex<()>,
+    durable_seq: AtomicU64,
+    poisoned: AtomicBool,
+    syncs: AtomicU64,
+}
+
+struct Tail {
+    seg: SegId,
+    file: Arc<dyn SegmentFile>,
+    off: u64,
+    next_seq: u64,
+}
+
+impl Log {
+    /// Starts a new writer epoch: segment `(writer, 0)`, first record `first_seq`.
+    pub fn create(device: Arc<dyn Device>, writer: u64, first_seq: u64, segment_size: u64) -> Result<Log> {
+        let seg = SegId { writer, seq: 0 };
+        let file = device.create_segment(seg)?;
+        Ok(Log {
+            device,
+            segment_size,
+            tail: Mutex::new(Tail { seg, file, off: 0, next_seq: first_seq }),
+            sync_lock: Mutex::new(()),
+            durable_seq: AtomicU64::new(first_seq.saturating_sub(1)),
+            poisoned: AtomicBool::new(false),
+            syncs: AtomicU64::new(0),
+        })
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    pub fn writer(&self) -> u64 {
+        self.tail.lock().seg.writer
+    }
+
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+
+    /// How many fdatasync calls the log has made (for tests of group commit).
+    pub fn sync_count(&self) -> u64 {
+        self.syncs.load(Ordering::Relaxed)
+    }
+
+    pub fn last_seq(&self) -> u64 {
+        self.tail.lock().next_seq - 1
+    }
+
+    pub fn durable_seq(&self) -> u64 {
+        self.durable_seq.load(Ordering::Acquire)
+    }
+
+    /// The segment being written and how many bytes it holds.
+    pub fn position(&self) -> (SegId, u64) {
+        let t = self.tail.lock();
+        (t.seg, t.off)
+    }
+
+    fn poison(&self, e: Error) -> Error {
+        self.poisoned.store(true, Ordering::Release);
+        tracing::error!(error = %e, "log write or sync failed; refusing further writes");
+        e
+    }
+
+    /// Appends one record: `meta` and a crc table are checksummed by the
+    /// header, `data` block by block. Not durable until [`Log::sync`].
+    pub fn append(&self, kind: RecordKind, meta: &[u8], data: &[u8], failpoint: &'static str) -> Result<Appended> {
+        if self.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
+        let crcs = block_crcs(data);
+        let mut meta_region = Vec::with_capacity(meta.len() + crcs.len() * 4);
+        meta_region.extend_from_slice(meta);
+        for c in &crcs {
+            meta_region.extend_from_slice(&c.to_le_bytes());
+        }
+        let total = (HEADER_LEN + meta_region.len() + data.len()) as u64;
+        if total > self.segment_size {
+            return Err(Error::Invalid("record larger than a segment"));
+        }
+        let mut tail = self.tail.lock();
+        if tail.off + total > self.segment_size {
+            self.seal(&mut tail)?;
+        }
+        let header = RecordHeader::new(kind, tail.next_seq, &meta_region, data.len());
+        let mut buf = Vec::with_capacity(total as usize);
+        buf.extend_from_slice(header.as_bytes());
+        buf.extend_from_slice(&meta_region);
+        buf.extend_from_slice(data);
+        self.device.failpoint(failpoint)?;
+        if let Err(e) = tail.file.write_at(&buf, tail.off) {
+            return Err(self.poison(e));
+        }
+        let addr = Addr { seg: tail.seg, off: tail.off as u32, len: total as u32 };
+        let data_off = tail.off + (HEADER_LEN + meta_region.len()) as u64;
+        let appended = Appended {
+            addr,
+            data: Addr { seg: tail.seg, off: data_off as u32, len: data.len() as u32 },
+            seq: tail.next_seq,
+            crcs,
+        };
+        tail.off += total;
+        tail.next_seq += 1;
+        Ok(appended)
+    }
+
+    /// Syncs the full segment and starts the next one. Sealed segments are
+    /// durable before anything is written after them, so the log on disk is
+    /// always a prefix.
+    fn seal(&self, tail: &mut Tail) -> Result<()> {
+        self.device.failpoint(failpoints::SEGMENT_SEAL)?;
+        if let Err(e) = tail.file.sync() {
+            return Err(self.poison(e));
+        }
+        self.durable_seq.fetch_max(tail.next_seq - 1, Ordering::AcqRel);
+        let next = tail.seg.next();
+        tail.file = self.device.create_segment(next)?;
+        tail.seg = next;
+        tail.off = 0;
+        Ok(())
+    }
+
+    /// Returns once every record up to `seq` is durable. Concurrent callers
+    /// share one fdatasync (group commit).
+    pub fn sync(&self, seq: u64) -> Result<()> {
+        if self.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
+        if self.durable_seq() >= seq {
+            return Ok(());
+        }
+        let _leader = self.sync_lock.lock();
+        if self.durable_seq() >= seq {
+            return Ok(());
+        }
+        if self.is_poisoned() {
+            return Err(Error::Poisoned);
+        }
+        let (file, upto) = {
+            let t = self.tail.lock();
+            (t.file.clone(), t.next_seq - 1)
+        };
+        self.device.failpoint(failpoints::FSYNC)?;
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = file.sync() {
+            return Err(self.poison(e));
+        }
+        self.durable_seq.fetch_max(upto, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Syncs everything appended so far.
+    pub fn sync_all(&self) -> Result<()> {
+        self.sync(self.last_seq())
+    }
+}
