@@ -100,7 +100,10 @@ mod tests {
             (Error::ReadOnly, libc::EROFS),
             (Error::Poisoned, libc::EIO),
             (Error::corrupted("node", "w1-2@3"), libc::EIO),
-            (Error::Io(io::Error::from_raw_os_error(libc::ENOSPC)), libc::ENOSPC),
+            (
+                Error::Io(io::Error::from_raw_os_error(libc::ENOSPC)),
+                libc::ENOSPC,
+            ),
             (Error::Io(io::Error::other("no errno")), libc::EIO),
         ];
         for (err, errno) in cases {

@@ -18,4 +18,3 @@ pub mod tree;
 pub mod volume;
 
 pub use error::{Error, Result};
-

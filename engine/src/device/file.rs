@@ -29,7 +29,11 @@ impl FileDevice {
     pub fn open(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
         let dir = dir.as_ref().to_path_buf();
         fs::create_dir_all(&dir)?;
-        Ok(Arc::new(FileDevice { dir, io: backend(mode)?, open: RwLock::new(HashMap::new()) }))
+        Ok(Arc::new(FileDevice {
+            dir,
+            io: backend(mode)?,
+            open: RwLock::new(HashMap::new()),
+        }))
     }
 
     pub fn dir(&self) -> &Path {
@@ -42,7 +46,10 @@ impl FileDevice {
     }
 
     fn remember(&self, id: SegId, file: File) -> Arc<dyn SegmentFile> {
-        let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment { file, io: self.io.clone() });
+        let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment {
+            file,
+            io: self.io.clone(),
+        });
         self.open.write().entry(id).or_insert(seg).clone()
     }
 }
@@ -50,7 +57,11 @@ impl FileDevice {
 impl Device for FileDevice {
     fn create_segment(&self, id: SegId) -> Result<Arc<dyn SegmentFile>> {
         let path = self.dir.join(id.file_name());
-        let file = File::options().read(true).write(true).create_new(true).open(path)?;
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
         self.sync_dir()?;
         Ok(self.remember(id, file))
     }
@@ -59,7 +70,11 @@ impl Device for FileDevice {
         if let Some(s) = self.open.read().get(&id) {
             return Ok(Some(s.clone()));
         }
-        match File::options().read(true).write(true).open(self.dir.join(id.file_name())) {
+        match File::options()
+            .read(true)
+            .write(true)
+            .open(self.dir.join(id.file_name()))
+        {
             Ok(file) => Ok(Some(self.remember(id, file))),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.into()),
@@ -113,17 +128,19 @@ impl SegmentFile for FileSegment {
     }
 
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
-        self.file.read_exact_at(buf, off).map_err(|e| match e.kind() {
-            ErrorKind::UnexpectedEof => Error::corrupted("segment (short read)", off),
-            _ => e.into(),
-        })
+        self.file
+            .read_exact_at(buf, off)
+            .map_err(|e| match e.kind() {
+                ErrorKind::UnexpectedEof => Error::corrupted("segment (short read)", off),
+                _ => e.into(),
+            })
     }
 
     fn sync(&self) -> Result<()> {
         Ok(self.io.fdatasync(self.file.as_raw_fd())?)
     }
 
-    fn len(&self) -> Result<u64> {
+    fn size(&self) -> Result<u64> {
         Ok(self.file.metadata()?.len())
     }
 

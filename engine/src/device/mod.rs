@@ -23,7 +23,14 @@ pub mod failpoints {
     pub const NODE_WRITE: &str = "node_write";
     pub const COMMIT_RECORD: &str = "commit_record";
     pub const SUPERBLOCK: &str = "superblock";
-    pub const ALL: [&str; 6] = [INTENT_APPEND, SEGMENT_SEAL, FSYNC, NODE_WRITE, COMMIT_RECORD, SUPERBLOCK];
+    pub const ALL: [&str; 6] = [
+        INTENT_APPEND,
+        SEGMENT_SEAL,
+        FSYNC,
+        NODE_WRITE,
+        COMMIT_RECORD,
+        SUPERBLOCK,
+    ];
 }
 
 pub trait SegmentFile: Send + Sync {
@@ -32,7 +39,7 @@ pub trait SegmentFile: Send + Sync {
     /// Fills `buf` from `off`; an error if the file is shorter.
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()>;
     fn sync(&self) -> Result<()>;
-    fn len(&self) -> Result<u64>;
+    fn size(&self) -> Result<u64>;
     /// Cuts a torn tail off; durable once it returns.
     fn truncate(&self, len: u64) -> Result<()>;
 }

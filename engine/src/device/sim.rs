@@ -69,7 +69,9 @@ impl SimState {
 
     fn file(&mut self, id: SegId) -> Result<&mut SimFile> {
         self.check()?;
-        self.files.get_mut(&id).ok_or_else(|| Error::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))
+        self.files
+            .get_mut(&id)
+            .ok_or_else(|| Error::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))
     }
 }
 
@@ -154,13 +156,21 @@ impl Device for SimDevice {
             return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EEXIST)));
         }
         st.files.insert(id, SimFile::default());
-        Ok(Arc::new(SimSegment { state: self.state.clone(), id }))
+        Ok(Arc::new(SimSegment {
+            state: self.state.clone(),
+            id,
+        }))
     }
 
     fn open_segment(&self, id: SegId) -> Result<Option<Arc<dyn SegmentFile>>> {
         let st = self.state.lock();
         st.check()?;
-        Ok(st.files.contains_key(&id).then(|| Arc::new(SimSegment { state: self.state.clone(), id }) as _))
+        Ok(st.files.contains_key(&id).then(|| {
+            Arc::new(SimSegment {
+                state: self.state.clone(),
+                id,
+            }) as _
+        }))
     }
 
     fn list_segments(&self) -> Result<Vec<SegId>> {
@@ -247,7 +257,7 @@ impl SegmentFile for SimSegment {
         Ok(())
     }
 
-    fn len(&self) -> Result<u64> {
+    fn size(&self) -> Result<u64> {
         let mut st = self.state.lock();
         Ok(st.file(self.id)?.live.len() as u64)
     }
@@ -279,7 +289,7 @@ mod tests {
         f.write_at(b"volatile", 7).expect("write");
         dev.crash(CrashMode::DropUnsynced);
         let f = dev.open_segment(seg()).expect("open").expect("exists");
-        assert_eq!(f.len().expect("len"), 7);
+        assert_eq!(f.size().expect("len"), 7);
     }
 
     #[test]
@@ -318,6 +328,6 @@ mod tests {
         f.write_at(b"abc", 0).expect("write");
         dev.fail_next_syncs(1);
         assert!(f.sync().is_err());
-        assert_eq!(f.len().expect("len"), 0);
+        assert_eq!(f.size().expect("len"), 0);
     }
 }

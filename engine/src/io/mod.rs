@@ -52,7 +52,13 @@ mod tests {
 
     fn exercise(io: &dyn IoBackend) {
         let dir = tempfile::tempdir().expect("tempdir");
-        let f = File::options().read(true).write(true).create(true).open(dir.path().join("f")).expect("open");
+        let f = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("f"))
+            .expect("open");
         let big = vec![0xabu8; 3 << 20];
         io.write_at(f.as_raw_fd(), b"hello", 0).expect("write");
         io.write_at(f.as_raw_fd(), &big, 4096).expect("big write");
@@ -63,7 +69,11 @@ mod tests {
         let mut tail = vec![0u8; big.len()];
         f.read_exact_at(&mut tail, 4096).expect("read");
         assert!(tail == big);
-        assert!(io.write_at(-1, b"x", 0).is_err(), "{} accepted a bad fd", io.name());
+        assert!(
+            io.write_at(-1, b"x", 0).is_err(),
+            "{} accepted a bad fd",
+            io.name()
+        );
     }
 
     #[test]

@@ -18,7 +18,10 @@ pub struct Record {
 
 /// Why a record could not be read: the log ends (or is torn) there.
 fn torn(why: &'static str, seg: SegId, off: u64) -> Error {
-    Error::Corrupted { what: why, addr: format!("{seg}@{off}") }
+    Error::Corrupted {
+        what: why,
+        addr: format!("{seg}@{off}"),
+    }
 }
 
 /// Reads and fully verifies the record at `(seg, off)`, which must lie
@@ -59,12 +62,20 @@ pub fn read_record(file: &dyn SegmentFile, seg: SegId, off: u64, limit: u64) -> 
     payload.truncate(table_at);
     let data_off = off + HEADER_LEN as u64 + meta_len as u64;
     Ok(Record {
-        addr: Addr { seg, off: off as u32, len: total as u32 },
+        addr: Addr {
+            seg,
+            off: off as u32,
+            len: total as u32,
+        },
         kind: h.kind().ok_or_else(|| torn("record kind", seg, off))?,
         seq: h.seq.get(),
         meta: payload,
         data,
-        data_addr: Addr { seg, off: data_off as u32, len: data_len as u32 },
+        data_addr: Addr {
+            seg,
+            off: data_off as u32,
+            len: data_len as u32,
+        },
         crcs,
     })
 }
@@ -92,21 +103,30 @@ pub struct Cursor {
 
 impl Cursor {
     pub fn new(device: Arc<dyn Device>, seg: SegId, off: u64) -> Result<Cursor> {
-        let file = device.open_segment(seg)?.ok_or_else(|| torn("missing segment", seg, off))?;
-        let len = file.len()?;
-        Ok(Cursor { device, seg, file, len, off, expect_seq: None })
+        let file = device
+            .open_segment(seg)?
+            .ok_or_else(|| torn("missing segment", seg, off))?;
+        let len = file.size()?;
+        Ok(Cursor {
+            device,
+            seg,
+            file,
+            len,
+            off,
+            expect_seq: None,
+        })
     }
 
     pub fn position(&self) -> (SegId, u64) {
         (self.seg, self.off)
     }
 
-    pub fn next(&mut self) -> Result<Next> {
+    pub fn next_record(&mut self) -> Result<Next> {
         if self.off == self.len {
             match self.device.open_segment(self.seg.next())? {
                 Some(file) => {
                     self.seg = self.seg.next();
-                    self.len = file.len()?;
+                    self.len = file.size()?;
                     self.file = file;
                     self.off = 0;
                     if self.len == 0 {
@@ -118,7 +138,9 @@ impl Cursor {
         }
         let rec = match read_record(self.file.as_ref(), self.seg, self.off, self.len) {
             Ok(r) => r,
-            Err(Error::Corrupted { what, .. }) => return Ok(Next::Torn(self.seg, self.off, what.to_string())),
+            Err(Error::Corrupted { what, .. }) => {
+                return Ok(Next::Torn(self.seg, self.off, what.to_string()))
+            }
             Err(e) => return Err(e),
         };
         if self.expect_seq.is_some_and(|s| s != rec.seq) {
@@ -140,7 +162,7 @@ mod tests {
         let mut c = Cursor::new(dev.clone(), SegId { writer, seq: 0 }, 0).expect("cursor");
         let mut out = Vec::new();
         loop {
-            match c.next().expect("io") {
+            match c.next_record().expect("io") {
                 Next::Record(r) => out.push(r),
                 Next::End => return (out, None),
                 Next::Torn(_, _, why) => return (out, Some(why)),
@@ -156,11 +178,16 @@ mod tests {
         let mut written = Vec::new();
         for i in 0..20u8 {
             let data = vec![i; 3000 + i as usize * 100];
-            let a = log.append(RecordKind::Intent, &[i], &data, "t").expect("append");
+            let a = log
+                .append(RecordKind::Intent, &[i], &data, "t")
+                .expect("append");
             written.push((a, data));
         }
         log.sync_all().expect("sync");
-        assert!(log.position().0.seq > 0, "small segments must have been sealed");
+        assert!(
+            log.position().0.seq > 0,
+            "small segments must have been sealed"
+        );
         let (recs, torn) = collect(&dev, 5);
         assert!(torn.is_none());
         assert_eq!(recs.len(), 20);
@@ -180,7 +207,9 @@ mod tests {
         let log = Log::create(dev.clone(), 9, 1, 1 << 20).expect("log");
         let mut ends = Vec::new();
         for i in 0..4u8 {
-            let a = log.append(RecordKind::Intent, &[i; 10], &vec![i; 5000], "t").expect("append");
+            let a = log
+                .append(RecordKind::Intent, &[i; 10], &vec![i; 5000], "t")
+                .expect("append");
             ends.push(a.addr);
         }
         log.sync_all().expect("sync");
@@ -189,7 +218,10 @@ mod tests {
         for off in (0..len).step_by(97) {
             sim.corrupt(seg, off);
             let (recs, torn) = collect(&dev, 9);
-            let hit = ends.iter().position(|a| (a.off as usize..a.end() as usize).contains(&off)).expect("in a record");
+            let hit = ends
+                .iter()
+                .position(|a| (a.off as usize..a.end() as usize).contains(&off))
+                .expect("in a record");
             assert_eq!(recs.len(), hit, "flip at {off}");
             assert!(torn.is_some());
             sim.corrupt(seg, off);
@@ -202,10 +234,12 @@ mod tests {
             let sim = SimDevice::new();
             let dev: Arc<dyn Device> = Arc::new(sim.clone());
             let log = Log::create(dev.clone(), 3, 1, 1 << 20).expect("log");
-            log.append(RecordKind::Intent, b"a", &[1; 9000], "t").expect("append");
+            log.append(RecordKind::Intent, b"a", &[1; 9000], "t")
+                .expect("append");
             log.sync_all().expect("sync");
             for _ in 0..5 {
-                log.append(RecordKind::Intent, b"b", &[2; 9000], "t").expect("append");
+                log.append(RecordKind::Intent, b"b", &[2; 9000], "t")
+                    .expect("append");
             }
             sim.crash(CrashMode::Scramble { seed });
             let (recs, _) = collect(&dev, 3);

@@ -39,13 +39,23 @@ struct Tail {
 
 impl Log {
     /// Starts a new writer epoch: segment `(writer, 0)`, first record `first_seq`.
-    pub fn create(device: Arc<dyn Device>, writer: u64, first_seq: u64, segment_size: u64) -> Result<Log> {
+    pub fn create(
+        device: Arc<dyn Device>,
+        writer: u64,
+        first_seq: u64,
+        segment_size: u64,
+    ) -> Result<Log> {
         let seg = SegId { writer, seq: 0 };
         let file = device.create_segment(seg)?;
         Ok(Log {
             device,
             segment_size,
-            tail: Mutex::new(Tail { seg, file, off: 0, next_seq: first_seq }),
+            tail: Mutex::new(Tail {
+                seg,
+                file,
+                off: 0,
+                next_seq: first_seq,
+            }),
             sync_lock: Mutex::new(()),
             durable_seq: AtomicU64::new(first_seq.saturating_sub(1)),
             poisoned: AtomicBool::new(false),
@@ -92,7 +102,13 @@ impl Log {
 
     /// Appends one record: `meta` and a crc table are checksummed by the
     /// header, `data` block by block. Not durable until [`Log::sync`].
-    pub fn append(&self, kind: RecordKind, meta: &[u8], data: &[u8], failpoint: &'static str) -> Result<Appended> {
+    pub fn append(
+        &self,
+        kind: RecordKind,
+        meta: &[u8],
+        data: &[u8],
+        failpoint: &'static str,
+    ) -> Result<Appended> {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
@@ -119,11 +135,19 @@ impl Log {
         if let Err(e) = tail.file.write_at(&buf, tail.off) {
             return Err(self.poison(e));
         }
-        let addr = Addr { seg: tail.seg, off: tail.off as u32, len: total as u32 };
+        let addr = Addr {
+            seg: tail.seg,
+            off: tail.off as u32,
+            len: total as u32,
+        };
         let data_off = tail.off + (HEADER_LEN + meta_region.len()) as u64;
         let appended = Appended {
             addr,
-            data: Addr { seg: tail.seg, off: data_off as u32, len: data.len() as u32 },
+            data: Addr {
+                seg: tail.seg,
+                off: data_off as u32,
+                len: data.len() as u32,
+            },
             seq: tail.next_seq,
             crcs,
         };
@@ -140,7 +164,8 @@ impl Log {
         if let Err(e) = tail.file.sync() {
             return Err(self.poison(e));
         }
-        self.durable_seq.fetch_max(tail.next_seq - 1, Ordering::AcqRel);
+        self.durable_seq
+            .fetch_max(tail.next_seq - 1, Ordering::AcqRel);
         let next = tail.seg.next();
         tail.file = self.device.create_segment(next)?;
         tail.seg = next;

@@ -1,0 +1,842 @@
+//! A volume: one branch's tree opened for POSIX-shaped file operations.
+//!
+//! Every change is validated first (so bad input changes nothing), then
+//! logged as an intent, then applied to the in-memory tree by
+//! [`ops::apply`]. `fsync` waits until the log is durable past the caller's
+//! intents; commits write the dirty tree and a commit record and bound how
+//! much recovery must replay.
+
+mod commit;
+mod keys;
+mod nodes;
+mod open;
+mod ops;
+mod read;
+mod txn;
+mod types;
+
+pub use commit::{CommitRecord, Superblock};
+pub use nodes::read_record_at;
+pub use ops::Op;
+pub use types::*;
+
+use crate::device::Device;
+use crate::env::{Env, SystemEnv, Timestamp};
+use crate::error::{Error, Result};
+use crate::format::{decode_value, Addr, BLOCK_SIZE};
+use crate::log::Log;
+use crate::tree::Tree;
+use nodes::Nodes;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+use txn::{Reads, View};
+
+#[derive(Clone)]
+pub struct Config {
+    /// A segment is sealed once it would grow past this.
+    pub segment_size: u64,
+    /// Memory for clean tree nodes.
+    pub node_cache_bytes: u64,
+    /// Commit after this many intents, to bound replay after a crash.
+    pub commit_every_ops: u64,
+    /// Commit in the background this often when anything changed.
+    pub commit_interval: Option<Duration>,
+    /// Refuse every change with EROFS.
+    pub read_only: bool,
+    /// Owner of the root directory of a new volume.
+    pub root_uid: u32,
+    pub root_gid: u32,
+    pub env: Arc<dyn Env>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            segment_size: 64 << 20,
+            node_cache_bytes: 256 << 20,
+            commit_every_ops: 16_384,
+            commit_interval: Some(Duration::from_secs(1)),
+            read_only: false,
+            root_uid: 0,
+            root_gid: 0,
+            env: Arc::new(SystemEnv),
+        }
+    }
+}
+
+struct State {
+    tree: Tree,
+    next_ino: u64,
+    ops_since_commit: u64,
+    last_commit: Option<Addr>,
+}
+
+pub struct Volume {
+    state: RwLock<State>,
+    nodes: Nodes,
+    cfg: Config,
+    /// Open handles per inode: an unlinked file lives on until its last close.
+    opens: Mutex<HashMap<u64, u32>>,
+    poisoned: AtomicBool,
+    stop_committer: Mutex<Option<mpsc::Sender<()>>>,
+}
+
+fn check_name(name: &[u8]) -> Result<()> {
+    if name.len() > NAME_MAX {
+        return Err(Error::NameTooLong);
+    }
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+        return Err(Error::Invalid("file name"));
+    }
+    Ok(())
+}
+
+fn is_dot(name: &[u8]) -> bool {
+    name == b"." || name == b".."
+}
+
+fn resolve(t: Option<TimeSet>, now: Timestamp) -> Option<Timestamp> {
+    t.map(|t| match t {
+        TimeSet::Now => now,
+        TimeSet::At(ts) => ts,
+    })
+}
+
+impl Volume {
+    fn view<'a>(&'a self, st: &'a State) -> View<'a> {
+        View {
+            tree: &st.tree,
+            store: &self.nodes,
+        }
+    }
+
+    fn log(&self) -> Result<&Arc<Log>> {
+        if self.cfg.read_only {
+            return Err(Error::ReadOnly);
+        }
+        if self.poisoned.load(Ordering::Acquire) {
+            return Err(Error::Poisoned);
+        }
+        self.nodes.log.get().ok_or(Error::ReadOnly)
+    }
+
+    fn poison(&self, e: Error) -> Error {
+        if !matches!(e, Error::Crashed(_)) {
+            tracing::error!(error = %e, "volume stops accepting writes");
+        }
+        self.poisoned.store(true, Ordering::Release);
+        e
+    }
+
+    fn now(&self) -> Timestamp {
+        self.cfg.env.now()
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.nodes.device
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.cfg.read_only
+    }
+
+    /// Whether a failed sync or write has stopped this volume.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+            || self.nodes.log.get().is_some_and(|l| l.is_poisoned())
+    }
+
+    /// The log this volume writes, if it is writable.
+    pub fn log_handle(&self) -> Option<&Arc<Log>> {
+        self.nodes.log.get()
+    }
+
+    /// The address of the newest durable commit.
+    pub fn last_commit(&self) -> Option<Addr> {
+        self.state.read().last_commit
+    }
+
+    /// Logs one intent and applies it.
+    fn run(&self, st: &mut State, op: ops::Op, data: &[u8]) -> Result<()> {
+        let log = self.log()?;
+        let meta = crate::format::encode_value(&op);
+        let app = log.append(
+            crate::format::RecordKind::Intent,
+            &meta,
+            data,
+            crate::device::failpoints::INTENT_APPEND,
+        )?;
+        let d = ops::Data {
+            addr: app.data,
+            crcs: &app.crcs,
+            bytes: data,
+        };
+        let mut tx = txn::Txn {
+            tree: &mut st.tree,
+            store: &self.nodes,
+        };
+        if let Err(e) = ops::apply(&mut tx, &op, &d, &mut st.next_ino) {
+            return Err(self.poison(e));
+        }
+        st.ops_since_commit += 1;
+        if st.ops_since_commit >= self.cfg.commit_every_ops {
+            self.commit_locked(st)?;
+        }
+        Ok(())
+    }
+
+    // ---- metadata reads ----
+
+    pub fn getattr(&self, ino: u64) -> Result<Attr> {
+        let st = self.state.read();
+        Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
+    }
+
+    pub fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
+        check_name(name)?;
+        let st = self.state.read();
+        let v = self.view(&st);
+        let p = v.dir_inode(parent)?;
+        let ino = match name {
+            b"." => parent,
+            b".." => p.parent,
+            _ => v.entry(parent, name)?.ok_or(Error::NotFound)?.ino,
+        };
+        Ok(Attr::from_inode(ino, &v.inode(ino)?))
+    }
+
+    pub fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
+        let st = self.state.read();
+        let i = self.view(&st).inode(ino)?;
+        match (i.kind, i.inline) {
+            (FileKind::Symlink, Some(t)) => Ok(t),
+            _ => Err(Error::Invalid("not a symlink")),
+        }
+    }
+
+    /// Lists `ino` from `offset` (0 to start; else an entry's `offset`),
+    /// calling `f` until it returns false.
+    pub fn readdir(
+        &self,
+        ino: u64,
+        offset: u64,
+        mut f: impl FnMut(DirEntryOut) -> bool,
+    ) -> Result<()> {
+        let st = self.state.read();
+        let v = self.view(&st);
+        let dir = v.dir_inode(ino)?;
+        if offset < 1
+            && !f(DirEntryOut {
+                ino,
+                kind: FileKind::Directory,
+                name: b".".to_vec(),
+                offset: 1,
+            })
+        {
+            return Ok(());
+        }
+        if offset < 2
+            && !f(DirEntryOut {
+                ino: dir.parent,
+                kind: FileKind::Directory,
+                name: b"..".to_vec(),
+                offset: 2,
+            })
+        {
+            return Ok(());
+        }
+        let prefix = keys::cookie_prefix(ino);
+        let from = keys::cookie(ino, offset.max(FIRST_COOKIE - 1) + 1);
+        st.tree.scan(&self.nodes, &from, &mut |k, val| {
+            if !k.starts_with(&prefix) {
+                return Ok(false);
+            }
+            let e: CookieEntry = decode_value(val, "directory listing entry")?;
+            Ok(f(DirEntryOut {
+                ino: e.ino,
+                kind: e.kind,
+                name: e.name,
+                offset: keys::trailing_u64(k),
+            }))
+        })
+    }
+
+    /// Every entry of a directory except "." and "..".
+    pub fn list_dir(&self, ino: u64) -> Result<Vec<DirEntryOut>> {
+        let mut out = Vec::new();
+        self.readdir(ino, 2, |e| {
+            out.push(e);
+            true
+        })?;
+        Ok(out)
+    }
+
+    pub fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
+        let st = self.state.read();
+        self.view(&st).inode(ino)?;
+        st.tree
+            .get(&self.nodes, &keys::xattr(ino, name))?
+            .ok_or(Error::NoAttr)
+    }
+
+    pub fn listxattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
+        let st = self.state.read();
+        let v = self.view(&st);
+        v.inode(ino)?;
+        Ok(v.keys_with_prefix(&keys::xattr_prefix(ino))?
+            .into_iter()
+            .map(|k| k[9..].to_vec())
+            .collect())
+    }
+
+    pub fn statfs(&self) -> StatFs {
+        let st = self.state.read();
+        let total_blocks = (1u64 << 50) / BLOCK_SIZE as u64;
+        let files = 1u64 << 40;
+        StatFs {
+            blocks: total_blocks,
+            bfree: total_blocks,
+            bavail: total_blocks,
+            files,
+            ffree: files - st.next_ino,
+            bsize: BLOCK_SIZE as u32,
+            namelen: NAME_MAX as u32,
+        }
+    }
+
+    // ---- namespace changes ----
+
+    /// Creates a file, device, FIFO or socket; `mode` carries the type bits.
+    pub fn create(
+        &self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        uid: u32,
+        gid: u32,
+        rdev: u32,
+    ) -> Result<Attr> {
+        let kind = FileKind::from_mode(mode).ok_or(Error::Invalid("file type"))?;
+        if matches!(kind, FileKind::Directory | FileKind::Symlink) {
+            return Err(Error::Invalid("use mkdir or symlink"));
+        }
+        self.make(
+            parent,
+            name,
+            kind,
+            (mode & 0o7777) as u16,
+            uid,
+            gid,
+            rdev,
+            None,
+        )
+    }
+
+    pub fn mkdir(&self, parent: u64, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
+        self.make(
+            parent,
+            name,
+            FileKind::Directory,
+            perm & 0o7777,
+            uid,
+            gid,
+            0,
+            None,
+        )
+    }
+
+    pub fn symlink(
+        &self,
+        parent: u64,
+        name: &[u8],
+        target: &[u8],
+        uid: u32,
+        gid: u32,
+    ) -> Result<Attr> {
+        if target.is_empty() || target.len() > 4095 || target.contains(&0) {
+            return Err(if target.len() > 4095 {
+                Error::NameTooLong
+            } else {
+                Error::Invalid("symlink target")
+            });
+        }
+        self.make(
+            parent,
+            name,
+            FileKind::Symlink,
+            0o777,
+            uid,
+            gid,
+            0,
+            Some(target.to_vec()),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn make(
+        &self,
+        parent: u64,
+        name: &[u8],
+        kind: FileKind,
+        mut perm: u16,
+        uid: u32,
+        mut gid: u32,
+        rdev: u32,
+        target: Option<Vec<u8>>,
+    ) -> Result<Attr> {
+        check_name(name)?;
+        self.log()?;
+        let mut st = self.state.write();
+        let v = self.view(&st);
+        let p = v.dir_inode(parent)?;
+        if is_dot(name) || v.entry(parent, name)?.is_some() {
+            return Err(Error::Exists);
+        }
+        if kind == FileKind::Directory && p.nlink >= LINK_MAX {
+            return Err(Error::TooManyLinks);
+        }
+        // A set-group-ID directory hands its group (and, to directories, the bit) down.
+        if p.perm & libc::S_ISGID as u16 != 0 {
+            gid = p.gid;
+            if kind == FileKind::Directory {
+                perm |= libc::S_ISGID as u16;
+            }
+        }
+        let ino = st.next_ino;
+        let op = ops::Op::Create {
+            parent,
+            name: name.to_vec(),
+            ino,
+            kind,
+            perm,
+            uid,
+            gid,
+            rdev,
+            target,
+            time: self.now(),
+        };
+        self.run(&mut st, op, &[])?;
+        Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
+    }
+
+    pub fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Result<Attr> {
+        check_name(new_name)?;
+        self.log()?;
+        let mut st = self.state.write();
+        let v = self.view(&st);
+        let i = v.inode(ino)?;
+        v.dir_inode(new_parent)?;
+        if i.kind == FileKind::Directory {
+            return Err(Error::NotPermitted);
+        }
+        if is_dot(new_name) || v.entry(new_parent, new_name)?.is_some() {
+            return Err(Error::Exists);
+        }
+        if i.nlink >= LINK_MAX {
+            return Err(Error::TooManyLinks);
+        }
+        if i.nlink == 0 {
+            return Err(Error::NotFound);
+        }
+        self.run(
+            &mut st,
+            ops::Op::Link {
+                ino,
+                parent: new_parent,
+                name: new_name.to_vec(),
+                time: self.now(),
+            },
+            &[],
+        )?;
+        Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
+    }
+
+    pub fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+        self.remove(parent, name, false)
+    }
+
+    pub fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
+        self.remove(parent, name, true)
+    }
+
+    fn remove(&self, parent: u64, name: &[u8], dir: bool) -> Result<()> {
+        check_name(name)?;
+        self.log()?;
+        let mut st = self.state.write();
+        let v = self.view(&st);
+        v.dir_inode(parent)?;
+        match (name, dir) {
+            (b".", true) => return Err(Error::Invalid("rmdir of .")),
+            (b"..", true) => return Err(Error::NotEmpty),
+            (b"." | b"..", false) => return Err(Error::IsDir),
+            _ => {}
+        }
+        let e = v.entry(parent, name)?.ok_or(Error::NotFound)?;
+        let is_dir = e.kind == FileKind::Directory;
+        if dir && !is_dir {
+            return Err(Error::NotDir);
+        }
+        if !dir && is_dir {
+            return Err(Error::IsDir);
+        }
+        if is_dir && !v.is_empty_dir(e.ino)? {
+            return Err(Error::NotEmpty);
+        }
+        let last_link = !is_dir && v.inode(e.ino)?.nlink <= 1;
+        let keep_orphan = last_link && self.opens.lock().get(&e.ino).is_some_and(|n| *n > 0);
+        self.run(
+            &mut st,
+            ops::Op::Unlink {
+                parent,
+                name: name.to_vec(),
+                keep_orphan,
+                time: self.now(),
+            },
+            &[],
+        )
+    }
+
+    pub fn rename(
+        &self,
+        parent: u64,
+        name: &[u8],
+        new_parent: u64,
+        new_name: &[u8],
+        mode: RenameMode,
+    ) -> Result<()> {
+        check_name(name)?;
+        check_name(new_name)?;
+        self.log()?;
+        let mut st = self.state.write();
+        let v = self.view(&st);
+        v.dir_inode(parent)?;
+        v.dir_inode(new_parent)?;
+        if is_dot(name) || is_dot(new_name) {
+            return Err(Error::Invalid("rename of . or .."));
+        }
+        let src = v.entry(parent, name)?.ok_or(Error::NotFound)?;
+        let dst = v.entry(new_parent, new_name)?;
+        if src.kind == FileKind::Directory {
+            self.refuse_move_into_itself(&v, src.ino, new_parent)?;
+        }
+        match (&dst, mode) {
+            (None, RenameMode::Exchange) => return Err(Error::NotFound),
+            (Some(_), RenameMode::NoReplace) => return Err(Error::Exists),
+            (Some(d), RenameMode::Exchange) => {
+                if d.kind == FileKind::Directory {
+                    self.refuse_move_into_itself(&v, d.ino, parent)?;
+                }
+                if d.ino == src.ino {
+                    return Ok(());
+                }
+            }
+            (Some(d), RenameMode::Plain) => {
+                if d.ino == src.ino {
+                    return Ok(());
+                }
+                match (
+                    src.kind == FileKind::Directory,
+                    d.kind == FileKind::Directory,
+                ) {
+                    (true, false) => return Err(Error::NotDir),
+                    (false, true) => return Err(Error::IsDir),
+                    (true, true) if !v.is_empty_dir(d.ino)? => return Err(Error::NotEmpty),
+                    _ => {}
+                }
+            }
+            (None, _) => {}
+        }
+        if src.kind == FileKind::Directory
+            && parent != new_parent
+            && dst.is_none()
+            && v.inode(new_parent)?.nlink >= LINK_MAX
+        {
+            return Err(Error::TooManyLinks);
+        }
+        let op = ops::Op::Rename {
+            parent,
+            name: name.to_vec(),
+            new_parent,
+            new_name: new_name.to_vec(),
+            mode,
+            time: self.now(),
+        };
+        self.run(&mut st, op, &[])
+    }
+
+    /// EINVAL if `dir` is `target` or one of its ancestors.
+    fn refuse_move_into_itself(&self, v: &View, dir: u64, target: u64) -> Result<()> {
+        let mut at = target;
+        for _ in 0..100_000 {
+            if at == dir {
+                return Err(Error::Invalid("directory moved into itself"));
+            }
+            if at == ROOT_INO {
+                return Ok(());
+            }
+            at = v.inode(at)?.parent;
+        }
+        Err(Error::corrupted("directory parent chain", target))
+    }
+
+    // ---- attributes ----
+
+    pub fn setattr(&self, ino: u64, attr: SetAttr) -> Result<Attr> {
+        self.log()?;
+        let mut st = self.state.write();
+        let i = self.view(&st).inode(ino)?;
+        if let Some(size) = attr.size {
+            match i.kind {
+                FileKind::Directory => return Err(Error::IsDir),
+                FileKind::Regular => {}
+                _ => return Err(Error::Invalid("truncate of a special file")),
+            }
+            if size > MAX_FILE_SIZE {
+                return Err(Error::TooBig);
+            }
+            if size > INLINE_MAX {
+                self.spill(&mut st, ino)?;
+            }
+        }
+        let now = self.now();
+        let op = ops::Op::SetAttr {
+            ino,
+            perm: attr.perm.map(|p| p & 0o7777),
+            uid: attr.uid,
+            gid: attr.gid,
+            size: attr.size,
+            atime: resolve(attr.atime, now),
+            mtime: resolve(attr.mtime, now),
+            time: now,
+        };
+        self.run(&mut st, op, &[])?;
+        Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
+    }
+
+    pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+        if name.is_empty() || name.contains(&0) {
+            return Err(Error::Invalid("attribute name"));
+        }
+        if name.len() > XATTR_NAME_MAX {
+            return Err(Error::AttrTooBig);
+        }
+        if value.len() > XATTR_VALUE_MAX {
+            return Err(Error::AttrTooBig);
+        }
+        self.log()?;
+        let mut st = self.state.write();
+        self.view(&st).inode(ino)?;
+        let exists = st.tree.get(&self.nodes, &keys::xattr(ino, name))?.is_some();
+        match flags {
+            XattrFlags::Create if exists => return Err(Error::Exists),
+            XattrFlags::Replace if !exists => return Err(Error::NoAttr),
+            _ => {}
+        }
+        self.run(
+            &mut st,
+            ops::Op::SetXattr {
+                ino,
+                name: name.to_vec(),
+                value: value.to_vec(),
+                time: self.now(),
+            },
+            &[],
+        )
+    }
+
+    pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
+        self.log()?;
+        let mut st = self.state.write();
+        self.view(&st).inode(ino)?;
+        if st.tree.get(&self.nodes, &keys::xattr(ino, name))?.is_none() {
+            return Err(Error::NoAttr);
+        }
+        self.run(
+            &mut st,
+            ops::Op::RemoveXattr {
+                ino,
+                name: name.to_vec(),
+                time: self.now(),
+            },
+            &[],
+        )
+    }
+
+    // ---- data ----
+
+    /// Writes `data` at `off`; returns the bytes written (all of them).
+    pub fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
+        if off
+            .checked_add(data.len() as u64)
+            .is_none_or(|end| end > MAX_FILE_SIZE)
+        {
+            return Err(Error::TooBig);
+        }
+        self.log()?;
+        let mut st = self.state.write();
+        let i = self.view(&st).inode(ino)?;
+        match i.kind {
+            FileKind::Regular => {}
+            FileKind::Directory => return Err(Error::IsDir),
+            _ => return Err(Error::Invalid("write to a special file")),
+        }
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let end = off + data.len() as u64;
+        if end > INLINE_MAX {
+            self.spill(&mut st, ino)?;
+        }
+        let chunk = self.max_write_chunk();
+        let mut at = off;
+        for piece in data.chunks(chunk) {
+            self.run(
+                &mut st,
+                ops::Op::Write {
+                    ino,
+                    off: at,
+                    time: self.now(),
+                },
+                piece,
+            )?;
+            at += piece.len() as u64;
+        }
+        Ok(data.len())
+    }
+
+    /// The largest data payload one record carries.
+    fn max_write_chunk(&self) -> usize {
+        let by_segment = (self.cfg.segment_size / 2) as usize;
+        (1usize << 20)
+            .min(by_segment.saturating_sub(BLOCK_SIZE))
+            .max(BLOCK_SIZE)
+    }
+
+    /// Moves an inline file's bytes into an extent before it grows past the
+    /// inline limit.
+    fn spill(&self, st: &mut State, ino: u64) -> Result<()> {
+        let i = self.view(st).inode(ino)?;
+        match i.inline {
+            Some(bytes) if i.kind == FileKind::Regular => {
+                self.run(st, ops::Op::Spill { ino }, &bytes)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    // ---- handles and durability ----
+
+    /// Notes an open handle on `ino`.
+    pub fn acquire(&self, ino: u64) -> Result<Attr> {
+        let attr = self.getattr(ino)?;
+        *self.opens.lock().entry(ino).or_default() += 1;
+        Ok(attr)
+    }
+
+    /// Drops an open handle; the last close of an unlinked file deletes it.
+    pub fn release(&self, ino: u64) -> Result<()> {
+        let last = {
+            let mut opens = self.opens.lock();
+            match opens.get_mut(&ino) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                Some(_) => {
+                    opens.remove(&ino);
+                    true
+                }
+                None => false,
+            }
+        };
+        if !last || self.cfg.read_only {
+            return Ok(());
+        }
+        let mut st = self.state.write();
+        if self.view(&st).try_inode(ino)?.is_some_and(|i| i.nlink == 0) {
+            self.run(&mut st, ops::Op::DropOrphan { ino }, &[])?;
+        }
+        Ok(())
+    }
+
+    /// Returns once everything done so far is durable. (The log is one
+    /// sequence, so syncing a file's intents syncs all before them too.)
+    pub fn fsync(&self, _ino: u64) -> Result<()> {
+        self.sync_all()
+    }
+
+    pub fn fdatasync(&self, ino: u64) -> Result<()> {
+        self.fsync(ino)
+    }
+
+    pub fn sync_all(&self) -> Result<()> {
+        if self.cfg.read_only {
+            return Ok(());
+        }
+        self.log()?.sync_all()
+    }
+
+    /// Writes the dirty tree and a durable commit record now.
+    pub fn commit(&self) -> Result<()> {
+        if self.cfg.read_only {
+            return Ok(());
+        }
+        let mut st = self.state.write();
+        self.commit_locked(&mut st)
+    }
+
+    fn commit_locked(&self, st: &mut State) -> Result<()> {
+        let log = self.log()?.clone();
+        let res = (|| {
+            let root = st.tree.flush(&self.nodes)?;
+            let rec = CommitRecord {
+                root,
+                next_ino: st.next_ino,
+                covers_seq: log.last_seq(),
+                prev: st.last_commit,
+                time: self.now(),
+            };
+            let meta = crate::format::encode_value(&rec);
+            let app = log.append(
+                crate::format::RecordKind::Commit,
+                &meta,
+                &[],
+                crate::device::failpoints::COMMIT_RECORD,
+            )?;
+            log.sync(app.seq)?;
+            self.nodes
+                .device
+                .failpoint(crate::device::failpoints::SUPERBLOCK)?;
+            self.nodes
+                .device
+                .write_superblock(&Superblock::new(app.addr).encode())?;
+            Ok(app.addr)
+        })();
+        match res {
+            Ok(addr) => {
+                st.last_commit = Some(addr);
+                st.ops_since_commit = 0;
+                Ok(())
+            }
+            Err(e) => Err(self.poison(e)),
+        }
+    }
+
+    /// Commits and stops the background committer.
+    pub fn close(&self) -> Result<()> {
+        self.stop_committer.lock().take();
+        self.commit()
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        self.stop_committer.lock().take();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,65 @@
+//! The tree's node store for a volume: clean nodes come from segments
+//! through the node cache; dirty nodes are appended to the volume's log.
+
+use crate::device::{failpoints, Device};
+use crate::error::{Error, Result};
+use crate::format::{Addr, RecordKind};
+use crate::log::{read_record, Log};
+use crate::tree::{Node, NodeCache, NodeStore};
+use std::sync::{Arc, OnceLock};
+
+pub struct Nodes {
+    pub device: Arc<dyn Device>,
+    pub cache: NodeCache,
+    /// Set once recovery is done; a read-only volume never has one.
+    pub log: OnceLock<Arc<Log>>,
+}
+
+/// Reads and verifies the record at `addr`, which must be of `kind`.
+pub fn read_record_at(
+    device: &dyn Device,
+    addr: Addr,
+    kind: RecordKind,
+) -> Result<crate::log::Record> {
+    let file = device
+        .open_segment(addr.seg)?
+        .ok_or_else(|| Error::corrupted("missing segment", addr))?;
+    let rec =
+        read_record(file.as_ref(), addr.seg, addr.off as u64, addr.end()).map_err(|e| match e {
+            Error::Corrupted { what, .. } => Error::corrupted(what, addr),
+            e => e,
+        })?;
+    if rec.kind != kind || rec.addr != addr {
+        return Err(Error::corrupted("record of the wrong kind", addr));
+    }
+    Ok(rec)
+}
+
+impl NodeStore for Nodes {
+    fn load(&self, addr: Addr) -> Result<Arc<Node>> {
+        if let Some(n) = self.cache.get(&addr) {
+            return Ok(n);
+        }
+        let rec = read_record_at(self.device.as_ref(), addr, RecordKind::Node)?;
+        let node =
+            Arc::new(Node::decode(&rec.meta).map_err(|_| Error::corrupted("tree node", addr))?);
+        self.cache.insert(addr, node.clone());
+        Ok(node)
+    }
+
+    fn write(&self, node: &Node) -> Result<Addr> {
+        let log = self.log.get().ok_or(Error::ReadOnly)?;
+        Ok(log
+            .append(
+                RecordKind::Node,
+                &node.encode()?,
+                &[],
+                failpoints::NODE_WRITE,
+            )?
+            .addr)
+    }
+
+    fn cache(&self, addr: Addr, node: Arc<Node>) {
+        self.cache.insert(addr, node);
+    }
+}

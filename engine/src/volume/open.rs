@@ -1,0 +1,198 @@
+//! Opening a volume: load the newest commit, replay the intents after it,
+//! cut a torn tail, start a new writer epoch, and commit.
+
+use super::commit::{CommitRecord, Superblock};
+use super::nodes::{read_record_at, Nodes};
+use super::ops::{self, Op};
+use super::txn::{Reads, Txn};
+use super::{keys, Config, State, Volume, ROOT_INO};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::format::{decode_value, RecordKind};
+use crate::log::{Cursor, Log, Next};
+use crate::tree::{NodeCache, Tree};
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc, OnceLock, Weak};
+
+/// What recovery found.
+#[derive(Debug, Default, Clone)]
+pub struct Recovery {
+    pub replayed: u64,
+    pub torn_at: Option<String>,
+}
+
+impl Volume {
+    /// Opens (or, on an empty device, creates) a volume.
+    pub fn open(device: Arc<dyn Device>, cfg: Config) -> Result<Arc<Volume>> {
+        Self::open_with_report(device, cfg).map(|(v, _)| v)
+    }
+
+    pub fn open_with_report(
+        device: Arc<dyn Device>,
+        cfg: Config,
+    ) -> Result<(Arc<Volume>, Recovery)> {
+        let nodes = Nodes {
+            device: device.clone(),
+            cache: NodeCache::new(cfg.node_cache_bytes),
+            log: OnceLock::new(),
+        };
+        let mut st = State {
+            tree: Tree::new(),
+            next_ino: ROOT_INO + 1,
+            ops_since_commit: 0,
+            last_commit: None,
+        };
+        let mut report = Recovery::default();
+        let superblock = device
+            .read_superblock()?
+            .map(|b| Superblock::decode(&b))
+            .transpose()?;
+        let mut last_seq = 0;
+        if let Some(sb) = &superblock {
+            last_seq = replay(&nodes, &mut st, sb, cfg.read_only, &mut report)?;
+        } else if cfg.read_only {
+            return Err(Error::NotFound);
+        }
+        let vol = Volume {
+            state: RwLock::new(st),
+            nodes,
+            cfg,
+            opens: Mutex::new(HashMap::new()),
+            poisoned: AtomicBool::new(false),
+            stop_committer: Mutex::new(None),
+        };
+        if !vol.cfg.read_only {
+            let writer = fresh_writer(device.as_ref(), vol.cfg.env.as_ref())?;
+            let log = Log::create(device.clone(), writer, last_seq + 1, vol.cfg.segment_size)?;
+            let _ = vol.nodes.log.set(Arc::new(log));
+            let mut st = vol.state.write();
+            if superblock.is_none() {
+                let op = Op::InitRoot {
+                    perm: 0o755,
+                    uid: vol.cfg.root_uid,
+                    gid: vol.cfg.root_gid,
+                    time: vol.now(),
+                };
+                vol.run(&mut st, op, &[])?;
+            }
+            let orphans = Txn {
+                tree: &mut st.tree,
+                store: &vol.nodes,
+            }
+            .keys_with_prefix(&[keys::ORPHAN])?;
+            for k in orphans {
+                vol.run(
+                    &mut st,
+                    Op::DropOrphan {
+                        ino: keys::leading_u64(&k),
+                    },
+                    &[],
+                )?;
+            }
+            vol.commit_locked(&mut st)?;
+        }
+        let vol = Arc::new(vol);
+        if let (Some(every), false) = (vol.cfg.commit_interval, vol.cfg.read_only) {
+            let (tx, rx) = mpsc::channel();
+            *vol.stop_committer.lock() = Some(tx);
+            spawn_committer(Arc::downgrade(&vol), rx, every)?;
+        }
+        Ok((vol, report))
+    }
+}
+
+/// Loads the superblock's commit and replays every intent after it.
+/// Returns the last sequence number seen.
+fn replay(
+    nodes: &Nodes,
+    st: &mut State,
+    sb: &Superblock,
+    read_only: bool,
+    report: &mut Recovery,
+) -> Result<u64> {
+    let device = nodes.device.clone();
+    let rec = read_record_at(device.as_ref(), sb.commit, RecordKind::Commit)?;
+    let commit: CommitRecord = decode_value(&rec.meta, "commit record")
+        .map_err(|_| Error::corrupted("commit record", sb.commit))?;
+    st.tree = Tree::from_root(commit.root);
+    st.next_ino = commit.next_ino;
+    st.last_commit = Some(sb.commit);
+    let mut last_seq = rec.seq;
+    let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?;
+    loop {
+        match cursor.next_record()? {
+            Next::Record(r) => {
+                last_seq = r.seq;
+                if r.kind != RecordKind::Intent {
+                    continue;
+                }
+                let op: Op = decode_value(&r.meta, "intent")
+                    .map_err(|_| Error::corrupted("intent", r.addr))?;
+                let data = ops::Data {
+                    addr: r.data_addr,
+                    crcs: &r.crcs,
+                    bytes: &r.data,
+                };
+                let mut tx = Txn {
+                    tree: &mut st.tree,
+                    store: nodes,
+                };
+                ops::apply(&mut tx, &op, &data, &mut st.next_ino)?;
+                st.ops_since_commit += 1;
+                report.replayed += 1;
+            }
+            Next::End => break,
+            Next::Torn(seg, off, why) => {
+                tracing::warn!(%seg, off, %why, "log ends in a torn or corrupt record; cutting it off");
+                report.torn_at = Some(format!("{seg}@{off}: {why}"));
+                if !read_only {
+                    if let Some(f) = device.open_segment(seg)? {
+                        f.truncate(off)?;
+                    }
+                }
+                break;
+            }
+        }
+    }
+    Ok(last_seq)
+}
+
+/// A writer id no segment on this device uses yet.
+fn fresh_writer(device: &dyn Device, env: &dyn crate::env::Env) -> Result<u64> {
+    let taken: std::collections::HashSet<u64> = device
+        .list_segments()?
+        .into_iter()
+        .map(|s| s.writer)
+        .collect();
+    for _ in 0..64 {
+        let w = env.random_u64();
+        if w != 0 && !taken.contains(&w) {
+            return Ok(w);
+        }
+    }
+    Err(Error::Invalid("could not pick a fresh writer id"))
+}
+
+fn spawn_committer(
+    vol: Weak<Volume>,
+    stop: mpsc::Receiver<()>,
+    every: std::time::Duration,
+) -> Result<()> {
+    std::thread::Builder::new()
+        .name("arbor-commit".into())
+        .spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(every) {
+                let Some(vol) = vol.upgrade() else { return };
+                let dirty = vol.state.read().ops_since_commit > 0;
+                if dirty && !vol.is_poisoned() {
+                    if let Err(e) = vol.commit() {
+                        tracing::error!(error = %e, "background commit failed");
+                    }
+                }
+            }
+        })
+        .map(|_| ())
+        .map_err(Error::Io)
+}

@@ -1,0 +1,420 @@
+//! Intents: fully resolved operations, logged before they are applied.
+//!
+//! [`apply`] is the only code that changes a tree, and it runs both for a
+//! live operation and when recovery replays the log, so the recovered state
+//! is by construction the live state after the same prefix of intents.
+//! Validation happens before an intent is logged; `apply` assumes it passed.
+
+use super::keys;
+use super::txn::{Reads, Txn};
+use super::types::*;
+use crate::env::Timestamp;
+use crate::error::{Error, Result};
+use crate::format::{encode_value, Addr};
+
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub enum Op {
+    InitRoot {
+        perm: u16,
+        uid: u32,
+        gid: u32,
+        time: Timestamp,
+    },
+    Create {
+        parent: u64,
+        name: Vec<u8>,
+        ino: u64,
+        kind: FileKind,
+        perm: u16,
+        uid: u32,
+        gid: u32,
+        rdev: u32,
+        target: Option<Vec<u8>>,
+        time: Timestamp,
+    },
+    Link {
+        ino: u64,
+        parent: u64,
+        name: Vec<u8>,
+        time: Timestamp,
+    },
+    /// Removes a name (of a file, or of an empty directory).
+    Unlink {
+        parent: u64,
+        name: Vec<u8>,
+        keep_orphan: bool,
+        time: Timestamp,
+    },
+    Rename {
+        parent: u64,
+        name: Vec<u8>,
+        new_parent: u64,
+        new_name: Vec<u8>,
+        mode: RenameMode,
+        time: Timestamp,
+    },
+    SetAttr {
+        ino: u64,
+        perm: Option<u16>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<Timestamp>,
+        mtime: Option<Timestamp>,
+        time: Timestamp,
+    },
+    /// Writes the record's data bytes at `off`.
+    Write { ino: u64, off: u64, time: Timestamp },
+    /// Moves an inline file's bytes (the record's data) into an extent.
+    Spill { ino: u64 },
+    SetXattr {
+        ino: u64,
+        name: Vec<u8>,
+        value: Vec<u8>,
+        time: Timestamp,
+    },
+    RemoveXattr {
+        ino: u64,
+        name: Vec<u8>,
+        time: Timestamp,
+    },
+    /// Deletes an unlinked inode once its last user closed it.
+    DropOrphan { ino: u64 },
+}
+
+/// The data bytes an intent carries, and where they live in the log.
+pub struct Data<'a> {
+    pub addr: Addr,
+    pub crcs: &'a [u32],
+    pub bytes: &'a [u8],
+}
+
+fn touch(i: &mut Inode, t: Timestamp) {
+    i.mtime = t;
+    i.ctime = t;
+}
+
+/// Applies one validated intent. `next_ino` tracks the highest inode used.
+pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<()> {
+    match op {
+        Op::InitRoot {
+            perm,
+            uid,
+            gid,
+            time,
+        } => {
+            let root = new_inode(
+                FileKind::Directory,
+                *perm,
+                *uid,
+                *gid,
+                0,
+                ROOT_INO,
+                None,
+                *time,
+            );
+            tx.put_inode(ROOT_INO, &root)
+        }
+        Op::Create {
+            parent,
+            name,
+            ino,
+            kind,
+            perm,
+            uid,
+            gid,
+            rdev,
+            target,
+            time,
+        } => {
+            let mut p = tx.inode(*parent)?;
+            let node = new_inode(
+                *kind,
+                *perm,
+                *uid,
+                *gid,
+                *rdev,
+                *parent,
+                target.clone(),
+                *time,
+            );
+            tx.add_entry(&mut p, *parent, name, *ino, *kind)?;
+            if *kind == FileKind::Directory {
+                p.nlink += 1;
+            }
+            touch(&mut p, *time);
+            tx.put_inode(*parent, &p)?;
+            tx.put_inode(*ino, &node)?;
+            *next_ino = (*next_ino).max(ino + 1);
+            Ok(())
+        }
+        Op::Link {
+            ino,
+            parent,
+            name,
+            time,
+        } => {
+            let mut i = tx.inode(*ino)?;
+            let mut p = tx.inode(*parent)?;
+            tx.add_entry(&mut p, *parent, name, *ino, i.kind)?;
+            touch(&mut p, *time);
+            tx.put_inode(*parent, &p)?;
+            i.nlink += 1;
+            i.ctime = *time;
+            tx.put_inode(*ino, &i)
+        }
+        Op::Unlink {
+            parent,
+            name,
+            keep_orphan,
+            time,
+        } => {
+            let e = tx.remove_entry(*parent, name)?.ok_or(Error::NotFound)?;
+            let mut p = tx.inode(*parent)?;
+            touch(&mut p, *time);
+            if e.kind == FileKind::Directory {
+                p.nlink -= 1;
+            }
+            tx.put_inode(*parent, &p)?;
+            drop_link(tx, e.ino, *keep_orphan, *time)
+        }
+        Op::Rename {
+            parent,
+            name,
+            new_parent,
+            new_name,
+            mode,
+            time,
+        } => apply_rename(tx, *parent, name, *new_parent, new_name, *mode, *time),
+        Op::SetAttr {
+            ino,
+            perm,
+            uid,
+            gid,
+            size,
+            atime,
+            mtime,
+            time,
+        } => {
+            let mut i = tx.inode(*ino)?;
+            if let Some(p) = perm {
+                i.perm = *p;
+            }
+            if let Some(u) = uid {
+                i.uid = *u;
+            }
+            if let Some(g) = gid {
+                i.gid = *g;
+            }
+            if let Some(a) = atime {
+                i.atime = *a;
+            }
+            if let Some(m) = mtime {
+                i.mtime = *m;
+            }
+            if let Some(size) = size {
+                resize(tx, *ino, &mut i, *size)?;
+                if mtime.is_none() {
+                    i.mtime = *time;
+                }
+            }
+            i.ctime = *time;
+            tx.put_inode(*ino, &i)
+        }
+        Op::Write { ino, off, time } => {
+            let mut i = tx.inode(*ino)?;
+            let end = off + data.bytes.len() as u64;
+            match &mut i.inline {
+                Some(buf) if end <= INLINE_MAX => {
+                    if (buf.len() as u64) < end {
+                        buf.resize(end as usize, 0);
+                    }
+                    buf[*off as usize..end as usize].copy_from_slice(data.bytes);
+                }
+                _ => {
+                    i.inline = None;
+                    i.allocated -= tx.punch(*ino, *off, end)?;
+                    let e = Extent {
+                        data: data.addr,
+                        rec_off: 0,
+                        len: data.bytes.len() as u32,
+                        crcs: data.crcs.to_vec(),
+                    };
+                    tx.put(keys::extent(*ino, end), encode_value(&e))?;
+                    i.allocated += e.len as u64;
+                }
+            }
+            i.size = i.size.max(end);
+            touch(&mut i, *time);
+            tx.put_inode(*ino, &i)
+        }
+        Op::Spill { ino } => {
+            let mut i = tx.inode(*ino)?;
+            i.inline = None;
+            if !data.bytes.is_empty() {
+                let e = Extent {
+                    data: data.addr,
+                    rec_off: 0,
+                    len: data.bytes.len() as u32,
+                    crcs: data.crcs.to_vec(),
+                };
+                tx.put(keys::extent(*ino, e.len as u64), encode_value(&e))?;
+                i.allocated += e.len as u64;
+            }
+            tx.put_inode(*ino, &i)
+        }
+        Op::SetXattr {
+            ino,
+            name,
+            value,
+            time,
+        } => {
+            let mut i = tx.inode(*ino)?;
+            tx.put(keys::xattr(*ino, name), value.clone())?;
+            i.ctime = *time;
+            tx.put_inode(*ino, &i)
+        }
+        Op::RemoveXattr { ino, name, time } => {
+            let mut i = tx.inode(*ino)?;
+            tx.del(&keys::xattr(*ino, name))?;
+            i.ctime = *time;
+            tx.put_inode(*ino, &i)
+        }
+        Op::DropOrphan { ino } => match tx.try_inode(*ino)? {
+            Some(i) if i.nlink == 0 => tx.delete_inode(*ino),
+            _ => tx.del(&keys::orphan(*ino)),
+        },
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn new_inode(
+    kind: FileKind,
+    perm: u16,
+    uid: u32,
+    gid: u32,
+    rdev: u32,
+    parent: u64,
+    target: Option<Vec<u8>>,
+    t: Timestamp,
+) -> Inode {
+    let is_dir = kind == FileKind::Directory;
+    let inline = match kind {
+        FileKind::Regular => Some(Vec::new()),
+        FileKind::Symlink => target,
+        _ => None,
+    };
+    Inode {
+        kind,
+        perm,
+        uid,
+        gid,
+        size: inline.as_ref().map_or(0, |d| d.len() as u64),
+        nlink: if is_dir { 2 } else { 1 },
+        atime: t,
+        mtime: t,
+        ctime: t,
+        crtime: t,
+        rdev,
+        parent,
+        next_cookie: FIRST_COOKIE,
+        allocated: 0,
+        inline,
+    }
+}
+
+/// One name of `ino` is gone: a directory goes at once; a file when its
+/// last link goes, unless it is still open (then it becomes an orphan).
+fn drop_link(tx: &mut Txn, ino: u64, keep_orphan: bool, time: Timestamp) -> Result<()> {
+    let mut i = tx.inode(ino)?;
+    if i.kind == FileKind::Directory {
+        return tx.delete_inode(ino);
+    }
+    i.nlink = i.nlink.saturating_sub(1);
+    i.ctime = time;
+    if i.nlink > 0 {
+        return tx.put_inode(ino, &i);
+    }
+    if keep_orphan {
+        tx.put(keys::orphan(ino), Vec::new())?;
+        return tx.put_inode(ino, &i);
+    }
+    tx.delete_inode(ino)
+}
+
+fn resize(tx: &mut Txn, ino: u64, i: &mut Inode, size: u64) -> Result<()> {
+    match &mut i.inline {
+        Some(buf) if size <= INLINE_MAX => buf.resize(size as usize, 0),
+        _ => {
+            i.inline = None;
+            if size < i.size {
+                i.allocated -= tx.punch(ino, size, u64::MAX)?;
+            }
+        }
+    }
+    i.size = size;
+    Ok(())
+}
+
+fn apply_rename(
+    tx: &mut Txn,
+    parent: u64,
+    name: &[u8],
+    new_parent: u64,
+    new_name: &[u8],
+    mode: RenameMode,
+    time: Timestamp,
+) -> Result<()> {
+    let src = tx.remove_entry(parent, name)?.ok_or(Error::NotFound)?;
+    let dst = tx.remove_entry(new_parent, new_name)?;
+    let mut moved = vec![(src.clone(), parent, new_parent, new_name.to_vec())];
+    if let Some(d) = &dst {
+        match mode {
+            RenameMode::Exchange => moved.push((d.clone(), new_parent, parent, name.to_vec())),
+            _ => drop_link(tx, d.ino, false, time)?,
+        }
+    }
+    // Directory link counts: a directory leaving a parent takes one link with it.
+    let dirs_out = |p: u64| {
+        moved
+            .iter()
+            .filter(|(e, from, _, _)| e.kind == FileKind::Directory && *from == p)
+            .count() as i64
+    };
+    let dirs_in = |p: u64| {
+        moved
+            .iter()
+            .filter(|(e, _, to, _)| e.kind == FileKind::Directory && *to == p)
+            .count() as i64
+    };
+    let replaced_dir =
+        dst.as_ref().is_some_and(|d| d.kind == FileKind::Directory) && mode != RenameMode::Exchange;
+    let mut parents = vec![parent];
+    if new_parent != parent {
+        parents.push(new_parent);
+    }
+    for p in parents {
+        let mut pi = tx.inode(p)?;
+        let mut delta = dirs_in(p) - dirs_out(p);
+        if replaced_dir && p == new_parent {
+            delta -= 1;
+        }
+        pi.nlink = (pi.nlink as i64 + delta) as u32;
+        touch(&mut pi, time);
+        for (e, _, to, to_name) in &moved {
+            if *to == p {
+                tx.add_entry(&mut pi, p, to_name, e.ino, e.kind)?;
+            }
+        }
+        tx.put_inode(p, &pi)?;
+    }
+    for (e, _, to, _) in &moved {
+        let mut i = tx.inode(e.ino)?;
+        i.ctime = time;
+        if e.kind == FileKind::Directory {
+            i.parent = *to;
+        }
+        tx.put_inode(e.ino, &i)?;
+    }
+    Ok(())
+}

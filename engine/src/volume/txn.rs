@@ -1,0 +1,198 @@
+//! Typed access to one tree: inodes, entries, extents. Used by validation
+//! (read-only) and by `apply` (read-write).
+
+use super::keys;
+use super::types::*;
+use crate::error::{Error, Result};
+use crate::format::{decode_value, encode_value};
+use crate::tree::{NodeStore, Tree};
+
+pub struct View<'a> {
+    pub tree: &'a Tree,
+    pub store: &'a dyn NodeStore,
+}
+
+pub struct Txn<'a> {
+    pub tree: &'a mut Tree,
+    pub store: &'a dyn NodeStore,
+}
+
+/// Reads shared by [`View`] and [`Txn`].
+pub trait Reads {
+    fn tree(&self) -> &Tree;
+    fn store(&self) -> &dyn NodeStore;
+
+    fn inode(&self, ino: u64) -> Result<Inode> {
+        self.try_inode(ino)?.ok_or(Error::NotFound)
+    }
+
+    fn try_inode(&self, ino: u64) -> Result<Option<Inode>> {
+        match self.tree().get(self.store(), &keys::inode(ino))? {
+            Some(v) => Ok(Some(decode_value(&v, "inode")?)),
+            None => Ok(None),
+        }
+    }
+
+    fn dir_inode(&self, ino: u64) -> Result<Inode> {
+        let i = self.inode(ino)?;
+        if i.kind != FileKind::Directory {
+            return Err(Error::NotDir);
+        }
+        Ok(i)
+    }
+
+    fn entry(&self, parent: u64, name: &[u8]) -> Result<Option<DirEntry>> {
+        match self.tree().get(self.store(), &keys::dirent(parent, name))? {
+            Some(v) => Ok(Some(decode_value(&v, "directory entry")?)),
+            None => Ok(None),
+        }
+    }
+
+    fn is_empty_dir(&self, ino: u64) -> Result<bool> {
+        let prefix = keys::dirent_prefix(ino);
+        Ok(!self
+            .tree()
+            .first_from(self.store(), &prefix)?
+            .is_some_and(|(k, _)| k.starts_with(&prefix)))
+    }
+
+    /// Extents of `ino` overlapping `[start, end)`, as `(file offset, extent)`.
+    fn extents(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
+        let prefix = keys::extent_prefix(ino);
+        let mut out = Vec::new();
+        self.tree().scan(
+            self.store(),
+            &keys::extent(ino, start.saturating_add(1)),
+            &mut |k, v| {
+                if !k.starts_with(&prefix) {
+                    return Ok(false);
+                }
+                let e: Extent = decode_value(v, "extent")?;
+                let ext_end = keys::trailing_u64(k);
+                let ext_start = ext_end.saturating_sub(e.len as u64);
+                if ext_start >= end {
+                    return Ok(false);
+                }
+                out.push((ext_start, e));
+                Ok(true)
+            },
+        )?;
+        Ok(out)
+    }
+
+    /// Keys of `prefix`, in order.
+    fn keys_with_prefix(&self, prefix: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut out = Vec::new();
+        self.tree().scan(self.store(), prefix, &mut |k, _| {
+            if !k.starts_with(prefix) {
+                return Ok(false);
+            }
+            out.push(k.to_vec());
+            Ok(true)
+        })?;
+        Ok(out)
+    }
+}
+
+impl Reads for View<'_> {
+    fn tree(&self) -> &Tree {
+        self.tree
+    }
+    fn store(&self) -> &dyn NodeStore {
+        self.store
+    }
+}
+
+impl Reads for Txn<'_> {
+    fn tree(&self) -> &Tree {
+        self.tree
+    }
+    fn store(&self) -> &dyn NodeStore {
+        self.store
+    }
+}
+
+impl Txn<'_> {
+    pub fn put_inode(&mut self, ino: u64, i: &Inode) -> Result<()> {
+        self.tree
+            .insert(self.store, keys::inode(ino), encode_value(i))?;
+        Ok(())
+    }
+
+    pub fn put(&mut self, key: Vec<u8>, val: Vec<u8>) -> Result<()> {
+        self.tree.insert(self.store, key, val)?;
+        Ok(())
+    }
+
+    pub fn del(&mut self, key: &[u8]) -> Result<()> {
+        self.tree.remove(self.store, key)?;
+        Ok(())
+    }
+
+    pub fn add_entry(
+        &mut self,
+        parent: &mut Inode,
+        parent_ino: u64,
+        name: &[u8],
+        ino: u64,
+        kind: FileKind,
+    ) -> Result<()> {
+        let cookie = parent.next_cookie;
+        parent.next_cookie += 1;
+        self.put(
+            keys::dirent(parent_ino, name),
+            encode_value(&DirEntry { ino, kind, cookie }),
+        )?;
+        self.put(
+            keys::cookie(parent_ino, cookie),
+            encode_value(&CookieEntry {
+                ino,
+                kind,
+                name: name.to_vec(),
+            }),
+        )
+    }
+
+    pub fn remove_entry(&mut self, parent_ino: u64, name: &[u8]) -> Result<Option<DirEntry>> {
+        let Some(e) = self.entry(parent_ino, name)? else {
+            return Ok(None);
+        };
+        self.del(&keys::dirent(parent_ino, name))?;
+        self.del(&keys::cookie(parent_ino, e.cookie))?;
+        Ok(Some(e))
+    }
+
+    /// Drops every extent byte in `[start, end)`, keeping the parts of
+    /// extents outside it. Returns the bytes dropped.
+    pub fn punch(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
+        let mut dropped = 0;
+        for (ext_start, e) in self.extents(ino, start, end)? {
+            let ext_end = ext_start + e.len as u64;
+            self.del(&keys::extent(ino, ext_end))?;
+            let mut kept = 0;
+            if ext_start < start {
+                let left = e.slice(0, (start - ext_start) as u32);
+                kept += left.len as u64;
+                self.put(keys::extent(ino, start), encode_value(&left))?;
+            }
+            if ext_end > end {
+                let right = e.slice((end - ext_start) as u32, e.len);
+                kept += right.len as u64;
+                self.put(keys::extent(ino, ext_end), encode_value(&right))?;
+            }
+            dropped += e.len as u64 - kept;
+        }
+        Ok(dropped)
+    }
+
+    /// Removes an inode with everything it owns.
+    pub fn delete_inode(&mut self, ino: u64) -> Result<()> {
+        for prefix in [keys::extent_prefix(ino), keys::xattr_prefix(ino)] {
+            for k in self.keys_with_prefix(&prefix)? {
+                self.del(&k)?;
+            }
+        }
+        self.del(&keys::orphan(ino))?;
+        self.del(&keys::inode(ino))
+    }
+}

@@ -1,0 +1,282 @@
+//! The values stored in the tree and the types of the Volume API.
+
+use crate::env::Timestamp;
+use crate::format::{Addr, BLOCK_SIZE};
+
+/// Largest file size: 16 TiB, as on ext4 with 4 KiB blocks.
+pub const MAX_FILE_SIZE: u64 = 1 << 44;
+/// Files up to this size keep their bytes inside the inode.
+pub const INLINE_MAX: u64 = 2048;
+pub const NAME_MAX: usize = 255;
+pub const XATTR_NAME_MAX: usize = 255;
+pub const XATTR_VALUE_MAX: usize = 64 << 10;
+pub const LINK_MAX: u32 = 65_000;
+pub const ROOT_INO: u64 = 1;
+/// Readdir offsets 1 and 2 are "." and ".."; entries count from here.
+pub const FIRST_COOKIE: u64 = 3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub enum FileKind {
+    Regular,
+    Directory,
+    Symlink,
+    Fifo,
+    Socket,
+    CharDevice,
+    BlockDevice,
+}
+
+impl FileKind {
+    pub fn from_mode(mode: u32) -> Option<FileKind> {
+        Some(match mode & libc::S_IFMT {
+            libc::S_IFREG | 0 => FileKind::Regular,
+            libc::S_IFDIR => FileKind::Directory,
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFIFO => FileKind::Fifo,
+            libc::S_IFSOCK => FileKind::Socket,
+            libc::S_IFCHR => FileKind::CharDevice,
+            libc::S_IFBLK => FileKind::BlockDevice,
+            _ => return None,
+        })
+    }
+
+    pub fn mode_bits(self) -> u32 {
+        match self {
+            FileKind::Regular => libc::S_IFREG,
+            FileKind::Directory => libc::S_IFDIR,
+            FileKind::Symlink => libc::S_IFLNK,
+            FileKind::Fifo => libc::S_IFIFO,
+            FileKind::Socket => libc::S_IFSOCK,
+            FileKind::CharDevice => libc::S_IFCHR,
+            FileKind::BlockDevice => libc::S_IFBLK,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub struct Inode {
+    pub kind: FileKind,
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    pub nlink: u32,
+    pub atime: Timestamp,
+    pub mtime: Timestamp,
+    pub ctime: Timestamp,
+    pub crtime: Timestamp,
+    pub rdev: u32,
+    /// A directory's parent (for "..", and to refuse moving a directory into itself).
+    pub parent: u64,
+    /// A directory's next readdir cookie.
+    pub next_cookie: u64,
+    /// Bytes held in extents.
+    pub allocated: u64,
+    /// A small file's bytes (always `size` long), or a symlink's target.
+    pub inline: Option<Vec<u8>>,
+}
+
+/// `D parent name` → the child.
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub struct DirEntry {
+    pub ino: u64,
+    pub kind: FileKind,
+    pub cookie: u64,
+}
+
+/// `R parent cookie` → the entry, in listing order.
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub struct CookieEntry {
+    pub ino: u64,
+    pub kind: FileKind,
+    pub name: Vec<u8>,
+}
+
+/// `E ino end` → `len` file bytes ending at `end`, stored at
+/// `data.off + rec_off` in a write record whose data blocks have `crcs`
+/// (only the blocks this extent touches).
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub struct Extent {
+    pub data: Addr,
+    pub rec_off: u32,
+    pub len: u32,
+    pub crcs: Vec<u32>,
+}
+
+impl Extent {
+    fn first_block(&self) -> usize {
+        self.rec_off as usize / BLOCK_SIZE
+    }
+
+    /// The crc of data block `block` (counted from the record's data start).
+    pub fn crc_of(&self, block: usize) -> Option<u32> {
+        block
+            .checked_sub(self.first_block())
+            .and_then(|i| self.crcs.get(i))
+            .copied()
+    }
+
+    /// The part of this extent from `from` to `to` (offsets within it).
+    pub fn slice(&self, from: u32, to: u32) -> Extent {
+        let rec_off = self.rec_off + from;
+        let first = rec_off as usize / BLOCK_SIZE;
+        let last = (rec_off + (to - from)).saturating_sub(1) as usize / BLOCK_SIZE;
+        let skip = first - self.first_block();
+        let crcs = self
+            .crcs
+            .iter()
+            .skip(skip)
+            .take(last + 1 - first)
+            .copied()
+            .collect();
+        Extent {
+            data: self.data,
+            rec_off,
+            len: to - from,
+            crcs,
+        }
+    }
+}
+
+/// What `getattr` returns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attr {
+    pub ino: u64,
+    pub kind: FileKind,
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    pub blocks: u64,
+    pub atime: Timestamp,
+    pub mtime: Timestamp,
+    pub ctime: Timestamp,
+    pub crtime: Timestamp,
+    pub rdev: u32,
+    pub blksize: u32,
+}
+
+impl Attr {
+    pub fn from_inode(ino: u64, i: &Inode) -> Attr {
+        let bytes = i.allocated + i.inline.as_ref().map_or(0, |d| d.len() as u64);
+        Attr {
+            ino,
+            kind: i.kind,
+            perm: i.perm,
+            nlink: i.nlink,
+            uid: i.uid,
+            gid: i.gid,
+            size: i.size,
+            blocks: bytes.div_ceil(512),
+            atime: i.atime,
+            mtime: i.mtime,
+            ctime: i.ctime,
+            crtime: i.crtime,
+            rdev: i.rdev,
+            blksize: BLOCK_SIZE as u32,
+        }
+    }
+
+    pub fn mode(&self) -> u32 {
+        self.kind.mode_bits() | self.perm as u32
+    }
+}
+
+/// A time to set: the volume's clock, or a given time.
+#[derive(Clone, Copy, Debug)]
+pub enum TimeSet {
+    Now,
+    At(Timestamp),
+}
+
+/// `setattr` arguments; `None` leaves a field alone.
+#[derive(Clone, Debug, Default)]
+pub struct SetAttr {
+    pub perm: Option<u16>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<TimeSet>,
+    pub mtime: Option<TimeSet>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub enum RenameMode {
+    /// Replace the target if there is one.
+    Plain,
+    /// Fail with EEXIST if the target exists.
+    NoReplace,
+    /// Swap source and target, which must both exist.
+    Exchange,
+}
+
+/// One listed directory entry; `offset` resumes the listing after it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DirEntryOut {
+    pub ino: u64,
+    pub kind: FileKind,
+    pub name: Vec<u8>,
+    pub offset: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+}
+
+/// How `setxattr` treats an existing attribute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum XattrFlags {
+    #[default]
+    Any,
+    /// Fail with EEXIST if it exists.
+    Create,
+    /// Fail with ENODATA if it does not.
+    Replace,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slicing_an_extent_keeps_the_crcs_of_the_blocks_it_touches() {
+        let e = Extent {
+            data: Addr::default(),
+            rec_off: 0,
+            len: 10_000,
+            crcs: vec![1, 2, 3],
+        };
+        let mid = e.slice(5000, 9000);
+        assert_eq!(
+            (mid.rec_off, mid.len, mid.crcs.clone()),
+            (5000, 4000, vec![2, 3])
+        );
+        assert_eq!(mid.crc_of(1), Some(2));
+        assert_eq!(mid.crc_of(0), None);
+        let inner = mid.slice(100, 200);
+        assert_eq!((inner.rec_off, inner.crcs), (5100, vec![2]));
+    }
+
+    #[test]
+    fn kinds_round_trip_through_mode_bits() {
+        for k in [
+            FileKind::Regular,
+            FileKind::Directory,
+            FileKind::Symlink,
+            FileKind::Fifo,
+            FileKind::Socket,
+            FileKind::CharDevice,
+            FileKind::BlockDevice,
+        ] {
+            assert_eq!(FileKind::from_mode(k.mode_bits() | 0o644), Some(k));
+        }
+    }
+}
