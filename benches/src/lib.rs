@@ -1,1 +1,84 @@
+//! Shared helpers for arbor's comparison harnesses: timing, medians,
+//! percentiles, and a markdown table.
 
+use std::time::{Duration, Instant};
+
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    match xs.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => xs[n / 2],
+        n => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
+    }
+}
+
+/// The `p`-th percentile (0..=100) of durations, in microseconds.
+pub fn percentile_us(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}
+
+pub fn time<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let t = Instant::now();
+    let out = f();
+    (out, t.elapsed())
+}
+
+/// Drops the page cache (root only); returns whether it could.
+pub fn drop_page_cache() -> bool {
+    // SAFETY: plain syscall.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+/// A small deterministic generator for offsets.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+pub struct Row {
+    pub name: String,
+    pub baseline: String,
+    pub arbor: String,
+    pub ratio: f64,
+    pub target: String,
+}
+
+pub fn print_table(title: &str, rows: &[Row]) {
+    println!("\n### {title}\n");
+    println!("| workload | baseline | arbor | ratio | target |");
+    println!("| --- | ---: | ---: | ---: | --- |");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {:.2}× | {} |",
+            r.name, r.baseline, r.arbor, r.ratio, r.target
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_and_percentiles() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        let d: Vec<Duration> = (1..=100).map(Duration::from_micros).collect();
+        assert_eq!(percentile_us(&d, 50.0).round(), 51.0);
+        assert_eq!(percentile_us(&d, 99.0).round(), 99.0);
+    }
+}

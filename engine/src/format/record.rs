@@ -50,13 +50,20 @@ pub struct RecordHeader {
     pub meta_len: U32,
     pub seq: U64,
     pub crc: U32,
-    pub reserved: U32,
+    /// Zero bytes between the metadata and the crc table, so that a large
+    /// write's data starts on a 4 KiB boundary of the segment file.
+    pub pad: U32,
 }
 
 const _: () = assert!(std::mem::size_of::<RecordHeader>() == HEADER_LEN);
 
 impl RecordHeader {
     pub fn new(kind: RecordKind, seq: u64, meta: &[u8], data_len: usize) -> Self {
+        Self::with_pad(kind, seq, meta, data_len, 0)
+    }
+
+    /// `meta` here is the whole metadata region, padding included.
+    pub fn with_pad(kind: RecordKind, seq: u64, meta: &[u8], data_len: usize, pad: u32) -> Self {
         let mut h = RecordHeader {
             magic: MAGIC.into(),
             version: FORMAT_VERSION.into(),
@@ -66,7 +73,7 @@ impl RecordHeader {
             meta_len: (meta.len() as u32).into(),
             seq: seq.into(),
             crc: 0.into(),
-            reserved: 0.into(),
+            pad: pad.into(),
         };
         h.crc = h.compute_crc(meta).into();
         h
@@ -103,6 +110,9 @@ impl RecordHeader {
         (self.payload_len.get() - self.meta_len.get()) as usize
     }
 }
+
+/// Data writes at least this large get their data block-aligned in the segment.
+pub const ALIGN_DATA_MIN: usize = 32 << 10;
 
 /// The crc32c of each `BLOCK_SIZE` block of `data` (the last may be short).
 pub fn block_crcs(data: &[u8]) -> Vec<u32> {

@@ -10,7 +10,7 @@ use super::txn::{Reads, Txn};
 use super::types::*;
 use crate::env::Timestamp;
 use crate::error::{Error, Result};
-use crate::format::{encode_value, Addr};
+use crate::format::Addr;
 
 #[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
 pub enum Op {
@@ -240,7 +240,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
                         len: data.bytes.len() as u32,
                         crcs: data.crcs.to_vec(),
                     };
-                    tx.put(keys::extent(*ino, end), encode_value(&e))?;
+                    tx.put(keys::extent(*ino, end), e.encode())?;
                     i.allocated += e.len as u64;
                 }
             }
@@ -258,7 +258,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
                     len: data.bytes.len() as u32,
                     crcs: data.crcs.to_vec(),
                 };
-                tx.put(keys::extent(*ino, e.len as u64), encode_value(&e))?;
+                tx.put(keys::extent(*ino, e.len as u64), e.encode())?;
                 i.allocated += e.len as u64;
             }
             tx.put_inode(*ino, &i)

@@ -38,7 +38,7 @@ impl Volume {
                 None => Plan::Extents {
                     start: off,
                     len: n,
-                    extents: v.extents(ino, off, off + n as u64)?,
+                    extents: v.extent_parts(ino, off, off + n as u64)?,
                 },
             }
         };
@@ -51,11 +51,10 @@ impl Volume {
             } => {
                 let mut out = vec![0u8; len];
                 let end = start + len as u64;
-                for (ext_start, e) in extents {
-                    let from = ext_start.max(start);
-                    let to = (ext_start + e.len as u64).min(end);
+                for (from, part) in extents {
+                    let to = (from + part.len as u64).min(end);
                     let dst = &mut out[(from - start) as usize..(to - start) as usize];
-                    self.read_extent(&e, (from - ext_start) as u32, dst)?;
+                    self.read_extent(&part, 0, dst)?;
                 }
                 Ok(out)
             }

@@ -67,13 +67,44 @@ pub trait Reads {
                 if !k.starts_with(&prefix) {
                     return Ok(false);
                 }
-                let e: Extent = decode_value(v, "extent")?;
+                let e = Extent::decode(v)?;
                 let ext_end = keys::trailing_u64(k);
                 let ext_start = ext_end.saturating_sub(e.len as u64);
                 if ext_start >= end {
                     return Ok(false);
                 }
                 out.push((ext_start, e));
+                Ok(true)
+            },
+        )?;
+        Ok(out)
+    }
+
+    /// The parts of extents of `ino` inside `[start, end)`, as
+    /// `(file offset, extent part)`: what a read of that range needs.
+    fn extent_parts(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
+        let prefix = keys::extent_prefix(ino);
+        let mut out = Vec::new();
+        self.tree().scan(
+            self.store(),
+            &keys::extent(ino, start.saturating_add(1)),
+            &mut |k, v| {
+                if !k.starts_with(&prefix) {
+                    return Ok(false);
+                }
+                let ext_end = keys::trailing_u64(k);
+                let len = v
+                    .get(24..28)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u32::from_le_bytes) as u64;
+                let ext_start = ext_end.saturating_sub(len);
+                if ext_start >= end {
+                    return Ok(false);
+                }
+                let (from, to) = (start.max(ext_start), end.min(ext_end));
+                let part =
+                    Extent::decode_slice(v, (from - ext_start) as u32, (to - ext_start) as u32)?;
+                out.push((from, part));
                 Ok(true)
             },
         )?;
@@ -173,12 +204,12 @@ impl Txn<'_> {
             if ext_start < start {
                 let left = e.slice(0, (start - ext_start) as u32);
                 kept += left.len as u64;
-                self.put(keys::extent(ino, start), encode_value(&left))?;
+                self.put(keys::extent(ino, start), left.encode())?;
             }
             if ext_end > end {
                 let right = e.slice((end - ext_start) as u32, e.len);
                 kept += right.len as u64;
-                self.put(keys::extent(ino, ext_end), encode_value(&right))?;
+                self.put(keys::extent(ino, ext_end), right.encode())?;
             }
             dropped += e.len as u64 - kept;
         }

@@ -94,8 +94,9 @@ pub struct CookieEntry {
 
 /// `E ino end` → `len` file bytes ending at `end`, stored at
 /// `data.off + rec_off` in a write record whose data blocks have `crcs`
-/// (only the blocks this extent touches).
-#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+/// (only the blocks this extent touches). Fixed-width encoding: it is
+/// decoded on every read.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Extent {
     pub data: Addr,
     pub rec_off: u32,
@@ -104,6 +105,72 @@ pub struct Extent {
 }
 
 impl Extent {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = crate::format::Writer::new();
+        w.addr(&self.data);
+        w.u32(self.rec_off);
+        w.u32(self.len);
+        for c in &self.crcs {
+            w.u32(*c);
+        }
+        w.buf
+    }
+
+    pub fn decode(bytes: &[u8]) -> crate::error::Result<Extent> {
+        let mut r = crate::format::Reader::new(bytes, "extent");
+        let data = r.addr()?;
+        let (rec_off, len) = (r.u32()?, r.u32()?);
+        let table = r.take(r.remaining())?;
+        let blocks = if len == 0 {
+            0
+        } else {
+            (rec_off + len - 1) as usize / BLOCK_SIZE - rec_off as usize / BLOCK_SIZE + 1
+        };
+        if table.len() != blocks * 4 || rec_off.checked_add(len).is_none_or(|end| end > data.len) {
+            return Err(crate::error::Error::corrupted("extent", data));
+        }
+        let crcs = table
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Extent {
+            data,
+            rec_off,
+            len,
+            crcs,
+        })
+    }
+
+    /// The part `[from, to)` of an encoded extent, decoding only the crcs of
+    /// the blocks that part touches: the hot path of every read.
+    pub fn decode_slice(bytes: &[u8], from: u32, to: u32) -> crate::error::Result<Extent> {
+        let mut r = crate::format::Reader::new(bytes, "extent");
+        let data = r.addr()?;
+        let (rec_off, len) = (r.u32()?, r.u32()?);
+        if from > to || to > len || rec_off.checked_add(len).is_none_or(|end| end > data.len) {
+            return Err(crate::error::Error::corrupted("extent", data));
+        }
+        let first = rec_off as usize / BLOCK_SIZE;
+        let (lo, hi) = (
+            (rec_off + from) as usize / BLOCK_SIZE,
+            (rec_off + to).saturating_sub(1) as usize / BLOCK_SIZE,
+        );
+        let table = r.take(r.remaining())?;
+        let want = table
+            .get((lo - first) * 4..(hi + 1 - first) * 4)
+            .ok_or_else(|| crate::error::Error::corrupted("extent", data))?;
+        let crcs = want
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Extent {
+            data,
+            rec_off: rec_off + from,
+            len: to - from,
+            crcs,
+        })
+    }
+
     fn first_block(&self) -> usize {
         self.rec_off as usize / BLOCK_SIZE
     }
@@ -278,5 +345,73 @@ mod tests {
         ] {
             assert_eq!(FileKind::from_mode(k.mode_bits() | 0o644), Some(k));
         }
+    }
+}
+
+#[cfg(test)]
+mod extent_codec_tests {
+    use super::*;
+    use crate::format::SegId;
+
+    #[test]
+    fn extents_round_trip_and_reject_inconsistent_tables() {
+        let data = Addr {
+            seg: SegId { writer: 1, seq: 2 },
+            off: 100,
+            len: 20_000,
+        };
+        let e = Extent {
+            data,
+            rec_off: 5000,
+            len: 6000,
+            crcs: vec![7, 8],
+        };
+        assert_eq!(Extent::decode(&e.encode()).ok(), Some(e.clone()));
+        let mut short = e.encode();
+        short.truncate(short.len() - 4);
+        assert!(Extent::decode(&short).is_err());
+        let past_end = Extent {
+            rec_off: 19_000,
+            len: 6000,
+            ..e
+        };
+        assert!(Extent::decode(&past_end.encode()).is_err());
+    }
+}
+
+#[cfg(test)]
+mod extent_slice_tests {
+    use super::*;
+    use crate::format::SegId;
+
+    #[test]
+    fn decode_slice_equals_slicing_the_decoded_extent() {
+        let data = Addr {
+            seg: SegId { writer: 1, seq: 2 },
+            off: 0,
+            len: 40_000,
+        };
+        let e = Extent {
+            data,
+            rec_off: 1000,
+            len: 30_000,
+            crcs: (0..8).collect(),
+        };
+        let bytes = e.encode();
+        for (from, to) in [
+            (0, 30_000),
+            (0, 1),
+            (3095, 3097),
+            (7000, 29_999),
+            (29_999, 30_000),
+        ] {
+            assert_eq!(
+                Extent::decode_slice(&bytes, from, to).ok(),
+                Some(e.slice(from, to)),
+                "{from}..{to}"
+            );
+        }
+        assert!(Extent::decode_slice(&bytes, 10, 30_001).is_err());
+        assert!(Extent::decode_slice(&bytes[..30], 0, 10).is_err());
     }
 }
