@@ -41,7 +41,7 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;

@@ -77,7 +77,7 @@ fn latencies(n: usize, size: u64, mut read: impl FnMut(u64)) -> Vec<Duration> {
     let blocks = size / 4096;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        let off = (rng.next() % blocks) * 4096;
+        let off = (rng.next_u64() % blocks) * 4096;
         let (_, t) = time(|| read(off));
         out.push(t);
     }
