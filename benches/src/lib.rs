@@ -62,10 +62,7 @@ pub fn print_table(title: &str, rows: &[Row]) {
     println!("| workload | baseline | arbor | ratio | target |");
     println!("| --- | ---: | ---: | ---: | --- |");
     for r in rows {
-        println!(
-            "| {} | {} | {} | {:.2}× | {} |",
-            r.name, r.baseline, r.arbor, r.ratio, r.target
-        );
+        println!("| {} | {} | {} | {:.2}× | {} |", r.name, r.baseline, r.arbor, r.ratio, r.target);
     }
 }
 

@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Seconds and nanoseconds since the Unix epoch.
-#[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, bincode::Encode, bincode::Decode,
-)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, bincode::Encode, bincode::Decode)]
 pub struct Timestamp {
     pub secs: i64,
     pub nanos: u32,
@@ -16,10 +14,7 @@ pub struct Timestamp {
 impl Timestamp {
     pub fn from_system(t: SystemTime) -> Self {
         match t.duration_since(UNIX_EPOCH) {
-            Ok(d) => Timestamp {
-                secs: d.as_secs() as i64,
-                nanos: d.subsec_nanos(),
-            },
+            Ok(d) => Timestamp { secs: d.as_secs() as i64, nanos: d.subsec_nanos() },
             Err(e) => {
                 let d = e.duration();
                 let (secs, nanos) = if d.subsec_nanos() == 0 {
@@ -63,12 +58,7 @@ impl Env for SystemEnv {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-        h.write_u128(
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0),
-        );
+        h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
         h.finish()
     }
 }
@@ -82,20 +72,14 @@ pub struct TestEnv {
 
 impl TestEnv {
     pub fn new(seed: u64) -> Arc<Self> {
-        Arc::new(TestEnv {
-            ticks: AtomicU64::new(1_700_000_000_000_000),
-            rng: AtomicU64::new(seed | 1),
-        })
+        Arc::new(TestEnv { ticks: AtomicU64::new(1_700_000_000_000_000), rng: AtomicU64::new(seed | 1) })
     }
 }
 
 impl Env for TestEnv {
     fn now(&self) -> Timestamp {
         let us = self.ticks.fetch_add(1, Ordering::Relaxed);
-        Timestamp {
-            secs: (us / 1_000_000) as i64,
-            nanos: ((us % 1_000_000) * 1000) as u32,
-        }
+        Timestamp { secs: (us / 1_000_000) as i64, nanos: ((us % 1_000_000) * 1000) as u32 }
     }
 
     fn random_u64(&self) -> u64 {
@@ -105,10 +89,7 @@ impl Env for TestEnv {
             y ^= y << 13;
             y ^= y >> 7;
             y ^= y << 17;
-            match self
-                .rng
-                .compare_exchange(x, y, Ordering::Relaxed, Ordering::Relaxed)
-            {
+            match self.rng.compare_exchange(x, y, Ordering::Relaxed, Ordering::Relaxed) {
                 Ok(_) => return y,
                 Err(cur) => x = cur,
             }
@@ -122,11 +103,7 @@ mod tests {
 
     #[test]
     fn timestamps_round_trip_through_system_time_both_sides_of_the_epoch() {
-        for ts in [
-            Timestamp { secs: 5, nanos: 7 },
-            Timestamp { secs: -5, nanos: 7 },
-            Timestamp::default(),
-        ] {
+        for ts in [Timestamp { secs: 5, nanos: 7 }, Timestamp { secs: -5, nanos: 7 }, Timestamp::default()] {
             assert_eq!(Timestamp::from_system(ts.to_system()), ts);
         }
     }

@@ -44,6 +44,8 @@ pub enum Error {
     PreconditionFailed(String),
     #[error("no such object: {0}")]
     NoSuchObject(String),
+    #[error("busy: {0}")]
+    Busy(String),
     #[error("I/O error: {0}")]
     Io(#[from] io::Error),
 }
@@ -73,6 +75,7 @@ impl Error {
             Error::ReadOnly => libc::EROFS,
             Error::PreconditionFailed(_) => libc::EAGAIN,
             Error::Corrupted { .. } | Error::Poisoned | Error::Crashed(_) => libc::EIO,
+            Error::Busy(_) => libc::EBUSY,
             Error::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
         }
     }
@@ -97,13 +100,11 @@ mod tests {
             (Error::AttrTooBig, libc::E2BIG),
             (Error::TooManyLinks, libc::EMLINK),
             (Error::NotPermitted, libc::EPERM),
+            (Error::Busy("x".into()), libc::EBUSY),
             (Error::ReadOnly, libc::EROFS),
             (Error::Poisoned, libc::EIO),
             (Error::corrupted("node", "w1-2@3"), libc::EIO),
-            (
-                Error::Io(io::Error::from_raw_os_error(libc::ENOSPC)),
-                libc::ENOSPC,
-            ),
+            (Error::Io(io::Error::from_raw_os_error(libc::ENOSPC)), libc::ENOSPC),
             (Error::Io(io::Error::other("no errno")), libc::EIO),
         ];
         for (err, errno) in cases {

@@ -54,25 +54,14 @@ pub fn tree_vs_btreemap(data: &[u8]) {
     let mut tree = Tree::new();
     let mut model = BTreeMap::new();
     for chunk in data.chunks(3) {
-        let [op, k, v] = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
+        let [op, k, v] = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
         let key = vec![k; 1 + (k as usize % 5)];
         match op % 4 {
             0 | 1 => {
                 let val = vec![v; v as usize * 3];
-                assert_eq!(
-                    tree.insert(&store, key.clone(), val.clone())
-                        .expect("insert"),
-                    model.insert(key, val)
-                );
+                assert_eq!(tree.insert(&store, key.clone(), val.clone()).expect("insert"), model.insert(key, val));
             }
-            2 => assert_eq!(
-                tree.remove(&store, &key).expect("remove"),
-                model.remove(&key)
-            ),
+            2 => assert_eq!(tree.remove(&store, &key).expect("remove"), model.remove(&key)),
             _ => {
                 tree.flush(&store).expect("flush");
             }
@@ -91,9 +80,5 @@ pub fn tree_vs_btreemap(data: &[u8]) {
 /// A fuzz target's name (its corpus folder) and body.
 pub type Target = (&'static str, fn(&[u8]));
 
-pub const TARGETS: [Target; 4] = [
-    ("segment", segment),
-    ("node", node),
-    ("values", values),
-    ("tree_vs_btreemap", tree_vs_btreemap),
-];
+pub const TARGETS: [Target; 4] =
+    [("segment", segment), ("node", node), ("values", values), ("tree_vs_btreemap", tree_vs_btreemap)];

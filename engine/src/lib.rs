@@ -11,6 +11,7 @@ pub mod device;
 pub mod env;
 pub mod error;
 pub mod format;
+pub mod fsck;
 pub mod fuzzing;
 pub mod io;
 pub mod log;

@@ -63,9 +63,7 @@ fn has_children(m: &Model, p: &str) -> bool {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8 ^ seed).wrapping_add((i >> 8) as u8))
-        .collect()
+    (0..len).map(|i| (i as u8 ^ seed).wrapping_add((i >> 8) as u8)).collect()
 }
 
 /// Applies `op` to the model; `false` if POSIX says it must fail.
@@ -163,55 +161,25 @@ fn resolve(vol: &Volume, p: &str) -> Result<u64, Error> {
 
 fn volume_apply(vol: &Volume, op: &Op) -> Result<(), Error> {
     match op {
-        Op::Create(d, n) => vol
-            .create(
-                resolve(vol, DIRS[*d])?,
-                NAMES[*n].as_bytes(),
-                libc::S_IFREG | 0o644,
-                0,
-                0,
-                0,
-            )
-            .map(drop),
-        Op::Mkdir(d, n) => vol
-            .mkdir(resolve(vol, DIRS[*d])?, NAMES[*n].as_bytes(), 0o755, 0, 0)
-            .map(drop),
+        Op::Create(d, n) => {
+            vol.create(resolve(vol, DIRS[*d])?, NAMES[*n].as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).map(drop)
+        }
+        Op::Mkdir(d, n) => vol.mkdir(resolve(vol, DIRS[*d])?, NAMES[*n].as_bytes(), 0o755, 0, 0).map(drop),
         Op::Symlink(d, n) => {
             let target = format!("target-{}", path(*d, *n));
-            vol.symlink(
-                resolve(vol, DIRS[*d])?,
-                NAMES[*n].as_bytes(),
-                target.as_bytes(),
-                0,
-                0,
-            )
-            .map(drop)
+            vol.symlink(resolve(vol, DIRS[*d])?, NAMES[*n].as_bytes(), target.as_bytes(), 0, 0).map(drop)
         }
         Op::Write(d, n, off, len, seed) => {
             let ino = resolve(vol, &path(*d, *n))?;
-            vol.write(ino, *off as u64, &pattern(*len as usize, *seed))
-                .map(drop)
+            vol.write(ino, *off as u64, &pattern(*len as usize, *seed)).map(drop)
         }
         Op::Truncate(d, n, size) => {
             let ino = resolve(vol, &path(*d, *n))?;
-            vol.setattr(
-                ino,
-                SetAttr {
-                    size: Some(*size as u64),
-                    ..Default::default()
-                },
-            )
-            .map(drop)
+            vol.setattr(ino, SetAttr { size: Some(*size as u64), ..Default::default() }).map(drop)
         }
         Op::Rename(d1, n1, d2, n2) => {
             let (p1, p2) = (resolve(vol, DIRS[*d1])?, resolve(vol, DIRS[*d2])?);
-            vol.rename(
-                p1,
-                NAMES[*n1].as_bytes(),
-                p2,
-                NAMES[*n2].as_bytes(),
-                RenameMode::Plain,
-            )
+            vol.rename(p1, NAMES[*n1].as_bytes(), p2, NAMES[*n2].as_bytes(), RenameMode::Plain)
         }
         Op::Unlink(d, n) => vol.unlink(resolve(vol, DIRS[*d])?, NAMES[*n].as_bytes()),
         Op::Rmdir(d, n) => vol.rmdir(resolve(vol, DIRS[*d])?, NAMES[*n].as_bytes()),
@@ -227,19 +195,15 @@ fn snapshot(vol: &Volume) -> Model {
     while let Some((dir, prefix)) = stack.pop() {
         for e in vol.list_dir(dir).expect("list") {
             let name = String::from_utf8(e.name).expect("utf8");
-            let p = if prefix.is_empty() {
-                name
-            } else {
-                format!("{prefix}/{name}")
-            };
+            let p = if prefix.is_empty() { name } else { format!("{prefix}/{name}") };
             let entry = match e.kind {
                 FileKind::Directory => {
                     stack.push((e.ino, p.clone()));
                     Entry::Dir
                 }
-                FileKind::Symlink => Entry::Symlink(
-                    String::from_utf8(vol.readlink(e.ino).expect("readlink")).expect("utf8"),
-                ),
+                FileKind::Symlink => {
+                    Entry::Symlink(String::from_utf8(vol.readlink(e.ino).expect("readlink")).expect("utf8"))
+                }
                 _ => {
                     let size = vol.getattr(e.ino).expect("attr").size as usize;
                     Entry::File(vol.read(e.ino, 0, size).expect("read"))
@@ -278,10 +242,7 @@ enum Crash {
 }
 
 fn crash_strategy() -> impl Strategy<Value = Crash> {
-    prop_oneof![
-        (0u64..200).prop_map(Crash::AtFailpoint),
-        (0usize..80).prop_map(Crash::AfterOps)
-    ]
+    prop_oneof![(0u64..200).prop_map(Crash::AtFailpoint), (0usize..80).prop_map(Crash::AfterOps)]
 }
 
 fn config(commit_every_ops: u64, seed: u64) -> Config {
@@ -295,10 +256,7 @@ fn config(commit_every_ops: u64, seed: u64) -> Config {
 }
 
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(256)
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(256)
 }
 
 proptest! {

@@ -17,11 +17,7 @@ fn corpus_dir() -> PathBuf {
 }
 
 fn seeds() -> Vec<(&'static str, Vec<u8>)> {
-    let addr = Addr {
-        seg: SegId { writer: 7, seq: 1 },
-        off: 64,
-        len: 99,
-    };
+    let addr = Addr { seg: SegId { writer: 7, seq: 1 }, off: 64, len: 99 };
     let leaf = Node::Leaf(Leaf::from_entries(vec![
         (b"I\0\0\0\0\0\0\0\x01".to_vec(), vec![1, 2, 3]),
         (b"k2".to_vec(), vec![]),
@@ -31,27 +27,13 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         keys: vec![b"m".to_vec()],
         children: vec![Child::Disk(addr), Child::Disk(addr)],
     });
-    let commit = CommitRecord {
-        root: addr,
-        next_ino: 5,
-        covers_seq: 9,
-        prev: Some(addr),
-        time: Default::default(),
-    };
+    let commit = CommitRecord { root: addr, next_ino: 5, covers_seq: 9, prev: Some(addr), time: Default::default() };
     let dev = SimDevice::new();
     let shared: Arc<dyn Device> = Arc::new(dev.clone());
     let log = Log::create(shared.clone(), 1, 1, 1 << 20).expect("log");
-    log.append(
-        RecordKind::Node,
-        &leaf.encode().expect("encode"),
-        &[],
-        "seed",
-    )
-    .expect("append");
-    log.append(RecordKind::Intent, b"meta", &vec![9u8; 5000], "seed")
-        .expect("append");
-    log.append(RecordKind::Commit, &encode_value(&commit), &[], "seed")
-        .expect("append");
+    log.append(RecordKind::Node, &leaf.encode().expect("encode"), &[], "seed").expect("append");
+    log.append(RecordKind::Intent, b"meta", &vec![9u8; 5000], "seed").expect("append");
+    log.append(RecordKind::Commit, &encode_value(&commit), &[], "seed").expect("append");
     let seg = SegId { writer: 1, seq: 0 };
     let file = shared.open_segment(seg).expect("open").expect("exists");
     let mut segment = vec![0u8; dev.segment_len(seg)];
@@ -63,10 +45,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("node", branch.encode().expect("encode")),
         ("values", encode_value(&commit)),
         ("values", Superblock::new(addr).encode()),
-        (
-            "tree_vs_btreemap",
-            (0..600u32).map(|i| (i * 7919 % 251) as u8).collect(),
-        ),
+        ("tree_vs_btreemap", (0..600u32).map(|i| (i * 7919 % 251) as u8).collect()),
     ]
 }
 
@@ -96,11 +75,7 @@ fn every_corpus_input_runs_clean() {
 fn seeds_exercise_the_decoders_successfully() {
     // The seeds are valid encodings: the targets must accept them whole.
     for (target, bytes) in seeds() {
-        let f = TARGETS
-            .iter()
-            .find(|(n, _)| *n == target)
-            .expect("target")
-            .1;
+        let f = TARGETS.iter().find(|(n, _)| *n == target).expect("target").1;
         f(&bytes);
     }
     assert!(Node::decode(&seeds()[2].1).is_ok());

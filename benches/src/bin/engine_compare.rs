@@ -18,10 +18,7 @@ use std::time::Duration;
 const MIB: usize = 1 << 20;
 
 fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 fn fresh(dir: &Path, name: &str) -> PathBuf {
@@ -32,11 +29,7 @@ fn fresh(dir: &Path, name: &str) -> PathBuf {
 }
 
 fn open_volume(dir: &Path) -> Arc<Volume> {
-    Volume::open(
-        FileDevice::open(dir, IoMode::Auto).expect("device"),
-        Config::default(),
-    )
-    .expect("volume")
+    Volume::open(FileDevice::open(dir, IoMode::Auto).expect("device"), Config::default()).expect("volume")
 }
 
 fn chunk(seed: u8) -> Vec<u8> {
@@ -59,10 +52,7 @@ fn seq_write_std(dir: &Path, mib: usize) -> f64 {
 fn seq_write_arbor(dir: &Path, mib: usize) -> (f64, Arc<Volume>, u64) {
     let buf = chunk(3);
     let vol = open_volume(dir);
-    let ino = vol
-        .create(ROOT_INO, b"big", libc::S_IFREG | 0o644, 0, 0, 0)
-        .expect("create")
-        .ino;
+    let ino = vol.create(ROOT_INO, b"big", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
     let (_, t) = time(|| {
         for i in 0..mib {
             vol.write(ino, (i * MIB) as u64, &buf).expect("write");
@@ -102,17 +92,8 @@ fn files_arbor(dir: &Path, n: usize) -> f64 {
     let vol = open_volume(dir);
     let (_, t) = time(|| {
         for i in 0..n {
-            let ino = vol
-                .create(
-                    ROOT_INO,
-                    format!("f{i}").as_bytes(),
-                    libc::S_IFREG | 0o644,
-                    0,
-                    0,
-                    0,
-                )
-                .expect("create")
-                .ino;
+            let ino =
+                vol.create(ROOT_INO, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
             vol.write(ino, 0, &body).expect("write");
             vol.fsync(ino).expect("fsync");
         }
@@ -122,10 +103,7 @@ fn files_arbor(dir: &Path, n: usize) -> f64 {
 }
 
 fn main() {
-    let base = std::env::args()
-        .nth(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("target/bench-data"));
+    let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-data"));
     let (mib, nfiles, nreads, runs) = (
         env("ARBOR_BENCH_MIB", 1024),
         env("ARBOR_BENCH_FILES", 10_000),
@@ -139,8 +117,7 @@ fn main() {
     let size = (mib * MIB) as u64;
 
     let (mut w_std, mut w_arbor) = (Vec::new(), Vec::new());
-    let (mut r_std, mut r_arbor, mut rc_std, mut rc_arbor) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut r_std, mut r_arbor, mut rc_std, mut rc_arbor) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut f_std, mut f_arbor) = (Vec::new(), Vec::new());
     let mut cold = std::env::var("ARBOR_BENCH_COLD").map_or(true, |v| v != "0");
     for run in 0..runs {
@@ -199,9 +176,7 @@ fn main() {
     let _ = fs::remove_dir_all(&base);
 
     let (ws, wa) = (median(w_std), median(w_arbor));
-    let p = |v: &Vec<(f64, f64)>, i: usize| {
-        median(v.iter().map(|x| if i == 0 { x.0 } else { x.1 }).collect())
-    };
+    let p = |v: &Vec<(f64, f64)>, i: usize| median(v.iter().map(|x| if i == 0 { x.0 } else { x.1 }).collect());
     let (fs_, fa) = (median(f_std), median(f_arbor));
     let mut rows = vec![
         Row {

@@ -36,12 +36,7 @@ impl Drop for KeyLock {
 fn etag_of(body: &[u8]) -> ETag {
     let mut h = std::hash::DefaultHasher::new();
     body.hash(&mut h);
-    format!(
-        "{:016x}-{:08x}-{}",
-        h.finish(),
-        crc32c::crc32c(body),
-        body.len()
-    )
+    format!("{:016x}-{:08x}-{}", h.finish(), crc32c::crc32c(body), body.len())
 }
 
 fn not_found(key: &str) -> Error {
@@ -88,11 +83,8 @@ impl LocalFolderStore {
     /// Writes `body` to a temporary file, syncs it, and renames it over `path`.
     fn replace(&self, path: &Path, body: &[u8]) -> Result<ETag> {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let tmp = self.root.join(TMP).join(format!(
-            "{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
+        let tmp =
+            self.root.join(TMP).join(format!("{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
         let mut f = File::create(&tmp)?;
         f.write_all(body)?;
         f.sync_all()?;
@@ -129,11 +121,7 @@ impl LocalFolderStore {
             if rel.is_empty() && name.starts_with(".arbor-") {
                 continue;
             }
-            let key = if rel.is_empty() {
-                name
-            } else {
-                format!("{rel}/{name}")
-            };
+            let key = if rel.is_empty() { name } else { format!("{rel}/{name}") };
             if entry.file_type()?.is_dir() {
                 self.walk(&entry.path(), &key, out)?;
             } else {

@@ -34,9 +34,7 @@ pub fn check_key(key: &str) -> Result<()> {
     let ok = !key.is_empty()
         && key.len() <= 1024
         && !key.contains('\0')
-        && key
-            .split('/')
-            .all(|p| !p.is_empty() && p != "." && p != "..")
+        && key.split('/').all(|p| !p.is_empty() && p != "." && p != "..")
         && !key.starts_with(".arbor-");
     if ok {
         Ok(())

@@ -7,70 +7,31 @@ use std::sync::Arc;
 pub fn conformance(store: &dyn ObjectStore) {
     // Create-once.
     let t1 = store.put_if_absent("branches/main", b"v1").expect("create");
-    assert!(matches!(
-        store.put_if_absent("branches/main", b"v2"),
-        Err(Error::AlreadyExists(_))
-    ));
+    assert!(matches!(store.put_if_absent("branches/main", b"v2"), Err(Error::AlreadyExists(_))));
     assert_eq!(store.get("branches/main").expect("get").0, b"v1");
     // Compare-and-replace.
-    let t2 = store
-        .put_if_match("branches/main", b"v2", &t1)
-        .expect("cas");
-    assert!(matches!(
-        store.put_if_match("branches/main", b"v3", &t1),
-        Err(Error::PreconditionFailed(_))
-    ));
-    assert_eq!(
-        store.get("branches/main").expect("get"),
-        (b"v2".to_vec(), t2.clone())
-    );
-    assert!(matches!(
-        store.put_if_match("branches/none", b"x", &t2),
-        Err(Error::NoSuchObject(_))
-    ));
+    let t2 = store.put_if_match("branches/main", b"v2", &t1).expect("cas");
+    assert!(matches!(store.put_if_match("branches/main", b"v3", &t1), Err(Error::PreconditionFailed(_))));
+    assert_eq!(store.get("branches/main").expect("get"), (b"v2".to_vec(), t2.clone()));
+    assert!(matches!(store.put_if_match("branches/none", b"x", &t2), Err(Error::NoSuchObject(_))));
     // Ranged reads.
     store.put("segments/ab/seg-1", b"0123456789").expect("put");
-    assert_eq!(
-        store.get_range("segments/ab/seg-1", 2..5).expect("range"),
-        b"234"
-    );
-    assert_eq!(
-        store
-            .get_range("segments/ab/seg-1", 8..100)
-            .expect("clipped"),
-        b"89"
-    );
+    assert_eq!(store.get_range("segments/ab/seg-1", 2..5).expect("range"), b"234");
+    assert_eq!(store.get_range("segments/ab/seg-1", 8..100).expect("clipped"), b"89");
     assert!(store.get_range("segments/ab/seg-1", 10..12).is_err());
     assert!(matches!(store.get("nope"), Err(Error::NoSuchObject(_))));
     // Listing by prefix.
     store.put("segments/cd/seg-2", b"x").expect("put");
     store.put("checkpoints/c1", b"x").expect("put");
-    assert_eq!(
-        store.list("segments/").expect("list"),
-        vec!["segments/ab/seg-1", "segments/cd/seg-2"]
-    );
-    assert_eq!(
-        store.list("segments/c").expect("list"),
-        vec!["segments/cd/seg-2"]
-    );
+    assert_eq!(store.list("segments/").expect("list"), vec!["segments/ab/seg-1", "segments/cd/seg-2"]);
+    assert_eq!(store.list("segments/c").expect("list"), vec!["segments/cd/seg-2"]);
     assert_eq!(store.list("check").expect("list"), vec!["checkpoints/c1"]);
     // Delete is idempotent.
     store.delete("segments/ab/seg-1").expect("delete");
     store.delete("segments/ab/seg-1").expect("delete again");
-    assert_eq!(
-        store.list("segments/").expect("list"),
-        vec!["segments/cd/seg-2"]
-    );
+    assert_eq!(store.list("segments/").expect("list"), vec!["segments/cd/seg-2"]);
     // Bad keys change nothing.
-    for bad in [
-        "",
-        "/abs",
-        "a//b",
-        "../x",
-        "a/./b",
-        "dir/",
-        ".arbor-locks/x",
-    ] {
+    for bad in ["", "/abs", "a//b", "../x", "a/./b", "dir/", ".arbor-locks/x"] {
         assert!(store.put(bad, b"x").is_err(), "{bad:?}");
     }
 }
@@ -84,10 +45,7 @@ fn local_folder_passes_the_conformance_suite() {
 #[test]
 fn concurrent_compare_and_replace_never_loses_an_update() {
     let dir = tempfile::tempdir().expect("tempdir");
-    LocalFolderStore::open(dir.path())
-        .expect("open")
-        .put("counter", b"0")
-        .expect("put");
+    LocalFolderStore::open(dir.path()).expect("open").put("counter", b"0").expect("put");
     let wins = Arc::new(std::sync::atomic::AtomicU64::new(0));
     std::thread::scope(|s| {
         for _ in 0..4 {
@@ -98,14 +56,8 @@ fn concurrent_compare_and_replace_never_loses_an_update() {
                 let store = LocalFolderStore::open(root).expect("open");
                 for _ in 0..50 {
                     let (body, tag) = store.get("counter").expect("get");
-                    let n: u64 = String::from_utf8(body)
-                        .expect("utf8")
-                        .parse()
-                        .expect("number");
-                    if store
-                        .put_if_match("counter", (n + 1).to_string().as_bytes(), &tag)
-                        .is_ok()
-                    {
+                    let n: u64 = String::from_utf8(body).expect("utf8").parse().expect("number");
+                    if store.put_if_match("counter", (n + 1).to_string().as_bytes(), &tag).is_ok() {
                         wins.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
@@ -113,10 +65,7 @@ fn concurrent_compare_and_replace_never_loses_an_update() {
         }
     });
     let store = LocalFolderStore::open(dir.path()).expect("open");
-    let n: u64 = String::from_utf8(store.get("counter").expect("get").0)
-        .expect("utf8")
-        .parse()
-        .expect("number");
+    let n: u64 = String::from_utf8(store.get("counter").expect("get").0).expect("utf8").parse().expect("number");
     assert_eq!(n, wins.load(std::sync::atomic::Ordering::Relaxed));
     assert!(n > 0);
 }
@@ -136,10 +85,7 @@ fn exactly_one_of_many_concurrent_creators_wins() {
                 })
             })
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("join") as usize)
-            .sum()
+        handles.into_iter().map(|h| h.join().expect("join") as usize).sum()
     });
     assert_eq!(winners, 1);
 }

@@ -18,6 +18,8 @@ pub struct FileDevice {
     dir: PathBuf,
     io: Arc<dyn IoBackend>,
     open: RwLock<HashMap<SegId, Arc<dyn SegmentFile>>>,
+    /// Held while this device is the directory's one writer.
+    _writer_lock: Option<File>,
 }
 
 struct FileSegment {
@@ -29,10 +31,28 @@ impl FileDevice {
     pub fn open(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
         let dir = dir.as_ref().to_path_buf();
         fs::create_dir_all(&dir)?;
+        Ok(Arc::new(FileDevice { dir, io: backend(mode)?, open: RwLock::new(HashMap::new()), _writer_lock: None }))
+    }
+
+    /// Opens the directory as its only writer: a second exclusive open (in
+    /// this process or another) fails with [`Error::Busy`] naming the
+    /// holder's pid, until the first device is dropped.
+    pub fn open_exclusive(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir)?;
+        let mut lock = File::options().read(true).write(true).create(true).truncate(false).open(dir.join("lock"))?;
+        // SAFETY: plain syscall on a descriptor we own.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let holder = fs::read_to_string(dir.join("lock")).unwrap_or_default();
+            return Err(Error::Busy(format!("{} is in use by pid {}", dir.display(), holder.trim())));
+        }
+        lock.set_len(0)?;
+        lock.write_all(std::process::id().to_string().as_bytes())?;
         Ok(Arc::new(FileDevice {
             dir,
             io: backend(mode)?,
             open: RwLock::new(HashMap::new()),
+            _writer_lock: Some(lock),
         }))
     }
 
@@ -46,10 +66,7 @@ impl FileDevice {
     }
 
     fn remember(&self, id: SegId, file: File) -> Arc<dyn SegmentFile> {
-        let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment {
-            file,
-            io: self.io.clone(),
-        });
+        let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment { file, io: self.io.clone() });
         self.open.write().entry(id).or_insert(seg).clone()
     }
 }
@@ -57,11 +74,7 @@ impl FileDevice {
 impl Device for FileDevice {
     fn create_segment(&self, id: SegId) -> Result<Arc<dyn SegmentFile>> {
         let path = self.dir.join(id.file_name());
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)?;
+        let file = File::options().read(true).write(true).create_new(true).open(path)?;
         self.sync_dir()?;
         Ok(self.remember(id, file))
     }
@@ -70,11 +83,7 @@ impl Device for FileDevice {
         if let Some(s) = self.open.read().get(&id) {
             return Ok(Some(s.clone()));
         }
-        match File::options()
-            .read(true)
-            .write(true)
-            .open(self.dir.join(id.file_name()))
-        {
+        match File::options().read(true).write(true).open(self.dir.join(id.file_name())) {
             Ok(file) => Ok(Some(self.remember(id, file))),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.into()),
@@ -128,12 +137,10 @@ impl SegmentFile for FileSegment {
     }
 
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
-        self.file
-            .read_exact_at(buf, off)
-            .map_err(|e| match e.kind() {
-                ErrorKind::UnexpectedEof => Error::corrupted("segment (short read)", off),
-                _ => e.into(),
-            })
+        self.file.read_exact_at(buf, off).map_err(|e| match e.kind() {
+            ErrorKind::UnexpectedEof => Error::corrupted("segment (short read)", off),
+            _ => e.into(),
+        })
     }
 
     fn sync(&self) -> Result<()> {
@@ -147,5 +154,22 @@ impl SegmentFile for FileSegment {
     fn truncate(&self, len: u64) -> Result<()> {
         self.file.set_len(len)?;
         Ok(self.file.sync_all()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_exclusive_open_is_refused_until_the_first_is_dropped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = FileDevice::open_exclusive(dir.path(), IoMode::Syscall).expect("first");
+        match FileDevice::open_exclusive(dir.path(), IoMode::Syscall) {
+            Err(Error::Busy(msg)) => assert!(msg.contains(&std::process::id().to_string()), "{msg}"),
+            other => panic!("expected Busy, got {:?}", other.map(|_| ())),
+        }
+        drop(first);
+        FileDevice::open_exclusive(dir.path(), IoMode::Syscall).expect("after drop");
     }
 }

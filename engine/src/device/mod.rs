@@ -23,14 +23,7 @@ pub mod failpoints {
     pub const NODE_WRITE: &str = "node_write";
     pub const COMMIT_RECORD: &str = "commit_record";
     pub const SUPERBLOCK: &str = "superblock";
-    pub const ALL: [&str; 6] = [
-        INTENT_APPEND,
-        SEGMENT_SEAL,
-        FSYNC,
-        NODE_WRITE,
-        COMMIT_RECORD,
-        SUPERBLOCK,
-    ];
+    pub const ALL: [&str; 6] = [INTENT_APPEND, SEGMENT_SEAL, FSYNC, NODE_WRITE, COMMIT_RECORD, SUPERBLOCK];
 }
 
 pub trait SegmentFile: Send + Sync {

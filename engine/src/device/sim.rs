@@ -69,9 +69,7 @@ impl SimState {
 
     fn file(&mut self, id: SegId) -> Result<&mut SimFile> {
         self.check()?;
-        self.files
-            .get_mut(&id)
-            .ok_or_else(|| Error::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))
+        self.files.get_mut(&id).ok_or_else(|| Error::Io(std::io::Error::from_raw_os_error(libc::ENOENT)))
     }
 }
 
@@ -156,21 +154,13 @@ impl Device for SimDevice {
             return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EEXIST)));
         }
         st.files.insert(id, SimFile::default());
-        Ok(Arc::new(SimSegment {
-            state: self.state.clone(),
-            id,
-        }))
+        Ok(Arc::new(SimSegment { state: self.state.clone(), id }))
     }
 
     fn open_segment(&self, id: SegId) -> Result<Option<Arc<dyn SegmentFile>>> {
         let st = self.state.lock();
         st.check()?;
-        Ok(st.files.contains_key(&id).then(|| {
-            Arc::new(SimSegment {
-                state: self.state.clone(),
-                id,
-            }) as _
-        }))
+        Ok(st.files.contains_key(&id).then(|| Arc::new(SimSegment { state: self.state.clone(), id }) as _))
     }
 
     fn list_segments(&self) -> Result<Vec<SegId>> {

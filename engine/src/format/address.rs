@@ -2,19 +2,7 @@ use std::fmt;
 
 /// A segment's global name: the writer epoch that created it and its
 /// sequence number within that writer. Never reused.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Default,
-    bincode::Encode,
-    bincode::Decode,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default, bincode::Encode, bincode::Decode)]
 pub struct SegId {
     pub writer: u64,
     pub seq: u32,
@@ -32,17 +20,11 @@ impl SegId {
         if w.len() != 16 || s.len() != 8 {
             return None;
         }
-        Some(SegId {
-            writer: u64::from_str_radix(w, 16).ok()?,
-            seq: u32::from_str_radix(s, 16).ok()?,
-        })
+        Some(SegId { writer: u64::from_str_radix(w, 16).ok()?, seq: u32::from_str_radix(s, 16).ok()? })
     }
 
     pub fn next(&self) -> SegId {
-        SegId {
-            writer: self.writer,
-            seq: self.seq.wrapping_add(1),
-        }
+        SegId { writer: self.writer, seq: self.seq.wrapping_add(1) }
     }
 }
 
@@ -81,18 +63,9 @@ mod tests {
 
     #[test]
     fn segment_file_names_round_trip_and_reject_garbage() {
-        let id = SegId {
-            writer: 0xdead_beef_0000_0001,
-            seq: 42,
-        };
+        let id = SegId { writer: 0xdead_beef_0000_0001, seq: 42 };
         assert_eq!(SegId::parse_file_name(&id.file_name()), Some(id));
-        for bad in [
-            "seg-",
-            "seg-12-34",
-            "foo",
-            "seg-zzzzzzzzzzzzzzzz-00000000",
-            "seg-0000000000000001-1",
-        ] {
+        for bad in ["seg-", "seg-12-34", "foo", "seg-zzzzzzzzzzzzzzzz-00000000", "seg-0000000000000001-1"] {
             assert_eq!(SegId::parse_file_name(bad), None, "{bad}");
         }
     }

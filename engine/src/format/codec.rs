@@ -17,10 +17,7 @@ pub fn decode_value<T: bincode::Decode<()>>(bytes: &[u8], what: &'static str) ->
     let cfg = bincode::config::standard().with_limit::<DECODE_LIMIT>();
     match bincode::decode_from_slice(bytes, cfg) {
         Ok((v, used)) if used == bytes.len() => Ok(v),
-        _ => Err(Error::Corrupted {
-            what,
-            addr: "value".into(),
-        }),
+        _ => Err(Error::Corrupted { what, addr: "value".into() }),
     }
 }
 
@@ -73,10 +70,7 @@ impl<'a> Reader<'a> {
     }
 
     fn bad(&self) -> Error {
-        Error::Corrupted {
-            what: self.what,
-            addr: format!("byte {}", self.pos),
-        }
+        Error::Corrupted { what: self.what, addr: format!("byte {}", self.pos) }
     }
 
     pub fn remaining(&self) -> usize {
@@ -113,11 +107,7 @@ impl<'a> Reader<'a> {
     pub fn addr(&mut self) -> Result<Addr> {
         let writer = self.u64()?;
         let seq = self.u32()?;
-        Ok(Addr {
-            seg: SegId { writer, seq },
-            off: self.u32()?,
-            len: self.u32()?,
-        })
+        Ok(Addr { seg: SegId { writer, seq }, off: self.u32()?, len: self.u32()? })
     }
 
     pub fn finish(&self) -> Result<()> {

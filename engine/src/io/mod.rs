@@ -69,11 +69,7 @@ mod tests {
         let mut tail = vec![0u8; big.len()];
         f.read_exact_at(&mut tail, 4096).expect("read");
         assert!(tail == big);
-        assert!(
-            io.write_at(-1, b"x", 0).is_err(),
-            "{} accepted a bad fd",
-            io.name()
-        );
+        assert!(io.write_at(-1, b"x", 0).is_err(), "{} accepted a bad fd", io.name());
     }
 
     #[test]

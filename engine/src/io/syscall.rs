@@ -21,10 +21,7 @@ impl super::IoBackend for SyscallIo {
                 return Err(e);
             }
             if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "pwrite wrote nothing",
-                ));
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "pwrite wrote nothing"));
             }
             buf = &buf[n as usize..];
             off += n as u64;

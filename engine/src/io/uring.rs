@@ -12,9 +12,7 @@ pub struct UringIo {
 impl UringIo {
     pub fn new() -> io::Result<Self> {
         let ring = IoUring::new(8)?;
-        Ok(UringIo {
-            ring: Mutex::new(ring),
-        })
+        Ok(UringIo { ring: Mutex::new(ring) })
     }
 
     fn run(&self, entry: io_uring::squeue::Entry) -> io::Result<i32> {
@@ -22,9 +20,7 @@ impl UringIo {
         // SAFETY: the entry's buffer (if any) is borrowed by our caller for
         // the whole call, and we wait for its completion before returning.
         unsafe {
-            ring.submission()
-                .push(&entry)
-                .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+            ring.submission().push(&entry).map_err(|_| io::Error::other("io_uring submission queue full"))?;
         }
         loop {
             match ring.submit_and_wait(1) {
@@ -33,10 +29,7 @@ impl UringIo {
                 Err(e) => return Err(e),
             }
         }
-        let cqe = ring
-            .completion()
-            .next()
-            .ok_or_else(|| io::Error::other("io_uring returned no completion"))?;
+        let cqe = ring.completion().next().ok_or_else(|| io::Error::other("io_uring returned no completion"))?;
         let res = cqe.result();
         if res < 0 {
             return Err(io::Error::from_raw_os_error(-res));
@@ -53,15 +46,10 @@ impl super::IoBackend for UringIo {
     fn write_at(&self, fd: RawFd, mut buf: &[u8], mut off: u64) -> io::Result<()> {
         while !buf.is_empty() {
             let len = buf.len().min(u32::MAX as usize >> 1) as u32;
-            let entry = opcode::Write::new(types::Fd(fd), buf.as_ptr(), len)
-                .offset(off)
-                .build();
+            let entry = opcode::Write::new(types::Fd(fd), buf.as_ptr(), len).offset(off).build();
             let n = self.run(entry)? as usize;
             if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "io_uring write wrote nothing",
-                ));
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "io_uring write wrote nothing"));
             }
             buf = &buf[n..];
             off += n as u64;
@@ -70,9 +58,7 @@ impl super::IoBackend for UringIo {
     }
 
     fn fdatasync(&self, fd: RawFd) -> io::Result<()> {
-        let entry = opcode::Fsync::new(types::Fd(fd))
-            .flags(types::FsyncFlags::DATASYNC)
-            .build();
+        let entry = opcode::Fsync::new(types::Fd(fd)).flags(types::FsyncFlags::DATASYNC).build();
         self.run(entry).map(|_| ())
     }
 }

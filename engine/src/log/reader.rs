@@ -18,10 +18,7 @@ pub struct Record {
 
 /// Why a record could not be read: the log ends (or is torn) there.
 fn torn(why: &'static str, seg: SegId, off: u64) -> Error {
-    Error::Corrupted {
-        what: why,
-        addr: format!("{seg}@{off}"),
-    }
+    Error::Corrupted { what: why, addr: format!("{seg}@{off}") }
 }
 
 /// Reads and fully verifies the record at `(seg, off)`, which must lie
@@ -49,10 +46,8 @@ pub fn read_record(file: &dyn SegmentFile, seg: SegId, off: u64, limit: u64) -> 
         return Err(torn("record crc table", seg, off));
     }
     let table_at = meta_len - nblocks * 4;
-    let crcs: Vec<u32> = payload[table_at..meta_len]
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let crcs: Vec<u32> =
+        payload[table_at..meta_len].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     let data = payload.split_off(meta_len);
     for (block, want) in data.chunks(BLOCK_SIZE).zip(&crcs) {
         if crc32c::crc32c(block) != *want {
@@ -66,20 +61,12 @@ pub fn read_record(file: &dyn SegmentFile, seg: SegId, off: u64, limit: u64) -> 
     payload.truncate(table_at - pad);
     let data_off = off + HEADER_LEN as u64 + meta_len as u64;
     Ok(Record {
-        addr: Addr {
-            seg,
-            off: off as u32,
-            len: total as u32,
-        },
+        addr: Addr { seg, off: off as u32, len: total as u32 },
         kind: h.kind().ok_or_else(|| torn("record kind", seg, off))?,
         seq: h.seq.get(),
         meta: payload,
         data,
-        data_addr: Addr {
-            seg,
-            off: data_off as u32,
-            len: data_len as u32,
-        },
+        data_addr: Addr { seg, off: data_off as u32, len: data_len as u32 },
         crcs,
     })
 }
@@ -107,18 +94,9 @@ pub struct Cursor {
 
 impl Cursor {
     pub fn new(device: Arc<dyn Device>, seg: SegId, off: u64) -> Result<Cursor> {
-        let file = device
-            .open_segment(seg)?
-            .ok_or_else(|| torn("missing segment", seg, off))?;
+        let file = device.open_segment(seg)?.ok_or_else(|| torn("missing segment", seg, off))?;
         let len = file.size()?;
-        Ok(Cursor {
-            device,
-            seg,
-            file,
-            len,
-            off,
-            expect_seq: None,
-        })
+        Ok(Cursor { device, seg, file, len, off, expect_seq: None })
     }
 
     pub fn position(&self) -> (SegId, u64) {
@@ -142,9 +120,7 @@ impl Cursor {
         }
         let rec = match read_record(self.file.as_ref(), self.seg, self.off, self.len) {
             Ok(r) => r,
-            Err(Error::Corrupted { what, .. }) => {
-                return Ok(Next::Torn(self.seg, self.off, what.to_string()))
-            }
+            Err(Error::Corrupted { what, .. }) => return Ok(Next::Torn(self.seg, self.off, what.to_string())),
             Err(e) => return Err(e),
         };
         if self.expect_seq.is_some_and(|s| s != rec.seq) {
@@ -182,16 +158,11 @@ mod tests {
         let mut written = Vec::new();
         for i in 0..20u8 {
             let data = vec![i; 3000 + i as usize * 100];
-            let a = log
-                .append(RecordKind::Intent, &[i], &data, "t")
-                .expect("append");
+            let a = log.append(RecordKind::Intent, &[i], &data, "t").expect("append");
             written.push((a, data));
         }
         log.sync_all().expect("sync");
-        assert!(
-            log.position().0.seq > 0,
-            "small segments must have been sealed"
-        );
+        assert!(log.position().0.seq > 0, "small segments must have been sealed");
         let (recs, torn) = collect(&dev, 5);
         assert!(torn.is_none());
         assert_eq!(recs.len(), 20);
@@ -211,9 +182,7 @@ mod tests {
         let log = Log::create(dev.clone(), 9, 1, 1 << 20).expect("log");
         let mut ends = Vec::new();
         for i in 0..4u8 {
-            let a = log
-                .append(RecordKind::Intent, &[i; 10], &vec![i; 5000], "t")
-                .expect("append");
+            let a = log.append(RecordKind::Intent, &[i; 10], &vec![i; 5000], "t").expect("append");
             ends.push(a.addr);
         }
         log.sync_all().expect("sync");
@@ -222,10 +191,7 @@ mod tests {
         for off in (0..len).step_by(97) {
             sim.corrupt(seg, off);
             let (recs, torn) = collect(&dev, 9);
-            let hit = ends
-                .iter()
-                .position(|a| (a.off as usize..a.end() as usize).contains(&off))
-                .expect("in a record");
+            let hit = ends.iter().position(|a| (a.off as usize..a.end() as usize).contains(&off)).expect("in a record");
             assert_eq!(recs.len(), hit, "flip at {off}");
             assert!(torn.is_some());
             sim.corrupt(seg, off);
@@ -238,12 +204,10 @@ mod tests {
             let sim = SimDevice::new();
             let dev: Arc<dyn Device> = Arc::new(sim.clone());
             let log = Log::create(dev.clone(), 3, 1, 1 << 20).expect("log");
-            log.append(RecordKind::Intent, b"a", &[1; 9000], "t")
-                .expect("append");
+            log.append(RecordKind::Intent, b"a", &[1; 9000], "t").expect("append");
             log.sync_all().expect("sync");
             for _ in 0..5 {
-                log.append(RecordKind::Intent, b"b", &[2; 9000], "t")
-                    .expect("append");
+                log.append(RecordKind::Intent, b"b", &[2; 9000], "t").expect("append");
             }
             sim.crash(CrashMode::Scramble { seed });
             let (recs, _) = collect(&dev, 3);
@@ -264,22 +228,16 @@ mod align_tests {
     fn large_writes_start_their_data_on_a_block_boundary() {
         let dev: Arc<dyn Device> = Arc::new(SimDevice::new());
         let log = Log::create(dev.clone(), 1, 1, 4 << 20).expect("log");
-        log.append(RecordKind::Intent, b"small", &[1; 100], "t")
-            .expect("append");
+        log.append(RecordKind::Intent, b"small", &[1; 100], "t").expect("append");
         for len in [ALIGN_DATA_MIN, ALIGN_DATA_MIN + 123, 1 << 20] {
-            let a = log
-                .append(RecordKind::Intent, b"meta", &vec![2; len], "t")
-                .expect("append");
+            let a = log.append(RecordKind::Intent, b"meta", &vec![2; len], "t").expect("append");
             assert_eq!(a.data.off as usize % BLOCK_SIZE, 0, "{len}");
         }
         log.sync_all().expect("sync");
         let mut c = Cursor::new(dev, SegId { writer: 1, seq: 0 }, 0).expect("cursor");
         let mut n = 0;
         while let Next::Record(r) = c.next_record().expect("io") {
-            assert!(
-                r.meta == b"meta" || r.meta == b"small",
-                "padding must not leak into the metadata"
-            );
+            assert!(r.meta == b"meta" || r.meta == b"small", "padding must not leak into the metadata");
             n += 1;
         }
         assert_eq!(n, 4);

@@ -1,8 +1,6 @@
 use crate::device::{failpoints, Device, SegmentFile};
 use crate::error::{Error, Result};
-use crate::format::{
-    block_crcs, Addr, RecordHeader, RecordKind, SegId, ALIGN_DATA_MIN, BLOCK_SIZE, HEADER_LEN,
-};
+use crate::format::{block_crcs, Addr, RecordHeader, RecordKind, SegId, ALIGN_DATA_MIN, BLOCK_SIZE, HEADER_LEN};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -52,25 +50,13 @@ const PENDING_MAX: usize = 1 << 20;
 
 impl Log {
     /// Starts a new writer epoch: segment `(writer, 0)`, first record `first_seq`.
-    pub fn create(
-        device: Arc<dyn Device>,
-        writer: u64,
-        first_seq: u64,
-        segment_size: u64,
-    ) -> Result<Log> {
+    pub fn create(device: Arc<dyn Device>, writer: u64, first_seq: u64, segment_size: u64) -> Result<Log> {
         let seg = SegId { writer, seq: 0 };
         let file = device.create_segment(seg)?;
         Ok(Log {
             device,
             segment_size,
-            tail: Mutex::new(Tail {
-                seg,
-                file,
-                off: 0,
-                next_seq: first_seq,
-                pending: Vec::new(),
-                pending_at: 0,
-            }),
+            tail: Mutex::new(Tail { seg, file, off: 0, next_seq: first_seq, pending: Vec::new(), pending_at: 0 }),
             sync_lock: Mutex::new(()),
             durable_seq: AtomicU64::new(first_seq.saturating_sub(1)),
             poisoned: AtomicBool::new(false),
@@ -117,23 +103,13 @@ impl Log {
 
     /// Appends one record: `meta` and a crc table are checksummed by the
     /// header, `data` block by block. Not durable until [`Log::sync`].
-    pub fn append(
-        &self,
-        kind: RecordKind,
-        meta: &[u8],
-        data: &[u8],
-        failpoint: &'static str,
-    ) -> Result<Appended> {
+    pub fn append(&self, kind: RecordKind, meta: &[u8], data: &[u8], failpoint: &'static str) -> Result<Appended> {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
         let crcs = block_crcs(data);
         let unpadded = HEADER_LEN + meta.len() + crcs.len() * 4;
-        let may_pad = if data.len() >= ALIGN_DATA_MIN {
-            BLOCK_SIZE - 1
-        } else {
-            0
-        };
+        let may_pad = if data.len() >= ALIGN_DATA_MIN { BLOCK_SIZE - 1 } else { 0 };
         if (unpadded + may_pad + data.len()) as u64 > self.segment_size {
             return Err(Error::Invalid("record larger than a segment"));
         }
@@ -141,11 +117,7 @@ impl Log {
         if tail.off + (unpadded + may_pad + data.len()) as u64 > self.segment_size {
             self.seal(&mut tail)?;
         }
-        let pad = if may_pad > 0 {
-            (BLOCK_SIZE - (tail.off as usize + unpadded) % BLOCK_SIZE) % BLOCK_SIZE
-        } else {
-            0
-        };
+        let pad = if may_pad > 0 { (BLOCK_SIZE - (tail.off as usize + unpadded) % BLOCK_SIZE) % BLOCK_SIZE } else { 0 };
         let mut meta_region = Vec::with_capacity(meta.len() + pad + crcs.len() * 4);
         meta_region.extend_from_slice(meta);
         meta_region.resize(meta.len() + pad, 0);
@@ -153,8 +125,7 @@ impl Log {
             meta_region.extend_from_slice(&c.to_le_bytes());
         }
         let total = (HEADER_LEN + meta_region.len() + data.len()) as u64;
-        let header =
-            RecordHeader::with_pad(kind, tail.next_seq, &meta_region, data.len(), pad as u32);
+        let header = RecordHeader::with_pad(kind, tail.next_seq, &meta_region, data.len(), pad as u32);
         self.device.failpoint(failpoint)?;
         if tail.pending.is_empty() {
             tail.pending_at = tail.off;
@@ -165,19 +136,11 @@ impl Log {
         if !data.is_empty() || tail.pending.len() >= PENDING_MAX {
             self.flush(&mut tail)?;
         }
-        let addr = Addr {
-            seg: tail.seg,
-            off: tail.off as u32,
-            len: total as u32,
-        };
+        let addr = Addr { seg: tail.seg, off: tail.off as u32, len: total as u32 };
         let data_off = tail.off + (HEADER_LEN + meta_region.len()) as u64;
         let appended = Appended {
             addr,
-            data: Addr {
-                seg: tail.seg,
-                off: data_off as u32,
-                len: data.len() as u32,
-            },
+            data: Addr { seg: tail.seg, off: data_off as u32, len: data.len() as u32 },
             seq: tail.next_seq,
             crcs,
         };
@@ -195,8 +158,7 @@ impl Log {
         if let Err(e) = tail.file.sync() {
             return Err(self.poison(e));
         }
-        self.durable_seq
-            .fetch_max(tail.next_seq - 1, Ordering::AcqRel);
+        self.durable_seq.fetch_max(tail.next_seq - 1, Ordering::AcqRel);
         let next = tail.seg.next();
         tail.file = self.device.create_segment(next)?;
         tail.seg = next;

@@ -22,9 +22,7 @@ pub struct NodeCache {
 impl NodeCache {
     pub fn new(bytes: u64) -> Self {
         let estimated_items = (bytes / 8192).clamp(16, 1 << 20) as usize;
-        NodeCache {
-            cache: Cache::with_weighter(estimated_items, bytes, NodeWeight),
-        }
+        NodeCache { cache: Cache::with_weighter(estimated_items, bytes, NodeWeight) }
     }
 
     pub fn get(&self, addr: &Addr) -> Option<Arc<Node>> {

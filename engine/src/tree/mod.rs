@@ -61,11 +61,7 @@ fn load(store: &dyn NodeStore, child: &Child, level: Option<u8>) -> Result<Arc<N
     }
 }
 
-fn make_mut<'a>(
-    store: &dyn NodeStore,
-    child: &'a mut Child,
-    level: Option<u8>,
-) -> Result<&'a mut Node> {
+fn make_mut<'a>(store: &dyn NodeStore, child: &'a mut Child, level: Option<u8>) -> Result<&'a mut Node> {
     if let Child::Disk(_) = child {
         let n = load(store, child, level)?;
         *child = Child::Mem(Arc::new((*n).clone()));
@@ -91,15 +87,11 @@ pub type Visitor<'a> = &'a mut dyn FnMut(&[u8], &[u8]) -> Result<bool>;
 
 impl Tree {
     pub fn new() -> Tree {
-        Tree {
-            root: Child::Mem(Arc::new(Node::Leaf(Leaf::default()))),
-        }
+        Tree { root: Child::Mem(Arc::new(Node::Leaf(Leaf::default()))) }
     }
 
     pub fn from_root(addr: Addr) -> Tree {
-        Tree {
-            root: Child::Disk(addr),
-        }
+        Tree { root: Child::Disk(addr) }
     }
 
     /// The root's address, if nothing has changed since the last flush.
@@ -143,12 +135,7 @@ impl Tree {
         Ok(found)
     }
 
-    pub fn insert(
-        &mut self,
-        store: &dyn NodeStore,
-        key: Vec<u8>,
-        val: Vec<u8>,
-    ) -> Result<Option<Vec<u8>>> {
+    pub fn insert(&mut self, store: &dyn NodeStore, key: Vec<u8>, val: Vec<u8>) -> Result<Option<Vec<u8>>> {
         if key.len() > u16::MAX as usize {
             return Err(Error::Invalid("tree key too long"));
         }
@@ -156,11 +143,8 @@ impl Tree {
         if let Some((k, right)) = split {
             let left = std::mem::replace(&mut self.root, Child::Disk(Addr::default()));
             let level = load(store, &left, None)?.level() + 1;
-            self.root = Child::Mem(Arc::new(Node::Branch(Branch {
-                level,
-                keys: vec![k],
-                children: vec![left, right],
-            })));
+            self.root =
+                Child::Mem(Arc::new(Node::Branch(Branch { level, keys: vec![k], children: vec![left, right] })));
         }
         Ok(old)
     }
@@ -272,22 +256,10 @@ fn split_branch(b: &mut Branch) -> Split {
     let children = b.children.split_off(mid);
     let keys = b.keys.split_off(mid);
     let sep = b.keys.pop()?;
-    Some((
-        sep,
-        Child::Mem(Arc::new(Node::Branch(Branch {
-            level: b.level,
-            keys,
-            children,
-        }))),
-    ))
+    Some((sep, Child::Mem(Arc::new(Node::Branch(Branch { level: b.level, keys, children })))))
 }
 
-fn remove_rec(
-    store: &dyn NodeStore,
-    child: &mut Child,
-    level: Option<u8>,
-    key: &[u8],
-) -> Result<Option<Vec<u8>>> {
+fn remove_rec(store: &dyn NodeStore, child: &mut Child, level: Option<u8>, key: &[u8]) -> Result<Option<Vec<u8>>> {
     match make_mut(store, child, level)? {
         Node::Leaf(l) => match l.entries.binary_search_by(|(k, _)| k.as_slice().cmp(key)) {
             Ok(i) => {
@@ -328,11 +300,7 @@ fn rebalance(store: &dyn NodeStore, b: &mut Branch, idx: usize) -> Result<()> {
     if used >= max / 4 || b.children.len() < 2 {
         return Ok(());
     }
-    let left = if idx + 1 < b.children.len() {
-        idx
-    } else {
-        idx - 1
-    };
+    let left = if idx + 1 < b.children.len() { idx } else { idx - 1 };
     let right = load(store, &b.children[left + 1], lvl)?;
     let left_node = load(store, &b.children[left], lvl)?;
     if fill(&left_node).0 + fill(&right).0 > max {
@@ -382,9 +350,7 @@ pub struct MemNodeStore {
 impl NodeStore for MemNodeStore {
     fn load(&self, addr: Addr) -> Result<Arc<Node>> {
         let nodes = self.nodes.lock();
-        let bytes = nodes
-            .get(addr.off as usize)
-            .ok_or_else(|| Error::corrupted("tree node (bad address)", addr))?;
+        let bytes = nodes.get(addr.off as usize).ok_or_else(|| Error::corrupted("tree node (bad address)", addr))?;
         Ok(Arc::new(Node::decode(bytes)?))
     }
 
@@ -392,10 +358,7 @@ impl NodeStore for MemNodeStore {
         let bytes = node.encode()?;
         let mut nodes = self.nodes.lock();
         nodes.push(bytes);
-        Ok(Addr {
-            off: (nodes.len() - 1) as u32,
-            ..Addr::default()
-        })
+        Ok(Addr { off: (nodes.len() - 1) as u32, ..Addr::default() })
     }
 }
 

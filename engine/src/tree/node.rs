@@ -61,9 +61,7 @@ impl Node {
     pub fn weight(&self) -> u64 {
         64 + match self {
             Node::Leaf(l) => l.bytes + l.entries.len() * 48,
-            Node::Branch(b) => {
-                b.keys.iter().map(|k| k.len() + 24).sum::<usize>() + b.children.len() * 32
-            }
+            Node::Branch(b) => b.keys.iter().map(|k| k.len() + 24).sum::<usize>() + b.children.len() * 32,
         } as u64
     }
 
@@ -87,9 +85,7 @@ impl Node {
                 for c in &b.children {
                     match c {
                         Child::Disk(a) => w.addr(a),
-                        Child::Mem(_) => {
-                            return Err(Error::Invalid("encoding a node with an unwritten child"))
-                        }
+                        Child::Mem(_) => return Err(Error::Invalid("encoding a node with an unwritten child")),
                     }
                 }
                 for k in &b.keys {
@@ -107,10 +103,7 @@ impl Node {
         let mut r = Reader::new(bytes, "tree node");
         let level = r.u8()?;
         let count = r.u32()? as usize;
-        let bad = || Error::Corrupted {
-            what: "tree node",
-            addr: "layout".into(),
-        };
+        let bad = || Error::Corrupted { what: "tree node", addr: "layout".into() };
         if level > MAX_LEVEL {
             return Err(bad());
         }
@@ -147,11 +140,7 @@ impl Node {
                 }
                 keys.push(k);
             }
-            Node::Branch(Branch {
-                level,
-                keys,
-                children,
-            })
+            Node::Branch(Branch { level, keys, children })
         };
         r.finish()?;
         Ok(node)

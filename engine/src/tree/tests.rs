@@ -25,17 +25,11 @@ fn many_inserts_split_and_stay_ordered_through_flush_and_reload() {
     }
     let root = t.flush(&s).expect("flush");
     let reloaded = Tree::from_root(root);
-    assert_eq!(
-        reloaded.get(&s, &key(12_345)).expect("get"),
-        Some(vec![(12_345u32) as u8; 40])
-    );
+    assert_eq!(reloaded.get(&s, &key(12_345)).expect("get"), Some(vec![(12_345u32) as u8; 40]));
     let all = contents(&reloaded, &s);
     assert_eq!(all.len(), 20_000);
     assert!(all.windows(2).all(|w| w[0].0 < w[1].0));
-    assert!(
-        s.load(root).expect("root").level() >= 2,
-        "20k entries must make a deep tree"
-    );
+    assert!(s.load(root).expect("root").level() >= 2, "20k entries must make a deep tree");
 }
 
 #[test]
@@ -75,11 +69,7 @@ fn removing_everything_collapses_the_tree() {
 fn a_pointer_cycle_in_corrupt_nodes_is_an_error_not_a_hang() {
     let s = MemNodeStore::default();
     // A branch at level 1 whose only child is itself (address 0).
-    let looped = Node::Branch(Branch {
-        level: 1,
-        keys: vec![],
-        children: vec![Child::Disk(Addr::default())],
-    });
+    let looped = Node::Branch(Branch { level: 1, keys: vec![], children: vec![Child::Disk(Addr::default())] });
     let addr = s.write(&looped).expect("write");
     let t = Tree::from_root(addr);
     assert!(t.get(&s, b"x").is_err());

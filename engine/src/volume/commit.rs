@@ -29,11 +29,7 @@ pub struct Superblock {
 
 impl Superblock {
     pub fn new(commit: Addr) -> Self {
-        Superblock {
-            magic: SUPERBLOCK_MAGIC,
-            version: SUPERBLOCK_VERSION,
-            commit,
-        }
+        Superblock { magic: SUPERBLOCK_MAGIC, version: SUPERBLOCK_VERSION, commit }
     }
 
     /// The encoding followed by its crc32c.
@@ -66,11 +62,7 @@ mod tests {
 
     #[test]
     fn superblock_round_trips_and_rejects_any_flipped_byte() {
-        let sb = Superblock::new(Addr {
-            seg: SegId { writer: 3, seq: 4 },
-            off: 5,
-            len: 6,
-        });
+        let sb = Superblock::new(Addr { seg: SegId { writer: 3, seq: 4 }, off: 5, len: 6 });
         let bytes = sb.encode();
         assert_eq!(Superblock::decode(&bytes).ok(), Some(sb));
         for i in 0..bytes.len() {

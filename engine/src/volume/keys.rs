@@ -63,16 +63,12 @@ pub fn orphan(ino: u64) -> Vec<u8> {
 
 /// The big-endian u64 at bytes 9..17 of a key (a cookie or an extent end).
 pub fn trailing_u64(key: &[u8]) -> u64 {
-    key.get(9..17)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, u64::from_be_bytes)
+    key.get(9..17).and_then(|b| b.try_into().ok()).map_or(0, u64::from_be_bytes)
 }
 
 /// The u64 right after the tag byte.
 pub fn leading_u64(key: &[u8]) -> u64 {
-    key.get(1..9)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, u64::from_be_bytes)
+    key.get(1..9).and_then(|b| b.try_into().ok()).map_or(0, u64::from_be_bytes)
 }
 
 #[cfg(test)]

@@ -67,6 +67,22 @@ impl Default for Config {
     }
 }
 
+/// A snapshot of a volume's counters.
+#[derive(Clone, Debug)]
+pub struct VolumeStats {
+    pub read_only: bool,
+    pub poisoned: bool,
+    pub io_backend: &'static str,
+    pub writer: u64,
+    pub last_seq: u64,
+    pub durable_seq: u64,
+    pub log_position: Option<(crate::format::SegId, u64)>,
+    pub ops_since_commit: u64,
+    pub inodes_allocated: u64,
+    pub node_cache_bytes: u64,
+    pub last_commit: Option<Addr>,
+}
+
 struct State {
     tree: Tree,
     next_ino: u64,
@@ -107,10 +123,7 @@ fn resolve(t: Option<TimeSet>, now: Timestamp) -> Option<Timestamp> {
 
 impl Volume {
     fn view<'a>(&'a self, st: &'a State) -> View<'a> {
-        View {
-            tree: &st.tree,
-            store: &self.nodes,
-        }
+        View { tree: &st.tree, store: &self.nodes }
     }
 
     fn log(&self) -> Result<&Arc<Log>> {
@@ -145,13 +158,31 @@ impl Volume {
 
     /// Whether a failed sync or write has stopped this volume.
     pub fn is_poisoned(&self) -> bool {
-        self.poisoned.load(Ordering::Acquire)
-            || self.nodes.log.get().is_some_and(|l| l.is_poisoned())
+        self.poisoned.load(Ordering::Acquire) || self.nodes.log.get().is_some_and(|l| l.is_poisoned())
     }
 
     /// The log this volume writes, if it is writable.
     pub fn log_handle(&self) -> Option<&Arc<Log>> {
         self.nodes.log.get()
+    }
+
+    /// Counters for `arbor status`.
+    pub fn stats(&self) -> VolumeStats {
+        let log = self.nodes.log.get();
+        let st = self.state.read();
+        VolumeStats {
+            read_only: self.cfg.read_only,
+            poisoned: self.is_poisoned(),
+            io_backend: self.nodes.device.io_name(),
+            writer: log.map_or(0, |l| l.writer()),
+            last_seq: log.map_or(0, |l| l.last_seq()),
+            durable_seq: log.map_or(0, |l| l.durable_seq()),
+            log_position: log.map(|l| l.position()),
+            ops_since_commit: st.ops_since_commit,
+            inodes_allocated: st.next_ino - 1,
+            node_cache_bytes: self.nodes.cache.weight(),
+            last_commit: st.last_commit,
+        }
     }
 
     /// The address of the newest durable commit.
@@ -163,21 +194,10 @@ impl Volume {
     fn run(&self, st: &mut State, op: ops::Op, data: &[u8]) -> Result<()> {
         let log = self.log()?;
         let meta = crate::format::encode_value(&op);
-        let app = log.append(
-            crate::format::RecordKind::Intent,
-            &meta,
-            data,
-            crate::device::failpoints::INTENT_APPEND,
-        )?;
-        let d = ops::Data {
-            addr: app.data,
-            crcs: &app.crcs,
-            bytes: data,
-        };
-        let mut tx = txn::Txn {
-            tree: &mut st.tree,
-            store: &self.nodes,
-        };
+        let app =
+            log.append(crate::format::RecordKind::Intent, &meta, data, crate::device::failpoints::INTENT_APPEND)?;
+        let d = ops::Data { addr: app.data, crcs: &app.crcs, bytes: data };
+        let mut tx = txn::Txn { tree: &mut st.tree, store: &self.nodes };
         if let Err(e) = ops::apply(&mut tx, &op, &d, &mut st.next_ino) {
             return Err(self.poison(e));
         }
@@ -219,32 +239,14 @@ impl Volume {
 
     /// Lists `ino` from `offset` (0 to start; else an entry's `offset`),
     /// calling `f` until it returns false.
-    pub fn readdir(
-        &self,
-        ino: u64,
-        offset: u64,
-        mut f: impl FnMut(DirEntryOut) -> bool,
-    ) -> Result<()> {
+    pub fn readdir(&self, ino: u64, offset: u64, mut f: impl FnMut(DirEntryOut) -> bool) -> Result<()> {
         let st = self.state.read();
         let v = self.view(&st);
         let dir = v.dir_inode(ino)?;
-        if offset < 1
-            && !f(DirEntryOut {
-                ino,
-                kind: FileKind::Directory,
-                name: b".".to_vec(),
-                offset: 1,
-            })
-        {
+        if offset < 1 && !f(DirEntryOut { ino, kind: FileKind::Directory, name: b".".to_vec(), offset: 1 }) {
             return Ok(());
         }
-        if offset < 2
-            && !f(DirEntryOut {
-                ino: dir.parent,
-                kind: FileKind::Directory,
-                name: b"..".to_vec(),
-                offset: 2,
-            })
+        if offset < 2 && !f(DirEntryOut { ino: dir.parent, kind: FileKind::Directory, name: b"..".to_vec(), offset: 2 })
         {
             return Ok(());
         }
@@ -255,12 +257,7 @@ impl Volume {
                 return Ok(false);
             }
             let e: CookieEntry = decode_value(val, "directory listing entry")?;
-            Ok(f(DirEntryOut {
-                ino: e.ino,
-                kind: e.kind,
-                name: e.name,
-                offset: keys::trailing_u64(k),
-            }))
+            Ok(f(DirEntryOut { ino: e.ino, kind: e.kind, name: e.name, offset: keys::trailing_u64(k) }))
         })
     }
 
@@ -277,19 +274,14 @@ impl Volume {
     pub fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
         let st = self.state.read();
         self.view(&st).inode(ino)?;
-        st.tree
-            .get(&self.nodes, &keys::xattr(ino, name))?
-            .ok_or(Error::NoAttr)
+        st.tree.get(&self.nodes, &keys::xattr(ino, name))?.ok_or(Error::NoAttr)
     }
 
     pub fn listxattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
         let st = self.state.read();
         let v = self.view(&st);
         v.inode(ino)?;
-        Ok(v.keys_with_prefix(&keys::xattr_prefix(ino))?
-            .into_iter()
-            .map(|k| k[9..].to_vec())
-            .collect())
+        Ok(v.keys_with_prefix(&keys::xattr_prefix(ino))?.into_iter().map(|k| k[9..].to_vec()).collect())
     }
 
     pub fn statfs(&self) -> StatFs {
@@ -310,69 +302,23 @@ impl Volume {
     // ---- namespace changes ----
 
     /// Creates a file, device, FIFO or socket; `mode` carries the type bits.
-    pub fn create(
-        &self,
-        parent: u64,
-        name: &[u8],
-        mode: u32,
-        uid: u32,
-        gid: u32,
-        rdev: u32,
-    ) -> Result<Attr> {
+    pub fn create(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32, rdev: u32) -> Result<Attr> {
         let kind = FileKind::from_mode(mode).ok_or(Error::Invalid("file type"))?;
         if matches!(kind, FileKind::Directory | FileKind::Symlink) {
             return Err(Error::Invalid("use mkdir or symlink"));
         }
-        self.make(
-            parent,
-            name,
-            kind,
-            (mode & 0o7777) as u16,
-            uid,
-            gid,
-            rdev,
-            None,
-        )
+        self.make(parent, name, kind, (mode & 0o7777) as u16, uid, gid, rdev, None)
     }
 
     pub fn mkdir(&self, parent: u64, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
-        self.make(
-            parent,
-            name,
-            FileKind::Directory,
-            perm & 0o7777,
-            uid,
-            gid,
-            0,
-            None,
-        )
+        self.make(parent, name, FileKind::Directory, perm & 0o7777, uid, gid, 0, None)
     }
 
-    pub fn symlink(
-        &self,
-        parent: u64,
-        name: &[u8],
-        target: &[u8],
-        uid: u32,
-        gid: u32,
-    ) -> Result<Attr> {
+    pub fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Result<Attr> {
         if target.is_empty() || target.len() > 4095 || target.contains(&0) {
-            return Err(if target.len() > 4095 {
-                Error::NameTooLong
-            } else {
-                Error::Invalid("symlink target")
-            });
+            return Err(if target.len() > 4095 { Error::NameTooLong } else { Error::Invalid("symlink target") });
         }
-        self.make(
-            parent,
-            name,
-            FileKind::Symlink,
-            0o777,
-            uid,
-            gid,
-            0,
-            Some(target.to_vec()),
-        )
+        self.make(parent, name, FileKind::Symlink, 0o777, uid, gid, 0, Some(target.to_vec()))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -406,18 +352,8 @@ impl Volume {
             }
         }
         let ino = st.next_ino;
-        let op = ops::Op::Create {
-            parent,
-            name: name.to_vec(),
-            ino,
-            kind,
-            perm,
-            uid,
-            gid,
-            rdev,
-            target,
-            time: self.now(),
-        };
+        let op =
+            ops::Op::Create { parent, name: name.to_vec(), ino, kind, perm, uid, gid, rdev, target, time: self.now() };
         self.run(&mut st, op, &[])?;
         Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
     }
@@ -441,16 +377,7 @@ impl Volume {
         if i.nlink == 0 {
             return Err(Error::NotFound);
         }
-        self.run(
-            &mut st,
-            ops::Op::Link {
-                ino,
-                parent: new_parent,
-                name: new_name.to_vec(),
-                time: self.now(),
-            },
-            &[],
-        )?;
+        self.run(&mut st, ops::Op::Link { ino, parent: new_parent, name: new_name.to_vec(), time: self.now() }, &[])?;
         Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
     }
 
@@ -487,26 +414,10 @@ impl Volume {
         }
         let last_link = !is_dir && v.inode(e.ino)?.nlink <= 1;
         let keep_orphan = last_link && self.opens.lock().get(&e.ino).is_some_and(|n| *n > 0);
-        self.run(
-            &mut st,
-            ops::Op::Unlink {
-                parent,
-                name: name.to_vec(),
-                keep_orphan,
-                time: self.now(),
-            },
-            &[],
-        )
+        self.run(&mut st, ops::Op::Unlink { parent, name: name.to_vec(), keep_orphan, time: self.now() }, &[])
     }
 
-    pub fn rename(
-        &self,
-        parent: u64,
-        name: &[u8],
-        new_parent: u64,
-        new_name: &[u8],
-        mode: RenameMode,
-    ) -> Result<()> {
+    pub fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], mode: RenameMode) -> Result<()> {
         check_name(name)?;
         check_name(new_name)?;
         self.log()?;
@@ -537,10 +448,7 @@ impl Volume {
                 if d.ino == src.ino {
                     return Ok(());
                 }
-                match (
-                    src.kind == FileKind::Directory,
-                    d.kind == FileKind::Directory,
-                ) {
+                match (src.kind == FileKind::Directory, d.kind == FileKind::Directory) {
                     (true, false) => return Err(Error::NotDir),
                     (false, true) => return Err(Error::IsDir),
                     (true, true) if !v.is_empty_dir(d.ino)? => return Err(Error::NotEmpty),
@@ -635,16 +543,7 @@ impl Volume {
             XattrFlags::Replace if !exists => return Err(Error::NoAttr),
             _ => {}
         }
-        self.run(
-            &mut st,
-            ops::Op::SetXattr {
-                ino,
-                name: name.to_vec(),
-                value: value.to_vec(),
-                time: self.now(),
-            },
-            &[],
-        )
+        self.run(&mut st, ops::Op::SetXattr { ino, name: name.to_vec(), value: value.to_vec(), time: self.now() }, &[])
     }
 
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
@@ -654,25 +553,14 @@ impl Volume {
         if st.tree.get(&self.nodes, &keys::xattr(ino, name))?.is_none() {
             return Err(Error::NoAttr);
         }
-        self.run(
-            &mut st,
-            ops::Op::RemoveXattr {
-                ino,
-                name: name.to_vec(),
-                time: self.now(),
-            },
-            &[],
-        )
+        self.run(&mut st, ops::Op::RemoveXattr { ino, name: name.to_vec(), time: self.now() }, &[])
     }
 
     // ---- data ----
 
     /// Writes `data` at `off`; returns the bytes written (all of them).
     pub fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
-        if off
-            .checked_add(data.len() as u64)
-            .is_none_or(|end| end > MAX_FILE_SIZE)
-        {
+        if off.checked_add(data.len() as u64).is_none_or(|end| end > MAX_FILE_SIZE) {
             return Err(Error::TooBig);
         }
         self.log()?;
@@ -693,15 +581,7 @@ impl Volume {
         let chunk = self.max_write_chunk();
         let mut at = off;
         for piece in data.chunks(chunk) {
-            self.run(
-                &mut st,
-                ops::Op::Write {
-                    ino,
-                    off: at,
-                    time: self.now(),
-                },
-                piece,
-            )?;
+            self.run(&mut st, ops::Op::Write { ino, off: at, time: self.now() }, piece)?;
             at += piece.len() as u64;
         }
         Ok(data.len())
@@ -710,9 +590,7 @@ impl Volume {
     /// The largest data payload one record carries.
     fn max_write_chunk(&self) -> usize {
         let by_segment = (self.cfg.segment_size / 2) as usize;
-        (1usize << 20)
-            .min(by_segment.saturating_sub(BLOCK_SIZE))
-            .max(BLOCK_SIZE)
+        (1usize << 20).min(by_segment.saturating_sub(BLOCK_SIZE)).max(BLOCK_SIZE)
     }
 
     /// Moves an inline file's bytes into an extent before it grows past the
@@ -720,9 +598,7 @@ impl Volume {
     fn spill(&self, st: &mut State, ino: u64) -> Result<()> {
         let i = self.view(st).inode(ino)?;
         match i.inline {
-            Some(bytes) if i.kind == FileKind::Regular => {
-                self.run(st, ops::Op::Spill { ino }, &bytes)
-            }
+            Some(bytes) if i.kind == FileKind::Regular => self.run(st, ops::Op::Spill { ino }, &bytes),
             _ => Ok(()),
         }
     }
@@ -800,19 +676,11 @@ impl Volume {
                 time: self.now(),
             };
             let meta = crate::format::encode_value(&rec);
-            let app = log.append(
-                crate::format::RecordKind::Commit,
-                &meta,
-                &[],
-                crate::device::failpoints::COMMIT_RECORD,
-            )?;
+            let app =
+                log.append(crate::format::RecordKind::Commit, &meta, &[], crate::device::failpoints::COMMIT_RECORD)?;
             log.sync(app.seq)?;
-            self.nodes
-                .device
-                .failpoint(crate::device::failpoints::SUPERBLOCK)?;
-            self.nodes
-                .device
-                .write_superblock(&Superblock::new(app.addr).encode())?;
+            self.nodes.device.failpoint(crate::device::failpoints::SUPERBLOCK)?;
+            self.nodes.device.write_superblock(&Superblock::new(app.addr).encode())?;
             Ok(app.addr)
         })();
         match res {

@@ -16,19 +16,12 @@ pub struct Nodes {
 }
 
 /// Reads and verifies the record at `addr`, which must be of `kind`.
-pub fn read_record_at(
-    device: &dyn Device,
-    addr: Addr,
-    kind: RecordKind,
-) -> Result<crate::log::Record> {
-    let file = device
-        .open_segment(addr.seg)?
-        .ok_or_else(|| Error::corrupted("missing segment", addr))?;
-    let rec =
-        read_record(file.as_ref(), addr.seg, addr.off as u64, addr.end()).map_err(|e| match e {
-            Error::Corrupted { what, .. } => Error::corrupted(what, addr),
-            e => e,
-        })?;
+pub fn read_record_at(device: &dyn Device, addr: Addr, kind: RecordKind) -> Result<crate::log::Record> {
+    let file = device.open_segment(addr.seg)?.ok_or_else(|| Error::corrupted("missing segment", addr))?;
+    let rec = read_record(file.as_ref(), addr.seg, addr.off as u64, addr.end()).map_err(|e| match e {
+        Error::Corrupted { what, .. } => Error::corrupted(what, addr),
+        e => e,
+    })?;
     if rec.kind != kind || rec.addr != addr {
         return Err(Error::corrupted("record of the wrong kind", addr));
     }
@@ -41,22 +34,14 @@ impl NodeStore for Nodes {
             return Ok(n);
         }
         let rec = read_record_at(self.device.as_ref(), addr, RecordKind::Node)?;
-        let node =
-            Arc::new(Node::decode(&rec.meta).map_err(|_| Error::corrupted("tree node", addr))?);
+        let node = Arc::new(Node::decode(&rec.meta).map_err(|_| Error::corrupted("tree node", addr))?);
         self.cache.insert(addr, node.clone());
         Ok(node)
     }
 
     fn write(&self, node: &Node) -> Result<Addr> {
         let log = self.log.get().ok_or(Error::ReadOnly)?;
-        Ok(log
-            .append(
-                RecordKind::Node,
-                &node.encode()?,
-                &[],
-                failpoints::NODE_WRITE,
-            )?
-            .addr)
+        Ok(log.append(RecordKind::Node, &node.encode()?, &[], failpoints::NODE_WRITE)?.addr)
     }
 
     fn cache(&self, addr: Addr, node: Arc<Node>) {

@@ -29,26 +29,11 @@ impl Volume {
         Self::open_with_report(device, cfg).map(|(v, _)| v)
     }
 
-    pub fn open_with_report(
-        device: Arc<dyn Device>,
-        cfg: Config,
-    ) -> Result<(Arc<Volume>, Recovery)> {
-        let nodes = Nodes {
-            device: device.clone(),
-            cache: NodeCache::new(cfg.node_cache_bytes),
-            log: OnceLock::new(),
-        };
-        let mut st = State {
-            tree: Tree::new(),
-            next_ino: ROOT_INO + 1,
-            ops_since_commit: 0,
-            last_commit: None,
-        };
+    pub fn open_with_report(device: Arc<dyn Device>, cfg: Config) -> Result<(Arc<Volume>, Recovery)> {
+        let nodes = Nodes { device: device.clone(), cache: NodeCache::new(cfg.node_cache_bytes), log: OnceLock::new() };
+        let mut st = State { tree: Tree::new(), next_ino: ROOT_INO + 1, ops_since_commit: 0, last_commit: None };
         let mut report = Recovery::default();
-        let superblock = device
-            .read_superblock()?
-            .map(|b| Superblock::decode(&b))
-            .transpose()?;
+        let superblock = device.read_superblock()?.map(|b| Superblock::decode(&b)).transpose()?;
         let mut last_seq = 0;
         if let Some(sb) = &superblock {
             last_seq = replay(&nodes, &mut st, sb, cfg.read_only, &mut report)?;
@@ -69,27 +54,12 @@ impl Volume {
             let _ = vol.nodes.log.set(Arc::new(log));
             let mut st = vol.state.write();
             if superblock.is_none() {
-                let op = Op::InitRoot {
-                    perm: 0o755,
-                    uid: vol.cfg.root_uid,
-                    gid: vol.cfg.root_gid,
-                    time: vol.now(),
-                };
+                let op = Op::InitRoot { perm: 0o755, uid: vol.cfg.root_uid, gid: vol.cfg.root_gid, time: vol.now() };
                 vol.run(&mut st, op, &[])?;
             }
-            let orphans = Txn {
-                tree: &mut st.tree,
-                store: &vol.nodes,
-            }
-            .keys_with_prefix(&[keys::ORPHAN])?;
+            let orphans = Txn { tree: &mut st.tree, store: &vol.nodes }.keys_with_prefix(&[keys::ORPHAN])?;
             for k in orphans {
-                vol.run(
-                    &mut st,
-                    Op::DropOrphan {
-                        ino: keys::leading_u64(&k),
-                    },
-                    &[],
-                )?;
+                vol.run(&mut st, Op::DropOrphan { ino: keys::leading_u64(&k) }, &[])?;
             }
             vol.commit_locked(&mut st)?;
         }
@@ -105,17 +75,11 @@ impl Volume {
 
 /// Loads the superblock's commit and replays every intent after it.
 /// Returns the last sequence number seen.
-fn replay(
-    nodes: &Nodes,
-    st: &mut State,
-    sb: &Superblock,
-    read_only: bool,
-    report: &mut Recovery,
-) -> Result<u64> {
+fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, report: &mut Recovery) -> Result<u64> {
     let device = nodes.device.clone();
     let rec = read_record_at(device.as_ref(), sb.commit, RecordKind::Commit)?;
-    let commit: CommitRecord = decode_value(&rec.meta, "commit record")
-        .map_err(|_| Error::corrupted("commit record", sb.commit))?;
+    let commit: CommitRecord =
+        decode_value(&rec.meta, "commit record").map_err(|_| Error::corrupted("commit record", sb.commit))?;
     st.tree = Tree::from_root(commit.root);
     st.next_ino = commit.next_ino;
     st.last_commit = Some(sb.commit);
@@ -128,17 +92,9 @@ fn replay(
                 if r.kind != RecordKind::Intent {
                     continue;
                 }
-                let op: Op = decode_value(&r.meta, "intent")
-                    .map_err(|_| Error::corrupted("intent", r.addr))?;
-                let data = ops::Data {
-                    addr: r.data_addr,
-                    crcs: &r.crcs,
-                    bytes: &r.data,
-                };
-                let mut tx = Txn {
-                    tree: &mut st.tree,
-                    store: nodes,
-                };
+                let op: Op = decode_value(&r.meta, "intent").map_err(|_| Error::corrupted("intent", r.addr))?;
+                let data = ops::Data { addr: r.data_addr, crcs: &r.crcs, bytes: &r.data };
+                let mut tx = Txn { tree: &mut st.tree, store: nodes };
                 ops::apply(&mut tx, &op, &data, &mut st.next_ino)?;
                 st.ops_since_commit += 1;
                 report.replayed += 1;
@@ -161,11 +117,7 @@ fn replay(
 
 /// A writer id no segment on this device uses yet.
 fn fresh_writer(device: &dyn Device, env: &dyn crate::env::Env) -> Result<u64> {
-    let taken: std::collections::HashSet<u64> = device
-        .list_segments()?
-        .into_iter()
-        .map(|s| s.writer)
-        .collect();
+    let taken: std::collections::HashSet<u64> = device.list_segments()?.into_iter().map(|s| s.writer).collect();
     for _ in 0..64 {
         let w = env.random_u64();
         if w != 0 && !taken.contains(&w) {
@@ -175,11 +127,7 @@ fn fresh_writer(device: &dyn Device, env: &dyn crate::env::Env) -> Result<u64> {
     Err(Error::Invalid("could not pick a fresh writer id"))
 }
 
-fn spawn_committer(
-    vol: Weak<Volume>,
-    stop: mpsc::Receiver<()>,
-    every: std::time::Duration,
-) -> Result<()> {
+fn spawn_committer(vol: Weak<Volume>, stop: mpsc::Receiver<()>, every: std::time::Duration) -> Result<()> {
     std::thread::Builder::new()
         .name("arbor-commit".into())
         .spawn(move || {

@@ -64,9 +64,15 @@ pub enum Op {
         time: Timestamp,
     },
     /// Writes the record's data bytes at `off`.
-    Write { ino: u64, off: u64, time: Timestamp },
+    Write {
+        ino: u64,
+        off: u64,
+        time: Timestamp,
+    },
     /// Moves an inline file's bytes (the record's data) into an extent.
-    Spill { ino: u64 },
+    Spill {
+        ino: u64,
+    },
     SetXattr {
         ino: u64,
         name: Vec<u8>,
@@ -79,7 +85,9 @@ pub enum Op {
         time: Timestamp,
     },
     /// Deletes an unlinked inode once its last user closed it.
-    DropOrphan { ino: u64 },
+    DropOrphan {
+        ino: u64,
+    },
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -97,47 +105,13 @@ fn touch(i: &mut Inode, t: Timestamp) {
 /// Applies one validated intent. `next_ino` tracks the highest inode used.
 pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<()> {
     match op {
-        Op::InitRoot {
-            perm,
-            uid,
-            gid,
-            time,
-        } => {
-            let root = new_inode(
-                FileKind::Directory,
-                *perm,
-                *uid,
-                *gid,
-                0,
-                ROOT_INO,
-                None,
-                *time,
-            );
+        Op::InitRoot { perm, uid, gid, time } => {
+            let root = new_inode(FileKind::Directory, *perm, *uid, *gid, 0, ROOT_INO, None, *time);
             tx.put_inode(ROOT_INO, &root)
         }
-        Op::Create {
-            parent,
-            name,
-            ino,
-            kind,
-            perm,
-            uid,
-            gid,
-            rdev,
-            target,
-            time,
-        } => {
+        Op::Create { parent, name, ino, kind, perm, uid, gid, rdev, target, time } => {
             let mut p = tx.inode(*parent)?;
-            let node = new_inode(
-                *kind,
-                *perm,
-                *uid,
-                *gid,
-                *rdev,
-                *parent,
-                target.clone(),
-                *time,
-            );
+            let node = new_inode(*kind, *perm, *uid, *gid, *rdev, *parent, target.clone(), *time);
             tx.add_entry(&mut p, *parent, name, *ino, *kind)?;
             if *kind == FileKind::Directory {
                 p.nlink += 1;
@@ -148,12 +122,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             *next_ino = (*next_ino).max(ino + 1);
             Ok(())
         }
-        Op::Link {
-            ino,
-            parent,
-            name,
-            time,
-        } => {
+        Op::Link { ino, parent, name, time } => {
             let mut i = tx.inode(*ino)?;
             let mut p = tx.inode(*parent)?;
             tx.add_entry(&mut p, *parent, name, *ino, i.kind)?;
@@ -163,12 +132,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             i.ctime = *time;
             tx.put_inode(*ino, &i)
         }
-        Op::Unlink {
-            parent,
-            name,
-            keep_orphan,
-            time,
-        } => {
+        Op::Unlink { parent, name, keep_orphan, time } => {
             let e = tx.remove_entry(*parent, name)?.ok_or(Error::NotFound)?;
             let mut p = tx.inode(*parent)?;
             touch(&mut p, *time);
@@ -178,24 +142,10 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             tx.put_inode(*parent, &p)?;
             drop_link(tx, e.ino, *keep_orphan, *time)
         }
-        Op::Rename {
-            parent,
-            name,
-            new_parent,
-            new_name,
-            mode,
-            time,
-        } => apply_rename(tx, *parent, name, *new_parent, new_name, *mode, *time),
-        Op::SetAttr {
-            ino,
-            perm,
-            uid,
-            gid,
-            size,
-            atime,
-            mtime,
-            time,
-        } => {
+        Op::Rename { parent, name, new_parent, new_name, mode, time } => {
+            apply_rename(tx, *parent, name, *new_parent, new_name, *mode, *time)
+        }
+        Op::SetAttr { ino, perm, uid, gid, size, atime, mtime, time } => {
             let mut i = tx.inode(*ino)?;
             if let Some(p) = perm {
                 i.perm = *p;
@@ -234,12 +184,8 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
                 _ => {
                     i.inline = None;
                     i.allocated -= tx.punch(*ino, *off, end)?;
-                    let e = Extent {
-                        data: data.addr,
-                        rec_off: 0,
-                        len: data.bytes.len() as u32,
-                        crcs: data.crcs.to_vec(),
-                    };
+                    let e =
+                        Extent { data: data.addr, rec_off: 0, len: data.bytes.len() as u32, crcs: data.crcs.to_vec() };
                     tx.put(keys::extent(*ino, end), e.encode())?;
                     i.allocated += e.len as u64;
                 }
@@ -252,23 +198,13 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             let mut i = tx.inode(*ino)?;
             i.inline = None;
             if !data.bytes.is_empty() {
-                let e = Extent {
-                    data: data.addr,
-                    rec_off: 0,
-                    len: data.bytes.len() as u32,
-                    crcs: data.crcs.to_vec(),
-                };
+                let e = Extent { data: data.addr, rec_off: 0, len: data.bytes.len() as u32, crcs: data.crcs.to_vec() };
                 tx.put(keys::extent(*ino, e.len as u64), e.encode())?;
                 i.allocated += e.len as u64;
             }
             tx.put_inode(*ino, &i)
         }
-        Op::SetXattr {
-            ino,
-            name,
-            value,
-            time,
-        } => {
+        Op::SetXattr { ino, name, value, time } => {
             let mut i = tx.inode(*ino)?;
             tx.put(keys::xattr(*ino, name), value.clone())?;
             i.ctime = *time;
@@ -375,20 +311,11 @@ fn apply_rename(
         }
     }
     // Directory link counts: a directory leaving a parent takes one link with it.
-    let dirs_out = |p: u64| {
-        moved
-            .iter()
-            .filter(|(e, from, _, _)| e.kind == FileKind::Directory && *from == p)
-            .count() as i64
-    };
-    let dirs_in = |p: u64| {
-        moved
-            .iter()
-            .filter(|(e, _, to, _)| e.kind == FileKind::Directory && *to == p)
-            .count() as i64
-    };
-    let replaced_dir =
-        dst.as_ref().is_some_and(|d| d.kind == FileKind::Directory) && mode != RenameMode::Exchange;
+    let dirs_out =
+        |p: u64| moved.iter().filter(|(e, from, _, _)| e.kind == FileKind::Directory && *from == p).count() as i64;
+    let dirs_in =
+        |p: u64| moved.iter().filter(|(e, _, to, _)| e.kind == FileKind::Directory && *to == p).count() as i64;
+    let replaced_dir = dst.as_ref().is_some_and(|d| d.kind == FileKind::Directory) && mode != RenameMode::Exchange;
     let mut parents = vec![parent];
     if new_parent != parent {
         parents.push(new_parent);

@@ -9,11 +9,7 @@ use crate::format::BLOCK_SIZE;
 
 enum Plan {
     Bytes(Vec<u8>),
-    Extents {
-        start: u64,
-        len: usize,
-        extents: Vec<(u64, Extent)>,
-    },
+    Extents { start: u64, len: usize, extents: Vec<(u64, Extent)> },
 }
 
 impl Volume {
@@ -35,20 +31,12 @@ impl Volume {
             let n = (len as u64).min(i.size - off) as usize;
             match &i.inline {
                 Some(b) => Plan::Bytes(b[off as usize..off as usize + n].to_vec()),
-                None => Plan::Extents {
-                    start: off,
-                    len: n,
-                    extents: v.extent_parts(ino, off, off + n as u64)?,
-                },
+                None => Plan::Extents { start: off, len: n, extents: v.extent_parts(ino, off, off + n as u64)? },
             }
         };
         match plan {
             Plan::Bytes(b) => Ok(b),
-            Plan::Extents {
-                start,
-                len,
-                extents,
-            } => {
+            Plan::Extents { start, len, extents } => {
                 let mut out = vec![0u8; len];
                 let end = start + len as u64;
                 for (from, part) in extents {
@@ -70,17 +58,11 @@ impl Volume {
         let b0 = r0 / BLOCK_SIZE;
         let span_end = (r1.div_ceil(BLOCK_SIZE) * BLOCK_SIZE).min(data.len as usize);
         let mut buf = vec![0u8; span_end - b0 * BLOCK_SIZE];
-        let file = self
-            .device()
-            .open_segment(data.seg)?
-            .ok_or_else(|| Error::corrupted("missing segment", data))?;
+        let file = self.device().open_segment(data.seg)?.ok_or_else(|| Error::corrupted("missing segment", data))?;
         file.read_at(&mut buf, data.off as u64 + (b0 * BLOCK_SIZE) as u64)?;
         for (i, block) in buf.chunks(BLOCK_SIZE).enumerate() {
             if e.crc_of(b0 + i) != Some(crc32c::crc32c(block)) {
-                return Err(Error::corrupted(
-                    "data block checksum",
-                    format!("{data} block {}", b0 + i),
-                ));
+                return Err(Error::corrupted("data block checksum", format!("{data} block {}", b0 + i)));
             }
         }
         let skip = r0 - b0 * BLOCK_SIZE;

@@ -4,12 +4,7 @@ use crate::env::TestEnv;
 use crate::io::IoMode;
 
 fn cfg() -> Config {
-    Config {
-        commit_interval: None,
-        segment_size: 1 << 20,
-        env: TestEnv::new(7),
-        ..Config::default()
-    }
+    Config { commit_interval: None, segment_size: 1 << 20, env: TestEnv::new(7), ..Config::default() }
 }
 
 fn sim() -> (SimDevice, Arc<Volume>) {
@@ -23,16 +18,7 @@ fn reopen(dev: &SimDevice) -> Arc<Volume> {
 }
 
 fn file(vol: &Volume, parent: u64, name: &str) -> u64 {
-    vol.create(
-        parent,
-        name.as_bytes(),
-        libc::S_IFREG | 0o644,
-        1000,
-        1000,
-        0,
-    )
-    .expect("create")
-    .ino
+    vol.create(parent, name.as_bytes(), libc::S_IFREG | 0o644, 1000, 1000, 0).expect("create").ino
 }
 
 fn errno<T: std::fmt::Debug>(r: Result<T>) -> i32 {
@@ -40,19 +26,14 @@ fn errno<T: std::fmt::Debug>(r: Result<T>) -> i32 {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
 #[test]
 fn a_new_volume_has_a_root_directory() {
     let (_, vol) = sim();
     let root = vol.getattr(ROOT_INO).expect("root");
-    assert_eq!(
-        (root.kind, root.perm, root.nlink),
-        (FileKind::Directory, 0o755, 2)
-    );
+    assert_eq!((root.kind, root.perm, root.nlink), (FileKind::Directory, 0o755, 2));
     assert!(vol.list_dir(ROOT_INO).expect("list").is_empty());
 }
 
@@ -72,10 +53,7 @@ fn write_read_across_inline_spill_holes_and_overwrites() {
     // Overwrite the middle, unaligned.
     vol.write(ino, 10_001, b"XYZ").expect("overwrite");
     model[10_001..10_004].copy_from_slice(b"XYZ");
-    assert_eq!(
-        vol.read(ino, 9_000, 2_000).expect("read"),
-        model[9_000..11_000]
-    );
+    assert_eq!(vol.read(ino, 9_000, 2_000).expect("read"), model[9_000..11_000]);
     // A hole far past the end reads as zeros.
     vol.write(ino, 10 << 20, b"end").expect("write past end");
     let hole = vol.read(ino, model.len() as u64, 4096).expect("read hole");
@@ -89,31 +67,14 @@ fn sparse_files_reach_a_terabyte_and_refuse_past_the_maximum() {
     let ino = file(&vol, ROOT_INO, "sparse");
     let tb = 1u64 << 40;
     vol.write(ino, tb, b"far").expect("write at 1 TiB");
-    vol.write(ino, 5 << 30, b"past 4 GiB")
-        .expect("write at 5 GiB");
+    vol.write(ino, 5 << 30, b"past 4 GiB").expect("write at 5 GiB");
     assert_eq!(vol.getattr(ino).expect("attr").size, tb + 3);
     assert_eq!(vol.read(ino, tb, 3).expect("read"), b"far");
     assert_eq!(vol.read(ino, 5 << 30, 10).expect("read"), b"past 4 GiB");
-    assert!(
-        vol.getattr(ino).expect("attr").blocks < 10,
-        "holes take no space"
-    );
+    assert!(vol.getattr(ino).expect("attr").blocks < 10, "holes take no space");
     assert_eq!(errno(vol.write(ino, MAX_FILE_SIZE, b"x")), libc::EFBIG);
-    assert_eq!(
-        errno(vol.setattr(
-            ino,
-            SetAttr {
-                size: Some(MAX_FILE_SIZE + 1),
-                ..Default::default()
-            }
-        )),
-        libc::EFBIG
-    );
-    assert_eq!(
-        vol.getattr(ino).expect("attr").size,
-        tb + 3,
-        "a refused write changes nothing"
-    );
+    assert_eq!(errno(vol.setattr(ino, SetAttr { size: Some(MAX_FILE_SIZE + 1), ..Default::default() })), libc::EFBIG);
+    assert_eq!(vol.getattr(ino).expect("attr").size, tb + 3, "a refused write changes nothing");
 }
 
 #[test]
@@ -121,53 +82,18 @@ fn truncate_shrinks_then_grows_with_zeros() {
     let (_, vol) = sim();
     let ino = file(&vol, ROOT_INO, "t");
     vol.write(ino, 0, &pattern(20_000, 3)).expect("write");
-    vol.setattr(
-        ino,
-        SetAttr {
-            size: Some(5000),
-            ..Default::default()
-        },
-    )
-    .expect("shrink");
-    vol.setattr(
-        ino,
-        SetAttr {
-            size: Some(20_000),
-            ..Default::default()
-        },
-    )
-    .expect("grow");
+    vol.setattr(ino, SetAttr { size: Some(5000), ..Default::default() }).expect("shrink");
+    vol.setattr(ino, SetAttr { size: Some(20_000), ..Default::default() }).expect("grow");
     let back = vol.read(ino, 0, 20_000).expect("read");
     assert_eq!(back[..5000], pattern(20_000, 3)[..5000]);
     assert!(back[5000..].iter().all(|b| *b == 0));
     // Inline files too.
     let small = file(&vol, ROOT_INO, "s");
     vol.write(small, 0, b"abcdef").expect("write");
-    vol.setattr(
-        small,
-        SetAttr {
-            size: Some(2),
-            ..Default::default()
-        },
-    )
-    .expect("shrink");
-    vol.setattr(
-        small,
-        SetAttr {
-            size: Some(4),
-            ..Default::default()
-        },
-    )
-    .expect("grow");
+    vol.setattr(small, SetAttr { size: Some(2), ..Default::default() }).expect("shrink");
+    vol.setattr(small, SetAttr { size: Some(4), ..Default::default() }).expect("grow");
     assert_eq!(vol.read(small, 0, 10).expect("read"), b"ab\0\0");
-    vol.setattr(
-        small,
-        SetAttr {
-            size: Some(100_000),
-            ..Default::default()
-        },
-    )
-    .expect("grow past inline");
+    vol.setattr(small, SetAttr { size: Some(100_000), ..Default::default() }).expect("grow past inline");
     assert_eq!(vol.read(small, 0, 4).expect("read"), b"ab\0\0");
     assert_eq!(vol.getattr(small).expect("attr").size, 100_000);
 }
@@ -179,52 +105,22 @@ fn namespace_errors_get_their_errno_and_change_nothing() {
     let f = file(&vol, ROOT_INO, "f");
     let before = vol.list_dir(ROOT_INO).expect("list");
     let long = vec![b'a'; 256];
-    assert_eq!(
-        errno(vol.create(ROOT_INO, &long, libc::S_IFREG | 0o644, 0, 0, 0)),
-        libc::ENAMETOOLONG
-    );
-    assert_eq!(
-        errno(vol.create(ROOT_INO, b"a/b", libc::S_IFREG, 0, 0, 0)),
-        libc::EINVAL
-    );
-    assert_eq!(
-        errno(vol.create(ROOT_INO, b"a\0b", libc::S_IFREG, 0, 0, 0)),
-        libc::EINVAL
-    );
-    assert_eq!(
-        errno(vol.create(ROOT_INO, b"f", libc::S_IFREG, 0, 0, 0)),
-        libc::EEXIST
-    );
+    assert_eq!(errno(vol.create(ROOT_INO, &long, libc::S_IFREG | 0o644, 0, 0, 0)), libc::ENAMETOOLONG);
+    assert_eq!(errno(vol.create(ROOT_INO, b"a/b", libc::S_IFREG, 0, 0, 0)), libc::EINVAL);
+    assert_eq!(errno(vol.create(ROOT_INO, b"a\0b", libc::S_IFREG, 0, 0, 0)), libc::EINVAL);
+    assert_eq!(errno(vol.create(ROOT_INO, b"f", libc::S_IFREG, 0, 0, 0)), libc::EEXIST);
     assert_eq!(errno(vol.mkdir(ROOT_INO, b"d", 0o755, 0, 0)), libc::EEXIST);
-    assert_eq!(
-        errno(vol.create(f, b"x", libc::S_IFREG, 0, 0, 0)),
-        libc::ENOTDIR
-    );
+    assert_eq!(errno(vol.create(f, b"x", libc::S_IFREG, 0, 0, 0)), libc::ENOTDIR);
     assert_eq!(errno(vol.lookup(ROOT_INO, b"nope")), libc::ENOENT);
     assert_eq!(errno(vol.unlink(ROOT_INO, b"d")), libc::EISDIR);
     assert_eq!(errno(vol.rmdir(ROOT_INO, b"f")), libc::ENOTDIR);
     file(&vol, d, "inside");
     assert_eq!(errno(vol.rmdir(ROOT_INO, b"d")), libc::ENOTEMPTY);
-    assert_eq!(
-        errno(vol.rename(ROOT_INO, b"d", d, b"self", RenameMode::Plain)),
-        libc::EINVAL
-    );
-    assert_eq!(
-        errno(vol.rename(ROOT_INO, b"f", ROOT_INO, b"d", RenameMode::Plain)),
-        libc::EISDIR
-    );
-    assert_eq!(
-        errno(vol.rename(ROOT_INO, b"d", ROOT_INO, b"f", RenameMode::Plain)),
-        libc::ENOTDIR
-    );
-    assert_eq!(
-        errno(vol.rename(ROOT_INO, b"f", ROOT_INO, b"d", RenameMode::NoReplace)),
-        libc::EEXIST
-    );
-    assert_eq!(
-        errno(vol.rename(ROOT_INO, b"f", ROOT_INO, b"zz", RenameMode::Exchange)),
-        libc::ENOENT
-    );
+    assert_eq!(errno(vol.rename(ROOT_INO, b"d", d, b"self", RenameMode::Plain)), libc::EINVAL);
+    assert_eq!(errno(vol.rename(ROOT_INO, b"f", ROOT_INO, b"d", RenameMode::Plain)), libc::EISDIR);
+    assert_eq!(errno(vol.rename(ROOT_INO, b"d", ROOT_INO, b"f", RenameMode::Plain)), libc::ENOTDIR);
+    assert_eq!(errno(vol.rename(ROOT_INO, b"f", ROOT_INO, b"d", RenameMode::NoReplace)), libc::EEXIST);
+    assert_eq!(errno(vol.rename(ROOT_INO, b"f", ROOT_INO, b"zz", RenameMode::Exchange)), libc::ENOENT);
     assert_eq!(errno(vol.link(d, ROOT_INO, b"dirlink")), libc::EPERM);
     assert_eq!(errno(vol.read(d, 0, 1)), libc::EISDIR);
     assert_eq!(errno(vol.write(d, 0, b"x")), libc::EISDIR);
@@ -240,45 +136,26 @@ fn rename_replaces_exchanges_and_keeps_link_counts() {
     let b = vol.mkdir(ROOT_INO, b"b", 0o755, 0, 0).expect("mkdir").ino;
     let sub = vol.mkdir(a, b"sub", 0o755, 0, 0).expect("mkdir").ino;
     assert_eq!(vol.getattr(a).expect("a").nlink, 3);
-    vol.rename(a, b"sub", b, b"moved", RenameMode::Plain)
-        .expect("move dir");
-    assert_eq!(
-        (
-            vol.getattr(a).expect("a").nlink,
-            vol.getattr(b).expect("b").nlink
-        ),
-        (2, 3)
-    );
+    vol.rename(a, b"sub", b, b"moved", RenameMode::Plain).expect("move dir");
+    assert_eq!((vol.getattr(a).expect("a").nlink, vol.getattr(b).expect("b").nlink), (2, 3));
     assert_eq!(vol.lookup(sub, b"..").expect("..").ino, b);
     // Replace a file atomically.
     let old = file(&vol, ROOT_INO, "ckpt");
     let new = file(&vol, ROOT_INO, "ckpt.tmp");
     vol.write(new, 0, b"new").expect("write");
-    vol.rename(ROOT_INO, b"ckpt.tmp", ROOT_INO, b"ckpt", RenameMode::Plain)
-        .expect("replace");
+    vol.rename(ROOT_INO, b"ckpt.tmp", ROOT_INO, b"ckpt", RenameMode::Plain).expect("replace");
     assert_eq!(vol.lookup(ROOT_INO, b"ckpt").expect("lookup").ino, new);
     assert_eq!(errno(vol.getattr(old)), libc::ENOENT);
     // Exchange a file and a directory across parents.
     let x = file(&vol, a, "x");
-    vol.rename(a, b"x", ROOT_INO, b"b", RenameMode::Exchange)
-        .expect("exchange");
+    vol.rename(a, b"x", ROOT_INO, b"b", RenameMode::Exchange).expect("exchange");
     assert_eq!(vol.lookup(ROOT_INO, b"b").expect("b").ino, x);
     assert_eq!(vol.lookup(a, b"x").expect("x").ino, b);
     assert_eq!(vol.lookup(b, b"..").expect("..").ino, a);
-    assert_eq!(
-        (
-            vol.getattr(ROOT_INO).expect("root").nlink,
-            vol.getattr(a).expect("a").nlink
-        ),
-        (3, 3)
-    );
+    assert_eq!((vol.getattr(ROOT_INO).expect("root").nlink, vol.getattr(a).expect("a").nlink), (3, 3));
     // Replacing an empty directory.
-    let e = vol
-        .mkdir(ROOT_INO, b"empty", 0o755, 0, 0)
-        .expect("mkdir")
-        .ino;
-    vol.rename(ROOT_INO, b"a", ROOT_INO, b"empty", RenameMode::Plain)
-        .expect("replace dir");
+    let e = vol.mkdir(ROOT_INO, b"empty", 0o755, 0, 0).expect("mkdir").ino;
+    vol.rename(ROOT_INO, b"a", ROOT_INO, b"empty", RenameMode::Plain).expect("replace dir");
     assert_eq!(errno(vol.getattr(e)), libc::ENOENT);
     assert_eq!(vol.getattr(ROOT_INO).expect("root").nlink, 3);
 }
@@ -291,11 +168,7 @@ fn hard_links_share_an_inode_until_the_last_goes() {
     vol.link(f, ROOT_INO, b"g").expect("link");
     assert_eq!(vol.getattr(f).expect("attr").nlink, 2);
     vol.unlink(ROOT_INO, b"f").expect("unlink");
-    assert_eq!(
-        vol.read(vol.lookup(ROOT_INO, b"g").expect("g").ino, 0, 9)
-            .expect("read"),
-        b"data"
-    );
+    assert_eq!(vol.read(vol.lookup(ROOT_INO, b"g").expect("g").ino, 0, 9).expect("read"), b"data");
     vol.unlink(ROOT_INO, b"g").expect("unlink");
     assert_eq!(errno(vol.getattr(f)), libc::ENOENT);
 }
@@ -307,10 +180,7 @@ fn an_open_unlinked_file_lives_until_release_and_is_dropped_after_a_crash() {
     vol.write(f, 0, &pattern(10_000, 9)).expect("write");
     vol.acquire(f).expect("open");
     vol.unlink(ROOT_INO, b"tmp").expect("unlink");
-    assert_eq!(
-        vol.read(f, 0, 10_000).expect("still readable"),
-        pattern(10_000, 9)
-    );
+    assert_eq!(vol.read(f, 0, 10_000).expect("still readable"), pattern(10_000, 9));
     vol.release(f).expect("release");
     assert_eq!(errno(vol.getattr(f)), libc::ENOENT);
     // Crash while an unlinked file is open: recovery deletes it.
@@ -348,70 +218,38 @@ fn readdir_offsets_stay_valid_while_the_directory_changes() {
     })
     .expect("readdir");
     let mut names: Vec<Vec<u8>> = first.into_iter().map(|e| e.name).chain(rest).collect();
-    assert_eq!(
-        names.iter().filter(|n| n.as_slice() == b"f010").count(),
-        1,
-        "no duplicates"
-    );
+    assert_eq!(names.iter().filter(|n| n.as_slice() == b"f010").count(), 1, "no duplicates");
     assert!(!names.contains(&b"f050".to_vec()));
     assert!(names.contains(&b"f099".to_vec()) && names.contains(&b"new".to_vec()));
     names.sort();
     names.dedup();
-    assert_eq!(
-        names.len(),
-        2 + 99 + 1,
-        "., .., f000..f099 without f050, and new"
-    );
+    assert_eq!(names.len(), 2 + 99 + 1, "., .., f000..f099 without f050, and new");
 }
 
 #[test]
 fn xattrs_set_get_list_remove_with_flags() {
     let (_, vol) = sim();
     let f = file(&vol, ROOT_INO, "f");
-    vol.setxattr(f, b"user.a", b"1", XattrFlags::Create)
-        .expect("set");
-    assert_eq!(
-        errno(vol.setxattr(f, b"user.a", b"2", XattrFlags::Create)),
-        libc::EEXIST
-    );
-    assert_eq!(
-        errno(vol.setxattr(f, b"user.b", b"2", XattrFlags::Replace)),
-        libc::ENODATA
-    );
-    vol.setxattr(f, b"user.b", b"", XattrFlags::Any)
-        .expect("set empty");
-    assert_eq!(
-        vol.listxattr(f).expect("list"),
-        vec![b"user.a".to_vec(), b"user.b".to_vec()]
-    );
+    vol.setxattr(f, b"user.a", b"1", XattrFlags::Create).expect("set");
+    assert_eq!(errno(vol.setxattr(f, b"user.a", b"2", XattrFlags::Create)), libc::EEXIST);
+    assert_eq!(errno(vol.setxattr(f, b"user.b", b"2", XattrFlags::Replace)), libc::ENODATA);
+    vol.setxattr(f, b"user.b", b"", XattrFlags::Any).expect("set empty");
+    assert_eq!(vol.listxattr(f).expect("list"), vec![b"user.a".to_vec(), b"user.b".to_vec()]);
     assert_eq!(vol.getxattr(f, b"user.a").expect("get"), b"1");
     vol.removexattr(f, b"user.a").expect("remove");
     assert_eq!(errno(vol.removexattr(f, b"user.a")), libc::ENODATA);
-    assert_eq!(
-        errno(vol.setxattr(
-            f,
-            b"user.big",
-            &vec![0; XATTR_VALUE_MAX + 1],
-            XattrFlags::Any
-        )),
-        libc::E2BIG
-    );
+    assert_eq!(errno(vol.setxattr(f, b"user.big", &vec![0; XATTR_VALUE_MAX + 1], XattrFlags::Any)), libc::E2BIG);
 }
 
 #[test]
 fn everything_survives_a_clean_reopen_and_an_fsynced_crash() {
     let (dev, vol) = sim();
-    let d = vol
-        .mkdir(ROOT_INO, b"data", 0o750, 5, 6)
-        .expect("mkdir")
-        .ino;
+    let d = vol.mkdir(ROOT_INO, b"data", 0o750, 5, 6).expect("mkdir").ino;
     let f = file(&vol, d, "shard-0");
     let body = pattern(300_000, 4);
     vol.write(f, 0, &body).expect("write");
-    vol.symlink(ROOT_INO, b"link", b"data/shard-0", 0, 0)
-        .expect("symlink");
-    vol.setxattr(f, b"user.k", b"v", XattrFlags::Any)
-        .expect("xattr");
+    vol.symlink(ROOT_INO, b"link", b"data/shard-0", 0, 0).expect("symlink");
+    vol.setxattr(f, b"user.k", b"v", XattrFlags::Any).expect("xattr");
     vol.commit().expect("commit");
     vol.write(f, 1000, b"after-commit").expect("write");
     vol.fsync(f).expect("fsync");
@@ -419,19 +257,12 @@ fn everything_survives_a_clean_reopen_and_an_fsynced_crash() {
     dev.crash(CrashMode::DropUnsynced);
     drop(vol);
     let vol = reopen(&dev);
-    let f2 = vol
-        .lookup(vol.lookup(ROOT_INO, b"data").expect("data").ino, b"shard-0")
-        .expect("shard")
-        .ino;
+    let f2 = vol.lookup(vol.lookup(ROOT_INO, b"data").expect("data").ino, b"shard-0").expect("shard").ino;
     assert_eq!(f2, f);
     let mut want = body.clone();
     want[1000..1012].copy_from_slice(b"after-commit");
     assert_eq!(vol.read(f, 0, body.len()).expect("read"), want);
-    assert_eq!(
-        vol.readlink(vol.lookup(ROOT_INO, b"link").expect("link").ino)
-            .expect("readlink"),
-        b"data/shard-0"
-    );
+    assert_eq!(vol.readlink(vol.lookup(ROOT_INO, b"link").expect("link").ino).expect("readlink"), b"data/shard-0");
     assert_eq!(vol.getxattr(f, b"user.k").expect("xattr"), b"v");
     assert_eq!(vol.getattr(d).expect("dir").perm, 0o750);
     // New inode numbers never collide with recovered ones.
@@ -451,11 +282,7 @@ fn a_flipped_data_byte_is_eio_never_other_bytes() {
     for off in (0..len).step_by(331) {
         dev.corrupt(seg, off);
         match vol.read(f, 0, 64 << 10) {
-            Ok(bytes) => assert_eq!(
-                bytes,
-                pattern(64 << 10, 2),
-                "flip at {off} returned wrong bytes"
-            ),
+            Ok(bytes) => assert_eq!(bytes, pattern(64 << 10, 2), "flip at {off} returned wrong bytes"),
             Err(e) => {
                 assert_eq!(e.errno(), libc::EIO);
                 eio += 1;
@@ -484,19 +311,9 @@ fn read_only_volumes_refuse_changes_with_erofs() {
     file(&vol, ROOT_INO, "f");
     vol.close().expect("close");
     drop(vol);
-    let ro = Volume::open(
-        Arc::new(dev),
-        Config {
-            read_only: true,
-            ..cfg()
-        },
-    )
-    .expect("open ro");
+    let ro = Volume::open(Arc::new(dev), Config { read_only: true, ..cfg() }).expect("open ro");
     assert!(ro.lookup(ROOT_INO, b"f").is_ok());
-    assert_eq!(
-        errno(ro.create(ROOT_INO, b"g", libc::S_IFREG, 0, 0, 0)),
-        libc::EROFS
-    );
+    assert_eq!(errno(ro.create(ROOT_INO, b"g", libc::S_IFREG, 0, 0, 0)), libc::EROFS);
     assert_eq!(errno(ro.mkdir(ROOT_INO, b"g", 0o755, 0, 0)), libc::EROFS);
 }
 
@@ -506,22 +323,13 @@ fn a_large_directory_stays_searchable() {
     let d = vol.mkdir(ROOT_INO, b"big", 0o755, 0, 0).expect("mkdir").ino;
     let n = 50_000;
     for i in 0..n {
-        vol.create(
-            d,
-            format!("entry-{i}").as_bytes(),
-            libc::S_IFREG | 0o644,
-            0,
-            0,
-            0,
-        )
-        .expect("create");
+        vol.create(d, format!("entry-{i}").as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
     }
     vol.commit().expect("commit");
     drop(vol);
     let vol = reopen(&dev);
     for i in (0..n).step_by(997) {
-        vol.lookup(d, format!("entry-{i}").as_bytes())
-            .expect("lookup");
+        vol.lookup(d, format!("entry-{i}").as_bytes()).expect("lookup");
     }
     let mut count = 0;
     vol.readdir(d, 2, |_| {
@@ -557,15 +365,10 @@ fn concurrent_fsyncs_share_fdatasyncs_on_a_real_directory() {
             }
         });
         let syncs = vol.log_handle().expect("log").sync_count();
-        assert!(
-            syncs < threads * per,
-            "{mode:?}: {syncs} fdatasyncs for {} fsyncs",
-            threads * per
-        );
+        assert!(syncs < threads * per, "{mode:?}: {syncs} fdatasyncs for {} fsyncs", threads * per);
         vol.close().expect("close");
         drop(vol);
-        let vol = Volume::open(FileDevice::open(dir.path(), mode).expect("device"), cfg())
-            .expect("reopen");
+        let vol = Volume::open(FileDevice::open(dir.path(), mode).expect("device"), cfg()).expect("reopen");
         assert_eq!(vol.list_dir(ROOT_INO).expect("list").len() as u64, threads);
     }
 }

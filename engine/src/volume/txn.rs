@@ -50,33 +50,26 @@ pub trait Reads {
 
     fn is_empty_dir(&self, ino: u64) -> Result<bool> {
         let prefix = keys::dirent_prefix(ino);
-        Ok(!self
-            .tree()
-            .first_from(self.store(), &prefix)?
-            .is_some_and(|(k, _)| k.starts_with(&prefix)))
+        Ok(!self.tree().first_from(self.store(), &prefix)?.is_some_and(|(k, _)| k.starts_with(&prefix)))
     }
 
     /// Extents of `ino` overlapping `[start, end)`, as `(file offset, extent)`.
     fn extents(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
         let prefix = keys::extent_prefix(ino);
         let mut out = Vec::new();
-        self.tree().scan(
-            self.store(),
-            &keys::extent(ino, start.saturating_add(1)),
-            &mut |k, v| {
-                if !k.starts_with(&prefix) {
-                    return Ok(false);
-                }
-                let e = Extent::decode(v)?;
-                let ext_end = keys::trailing_u64(k);
-                let ext_start = ext_end.saturating_sub(e.len as u64);
-                if ext_start >= end {
-                    return Ok(false);
-                }
-                out.push((ext_start, e));
-                Ok(true)
-            },
-        )?;
+        self.tree().scan(self.store(), &keys::extent(ino, start.saturating_add(1)), &mut |k, v| {
+            if !k.starts_with(&prefix) {
+                return Ok(false);
+            }
+            let e = Extent::decode(v)?;
+            let ext_end = keys::trailing_u64(k);
+            let ext_start = ext_end.saturating_sub(e.len as u64);
+            if ext_start >= end {
+                return Ok(false);
+            }
+            out.push((ext_start, e));
+            Ok(true)
+        })?;
         Ok(out)
     }
 
@@ -85,29 +78,21 @@ pub trait Reads {
     fn extent_parts(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
         let prefix = keys::extent_prefix(ino);
         let mut out = Vec::new();
-        self.tree().scan(
-            self.store(),
-            &keys::extent(ino, start.saturating_add(1)),
-            &mut |k, v| {
-                if !k.starts_with(&prefix) {
-                    return Ok(false);
-                }
-                let ext_end = keys::trailing_u64(k);
-                let len = v
-                    .get(24..28)
-                    .and_then(|b| b.try_into().ok())
-                    .map_or(0, u32::from_le_bytes) as u64;
-                let ext_start = ext_end.saturating_sub(len);
-                if ext_start >= end {
-                    return Ok(false);
-                }
-                let (from, to) = (start.max(ext_start), end.min(ext_end));
-                let part =
-                    Extent::decode_slice(v, (from - ext_start) as u32, (to - ext_start) as u32)?;
-                out.push((from, part));
-                Ok(true)
-            },
-        )?;
+        self.tree().scan(self.store(), &keys::extent(ino, start.saturating_add(1)), &mut |k, v| {
+            if !k.starts_with(&prefix) {
+                return Ok(false);
+            }
+            let ext_end = keys::trailing_u64(k);
+            let len = v.get(24..28).and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes) as u64;
+            let ext_start = ext_end.saturating_sub(len);
+            if ext_start >= end {
+                return Ok(false);
+            }
+            let (from, to) = (start.max(ext_start), end.min(ext_end));
+            let part = Extent::decode_slice(v, (from - ext_start) as u32, (to - ext_start) as u32)?;
+            out.push((from, part));
+            Ok(true)
+        })?;
         Ok(out)
     }
 
@@ -145,8 +130,7 @@ impl Reads for Txn<'_> {
 
 impl Txn<'_> {
     pub fn put_inode(&mut self, ino: u64, i: &Inode) -> Result<()> {
-        self.tree
-            .insert(self.store, keys::inode(ino), encode_value(i))?;
+        self.tree.insert(self.store, keys::inode(ino), encode_value(i))?;
         Ok(())
     }
 
@@ -170,18 +154,8 @@ impl Txn<'_> {
     ) -> Result<()> {
         let cookie = parent.next_cookie;
         parent.next_cookie += 1;
-        self.put(
-            keys::dirent(parent_ino, name),
-            encode_value(&DirEntry { ino, kind, cookie }),
-        )?;
-        self.put(
-            keys::cookie(parent_ino, cookie),
-            encode_value(&CookieEntry {
-                ino,
-                kind,
-                name: name.to_vec(),
-            }),
-        )
+        self.put(keys::dirent(parent_ino, name), encode_value(&DirEntry { ino, kind, cookie }))?;
+        self.put(keys::cookie(parent_ino, cookie), encode_value(&CookieEntry { ino, kind, name: name.to_vec() }))
     }
 
     pub fn remove_entry(&mut self, parent_ino: u64, name: &[u8]) -> Result<Option<DirEntry>> {

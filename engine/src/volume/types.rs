@@ -121,24 +121,13 @@ impl Extent {
         let data = r.addr()?;
         let (rec_off, len) = (r.u32()?, r.u32()?);
         let table = r.take(r.remaining())?;
-        let blocks = if len == 0 {
-            0
-        } else {
-            (rec_off + len - 1) as usize / BLOCK_SIZE - rec_off as usize / BLOCK_SIZE + 1
-        };
+        let blocks =
+            if len == 0 { 0 } else { (rec_off + len - 1) as usize / BLOCK_SIZE - rec_off as usize / BLOCK_SIZE + 1 };
         if table.len() != blocks * 4 || rec_off.checked_add(len).is_none_or(|end| end > data.len) {
             return Err(crate::error::Error::corrupted("extent", data));
         }
-        let crcs = table
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        Ok(Extent {
-            data,
-            rec_off,
-            len,
-            crcs,
-        })
+        let crcs = table.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok(Extent { data, rec_off, len, crcs })
     }
 
     /// The part `[from, to)` of an encoded extent, decoding only the crcs of
@@ -151,24 +140,13 @@ impl Extent {
             return Err(crate::error::Error::corrupted("extent", data));
         }
         let first = rec_off as usize / BLOCK_SIZE;
-        let (lo, hi) = (
-            (rec_off + from) as usize / BLOCK_SIZE,
-            (rec_off + to).saturating_sub(1) as usize / BLOCK_SIZE,
-        );
+        let (lo, hi) = ((rec_off + from) as usize / BLOCK_SIZE, (rec_off + to).saturating_sub(1) as usize / BLOCK_SIZE);
         let table = r.take(r.remaining())?;
         let want = table
             .get((lo - first) * 4..(hi + 1 - first) * 4)
             .ok_or_else(|| crate::error::Error::corrupted("extent", data))?;
-        let crcs = want
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        Ok(Extent {
-            data,
-            rec_off: rec_off + from,
-            len: to - from,
-            crcs,
-        })
+        let crcs = want.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok(Extent { data, rec_off: rec_off + from, len: to - from, crcs })
     }
 
     fn first_block(&self) -> usize {
@@ -177,10 +155,7 @@ impl Extent {
 
     /// The crc of data block `block` (counted from the record's data start).
     pub fn crc_of(&self, block: usize) -> Option<u32> {
-        block
-            .checked_sub(self.first_block())
-            .and_then(|i| self.crcs.get(i))
-            .copied()
+        block.checked_sub(self.first_block()).and_then(|i| self.crcs.get(i)).copied()
     }
 
     /// The part of this extent from `from` to `to` (offsets within it).
@@ -189,19 +164,8 @@ impl Extent {
         let first = rec_off as usize / BLOCK_SIZE;
         let last = (rec_off + (to - from)).saturating_sub(1) as usize / BLOCK_SIZE;
         let skip = first - self.first_block();
-        let crcs = self
-            .crcs
-            .iter()
-            .skip(skip)
-            .take(last + 1 - first)
-            .copied()
-            .collect();
-        Extent {
-            data: self.data,
-            rec_off,
-            len: to - from,
-            crcs,
-        }
+        let crcs = self.crcs.iter().skip(skip).take(last + 1 - first).copied().collect();
+        Extent { data: self.data, rec_off, len: to - from, crcs }
     }
 }
 
@@ -315,17 +279,9 @@ mod tests {
 
     #[test]
     fn slicing_an_extent_keeps_the_crcs_of_the_blocks_it_touches() {
-        let e = Extent {
-            data: Addr::default(),
-            rec_off: 0,
-            len: 10_000,
-            crcs: vec![1, 2, 3],
-        };
+        let e = Extent { data: Addr::default(), rec_off: 0, len: 10_000, crcs: vec![1, 2, 3] };
         let mid = e.slice(5000, 9000);
-        assert_eq!(
-            (mid.rec_off, mid.len, mid.crcs.clone()),
-            (5000, 4000, vec![2, 3])
-        );
+        assert_eq!((mid.rec_off, mid.len, mid.crcs.clone()), (5000, 4000, vec![2, 3]));
         assert_eq!(mid.crc_of(1), Some(2));
         assert_eq!(mid.crc_of(0), None);
         let inner = mid.slice(100, 200);
@@ -355,26 +311,13 @@ mod extent_codec_tests {
 
     #[test]
     fn extents_round_trip_and_reject_inconsistent_tables() {
-        let data = Addr {
-            seg: SegId { writer: 1, seq: 2 },
-            off: 100,
-            len: 20_000,
-        };
-        let e = Extent {
-            data,
-            rec_off: 5000,
-            len: 6000,
-            crcs: vec![7, 8],
-        };
+        let data = Addr { seg: SegId { writer: 1, seq: 2 }, off: 100, len: 20_000 };
+        let e = Extent { data, rec_off: 5000, len: 6000, crcs: vec![7, 8] };
         assert_eq!(Extent::decode(&e.encode()).ok(), Some(e.clone()));
         let mut short = e.encode();
         short.truncate(short.len() - 4);
         assert!(Extent::decode(&short).is_err());
-        let past_end = Extent {
-            rec_off: 19_000,
-            len: 6000,
-            ..e
-        };
+        let past_end = Extent { rec_off: 19_000, len: 6000, ..e };
         assert!(Extent::decode(&past_end.encode()).is_err());
     }
 }
@@ -386,30 +329,11 @@ mod extent_slice_tests {
 
     #[test]
     fn decode_slice_equals_slicing_the_decoded_extent() {
-        let data = Addr {
-            seg: SegId { writer: 1, seq: 2 },
-            off: 0,
-            len: 40_000,
-        };
-        let e = Extent {
-            data,
-            rec_off: 1000,
-            len: 30_000,
-            crcs: (0..8).collect(),
-        };
+        let data = Addr { seg: SegId { writer: 1, seq: 2 }, off: 0, len: 40_000 };
+        let e = Extent { data, rec_off: 1000, len: 30_000, crcs: (0..8).collect() };
         let bytes = e.encode();
-        for (from, to) in [
-            (0, 30_000),
-            (0, 1),
-            (3095, 3097),
-            (7000, 29_999),
-            (29_999, 30_000),
-        ] {
-            assert_eq!(
-                Extent::decode_slice(&bytes, from, to).ok(),
-                Some(e.slice(from, to)),
-                "{from}..{to}"
-            );
+        for (from, to) in [(0, 30_000), (0, 1), (3095, 3097), (7000, 29_999), (29_999, 30_000)] {
+            assert_eq!(Extent::decode_slice(&bytes, from, to).ok(), Some(e.slice(from, to)), "{from}..{to}");
         }
         assert!(Extent::decode_slice(&bytes, 10, 30_001).is_err());
         assert!(Extent::decode_slice(&bytes[..30], 0, 10).is_err());

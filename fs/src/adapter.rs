@@ -1,0 +1,414 @@
+use arbor_engine::volume::{Attr, FileKind, RenameMode, SetAttr, TimeSet, Volume, XattrFlags};
+use arbor_engine::{env::Timestamp, Error};
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, KernelConfig,
+    LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// The one place engine errors become errnos.
+pub fn to_errno(e: &Error) -> Errno {
+    if let Error::Corrupted { what, addr } = e {
+        tracing::error!(what, addr, "returning EIO for corrupt data");
+    }
+    Errno::from_i32(e.errno())
+}
+
+/// How long the kernel may cache attributes and names. Each branch has a
+/// single writer, and every change goes through this mount, so the
+/// kernel's caches cannot go stale behind our back.
+const TTL: Duration = Duration::from_secs(1);
+
+pub struct ArborFs {
+    vol: Arc<Volume>,
+    read_ahead: u32,
+}
+
+impl ArborFs {
+    pub fn new(vol: Arc<Volume>, read_ahead: u32) -> Self {
+        ArborFs { vol, read_ahead }
+    }
+
+    pub fn volume(&self) -> &Arc<Volume> {
+        &self.vol
+    }
+}
+
+fn file_type(k: FileKind) -> FileType {
+    match k {
+        FileKind::Regular => FileType::RegularFile,
+        FileKind::Directory => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::Socket => FileType::Socket,
+        FileKind::CharDevice => FileType::CharDevice,
+        FileKind::BlockDevice => FileType::BlockDevice,
+    }
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.blocks,
+        atime: a.atime.to_system(),
+        mtime: a.mtime.to_system(),
+        ctime: a.ctime.to_system(),
+        crtime: a.crtime.to_system(),
+        kind: file_type(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev,
+        blksize: a.blksize,
+        flags: 0,
+    }
+}
+
+fn time_set(t: Option<TimeOrNow>) -> Option<TimeSet> {
+    t.map(|t| match t {
+        TimeOrNow::Now => TimeSet::Now,
+        TimeOrNow::SpecificTime(s) => TimeSet::At(Timestamp::from_system(s)),
+    })
+}
+
+fn entry(reply: ReplyEntry, r: Result<Attr, Error>) {
+    match r {
+        Ok(a) => reply.entry(&TTL, &file_attr(&a), Generation(0)),
+        Err(e) => reply.error(to_errno(&e)),
+    }
+}
+
+fn empty(reply: ReplyEmpty, r: Result<(), Error>) {
+    match r {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(to_errno(&e)),
+    }
+}
+
+fn xattr_reply(reply: ReplyXattr, bytes: &[u8], size: u32) {
+    if size == 0 {
+        reply.size(bytes.len() as u32);
+    } else if bytes.len() > size as usize {
+        reply.error(Errno::from_i32(libc::ERANGE));
+    } else {
+        reply.data(bytes);
+    }
+}
+
+impl Filesystem for ArborFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        // 1 MiB writes: one engine record per kernel write request.
+        let _ = config.set_max_write(1 << 20);
+        if let Err(max) = config.set_max_readahead(self.read_ahead) {
+            let _ = config.set_max_readahead(max);
+        }
+        // Lookups and creates in different directories need not queue.
+        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_CACHE_SYMLINKS);
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        if let Err(e) = self.vol.close() {
+            tracing::error!(error = %e, "final commit at unmount failed");
+        }
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        entry(reply, self.vol.lookup(parent.0, name.as_bytes()));
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.vol.getattr(ino.0) {
+            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let change = SetAttr {
+            perm: mode.map(|m| (m & 0o7777) as u16),
+            uid,
+            gid,
+            size,
+            atime: time_set(atime),
+            mtime: time_set(mtime),
+        };
+        match self.vol.setattr(ino.0, change) {
+            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.vol.readlink(ino.0) {
+            Ok(t) => reply.data(&t),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
+        let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
+        entry(reply, self.vol.create(parent.0, name.as_bytes(), mode, req.uid(), req.gid(), rdev));
+    }
+
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        let perm = (mode & 0o7777 & !umask) as u16;
+        entry(reply, self.vol.mkdir(parent.0, name.as_bytes(), perm, req.uid(), req.gid()));
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        empty(reply, self.vol.unlink(parent.0, name.as_bytes()));
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        empty(reply, self.vol.rmdir(parent.0, name.as_bytes()));
+    }
+
+    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        entry(
+            reply,
+            self.vol.symlink(parent.0, link_name.as_bytes(), target.as_os_str().as_bytes(), req.uid(), req.gid()),
+        );
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        let mode = if flags.is_empty() {
+            RenameMode::Plain
+        } else if flags == RenameFlags::RENAME_NOREPLACE {
+            RenameMode::NoReplace
+        } else if flags == RenameFlags::RENAME_EXCHANGE {
+            RenameMode::Exchange
+        } else {
+            return reply.error(Errno::from_i32(libc::EINVAL));
+        };
+        empty(reply, self.vol.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), mode));
+    }
+
+    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        entry(reply, self.vol.link(ino.0, newparent.0, newname.as_bytes()));
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // Every change to this branch goes through this mount, so cached
+        // pages stay valid across opens.
+        match self.vol.acquire(ino.0) {
+            Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.vol.read(ino.0, offset, size as usize) {
+            Ok(b) => reply.data(&b),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        match self.vol.write(ino.0, offset, data) {
+            Ok(n) => reply.written(n as u32),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        empty(reply, self.vol.release(ino.0));
+    }
+
+    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        empty(reply, self.vol.fsync(ino.0));
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let r = self.vol.readdir(ino.0, offset, |e| {
+            !reply.add(INodeNo(e.ino), e.offset, file_type(e.kind), OsStr::from_bytes(&e.name))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        empty(reply, self.vol.fsync(ino.0));
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let s = self.vol.statfs();
+        reply.statfs(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize);
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let flags = match flags {
+            0 => XattrFlags::Any,
+            libc::XATTR_CREATE => XattrFlags::Create,
+            libc::XATTR_REPLACE => XattrFlags::Replace,
+            _ => return reply.error(Errno::from_i32(libc::EINVAL)),
+        };
+        empty(reply, self.vol.setxattr(ino.0, name.as_bytes(), value, flags));
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self.vol.getxattr(ino.0, name.as_bytes()) {
+            Ok(v) => xattr_reply(reply, &v, size),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.vol.listxattr(ino.0) {
+            Ok(names) => {
+                let mut buf = Vec::new();
+                for n in names {
+                    buf.extend_from_slice(&n);
+                    buf.push(0);
+                }
+                xattr_reply(reply, &buf, size);
+            }
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        empty(reply, self.vol.removexattr(ino.0, name.as_bytes()));
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
+        let made = self
+            .vol
+            .create(parent.0, name.as_bytes(), mode, req.uid(), req.gid(), 0)
+            .and_then(|a| self.vol.acquire(a.ino));
+        match made {
+            Ok(a) => reply.created(&TTL, &file_attr(&a), Generation(0), FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        // Space is never reserved (holes cost nothing and the bucket has no
+        // quota to run out of); plain fallocate only extends the size.
+        if mode != 0 {
+            return reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        }
+        let r = self.vol.getattr(ino.0).and_then(|a| {
+            let end = offset.checked_add(length).ok_or(Error::TooBig)?;
+            if end > a.size {
+                self.vol.setattr(ino.0, SetAttr { size: Some(end), ..Default::default() })?;
+            }
+            Ok(())
+        });
+        empty(reply, r);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_the_errno_the_engine_names() {
+        for (e, errno) in [
+            (Error::NotFound, libc::ENOENT),
+            (Error::ReadOnly, libc::EROFS),
+            (Error::Poisoned, libc::EIO),
+            (Error::NotEmpty, libc::ENOTEMPTY),
+        ] {
+            assert_eq!(i32::from(to_errno(&e)), errno);
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! Mounting a volume: kernel options chosen for speed, a request pool, and
+//! recovery of a stale mount left by a killed process.
+
+use crate::ArborFs;
+use arbor_engine::volume::Volume;
+use fuser::{Config, MountOption, SessionACL};
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+#[derive(Clone, Debug)]
+pub struct MountOptions {
+    /// Let users other than the mounting one in (needs `user_allow_other`
+    /// in /etc/fuse.conf unless root).
+    pub allow_other: bool,
+    /// Threads answering kernel requests, so a slow read does not block
+    /// the rest.
+    pub threads: usize,
+    /// Kernel read-ahead for sequential readers.
+    pub read_ahead: u32,
+    pub fs_name: String,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions { allow_other: false, threads: 4, read_ahead: 4 << 20, fs_name: "arbor".into() }
+    }
+}
+
+pub struct MountHandle {
+    session: Option<fuser::BackgroundSession>,
+}
+
+impl MountHandle {
+    /// Unmounts (which commits the volume) and waits for the session to end.
+    pub fn unmount(mut self) -> io::Result<()> {
+        match self.session.take() {
+            Some(s) => s.umount_and_join(),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the file system is unmounted from outside (for example
+    /// by `fusermount3 -u`).
+    pub fn join(mut self) -> io::Result<()> {
+        match self.session.take() {
+            Some(s) => s.join(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the session thread has ended.
+    pub fn is_finished(&self) -> bool {
+        self.session.as_ref().is_none_or(|s| s.guard.is_finished())
+    }
+}
+
+fn config(opts: &MountOptions, read_only: bool) -> Config {
+    let mut cfg = Config::default();
+    cfg.mount_options = vec![
+        MountOption::FSName(opts.fs_name.clone()),
+        MountOption::Subtype("arbor".into()),
+        // The kernel checks mode bits, owners and the sticky bit.
+        MountOption::DefaultPermissions,
+        MountOption::Dev,
+        MountOption::Suid,
+        MountOption::Exec,
+        MountOption::NoAtime,
+    ];
+    if read_only {
+        cfg.mount_options.push(MountOption::RO);
+    }
+    if opts.allow_other {
+        cfg.acl = SessionACL::All;
+    }
+    cfg.n_threads = Some(opts.threads.max(1));
+    cfg.clone_fd = true;
+    cfg
+}
+
+/// Mounts `vol` at `mountpoint` and returns once the kernel answers.
+pub fn mount(vol: Arc<Volume>, mountpoint: &Path, opts: &MountOptions) -> io::Result<MountHandle> {
+    recover_stale_mount(mountpoint)?;
+    let read_only = vol.is_read_only();
+    let fs = ArborFs::new(vol, opts.read_ahead);
+    let session = fuser::spawn_mount(fs, mountpoint, &config(opts, read_only))?;
+    Ok(MountHandle { session: Some(session) })
+}
+
+/// If `mountpoint` is a FUSE mount whose server died (ENOTCONN), detach it
+/// so it can be mounted again.
+pub fn recover_stale_mount(mountpoint: &Path) -> io::Result<()> {
+    match std::fs::metadata(mountpoint) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            tracing::warn!(mountpoint = %mountpoint.display(), "detaching a stale mount left by a killed process");
+            detach(mountpoint)
+        }
+        _ => Ok(()),
+    }
+}
+
+fn detach(mountpoint: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: a valid NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } == 0 {
+        return Ok(());
+    }
+    // Not root: ask fusermount3, which may unmount the user's own mounts.
+    let status = std::process::Command::new("fusermount3").arg("-u").arg("-z").arg(mountpoint).status()?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!("could not detach the stale mount at {}", mountpoint.display())))
+    }
+}
