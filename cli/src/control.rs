@@ -1,0 +1,118 @@
+//! The control socket of a running mount: one JSON request per connection,
+//! one JSON reply. Only the user who mounted (and root) may talk to it.
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::{json, Value};
+use std::hash::{Hash, Hasher};
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+fn runtime_dir() -> PathBuf {
+    // SAFETY: plain syscall.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 {
+        return PathBuf::from("/run/arbor");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("arbor"),
+        None => PathBuf::from(format!("/tmp/arbor-{uid}")),
+    }
+}
+
+/// The socket of the mount at `mountpoint`.
+pub fn socket_path(mountpoint: &Path) -> Result<PathBuf> {
+    let abs = std::path::absolute(mountpoint)?;
+    let mut h = std::hash::DefaultHasher::new();
+    abs.hash(&mut h);
+    Ok(runtime_dir().join(format!("{:016x}.sock", h.finish())))
+}
+
+/// The uid of the process at the other end of `stream`.
+fn peer_uid(stream: &UnixStream) -> Result<u32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len are valid for getsockopt to fill.
+    let rc = unsafe {
+        libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&raw mut cred).cast(), &mut len)
+    };
+    if rc != 0 {
+        bail!("cannot read peer credentials: {}", std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+pub struct Server {
+    listener: UnixListener,
+    path: PathBuf,
+    owner: u32,
+}
+
+impl Server {
+    pub fn bind(mountpoint: &Path) -> Result<Server> {
+        let path = socket_path(mountpoint)?;
+        let dir = path.parent().ok_or_else(|| anyhow!("bad socket path"))?;
+        std::fs::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        if path.exists() {
+            if UnixStream::connect(&path).is_ok() {
+                bail!("{} is already served by a running arbor", mountpoint.display());
+            }
+            std::fs::remove_file(&path)?;
+        }
+        let listener = UnixListener::bind(&path).with_context(|| format!("cannot bind {}", path.display()))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        // SAFETY: plain syscall.
+        let owner = unsafe { libc::geteuid() };
+        Ok(Server { listener, path, owner })
+    }
+
+    /// Serves requests with `handle` until `handle` says stop.
+    pub fn serve(&self, mut handle: impl FnMut(&Value) -> (Value, bool)) {
+        for stream in self.listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let uid = peer_uid(&stream).unwrap_or(u32::MAX);
+            if uid != self.owner && uid != 0 {
+                tracing::warn!(uid, "refused a control request from another user");
+                let _ = writeln!(stream, "{}", json!({"ok": false, "error": "permission denied"}));
+                continue;
+            }
+            let mut line = String::new();
+            if BufReader::new(&stream).read_line(&mut line).is_err() {
+                continue;
+            }
+            let (reply, stop) = match serde_json::from_str::<Value>(&line) {
+                Ok(req) => handle(&req),
+                Err(e) => (json!({"ok": false, "error": format!("bad request: {e}")}), false),
+            };
+            let _ = writeln!(stream, "{reply}");
+            if stop {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Sends one request to the mount at `mountpoint` and returns its result.
+pub fn request(mountpoint: &Path, req: Value) -> Result<Value> {
+    let path = socket_path(mountpoint)?;
+    let mut stream = UnixStream::connect(&path)
+        .map_err(|_| anyhow!("{} is not an arbor mount served on this node", mountpoint.display()))?;
+    writeln!(stream, "{req}")?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line)?;
+    let reply: Value = serde_json::from_str(&line).context("bad reply from the mount")?;
+    if reply["ok"] == json!(true) {
+        Ok(reply["result"].clone())
+    } else {
+        bail!("{}", reply["error"].as_str().unwrap_or("request failed"))
+    }
+}
