@@ -6,4 +6,4 @@ mod adapter;
 pub mod mount;
 
 pub use adapter::{to_errno, ArborFs};
-pub use mount::{mount, recover_stale_mount, MountHandle, MountOptions};
+pub use mount::{mount, recover_stale_mount, server_is_gone, MountHandle, MountOptions};

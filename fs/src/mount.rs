@@ -90,13 +90,22 @@ pub fn mount(vol: Arc<Volume>, mountpoint: &Path, opts: &MountOptions) -> io::Re
 /// If `mountpoint` is a FUSE mount whose server died (ENOTCONN), detach it
 /// so it can be mounted again.
 pub fn recover_stale_mount(mountpoint: &Path) -> io::Result<()> {
-    match std::fs::metadata(mountpoint) {
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
-            tracing::warn!(mountpoint = %mountpoint.display(), "detaching a stale mount left by a killed process");
-            detach(mountpoint)
-        }
-        _ => Ok(()),
+    if server_is_gone(mountpoint) {
+        tracing::warn!(mountpoint = %mountpoint.display(), "detaching a stale mount left by a killed process");
+        detach(mountpoint)?;
     }
+    Ok(())
+}
+
+/// `statfs` always reaches the server (a `stat` may be answered from the
+/// kernel's attribute cache even after the server died).
+pub fn server_is_gone(mountpoint: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else { return false };
+    let mut buf = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: a valid path and a buffer statfs fills.
+    let rc = unsafe { libc::statfs(c.as_ptr(), buf.as_mut_ptr()) };
+    rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOTCONN)
 }
 
 fn detach(mountpoint: &Path) -> io::Result<()> {

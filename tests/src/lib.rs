@@ -1,1 +1,177 @@
+//! Helpers for end-to-end tests: find the `arbor` binary, make disks, and
+//! mount them for real through `/dev/fuse`.
 
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `arbor` binary cargo built next to this test.
+pub fn arbor_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("ARBOR_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test executable");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    dir.join("arbor")
+}
+
+/// Whether real mounts can run here; outside CI a missing FUSE skips loudly.
+pub fn fuse_available() -> bool {
+    // SAFETY: plain syscall.
+    let root = unsafe { libc::geteuid() } == 0;
+    let ok = root && Path::new("/dev/fuse").exists();
+    if !ok {
+        if std::env::var_os("CI").is_some() {
+            panic!("FUSE tests must run in CI: need root and /dev/fuse");
+        }
+        eprintln!("SKIPPED: FUSE tests need root and /dev/fuse");
+    }
+    ok
+}
+
+pub fn arbor(args: &[&str]) -> Output {
+    Command::new(arbor_bin()).args(args).output().expect("run arbor")
+}
+
+/// Runs arbor and insists it succeeded.
+pub fn arbor_ok(args: &[&str]) -> String {
+    let out = arbor(args);
+    assert!(out.status.success(), "arbor {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn is_mounted(mp: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines().any(|l| l.split(' ').nth(4).is_some_and(|m| Path::new(m) == mp))
+}
+
+/// Whether `statfs` succeeds: it always reaches the FUSE server.
+pub fn statfs_ok(p: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else { return false };
+    let mut buf = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: a valid path and a buffer statfs fills.
+    unsafe { libc::statfs(c.as_ptr(), buf.as_mut_ptr()) == 0 }
+}
+
+pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A fresh disk and a mountpoint in a temporary folder.
+pub struct Scratch {
+    pub dir: tempfile::TempDir,
+    pub disk: PathBuf,
+    pub mnt: PathBuf,
+}
+
+impl Scratch {
+    pub fn new() -> Scratch {
+        let dir = tempfile::Builder::new().prefix("arbor-e2e").tempdir_in(scratch_root()).expect("tempdir");
+        let disk = dir.path().join("disk");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir_all(&mnt).expect("mkdir");
+        arbor_ok(&["init", disk.to_str().expect("utf8")]);
+        Scratch { dir, disk, mnt }
+    }
+
+    pub fn disk_str(&self) -> &str {
+        self.disk.to_str().expect("utf8")
+    }
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Scratch space on the same disk as the build (not a tmpfs), so fsync
+/// means what it says.
+fn scratch_root() -> PathBuf {
+    let p = std::env::var_os("ARBOR_TEST_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        arbor_bin().parent().and_then(Path::parent).map(|t| t.join("e2e-scratch")).expect("target dir")
+    });
+    std::fs::create_dir_all(&p).expect("scratch root");
+    p
+}
+
+/// `arbor mount --foreground` as a child process; unmounted on drop.
+pub struct Mount {
+    pub child: Child,
+    pub mnt: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Mount {
+    pub fn start(disk: &str, mnt: &Path, extra: &[&str]) -> Mount {
+        let log = mnt.with_extension(format!("log-{}", std::process::id()));
+        let log_file = std::fs::File::create(&log).expect("log");
+        let child = Command::new(arbor_bin())
+            .args(["mount", disk, mnt.to_str().expect("utf8"), "--foreground"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("log"))
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn arbor mount");
+        let mut m = Mount { child, mnt: mnt.to_path_buf(), log };
+        wait_until("the mount", Duration::from_secs(30), || {
+            if let Ok(Some(status)) = m.child.try_wait() {
+                panic!("arbor mount exited with {status}: {}", std::fs::read_to_string(&m.log).unwrap_or_default());
+            }
+            // A stale mount from a killed server is listed too, but answers ENOTCONN.
+            is_mounted(&m.mnt) && std::fs::read_dir(&m.mnt).is_ok() && statfs_ok(&m.mnt)
+        });
+        m
+    }
+
+    /// kill -9: no flush, no unmount; the mountpoint is left stale.
+    pub fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::mem::forget(self);
+    }
+
+    /// `arbor unmount`, and the server must exit cleanly.
+    pub fn unmount(mut self) {
+        arbor_ok(&["unmount", self.mnt.to_str().expect("utf8")]);
+        let status = self.child.wait().expect("wait");
+        assert!(
+            status.success(),
+            "server exit: {status}; log: {}",
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        );
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new(arbor_bin()).args(["unmount", self.mnt.to_str().unwrap_or("")]).output();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs a Python client script from `tests/clients` with arguments.
+pub fn python(script: &str, args: &[&str]) -> Output {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join(script);
+    Command::new("python3").arg(path).args(args).output().expect("python3")
+}
+
+/// Whether numpy is importable; in CI it must be.
+pub fn numpy_available() -> bool {
+    let ok = Command::new("python3").args(["-c", "import numpy"]).status().is_ok_and(|s| s.success());
+    if !ok {
+        if std::env::var_os("CI").is_some() {
+            panic!("numpy must be installed in CI");
+        }
+        eprintln!("SKIPPED: numpy is not installed");
+    }
+    ok
+}

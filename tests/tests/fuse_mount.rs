@@ -1,0 +1,154 @@
+//! Real mounts of the real binary: the ML workloads, crashes by kill -9,
+//! unmounts from outside, open-but-unlinked files and locks.
+
+use arbor_tests::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn pattern_mib(mib: usize) -> Vec<u8> {
+    let block: Vec<u8> = (0..1usize << 20).map(|i| ((i * 7 + 3) % 251) as u8).collect();
+    block.repeat(mib)
+}
+
+#[test]
+fn ml_workloads_run_through_a_real_mount_and_persist() {
+    if !fuse_available() || !numpy_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let out = python("ml_workloads.py", &[s.mnt.to_str().expect("utf8")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "workloads failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 5, "{stdout}");
+    m.unmount();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let ckpt = std::fs::metadata(s.mnt.join("ckpt/step.pt")).expect("checkpoint after remount");
+    assert_eq!(ckpt.len(), 3_000_000 * 4);
+    assert_eq!(std::fs::metadata(s.mnt.join("tokens.bin")).expect("tokens").len(), 24 * 1024 * 1024 * 2);
+    m.unmount();
+}
+
+#[test]
+fn fsynced_data_survives_kill_9_of_the_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let path = s.mnt.join("weights.bin");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/fsync_then_wait.py");
+    let mut client = Command::new("python3")
+        .arg(script)
+        .args([path.to_str().expect("utf8"), "24"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python");
+    let mut line = String::new();
+    BufReader::new(client.stdout.take().expect("stdout")).read_line(&mut line).expect("read");
+    assert_eq!(line.trim(), "fsynced");
+    m.kill9();
+    let _ = client.kill();
+    let _ = client.wait();
+    // The old mountpoint is stale; mounting again recovers it.
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let back = std::fs::read(&path).expect("read after crash");
+    assert!(back == pattern_mib(24), "fsynced bytes differ after kill -9");
+    m.unmount();
+}
+
+#[test]
+fn a_kill_9_mid_stream_leaves_a_prefix_with_everything_fsynced() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/write_rename_stream.py");
+    let mut client = Command::new("python3")
+        .arg(script)
+        .arg(s.mnt.to_str().expect("utf8"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python");
+    let stdout = client.stdout.take().expect("stdout");
+    let reader = std::thread::spawn(move || {
+        let mut last = None;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(n) = line.strip_prefix("durable ") {
+                last = n.trim().parse::<u64>().ok();
+            }
+        }
+        last
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    m.kill9();
+    let _ = client.wait();
+    let durable = reader.join().expect("reader").expect("at least one fsync returned before the crash");
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let mut finals: Vec<u64> = std::fs::read_dir(&s.mnt)
+        .expect("list")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("ckpt-")?.parse().ok())
+        .collect();
+    finals.sort();
+    let last = *finals.last().expect("files");
+    assert!(last >= durable, "step {durable} was fsynced but only {last} survived");
+    assert_eq!(finals, (0..=last).collect::<Vec<_>>(), "the surviving steps must be a prefix");
+    for i in finals {
+        let want = (format!("step {i} ").repeat(3000).into_bytes())[..20000 + i as usize].to_vec();
+        assert!(std::fs::read(s.mnt.join(format!("ckpt-{i}"))).expect("read") == want, "ckpt-{i} content");
+    }
+    m.unmount();
+}
+
+#[test]
+fn fusermount_unmount_flushes_and_the_server_exits_cleanly() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let mut m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    std::fs::write(s.mnt.join("unsynced.txt"), b"written just before unmount").expect("write");
+    let st = Command::new("fusermount3").arg("-u").arg(&s.mnt).status().expect("fusermount3");
+    assert!(st.success());
+    let status = m.child.wait().expect("wait");
+    assert!(status.success(), "server: {}", std::fs::read_to_string(&m.log).unwrap_or_default());
+    std::mem::forget(m);
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert_eq!(std::fs::read(s.mnt.join("unsynced.txt")).expect("read"), b"written just before unmount");
+    m.unmount();
+}
+
+#[test]
+fn open_unlinked_files_and_locks_behave_like_a_local_disk() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let code = r#"
+import fcntl, os, subprocess, sys
+d = sys.argv[1]
+p = os.path.join(d, "scratch")
+fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+os.unlink(p)
+os.write(fd, b"still here")
+os.lseek(fd, 0, 0)
+assert os.read(fd, 100) == b"still here"
+assert not os.path.exists(p)
+os.close(fd)
+lockfile = os.path.join(d, "lock")
+f = open(lockfile, "w")
+fcntl.flock(f, fcntl.LOCK_EX)
+other = subprocess.run([sys.executable, "-c", "import fcntl,sys; f=open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX|fcntl.LOCK_NB)", lockfile])
+assert other.returncode != 0, "a second flock must be refused"
+fcntl.lockf(f, fcntl.LOCK_EX)
+other = subprocess.run([sys.executable, "-c", "import fcntl,sys; f=open(sys.argv[1],'w'); fcntl.lockf(f, fcntl.LOCK_EX|fcntl.LOCK_NB)", lockfile])
+assert other.returncode != 0, "a second fcntl lock must be refused"
+print("ok")
+"#;
+    let out = Command::new("python3").args(["-c", code, s.mnt.to_str().expect("utf8")]).output().expect("python");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    m.unmount();
+}
