@@ -71,7 +71,17 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn new() -> Scratch {
-        let dir = tempfile::Builder::new().prefix("arbor-e2e").tempdir_in(scratch_root()).expect("tempdir");
+        Self::new_in(&scratch_root())
+    }
+
+    /// A scratch with a short path, for tests that bind Unix sockets inside
+    /// the mount (a socket path is limited to 108 bytes).
+    pub fn short() -> Scratch {
+        Self::new_in(&std::env::temp_dir())
+    }
+
+    fn new_in(root: &Path) -> Scratch {
+        let dir = tempfile::Builder::new().prefix("arb").tempdir_in(root).expect("tempdir");
         let disk = dir.path().join("disk");
         let mnt = dir.path().join("mnt");
         std::fs::create_dir_all(&mnt).expect("mkdir");
