@@ -8,6 +8,7 @@
 
 pub mod bucket;
 pub mod device;
+pub mod disk;
 pub mod env;
 pub mod error;
 pub mod format;

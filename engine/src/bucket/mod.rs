@@ -2,8 +2,10 @@
 //! folder here is the embedded default; S3 implements the same trait.
 
 mod local;
+mod mem;
 
 pub use local::LocalFolderStore;
+pub use mem::MemObjectStore;
 
 use crate::error::{Error, Result};
 use std::ops::Range;

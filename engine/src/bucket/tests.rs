@@ -43,6 +43,11 @@ fn local_folder_passes_the_conformance_suite() {
 }
 
 #[test]
+fn the_in_memory_store_passes_the_conformance_suite() {
+    conformance(&MemObjectStore::new());
+}
+
+#[test]
 fn concurrent_compare_and_replace_never_loses_an_update() {
     let dir = tempfile::tempdir().expect("tempdir");
     LocalFolderStore::open(dir.path()).expect("open").put("counter", b"0").expect("put");

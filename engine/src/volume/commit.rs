@@ -23,13 +23,22 @@ pub struct CommitRecord {
 pub struct Superblock {
     pub magic: u32,
     pub version: u16,
-    /// The newest commit record whose segment is local.
+    /// The newest durable commit of this branch.
     pub commit: Addr,
+    /// Whether intents after `commit` in its writer's log belong to this
+    /// branch. False for a branch just forked from a checkpoint: the log
+    /// after that commit is its parent's.
+    pub replay: bool,
 }
 
 impl Superblock {
     pub fn new(commit: Addr) -> Self {
-        Superblock { magic: SUPERBLOCK_MAGIC, version: SUPERBLOCK_VERSION, commit }
+        Superblock { magic: SUPERBLOCK_MAGIC, version: SUPERBLOCK_VERSION, commit, replay: true }
+    }
+
+    /// A root to open without replaying anything after it.
+    pub fn frozen(commit: Addr) -> Self {
+        Superblock { replay: false, ..Self::new(commit) }
     }
 
     /// The encoding followed by its crc32c.

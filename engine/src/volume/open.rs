@@ -84,6 +84,9 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
     st.next_ino = commit.next_ino;
     st.last_commit = Some(sb.commit);
     let mut last_seq = rec.seq;
+    if !sb.replay {
+        return Ok(last_seq);
+    }
     let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?;
     loop {
         match cursor.next_record()? {
