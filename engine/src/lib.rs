@@ -20,3 +20,4 @@ pub mod tree;
 pub mod volume;
 
 pub use error::{Error, Result};
+pub use volume::{Attr, Config, FileKind, RenameMode, SetAttr, StatFs, TimeSet, Volume};

@@ -1,5 +1,16 @@
-//! Named roots: checkpoints, branches, diff and GC.
+//! Named roots: the catalog of checkpoints and branches of one disk, and
+//! what users do with them — fork a branch per run, mount any root, diff
+//! two roots, collect garbage.
 //!
-//! Not built yet; see the README's status table. The crate exists so the
-//! workspace has its final shape and the dependency direction
-//! (`snapshot → engine`) is fixed.
+//! A checkpoint is one object naming a commit (created once, never
+//! replaced); a branch is one head object naming its newest commit
+//! (replaced only by compare-and-swap). So creating either is O(1): one
+//! small object, whatever the disk holds.
+
+mod catalog;
+mod error;
+mod gc;
+
+pub use catalog::{check_name, BranchInfo, Catalog, CheckpointInfo, Root};
+pub use error::{Error, Result};
+pub use gc::{GcPlan, GcReport};

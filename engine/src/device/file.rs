@@ -129,6 +129,14 @@ impl Device for FileDevice {
     fn io_name(&self) -> &'static str {
         self.io.name()
     }
+
+    fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
+        match fs::metadata(self.dir.join(id.file_name())) {
+            Ok(m) => Ok(Some(m.modified()?)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
 }
 
 impl SegmentFile for FileSegment {

@@ -53,4 +53,9 @@ pub trait Device: Send + Sync {
     }
     /// Which I/O path writes use, for status and tests.
     fn io_name(&self) -> &'static str;
+    /// When a segment was last written, where the device knows; GC leaves
+    /// recently written segments alone.
+    fn segment_modified(&self, _id: SegId) -> Result<Option<std::time::SystemTime>> {
+        Ok(None)
+    }
 }

@@ -7,7 +7,10 @@
 //! [`Tree::flush`] writes it, children first. Cloning a [`Tree`] is O(1).
 
 mod cache;
+mod diff;
 mod node;
+
+pub use diff::{diff, walk, Difference};
 
 pub use cache::NodeCache;
 pub use node::{Branch, Child, Entry, Leaf, Node, MAX_LEVEL};

@@ -7,6 +7,7 @@
 //! much recovery must replay.
 
 mod commit;
+mod inspect;
 mod keys;
 mod nodes;
 mod open;
@@ -16,6 +17,7 @@ mod txn;
 mod types;
 
 pub use commit::{CommitRecord, Superblock};
+pub use inspect::{diff_commits, reachable_segments, root_of, Change, ChangeKind};
 pub use nodes::read_record_at;
 pub use ops::Op;
 pub use types::*;

@@ -111,7 +111,8 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
         }
         Op::Create { parent, name, ino, kind, perm, uid, gid, rdev, target, time } => {
             let mut p = tx.inode(*parent)?;
-            let node = new_inode(*kind, *perm, *uid, *gid, *rdev, *parent, target.clone(), *time);
+            let mut node = new_inode(*kind, *perm, *uid, *gid, *rdev, *parent, target.clone(), *time);
+            node.name = name.clone();
             tx.add_entry(&mut p, *parent, name, *ino, *kind)?;
             if *kind == FileKind::Directory {
                 p.nlink += 1;
@@ -130,6 +131,8 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             tx.put_inode(*parent, &p)?;
             i.nlink += 1;
             i.ctime = *time;
+            i.parent = *parent;
+            i.name = name.clone();
             tx.put_inode(*ino, &i)
         }
         Op::Unlink { parent, name, keep_orphan, time } => {
@@ -253,6 +256,7 @@ fn new_inode(
         crtime: t,
         rdev,
         parent,
+        name: Vec::new(),
         next_cookie: FIRST_COOKIE,
         allocated: 0,
         inline,
@@ -335,12 +339,11 @@ fn apply_rename(
         }
         tx.put_inode(p, &pi)?;
     }
-    for (e, _, to, _) in &moved {
+    for (e, _, to, to_name) in &moved {
         let mut i = tx.inode(e.ino)?;
         i.ctime = time;
-        if e.kind == FileKind::Directory {
-            i.parent = *to;
-        }
+        i.parent = *to;
+        i.name = to_name.clone();
         tx.put_inode(e.ino, &i)?;
     }
     Ok(())

@@ -66,8 +66,12 @@ pub struct Inode {
     pub ctime: Timestamp,
     pub crtime: Timestamp,
     pub rdev: u32,
-    /// A directory's parent (for "..", and to refuse moving a directory into itself).
+    /// The directory holding this inode's newest name: a directory's one
+    /// parent (for "..", and to refuse moving a directory into itself); for
+    /// a file with several links, the last one made.
     pub parent: u64,
+    /// That name (empty for the root). With `parent`, what `diff` prints.
+    pub name: Vec<u8>,
     /// A directory's next readdir cookie.
     pub next_cookie: u64,
     /// Bytes held in extents.

@@ -1,0 +1,226 @@
+//! Comparing two committed trees in time proportional to what differs,
+//! and walking everything a tree reaches.
+//!
+//! Two trees that share history share nodes: a copy-on-write change copies
+//! only the path from the root to what changed. The diff works level by
+//! level: at each level it drops the nodes whose address appears on both
+//! sides (their whole subtrees are equal) and expands only the rest.
+
+use super::{load, Child, Node, NodeStore};
+use crate::error::Result;
+use crate::format::Addr;
+use std::collections::HashSet;
+/// The nodes of one side at one tree level, by address, in key order.
+struct Level {
+    level: u8,
+    addrs: Vec<Addr>,
+}
+
+impl Level {
+    /// Loads each node (all of which differ from the other side) and lists
+    /// its children: only nodes that differ are ever loaded.
+    fn expand(self, store: &dyn NodeStore) -> Result<Level> {
+        let mut addrs = Vec::new();
+        for a in self.addrs {
+            if let Node::Branch(b) = &*load(store, &Child::Disk(a), Some(self.level))? {
+                addrs.extend(b.children.iter().filter_map(|c| match c {
+                    Child::Disk(a) => Some(*a),
+                    Child::Mem(_) => None,
+                }));
+            }
+        }
+        Ok(Level { level: self.level.saturating_sub(1), addrs })
+    }
+
+    fn leaves(&self, store: &dyn NodeStore) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let mut out = Vec::new();
+        for a in &self.addrs {
+            if let Node::Leaf(l) = &*load(store, &Child::Disk(*a), Some(0))? {
+                out.extend(l.entries.iter().cloned());
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// One entry that differs: its key, and its value on each side.
+pub type Difference<'a> = (&'a [u8], Option<&'a [u8]>, Option<&'a [u8]>);
+
+/// Calls `f` for every key whose value differs between the trees rooted at
+/// `a` and `b` (both written), in key order.
+pub fn diff(store: &dyn NodeStore, a: Addr, b: Addr, f: &mut dyn FnMut(Difference) -> Result<()>) -> Result<()> {
+    if a == b {
+        return Ok(());
+    }
+    let root_level = |x: Addr| -> Result<u8> { Ok(load(store, &Child::Disk(x), None)?.level()) };
+    let mut left = Level { level: root_level(a)?, addrs: vec![a] };
+    let mut right = Level { level: root_level(b)?, addrs: vec![b] };
+    loop {
+        // Bring both sides to the same level.
+        while left.level > right.level && !left.addrs.is_empty() {
+            left = left.expand(store)?;
+        }
+        while right.level > left.level && !right.addrs.is_empty() {
+            right = right.expand(store)?;
+        }
+        let on_left: HashSet<Addr> = left.addrs.iter().copied().collect();
+        let shared: HashSet<Addr> = right.addrs.iter().copied().filter(|a| on_left.contains(a)).collect();
+        left.addrs.retain(|a| !shared.contains(a));
+        right.addrs.retain(|a| !shared.contains(a));
+        let bottom = |l: &Level| l.level == 0 || l.addrs.is_empty();
+        if bottom(&left) && bottom(&right) {
+            return merge_leaves(&left.leaves(store)?, &right.leaves(store)?, f);
+        }
+        if !bottom(&left) {
+            left = left.expand(store)?;
+        }
+        if !bottom(&right) {
+            right = right.expand(store)?;
+        }
+    }
+}
+
+type Entries = [(Vec<u8>, Vec<u8>)];
+
+fn merge_leaves(l: &Entries, r: &Entries, f: &mut dyn FnMut(Difference) -> Result<()>) -> Result<()> {
+    let (mut i, mut j) = (0, 0);
+    while i < l.len() || j < r.len() {
+        match (l.get(i), r.get(j)) {
+            (Some((lk, lv)), Some((rk, rv))) if lk == rk => {
+                if lv != rv {
+                    f((lk, Some(lv), Some(rv)))?;
+                }
+                i += 1;
+                j += 1;
+            }
+            (Some((lk, lv)), Some((rk, _))) if lk < rk => {
+                f((lk, Some(lv), None))?;
+                i += 1;
+            }
+            (Some((lk, lv)), None) => {
+                f((lk, Some(lv), None))?;
+                i += 1;
+            }
+            (_, Some((rk, rv))) => {
+                f((rk, None, Some(rv)))?;
+                j += 1;
+            }
+            (None, None) => break,
+        }
+    }
+    Ok(())
+}
+
+/// Visits every node reachable from `root` that is not in `seen` (and adds
+/// it there), so walking many roots that share subtrees visits each once.
+pub fn walk(
+    store: &dyn NodeStore,
+    root: Addr,
+    seen: &mut HashSet<Addr>,
+    f: &mut dyn FnMut(Addr, &Node) -> Result<()>,
+) -> Result<()> {
+    let mut stack = vec![(root, None)];
+    while let Some((addr, level)) = stack.pop() {
+        if !seen.insert(addr) {
+            continue;
+        }
+        let node = load(store, &Child::Disk(addr), level)?;
+        f(addr, &node)?;
+        if let Node::Branch(b) = &*node {
+            for c in &b.children {
+                if let Child::Disk(a) = c {
+                    stack.push((*a, Some(b.level - 1)));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::{MemNodeStore, Tree};
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    fn key(i: u32) -> Vec<u8> {
+        format!("k{i:07}").into_bytes()
+    }
+
+    /// Counts node loads, to show the diff touches little of a big tree.
+    struct Counting<'a>(&'a MemNodeStore, std::cell::Cell<u64>);
+
+    impl NodeStore for Counting<'_> {
+        fn load(&self, addr: Addr) -> Result<Arc<Node>> {
+            self.1.set(self.1.get() + 1);
+            self.0.load(addr)
+        }
+        fn write(&self, node: &Node) -> Result<Addr> {
+            self.0.write(node)
+        }
+    }
+
+    #[test]
+    fn diff_finds_exactly_the_changes_and_skips_shared_subtrees() {
+        let s = MemNodeStore::default();
+        let mut t = Tree::new();
+        for i in 0..50_000 {
+            t.insert(&s, key(i), vec![1; 20]).expect("insert");
+        }
+        let a = t.flush(&s).expect("flush");
+        t.insert(&s, key(10), vec![2; 20]).expect("modify");
+        t.remove(&s, &key(20_000)).expect("remove");
+        t.insert(&s, b"k9999999x".to_vec(), vec![3]).expect("add");
+        let b = t.flush(&s).expect("flush");
+        let counting = Counting(&s, Default::default());
+        let mut got = BTreeMap::new();
+        diff(&counting, a, b, &mut |(k, l, r)| {
+            got.insert(k.to_vec(), (l.map(<[u8]>::to_vec), r.map(<[u8]>::to_vec)));
+            Ok(())
+        })
+        .expect("diff");
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[&key(10)], (Some(vec![1; 20]), Some(vec![2; 20])));
+        assert_eq!(got[&key(20_000)], (Some(vec![1; 20]), None));
+        assert_eq!(got[&b"k9999999x".to_vec()], (None, Some(vec![3])));
+        let mut all = HashSet::new();
+        walk(&s, b, &mut all, &mut |_, _| Ok(())).expect("walk");
+        assert!(
+            counting.1.get() < all.len() as u64 / 4,
+            "{} loads for a tree of {} nodes",
+            counting.1.get(),
+            all.len()
+        );
+    }
+
+    #[test]
+    fn diff_of_unrelated_trees_equals_a_full_comparison() {
+        let s = MemNodeStore::default();
+        let (mut x, mut y) = (Tree::new(), Tree::new());
+        for i in 0..3000 {
+            x.insert(&s, key(i), vec![(i % 7) as u8]).expect("insert");
+            y.insert(&s, key(i * 2), vec![(i % 5) as u8]).expect("insert");
+        }
+        let (a, b) = (x.flush(&s).expect("flush"), y.flush(&s).expect("flush"));
+        let mut count = 0;
+        diff(&s, a, b, &mut |_| {
+            count += 1;
+            Ok(())
+        })
+        .expect("diff");
+        let collect = |t: &Tree| {
+            let mut m = BTreeMap::new();
+            t.scan(&s, b"", &mut |k, v| {
+                m.insert(k.to_vec(), v.to_vec());
+                Ok(true)
+            })
+            .expect("scan");
+            m
+        };
+        let (mx, my) = (collect(&x), collect(&y));
+        let expected =
+            mx.keys().chain(my.keys()).collect::<HashSet<_>>().into_iter().filter(|k| mx.get(*k) != my.get(*k)).count();
+        assert_eq!(count, expected);
+    }
+}
