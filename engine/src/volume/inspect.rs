@@ -77,7 +77,9 @@ pub fn diff_commits(device: Arc<dyn Device>, from: Addr, to: Addr) -> Result<Vec
     let (ra, rb) = (root_of(device.as_ref(), from)?, root_of(device.as_ref(), to)?);
     let (ta, tb) = (Tree::from_root(ra), Tree::from_root(rb));
     let (va, vb) = (View { tree: &ta, store: &store }, View { tree: &tb, store: &store });
-    let mut entries: Vec<(u64, Vec<u8>, Option<DirEntry>, Option<DirEntry>)> = Vec::new();
+    // (parent, name, entry before, entry after)
+    type EntryChange = (u64, Vec<u8>, Option<DirEntry>, Option<DirEntry>);
+    let mut entries: Vec<EntryChange> = Vec::new();
     let mut touched: BTreeSet<u64> = BTreeSet::new();
     tree::diff(&store, ra, rb, &mut |(k, old, new)| {
         match k.first() {
