@@ -1,12 +1,23 @@
 //! What a DISK argument names, and the layout of a disk on the embedded
-//! local-folder default.
+//! local-folder default:
+//!
+//! ```text
+//! DISK/disk              identity, written once by `arbor init`
+//! DISK/segments/         every branch's segments (names are globally unique)
+//! DISK/branches/<name>   branch heads        DISK/checkpoints/<name>  checkpoints
+//! DISK/locks/<branch>    node-local writer locks
+//! DISK/logs/<name>.log   logs of background mounts
+//! ```
 
 use anyhow::{bail, Context, Result};
 use arbor_engine::bucket::{LocalFolderStore, ObjectStore};
+use arbor_engine::device::{Device, FileDevice};
+use arbor_engine::io::IoMode;
 use arbor_engine::Error;
+use arbor_snapshot::Catalog;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// The identity object written by `arbor init`.
 const IDENTITY: &str = "disk";
 pub const FORMAT: &str = "arbor-disk v1";
 
@@ -16,8 +27,8 @@ pub struct Disk {
 
 /// Parses a DISK argument: a local folder (the embedded default bucket).
 pub fn parse(arg: &str) -> Result<PathBuf> {
-    if let Some(rest) = arg.split_once("://") {
-        bail!("{}:// disks are not supported yet; use a local folder (got {arg})", rest.0);
+    if let Some((scheme, _)) = arg.split_once("://") {
+        bail!("{scheme}:// disks are not supported yet; use a local folder (got {arg})");
     }
     if arg.is_empty() {
         bail!("DISK must not be empty");
@@ -31,46 +42,50 @@ impl Disk {
         let store = LocalFolderStore::open(&root).with_context(|| format!("cannot create {}", root.display()))?;
         let identity = format!("{FORMAT}\ncreated-by: arbor {}\n", env!("CARGO_PKG_VERSION"));
         match store.put_if_absent(IDENTITY, identity.as_bytes()) {
-            Ok(_) => Ok(Disk { root }),
+            Ok(_) => {}
             Err(Error::AlreadyExists(_)) => bail!("{} is already an arbor disk", root.display()),
-            Err(e) => Err(e).context("cannot write the disk identity"),
+            Err(e) => return Err(e).context("cannot write the disk identity"),
         }
+        let disk = Disk { root };
+        // Create branch main now, so every later command finds it.
+        let (vol, _lock) = disk.catalog()?.open_branch("main", quiet_config())?;
+        vol.close()?;
+        Ok(disk)
     }
 
     pub fn open(arg: &str) -> Result<Disk> {
         let root = parse(arg)?;
         if !root.is_dir() {
-            bail!("{} does not exist (create it with: arbor init {})", root.display(), arg);
+            bail!("{} does not exist (create it with: arbor init {arg})", root.display());
         }
         let store = LocalFolderStore::open(&root)?;
         match store.get(IDENTITY) {
             Ok((body, _)) if body.starts_with(FORMAT.as_bytes()) => Ok(Disk { root }),
             Ok(_) => bail!("{} holds a disk of a format this arbor does not read", root.display()),
             Err(Error::NoSuchObject(_)) => {
-                bail!("{} is not an arbor disk (create one with: arbor init {})", root.display(), arg)
+                bail!("{} is not an arbor disk (create one with: arbor init {arg})", root.display())
             }
             Err(e) => Err(e).context("cannot read the disk identity"),
         }
     }
 
-    /// Where a branch's segments live on this node unless `--cache-dir`
-    /// says otherwise. On the local-folder default this is inside the disk,
-    /// so the disk folder holds everything.
-    pub fn default_cache_dir(&self, branch: &str) -> PathBuf {
-        self.root.join("cache").join(branch)
+    pub fn segments(&self) -> Result<Arc<dyn Device>> {
+        Ok(FileDevice::open(self.root.join("segments"), IoMode::Auto)?)
+    }
+
+    pub fn catalog(&self) -> Result<Catalog> {
+        let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(&self.root)?);
+        Ok(Catalog::new(store, self.segments()?, Some(self.root.join("locks"))))
+    }
+
+    pub fn log_path(&self, name: &str) -> PathBuf {
+        self.root.join("logs").join(format!("{name}.log"))
     }
 }
 
-pub fn check_branch_name(name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
-        && name != "."
-        && name != "..";
-    if !ok {
-        bail!("invalid name {name:?}: use 1 to 128 of A-Z a-z 0-9 . _ -");
-    }
-    Ok(())
+/// A volume configuration for short-lived opens by commands.
+pub fn quiet_config() -> arbor_engine::Config {
+    arbor_engine::Config { commit_interval: None, ..arbor_engine::Config::default() }
 }
 
 pub fn is_mountpoint(path: &Path) -> bool {
@@ -89,23 +104,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn branch_names_follow_the_rule() {
-        for good in ["main", "run-1", "sweep_2.b", &"a".repeat(128)] {
-            assert!(check_branch_name(good).is_ok(), "{good}");
-        }
-        for bad in ["", ".", "..", "a/b", "sp ace", &"a".repeat(129), "é"] {
-            assert!(check_branch_name(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
     fn init_once_then_open() {
         let dir = tempfile::tempdir().expect("tempdir");
         let arg = dir.path().join("d").display().to_string();
         assert!(Disk::open(&arg).is_err());
         Disk::init(&arg).expect("init");
         assert!(Disk::init(&arg).is_err(), "second init must fail");
-        Disk::open(&arg).expect("open");
+        let d = Disk::open(&arg).expect("open");
+        let branches = d.catalog().expect("catalog").list_branches().expect("list");
+        assert_eq!(branches.len(), 1, "init creates main");
         assert!(parse("s3://bucket/x").is_err());
     }
 }

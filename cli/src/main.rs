@@ -1,18 +1,17 @@
 //! `arbor`: mount a disk made of a bucket (or a local folder), and manage it.
 
+mod commands;
 mod control;
 mod disk;
+mod prefetch;
 mod serve;
 
-use anyhow::{bail, Result};
-use arbor_engine::device::FileDevice;
-use arbor_engine::io::IoMode;
-use clap::{Parser, Subcommand};
-use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use indicatif::HumanBytes;
 use serde_json::json;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 #[derive(Parser)]
 #[command(name = "arbor", version, about = "A disk made of a bucket: mount it anywhere, fsync is durable.")]
@@ -24,35 +23,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create a new disk in DISK (a local folder).
+    /// Create a new disk in DISK (a local folder), with branch main.
     #[command(after_help = "Example:\n  arbor init /data/arbor-disk")]
     Init {
         /// The disk: a local folder (s3:// URLs are not supported yet).
         disk: String,
     },
-    /// Mount a branch of DISK at MOUNTPOINT (in the background unless --foreground).
+    /// Mount a branch (read-write) or checkpoint (read-only) of DISK at MOUNTPOINT.
     #[command(
-        after_help = "Example:\n  arbor mount /data/arbor-disk /mnt/data\n  arbor mount /data/arbor-disk /mnt/data --foreground"
+        after_help = "Example:\n  arbor mount /data/arbor-disk /mnt/data\n  arbor mount /data/arbor-disk /mnt/run-a --branch run-a\n  arbor mount /data/arbor-disk /mnt/v1 --checkpoint dataset-v1"
     )]
-    Mount {
-        disk: String,
-        mountpoint: PathBuf,
-        /// The branch to mount.
-        #[arg(long, default_value = "main")]
-        branch: String,
-        /// Where this node keeps the branch's segments (default: inside DISK).
-        #[arg(long)]
-        cache_dir: Option<PathBuf>,
-        /// Kernel read-ahead for sequential readers, in bytes.
-        #[arg(long, default_value_t = 4 << 20)]
-        read_ahead: u32,
-        /// Let other users access the mount.
-        #[arg(long)]
-        allow_other: bool,
-        /// Stay attached and log to stderr (for systemd and containers).
-        #[arg(long)]
-        foreground: bool,
-    },
+    Mount(MountCmd),
     /// Unmount MOUNTPOINT, waiting until everything is durable.
     #[command(after_help = "Example:\n  arbor unmount /mnt/data")]
     Unmount { mountpoint: PathBuf },
@@ -63,23 +44,137 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Verify every record and every file byte of an unmounted branch.
+    /// Frozen, named states of a branch (TARGET: a mountpoint or a DISK).
+    #[command(
+        subcommand,
+        after_help = "Example:\n  arbor checkpoints create /mnt/data dataset-v1\n  arbor checkpoints list /mnt/data"
+    )]
+    Checkpoints(CheckpointsCmd),
+    /// Writable forks of a checkpoint or branch (TARGET: a mountpoint or a DISK).
+    #[command(
+        subcommand,
+        after_help = "Example:\n  arbor branches create /mnt/data run-a --from-checkpoint dataset-v1"
+    )]
+    Branches(BranchesCmd),
+    /// Paths added, removed and modified between two checkpoints or branches.
+    #[command(
+        after_help = "Example:\n  arbor diff /mnt/data dataset-v1 run-a\n  arbor diff /data/arbor-disk branch:run-a branch:run-b --json"
+    )]
+    Diff {
+        target: String,
+        from: String,
+        to: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read files ahead of their first use, with a progress bar.
+    #[command(after_help = "Example:\n  arbor prefetch /mnt/data datasets/tokens.bin shards/")]
+    Prefetch {
+        mountpoint: PathBuf,
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+    },
+    /// Delete segments no branch or checkpoint reaches.
+    #[command(after_help = "Example:\n  arbor gc /data/arbor-disk")]
+    Gc {
+        target: String,
+        /// Keep segments written within this many seconds (live writers).
+        #[arg(long, default_value_t = 600)]
+        grace: u64,
+    },
+    /// Verify every record, and every file byte of every branch and checkpoint.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
     Fsck {
         disk: String,
-        #[arg(long, default_value = "main")]
-        branch: String,
-        #[arg(long)]
-        cache_dir: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
 }
 
+#[derive(Args)]
+struct MountCmd {
+    disk: String,
+    mountpoint: PathBuf,
+    /// The branch to mount read-write (default: main).
+    #[arg(long, conflicts_with = "checkpoint")]
+    branch: Option<String>,
+    /// A checkpoint to mount read-only.
+    #[arg(long)]
+    checkpoint: Option<String>,
+    /// Kernel read-ahead for sequential readers, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    read_ahead: u32,
+    /// Paths (inside the mount, comma-separated) to read in the background once mounted.
+    #[arg(long, value_delimiter = ',')]
+    pre_fetch: Vec<PathBuf>,
+    /// Let other users access the mount.
+    #[arg(long)]
+    allow_other: bool,
+    /// Stay attached and log to stderr (for systemd and containers).
+    #[arg(long)]
+    foreground: bool,
+}
+
+#[derive(Subcommand)]
+enum CheckpointsCmd {
+    /// Freeze a branch's current state, unsynced writes included (durable on return).
+    Create {
+        target: String,
+        name: String,
+        /// For a DISK target: the branch (default main).
+        #[arg(long)]
+        branch: Option<String>,
+    },
+    List {
+        target: String,
+        #[arg(long)]
+        json: bool,
+    },
+    Delete {
+        target: String,
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum BranchesCmd {
+    /// A new writable branch equal to a checkpoint or to another branch now.
+    Create {
+        target: String,
+        name: String,
+        #[arg(long, conflicts_with = "from_branch", required_unless_present = "from_branch")]
+        from_checkpoint: Option<String>,
+        #[arg(long)]
+        from_branch: Option<String>,
+    },
+    List {
+        target: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a branch (not main, not while mounted).
+    Delete {
+        target: String,
+        name: String,
+    },
+    /// Point a branch back at a checkpoint, dropping what it had since.
+    Reset {
+        target: String,
+        name: String,
+        #[arg(long)]
+        to_checkpoint: String,
+    },
+    Rename {
+        target: String,
+        name: String,
+        new_name: String,
+    },
+}
+
 fn init_logging(default: &str) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    use std::io::IsTerminal;
     let ansi = std::io::stderr().is_terminal();
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
@@ -88,21 +183,27 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Init { disk } => {
             let d = disk::Disk::init(&disk)?;
-            println!("initialized arbor disk at {}", d.root.display());
+            println!("initialized arbor disk at {} with branch main", d.root.display());
         }
-        Command::Mount { disk, mountpoint, branch, cache_dir, read_ahead, allow_other, foreground } => {
-            let args = serve::MountArgs { disk, mountpoint, branch, cache_dir, read_ahead, allow_other };
-            if foreground {
+        Command::Mount(m) => {
+            let args = serve::MountArgs {
+                disk: m.disk,
+                mountpoint: m.mountpoint,
+                branch: m.branch,
+                checkpoint: m.checkpoint,
+                read_ahead: m.read_ahead,
+                allow_other: m.allow_other,
+                pre_fetch: m.pre_fetch,
+            };
+            if m.foreground {
                 serve::run_foreground(&args)?;
             } else {
                 let log = serve::spawn_background(&args)?;
-                println!(
-                    "mounted {} at {} (branch {}); log: {}",
-                    args.disk,
-                    args.mountpoint.display(),
-                    args.branch,
-                    log.display()
-                );
+                let what = match &args.checkpoint {
+                    Some(c) => format!("checkpoint {c}, read-only"),
+                    None => format!("branch {}", args.branch.as_deref().unwrap_or("main")),
+                };
+                println!("mounted {} at {} ({what}); log: {}", args.disk, args.mountpoint.display(), log.display());
             }
         }
         Command::Unmount { mountpoint } => {
@@ -117,7 +218,28 @@ fn run(cli: Cli) -> Result<()> {
                 print_status(&s);
             }
         }
-        Command::Fsck { disk, branch, cache_dir, json } => fsck(&disk, &branch, cache_dir, json)?,
+        Command::Checkpoints(c) => match c {
+            CheckpointsCmd::Create { target, name, branch } => {
+                commands::checkpoint_create(&target, &name, branch.as_deref())?
+            }
+            CheckpointsCmd::List { target, json } => commands::checkpoint_list(&target, json)?,
+            CheckpointsCmd::Delete { target, name } => commands::checkpoint_delete(&target, &name)?,
+        },
+        Command::Branches(b) => match b {
+            BranchesCmd::Create { target, name, from_checkpoint, from_branch } => {
+                commands::branch_create(&target, &name, from_checkpoint.as_deref(), from_branch.as_deref())?
+            }
+            BranchesCmd::List { target, json } => commands::branch_list(&target, json)?,
+            BranchesCmd::Delete { target, name } => commands::branch_delete(&target, &name)?,
+            BranchesCmd::Reset { target, name, to_checkpoint } => {
+                commands::branch_reset(&target, &name, &to_checkpoint)?
+            }
+            BranchesCmd::Rename { target, name, new_name } => commands::branch_rename(&target, &name, &new_name)?,
+        },
+        Command::Diff { target, from, to, json } => commands::diff(&target, &from, &to, json)?,
+        Command::Prefetch { mountpoint, paths } => commands::prefetch(&mountpoint, &paths)?,
+        Command::Gc { target, grace } => commands::gc(&target, grace)?,
+        Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
     }
     Ok(())
 }
@@ -126,8 +248,10 @@ fn print_status(s: &serde_json::Value) {
     let get = |k: &str| s[k].as_str().map(str::to_string).unwrap_or_else(|| s[k].to_string());
     println!("mountpoint   {}", get("mountpoint"));
     println!("disk         {}", get("disk"));
-    println!("branch       {}{}", get("branch"), if s["read_only"] == json!(true) { " (read-only)" } else { "" });
-    println!("cache        {}", get("cache_dir"));
+    match s["checkpoint"].as_str() {
+        Some(c) => println!("checkpoint   {c} (read-only)"),
+        None => println!("branch       {}", get("branch")),
+    }
     println!("server pid   {}", get("pid"));
     println!("io           {}", get("io_backend"));
     println!(
@@ -142,47 +266,9 @@ fn print_status(s: &serde_json::Value) {
     }
 }
 
-fn fsck(disk_arg: &str, branch: &str, cache_dir: Option<PathBuf>, json_out: bool) -> Result<()> {
-    disk::check_branch_name(branch)?;
-    let d = disk::Disk::open(disk_arg)?;
-    let dir = cache_dir.unwrap_or_else(|| d.default_cache_dir(branch));
-    if !dir.join("superblock").exists() {
-        bail!("no branch {branch:?} in {}", dir.display());
-    }
-    let device = FileDevice::open_exclusive(&dir, IoMode::Auto)
-        .map_err(|e| anyhow::anyhow!("cannot check a mounted branch: {e}"))?;
-    let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} fsck {msg}")?);
-    bar.enable_steady_tick(Duration::from_millis(100));
-    let report = arbor_engine::fsck::check(device, &mut |step| bar.set_message(step.to_string()))?;
-    bar.finish_and_clear();
-    if json_out {
-        println!(
-            "{}",
-            json!({"segments": report.segments, "records": report.records, "files": report.files,
-                   "directories": report.directories, "bytes_verified": report.bytes_verified, "problems": report.problems})
-        );
-    } else {
-        println!(
-            "{} segments, {} records, {} files, {} directories, {} verified",
-            report.segments,
-            report.records,
-            report.files,
-            report.directories,
-            HumanBytes(report.bytes_verified)
-        );
-        for p in &report.problems {
-            println!("PROBLEM: {p}");
-        }
-    }
-    if !report.problems.is_empty() {
-        bail!("{} problems found", report.problems.len());
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let foreground_mount = matches!(cli.command, Command::Mount { foreground: true, .. });
+    let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground);
     init_logging(if foreground_mount { "info" } else { "warn" });
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

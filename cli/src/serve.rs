@@ -1,25 +1,30 @@
-//! `arbor mount`: the process that serves one branch of a disk.
+//! `arbor mount`: the process that serves one branch or checkpoint.
 
 use crate::control;
 use crate::disk::{self, Disk};
 use anyhow::{bail, Context, Result};
-use arbor_engine::device::FileDevice;
-use arbor_engine::io::IoMode;
 use arbor_engine::volume::{Config, Volume};
-use arbor_engine::Error;
 use arbor_fs::MountOptions;
+use arbor_snapshot::{check_name, Error as CatalogError};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 pub struct MountArgs {
     pub disk: String,
     pub mountpoint: PathBuf,
-    pub branch: String,
-    pub cache_dir: Option<PathBuf>,
+    pub branch: Option<String>,
+    pub checkpoint: Option<String>,
     pub read_ahead: u32,
     pub allow_other: bool,
+    pub pre_fetch: Vec<PathBuf>,
+}
+
+impl MountArgs {
+    fn root_name(&self) -> &str {
+        self.checkpoint.as_deref().or(self.branch.as_deref()).unwrap_or("main")
+    }
 }
 
 enum Event {
@@ -30,12 +35,17 @@ enum Event {
 struct Prepared {
     disk: Disk,
     mountpoint: PathBuf,
-    cache_dir: PathBuf,
 }
 
 fn prepare(args: &MountArgs) -> Result<Prepared> {
-    disk::check_branch_name(&args.branch)?;
+    check_name(args.root_name())?;
     let disk = Disk::open(&args.disk)?;
+    let catalog = disk.catalog()?;
+    match (&args.branch, &args.checkpoint) {
+        (Some(_), Some(_)) => bail!("give --branch or --checkpoint, not both"),
+        (_, Some(c)) => drop(catalog.checkpoint(c)?),
+        (b, None) => drop(catalog.branch_head(b.as_deref().unwrap_or("main"))?),
+    }
     let mountpoint = std::path::absolute(&args.mountpoint)?;
     arbor_fs::recover_stale_mount(&mountpoint)?;
     if !mountpoint.is_dir() {
@@ -44,23 +54,16 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     if disk::is_mountpoint(&mountpoint) {
         bail!("{} is busy: something is already mounted there", mountpoint.display());
     }
-    let cache_dir = match &args.cache_dir {
-        Some(d) => std::path::absolute(d)?,
-        None => disk.default_cache_dir(&args.branch),
-    };
-    if args.branch != "main" && !cache_dir.join("superblock").exists() {
-        bail!("no branch {:?} on {} (branches other than main are not built yet)", args.branch, disk.root.display());
-    }
-    Ok(Prepared { disk, mountpoint, cache_dir })
+    Ok(Prepared { disk, mountpoint })
 }
 
-fn status(p: &Prepared, branch: &str, vol: &Volume) -> Value {
+fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
     let s = vol.stats();
     json!({
         "mountpoint": p.mountpoint,
         "disk": p.disk.root,
-        "branch": branch,
-        "cache_dir": p.cache_dir,
+        "branch": if args.checkpoint.is_none() { Some(args.root_name()) } else { None },
+        "checkpoint": args.checkpoint,
         "pid": std::process::id(),
         "read_only": s.read_only,
         "poisoned": s.poisoned,
@@ -76,19 +79,50 @@ fn status(p: &Prepared, branch: &str, vol: &Volume) -> Value {
     })
 }
 
+pub fn addr_json(a: arbor_engine::format::Addr) -> Value {
+    json!({"writer": a.seg.writer, "seq": a.seg.seq, "off": a.off, "len": a.len})
+}
+
+fn reply<T>(r: Result<T, impl std::fmt::Display>, ok: impl FnOnce(T) -> Value) -> (Value, bool) {
+    match r {
+        Ok(v) => (json!({"ok": true, "result": ok(v)}), false),
+        Err(e) => (json!({"ok": false, "error": e.to_string()}), false),
+    }
+}
+
 /// Mounts and serves until unmounted, signalled, or asked to stop.
 pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let p = prepare(args)?;
-    let device = FileDevice::open_exclusive(&p.cache_dir, IoMode::Auto).map_err(|e| match e {
-        Error::Busy(msg) => anyhow::anyhow!("branch {} is already mounted read-write ({msg})", args.branch),
-        e => anyhow::Error::from(e).context(format!("cannot open the cache directory {}", p.cache_dir.display())),
-    })?;
-    let vol = Volume::open(device, Config::default()).context("cannot open the volume")?;
+    let catalog = p.disk.catalog()?;
+    let (vol, _lock) = match &args.checkpoint {
+        Some(c) => (catalog.open_checkpoint(c, Config::default())?, None),
+        None => {
+            let name = args.root_name();
+            let (v, mut l) = catalog.open_branch(name, Config::default()).map_err(|e| match e {
+                CatalogError::Open(_) => match catalog.holder_of(name) {
+                    Some(mp) if !mp.is_empty() => {
+                        anyhow::anyhow!("branch {name} is already mounted read-write at {mp}")
+                    }
+                    _ => anyhow::anyhow!("branch {name} is already mounted read-write"),
+                },
+                e => anyhow::Error::from(e).context(format!("cannot open branch {name}")),
+            })?;
+            l.record_holder(&p.mountpoint.display().to_string())?;
+            (v, Some(l))
+        }
+    };
     let control = control::Server::bind(&p.mountpoint)?;
     let opts = MountOptions { allow_other: args.allow_other, read_ahead: args.read_ahead, ..MountOptions::default() };
     let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?;
-    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.root.display(), branch = %args.branch, "mounted");
+    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.root.display(), root = args.root_name(), "mounted");
+    if !args.pre_fetch.is_empty() {
+        let paths: Vec<PathBuf> = args.pre_fetch.iter().map(|r| p.mountpoint.join(r)).collect();
+        std::thread::spawn(move || {
+            let (files, bytes) = crate::prefetch::warm(&paths, &mut |_| {});
+            tracing::info!(files, bytes, "pre-fetch done");
+        });
+    }
 
     let (tx, rx) = mpsc::channel();
     let sig_tx = tx.clone();
@@ -98,27 +132,22 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
             let _ = sig_tx.send(Event::Stop("signal"));
         }
     });
-    let ctl_vol = vol.clone();
-    let branch = args.branch.clone();
-    let p2 =
-        Prepared { disk: Disk::open(&args.disk)?, mountpoint: p.mountpoint.clone(), cache_dir: p.cache_dir.clone() };
     let (replied_tx, replied_rx) = mpsc::channel::<()>();
+    let ctl = ControlState {
+        p: Prepared { disk: Disk::open(&args.disk)?, mountpoint: p.mountpoint.clone() },
+        vol: vol.clone(),
+    };
+    let args_view = MountArgs {
+        disk: args.disk.clone(),
+        mountpoint: args.mountpoint.clone(),
+        branch: args.branch.clone(),
+        checkpoint: args.checkpoint.clone(),
+        read_ahead: args.read_ahead,
+        allow_other: args.allow_other,
+        pre_fetch: Vec::new(),
+    };
     std::thread::spawn(move || {
-        control.serve(|req| match req["op"].as_str() {
-            Some("status") => (json!({"ok": true, "result": status(&p2, &branch, &ctl_vol)}), false),
-            Some("sync") => match ctl_vol.sync_all().and_then(|_| ctl_vol.commit()) {
-                Ok(()) => (json!({"ok": true, "result": null}), false),
-                Err(e) => (json!({"ok": false, "error": e.to_string()}), false),
-            },
-            Some("unmount") => {
-                let (ack_tx, ack_rx) = mpsc::channel();
-                let _ = tx.send(Event::Unmount(ack_tx));
-                let _ = ack_rx.recv_timeout(Duration::from_secs(600));
-                (json!({"ok": true, "result": null}), true)
-            }
-            other => (json!({"ok": false, "error": format!("unknown request {other:?}")}), false),
-        });
-        // The unmount reply is written: the process may exit now.
+        control.serve(|req| ctl.handle(&args_view, req, &tx));
         let _ = replied_tx.send(());
     });
 
@@ -153,13 +182,52 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     Ok(())
 }
 
+struct ControlState {
+    p: Prepared,
+    vol: Arc<Volume>,
+}
+
+impl ControlState {
+    fn handle(&self, args: &MountArgs, req: &Value, tx: &mpsc::Sender<Event>) -> (Value, bool) {
+        match req["op"].as_str() {
+            Some("status") => (json!({"ok": true, "result": status(&self.p, args, &self.vol)}), false),
+            Some("sync") => reply(self.vol.sync_all().and_then(|_| self.vol.commit()), |_| Value::Null),
+            // Commits now and returns the commit: a branch's current state.
+            Some("commit") => reply(
+                self.vol.commit().and_then(|_| self.vol.last_commit().ok_or(arbor_engine::Error::ReadOnly)),
+                addr_json,
+            ),
+            Some("checkpoint") => {
+                let Some(name) = req["name"].as_str() else { return reply(Err("no name"), |()| Value::Null) };
+                if args.checkpoint.is_some() {
+                    return reply(Err("a checkpoint mount is read-only; checkpoint its branch instead"), |()| {
+                        Value::Null
+                    });
+                }
+                let made =
+                    self.p.disk.catalog().map_err(|e| e.to_string()).and_then(|c| {
+                        c.checkpoint_volume(name, args.root_name(), &self.vol).map_err(|e| e.to_string())
+                    });
+                reply(made, |c| json!({"name": c.name, "commit": addr_json(c.commit)}))
+            }
+            Some("unmount") => {
+                let (ack_tx, ack_rx) = mpsc::channel();
+                let _ = tx.send(Event::Unmount(ack_tx));
+                let _ = ack_rx.recv_timeout(Duration::from_secs(600));
+                (json!({"ok": true, "result": null}), true)
+            }
+            other => (json!({"ok": false, "error": format!("unknown request {other:?}")}), false),
+        }
+    }
+}
+
 /// Starts `arbor mount … --foreground` in the background, logging to a
 /// file, and returns once the file system answers.
 pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
     use std::os::unix::process::CommandExt;
     let p = prepare(args)?;
-    std::fs::create_dir_all(&p.cache_dir)?;
-    let log_path = p.cache_dir.join("arbor.log");
+    let log_path = p.disk.log_path(args.root_name());
+    std::fs::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
     let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1)).arg("--foreground");
@@ -195,16 +263,13 @@ fn last_line(log: &Path) -> String {
 /// Unmounts through the control socket (which waits for the final
 /// commit), or detaches a mount whose server is gone.
 pub fn unmount(mountpoint: &Path) -> Result<()> {
-    match control::request(mountpoint, json!({"op": "unmount"})) {
-        Ok(_) => {}
-        Err(e) => {
-            if !disk::is_mountpoint(mountpoint) {
-                return Err(e);
-            }
-            arbor_fs::recover_stale_mount(mountpoint)?;
-            if disk::is_mountpoint(mountpoint) {
-                bail!("{} is mounted but not served by arbor on this node", mountpoint.display());
-            }
+    if let Err(e) = control::request(mountpoint, json!({"op": "unmount"})) {
+        if !disk::is_mountpoint(mountpoint) {
+            return Err(e);
+        }
+        arbor_fs::recover_stale_mount(mountpoint)?;
+        if disk::is_mountpoint(mountpoint) {
+            bail!("{} is mounted but not served by arbor on this node", mountpoint.display());
         }
     }
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -62,7 +62,20 @@ pub enum Root {
 
 /// An exclusive, node-local claim on a branch for writing.
 pub struct BranchLock {
-    _file: Option<File>,
+    file: Option<File>,
+}
+
+impl BranchLock {
+    /// Notes who holds the branch (a mount writes its mountpoint), so other
+    /// commands on this node can find it.
+    pub fn record_holder(&mut self, note: &str) -> Result<()> {
+        use std::io::Write;
+        if let Some(f) = &mut self.file {
+            f.set_len(0).map_err(EngineError::from)?;
+            f.write_all(note.as_bytes()).map_err(EngineError::from)?;
+        }
+        Ok(())
+    }
 }
 
 pub struct Catalog {
@@ -110,7 +123,7 @@ impl Catalog {
     /// process (or another claim here) holds it.
     pub fn lock_branch(&self, name: &str) -> Result<BranchLock> {
         check_name(name)?;
-        let Some(dir) = &self.locks else { return Ok(BranchLock { _file: None }) };
+        let Some(dir) = &self.locks else { return Ok(BranchLock { file: None }) };
         std::fs::create_dir_all(dir).map_err(EngineError::from)?;
         let f =
             File::options().create(true).truncate(false).write(true).open(dir.join(name)).map_err(EngineError::from)?;
@@ -118,7 +131,16 @@ impl Catalog {
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             return Err(Error::Open(name.to_string()));
         }
-        Ok(BranchLock { _file: Some(f) })
+        Ok(BranchLock { file: Some(f) })
+    }
+
+    /// What the process holding `name` noted, if it is held on this node.
+    pub fn holder_of(&self, name: &str) -> Option<String> {
+        check_name(name).ok()?;
+        match self.lock_branch(name) {
+            Err(Error::Open(_)) => std::fs::read_to_string(self.locks.as_ref()?.join(name)).ok(),
+            _ => None,
+        }
     }
 
     // ---- branches ----
@@ -298,6 +320,10 @@ impl Catalog {
 
     /// Paths added, removed and modified from `from` to `to`.
     pub fn diff(&self, from: &Root, to: &Root) -> Result<Vec<Change>> {
-        Ok(diff_commits(self.segments.clone(), self.commit_of(from)?, self.commit_of(to)?)?)
+        self.diff_between(self.commit_of(from)?, self.commit_of(to)?)
+    }
+
+    pub fn diff_between(&self, from: Addr, to: Addr) -> Result<Vec<Change>> {
+        Ok(diff_commits(self.segments.clone(), from, to)?)
     }
 }

@@ -25,7 +25,35 @@ fn errors_are_one_line_with_a_nonzero_exit() {
             ],
             "invalid name",
         ),
-        (vec!["fsck".into(), s.disk_str().into(), "--branch".into(), "other".into()], "no branch"),
+        (vec!["checkpoints".into(), "create".into(), s.disk_str().into(), "bad/name".into()], "invalid name"),
+        (
+            vec![
+                "branches".into(),
+                "create".into(),
+                s.disk_str().into(),
+                "x".into(),
+                "--from-checkpoint".into(),
+                "nope".into(),
+            ],
+            "no checkpoint named",
+        ),
+        (vec!["branches".into(), "delete".into(), s.disk_str().into(), "main".into()], "cannot be deleted"),
+        (
+            vec![
+                "mount".into(),
+                s.disk_str().into(),
+                s.mnt.display().to_string(),
+                "--checkpoint".into(),
+                "nope".into(),
+            ],
+            "no checkpoint named",
+        ),
+        (
+            vec!["mount".into(), s.disk_str().into(), s.mnt.display().to_string(), "--branch".into(), "nope".into()],
+            "no branch named",
+        ),
+        (vec!["diff".into(), s.disk_str().into(), "main".into(), "nope".into()], "no checkpoint or branch"),
+        (vec!["prefetch".into(), s.mnt.display().to_string(), "x".into()], "not an arbor mount"),
     ];
     for (args, want) in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -40,7 +68,7 @@ fn errors_are_one_line_with_a_nonzero_exit() {
 
 #[test]
 fn help_says_what_each_command_does_with_an_example() {
-    for cmd in ["init", "mount", "unmount", "status", "fsck"] {
+    for cmd in ["init", "mount", "unmount", "status", "checkpoints", "branches", "diff", "prefetch", "gc", "fsck"] {
         let out = arbor_ok(&[cmd, "--help"]);
         assert!(out.contains("Example:"), "{cmd}: {out}");
     }
@@ -75,4 +103,65 @@ fn background_mount_status_second_mount_refused_unmount_and_fsck() {
     assert!(!is_mounted(&s.mnt));
     let report = arbor_ok(&["fsck", s.disk_str(), "--json"]);
     assert!(report.contains("\"problems\":[]") && report.contains("\"files\":1"), "{report}");
+}
+
+#[test]
+fn checkpoints_and_branches_on_an_unmounted_disk_and_a_read_only_checkpoint_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let mnt = s.mnt.to_str().expect("utf8");
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    std::fs::write(s.mnt.join("tokens.bin"), vec![7u8; 100_000]).expect("write");
+    // No fsync: a checkpoint includes unsynced writes.
+    assert!(arbor_ok(&["checkpoints", "create", mnt, "v1"]).contains("created checkpoint v1"));
+    let out = arbor(&["checkpoints", "create", mnt, "v1"]);
+    assert!(stderr(&out).contains("already exists"), "{}", stderr(&out));
+    std::fs::write(s.mnt.join("after.txt"), b"not in v1").expect("write");
+    m.unmount();
+    // On the unmounted disk.
+    arbor_ok(&["branches", "create", s.disk_str(), "exp", "--from-checkpoint", "v1"]);
+    arbor_ok(&["branches", "create", s.disk_str(), "copy", "--from-branch", "main"]);
+    let list = arbor_ok(&["branches", "list", s.disk_str(), "--json"]);
+    assert!(list.contains("\"exp\"") && list.contains("\"copy\"") && list.contains("\"main\""), "{list}");
+    assert!(arbor_ok(&["checkpoints", "list", s.disk_str()]).contains("v1"));
+    let d = arbor_ok(&["diff", s.disk_str(), "v1", "copy"]);
+    assert_eq!(d.trim(), "A after.txt  (9 B)", "{d}");
+    // A checkpoint mounts read-only and holds exactly what it froze.
+    let m = Mount::start(s.disk_str(), &s.mnt, &["--checkpoint", "v1"]);
+    assert_eq!(std::fs::read(s.mnt.join("tokens.bin")).expect("read").len(), 100_000);
+    assert!(!s.mnt.join("after.txt").exists());
+    let err = std::fs::write(s.mnt.join("new.txt"), b"x").expect_err("read-only");
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+    assert!(arbor_ok(&["status", mnt]).contains("checkpoint   v1 (read-only)"));
+    m.unmount();
+    arbor_ok(&["branches", "reset", s.disk_str(), "copy", "--to-checkpoint", "v1"]);
+    assert_eq!(arbor_ok(&["diff", s.disk_str(), "v1", "copy"]).trim(), "");
+    arbor_ok(&["branches", "delete", s.disk_str(), "exp"]);
+    arbor_ok(&["checkpoints", "delete", s.disk_str(), "v1"]);
+    assert!(arbor_ok(&["gc", s.disk_str(), "--grace", "0"]).contains("deleted"));
+    assert!(arbor_ok(&["fsck", s.disk_str()]).contains("segments"));
+}
+
+#[test]
+fn the_sweep_walkthrough_runs_as_written() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/sweep.sh");
+    let work = s.dir.path().join("sweep");
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .arg(&work)
+        .env("ARBOR", arbor_bin())
+        .output()
+        .expect("run sweep.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", stderr(&out));
+    assert!(stdout.contains("created checkpoint dataset-v1"), "{stdout}");
+    assert!(stdout.contains("A ckpt/step-200.pt"), "{stdout}");
+    assert!(stdout.contains("M config/base.yaml"), "{stdout}");
+    assert!(stdout.contains("sweep done"), "{stdout}");
 }

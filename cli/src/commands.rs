@@ -1,0 +1,315 @@
+//! The catalog commands: checkpoints, branches, diff, gc, prefetch, fsck.
+//! Each works on a mountpoint (through its control socket where the live
+//! state matters) or directly on an unmounted DISK.
+
+use crate::control;
+use crate::disk::{quiet_config, Disk};
+use crate::serve::addr_json;
+use anyhow::{anyhow, bail, Context, Result};
+use arbor_engine::disk::FixedRootDevice;
+use arbor_engine::env::Timestamp;
+use arbor_engine::format::{Addr, SegId};
+use arbor_engine::volume::{ChangeKind, Config, Volume};
+use arbor_snapshot::{Catalog, Error as CatalogError, Root};
+use indicatif::{HumanBytes, HumanDuration, ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+/// What a TARGET argument names.
+pub struct Target {
+    pub disk: Disk,
+    /// When TARGET is a mountpoint served here: the branch mounted there
+    /// (none for a checkpoint mount).
+    pub branch: Option<String>,
+}
+
+pub fn resolve(arg: &str) -> Result<Target> {
+    let path = Path::new(arg);
+    if path.is_dir() {
+        if let Ok(s) = control::request(path, json!({"op": "status"})) {
+            let disk = s["disk"].as_str().ok_or_else(|| anyhow!("bad status reply"))?;
+            return Ok(Target { disk: Disk::open(disk)?, branch: s["branch"].as_str().map(str::to_string) });
+        }
+    }
+    Ok(Target { disk: Disk::open(arg)?, branch: None })
+}
+
+fn friendly(e: CatalogError) -> anyhow::Error {
+    match e {
+        CatalogError::Open(b) => anyhow!("branch {b} is mounted read-write; run this against its mountpoint"),
+        e => e.into(),
+    }
+}
+
+fn addr_from(v: &Value) -> Result<Addr> {
+    let n = |k: &str| v[k].as_u64().ok_or_else(|| anyhow!("bad commit in reply"));
+    Ok(Addr {
+        seg: SegId { writer: n("writer")?, seq: n("seq")? as u32 },
+        off: n("off")? as u32,
+        len: n("len")? as u32,
+    })
+}
+
+/// Where `branch` is mounted on this node, if it is.
+fn mount_of(catalog: &Catalog, branch: &str) -> Option<PathBuf> {
+    catalog.holder_of(branch).filter(|h| !h.is_empty()).map(PathBuf::from)
+}
+
+/// The current commit of `branch`: its mount (anywhere on this node) is
+/// asked to commit first; an unmounted branch is settled from the disk.
+fn branch_commit(catalog: &Catalog, branch: &str) -> Result<Addr> {
+    if let Some(mp) = mount_of(catalog, branch) {
+        return addr_from(&control::request(&mp, json!({"op": "commit"}))?);
+    }
+    catalog.settled_commit(branch).map_err(friendly)
+}
+
+fn root_commit(catalog: &Catalog, root: &Root) -> Result<Addr> {
+    match root {
+        Root::Branch(b) => branch_commit(catalog, b),
+        Root::Checkpoint(_) => Ok(catalog.commit_of(root)?),
+    }
+}
+
+fn human_time(t: Timestamp) -> String {
+    let age = SystemTime::now().duration_since(t.to_system()).unwrap_or_default();
+    format!("{} ago", HumanDuration(Duration::from_secs(age.as_secs())))
+}
+
+pub fn checkpoint_create(target: &str, name: &str, branch: Option<&str>) -> Result<()> {
+    let t = resolve(target)?;
+    let started = Instant::now();
+    let catalog = t.disk.catalog()?;
+    let branch = branch.map(str::to_string).or(t.branch.clone()).unwrap_or_else(|| "main".into());
+    match mount_of(&catalog, &branch) {
+        // The mount checkpoints its live volume, unsynced writes included.
+        Some(mp) => drop(control::request(&mp, json!({"op": "checkpoint", "name": name}))?),
+        None => {
+            let commit = catalog.settled_commit(&branch).map_err(friendly)?;
+            catalog.create_checkpoint(name, &branch, commit).map_err(friendly)?;
+        }
+    }
+    println!("created checkpoint {name} of branch {branch} in {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
+    Ok(())
+}
+
+pub fn checkpoint_list(target: &str, json_out: bool) -> Result<()> {
+    let list = resolve(target)?.disk.catalog()?.list_checkpoints()?;
+    if json_out {
+        let v: Vec<Value> = list
+            .iter()
+            .map(|c| json!({"name": c.name, "branch": c.branch, "created_unix": c.created.secs, "commit": addr_json(c.commit)}))
+            .collect();
+        println!("{}", Value::Array(v));
+    } else if list.is_empty() {
+        println!("no checkpoints");
+    } else {
+        for c in list {
+            println!("{:<32} from {:<20} {}", c.name, c.branch, human_time(c.created));
+        }
+    }
+    Ok(())
+}
+
+pub fn checkpoint_delete(target: &str, name: &str) -> Result<()> {
+    resolve(target)?.disk.catalog()?.delete_checkpoint(name)?;
+    println!("deleted checkpoint {name} (its data goes at the next gc)");
+    Ok(())
+}
+
+pub fn branch_create(target: &str, name: &str, from_checkpoint: Option<&str>, from_branch: Option<&str>) -> Result<()> {
+    let t = resolve(target)?;
+    let started = Instant::now();
+    let catalog = t.disk.catalog()?;
+    let (commit, from) = match (from_checkpoint, from_branch) {
+        (Some(c), None) => (catalog.checkpoint(c)?.commit, format!("checkpoint {c}")),
+        (None, Some(b)) => (branch_commit(&catalog, b)?, format!("branch {b}")),
+        _ => bail!("give exactly one of --from-checkpoint and --from-branch"),
+    };
+    catalog.create_branch(name, commit)?;
+    println!("created branch {name} from {from} in {:.1} ms", started.elapsed().as_secs_f64() * 1e3);
+    Ok(())
+}
+
+pub fn branch_list(target: &str, json_out: bool) -> Result<()> {
+    let catalog = resolve(target)?.disk.catalog()?;
+    let mut rows = Vec::new();
+    for b in catalog.list_branches()? {
+        let mounted = matches!(catalog.lock_branch(&b.name), Err(CatalogError::Open(_)));
+        rows.push((b.name, mounted));
+    }
+    if json_out {
+        let v: Vec<Value> = rows.iter().map(|(n, m)| json!({"name": n, "mounted": m})).collect();
+        println!("{}", Value::Array(v));
+    } else {
+        for (n, m) in rows {
+            println!("{n}{}", if m { "  (mounted read-write)" } else { "" });
+        }
+    }
+    Ok(())
+}
+
+pub fn branch_delete(target: &str, name: &str) -> Result<()> {
+    resolve(target)?.disk.catalog()?.delete_branch(name).map_err(friendly)?;
+    println!("deleted branch {name} (its data goes at the next gc)");
+    Ok(())
+}
+
+pub fn branch_reset(target: &str, name: &str, checkpoint: &str) -> Result<()> {
+    let catalog = resolve(target)?.disk.catalog()?;
+    let cp = catalog.checkpoint(checkpoint)?;
+    catalog.reset_branch(name, cp.commit).map_err(friendly)?;
+    println!("reset branch {name} to checkpoint {checkpoint}");
+    Ok(())
+}
+
+pub fn branch_rename(target: &str, old: &str, new: &str) -> Result<()> {
+    resolve(target)?.disk.catalog()?.rename_branch(old, new).map_err(friendly)?;
+    println!("renamed branch {old} to {new}");
+    Ok(())
+}
+
+/// `checkpoint:NAME`, `branch:NAME`, or a bare name (a checkpoint if one
+/// has it, else a branch).
+fn parse_root(catalog: &Catalog, s: &str) -> Result<Root> {
+    if let Some(c) = s.strip_prefix("checkpoint:") {
+        return Ok(Root::Checkpoint(c.into()));
+    }
+    if let Some(b) = s.strip_prefix("branch:") {
+        return Ok(Root::Branch(b.into()));
+    }
+    match catalog.checkpoint(s) {
+        Ok(_) => Ok(Root::Checkpoint(s.into())),
+        Err(CatalogError::NotFound(..)) => match catalog.branch_head(s) {
+            Ok(_) => Ok(Root::Branch(s.into())),
+            Err(CatalogError::NotFound(..)) => bail!("no checkpoint or branch named {s:?}"),
+            Err(e) => Err(e.into()),
+        },
+        Err(e) => Err(e.into()),
+    }
+}
+
+pub fn diff(target: &str, from: &str, to: &str, json_out: bool) -> Result<()> {
+    let t = resolve(target)?;
+    let catalog = t.disk.catalog()?;
+    let (a, b) = (parse_root(&catalog, from)?, parse_root(&catalog, to)?);
+    // A mounted branch's newest state is in memory: its mount commits it first.
+    let (ca, cb) = (root_commit(&catalog, &a)?, root_commit(&catalog, &b)?);
+    let started = Instant::now();
+    let changes = catalog.diff_between(ca, cb)?;
+    let took = started.elapsed();
+    if json_out {
+        let v: Vec<Value> = changes
+            .iter()
+            .map(|c| {
+                let kind = match c.kind {
+                    ChangeKind::Added => "added",
+                    ChangeKind::Removed => "removed",
+                    ChangeKind::Modified => "modified",
+                };
+                json!({"path": c.path, "change": kind, "size_before": c.size_before, "size_after": c.size_after})
+            })
+            .collect();
+        println!("{}", Value::Array(v));
+        return Ok(());
+    }
+    for c in &changes {
+        let size = |s: Option<u64>| s.map(|n| HumanBytes(n).to_string()).unwrap_or_default();
+        match c.kind {
+            ChangeKind::Added => println!("A {}  ({})", c.path, size(c.size_after)),
+            ChangeKind::Removed => println!("D {}  ({})", c.path, size(c.size_before)),
+            ChangeKind::Modified => println!("M {}  ({} -> {})", c.path, size(c.size_before), size(c.size_after)),
+        }
+    }
+    eprintln!("{} changes in {:.1} ms", changes.len(), took.as_secs_f64() * 1e3);
+    Ok(())
+}
+
+pub fn gc(target: &str, grace: u64) -> Result<()> {
+    let catalog = resolve(target)?.disk.catalog()?;
+    let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} gc: {msg}")?);
+    bar.enable_steady_tick(Duration::from_millis(100));
+    bar.set_message("marking what every branch and checkpoint reaches");
+    let plan = catalog.gc_plan()?;
+    bar.set_message("deleting unreachable segments");
+    let report = catalog.gc_sweep(plan, Duration::from_secs(grace))?;
+    bar.finish_and_clear();
+    println!(
+        "{} segments: {} reachable, {} kept for live writers, {} deleted",
+        report.segments,
+        report.reachable,
+        report.kept_for_writers,
+        report.deleted.len()
+    );
+    Ok(())
+}
+
+pub fn prefetch(mountpoint: &Path, paths: &[PathBuf]) -> Result<()> {
+    control::request(mountpoint, json!({"op": "status"}))?;
+    let full: Vec<PathBuf> =
+        paths.iter().map(|p| if p.is_absolute() { p.clone() } else { mountpoint.join(p) }).collect();
+    for p in &full {
+        if !p.starts_with(mountpoint) {
+            bail!("{} is not inside {}", p.display(), mountpoint.display());
+        }
+        std::fs::symlink_metadata(p).with_context(|| format!("cannot prefetch {}", p.display()))?;
+    }
+    let (files, total) = crate::prefetch::total_bytes(&full);
+    let bar = ProgressBar::new(total)
+        .with_style(ProgressStyle::with_template("prefetch {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")?);
+    let (read, bytes) = crate::prefetch::warm(&full, &mut |n| bar.inc(n));
+    bar.finish_and_clear();
+    println!("prefetched {read} of {files} files, {}", HumanBytes(bytes));
+    Ok(())
+}
+
+pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
+    let d = Disk::open(disk_arg)?;
+    let catalog = d.catalog()?;
+    // A record being written would look torn to a reader running beside it.
+    for b in catalog.list_branches()? {
+        if let Some(mp) = mount_of(&catalog, &b.name) {
+            bail!("branch {} is mounted at {}; unmount it before fsck", b.name, mp.display());
+        }
+    }
+    let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} fsck {msg}")?);
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let mut report = arbor_engine::fsck::check_segments(d.segments()?, &mut |s| bar.set_message(s.to_string()))?;
+    let mut roots: Vec<(String, Addr)> =
+        catalog.list_branches()?.into_iter().map(|b| (format!("branch {}", b.name), b.commit)).collect();
+    roots.extend(catalog.list_checkpoints()?.into_iter().map(|c| (format!("checkpoint {}", c.name), c.commit)));
+    for (what, commit) in &roots {
+        bar.set_message(what.clone());
+        let ro = Config { read_only: true, ..quiet_config() };
+        match Volume::open(FixedRootDevice::new(d.segments()?, *commit), ro) {
+            Ok(vol) => arbor_engine::fsck::check_files(&vol, &mut report)?,
+            Err(e) => report.problems.push(format!("{what}: {e}")),
+        }
+    }
+    bar.finish_and_clear();
+    if json_out {
+        println!(
+            "{}",
+            json!({"segments": report.segments, "records": report.records, "roots": roots.len(), "files": report.files,
+                   "directories": report.directories, "bytes_verified": report.bytes_verified, "problems": report.problems})
+        );
+    } else {
+        println!(
+            "{} segments, {} records, {} roots, {} files, {} directories, {} verified",
+            report.segments,
+            report.records,
+            roots.len(),
+            report.files,
+            report.directories,
+            HumanBytes(report.bytes_verified)
+        );
+        for p in &report.problems {
+            println!("PROBLEM: {p}");
+        }
+    }
+    if !report.problems.is_empty() {
+        bail!("{} problems found", report.problems.len());
+    }
+    Ok(())
+}
