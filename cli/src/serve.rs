@@ -43,8 +43,12 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     let catalog = disk.catalog()?;
     match (&args.branch, &args.checkpoint) {
         (Some(_), Some(_)) => bail!("give --branch or --checkpoint, not both"),
-        (_, Some(c)) => drop(catalog.checkpoint(c)?),
-        (b, None) => drop(catalog.branch_head(b.as_deref().unwrap_or("main"))?),
+        (_, Some(c)) => {
+            catalog.checkpoint(c)?;
+        }
+        (b, None) => {
+            catalog.branch_head(b.as_deref().unwrap_or("main"))?;
+        }
     }
     let mountpoint = std::path::absolute(&args.mountpoint)?;
     arbor_fs::recover_stale_mount(&mountpoint)?;
