@@ -7,7 +7,7 @@ use arbor_engine::device::Device;
 use arbor_engine::disk::{branch_key, checkpoint_key, FixedRootDevice, HeadDevice};
 use arbor_engine::env::{Env, SystemEnv, Timestamp};
 use arbor_engine::format::{decode_value, encode_value, Addr};
-use arbor_engine::volume::{diff_commits, Change, Config, Superblock, Volume};
+use arbor_engine::volume::{Change, Config, Inspector, Superblock, Volume};
 use arbor_engine::Error as EngineError;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -83,6 +83,7 @@ pub struct Catalog {
     segments: Arc<dyn Device>,
     locks: Option<PathBuf>,
     env: Arc<dyn Env>,
+    inspector: Inspector,
 }
 
 fn with_crc(mut body: Vec<u8>) -> Vec<u8> {
@@ -103,7 +104,7 @@ fn without_crc<'a>(bytes: &'a [u8], what: &'static str) -> Result<&'a [u8]> {
 impl Catalog {
     /// `locks`: a node-local folder for branch locks (none in model tests).
     pub fn new(store: Arc<dyn ObjectStore>, segments: Arc<dyn Device>, locks: Option<PathBuf>) -> Catalog {
-        Catalog { store, segments, locks, env: Arc::new(SystemEnv) }
+        Catalog { inspector: Inspector::new(segments.clone()), store, segments, locks, env: Arc::new(SystemEnv) }
     }
 
     pub fn with_env(mut self, env: Arc<dyn Env>) -> Catalog {
@@ -113,6 +114,11 @@ impl Catalog {
 
     pub fn segments(&self) -> &Arc<dyn Device> {
         &self.segments
+    }
+
+    /// Reads committed roots through a node cache shared by every diff and GC of this catalog.
+    pub fn inspector(&self) -> &Inspector {
+        &self.inspector
     }
 
     pub fn store(&self) -> &Arc<dyn ObjectStore> {
@@ -273,8 +279,7 @@ impl Catalog {
     /// Commits `vol` (durably, with its unsynced writes) and records it.
     pub fn checkpoint_volume(&self, name: &str, branch: &str, vol: &Volume) -> Result<CheckpointInfo> {
         check_name(name)?;
-        vol.commit()?;
-        let commit = vol.last_commit().ok_or(EngineError::Invalid("volume has no commit"))?;
+        let commit = vol.commit_for_checkpoint()?;
         self.create_checkpoint(name, branch, commit)
     }
 
@@ -324,6 +329,6 @@ impl Catalog {
     }
 
     pub fn diff_between(&self, from: Addr, to: Addr) -> Result<Vec<Change>> {
-        Ok(diff_commits(self.segments.clone(), from, to)?)
+        Ok(self.inspector.diff(from, to)?)
     }
 }

@@ -16,7 +16,6 @@
 use crate::catalog::Catalog;
 use crate::error::Result;
 use arbor_engine::format::{Addr, SegId};
-use arbor_engine::volume::reachable_segments;
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
@@ -40,11 +39,11 @@ impl Catalog {
     fn mark_roots(&self, live: &mut HashSet<SegId>, seen: &mut HashSet<Addr>) -> Result<Vec<(u64, u32)>> {
         let mut writers = Vec::new();
         for b in self.list_branches()? {
-            reachable_segments(self.segments().clone(), b.commit, seen, live)?;
+            self.inspector().reachable_segments(b.commit, seen, live)?;
             writers.push((b.commit.seg.writer, b.commit.seg.seq));
         }
         for c in self.list_checkpoints()? {
-            reachable_segments(self.segments().clone(), c.commit, seen, live)?;
+            self.inspector().reachable_segments(c.commit, seen, live)?;
         }
         Ok(writers)
     }

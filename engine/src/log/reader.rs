@@ -99,6 +99,13 @@ impl Cursor {
         Ok(Cursor { device, seg, file, len, off, expect_seq: None })
     }
 
+    /// Refuses any first record but number `seq`: a cursor started after a
+    /// known record must not skip over records a crash removed.
+    pub fn expecting(mut self, seq: u64) -> Cursor {
+        self.expect_seq = Some(seq);
+        self
+    }
+
     pub fn position(&self) -> (SegId, u64) {
         (self.seg, self.off)
     }

@@ -43,6 +43,10 @@ struct Tail {
     pending: Vec<u8>,
     /// Where `pending[0]` goes in the file.
     pending_at: u64,
+    /// Sealed segments not yet synced, oldest first. Every sync syncs them,
+    /// in order, before the open segment, so no fsync can make a later
+    /// segment durable before an earlier one.
+    unsynced: Vec<Arc<dyn SegmentFile>>,
 }
 
 /// Past this, pending records are written without waiting for company.
@@ -56,7 +60,15 @@ impl Log {
         Ok(Log {
             device,
             segment_size,
-            tail: Mutex::new(Tail { seg, file, off: 0, next_seq: first_seq, pending: Vec::new(), pending_at: 0 }),
+            tail: Mutex::new(Tail {
+                seg,
+                file,
+                off: 0,
+                next_seq: first_seq,
+                pending: Vec::new(),
+                pending_at: 0,
+                unsynced: Vec::new(),
+            }),
             sync_lock: Mutex::new(()),
             durable_seq: AtomicU64::new(first_seq.saturating_sub(1)),
             poisoned: AtomicBool::new(false),
@@ -155,12 +167,12 @@ impl Log {
     fn seal(&self, tail: &mut Tail) -> Result<()> {
         self.device.failpoint(failpoints::SEGMENT_SEAL)?;
         self.flush(tail)?;
-        if let Err(e) = tail.file.sync() {
-            return Err(self.poison(e));
-        }
-        self.durable_seq.fetch_max(tail.next_seq - 1, Ordering::AcqRel);
+        // No fdatasync here: a writer must not stall on it. The kernel
+        // writes the sealed segment back meanwhile, and the next sync
+        // makes it durable before anything after it.
         let next = tail.seg.next();
-        tail.file = self.device.create_segment(next)?;
+        let sealed = std::mem::replace(&mut tail.file, self.device.create_segment(next)?);
+        tail.unsynced.push(sealed);
         tail.seg = next;
         tail.off = 0;
         Ok(())
@@ -199,15 +211,19 @@ impl Log {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
-        let (file, upto) = {
+        let (files, upto) = {
             let mut t = self.tail.lock();
             self.flush(&mut t)?;
-            (t.file.clone(), t.next_seq - 1)
+            let mut files = std::mem::take(&mut t.unsynced);
+            files.push(t.file.clone());
+            (files, t.next_seq - 1)
         };
         self.device.failpoint(failpoints::FSYNC)?;
         self.syncs.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = file.sync() {
-            return Err(self.poison(e));
+        for file in files {
+            if let Err(e) = file.sync() {
+                return Err(self.poison(e));
+            }
         }
         self.durable_seq.fetch_max(upto, Ordering::AcqRel);
         Ok(())

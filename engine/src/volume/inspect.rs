@@ -31,7 +31,7 @@ pub struct Change {
 }
 
 fn nodes(device: Arc<dyn Device>) -> Nodes {
-    Nodes { device, cache: NodeCache::new(64 << 20), log: OnceLock::new() }
+    Nodes { device, cache: NodeCache::new(256 << 20), log: OnceLock::new() }
 }
 
 /// The tree root a commit record names.
@@ -73,15 +73,39 @@ fn join(dir: &str, name: &[u8]) -> String {
 /// What changed from the commit `from` to the commit `to`, by path. Work is
 /// proportional to the changes: subtrees the roots share are skipped.
 pub fn diff_commits(device: Arc<dyn Device>, from: Addr, to: Addr) -> Result<Vec<Change>> {
-    let store = nodes(device.clone());
+    diff_with(&nodes(device), from, to)
+}
+
+/// Reads committed roots through one node cache that lives as long as it
+/// does: a catalog keeps one, so repeated diffs and GC marks reuse nodes.
+pub struct Inspector {
+    store: Nodes,
+}
+
+impl Inspector {
+    pub fn new(device: Arc<dyn Device>) -> Inspector {
+        Inspector { store: nodes(device) }
+    }
+
+    pub fn diff(&self, from: Addr, to: Addr) -> Result<Vec<Change>> {
+        diff_with(&self.store, from, to)
+    }
+
+    pub fn reachable_segments(&self, commit: Addr, seen: &mut HashSet<Addr>, segs: &mut HashSet<SegId>) -> Result<()> {
+        reachable_with(&self.store, commit, seen, segs)
+    }
+}
+
+fn diff_with(store: &Nodes, from: Addr, to: Addr) -> Result<Vec<Change>> {
+    let device = store.device.clone();
     let (ra, rb) = (root_of(device.as_ref(), from)?, root_of(device.as_ref(), to)?);
     let (ta, tb) = (Tree::from_root(ra), Tree::from_root(rb));
-    let (va, vb) = (View { tree: &ta, store: &store }, View { tree: &tb, store: &store });
+    let (va, vb) = (View { tree: &ta, store }, View { tree: &tb, store });
     // (parent, name, entry before, entry after)
     type EntryChange = (u64, Vec<u8>, Option<DirEntry>, Option<DirEntry>);
     let mut entries: Vec<EntryChange> = Vec::new();
     let mut touched: BTreeSet<u64> = BTreeSet::new();
-    tree::diff(&store, ra, rb, &mut |(k, old, new)| {
+    tree::diff(store, ra, rb, &mut |(k, old, new)| {
         match k.first() {
             Some(&keys::DIRENT) => {
                 let dec = |v: Option<&[u8]>| v.map(|v| decode_value::<DirEntry>(v, "directory entry")).transpose();
@@ -141,10 +165,13 @@ pub fn reachable_segments(
     seen: &mut HashSet<Addr>,
     segments: &mut HashSet<SegId>,
 ) -> Result<()> {
+    reachable_with(&nodes(device), commit, seen, segments)
+}
+
+fn reachable_with(store: &Nodes, commit: Addr, seen: &mut HashSet<Addr>, segments: &mut HashSet<SegId>) -> Result<()> {
     segments.insert(commit.seg);
-    let store = nodes(device.clone());
-    let root = root_of(device.as_ref(), commit)?;
-    tree::walk(&store, root, seen, &mut |addr, node| {
+    let root = root_of(store.device.as_ref(), commit)?;
+    tree::walk(store, root, seen, &mut |addr, node| {
         segments.insert(addr.seg);
         if let Node::Leaf(l) = node {
             for (k, v) in &l.entries {

@@ -17,7 +17,7 @@ mod txn;
 mod types;
 
 pub use commit::{CommitRecord, Superblock};
-pub use inspect::{diff_commits, reachable_segments, root_of, Change, ChangeKind};
+pub use inspect::{diff_commits, reachable_segments, root_of, Change, ChangeKind, Inspector};
 pub use nodes::read_record_at;
 pub use ops::Op;
 pub use types::*;
@@ -667,6 +667,21 @@ impl Volume {
     }
 
     fn commit_locked(&self, st: &mut State) -> Result<()> {
+        self.commit_locked_with(st, true).map(|_| ())
+    }
+
+    /// Commits durably without replacing the branch head, and returns the
+    /// commit: all a checkpoint needs. The head catches up at the next
+    /// background commit; until then recovery replays from the older head,
+    /// which reaches the same state.
+    pub fn commit_for_checkpoint(&self) -> Result<Addr> {
+        let mut st = self.state.write();
+        let addr = self.commit_locked_with(&mut st, false)?;
+        st.ops_since_commit = st.ops_since_commit.max(1);
+        Ok(addr)
+    }
+
+    fn commit_locked_with(&self, st: &mut State, publish_head: bool) -> Result<Addr> {
         let log = self.log()?.clone();
         let res = (|| {
             let root = st.tree.flush(&self.nodes)?;
@@ -681,15 +696,17 @@ impl Volume {
             let app =
                 log.append(crate::format::RecordKind::Commit, &meta, &[], crate::device::failpoints::COMMIT_RECORD)?;
             log.sync(app.seq)?;
-            self.nodes.device.failpoint(crate::device::failpoints::SUPERBLOCK)?;
-            self.nodes.device.write_superblock(&Superblock::new(app.addr).encode())?;
+            if publish_head {
+                self.nodes.device.failpoint(crate::device::failpoints::SUPERBLOCK)?;
+                self.nodes.device.write_superblock(&Superblock::new(app.addr).encode())?;
+            }
             Ok(app.addr)
         })();
         match res {
             Ok(addr) => {
                 st.last_commit = Some(addr);
                 st.ops_since_commit = 0;
-                Ok(())
+                Ok(addr)
             }
             Err(e) => Err(self.poison(e)),
         }

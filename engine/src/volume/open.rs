@@ -87,7 +87,7 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
     if !sb.replay {
         return Ok(last_seq);
     }
-    let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?;
+    let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?.expecting(rec.seq + 1);
     loop {
         match cursor.next_record()? {
             Next::Record(r) => {

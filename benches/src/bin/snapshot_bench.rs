@@ -1,0 +1,108 @@
+//! Checkpoint create, branch create and the diff of a 10-file change, on
+//! disks of growing size: the medians should stay flat.
+//!
+//! `cargo run --release -p arbor-benches --bin snapshot_bench -- [DIR]`
+//! Env: ARBOR_BENCH_SIZES (default "1000,100000,1000000"), ARBOR_BENCH_REPS (30).
+
+use arbor_benches::*;
+use arbor_engine::bucket::{LocalFolderStore, ObjectStore};
+use arbor_engine::device::{Device, FileDevice};
+use arbor_engine::io::IoMode;
+use arbor_engine::volume::{Config, ROOT_INO};
+use arbor_snapshot::Catalog;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn main() {
+    let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-snapshot"));
+    let sizes: Vec<usize> = std::env::var("ARBOR_BENCH_SIZES")
+        .unwrap_or_else(|_| "1000,100000,1000000".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let reps: usize = std::env::var("ARBOR_BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+    let mut rows: Vec<(usize, f64, f64, f64, f64)> = Vec::new();
+    for &n in &sizes {
+        let dir = base.join(format!("disk-{n}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(&dir).expect("store"));
+        let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
+        let cat = Catalog::new(store, segs, Some(dir.join("locks")));
+        let cfg = Config { commit_interval: None, ..Config::default() };
+        let (vol, _lock) = cat.open_branch("main", cfg.clone()).expect("main");
+        eprintln!("building a disk of {n} files");
+        let per_dir = 10_000;
+        let mut dirs = Vec::new();
+        let mut files = Vec::new();
+        for i in 0..n {
+            if i % per_dir == 0 {
+                dirs.push(vol.mkdir(ROOT_INO, format!("d{}", i / per_dir).as_bytes(), 0o755, 0, 0).expect("mkdir").ino);
+            }
+            let d = *dirs.last().expect("dir");
+            let f = vol.create(d, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+            vol.write(f, 0, b"sample").expect("write");
+            if i % (n / 10).max(1) == 0 {
+                files.push(f);
+            }
+        }
+        vol.commit().expect("commit");
+        // Checkpoint create, each after a small change, as in a training loop.
+        let mut cp_times = Vec::new();
+        let mut last = None;
+        for r in 0..reps {
+            vol.write(files[r % files.len()], 0, format!("step {r}").as_bytes()).expect("write");
+            let (cp, t) = time(|| cat.checkpoint_volume(&format!("cp-{r}"), "main", &vol).expect("checkpoint"));
+            cp_times.push(t.as_secs_f64() * 1e3);
+            last = Some(cp);
+        }
+        let cp = last.expect("a checkpoint");
+        let mut br_times = Vec::new();
+        for r in 0..reps {
+            let (_, t) = time(|| cat.create_branch(&format!("run-{r}"), cp.commit).expect("branch"));
+            br_times.push(t.as_secs_f64() * 1e3);
+        }
+        // A branch with 10 changed files.
+        let (run, _l2) = cat.open_branch("run-0", cfg.clone()).expect("open run");
+        for f in files.iter().take(10) {
+            run.write(*f, 0, b"changed by run-0").expect("write");
+        }
+        run.commit().expect("commit");
+        let head = run.last_commit().expect("commit");
+        // Cold: a fresh catalog, as one `arbor diff` command has.
+        let mut cold = Vec::new();
+        for _ in 0..reps.min(10) {
+            let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(&dir).expect("store"));
+            let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
+            let fresh = Catalog::new(store, segs, None);
+            let (_, t) = time(|| fresh.diff_between(cp.commit, head).expect("diff"));
+            cold.push(t.as_secs_f64() * 1e3);
+        }
+        let mut diff_times = Vec::new();
+        for _ in 0..reps {
+            let (changes, t) = time(|| cat.diff_between(cp.commit, head).expect("diff"));
+            assert_eq!(changes.len(), files.len().min(10), "diff must find the changed files");
+            diff_times.push(t.as_secs_f64() * 1e3);
+        }
+        rows.push((n, median(cp_times), median(br_times), median(cold), median(diff_times)));
+        drop(run);
+        drop(vol);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    println!("\n### checkpoints, branches and diff (medians of {reps}, ms)\n");
+    println!(
+        "| files on disk | checkpoint create | branch create | diff of a 10-file change, cold | same, warm catalog |"
+    );
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    for (n, c, b, d, w) in &rows {
+        println!("| {n} | {c:.3} | {b:.3} | {d:.3} | {w:.3} |");
+    }
+    if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
+        println!(
+            "| largest ÷ smallest | {:.2}× | {:.2}× | {:.2}× | {:.2}× |",
+            last.1 / first.1,
+            last.2 / first.2,
+            last.3 / first.3,
+            last.4 / first.4
+        );
+    }
+}
