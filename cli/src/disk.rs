@@ -70,7 +70,7 @@ impl Disk {
     }
 
     pub fn segments(&self) -> Result<Arc<dyn Device>> {
-        Ok(FileDevice::open(self.root.join("segments"), IoMode::Auto)?)
+        Ok(FileDevice::open(self.root.join("segments"), io_mode()?)?)
     }
 
     pub fn catalog(&self) -> Result<Catalog> {
@@ -80,6 +80,17 @@ impl Disk {
 
     pub fn log_path(&self, name: &str) -> PathBuf {
         self.root.join("logs").join(format!("{name}.log"))
+    }
+}
+
+/// How segment writes reach the kernel: `ARBOR_IO=uring|syscall`, else
+/// io_uring where the kernel allows it.
+fn io_mode() -> Result<IoMode> {
+    match std::env::var("ARBOR_IO").as_deref() {
+        Err(_) | Ok("") | Ok("auto") => Ok(IoMode::Auto),
+        Ok("uring") => Ok(IoMode::Uring),
+        Ok("syscall") => Ok(IoMode::Syscall),
+        Ok(other) => bail!("ARBOR_IO must be auto, uring or syscall (got {other:?})"),
     }
 }
 

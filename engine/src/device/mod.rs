@@ -35,6 +35,10 @@ pub trait SegmentFile: Send + Sync {
     fn size(&self) -> Result<u64>;
     /// Cuts a torn tail off; durable once it returns.
     fn truncate(&self, len: u64) -> Result<()>;
+    /// Starts writing the file's dirty bytes back without waiting, so a
+    /// later sync finds little left to do. A hint: durability still needs
+    /// [`SegmentFile::sync`].
+    fn start_writeback(&self) {}
 }
 
 pub trait Device: Send + Sync {

@@ -167,11 +167,12 @@ impl Log {
     fn seal(&self, tail: &mut Tail) -> Result<()> {
         self.device.failpoint(failpoints::SEGMENT_SEAL)?;
         self.flush(tail)?;
-        // No fdatasync here: a writer must not stall on it. The kernel
-        // writes the sealed segment back meanwhile, and the next sync
+        // No fdatasync here: a writer must not stall on it. Writeback of
+        // the sealed segment starts now without waiting, and the next sync
         // makes it durable before anything after it.
         let next = tail.seg.next();
         let sealed = std::mem::replace(&mut tail.file, self.device.create_segment(next)?);
+        sealed.start_writeback();
         tail.unsynced.push(sealed);
         tail.seg = next;
         tail.off = 0;
