@@ -261,6 +261,11 @@ fn print_status(s: &serde_json::Value) {
         get("ops_since_commit")
     );
     println!("node cache   {}", HumanBytes(s["node_cache_bytes"].as_u64().unwrap_or(0)));
+    println!(
+        "referenced   {} in {} segments",
+        HumanBytes(s["live_bytes"].as_u64().unwrap_or(0)),
+        s["segments_referenced"].as_u64().unwrap_or(0)
+    );
     if s["poisoned"] == json!(true) {
         println!("state        REFUSING WRITES after a failed sync; see the log");
     }

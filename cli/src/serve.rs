@@ -80,6 +80,8 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
         "node_cache_bytes": s.node_cache_bytes,
         "segment": s.log_position.map(|(seg, off)| json!({"name": seg.file_name(), "bytes": off})),
         "pending_upload_bytes": 0,
+        "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
+        "segments_referenced": vol.live_bytes().len(),
     })
 }
 

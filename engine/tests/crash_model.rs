@@ -325,6 +325,11 @@ proptest! {
             "recovered state matches no prefix in {:?}\nrecovered: {:?}\nafter durable prefix: {:?}",
             allowed, got.keys().collect::<Vec<_>>(), models[durable].keys().collect::<Vec<_>>()
         );
+        // Its live-bytes table, as recovery rebuilt it, matches a recount.
+        vol.commit().expect("commit");
+        let commit = vol.last_commit().expect("commit");
+        let recount = arbor_engine::volume::recount_live_bytes(Arc::new(dev.clone()), commit).expect("recount");
+        prop_assert_eq!(vol.live_bytes(), recount);
         // The recovered volume keeps working.
         let f = vol.create(ROOT_INO, b"after-recovery", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
         vol.write(f.ino, 0, b"ok").expect("write");

@@ -27,7 +27,14 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         keys: vec![b"m".to_vec()],
         children: vec![Child::Disk(addr), Child::Disk(addr)],
     });
-    let commit = CommitRecord { root: addr, next_ino: 5, covers_seq: 9, prev: Some(addr), time: Default::default() };
+    let commit = CommitRecord {
+        root: addr,
+        next_ino: 5,
+        covers_seq: 9,
+        prev: Some(addr),
+        time: Default::default(),
+        live: vec![(addr.seg, 4096)],
+    };
     let dev = SimDevice::new();
     let shared: Arc<dyn Device> = Arc::new(dev.clone());
     let log = Log::create(shared.clone(), 1, 1, 1 << 20).expect("log");

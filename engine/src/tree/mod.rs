@@ -32,6 +32,12 @@ pub trait NodeStore {
     fn write(&self, node: &Node) -> Result<Addr>;
     /// Offers a just-written node to the cache.
     fn cache(&self, _addr: Addr, _node: Arc<Node>) {}
+    /// A written node is no longer part of this tree (it was copied for a
+    /// change, or merged away): for live-bytes accounting.
+    fn released(&self, _addr: Addr) {}
+    /// File data bytes in segment `seg` were added to (or, negative, dropped
+    /// from) this tree.
+    fn account_data(&self, _seg: crate::format::SegId, _delta: i64) {}
 }
 
 #[derive(Clone, Debug)]
@@ -65,9 +71,10 @@ fn load(store: &dyn NodeStore, child: &Child, level: Option<u8>) -> Result<Arc<N
 }
 
 fn make_mut<'a>(store: &dyn NodeStore, child: &'a mut Child, level: Option<u8>) -> Result<&'a mut Node> {
-    if let Child::Disk(_) = child {
+    if let Child::Disk(a) = *child {
         let n = load(store, child, level)?;
         *child = Child::Mem(Arc::new((*n).clone()));
+        store.released(a);
     }
     match child {
         Child::Mem(arc) => Ok(Arc::make_mut(arc)),
@@ -296,7 +303,9 @@ fn rebalance(store: &dyn NodeStore, b: &mut Branch, idx: usize) -> Result<()> {
     let node = load(store, &b.children[idx], lvl)?;
     let (used, max) = fill(&node);
     if used == 0 && b.children.len() > 1 {
-        b.children.remove(idx);
+        if let Child::Disk(a) = b.children.remove(idx) {
+            store.released(a);
+        }
         b.keys.remove(idx.saturating_sub(1));
         return Ok(());
     }
@@ -310,7 +319,9 @@ fn rebalance(store: &dyn NodeStore, b: &mut Branch, idx: usize) -> Result<()> {
         return Ok(());
     }
     let sep = b.keys.remove(left);
-    b.children.remove(left + 1);
+    if let Child::Disk(a) = b.children.remove(left + 1) {
+        store.released(a);
+    }
     match (make_mut(store, &mut b.children[left], lvl)?, &*right) {
         (Node::Leaf(l), Node::Leaf(r)) => {
             l.entries.extend(r.entries.iter().cloned());

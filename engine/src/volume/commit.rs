@@ -17,6 +17,8 @@ pub struct CommitRecord {
     /// The commit before this one, in any writer's log.
     pub prev: Option<Addr>,
     pub time: Timestamp,
+    /// Bytes of tree nodes and file data `root` references, per segment.
+    pub live: Vec<(crate::format::SegId, u64)>,
 }
 
 #[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]

@@ -9,9 +9,9 @@ use super::types::{DirEntry, Extent, FileKind, Inode, ROOT_INO};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::format::{decode_value, Addr, RecordKind, SegId};
-use crate::tree::{self, Node, NodeCache, Tree};
+use crate::tree::{self, Node, Tree};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChangeKind {
@@ -31,7 +31,7 @@ pub struct Change {
 }
 
 fn nodes(device: Arc<dyn Device>) -> Nodes {
-    Nodes { device, cache: NodeCache::new(256 << 20), log: OnceLock::new() }
+    Nodes::new(device, 256 << 20)
 }
 
 /// The tree root a commit record names.
@@ -182,6 +182,35 @@ fn reachable_with(store: &Nodes, commit: Addr, seen: &mut HashSet<Addr>, segment
         }
         Ok(())
     })
+}
+
+/// Recounts, by walking the whole tree, the live bytes per segment of the
+/// commit `commit`: what its commit record's table must say.
+pub fn recount_live_bytes(device: Arc<dyn Device>, commit: Addr) -> Result<Vec<(SegId, u64)>> {
+    let store = nodes(device.clone());
+    let root = root_of(device.as_ref(), commit)?;
+    let mut live: BTreeMap<SegId, u64> = BTreeMap::new();
+    tree::walk(&store, root, &mut HashSet::new(), &mut |addr, node| {
+        *live.entry(addr.seg).or_default() += addr.len as u64;
+        if let Node::Leaf(l) = node {
+            for (k, v) in &l.entries {
+                if k.first() == Some(&keys::EXTENT) {
+                    let e = Extent::decode(v)?;
+                    *live.entry(e.data.seg).or_default() += e.len as u64;
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(live.into_iter().collect())
+}
+
+/// The live-bytes table a commit record carries.
+pub fn live_table_of(device: &dyn Device, commit: Addr) -> Result<Vec<(SegId, u64)>> {
+    let rec = read_record_at(device, commit, RecordKind::Commit)?;
+    let c: CommitRecord =
+        decode_value(&rec.meta, "commit record").map_err(|_| Error::corrupted("commit record", commit))?;
+    Ok(c.live)
 }
 
 #[cfg(test)]

@@ -17,7 +17,9 @@ mod txn;
 mod types;
 
 pub use commit::{CommitRecord, Superblock};
-pub use inspect::{diff_commits, reachable_segments, root_of, Change, ChangeKind, Inspector};
+pub use inspect::{
+    diff_commits, live_table_of, reachable_segments, recount_live_bytes, root_of, Change, ChangeKind, Inspector,
+};
 pub use nodes::read_record_at;
 pub use ops::Op;
 pub use types::*;
@@ -185,6 +187,13 @@ impl Volume {
             node_cache_bytes: self.nodes.cache.weight(),
             last_commit: st.last_commit,
         }
+    }
+
+    /// Bytes per segment that this volume's tree references, as of now
+    /// (written nodes and file data; dirty nodes count once written).
+    pub fn live_bytes(&self) -> Vec<(crate::format::SegId, u64)> {
+        let _st = self.state.read();
+        self.nodes.live_table()
     }
 
     /// The address of the newest durable commit.
@@ -691,6 +700,7 @@ impl Volume {
                 covers_seq: log.last_seq(),
                 prev: st.last_commit,
                 time: self.now(),
+                live: self.nodes.live_table(),
             };
             let meta = crate::format::encode_value(&rec);
             let app =

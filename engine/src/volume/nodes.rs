@@ -3,9 +3,11 @@
 
 use crate::device::{failpoints, Device};
 use crate::error::{Error, Result};
-use crate::format::{Addr, RecordKind};
+use crate::format::{Addr, RecordKind, SegId};
 use crate::log::{read_record, Log};
 use crate::tree::{Node, NodeCache, NodeStore};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
 pub struct Nodes {
@@ -13,6 +15,32 @@ pub struct Nodes {
     pub cache: NodeCache,
     /// Set once recovery is done; a read-only volume never has one.
     pub log: OnceLock<Arc<Log>>,
+    /// Bytes of written nodes and file data this tree references, per
+    /// segment: kept in every commit record, for compaction to choose from.
+    pub live: Mutex<BTreeMap<SegId, u64>>,
+}
+
+impl Nodes {
+    pub fn new(device: Arc<dyn Device>, cache_bytes: u64) -> Nodes {
+        Nodes { device, cache: NodeCache::new(cache_bytes), log: OnceLock::new(), live: Mutex::new(BTreeMap::new()) }
+    }
+
+    fn account(&self, seg: SegId, delta: i64) {
+        let mut live = self.live.lock();
+        let n = live.entry(seg).or_default();
+        *n = n.saturating_add_signed(delta);
+        if *n == 0 {
+            live.remove(&seg);
+        }
+    }
+
+    pub fn live_table(&self) -> Vec<(SegId, u64)> {
+        self.live.lock().iter().map(|(s, n)| (*s, *n)).collect()
+    }
+
+    pub fn set_live_table(&self, table: &[(SegId, u64)]) {
+        *self.live.lock() = table.iter().copied().collect();
+    }
 }
 
 /// Reads and verifies the record at `addr`, which must be of `kind`.
@@ -41,7 +69,17 @@ impl NodeStore for Nodes {
 
     fn write(&self, node: &Node) -> Result<Addr> {
         let log = self.log.get().ok_or(Error::ReadOnly)?;
-        Ok(log.append(RecordKind::Node, &node.encode()?, &[], failpoints::NODE_WRITE)?.addr)
+        let addr = log.append(RecordKind::Node, &node.encode()?, &[], failpoints::NODE_WRITE)?.addr;
+        self.account(addr.seg, addr.len as i64);
+        Ok(addr)
+    }
+
+    fn released(&self, addr: Addr) {
+        self.account(addr.seg, -(addr.len as i64));
+    }
+
+    fn account_data(&self, seg: SegId, delta: i64) {
+        self.account(seg, delta);
     }
 
     fn cache(&self, addr: Addr, node: Arc<Node>) {

@@ -10,11 +10,11 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::format::{decode_value, RecordKind};
 use crate::log::{Cursor, Log, Next};
-use crate::tree::{NodeCache, Tree};
+use crate::tree::Tree;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
-use std::sync::{mpsc, Arc, OnceLock, Weak};
+use std::sync::{mpsc, Arc, Weak};
 
 /// What recovery found.
 #[derive(Debug, Default, Clone)]
@@ -30,7 +30,7 @@ impl Volume {
     }
 
     pub fn open_with_report(device: Arc<dyn Device>, cfg: Config) -> Result<(Arc<Volume>, Recovery)> {
-        let nodes = Nodes { device: device.clone(), cache: NodeCache::new(cfg.node_cache_bytes), log: OnceLock::new() };
+        let nodes = Nodes::new(device.clone(), cfg.node_cache_bytes);
         let mut st = State { tree: Tree::new(), next_ino: ROOT_INO + 1, ops_since_commit: 0, last_commit: None };
         let mut report = Recovery::default();
         let superblock = device.read_superblock()?.map(|b| Superblock::decode(&b)).transpose()?;
@@ -82,6 +82,7 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
         decode_value(&rec.meta, "commit record").map_err(|_| Error::corrupted("commit record", sb.commit))?;
     st.tree = Tree::from_root(commit.root);
     st.next_ino = commit.next_ino;
+    nodes.set_live_table(&commit.live);
     st.last_commit = Some(sb.commit);
     let mut last_seq = rec.seq;
     if !sb.replay {

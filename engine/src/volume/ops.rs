@@ -189,7 +189,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
                     i.allocated -= tx.punch(*ino, *off, end)?;
                     let e =
                         Extent { data: data.addr, rec_off: 0, len: data.bytes.len() as u32, crcs: data.crcs.to_vec() };
-                    tx.put(keys::extent(*ino, end), e.encode())?;
+                    tx.put_extent(*ino, end, &e)?;
                     i.allocated += e.len as u64;
                 }
             }
@@ -202,7 +202,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             i.inline = None;
             if !data.bytes.is_empty() {
                 let e = Extent { data: data.addr, rec_off: 0, len: data.bytes.len() as u32, crcs: data.crcs.to_vec() };
-                tx.put(keys::extent(*ino, e.len as u64), e.encode())?;
+                tx.put_extent(*ino, e.len as u64, &e)?;
                 i.allocated += e.len as u64;
             }
             tx.put_inode(*ino, &i)

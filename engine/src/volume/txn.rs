@@ -174,15 +174,18 @@ impl Txn<'_> {
         for (ext_start, e) in self.extents(ino, start, end)? {
             let ext_end = ext_start + e.len as u64;
             self.del(&keys::extent(ino, ext_end))?;
+            self.store.account_data(e.data.seg, -(e.len as i64));
             let mut kept = 0;
             if ext_start < start {
                 let left = e.slice(0, (start - ext_start) as u32);
                 kept += left.len as u64;
+                self.store.account_data(e.data.seg, left.len as i64);
                 self.put(keys::extent(ino, start), left.encode())?;
             }
             if ext_end > end {
                 let right = e.slice((end - ext_start) as u32, e.len);
                 kept += right.len as u64;
+                self.store.account_data(e.data.seg, right.len as i64);
                 self.put(keys::extent(ino, ext_end), right.encode())?;
             }
             dropped += e.len as u64 - kept;
@@ -190,8 +193,15 @@ impl Txn<'_> {
         Ok(dropped)
     }
 
+    /// Adds an extent ending at `end`.
+    pub fn put_extent(&mut self, ino: u64, end: u64, e: &Extent) -> Result<()> {
+        self.store.account_data(e.data.seg, e.len as i64);
+        self.put(keys::extent(ino, end), e.encode())
+    }
+
     /// Removes an inode with everything it owns.
     pub fn delete_inode(&mut self, ino: u64) -> Result<()> {
+        self.punch(ino, 0, u64::MAX)?;
         for prefix in [keys::extent_prefix(ino), keys::xattr_prefix(ino)] {
             for k in self.keys_with_prefix(&prefix)? {
                 self.del(&k)?;
