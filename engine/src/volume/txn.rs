@@ -17,6 +17,9 @@ pub struct Txn<'a> {
     pub store: &'a dyn NodeStore,
 }
 
+/// Called with (extent start, extent end, encoded extent).
+type ExtentVisitor<'a> = &'a mut dyn FnMut(u64, u64, &[u8]) -> Result<()>;
+
 /// Reads shared by [`View`] and [`Txn`].
 pub trait Reads {
     fn tree(&self) -> &Tree;
@@ -53,22 +56,30 @@ pub trait Reads {
         Ok(!self.tree().first_from(self.store(), &prefix)?.is_some_and(|(k, _)| k.starts_with(&prefix)))
     }
 
-    /// Extents of `ino` overlapping `[start, end)`, as `(file offset, extent)`.
-    fn extents(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
+    /// Calls `f(extent start, extent end, encoded extent)` for each extent
+    /// of `ino` overlapping `[start, end)`, in order.
+    fn scan_extents(&self, ino: u64, start: u64, end: u64, f: ExtentVisitor) -> Result<()> {
         let prefix = keys::extent_prefix(ino);
-        let mut out = Vec::new();
         self.tree().scan(self.store(), &keys::extent(ino, start.saturating_add(1)), &mut |k, v| {
             if !k.starts_with(&prefix) {
                 return Ok(false);
             }
-            let e = Extent::decode(v)?;
             let ext_end = keys::trailing_u64(k);
-            let ext_start = ext_end.saturating_sub(e.len as u64);
+            let ext_start = ext_end.saturating_sub(Extent::encoded_len(v) as u64);
             if ext_start >= end {
                 return Ok(false);
             }
-            out.push((ext_start, e));
+            f(ext_start, ext_end, v)?;
             Ok(true)
+        })
+    }
+
+    /// Extents of `ino` overlapping `[start, end)`, as `(file offset, extent)`.
+    fn extents(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
+        let mut out = Vec::new();
+        self.scan_extents(ino, start, end, &mut |s, _, v| {
+            out.push((s, Extent::decode(v)?));
+            Ok(())
         })?;
         Ok(out)
     }
@@ -76,22 +87,11 @@ pub trait Reads {
     /// The parts of extents of `ino` inside `[start, end)`, as
     /// `(file offset, extent part)`: what a read of that range needs.
     fn extent_parts(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
-        let prefix = keys::extent_prefix(ino);
         let mut out = Vec::new();
-        self.tree().scan(self.store(), &keys::extent(ino, start.saturating_add(1)), &mut |k, v| {
-            if !k.starts_with(&prefix) {
-                return Ok(false);
-            }
-            let ext_end = keys::trailing_u64(k);
-            let len = v.get(24..28).and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes) as u64;
-            let ext_start = ext_end.saturating_sub(len);
-            if ext_start >= end {
-                return Ok(false);
-            }
-            let (from, to) = (start.max(ext_start), end.min(ext_end));
-            let part = Extent::decode_slice(v, (from - ext_start) as u32, (to - ext_start) as u32)?;
-            out.push((from, part));
-            Ok(true)
+        self.scan_extents(ino, start, end, &mut |s, e, v| {
+            let (from, to) = (start.max(s), end.min(e));
+            out.push((from, Extent::decode_slice(v, (from - s) as u32, (to - s) as u32)?));
+            Ok(())
         })?;
         Ok(out)
     }

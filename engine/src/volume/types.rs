@@ -109,6 +109,11 @@ pub struct Extent {
 }
 
 impl Extent {
+    /// The `len` field of an encoded extent (0 if it is too short to hold one).
+    pub fn encoded_len(bytes: &[u8]) -> u32 {
+        bytes.get(24..28).and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes)
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut w = crate::format::Writer::new();
         w.addr(&self.data);
