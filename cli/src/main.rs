@@ -271,7 +271,21 @@ fn print_status(s: &serde_json::Value) {
     }
 }
 
+/// A big disk reads from many segment files: lift the soft descriptor
+/// limit to the hard one.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit fill and read a plain struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    raise_fd_limit();
     let cli = Cli::parse();
     let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground);
     init_logging(if foreground_mount { "info" } else { "warn" });

@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 const SUPERBLOCK: &str = "superblock";
+/// Segment files kept open for reading at most (each is a descriptor).
+const MAX_OPEN_SEGMENTS: usize = 512;
 
 /// Segment files in a local directory.
 pub struct FileDevice {
@@ -67,7 +69,21 @@ impl FileDevice {
 
     fn remember(&self, id: SegId, file: File) -> Arc<dyn SegmentFile> {
         let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment { file, io: self.io.clone() });
-        self.open.write().entry(id).or_insert(seg).clone()
+        let mut open = self.open.write();
+        // Bound the descriptors kept open. Dropping a handle from the map
+        // never closes a file in use: its users hold their own Arc.
+        if open.len() >= MAX_OPEN_SEGMENTS {
+            let victims: Vec<SegId> = open.keys().take(MAX_OPEN_SEGMENTS / 4).copied().collect();
+            for v in victims {
+                open.remove(&v);
+            }
+        }
+        open.entry(id).or_insert(seg).clone()
+    }
+
+    /// How many segment files this device holds open right now.
+    pub fn open_segments(&self) -> usize {
+        self.open.read().len()
     }
 }
 
@@ -185,5 +201,24 @@ mod tests {
         }
         drop(first);
         FileDevice::open_exclusive(dir.path(), IoMode::Syscall).expect("after drop");
+    }
+
+    #[test]
+    fn open_segment_handles_stay_bounded_and_evicted_ones_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let dev = FileDevice::open(dir.path(), IoMode::Syscall).expect("device");
+        let held = dev.create_segment(SegId { writer: 1, seq: 0 }).expect("create");
+        held.write_at(b"kept", 0).expect("write");
+        for seq in 1..(MAX_OPEN_SEGMENTS as u32 * 2) {
+            dev.create_segment(SegId { writer: 1, seq }).expect("create");
+            assert!(dev.open_segments() <= MAX_OPEN_SEGMENTS);
+        }
+        // The first handle may have left the map, but it still works, and
+        // the segment opens again by name.
+        held.write_at(b"more", 4).expect("write through a held handle");
+        let again = dev.open_segment(SegId { writer: 1, seq: 0 }).expect("open").expect("exists");
+        let mut buf = [0u8; 8];
+        again.read_at(&mut buf, 0).expect("read");
+        assert_eq!(&buf, b"keptmore");
     }
 }
