@@ -3,9 +3,11 @@
 
 mod local;
 mod mem;
+mod s3;
 
 pub use local::LocalFolderStore;
 pub use mem::MemObjectStore;
+pub use s3::{S3Config, S3Store};
 
 use crate::error::{Error, Result};
 use std::ops::Range;

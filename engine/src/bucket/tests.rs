@@ -1,51 +1,8 @@
-//! The shared object-store suite; every backend runs it.
+//! Concurrency of the local-folder store; the shared conformance suite is
+//! `engine/tests/object_stores.rs`.
 
 use super::*;
 use std::sync::Arc;
-
-/// Checks the semantics every backend must share.
-pub fn conformance(store: &dyn ObjectStore) {
-    // Create-once.
-    let t1 = store.put_if_absent("branches/main", b"v1").expect("create");
-    assert!(matches!(store.put_if_absent("branches/main", b"v2"), Err(Error::AlreadyExists(_))));
-    assert_eq!(store.get("branches/main").expect("get").0, b"v1");
-    // Compare-and-replace.
-    let t2 = store.put_if_match("branches/main", b"v2", &t1).expect("cas");
-    assert!(matches!(store.put_if_match("branches/main", b"v3", &t1), Err(Error::PreconditionFailed(_))));
-    assert_eq!(store.get("branches/main").expect("get"), (b"v2".to_vec(), t2.clone()));
-    assert!(matches!(store.put_if_match("branches/none", b"x", &t2), Err(Error::NoSuchObject(_))));
-    // Ranged reads.
-    store.put("segments/ab/seg-1", b"0123456789").expect("put");
-    assert_eq!(store.get_range("segments/ab/seg-1", 2..5).expect("range"), b"234");
-    assert_eq!(store.get_range("segments/ab/seg-1", 8..100).expect("clipped"), b"89");
-    assert!(store.get_range("segments/ab/seg-1", 10..12).is_err());
-    assert!(matches!(store.get("nope"), Err(Error::NoSuchObject(_))));
-    // Listing by prefix.
-    store.put("segments/cd/seg-2", b"x").expect("put");
-    store.put("checkpoints/c1", b"x").expect("put");
-    assert_eq!(store.list("segments/").expect("list"), vec!["segments/ab/seg-1", "segments/cd/seg-2"]);
-    assert_eq!(store.list("segments/c").expect("list"), vec!["segments/cd/seg-2"]);
-    assert_eq!(store.list("check").expect("list"), vec!["checkpoints/c1"]);
-    // Delete is idempotent.
-    store.delete("segments/ab/seg-1").expect("delete");
-    store.delete("segments/ab/seg-1").expect("delete again");
-    assert_eq!(store.list("segments/").expect("list"), vec!["segments/cd/seg-2"]);
-    // Bad keys change nothing.
-    for bad in ["", "/abs", "a//b", "../x", "a/./b", "dir/", ".arbor-locks/x"] {
-        assert!(store.put(bad, b"x").is_err(), "{bad:?}");
-    }
-}
-
-#[test]
-fn local_folder_passes_the_conformance_suite() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    conformance(&LocalFolderStore::open(dir.path()).expect("open"));
-}
-
-#[test]
-fn the_in_memory_store_passes_the_conformance_suite() {
-    conformance(&MemObjectStore::new());
-}
 
 #[test]
 fn concurrent_compare_and_replace_never_loses_an_update() {

@@ -1,0 +1,185 @@
+//! An S3 bucket (or any S3-compatible server) as an [`ObjectStore`].
+//!
+//! The engine is synchronous; this store owns a small tokio runtime and
+//! blocks on each request. Conditional writes use `If-None-Match: *` and
+//! `If-Match: <etag>`; a server answering 412 refused the write.
+
+use super::{check_key, ETag, ObjectStore};
+use crate::error::{Error, Result};
+use aws_sdk_s3::error::SdkError;
+use aws_sdk_s3::primitives::ByteStream;
+use aws_sdk_s3::Client;
+use std::ops::Range;
+
+/// Where and how to reach a bucket. Credentials come from the standard AWS
+/// chain (environment, profile files, instance roles) unless given.
+#[derive(Clone, Debug, Default)]
+pub struct S3Config {
+    pub bucket: String,
+    /// Keys are stored under this prefix (no leading or trailing `/`).
+    pub prefix: String,
+    /// A custom endpoint (an S3-compatible server), e.g. `http://127.0.0.1:9000`.
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    /// Path-style addressing (`endpoint/bucket/key`), which most
+    /// S3-compatible servers need.
+    pub path_style: bool,
+    /// Static credentials: (access key, secret key).
+    pub credentials: Option<(String, String)>,
+}
+
+pub struct S3Store {
+    client: Client,
+    bucket: String,
+    prefix: String,
+    rt: tokio::runtime::Runtime,
+}
+
+/// The HTTP status of a failed request, if the server answered at all.
+fn status<E>(e: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> Option<u16> {
+    e.raw_response().map(|r| r.status().as_u16())
+}
+
+fn io_error<E: std::error::Error + Send + Sync + 'static>(
+    what: &str,
+    e: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
+) -> Error {
+    let detail = aws_sdk_s3::error::DisplayErrorContext(&e).to_string();
+    Error::Io(std::io::Error::other(format!("S3 {what}: {detail}")))
+}
+
+impl S3Store {
+    pub fn open(cfg: &S3Config) -> Result<S3Store> {
+        if cfg.bucket.is_empty() {
+            return Err(Error::Invalid("S3 bucket name"));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
+        if let Some(region) = &cfg.region {
+            loader = loader.region(aws_config::Region::new(region.clone()));
+        }
+        if let Some(endpoint) = &cfg.endpoint {
+            loader = loader.endpoint_url(endpoint);
+        }
+        if let Some((key, secret)) = &cfg.credentials {
+            loader =
+                loader.credentials_provider(aws_sdk_s3::config::Credentials::new(key, secret, None, None, "arbor"));
+        }
+        let shared = rt.block_on(loader.load());
+        let conf = aws_sdk_s3::config::Builder::from(&shared).force_path_style(cfg.path_style).build();
+        let prefix = cfg.prefix.trim_matches('/').to_string();
+        Ok(S3Store { client: Client::from_conf(conf), bucket: cfg.bucket.clone(), prefix, rt })
+    }
+
+    fn key(&self, key: &str) -> Result<String> {
+        check_key(key)?;
+        Ok(if self.prefix.is_empty() { key.to_string() } else { format!("{}/{key}", self.prefix) })
+    }
+
+    fn put_with(&self, key: &str, body: &[u8], if_none: bool, if_match: Option<&str>) -> Result<ETag> {
+        let full = self.key(key)?;
+        let mut req = self.client.put_object().bucket(&self.bucket).key(&full).body(ByteStream::from(body.to_vec()));
+        if if_none {
+            req = req.if_none_match("*");
+        }
+        if let Some(tag) = if_match {
+            req = req.if_match(tag);
+        }
+        match self.rt.block_on(req.send()) {
+            Ok(out) => Ok(out.e_tag().unwrap_or_default().to_string()),
+            Err(e) => match (status(&e), if_none) {
+                (Some(412), true) => Err(Error::AlreadyExists(key.into())),
+                (Some(412), false) => Err(Error::PreconditionFailed(key.into())),
+                (Some(404), false) if if_match.is_some() => Err(Error::NoSuchObject(key.into())),
+                _ => Err(io_error("put", e)),
+            },
+        }
+    }
+}
+
+impl ObjectStore for S3Store {
+    fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.put_with(key, body, false, None)
+    }
+
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.put_with(key, body, true, None)
+    }
+
+    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
+        // S3 answers 412 both when the tag differs and when the key is gone;
+        // tell them apart so callers can say which.
+        match self.put_with(key, body, false, Some(etag)) {
+            Err(Error::PreconditionFailed(k)) => match self.get(key) {
+                Err(Error::NoSuchObject(_)) => Err(Error::NoSuchObject(k)),
+                _ => Err(Error::PreconditionFailed(k)),
+            },
+            other => other,
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
+        let full = self.key(key)?;
+        let out = match self.rt.block_on(self.client.get_object().bucket(&self.bucket).key(&full).send()) {
+            Ok(out) => out,
+            Err(e) if status(&e) == Some(404) => return Err(Error::NoSuchObject(key.into())),
+            Err(e) => return Err(io_error("get", e)),
+        };
+        let tag = out.e_tag().unwrap_or_default().to_string();
+        let body = self.rt.block_on(out.body.collect()).map_err(|e| Error::Io(std::io::Error::other(e.to_string())))?;
+        Ok((body.into_bytes().to_vec(), tag))
+    }
+
+    fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
+        if range.start >= range.end {
+            return Err(Error::Invalid("range outside the object"));
+        }
+        let full = self.key(key)?;
+        let req = self.client.get_object().bucket(&self.bucket).key(&full).range(format!(
+            "bytes={}-{}",
+            range.start,
+            range.end - 1
+        ));
+        let out = match self.rt.block_on(req.send()) {
+            Ok(out) => out,
+            Err(e) if status(&e) == Some(404) => return Err(Error::NoSuchObject(key.into())),
+            Err(e) if status(&e) == Some(416) => return Err(Error::Invalid("range outside the object")),
+            Err(e) => return Err(io_error("ranged get", e)),
+        };
+        let body = self.rt.block_on(out.body.collect()).map_err(|e| Error::Io(std::io::Error::other(e.to_string())))?;
+        Ok(body.into_bytes().to_vec())
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<String>> {
+        let full = if self.prefix.is_empty() { prefix.to_string() } else { format!("{}/{prefix}", self.prefix) };
+        let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        // Bounded: a listing of more than a billion keys is not a disk.
+        for _ in 0..1_000_000 {
+            let mut req = self.client.list_objects_v2().bucket(&self.bucket).prefix(&full);
+            if let Some(t) = &token {
+                req = req.continuation_token(t);
+            }
+            let page = self.rt.block_on(req.send()).map_err(|e| io_error("list", e))?;
+            out.extend(
+                page.contents().iter().filter_map(|o| o.key()).filter_map(|k| k.get(strip..)).map(str::to_string),
+            );
+            match page.next_continuation_token() {
+                Some(t) if page.is_truncated() == Some(true) => token = Some(t.to_string()),
+                _ => break,
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn delete(&self, key: &str) -> Result<()> {
+        let full = self.key(key)?;
+        match self.rt.block_on(self.client.delete_object().bucket(&self.bucket).key(&full).send()) {
+            Ok(_) => Ok(()),
+            Err(e) if status(&e) == Some(404) => Ok(()),
+            Err(e) => Err(io_error("delete", e)),
+        }
+    }
+}
