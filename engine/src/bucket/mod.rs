@@ -46,6 +46,3 @@ pub fn check_key(key: &str) -> Result<()> {
         Err(Error::Invalid("object key"))
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -375,6 +375,3 @@ impl NodeStore for MemNodeStore {
         Ok(Addr { off: (nodes.len() - 1) as u32, ..Addr::default() })
     }
 }
-
-#[cfg(test)]
-mod tests;

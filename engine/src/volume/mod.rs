@@ -734,6 +734,3 @@ impl Drop for Volume {
         self.stop_committer.lock().take();
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -1,7 +1,12 @@
-use super::*;
-use crate::device::{CrashMode, FileDevice, SimDevice};
-use crate::env::TestEnv;
-use crate::io::IoMode;
+//! The Volume API: behaviour, every errno case, persistence across reopen
+//! and crashes, corruption, poisoning, group commit, live-bytes accounting.
+
+use arbor_engine::device::{CrashMode, FileDevice, SimDevice};
+use arbor_engine::env::TestEnv;
+use arbor_engine::io::IoMode;
+use arbor_engine::volume::*;
+use arbor_engine::Result;
+use std::sync::Arc;
 
 fn cfg() -> Config {
     Config { commit_interval: None, segment_size: 1 << 20, env: TestEnv::new(7), ..Config::default() }
@@ -343,7 +348,7 @@ fn a_large_directory_stays_searchable() {
 #[test]
 fn concurrent_fsyncs_share_fdatasyncs_on_a_real_directory() {
     for mode in [IoMode::Syscall, IoMode::Uring] {
-        if mode == IoMode::Uring && crate::io::UringIo::new().is_err() {
+        if mode == IoMode::Uring && arbor_engine::io::UringIo::new().is_err() {
             eprintln!("SKIPPED: io_uring unavailable");
             continue;
         }

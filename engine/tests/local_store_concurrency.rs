@@ -1,7 +1,7 @@
 //! Concurrency of the local-folder store; the shared conformance suite is
 //! `engine/tests/object_stores.rs`.
 
-use super::*;
+use arbor_engine::bucket::{LocalFolderStore, ObjectStore};
 use std::sync::Arc;
 
 #[test]

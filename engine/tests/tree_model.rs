@@ -1,4 +1,7 @@
-use super::*;
+//! The copy-on-write B+tree against a BTreeMap, and its corner cases.
+
+use arbor_engine::format::Addr;
+use arbor_engine::tree::*;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
