@@ -13,7 +13,6 @@ pub mod env;
 pub mod error;
 pub mod format;
 pub mod fsck;
-pub mod fuzzing;
 pub mod io;
 pub mod log;
 pub mod tree;

@@ -5,12 +5,15 @@
 
 use arbor_engine::device::{Device, SimDevice};
 use arbor_engine::format::{encode_value, Addr, RecordKind, SegId};
-use arbor_engine::fuzzing::TARGETS;
 use arbor_engine::log::Log;
 use arbor_engine::tree::{Branch, Child, Leaf, Node};
 use arbor_engine::volume::{CommitRecord, Superblock};
 use std::path::PathBuf;
 use std::sync::Arc;
+
+#[path = "../../fuzz/targets.rs"]
+mod targets;
+use targets::TARGETS;
 
 fn corpus_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus")

@@ -1,5 +1,9 @@
 #![no_main]
 
+#[path = "../targets.rs"]
+#[allow(dead_code)]
+mod targets;
+
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    arbor_engine::fuzzing::segment(data);
+    targets::segment(data);
 });

@@ -1,12 +1,14 @@
-//! Entry points for the fuzz targets in `fuzz/`, kept here so the normal
-//! test run can replay their corpora without libFuzzer. Each must return
-//! (never panic, never hang) on any input, and panics only to report a bug.
+//! The bodies of the fuzz targets, shared by the cargo-fuzz binaries in
+//! `fuzz_targets/` and by `engine/tests/fuzz_corpus.rs`, which replays the
+//! committed corpora in the normal test run. Each must return (never hang)
+//! on any input; it panics only to report a bug, which is how a fuzzer
+//! learns of one. Test code: nothing here ships in the engine library.
 
-use crate::device::{Device, SimDevice};
-use crate::format::{decode_value, SegId};
-use crate::log::{Cursor, Next};
-use crate::tree::{MemNodeStore, Node, Tree};
-use crate::volume::{CommitRecord, Op, Superblock};
+use arbor_engine::device::{Device, SimDevice};
+use arbor_engine::format::{decode_value, SegId};
+use arbor_engine::log::{Cursor, Next};
+use arbor_engine::tree::{MemNodeStore, Node, Tree};
+use arbor_engine::volume::{CommitRecord, Op, Superblock};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -24,7 +26,7 @@ pub fn segment(data: &[u8]) {
         return;
     };
     // Every record is at least a header long, so this bounds the walk.
-    for _ in 0..=data.len() / crate::format::HEADER_LEN {
+    for _ in 0..=data.len() / arbor_engine::format::HEADER_LEN {
         match cursor.next_record() {
             Ok(Next::Record(r)) => assert!(r.addr.end() as usize <= data.len()),
             _ => return,
