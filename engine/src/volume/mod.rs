@@ -642,8 +642,14 @@ impl Volume {
         if !last || self.cfg.read_only {
             return Ok(());
         }
+        // Every close passes here: look under the shared lock, and take the
+        // exclusive one only for a file that really was unlinked.
+        let orphan = |st: &State| -> Result<bool> { Ok(self.view(st).try_inode(ino)?.is_some_and(|i| i.nlink == 0)) };
+        if !orphan(&self.state.read())? {
+            return Ok(());
+        }
         let mut st = self.state.write();
-        if self.view(&st).try_inode(ino)?.is_some_and(|i| i.nlink == 0) {
+        if orphan(&st)? {
             self.run(&mut st, ops::Op::DropOrphan { ino }, &[])?;
         }
         Ok(())
