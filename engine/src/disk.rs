@@ -8,7 +8,7 @@
 use crate::bucket::{ETag, ObjectStore};
 use crate::device::{Device, SegmentFile};
 use crate::error::{Error, Result};
-use crate::format::SegId;
+use crate::format::{Addr, SegId};
 use crate::volume::Superblock;
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -22,16 +22,52 @@ pub fn checkpoint_key(name: &str) -> String {
 }
 
 /// Segments from `segments`, superblock from the branch's head object.
+///
+/// On a bucket-backed device the head never names a commit whose bytes are
+/// not all in the bucket: the first write (the writer's claim at open)
+/// waits for them, later ones are published when the uploads catch up.
+/// Recovery replays the log from whichever commit the head names, so a
+/// lagging head loses nothing the log holds.
 pub struct HeadDevice {
     segments: Arc<dyn Device>,
     catalog: Arc<dyn ObjectStore>,
     key: String,
+    /// The tag this writer last saw or wrote; `None` before its first
+    /// head write.
     seen: Mutex<Option<ETag>>,
+    claimed: std::sync::atomic::AtomicBool,
+    me: std::sync::Weak<HeadDevice>,
 }
 
 impl HeadDevice {
     pub fn new(segments: Arc<dyn Device>, catalog: Arc<dyn ObjectStore>, branch: &str) -> Arc<Self> {
-        Arc::new(HeadDevice { segments, catalog, key: branch_key(branch), seen: Mutex::new(None) })
+        Arc::new_cyclic(|me| HeadDevice {
+            segments,
+            catalog,
+            key: branch_key(branch),
+            seen: Mutex::new(None),
+            claimed: std::sync::atomic::AtomicBool::new(false),
+            me: me.clone(),
+        })
+    }
+
+    /// Replaces the head object if nobody else did since we last saw it.
+    fn compare_and_swap(&self, bytes: &[u8]) -> Result<()> {
+        let mut seen = self.seen.lock();
+        let written = match seen.as_deref() {
+            Some(tag) => self.catalog.put_if_match(&self.key, bytes, tag),
+            None => self.catalog.put_if_absent(&self.key, bytes),
+        };
+        match written {
+            Ok(tag) => {
+                *seen = Some(tag);
+                Ok(())
+            }
+            Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
+                Err(Error::Busy(format!("{} was changed by another writer; this one stops", self.key)))
+            }
+            Err(e) => Err(e),
+        }
     }
 }
 
@@ -58,6 +94,24 @@ macro_rules! delegate_segments {
         fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
             self.segments.segment_modified(id)
         }
+        fn segment_sealed(&self, id: SegId, len: u64) {
+            self.segments.segment_sealed(id, len)
+        }
+        fn log_synced(&self, id: SegId, len: u64) -> Result<()> {
+            self.segments.log_synced(id, len)
+        }
+        fn publish_when_stored(&self, upto: Addr, publish: Box<dyn FnOnce() -> Result<()> + Send>) -> Result<()> {
+            self.segments.publish_when_stored(upto, publish)
+        }
+        fn flush_to_bucket(&self, upto: Addr) -> Result<()> {
+            self.segments.flush_to_bucket(upto)
+        }
+        fn drain(&self) -> Result<()> {
+            self.segments.drain()
+        }
+        fn pending_upload_bytes(&self) -> u64 {
+            self.segments.pending_upload_bytes()
+        }
     };
 }
 
@@ -65,32 +119,43 @@ impl Device for HeadDevice {
     delegate_segments!();
 
     fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
-        match self.catalog.get(&self.key) {
-            Ok((body, tag)) => {
-                *self.seen.lock() = Some(tag);
-                Ok(Some(body))
+        // A body damaged on the way is read again; one damaged at rest is
+        // reported as corrupt.
+        let mut last = None;
+        for _ in 0..4 {
+            match self.catalog.get(&self.key) {
+                Ok((body, tag)) => match Superblock::decode(&body) {
+                    Ok(_) => {
+                        *self.seen.lock() = Some(tag);
+                        return Ok(Some(body));
+                    }
+                    Err(e) => last = Some(e),
+                },
+                Err(Error::NoSuchObject(_)) => return Ok(None),
+                Err(e) => return Err(e),
             }
-            Err(Error::NoSuchObject(_)) => Ok(None),
-            Err(e) => Err(e),
         }
+        Err(last.unwrap_or_else(|| Error::corrupted("branch head", &self.key)))
     }
 
     fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
-        let mut seen = self.seen.lock();
-        let written = match seen.as_deref() {
-            Some(tag) => self.catalog.put_if_match(&self.key, bytes, tag),
-            None => self.catalog.put_if_absent(&self.key, bytes),
-        };
-        match written {
-            Ok(tag) => {
-                *seen = Some(tag);
-                Ok(())
-            }
-            Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
-                Err(Error::Busy(format!("{} was changed by another writer; this one stops", self.key)))
-            }
-            Err(e) => Err(e),
+        let commit = Superblock::decode(bytes)?.commit;
+        if !self.claimed.load(std::sync::atomic::Ordering::Acquire) {
+            // The claim: synchronous, so a fenced writer learns at open.
+            self.segments.flush_to_bucket(commit)?;
+            self.compare_and_swap(bytes)?;
+            self.claimed.store(true, std::sync::atomic::Ordering::Release);
+            return Ok(());
         }
+        let me = self.me.clone();
+        let bytes = bytes.to_vec();
+        self.segments.publish_when_stored(
+            commit,
+            Box::new(move || match me.upgrade() {
+                Some(head) => head.compare_and_swap(&bytes),
+                None => Ok(()),
+            }),
+        )
     }
 }
 

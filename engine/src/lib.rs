@@ -15,6 +15,8 @@ pub mod format;
 pub mod fsck;
 pub mod io;
 pub mod log;
+pub mod testkit;
+pub mod tier;
 pub mod tree;
 pub mod volume;
 

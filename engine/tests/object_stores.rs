@@ -5,10 +5,8 @@
 //! installed; in CI it must run (`.ci/run` installs it).
 
 use arbor_engine::bucket::{LocalFolderStore, MemObjectStore, ObjectStore, S3Config, S3Store};
+use arbor_engine::testkit::{S3Server, S3_KEY};
 use arbor_engine::Error;
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 fn conformance(store: &dyn ObjectStore) {
     // Create-once.
@@ -41,6 +39,17 @@ fn conformance(store: &dyn ObjectStore) {
     store.put("segments/ef/big", &big).expect("put big");
     assert!(store.get("segments/ef/big").expect("get big").0 == big);
     assert_eq!(store.get_range("segments/ef/big", 2_000_000..2_000_010).expect("range"), big[2_000_000..2_000_010]);
+    assert_eq!(store.size("segments/ef/big").expect("size"), big.len() as u64);
+    assert!(matches!(store.size("segments/none"), Err(Error::NoSuchObject(_))));
+    // A body past the multipart threshold (16 MiB) arrives whole.
+    let large: Vec<u8> = (0..(20u32 << 20) + 12_345).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    store.put_large("segments/ef/large", &large).expect("put large");
+    assert_eq!(store.size("segments/ef/large").expect("size"), large.len() as u64);
+    assert!(store.get("segments/ef/large").expect("get large").0 == large);
+    assert_eq!(
+        store.get_range("segments/ef/large", 17 << 20..(17 << 20) + 9).expect("range"),
+        large[17 << 20..(17 << 20) + 9]
+    );
     // Bad keys change nothing.
     for bad in ["", "/abs", "a//b", "../x", "a/./b", "dir/", ".arbor-locks/x"] {
         assert!(store.put(bad, b"x").is_err(), "{bad:?}");
@@ -58,67 +67,15 @@ fn the_in_memory_store_passes() {
     conformance(&MemObjectStore::new());
 }
 
-/// An `s3s-fs` server on a free loopback port, stopped on drop.
-struct S3Server {
-    child: Child,
-    port: u16,
-    _data: tempfile::TempDir,
-}
-
-impl Drop for S3Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-const KEY: &str = "arbor-test-key";
-const SECRET: &str = "arbor-test-secret";
-const BUCKET: &str = "arbor-test";
-
-fn start_s3() -> Option<S3Server> {
-    let found = Command::new("s3s-fs").arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok();
-    if !found {
-        if std::env::var_os("CI").is_some() {
-            panic!("s3s-fs must be installed in CI (.ci/run installs it)");
-        }
-        eprintln!("SKIPPED: S3 conformance needs s3s-fs 0.14.1 (cargo install s3s-fs --version 0.14.1 --features binary --locked)");
-        return None;
-    }
-    let data = tempfile::tempdir().expect("tempdir");
-    std::fs::create_dir_all(data.path().join(BUCKET)).expect("bucket folder");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
-    let child = Command::new("s3s-fs")
-        .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", KEY, "--secret-key", SECRET])
-        .arg(data.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start s3s-fs");
-    let server = S3Server { child, port, _data: data };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "s3s-fs did not start listening");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Some(server)
-}
-
 #[test]
 fn s3_through_aws_sdk_against_a_real_server_passes() {
-    let Some(server) = start_s3() else { return };
-    let cfg = S3Config {
-        bucket: BUCKET.into(),
-        prefix: "disks/one".into(),
-        endpoint: Some(format!("http://127.0.0.1:{}", server.port)),
-        region: Some("us-east-1".into()),
-        path_style: true,
-        credentials: Some((KEY.into(), SECRET.into())),
-    };
+    let data = tempfile::tempdir().expect("tempdir");
+    let Some(server) = S3Server::start(data.path()).expect("s3s-fs") else { return };
+    let cfg = server.config("disks/one");
     let store = S3Store::open(&cfg).expect("open");
     conformance(&store);
     // Wrong credentials are refused with a clear error, not a panic.
-    let bad = S3Store::open(&S3Config { credentials: Some((KEY.into(), "wrong".into())), ..cfg }).expect("open");
+    let bad = S3Store::open(&S3Config { credentials: Some((S3_KEY.into(), "wrong".into())), ..cfg }).expect("open");
     let err = bad.get("branches/main").expect_err("bad secret");
     assert!(err.to_string().contains("S3 get"), "{err}");
 }

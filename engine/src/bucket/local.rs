@@ -196,6 +196,15 @@ impl ObjectStore for LocalFolderStore {
         Ok(out)
     }
 
+    fn size(&self, key: &str) -> Result<u64> {
+        match fs::metadata(self.path(key)?) {
+            Ok(m) if m.is_file() => Ok(m.len()),
+            Ok(_) => Err(not_found(key)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Err(not_found(key)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     fn delete(&self, key: &str) -> Result<()> {
         let path = self.path(key)?;
         let _g = self.lock(key)?;

@@ -76,6 +76,11 @@ impl ObjectStore for MemObjectStore {
         Ok(self.objects.lock().keys().filter(|k| k.starts_with(prefix)).cloned().collect())
     }
 
+    fn size(&self, key: &str) -> Result<u64> {
+        let objects = self.objects.lock();
+        objects.get(key).map(|(b, _)| b.len() as u64).ok_or_else(|| Error::NoSuchObject(key.into()))
+    }
+
     fn delete(&self, key: &str) -> Result<()> {
         check_key(key)?;
         self.objects.lock().remove(key);

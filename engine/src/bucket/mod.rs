@@ -1,12 +1,16 @@
 //! The object-store seam: what the engine needs from a bucket. The local
 //! folder here is the embedded default; S3 implements the same trait.
 
+mod fault;
 mod local;
 mod mem;
+mod retry;
 mod s3;
 
+pub use fault::{Fault, FaultStore};
 pub use local::LocalFolderStore;
 pub use mem::MemObjectStore;
+pub use retry::{RetryPolicy, RetryStore};
 pub use s3::{S3Config, S3Store};
 
 use crate::error::{Error, Result};
@@ -28,6 +32,14 @@ pub trait ObjectStore: Send + Sync {
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>>;
     /// Every key starting with `prefix`, in order.
     fn list(&self, prefix: &str) -> Result<Vec<String>>;
+    /// The length of `key` in bytes.
+    fn size(&self, key: &str) -> Result<u64>;
+    /// Creates or replaces `key` with a body too large for one request;
+    /// the object appears whole or not at all. Stores without a multipart
+    /// API upload it in one piece.
+    fn put_large(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.put(key, body)
+    }
     /// Removes `key`; removing a missing key succeeds.
     fn delete(&self, key: &str) -> Result<()>;
 }

@@ -8,6 +8,7 @@ use super::{check_key, ETag, ObjectStore};
 use crate::error::{Error, Result};
 use aws_sdk_s3::error::SdkError;
 use aws_sdk_s3::primitives::ByteStream;
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_sdk_s3::Client;
 use std::ops::Range;
 
@@ -97,6 +98,76 @@ impl S3Store {
     }
 }
 
+/// Bodies larger than this go up in parts of [`PART_SIZE`], in parallel.
+const MULTIPART_OVER: usize = 16 << 20;
+const PART_SIZE: usize = 8 << 20;
+
+impl S3Store {
+    async fn multipart(&self, full: &str, body: &[u8]) -> Result<ETag> {
+        let created = self
+            .client
+            .create_multipart_upload()
+            .bucket(&self.bucket)
+            .key(full)
+            .send()
+            .await
+            .map_err(|e| io_error("create multipart upload", e))?;
+        let id = created.upload_id().ok_or(Error::Invalid("S3 returned no upload id"))?.to_string();
+        let parts = body.chunks(PART_SIZE).enumerate().map(|(i, part)| {
+            let req = self
+                .client
+                .upload_part()
+                .bucket(&self.bucket)
+                .key(full)
+                .upload_id(&id)
+                .part_number(i as i32 + 1)
+                .body(ByteStream::from(part.to_vec()));
+            async move {
+                let out = req.send().await.map_err(|e| io_error("upload part", e))?;
+                Ok::<_, Error>(
+                    CompletedPart::builder().part_number(i as i32 + 1).e_tag(out.e_tag().unwrap_or_default()).build(),
+                )
+            }
+        });
+        let done = async {
+            let mut completed = Vec::new();
+            // Four parts in flight at a time.
+            let mut parts = parts.collect::<Vec<_>>().into_iter();
+            loop {
+                let batch: Vec<_> = parts.by_ref().take(4).collect();
+                if batch.is_empty() {
+                    break;
+                }
+                let handles: Vec<_> = batch.into_iter().map(tokio::spawn).collect();
+                for h in handles {
+                    let part = h.await.map_err(|e| Error::Io(std::io::Error::other(format!("upload task: {e}"))))?;
+                    completed.push(part?);
+                }
+            }
+            let upload = CompletedMultipartUpload::builder().set_parts(Some(completed)).build();
+            let out = self
+                .client
+                .complete_multipart_upload()
+                .bucket(&self.bucket)
+                .key(full)
+                .upload_id(&id)
+                .multipart_upload(upload)
+                .send()
+                .await
+                .map_err(|e| io_error("complete multipart upload", e))?;
+            Ok(out.e_tag().unwrap_or_default().to_string())
+        }
+        .await;
+        if done.is_err() {
+            let abort = self.client.abort_multipart_upload().bucket(&self.bucket).key(full).upload_id(&id);
+            if let Err(e) = abort.send().await {
+                tracing::warn!(error = %aws_sdk_s3::error::DisplayErrorContext(&e), "aborting a multipart upload failed");
+            }
+        }
+        done
+    }
+}
+
 impl ObjectStore for S3Store {
     fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
         self.put_with(key, body, false, None)
@@ -172,6 +243,23 @@ impl ObjectStore for S3Store {
         }
         out.sort();
         Ok(out)
+    }
+
+    fn size(&self, key: &str) -> Result<u64> {
+        let full = self.key(key)?;
+        match self.rt.block_on(self.client.head_object().bucket(&self.bucket).key(&full).send()) {
+            Ok(out) => Ok(out.content_length().unwrap_or(0).max(0) as u64),
+            Err(e) if status(&e) == Some(404) => Err(Error::NoSuchObject(key.into())),
+            Err(e) => Err(io_error("head", e)),
+        }
+    }
+
+    fn put_large(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        if body.len() <= MULTIPART_OVER {
+            return self.put(key, body);
+        }
+        let full = self.key(key)?;
+        self.rt.block_on(self.multipart(&full, body))
     }
 
     fn delete(&self, key: &str) -> Result<()> {

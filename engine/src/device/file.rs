@@ -81,6 +81,16 @@ impl FileDevice {
         open.entry(id).or_insert(seg).clone()
     }
 
+    /// Where segment `id` lives.
+    pub fn path_of(&self, id: SegId) -> PathBuf {
+        self.dir.join(id.file_name())
+    }
+
+    /// Drops the handle kept for `id` (handles already given out still work).
+    pub fn forget(&self, id: SegId) {
+        self.open.write().remove(&id);
+    }
+
     /// How many segment files this device holds open right now.
     pub fn open_segments(&self) -> usize {
         self.open.read().len()

@@ -9,7 +9,7 @@ mod file;
 mod sim;
 
 use crate::error::Result;
-use crate::format::SegId;
+use crate::format::{Addr, SegId};
 use std::sync::Arc;
 
 pub use file::FileDevice;
@@ -61,5 +61,35 @@ pub trait Device: Send + Sync {
     /// recently written segments alone.
     fn segment_modified(&self, _id: SegId) -> Result<Option<std::time::SystemTime>> {
         Ok(None)
+    }
+
+    // ---- the bucket tier: no-ops for a device that is its own durable copy ----
+
+    /// The log wrote its last byte to `id` (`len` bytes): the segment is
+    /// final and may be uploaded.
+    fn segment_sealed(&self, _id: SegId, _len: u64) {}
+    /// The log made every record through byte `len` of its open segment
+    /// `id` durable locally. Where fsync means "in the bucket", this returns
+    /// once those bytes (and every sealed segment) are there.
+    fn log_synced(&self, _id: SegId, _len: u64) -> Result<()> {
+        Ok(())
+    }
+    /// Runs `publish` (a branch-head update) once every byte through
+    /// `upto` is in the bucket: at once where the device is the durable copy.
+    fn publish_when_stored(&self, _upto: Addr, publish: Box<dyn FnOnce() -> Result<()> + Send>) -> Result<()> {
+        publish()
+    }
+    /// Returns once every sealed segment, and segment `upto.seg` through
+    /// `upto.end()`, is in the bucket.
+    fn flush_to_bucket(&self, _upto: Addr) -> Result<()> {
+        Ok(())
+    }
+    /// Returns once every upload and deferred publish has finished.
+    fn drain(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Bytes written here and not yet in the bucket.
+    fn pending_upload_bytes(&self) -> u64 {
+        0
     }
 }

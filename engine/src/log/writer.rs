@@ -47,6 +47,8 @@ struct Tail {
     /// in order, before the open segment, so no fsync can make a later
     /// segment durable before an earlier one.
     unsynced: Vec<Arc<dyn SegmentFile>>,
+    /// Set by [`Log::finish`].
+    finished: bool,
 }
 
 /// Past this, pending records are written without waiting for company.
@@ -68,6 +70,7 @@ impl Log {
                 pending: Vec::new(),
                 pending_at: 0,
                 unsynced: Vec::new(),
+                finished: false,
             }),
             sync_lock: Mutex::new(()),
             durable_seq: AtomicU64::new(first_seq.saturating_sub(1)),
@@ -126,6 +129,9 @@ impl Log {
             return Err(Error::Invalid("record larger than a segment"));
         }
         let mut tail = self.tail.lock();
+        if tail.finished {
+            return Err(Error::Invalid("the log is closed"));
+        }
         if tail.off + (unpadded + may_pad + data.len()) as u64 > self.segment_size {
             self.seal(&mut tail)?;
         }
@@ -173,6 +179,7 @@ impl Log {
         let next = tail.seg.next();
         let sealed = std::mem::replace(&mut tail.file, self.device.create_segment(next)?);
         sealed.start_writeback();
+        self.device.segment_sealed(tail.seg, tail.off);
         tail.unsynced.push(sealed);
         tail.seg = next;
         tail.off = 0;
@@ -212,12 +219,15 @@ impl Log {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
-        let (files, upto) = {
+        let (files, upto, open) = {
             let mut t = self.tail.lock();
+            if t.finished {
+                return Err(Error::Invalid("the log is closed"));
+            }
             self.flush(&mut t)?;
             let mut files = std::mem::take(&mut t.unsynced);
             files.push(t.file.clone());
-            (files, t.next_seq - 1)
+            (files, t.next_seq - 1, (t.seg, t.off))
         };
         self.device.failpoint(failpoints::FSYNC)?;
         self.syncs.fetch_add(1, Ordering::Relaxed);
@@ -226,7 +236,27 @@ impl Log {
                 return Err(self.poison(e));
             }
         }
+        // Where fsync means "in the bucket", wait for it there too. A
+        // failure here leaves the local log intact: no poison, and the next
+        // sync tries again.
+        self.device.log_synced(open.0, open.1)?;
         self.durable_seq.fetch_max(upto, Ordering::AcqRel);
+        Ok(())
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.tail.lock().finished
+    }
+
+    /// Syncs everything and ends this writer's log: its open segment is
+    /// final (and may go to the bucket). Appends after this fail.
+    pub fn finish(&self) -> Result<()> {
+        self.sync_all()?;
+        let mut t = self.tail.lock();
+        if !t.finished {
+            t.finished = true;
+            self.device.segment_sealed(t.seg, t.off);
+        }
         Ok(())
     }
 

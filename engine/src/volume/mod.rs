@@ -728,10 +728,25 @@ impl Volume {
         }
     }
 
-    /// Commits and stops the background committer.
+    /// Commits, stops the background committer, ends this writer's log and
+    /// waits until everything is in the bucket (where there is one). The
+    /// volume takes no more writes.
     pub fn close(&self) -> Result<()> {
         self.stop_committer.lock().take();
-        self.commit()
+        if self.cfg.read_only {
+            return Ok(());
+        }
+        if self.log()?.is_finished() {
+            return Ok(());
+        }
+        self.commit()?;
+        self.log()?.finish()?;
+        self.nodes.device.drain()
+    }
+
+    /// Bytes written on this node and not yet in the bucket.
+    pub fn pending_upload_bytes(&self) -> u64 {
+        self.nodes.device.pending_upload_bytes()
     }
 }
 

@@ -1,0 +1,133 @@
+//! Retries with exponential backoff and full jitter around any store.
+//!
+//! Only I/O errors (the network, the server) are retried; answers such as
+//! "no such object" or "precondition failed" are returned at once. Every
+//! retried call is idempotent: a plain put or delete may run twice, and a
+//! conditional put whose first attempt landed but reported an error is
+//! recognised on the retry (the object already holds our bytes) and
+//! reported as the success it was.
+
+use super::{ETag, ObjectStore};
+use crate::error::{Error, Result};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct RetryPolicy {
+    /// Tries per call, the first included.
+    pub attempts: u32,
+    /// The first backoff; each later one doubles, up to `max_backoff`.
+    pub base: Duration,
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy { attempts: 8, base: Duration::from_millis(50), max_backoff: Duration::from_secs(5) }
+    }
+}
+
+pub struct RetryStore {
+    inner: Arc<dyn ObjectStore>,
+    policy: RetryPolicy,
+    seed: AtomicU64,
+    retries: AtomicU64,
+}
+
+impl RetryStore {
+    pub fn new(inner: Arc<dyn ObjectStore>, policy: RetryPolicy) -> Arc<RetryStore> {
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        Arc::new(RetryStore { inner, policy, seed: AtomicU64::new(seed | 1), retries: AtomicU64::new(0) })
+    }
+
+    /// Calls retried so far.
+    pub fn retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+
+    /// A random backoff in `[0, min(max, base * 2^attempt))` (full jitter).
+    fn backoff(&self, attempt: u32) -> Duration {
+        let mut x = self.seed.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^= x >> 33;
+        let cap = self.policy.base.saturating_mul(1 << attempt.min(20)).min(self.policy.max_backoff);
+        Duration::from_nanos(x % (cap.as_nanos() as u64).max(1))
+    }
+
+    /// Runs `call` until it succeeds, fails for good, or runs out of tries.
+    /// `retried` tells `call` whether an earlier try failed in transit.
+    fn run<T>(&self, what: &str, mut call: impl FnMut(bool) -> Result<T>) -> Result<T> {
+        let mut retried = false;
+        let mut attempt = 0;
+        loop {
+            match call(retried) {
+                Err(Error::Io(e)) if attempt + 1 < self.policy.attempts => {
+                    let wait = self.backoff(attempt);
+                    tracing::warn!(what, error = %e, attempt, ?wait, "bucket call failed; retrying");
+                    self.retries.fetch_add(1, Ordering::Relaxed);
+                    retried = true;
+                    attempt += 1;
+                    std::thread::sleep(wait);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// After a refused conditional put that followed a failed try: did the
+    /// failed try land? Then the object holds exactly our bytes.
+    fn landed(&self, key: &str, body: &[u8]) -> Option<ETag> {
+        match self.inner.get(key) {
+            Ok((current, tag)) if current == body => Some(tag),
+            _ => None,
+        }
+    }
+}
+
+impl ObjectStore for RetryStore {
+    fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.run("put", |_| self.inner.put(key, body))
+    }
+
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.run("put", |retried| match self.inner.put_if_absent(key, body) {
+            Err(Error::AlreadyExists(k)) if retried => self.landed(key, body).ok_or(Error::AlreadyExists(k)),
+            other => other,
+        })
+    }
+
+    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
+        self.run("put", |retried| match self.inner.put_if_match(key, body, etag) {
+            Err(Error::PreconditionFailed(k)) if retried => self.landed(key, body).ok_or(Error::PreconditionFailed(k)),
+            other => other,
+        })
+    }
+
+    fn put_large(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.run("multipart put", |_| self.inner.put_large(key, body))
+    }
+
+    fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
+        self.run("get", |_| self.inner.get(key))
+    }
+
+    fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
+        self.run("ranged get", |_| self.inner.get_range(key, range.clone()))
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<String>> {
+        self.run("list", |_| self.inner.list(prefix))
+    }
+
+    fn size(&self, key: &str) -> Result<u64> {
+        self.run("head", |_| self.inner.size(key))
+    }
+
+    fn delete(&self, key: &str) -> Result<()> {
+        self.run("delete", |_| self.inner.delete(key))
+    }
+}

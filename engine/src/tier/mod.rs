@@ -1,0 +1,541 @@
+//! The bucket tier: a [`Device`] whose durable copy is an object store and
+//! whose local directory is a cache.
+//!
+//! - The log writes segments into `<cache>/segments/` as on a local disk.
+//!   A sealed segment (and the last one of a closed log) is uploaded whole,
+//!   with a footer of chunk checksums, under `segments/` (multipart when
+//!   large); then its file moves into the chunk cache, evictable.
+//! - Durability [`Durability::Local`]: fsync is local; uploads run in the
+//!   background. [`Durability::Bucket`]: fsync returns once every sealed
+//!   segment is uploaded and the open segment's new bytes are in the bucket
+//!   as a WAL piece (`wal/`), one PUT per group commit. WAL pieces of a
+//!   segment are deleted once the segment itself is uploaded.
+//! - A branch head is replaced only once the bucket holds every byte its
+//!   commit needs ([`Device::publish_when_stored`]), so a node with an
+//!   empty cache can always open it.
+//! - Segments not on this node are read from the bucket through
+//!   [`remote`]: ranged GETs of aligned chunks, checksummed, cached,
+//!   evicted least-recently-used first, fetched in parallel and ahead of
+//!   sequential readers.
+//! - While the bucket is unreachable, writes go on into the local log
+//!   until `max_pending` bytes wait for upload, then block.
+
+mod object;
+mod remote;
+
+pub use object::{segment_key, segment_of_key, wal_key, wal_prefix, Footer};
+pub use remote::CacheStats;
+
+use crate::bucket::ObjectStore;
+use crate::device::{Device, FileDevice, SegmentFile};
+use crate::error::{Error, Result};
+use crate::format::{Addr, SegId};
+use crate::io::IoMode;
+use parking_lot::{Condvar, Mutex};
+use remote::Remote;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// fsync is durable on the local disk; the bucket catches up.
+    Local,
+    /// fsync returns once the bytes are in the bucket.
+    Bucket,
+}
+
+impl std::str::FromStr for Durability {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "local" => Ok(Durability::Local),
+            "bucket" => Ok(Durability::Bucket),
+            _ => Err(format!("durability must be local or bucket (got {s:?})")),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct TierConfig {
+    pub durability: Durability,
+    /// Bytes of uploaded and fetched segment data the cache keeps.
+    pub cache_size: u64,
+    /// How far ahead of a sequential reader chunks are fetched.
+    pub read_ahead: u64,
+    /// The unit of ranged GETs, checksums and eviction.
+    pub chunk_size: u32,
+    /// Ranged GETs in flight for one large read.
+    pub parallel_gets: usize,
+    /// Bytes of sealed segments waiting for upload before writers block.
+    pub max_pending: u64,
+    /// How long close waits for uploads; `None` waits as long as it takes.
+    pub drain_timeout: Option<Duration>,
+    pub io: IoMode,
+}
+
+impl Default for TierConfig {
+    fn default() -> Self {
+        TierConfig {
+            durability: Durability::Local,
+            cache_size: 10 << 30,
+            read_ahead: 4 << 20,
+            chunk_size: 1 << 20,
+            parallel_gets: 8,
+            max_pending: 1 << 30,
+            drain_timeout: None,
+            io: IoMode::Auto,
+        }
+    }
+}
+
+type PublishFn = Box<dyn FnOnce() -> Result<()> + Send>;
+
+struct Publish {
+    upto: Addr,
+    /// Every segment sealed before this ticket must be uploaded first.
+    need: u64,
+    run: PublishFn,
+}
+
+#[derive(Default)]
+struct Uploads {
+    /// Sealed segments waiting for upload, oldest first, with their tickets.
+    queue: VecDeque<(u64, SegId, u64)>,
+    next_ticket: u64,
+    /// Every ticket below this is uploaded.
+    done_through: u64,
+    queued_bytes: u64,
+    /// Segments whose whole object is in the bucket.
+    in_bucket: HashSet<SegId>,
+    /// Bytes of open segments shipped as WAL pieces.
+    shipped: HashMap<SegId, u64>,
+    publish: Option<Publish>,
+    /// Upload failures so far, and the newest one.
+    failures: u64,
+    last_error: Option<String>,
+    /// Set when another writer replaced our branch head.
+    fenced: Option<String>,
+    stop: bool,
+    uploaded_bytes: u64,
+    wal_pieces: u64,
+}
+
+struct Shared {
+    store: Arc<dyn ObjectStore>,
+    local: Arc<FileDevice>,
+    remote: Arc<Remote>,
+    cfg: TierConfig,
+    up: Mutex<Uploads>,
+    changed: Condvar,
+    /// Serialises WAL shipping, so pieces stay contiguous.
+    ship_lock: Mutex<()>,
+}
+
+/// Upload counters for `status`.
+#[derive(Clone, Debug, Default)]
+pub struct TierStats {
+    pub durability: Option<Durability>,
+    pub pending_bytes: u64,
+    pub queued_segments: usize,
+    pub uploaded_bytes: u64,
+    pub wal_pieces: u64,
+    pub upload_failures: u64,
+    pub last_error: Option<String>,
+    pub cache: CacheStats,
+}
+
+pub struct BucketDevice {
+    shared: Arc<Shared>,
+    uploader: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl BucketDevice {
+    /// Opens `cache_dir` (its only user until dropped) in front of `store`.
+    /// Segments left in the cache by an earlier life that never reached the
+    /// bucket are queued for upload; the uploads start with the first write.
+    pub fn open(store: Arc<dyn ObjectStore>, cache_dir: &Path, cfg: TierConfig) -> Result<Arc<BucketDevice>> {
+        let local = FileDevice::open_exclusive(cache_dir.join("segments"), cfg.io)?;
+        let remote =
+            Remote::new(store.clone(), cache_dir.join("chunks"), cfg.cache_size, cfg.read_ahead, cfg.parallel_gets)?;
+        let mut up = Uploads::default();
+        for id in local.list_segments()? {
+            let path = local.path_of(id);
+            match store.size(&object::segment_key(id)) {
+                Ok(_) => {
+                    // Uploaded, but the move into the cache did not happen.
+                    std::fs::remove_file(&path)?;
+                    continue;
+                }
+                Err(Error::NoSuchObject(_)) => {}
+                Err(e) => return Err(e),
+            }
+            let len = std::fs::metadata(&path)?.len();
+            up.queue.push_back((up.next_ticket, id, len));
+            up.next_ticket += 1;
+            up.queued_bytes += len;
+        }
+        let shared = Arc::new(Shared {
+            store,
+            local,
+            remote,
+            cfg,
+            up: Mutex::new(up),
+            changed: Condvar::new(),
+            ship_lock: Mutex::new(()),
+        });
+        Ok(Arc::new(BucketDevice { shared, uploader: Mutex::new(None) }))
+    }
+
+    pub fn cache_dir_segments(&self) -> &Path {
+        self.shared.local.dir()
+    }
+
+    pub fn stats(&self) -> TierStats {
+        let pending_bytes = self.pending_upload_bytes();
+        let up = self.shared.up.lock();
+        TierStats {
+            durability: Some(self.shared.cfg.durability),
+            pending_bytes,
+            queued_segments: up.queue.len(),
+            uploaded_bytes: up.uploaded_bytes,
+            wal_pieces: up.wal_pieces,
+            upload_failures: up.failures,
+            last_error: up.last_error.clone(),
+            cache: self.shared.remote.stats(),
+        }
+    }
+
+    fn start_uploader(&self) -> Result<()> {
+        let mut slot = self.uploader.lock();
+        if slot.is_none() {
+            let shared = self.shared.clone();
+            let handle = std::thread::Builder::new()
+                .name("arbor-upload".into())
+                .spawn(move || shared.run_uploader())
+                .map_err(Error::Io)?;
+            *slot = Some(handle);
+        }
+        Ok(())
+    }
+
+    /// Waits until `done` says so, a failure newer than the start is
+    /// reported, or this device is fenced.
+    fn wait_for(&self, what: &str, done: impl Fn(&Uploads) -> bool, fail_fast: bool) -> Result<()> {
+        self.start_uploader()?;
+        let started = Instant::now();
+        let mut up = self.shared.up.lock();
+        let failures_before = up.failures;
+        let mut last_note = Instant::now();
+        loop {
+            if let Some(why) = &up.fenced {
+                return Err(Error::Busy(why.clone()));
+            }
+            if done(&up) {
+                return Ok(());
+            }
+            if fail_fast && up.failures > failures_before {
+                let why = up.last_error.clone().unwrap_or_default();
+                return Err(Error::Io(std::io::Error::other(format!("{what}: the bucket is unreachable: {why}"))));
+            }
+            if let Some(limit) = self.shared.cfg.drain_timeout {
+                if started.elapsed() > limit {
+                    let why = up.last_error.clone().unwrap_or_else(|| "uploads are slow".into());
+                    return Err(Error::Io(std::io::Error::other(format!(
+                        "{what}: {} bytes still waiting for the bucket after {limit:?}: {why}",
+                        up.queued_bytes
+                    ))));
+                }
+            }
+            if last_note.elapsed() > Duration::from_secs(10) {
+                tracing::warn!(what, queued = up.queued_bytes, error = ?up.last_error, "still waiting for the bucket");
+                last_note = Instant::now();
+            }
+            self.shared.changed.wait_for(&mut up, Duration::from_millis(200));
+        }
+    }
+
+    /// Everything sealed so far is uploaded and `upto` is in the bucket.
+    fn store_through(&self, what: &str, upto: Addr, fail_fast: bool) -> Result<()> {
+        let need = self.shared.up.lock().next_ticket;
+        self.wait_for(what, |up| up.done_through >= need, fail_fast)?;
+        self.shared.ship(upto)
+    }
+}
+
+impl Shared {
+    fn run_uploader(self: Arc<Self>) {
+        enum Job {
+            Upload(u64, SegId, u64),
+            Publish(Publish),
+        }
+        loop {
+            let job = {
+                let mut up = self.up.lock();
+                loop {
+                    if up.stop {
+                        return;
+                    }
+                    if let Some(&(t, id, len)) = up.queue.front() {
+                        break Job::Upload(t, id, len);
+                    }
+                    if up.publish.as_ref().is_some_and(|p| up.done_through >= p.need) {
+                        break Job::Publish(up.publish.take().expect("checked"));
+                    }
+                    self.changed.wait_for(&mut up, Duration::from_secs(1));
+                }
+            };
+            match job {
+                Job::Upload(ticket, id, len) => match self.upload(id) {
+                    Ok(bytes) => {
+                        let mut up = self.up.lock();
+                        up.queue.pop_front();
+                        up.done_through = ticket + 1;
+                        up.queued_bytes = up.queued_bytes.saturating_sub(len);
+                        up.in_bucket.insert(id);
+                        up.shipped.remove(&id);
+                        up.uploaded_bytes += bytes;
+                        drop(up);
+                        self.changed.notify_all();
+                    }
+                    Err(e) => self.failed(&format!("uploading segment {id}"), e),
+                },
+                Job::Publish(p) => {
+                    let upto = p.upto;
+                    match self.ship(upto) {
+                        Err(e) => {
+                            // Put it back unless a newer head replaced it.
+                            self.up.lock().publish.get_or_insert(p);
+                            self.failed("shipping the log tail", e);
+                        }
+                        Ok(()) => match (p.run)() {
+                            Ok(()) => {
+                                self.changed.notify_all();
+                            }
+                            Err(Error::Busy(why)) => {
+                                tracing::error!(%why, "this writer was fenced off its branch; refusing further writes");
+                                self.up.lock().fenced = Some(why);
+                                self.changed.notify_all();
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "publishing a branch head failed; the next commit tries again");
+                                self.failed("publishing a branch head", e);
+                            }
+                        },
+                    }
+                }
+            }
+        }
+    }
+
+    fn failed(&self, what: &str, e: Error) {
+        tracing::warn!(error = %e, "{what} failed; retrying");
+        {
+            let mut up = self.up.lock();
+            up.failures += 1;
+            up.last_error = Some(format!("{what}: {e}"));
+        }
+        self.changed.notify_all();
+        // Backoff between rounds; the store retries each call itself too.
+        let mut up = self.up.lock();
+        if !up.stop {
+            self.changed.wait_for(&mut up, Duration::from_millis(500));
+        }
+    }
+
+    /// Uploads sealed segment `id` and moves its file into the cache.
+    fn upload(&self, id: SegId) -> Result<u64> {
+        let path = self.local.path_of(id);
+        let data = std::fs::read(&path)?;
+        let (body, footer) = object::with_footer(&data, self.cfg.chunk_size);
+        self.store.put_large(&object::segment_key(id), &body)?;
+        // The segment is in the bucket whole: its WAL pieces are spare.
+        for key in self.store.list(&object::wal_prefix(id))? {
+            self.store.delete(&key)?;
+        }
+        self.local.forget(id);
+        self.remote.adopt(id, &path, footer)?;
+        Ok(data.len() as u64)
+    }
+
+    /// Puts the bytes of `upto.seg` up to `upto.end()` that are not in the
+    /// bucket yet there as one WAL piece.
+    fn ship(&self, upto: Addr) -> Result<()> {
+        let _one = self.ship_lock.lock();
+        let end = upto.end();
+        let from = {
+            let up = self.up.lock();
+            if up.in_bucket.contains(&upto.seg) {
+                return Ok(());
+            }
+            up.shipped.get(&upto.seg).copied().unwrap_or(0)
+        };
+        if from >= end {
+            return Ok(());
+        }
+        let Some(file) = self.local.open_segment(upto.seg)? else {
+            if self.up.lock().in_bucket.contains(&upto.seg) {
+                return Ok(());
+            }
+            return Err(Error::corrupted("segment to ship (not in the cache)", upto));
+        };
+        let mut buf = vec![0u8; (end - from) as usize];
+        file.read_at(&mut buf, from)?;
+        let (body, _) = object::with_footer(&buf, self.cfg.chunk_size);
+        self.store.put(&object::wal_key(upto.seg, from), &body)?;
+        let mut up = self.up.lock();
+        let shipped = up.shipped.entry(upto.seg).or_insert(0);
+        *shipped = (*shipped).max(end);
+        up.wal_pieces += 1;
+        Ok(())
+    }
+}
+
+impl Drop for BucketDevice {
+    fn drop(&mut self) {
+        self.shared.up.lock().stop = true;
+        self.shared.changed.notify_all();
+        if let Some(h) = self.uploader.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Device for BucketDevice {
+    fn create_segment(&self, id: SegId) -> Result<Arc<dyn SegmentFile>> {
+        self.start_uploader()?;
+        let max = self.shared.cfg.max_pending;
+        {
+            let mut up = self.shared.up.lock();
+            let mut waited = Instant::now();
+            // Backpressure: while the bucket lags (or is unreachable), the
+            // local log may hold `max_pending` bytes more than it; then
+            // writers wait for the uploads.
+            while up.queued_bytes > max && !up.stop {
+                if waited.elapsed() > Duration::from_secs(10) {
+                    tracing::warn!(queued = up.queued_bytes, error = ?up.last_error, "writes wait for the bucket");
+                    waited = Instant::now();
+                }
+                self.shared.changed.wait_for(&mut up, Duration::from_millis(200));
+            }
+        }
+        self.shared.local.create_segment(id)
+    }
+
+    fn open_segment(&self, id: SegId) -> Result<Option<Arc<dyn SegmentFile>>> {
+        if let Some(f) = self.shared.local.open_segment(id)? {
+            return Ok(Some(f));
+        }
+        Ok(self.shared.remote.open(id)?.map(|s| s as Arc<dyn SegmentFile>))
+    }
+
+    fn list_segments(&self) -> Result<Vec<SegId>> {
+        let mut all: HashSet<SegId> = self.shared.local.list_segments()?.into_iter().collect();
+        for prefix in ["segments/", "wal/"] {
+            all.extend(self.shared.store.list(prefix)?.iter().filter_map(|k| object::segment_of_key(k)));
+        }
+        let mut out: Vec<SegId> = all.into_iter().collect();
+        out.sort();
+        Ok(out)
+    }
+
+    fn remove_segment(&self, id: SegId) -> Result<()> {
+        self.shared.local.remove_segment(id)?;
+        self.shared.remote.remove(id);
+        self.shared.store.delete(&object::segment_key(id))?;
+        for key in self.shared.store.list(&object::wal_prefix(id))? {
+            self.shared.store.delete(&key)?;
+        }
+        let mut up = self.shared.up.lock();
+        up.in_bucket.remove(&id);
+        up.shipped.remove(&id);
+        Ok(())
+    }
+
+    fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
+        Ok(None)
+    }
+
+    fn write_superblock(&self, _bytes: &[u8]) -> Result<()> {
+        Err(Error::Invalid("a bucket device keeps no superblock; branch heads live in the catalog"))
+    }
+
+    fn failpoint(&self, _name: &'static str) -> Result<()> {
+        match &self.shared.up.lock().fenced {
+            Some(why) => Err(Error::Busy(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn io_name(&self) -> &'static str {
+        self.shared.local.io_name()
+    }
+
+    fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
+        self.shared.local.segment_modified(id)
+    }
+
+    fn segment_sealed(&self, id: SegId, len: u64) {
+        let mut up = self.shared.up.lock();
+        if up.in_bucket.contains(&id) || up.queue.iter().any(|q| q.1 == id) {
+            return;
+        }
+        let ticket = up.next_ticket;
+        up.next_ticket += 1;
+        up.queue.push_back((ticket, id, len));
+        up.queued_bytes += len;
+        drop(up);
+        self.shared.changed.notify_all();
+    }
+
+    fn log_synced(&self, id: SegId, len: u64) -> Result<()> {
+        if self.shared.cfg.durability != Durability::Bucket {
+            return Ok(());
+        }
+        self.store_through("fsync", Addr { seg: id, off: 0, len: len as u32 }, true)
+    }
+
+    fn publish_when_stored(&self, upto: Addr, run: PublishFn) -> Result<()> {
+        self.start_uploader()?;
+        let mut up = self.shared.up.lock();
+        if let Some(why) = &up.fenced {
+            return Err(Error::Busy(why.clone()));
+        }
+        let need = up.next_ticket;
+        up.publish = Some(Publish { upto, need, run });
+        drop(up);
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    fn flush_to_bucket(&self, upto: Addr) -> Result<()> {
+        self.store_through("storing a commit in the bucket", upto, false)
+    }
+
+    fn drain(&self) -> Result<()> {
+        self.wait_for("waiting for uploads", |up| up.queue.is_empty() && up.publish.is_none(), false)
+    }
+
+    fn pending_upload_bytes(&self) -> u64 {
+        let shipped: HashMap<SegId, u64> = self.shared.up.lock().shipped.clone();
+        let ids = self.shared.local.list_segments().unwrap_or_default();
+        ids.into_iter()
+            .map(|id| {
+                let len = std::fs::metadata(self.shared.local.path_of(id)).map_or(0, |m| m.len());
+                len.saturating_sub(shipped.get(&id).copied().unwrap_or(0))
+            })
+            .sum()
+    }
+}
+
+/// Where a mount of `disk` keeps its cache by default:
+/// `$XDG_CACHE_HOME/arbor/<disk>/<name>` (or `~/.cache/…`).
+pub fn default_cache_dir(disk: &str, name: &str) -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from("/var/cache"));
+    let tag = format!("{:08x}", crc32c::crc32c(disk.as_bytes()));
+    base.join("arbor").join(tag).join(name)
+}

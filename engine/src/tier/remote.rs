@@ -1,0 +1,575 @@
+//! Reading segments that live in the bucket: ranged GETs of aligned
+//! chunks, each verified against the object's footer before use, kept in
+//! a local cache bounded by bytes and evicted least-recently-used first.
+//!
+//! A chunk's bytes live in a sparse file per segment under the cache
+//! directory; an evicted chunk's bytes are punched out of it. Which chunks
+//! are present is kept in memory, and rebuilt from the files' data extents
+//! when a segment is first opened after a restart.
+
+use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
+use crate::bucket::ObjectStore;
+use crate::device::SegmentFile;
+use crate::error::{Error, Result};
+use crate::format::SegId;
+use parking_lot::{Condvar, Mutex, RwLock};
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+type ChunkKey = (SegId, u32);
+
+/// Remote segments whose handles are kept (each holds a descriptor).
+const MAX_OPEN: usize = 1024;
+/// Tries per chunk before a checksum mismatch is reported as corruption.
+const GET_TRIES: usize = 4;
+
+#[derive(Default)]
+struct Lru {
+    tick: u64,
+    /// Present chunks: when each was last used, its length and offset.
+    chunks: HashMap<ChunkKey, (u64, u32, u64)>,
+    bytes: u64,
+}
+
+/// Counters for `status` and the benchmarks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CacheStats {
+    pub cached_bytes: u64,
+    pub capacity: u64,
+    pub gets: u64,
+    pub fetched_bytes: u64,
+    pub hits: u64,
+    pub evicted_bytes: u64,
+    pub checksum_retries: u64,
+}
+
+pub(crate) struct Remote {
+    store: Arc<dyn ObjectStore>,
+    dir: PathBuf,
+    capacity: u64,
+    read_ahead: u64,
+    parallel: usize,
+    lru: Mutex<Lru>,
+    /// Readers hold it shared from "is the chunk present" to the end of
+    /// their pread; eviction holds it exclusively while it punches holes.
+    evicting: RwLock<()>,
+    inflight: Mutex<HashSet<ChunkKey>>,
+    landed: Condvar,
+    segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
+    gets: AtomicU64,
+    fetched: AtomicU64,
+    hits: AtomicU64,
+    evicted: AtomicU64,
+    retries: AtomicU64,
+}
+
+enum Source {
+    /// A sealed segment object, read chunk by chunk through the cache.
+    Object { file: File },
+    /// The WAL pieces of a segment that was never sealed: small, read whole.
+    Wal(Vec<u8>),
+}
+
+pub(crate) struct RemoteSeg {
+    remote: Arc<Remote>,
+    id: SegId,
+    key: String,
+    footer: Footer,
+    source: Source,
+    /// End of the last read, to spot sequential readers.
+    last_end: AtomicU64,
+    reading_ahead: AtomicBool,
+    me: Weak<RemoteSeg>,
+}
+
+fn punch(file: &File, off: u64, len: u64) {
+    // SAFETY: plain syscall on a descriptor we own.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if rc != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "punching an evicted chunk out of the cache failed");
+    }
+}
+
+/// Whether `[off, end)` of `file` is all data (no hole).
+fn is_data(file: &File, off: u64, end: u64) -> bool {
+    // SAFETY: plain syscalls on a descriptor we own.
+    unsafe {
+        let d = libc::lseek(file.as_raw_fd(), off as libc::off_t, libc::SEEK_DATA);
+        if d < 0 || d as u64 != off {
+            return false;
+        }
+        let h = libc::lseek(file.as_raw_fd(), off as libc::off_t, libc::SEEK_HOLE);
+        h >= 0 && h as u64 >= end
+    }
+}
+
+impl Remote {
+    pub fn new(
+        store: Arc<dyn ObjectStore>,
+        dir: PathBuf,
+        capacity: u64,
+        read_ahead: u64,
+        parallel: usize,
+    ) -> Result<Arc<Remote>> {
+        fs::create_dir_all(&dir)?;
+        Ok(Arc::new(Remote {
+            store,
+            dir,
+            capacity,
+            read_ahead,
+            parallel: parallel.max(1),
+            lru: Mutex::new(Lru::default()),
+            evicting: RwLock::new(()),
+            inflight: Mutex::new(HashSet::new()),
+            landed: Condvar::new(),
+            segs: RwLock::new(HashMap::new()),
+            gets: AtomicU64::new(0),
+            fetched: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            cached_bytes: self.lru.lock().bytes,
+            capacity: self.capacity,
+            gets: self.gets.load(Ordering::Relaxed),
+            fetched_bytes: self.fetched.load(Ordering::Relaxed),
+            hits: self.hits.load(Ordering::Relaxed),
+            evicted_bytes: self.evicted.load(Ordering::Relaxed),
+            checksum_retries: self.retries.load(Ordering::Relaxed),
+        }
+    }
+
+    fn path(&self, id: SegId) -> PathBuf {
+        self.dir.join(id.file_name())
+    }
+
+    fn present(&self, key: ChunkKey) -> bool {
+        self.lru.lock().chunks.contains_key(&key)
+    }
+
+    fn touch(&self, key: ChunkKey) {
+        let mut lru = self.lru.lock();
+        lru.tick += 1;
+        let tick = lru.tick;
+        if let Some(e) = lru.chunks.get_mut(&key) {
+            e.0 = tick;
+        }
+    }
+
+    /// Marks chunks present, then evicts down to 90 % of the capacity if
+    /// the cache grew past it. `old` chunks go to the cold end.
+    fn add(&self, keys: impl IntoIterator<Item = (ChunkKey, u32, u64)>, old: bool) {
+        let over = {
+            let mut lru = self.lru.lock();
+            for (key, len, off) in keys {
+                lru.tick += 1;
+                let tick = if old { 0 } else { lru.tick };
+                if lru.chunks.insert(key, (tick, len, off)).is_none() {
+                    lru.bytes += len as u64;
+                }
+            }
+            lru.bytes > self.capacity
+        };
+        if over {
+            self.evict();
+        }
+    }
+
+    fn evict(&self) {
+        let _x = self.evicting.write();
+        let victims: Vec<(ChunkKey, u32, u64)> = {
+            let mut lru = self.lru.lock();
+            let target = self.capacity / 10 * 9;
+            if lru.bytes <= self.capacity {
+                return;
+            }
+            let mut all: Vec<(u64, ChunkKey, u32, u64)> =
+                lru.chunks.iter().map(|(k, (t, l, o))| (*t, *k, *l, *o)).collect();
+            all.sort_unstable();
+            let mut out = Vec::new();
+            for (_, key, len, off) in all {
+                if lru.bytes <= target {
+                    break;
+                }
+                lru.chunks.remove(&key);
+                lru.bytes -= len as u64;
+                out.push((key, len, off));
+            }
+            out
+        };
+        let mut by_seg: HashMap<SegId, Vec<(u32, u64)>> = HashMap::new();
+        for ((seg, _), len, off) in victims {
+            by_seg.entry(seg).or_default().push((len, off));
+            self.evicted.fetch_add(len as u64, Ordering::Relaxed);
+        }
+        for (seg, chunks) in by_seg {
+            let held = self.segs.read().get(&seg).cloned();
+            let opened;
+            let file = match held.as_deref().map(|s| &s.source) {
+                Some(Source::Object { file }) => file,
+                _ => match File::options().write(true).open(self.path(seg)) {
+                    Ok(f) => {
+                        opened = f;
+                        &opened
+                    }
+                    Err(_) => continue,
+                },
+            };
+            for (len, off) in chunks {
+                punch(file, off, len as u64);
+            }
+        }
+    }
+
+    /// A segment this node wrote and has just uploaded: its file becomes
+    /// the cached copy, every chunk present.
+    pub fn adopt(self: &Arc<Self>, id: SegId, local: &std::path::Path, footer: Footer) -> Result<()> {
+        let path = self.path(id);
+        fs::rename(local, &path)?;
+        let file = File::options().read(true).write(true).open(&path)?;
+        let chunks: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
+            .map(|i| {
+                let (s, e) = footer.chunk_range(i);
+                ((id, i as u32), (e - s) as u32, s)
+            })
+            .collect();
+        self.insert_seg(id, footer, Source::Object { file });
+        self.add(chunks, false);
+        Ok(())
+    }
+
+    fn insert_seg(self: &Arc<Self>, id: SegId, footer: Footer, source: Source) -> Arc<RemoteSeg> {
+        let seg = Arc::new_cyclic(|me| RemoteSeg {
+            remote: self.clone(),
+            id,
+            key: segment_key(id),
+            footer,
+            source,
+            last_end: AtomicU64::new(u64::MAX),
+            reading_ahead: AtomicBool::new(false),
+            me: me.clone(),
+        });
+        let mut segs = self.segs.write();
+        if segs.len() >= MAX_OPEN {
+            let victims: Vec<SegId> = segs.keys().take(MAX_OPEN / 4).copied().collect();
+            for v in victims {
+                segs.remove(&v);
+            }
+        }
+        segs.entry(id).or_insert(seg).clone()
+    }
+
+    /// Opens segment `id` from the bucket, or `None` if it is not there.
+    pub fn open(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
+        if let Some(s) = self.segs.read().get(&id) {
+            return Ok(Some(s.clone()));
+        }
+        let key = segment_key(id);
+        let size = match self.store.size(&key) {
+            Ok(size) => size,
+            Err(Error::NoSuchObject(_)) => return self.open_wal(id),
+            Err(e) => return Err(e),
+        };
+        let footer = self.read_footer(&key, size)?;
+        let path = self.path(id);
+        let file = File::options().read(true).write(true).create(true).truncate(false).open(&path)?;
+        if file.metadata()?.len() != footer.data_len {
+            // A new cache file, or one from another life of this name: start empty.
+            file.set_len(0)?;
+            file.set_len(footer.data_len)?;
+        } else {
+            let present: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
+                .filter_map(|i| {
+                    let (s, e) = footer.chunk_range(i);
+                    is_data(&file, s, e).then_some(((id, i as u32), (e - s) as u32, s))
+                })
+                .collect();
+            self.add(present, true);
+        }
+        Ok(Some(self.insert_seg(id, footer, Source::Object { file })))
+    }
+
+    fn read_footer(&self, key: &str, size: u64) -> Result<Footer> {
+        let mut last = None;
+        for _ in 0..GET_TRIES {
+            let attempt = (|| {
+                if size < TRAILER_LEN as u64 {
+                    return Err(Error::corrupted("segment object (too short)", key));
+                }
+                let trailer = self.store.get_range(key, size - TRAILER_LEN as u64..size)?;
+                let table = Footer::table_len(&trailer, size, key)? as u64;
+                let whole = self.store.get_range(key, size - TRAILER_LEN as u64 - table..size)?;
+                Footer::decode(&whole, key)
+            })();
+            match attempt {
+                Err(e @ Error::Corrupted { .. }) => {
+                    self.retries.fetch_add(1, Ordering::Relaxed);
+                    last = Some(e);
+                }
+                other => return other,
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::corrupted("segment object footer", key)))
+    }
+
+    /// A segment only its WAL pieces hold: its writer stopped before sealing it.
+    fn open_wal(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
+        let keys = self.store.list(&wal_prefix(id))?;
+        if keys.is_empty() {
+            // Gone, or sealed and uploaded between the two looks.
+            return match self.store.size(&segment_key(id)) {
+                Ok(_) => self.open(id),
+                Err(Error::NoSuchObject(_)) => Ok(None),
+                Err(e) => Err(e),
+            };
+        }
+        let mut pieces: Vec<(u64, String)> = keys.into_iter().filter_map(|k| Some((wal_offset(&k)?, k))).collect();
+        pieces.sort();
+        let mut data = Vec::new();
+        for (off, key) in pieces {
+            if off != data.len() as u64 {
+                // A gap: pieces after it are unusable, as a torn log tail is.
+                tracing::warn!(%id, at = data.len(), "WAL pieces of a segment leave a gap; reading up to it");
+                break;
+            }
+            let mut verified = None;
+            for _ in 0..GET_TRIES {
+                let (body, _) = self.store.get(&key)?;
+                match split_verified(&body, &key) {
+                    Ok((bytes, _)) => {
+                        verified = Some(bytes);
+                        break;
+                    }
+                    Err(_) => {
+                        self.retries.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            let bytes = verified.ok_or_else(|| Error::corrupted("WAL piece", &key))?;
+            data.extend_from_slice(&bytes);
+        }
+        let footer = Footer::of(&data, data.len().max(1) as u32);
+        Ok(Some(self.insert_seg(id, footer, Source::Wal(data))))
+    }
+
+    /// Forgets a deleted segment.
+    pub fn remove(&self, id: SegId) {
+        self.segs.write().remove(&id);
+        let _x = self.evicting.write();
+        let mut lru = self.lru.lock();
+        let keys: Vec<ChunkKey> = lru.chunks.keys().filter(|k| k.0 == id).copied().collect();
+        for k in keys {
+            if let Some((_, len, _)) = lru.chunks.remove(&k) {
+                lru.bytes -= len as u64;
+            }
+        }
+        let _ = fs::remove_file(self.path(id));
+    }
+}
+
+impl RemoteSeg {
+    fn chunk_size(&self) -> u64 {
+        self.footer.chunk_size as u64
+    }
+
+    /// Fetches chunk `i` from the bucket unless it is present or another
+    /// thread brings it; returns its bytes when this call fetched them.
+    fn fetch(&self, i: usize) -> Result<Option<Vec<u8>>> {
+        let Source::Object { file } = &self.source else { return Ok(None) };
+        let r = &self.remote;
+        let key = (self.id, i as u32);
+        {
+            let mut inflight = r.inflight.lock();
+            // Bounded: a fetch ends in at most GET_TRIES retried calls.
+            for _ in 0..10_000 {
+                if r.present(key) {
+                    return Ok(None);
+                }
+                if inflight.insert(key) {
+                    break;
+                }
+                r.landed.wait_for(&mut inflight, Duration::from_millis(100));
+            }
+        }
+        let res = (|| {
+            let (s, e) = self.footer.chunk_range(i);
+            for attempt in 0..GET_TRIES {
+                r.gets.fetch_add(1, Ordering::Relaxed);
+                let bytes = r.store.get_range(&self.key, s..e)?;
+                if self.footer.verify(i, &bytes) {
+                    r.fetched.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    file.write_all_at(&bytes, s)?;
+                    return Ok(bytes);
+                }
+                r.retries.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(seg = %self.id, chunk = i, attempt, got = bytes.len(), "chunk from the bucket failed its checksum; fetching again");
+            }
+            Err(Error::corrupted("segment chunk from the bucket", format!("{}#{i}", self.id)))
+        })();
+        if let Ok(bytes) = &res {
+            r.add([(key, bytes.len() as u32, self.footer.chunk_range(i).0)], false);
+        }
+        r.inflight.lock().remove(&key);
+        r.landed.notify_all();
+        res.map(Some)
+    }
+
+    /// Fetches the missing chunks of `chunks`, up to `parallel` at a time.
+    fn fetch_all(&self, chunks: &[usize]) -> Result<HashMap<usize, Vec<u8>>> {
+        let missing: Vec<usize> =
+            chunks.iter().copied().filter(|&i| !self.remote.present((self.id, i as u32))).collect();
+        let mut got = HashMap::new();
+        if missing.len() <= 1 {
+            for &i in &missing {
+                if let Some(b) = self.fetch(i)? {
+                    got.insert(i, b);
+                }
+            }
+            return Ok(got);
+        }
+        let next = AtomicU64::new(0);
+        let results = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..self.remote.parallel.min(missing.len()) {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some(&i) = missing.get(k) else { break };
+                    let r = self.fetch(i);
+                    let failed = r.is_err();
+                    results.lock().push((i, r));
+                    if failed {
+                        break;
+                    }
+                });
+            }
+        });
+        for (i, r) in results.into_inner() {
+            if let Some(b) = r? {
+                got.insert(i, b);
+            }
+        }
+        Ok(got)
+    }
+
+    /// Starts fetching the chunks after `end` in the background, once per
+    /// window, for a reader that reads sequentially.
+    fn read_ahead(&self, end: u64) {
+        let r = &self.remote;
+        if r.read_ahead == 0 || end >= self.footer.data_len {
+            return;
+        }
+        let first = end.div_ceil(self.chunk_size()) as usize;
+        let last = ((end + r.read_ahead).min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
+            .min(self.footer.crcs.len());
+        let want: Vec<usize> = (first..last).filter(|&i| !r.present((self.id, i as u32))).collect();
+        if want.is_empty() || self.reading_ahead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Some(me) = self.me.upgrade() else { return };
+        let spawned = std::thread::Builder::new().name("arbor-readahead".into()).spawn(move || {
+            if let Err(e) = me.fetch_all(&want) {
+                tracing::debug!(error = %e, "read-ahead failed; the reader will fetch on demand");
+            }
+            me.reading_ahead.store(false, Ordering::Release);
+        });
+        if spawned.is_err() {
+            self.reading_ahead.store(false, Ordering::Release);
+        }
+    }
+}
+
+impl SegmentFile for RemoteSeg {
+    fn write_at(&self, _buf: &[u8], _off: u64) -> Result<()> {
+        Err(Error::ReadOnly)
+    }
+
+    fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        let end = off + buf.len() as u64;
+        if end > self.footer.data_len {
+            return Err(Error::corrupted("segment (short read)", off));
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let file = match &self.source {
+            Source::Wal(data) => {
+                buf.copy_from_slice(&data[off as usize..end as usize]);
+                return Ok(());
+            }
+            Source::Object { file } => file,
+        };
+        let cs = self.chunk_size();
+        let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
+        let prev = self.last_end.swap(end, Ordering::Relaxed);
+        if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
+            self.read_ahead(end);
+        }
+        let mut fetched = self.fetch_all(&chunks)?;
+        for &i in &chunks {
+            let (cstart, cend) = self.footer.chunk_range(i);
+            let (from, to) = (off.max(cstart), end.min(cend));
+            let dst = &mut buf[(from - off) as usize..(to - off) as usize];
+            // Bounded: a chunk evicted between the fetch and the read is
+            // fetched again, and kept in hand the second time.
+            let mut filled = false;
+            for _ in 0..GET_TRIES {
+                if let Some(bytes) = fetched.get(&i) {
+                    dst.copy_from_slice(&bytes[(from - cstart) as usize..(to - cstart) as usize]);
+                    filled = true;
+                    break;
+                }
+                {
+                    let _x = self.remote.evicting.read();
+                    if self.remote.present((self.id, i as u32)) {
+                        file.read_exact_at(dst, from)?;
+                        self.remote.touch((self.id, i as u32));
+                        self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                        filled = true;
+                        break;
+                    }
+                }
+                if let Some(b) = self.fetch(i)? {
+                    fetched.insert(i, b);
+                }
+            }
+            if !filled {
+                return Err(Error::Io(std::io::Error::other(format!(
+                    "chunk {i} of segment {} kept leaving the cache before it could be read; the cache is too small",
+                    self.id
+                ))));
+            }
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn size(&self) -> Result<u64> {
+        Ok(self.footer.data_len)
+    }
+
+    /// The bucket's copy is immutable; a torn tail is cut by every reader
+    /// the same way, so there is nothing to truncate.
+    fn truncate(&self, _len: u64) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,313 @@
+//! The bucket tier end to end: a volume on a [`BucketDevice`] over each
+//! object store (in memory, a local folder, and S3 through a real s3s-fs
+//! on 127.0.0.1), losing its cache, crashing, and meeting a faulty bucket.
+
+use arbor_engine::bucket::S3Store;
+use arbor_engine::bucket::{Fault, FaultStore, LocalFolderStore, MemObjectStore, ObjectStore, RetryPolicy, RetryStore};
+use arbor_engine::disk::HeadDevice;
+use arbor_engine::env::TestEnv;
+use arbor_engine::testkit::S3Server;
+use arbor_engine::tier::{BucketDevice, Durability, TierConfig};
+use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_engine::Error;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn vol_cfg() -> Config {
+    Config { commit_interval: None, segment_size: 1 << 20, env: TestEnv::new(11), ..Config::default() }
+}
+
+fn tier(durability: Durability) -> TierConfig {
+    TierConfig {
+        durability,
+        chunk_size: 64 << 10,
+        read_ahead: 256 << 10,
+        drain_timeout: Some(Duration::from_secs(60)),
+        ..TierConfig::default()
+    }
+}
+
+fn open(store: &Arc<dyn ObjectStore>, cache: &Path, t: TierConfig) -> (Arc<Volume>, Arc<BucketDevice>) {
+    let dev = BucketDevice::open(store.clone(), cache, t).expect("bucket device");
+    let vol = Volume::open(HeadDevice::new(dev.clone(), store.clone(), "main"), vol_cfg()).expect("open volume");
+    (vol, dev)
+}
+
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8).collect()
+}
+
+/// Writes `files` (name, bytes) under the root, fsyncing after each.
+fn write_files(vol: &Volume, files: &[(String, Vec<u8>)]) {
+    for (name, bytes) in files {
+        let ino = vol.create(ROOT_INO, name.as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+        for (i, chunk) in bytes.chunks(256 << 10).enumerate() {
+            vol.write(ino, (i * (256 << 10)) as u64, chunk).expect("write");
+        }
+        vol.fsync(ino).expect("fsync");
+    }
+}
+
+fn check_files(vol: &Volume, files: &[(String, Vec<u8>)]) {
+    for (name, bytes) in files {
+        let attr = vol.lookup(ROOT_INO, name.as_bytes()).unwrap_or_else(|e| panic!("{name} lost: {e}"));
+        assert_eq!(attr.size, bytes.len() as u64, "{name}");
+        let mut got = Vec::new();
+        while got.len() < bytes.len() {
+            let part = vol.read(attr.ino, got.len() as u64, 300_000).expect("read");
+            assert!(!part.is_empty(), "{name}: short file");
+            got.extend_from_slice(&part);
+        }
+        assert!(got == *bytes, "{name}: bytes differ");
+    }
+}
+
+fn some_files(n: usize, seed: u32) -> Vec<(String, Vec<u8>)> {
+    (0..n).map(|i| (format!("f{seed}-{i}"), pattern(1000 + i * 197_531 % 900_000, seed + i as u32))).collect()
+}
+
+/// Every store the tier runs on; S3 only where s3s-fs is installed.
+fn each_store(test: impl Fn(&str, Arc<dyn ObjectStore>)) {
+    test("memory", Arc::new(MemObjectStore::new()));
+    let dir = tempfile::tempdir().expect("tempdir");
+    test("local folder", Arc::new(LocalFolderStore::open(dir.path()).expect("folder")));
+    let data = tempfile::tempdir().expect("tempdir");
+    if let Some(server) = S3Server::start(data.path()).expect("s3s-fs") {
+        test("s3", Arc::new(S3Store::open(&server.config("disk")).expect("s3")));
+    }
+}
+
+#[test]
+fn bucket_durability_fsync_survives_losing_the_whole_cache() {
+    each_store(|name, store| {
+        let cache = tempfile::tempdir().expect("cache");
+        let files = some_files(8, 1);
+        let (vol, dev) = open(&store, &cache.path().join("a"), tier(Durability::Bucket));
+        write_files(&vol, &files);
+        assert!(dev.stats().wal_pieces > 0, "{name}: fsync shipped no WAL piece");
+        // The node dies: no close, no drain; then its disk is gone.
+        drop(vol);
+        drop(dev);
+        std::fs::remove_dir_all(cache.path().join("a")).expect("rm cache");
+        let (vol, _dev) = open(&store, &cache.path().join("b"), tier(Durability::Bucket));
+        check_files(&vol, &files);
+        // And the new writer goes on from there.
+        let more = some_files(2, 99);
+        write_files(&vol, &more);
+        vol.close().expect("close");
+        let (vol, _dev) = open(&store, &cache.path().join("c"), tier(Durability::Local));
+        check_files(&vol, &files);
+        check_files(&vol, &more);
+    });
+}
+
+#[test]
+fn local_durability_close_uploads_everything_and_drops_the_wal() {
+    each_store(|name, store| {
+        let cache = tempfile::tempdir().expect("cache");
+        let files = some_files(6, 2);
+        let (vol, dev) = open(&store, &cache.path().join("a"), tier(Durability::Local));
+        // The claim at open shipped the opening commit; fsyncs ship nothing.
+        let claimed = dev.stats().wal_pieces;
+        write_files(&vol, &files);
+        assert_eq!(dev.stats().wal_pieces, claimed, "{name}: local durability ships no WAL on fsync");
+        assert!(vol.pending_upload_bytes() > 0, "{name}: nothing pending before close?");
+        vol.close().expect("close waits for uploads");
+        assert_eq!(vol.pending_upload_bytes(), 0, "{name}");
+        assert!(store.list("wal/").expect("list").is_empty(), "{name}: WAL pieces left after upload");
+        assert!(!store.list("segments/").expect("list").is_empty(), "{name}");
+        drop(vol);
+        drop(dev);
+        std::fs::remove_dir_all(cache.path().join("a")).expect("rm cache");
+        let (vol, _dev) = open(&store, &cache.path().join("b"), tier(Durability::Local));
+        check_files(&vol, &files);
+    });
+}
+
+#[test]
+fn local_durability_crash_replays_the_local_log_and_the_bucket_catches_up() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let files = some_files(6, 3);
+    let (vol, dev) = open(&store, cache.path(), tier(Durability::Local));
+    write_files(&vol, &files);
+    drop(vol);
+    drop(dev);
+    // Same node, same cache: everything fsynced is there, from the local log.
+    let (vol, dev) = open(&store, cache.path(), tier(Durability::Local));
+    check_files(&vol, &files);
+    vol.close().expect("close");
+    drop(vol);
+    drop(dev);
+    // And after close the bucket alone has it all.
+    let fresh = tempfile::tempdir().expect("cache");
+    let (vol, _dev) = open(&store, fresh.path(), tier(Durability::Local));
+    check_files(&vol, &files);
+}
+
+#[test]
+fn cold_reads_fetch_verified_chunks_and_the_cache_stays_bounded() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let files = vec![("big".to_string(), pattern(6 << 20, 4))];
+    let (vol, dev) = open(&store, &cache.path().join("a"), tier(Durability::Local));
+    write_files(&vol, &files);
+    vol.close().expect("close");
+    drop(vol);
+    drop(dev);
+    let small = TierConfig { cache_size: 1 << 20, ..tier(Durability::Local) };
+    let (vol, dev) = open(&store, &cache.path().join("b"), small);
+    check_files(&vol, &files);
+    check_files(&vol, &files);
+    let s = dev.stats().cache;
+    assert!(s.gets > 0 && s.fetched_bytes >= 6 << 20, "{s:?}");
+    assert!(s.cached_bytes <= 1 << 20, "cache grew past its bound: {s:?}");
+    assert!(s.evicted_bytes > 0, "{s:?}");
+    // The chunk files on disk hold no more than the bound either.
+    let on_disk: u64 = std::fs::read_dir(cache.path().join("b/chunks"))
+        .expect("chunks")
+        .map(|e| {
+            let meta = e.expect("entry").metadata().expect("meta");
+            std::os::unix::fs::MetadataExt::blocks(&meta) * 512
+        })
+        .sum();
+    assert!(on_disk <= (1 << 20) + (256 << 10), "chunk files use {on_disk} bytes");
+}
+
+fn faulty(inner: Arc<dyn ObjectStore>) -> (Arc<FaultStore>, Arc<dyn ObjectStore>) {
+    let faults = FaultStore::new(inner);
+    let policy = RetryPolicy { attempts: 4, base: Duration::from_millis(1), max_backoff: Duration::from_millis(10) };
+    let store: Arc<dyn ObjectStore> = RetryStore::new(faults.clone(), policy);
+    (faults, store)
+}
+
+#[test]
+fn failed_calls_are_retried_and_a_bucket_fsync_still_lands() {
+    let (faults, store) = faulty(Arc::new(MemObjectStore::new()));
+    let cache = tempfile::tempdir().expect("cache");
+    let (vol, dev) = open(&store, &cache.path().join("a"), tier(Durability::Bucket));
+    let files = some_files(4, 5);
+    faults.inject(Fault::Fail(3));
+    write_files(&vol, &files[..2]);
+    faults.inject(Fault::ApplyThenFail(2));
+    write_files(&vol, &files[2..]);
+    assert!(faults.injected() >= 5, "faults were not hit: {}", faults.injected());
+    drop(vol);
+    drop(dev);
+    let (vol, _dev) = open(&store, &cache.path().join("b"), tier(Durability::Bucket));
+    check_files(&vol, &files);
+}
+
+#[test]
+fn a_conditional_put_that_landed_but_reported_an_error_counts_as_done() {
+    let (faults, store) = faulty(Arc::new(MemObjectStore::new()));
+    faults.inject(Fault::ApplyThenFail(1));
+    let t1 = store.put_if_absent("branches/x", b"one").expect("landed, then the answer was lost");
+    faults.inject(Fault::ApplyThenFail(1));
+    store.put_if_match("branches/x", b"two", &t1).expect("landed, then the answer was lost");
+    assert_eq!(store.get("branches/x").expect("get").0, b"two");
+    // A real conflict is still a conflict.
+    assert!(matches!(store.put_if_absent("branches/x", b"three"), Err(Error::AlreadyExists(_))));
+    assert!(matches!(store.put_if_match("branches/x", b"three", &t1), Err(Error::PreconditionFailed(_))));
+}
+
+#[test]
+fn wrong_bytes_from_the_bucket_are_caught_by_checksum_never_returned() {
+    let (faults, store) = faulty(Arc::new(MemObjectStore::new()));
+    let cache = tempfile::tempdir().expect("cache");
+    let files = vec![("data".to_string(), pattern(3 << 20, 6))];
+    let (vol, dev) = open(&store, &cache.path().join("a"), tier(Durability::Local));
+    write_files(&vol, &files);
+    vol.close().expect("close");
+    drop(vol);
+    drop(dev);
+    // A few bad bodies: retried, the reader sees the right bytes.
+    let no_read_ahead = TierConfig { read_ahead: 0, ..tier(Durability::Local) };
+    let (vol, dev) = open(&store, &cache.path().join("b"), no_read_ahead.clone());
+    faults.inject(Fault::CorruptGets(2));
+    check_files(&vol, &files);
+    faults.inject(Fault::TruncateGets(2));
+    let (vol2, dev2) = open(&store, &cache.path().join("c"), no_read_ahead.clone());
+    check_files(&vol2, &files);
+    assert!(dev.stats().cache.checksum_retries + dev2.stats().cache.checksum_retries >= 2);
+    drop((vol, dev, vol2, dev2));
+    // A bucket that always answers wrong: an error, not wrong data.
+    let (vol, _dev) = open(&store, &cache.path().join("d"), no_read_ahead);
+    let ino = vol.lookup(ROOT_INO, b"data").expect("lookup").ino;
+    faults.inject(Fault::CorruptGets(10_000));
+    let err = vol.read(ino, 1 << 20, 4096).expect_err("every copy is corrupt");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    faults.inject(Fault::CorruptGets(0));
+    assert_eq!(vol.read(ino, 1 << 20, 4096).expect("healthy again"), files[0].1[1 << 20..(1 << 20) + 4096]);
+}
+
+#[test]
+fn an_unreachable_bucket_fails_bucket_fsyncs_without_losing_the_local_copy() {
+    let (faults, store) = faulty(Arc::new(MemObjectStore::new()));
+    let cache = tempfile::tempdir().expect("cache");
+    let (vol, dev) = open(&store, &cache.path().join("a"), tier(Durability::Bucket));
+    let files = some_files(3, 7);
+    write_files(&vol, &files[..1]);
+    faults.inject(Fault::Offline(true));
+    let ino = vol.create(ROOT_INO, b"late", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+    vol.write(ino, 0, b"written while the bucket is away").expect("write");
+    let err = vol.fsync(ino).expect_err("the bucket is unreachable");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert!(!vol.is_poisoned(), "an unreachable bucket must not poison the local log");
+    faults.inject(Fault::Offline(false));
+    vol.fsync(ino).expect("the bucket is back");
+    write_files(&vol, &files[1..]);
+    drop(vol);
+    drop(dev);
+    let (vol, _dev) = open(&store, &cache.path().join("b"), tier(Durability::Bucket));
+    check_files(&vol, &files);
+    let late = vol.lookup(ROOT_INO, b"late").expect("late").ino;
+    assert_eq!(vol.read(late, 0, 100).expect("read"), b"written while the bucket is away");
+}
+
+#[test]
+fn local_writes_continue_while_the_bucket_is_away_up_to_a_bound_then_wait() {
+    let (faults, store) = faulty(Arc::new(MemObjectStore::new()));
+    let cache = tempfile::tempdir().expect("cache");
+    let bounded = TierConfig { max_pending: 2 << 20, ..tier(Durability::Local) };
+    let (vol, dev) = open(&store, &cache.path().join("a"), bounded.clone());
+    faults.inject(Fault::Offline(true));
+    let written = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let writer = {
+        let (vol, written) = (vol.clone(), written.clone());
+        std::thread::spawn(move || {
+            let ino = vol.create(ROOT_INO, b"stream", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+            let block = pattern(256 << 10, 8);
+            for i in 0..32u64 {
+                vol.write(ino, i * (256 << 10), &block).expect("write");
+                vol.fsync(ino).expect("local fsync");
+                written.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        })
+    };
+    // The writer gets a few MiB ahead of the bucket, then waits.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut stalled_at = None;
+    while Instant::now() < deadline {
+        let before = written.load(std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(500));
+        let after = written.load(std::sync::atomic::Ordering::SeqCst);
+        if after == before && after > 0 {
+            stalled_at = Some(after);
+            break;
+        }
+    }
+    let stalled_at = stalled_at.expect("the writer never waited for the bucket");
+    assert!(stalled_at < 32, "the writer finished though the bucket was away");
+    assert!(stalled_at >= 8, "the writer stopped before the bound: {stalled_at} blocks");
+    faults.inject(Fault::Offline(false));
+    writer.join().expect("writer");
+    vol.close().expect("close");
+    drop(vol);
+    drop(dev);
+    let (vol, _dev) = open(&store, &cache.path().join("b"), bounded);
+    let ino = vol.lookup(ROOT_INO, b"stream").expect("stream").ino;
+    assert_eq!(vol.getattr(ino).expect("attr").size, 32 * (256 << 10));
+    assert_eq!(vol.read(ino, 31 * (256 << 10), 256 << 10).expect("read"), pattern(256 << 10, 8));
+}
