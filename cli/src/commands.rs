@@ -275,14 +275,15 @@ pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
     }
     let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} fsck {msg}")?);
     bar.enable_steady_tick(Duration::from_millis(100));
-    let mut report = arbor_engine::fsck::check_segments(d.segments()?, &mut |s| bar.set_message(s.to_string()))?;
+    let mut report =
+        arbor_engine::fsck::check_segments(catalog.segments().clone(), &mut |s| bar.set_message(s.to_string()))?;
     let mut roots: Vec<(String, Addr)> =
         catalog.list_branches()?.into_iter().map(|b| (format!("branch {}", b.name), b.commit)).collect();
     roots.extend(catalog.list_checkpoints()?.into_iter().map(|c| (format!("checkpoint {}", c.name), c.commit)));
     for (what, commit) in &roots {
         bar.set_message(what.clone());
         let ro = Config { read_only: true, ..quiet_config() };
-        match Volume::open(FixedRootDevice::new(d.segments()?, *commit), ro) {
+        match Volume::open(FixedRootDevice::new(catalog.segments().clone(), *commit), ro) {
             Ok(vol) => arbor_engine::fsck::check_files(&vol, &mut report)?,
             Err(e) => report.problems.push(format!("{what}: {e}")),
         }

@@ -113,6 +113,16 @@ struct MountCmd {
     /// Stay attached and log to stderr (for systemd and containers).
     #[arg(long)]
     foreground: bool,
+    /// Where an s3:// disk keeps its local cache (default: a folder per mount under ~/.cache/arbor).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// How much segment data the cache of an s3:// disk keeps, e.g. 50G.
+    #[arg(long, value_parser = disk::parse_size, default_value = "10G")]
+    cache_size: u64,
+    /// local: fsync is durable on this node, the bucket catches up in the background;
+    /// bucket: fsync returns once the bytes are in the bucket.
+    #[arg(long, default_value = "local")]
+    durability: arbor_engine::tier::Durability,
 }
 
 #[derive(Subcommand)]
@@ -183,7 +193,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Init { disk } => {
             let d = disk::Disk::init(&disk)?;
-            println!("initialized arbor disk at {} with branch main", d.root.display());
+            println!("initialized arbor disk at {} with branch main", d.url);
         }
         Command::Mount(m) => {
             let args = serve::MountArgs {
@@ -194,6 +204,12 @@ fn run(cli: Cli) -> Result<()> {
                 read_ahead: m.read_ahead,
                 allow_other: m.allow_other,
                 pre_fetch: m.pre_fetch,
+                cache: disk::CacheOptions {
+                    dir: m.cache_dir.map(std::path::absolute).transpose()?,
+                    size: m.cache_size,
+                    durability: m.durability,
+                    read_ahead: m.read_ahead as u64,
+                },
             };
             if m.foreground {
                 serve::run_foreground(&args)?;
@@ -266,6 +282,21 @@ fn print_status(s: &serde_json::Value) {
         HumanBytes(s["live_bytes"].as_u64().unwrap_or(0)),
         s["segments_referenced"].as_u64().unwrap_or(0)
     );
+    if let Some(d) = s["durability"].as_str() {
+        println!("durability   {d}");
+        println!("uploads      {} pending", HumanBytes(s["pending_upload_bytes"].as_u64().unwrap_or(0)));
+        if let Some(e) = s["uploads"]["last_error"].as_str() {
+            println!("last error   {e}");
+        }
+        let c = &s["cache"];
+        println!(
+            "cache        {} of {}, {} fetched in {} GETs",
+            HumanBytes(c["bytes"].as_u64().unwrap_or(0)),
+            HumanBytes(c["capacity"].as_u64().unwrap_or(0)),
+            HumanBytes(c["fetched_bytes"].as_u64().unwrap_or(0)),
+            c["gets"].as_u64().unwrap_or(0)
+        );
+    }
     if s["poisoned"] == json!(true) {
         println!("state        REFUSING WRITES after a failed sync; see the log");
     }
@@ -288,7 +319,13 @@ fn main() -> ExitCode {
     raise_fd_limit();
     let cli = Cli::parse();
     let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground);
-    init_logging(if foreground_mount { "info" } else { "warn" });
+    // The AWS SDK warns about every provider it tries (instance metadata
+    // off EC2, for one); arbor reports what failed itself.
+    init_logging(if foreground_mount {
+        "info,aws_config=error,aws_smithy_runtime=error"
+    } else {
+        "warn,aws_config=error,aws_smithy_runtime=error"
+    });
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

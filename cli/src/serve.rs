@@ -19,6 +19,7 @@ pub struct MountArgs {
     pub read_ahead: u32,
     pub allow_other: bool,
     pub pre_fetch: Vec<PathBuf>,
+    pub cache: disk::CacheOptions,
 }
 
 impl MountArgs {
@@ -33,13 +34,18 @@ enum Event {
 }
 
 struct Prepared {
-    disk: Disk,
+    disk: Arc<Disk>,
     mountpoint: PathBuf,
 }
 
 fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_name(args.root_name())?;
-    let disk = Disk::open(&args.disk)?;
+    let disk = Disk::open_for_mount(&args.disk, args.root_name(), args.cache.clone())?;
+    if !disk.is_s3() && (args.cache.dir.is_some() || args.cache.durability != arbor_engine::tier::Durability::Local) {
+        eprintln!(
+            "note: a local-folder disk is its own durable copy; --cache-dir and --durability apply to s3:// disks"
+        );
+    }
     let catalog = disk.catalog()?;
     match (&args.branch, &args.checkpoint) {
         (Some(_), Some(_)) => bail!("give --branch or --checkpoint, not both"),
@@ -58,14 +64,15 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     if disk::is_mountpoint(&mountpoint) {
         bail!("{} is busy: something is already mounted there", mountpoint.display());
     }
-    Ok(Prepared { disk, mountpoint })
+    Ok(Prepared { disk: Arc::new(disk), mountpoint })
 }
 
 fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
     let s = vol.stats();
+    let tier = p.disk.tier_stats();
     json!({
         "mountpoint": p.mountpoint,
-        "disk": p.disk.root,
+        "disk": p.disk.url,
         "branch": if args.checkpoint.is_none() { Some(args.root_name()) } else { None },
         "checkpoint": args.checkpoint,
         "pid": std::process::id(),
@@ -79,7 +86,24 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
         "inodes_allocated": s.inodes_allocated,
         "node_cache_bytes": s.node_cache_bytes,
         "segment": s.log_position.map(|(seg, off)| json!({"name": seg.file_name(), "bytes": off})),
-        "pending_upload_bytes": 0,
+        "pending_upload_bytes": vol.pending_upload_bytes(),
+        "durability": tier.as_ref().and_then(|t| t.durability).map(|d| format!("{d:?}").to_lowercase()),
+        "uploads": tier.as_ref().map(|t| json!({
+            "queued_segments": t.queued_segments,
+            "uploaded_bytes": t.uploaded_bytes,
+            "wal_pieces": t.wal_pieces,
+            "failures": t.upload_failures,
+            "last_error": t.last_error,
+        })),
+        "cache": tier.as_ref().map(|t| json!({
+            "bytes": t.cache.cached_bytes,
+            "capacity": t.cache.capacity,
+            "gets": t.cache.gets,
+            "fetched_bytes": t.cache.fetched_bytes,
+            "hits": t.cache.hits,
+            "evicted_bytes": t.cache.evicted_bytes,
+            "checksum_retries": t.cache.checksum_retries,
+        })),
         "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
         "segments_referenced": vol.live_bytes().len(),
     })
@@ -121,7 +145,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let opts = MountOptions { allow_other: args.allow_other, read_ahead: args.read_ahead, ..MountOptions::default() };
     let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?;
-    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.root.display(), root = args.root_name(), "mounted");
+    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.url, root = args.root_name(), "mounted");
     if !args.pre_fetch.is_empty() {
         let paths: Vec<PathBuf> = args.pre_fetch.iter().map(|r| p.mountpoint.join(r)).collect();
         std::thread::spawn(move || {
@@ -139,10 +163,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         }
     });
     let (replied_tx, replied_rx) = mpsc::channel::<()>();
-    let ctl = ControlState {
-        p: Prepared { disk: Disk::open(&args.disk)?, mountpoint: p.mountpoint.clone() },
-        vol: vol.clone(),
-    };
+    let ctl = ControlState { p: Prepared { disk: p.disk.clone(), mountpoint: p.mountpoint.clone() }, vol: vol.clone() };
     let args_view = MountArgs {
         disk: args.disk.clone(),
         mountpoint: args.mountpoint.clone(),
@@ -151,6 +172,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         read_ahead: args.read_ahead,
         allow_other: args.allow_other,
         pre_fetch: Vec::new(),
+        cache: args.cache.clone(),
     };
     std::thread::spawn(move || {
         control.serve(|req| ctl.handle(&args_view, req, &tx));
@@ -233,6 +255,9 @@ pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
     use std::os::unix::process::CommandExt;
     let p = prepare(args)?;
     let log_path = p.disk.log_path(args.root_name());
+    let mountpoint = p.mountpoint.clone();
+    // The server opens the disk (and its cache directory) itself.
+    drop(p);
     std::fs::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
     let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
@@ -251,7 +276,7 @@ pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
         if let Some(status) = child.try_wait()? {
             bail!("mount failed ({status}): {}", last_line(&log_path));
         }
-        if disk::is_mountpoint(&p.mountpoint) && control::request(&p.mountpoint, json!({"op": "status"})).is_ok() {
+        if disk::is_mountpoint(&mountpoint) && control::request(&mountpoint, json!({"op": "status"})).is_ok() {
             return Ok(log_path);
         }
         std::thread::sleep(Duration::from_millis(50));

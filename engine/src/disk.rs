@@ -21,6 +21,100 @@ pub fn checkpoint_key(name: &str) -> String {
     format!("checkpoints/{name}")
 }
 
+const HEAD_MAGIC: &[u8; 4] = b"ARHD";
+
+/// Who writes a branch, and until when the claim holds without renewal.
+/// A head object with a live lease refuses a second writer.
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub struct Lease {
+    /// The holder's writer epoch (its segments are `seg-<writer>-…`).
+    pub writer: u64,
+    pub host: String,
+    pub pid: u32,
+    /// Seconds since the Unix epoch, by the holder's clock.
+    pub expires: u64,
+}
+
+/// How a writer claims its branch: which host it is, how long a claim
+/// lives without renewal (renewed every third of that).
+#[derive(Clone, Debug)]
+pub struct LeaseConfig {
+    pub host: String,
+    pub ttl: std::time::Duration,
+}
+
+impl LeaseConfig {
+    /// This host, and a one-minute lease.
+    pub fn local() -> LeaseConfig {
+        LeaseConfig { host: hostname(), ttl: std::time::Duration::from_secs(60) }
+    }
+}
+
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown-host".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Whether process `pid` is alive on this host.
+fn pid_alive(pid: u32) -> bool {
+    // SAFETY: signal 0 checks existence and permission only.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+impl Lease {
+    /// Whether this lease still keeps other writers out.
+    pub fn is_live(&self, my_host: &str) -> bool {
+        if self.host == my_host {
+            return pid_alive(self.pid);
+        }
+        self.expires > unix_now()
+    }
+}
+
+/// A branch head object: the superblock, and the writer's lease if one holds it.
+/// Without a lease it is the superblock's own encoding; with one,
+/// `"ARHD" | superblock length u32 | superblock | lease | crc32c u32`.
+pub fn encode_head(superblock: &[u8], lease: Option<&Lease>) -> Vec<u8> {
+    let Some(lease) = lease else { return superblock.to_vec() };
+    let mut out = HEAD_MAGIC.to_vec();
+    out.extend_from_slice(&(superblock.len() as u32).to_le_bytes());
+    out.extend_from_slice(superblock);
+    out.extend_from_slice(&crate::format::encode_value(lease));
+    let crc = crc32c::crc32c(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Splits a head object into its superblock bytes (checked) and lease.
+pub fn decode_head(bytes: &[u8]) -> Result<(Vec<u8>, Superblock, Option<Lease>)> {
+    if !bytes.starts_with(HEAD_MAGIC) {
+        let sb = Superblock::decode(bytes)?;
+        return Ok((bytes.to_vec(), sb, None));
+    }
+    let bad = || Error::corrupted("branch head", "lease");
+    let split = bytes.len().checked_sub(4).ok_or_else(bad)?;
+    if bytes.len() < 12 || crc32c::crc32c(&bytes[..split]).to_le_bytes() != bytes[split..] {
+        return Err(bad());
+    }
+    let sb_len = u32::from_le_bytes(bytes[4..8].try_into().map_err(|_| bad())?) as usize;
+    let sb_end = 8usize.checked_add(sb_len).filter(|&e| e <= split).ok_or_else(bad)?;
+    let sb_bytes = bytes[8..sb_end].to_vec();
+    let sb = Superblock::decode(&sb_bytes)?;
+    let lease: Lease = crate::format::decode_value(&bytes[sb_end..split], "lease").map_err(|_| bad())?;
+    Ok((sb_bytes, sb, Some(lease)))
+}
+
 /// Segments from `segments`, superblock from the branch's head object.
 ///
 /// On a bucket-backed device the head never names a commit whose bytes are
@@ -37,10 +131,30 @@ pub struct HeadDevice {
     seen: Mutex<Option<ETag>>,
     claimed: std::sync::atomic::AtomicBool,
     me: std::sync::Weak<HeadDevice>,
+    lease: Option<LeaseConfig>,
+    /// The lease found at open, if any.
+    found: Mutex<Option<Lease>>,
+    /// The superblock last written, and when (for renewals and release).
+    last: Mutex<Option<(Vec<u8>, std::time::Instant)>>,
+    /// Set when another writer took the branch.
+    fenced: Mutex<Option<String>>,
+    released: std::sync::atomic::AtomicBool,
 }
 
 impl HeadDevice {
     pub fn new(segments: Arc<dyn Device>, catalog: Arc<dyn ObjectStore>, branch: &str) -> Arc<Self> {
+        Self::with_lease(segments, catalog, branch, None)
+    }
+
+    /// A head whose writer holds a lease: a second writer (on any host)
+    /// is refused while the lease is live; renewed in the background and
+    /// released at close.
+    pub fn with_lease(
+        segments: Arc<dyn Device>,
+        catalog: Arc<dyn ObjectStore>,
+        branch: &str,
+        lease: Option<LeaseConfig>,
+    ) -> Arc<Self> {
         Arc::new_cyclic(|me| HeadDevice {
             segments,
             catalog,
@@ -48,19 +162,90 @@ impl HeadDevice {
             seen: Mutex::new(None),
             claimed: std::sync::atomic::AtomicBool::new(false),
             me: me.clone(),
+            lease,
+            found: Mutex::new(None),
+            last: Mutex::new(None),
+            fenced: Mutex::new(None),
+            released: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
-    /// Replaces the head object if nobody else did since we last saw it.
-    fn compare_and_swap(&self, bytes: &[u8]) -> Result<()> {
+    fn lease_for(&self, superblock: &[u8]) -> Result<Option<Lease>> {
+        let Some(cfg) = &self.lease else { return Ok(None) };
+        if self.released.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(None);
+        }
+        let writer = Superblock::decode(superblock)?.commit.seg.writer;
+        Ok(Some(Lease {
+            writer,
+            host: cfg.host.clone(),
+            pid: std::process::id(),
+            expires: unix_now() + cfg.ttl.as_secs(),
+        }))
+    }
+
+    /// Renews the lease every third of its life while this head lives.
+    fn spawn_renewal(&self) {
+        let Some(cfg) = &self.lease else { return };
+        let every = (cfg.ttl / 3).max(std::time::Duration::from_millis(100));
+        let me = self.me.clone();
+        let spawned = std::thread::Builder::new().name("arbor-lease".into()).spawn(move || loop {
+            // Wake often enough to notice the head is gone.
+            let mut slept = std::time::Duration::ZERO;
+            while slept < every {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                slept += std::time::Duration::from_millis(100);
+                if me.strong_count() == 0 {
+                    return;
+                }
+            }
+            let Some(head) = me.upgrade() else { return };
+            if head.released.load(std::sync::atomic::Ordering::Acquire) || head.fenced.lock().is_some() {
+                return;
+            }
+            match head.renew(every) {
+                Ok(()) => {}
+                Err(Error::Busy(why)) => {
+                    tracing::error!(%why, "lost the branch lease; refusing further writes");
+                    *head.fenced.lock() = Some(why);
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "renewing the branch lease failed; trying again"),
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the lease renewal thread");
+        }
+    }
+
+    /// Replaces the head object (with a fresh lease, if leased) if nobody
+    /// else did since we last saw it.
+    fn compare_and_swap(&self, superblock: &[u8]) -> Result<()> {
         let mut seen = self.seen.lock();
+        self.swap_locked(&mut seen, superblock)
+    }
+
+    /// Writes the newest superblock again with a fresh lease, if it was
+    /// written longer than `every` ago.
+    fn renew(&self, every: std::time::Duration) -> Result<()> {
+        let mut seen = self.seen.lock();
+        let due = self.last.lock().as_ref().filter(|(_, at)| at.elapsed() >= every).map(|(b, _)| b.clone());
+        match due {
+            Some(bytes) => self.swap_locked(&mut seen, &bytes),
+            None => Ok(()),
+        }
+    }
+
+    fn swap_locked(&self, seen: &mut Option<ETag>, superblock: &[u8]) -> Result<()> {
+        let body = encode_head(superblock, self.lease_for(superblock)?.as_ref());
         let written = match seen.as_deref() {
-            Some(tag) => self.catalog.put_if_match(&self.key, bytes, tag),
-            None => self.catalog.put_if_absent(&self.key, bytes),
+            Some(tag) => self.catalog.put_if_match(&self.key, &body, tag),
+            None => self.catalog.put_if_absent(&self.key, &body),
         };
         match written {
             Ok(tag) => {
                 *seen = Some(tag);
+                *self.last.lock() = Some((superblock.to_vec(), std::time::Instant::now()));
                 Ok(())
             }
             Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
@@ -85,9 +270,6 @@ macro_rules! delegate_segments {
         fn remove_segment(&self, id: SegId) -> Result<()> {
             self.segments.remove_segment(id)
         }
-        fn failpoint(&self, name: &'static str) -> Result<()> {
-            self.segments.failpoint(name)
-        }
         fn io_name(&self) -> &'static str {
             self.segments.io_name()
         }
@@ -100,14 +282,11 @@ macro_rules! delegate_segments {
         fn log_synced(&self, id: SegId, len: u64) -> Result<()> {
             self.segments.log_synced(id, len)
         }
-        fn publish_when_stored(&self, upto: Addr, publish: Box<dyn FnOnce() -> Result<()> + Send>) -> Result<()> {
+        fn publish_when_stored(&self, upto: Addr, publish: Box<dyn Fn() -> Result<()> + Send>) -> Result<()> {
             self.segments.publish_when_stored(upto, publish)
         }
         fn flush_to_bucket(&self, upto: Addr) -> Result<()> {
             self.segments.flush_to_bucket(upto)
-        }
-        fn drain(&self) -> Result<()> {
-            self.segments.drain()
         }
         fn pending_upload_bytes(&self) -> u64 {
             self.segments.pending_upload_bytes()
@@ -118,16 +297,37 @@ macro_rules! delegate_segments {
 impl Device for HeadDevice {
     delegate_segments!();
 
+    fn failpoint(&self, name: &'static str) -> Result<()> {
+        if let Some(why) = self.fenced.lock().clone() {
+            return Err(Error::Busy(why));
+        }
+        self.segments.failpoint(name)
+    }
+
+    /// Waits for the uploads, then gives the lease back.
+    fn drain(&self) -> Result<()> {
+        self.segments.drain()?;
+        if self.lease.is_some() && self.claimed.load(std::sync::atomic::Ordering::Acquire) {
+            self.released.store(true, std::sync::atomic::Ordering::Release);
+            let last = self.last.lock().as_ref().map(|(b, _)| b.clone());
+            if let Some(bytes) = last {
+                self.compare_and_swap(&bytes)?;
+            }
+        }
+        Ok(())
+    }
+
     fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
         // A body damaged on the way is read again; one damaged at rest is
         // reported as corrupt.
         let mut last = None;
         for _ in 0..4 {
             match self.catalog.get(&self.key) {
-                Ok((body, tag)) => match Superblock::decode(&body) {
-                    Ok(_) => {
+                Ok((body, tag)) => match decode_head(&body) {
+                    Ok((superblock, _, lease)) => {
                         *self.seen.lock() = Some(tag);
-                        return Ok(Some(body));
+                        *self.found.lock() = lease;
+                        return Ok(Some(superblock));
                     }
                     Err(e) => last = Some(e),
                 },
@@ -140,11 +340,27 @@ impl Device for HeadDevice {
 
     fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
         let commit = Superblock::decode(bytes)?.commit;
+        if let Some(why) = self.fenced.lock().clone() {
+            return Err(Error::Busy(why));
+        }
         if !self.claimed.load(std::sync::atomic::Ordering::Acquire) {
-            // The claim: synchronous, so a fenced writer learns at open.
+            // The claim: synchronous, so a second writer learns at open.
+            if let (Some(cfg), Some(held)) = (&self.lease, self.found.lock().as_ref()) {
+                if held.writer != commit.seg.writer && held.is_live(&cfg.host) {
+                    return Err(Error::Busy(format!(
+                        "{} is open read-write by pid {} on host {} (its lease runs {} s more without renewal); \
+                         a second writer is refused",
+                        self.key,
+                        held.pid,
+                        held.host,
+                        held.expires.saturating_sub(unix_now())
+                    )));
+                }
+            }
             self.segments.flush_to_bucket(commit)?;
             self.compare_and_swap(bytes)?;
             self.claimed.store(true, std::sync::atomic::Ordering::Release);
+            self.spawn_renewal();
             return Ok(());
         }
         let me = self.me.clone();
@@ -173,6 +389,14 @@ impl FixedRootDevice {
 
 impl Device for FixedRootDevice {
     delegate_segments!();
+
+    fn failpoint(&self, name: &'static str) -> Result<()> {
+        self.segments.failpoint(name)
+    }
+
+    fn drain(&self) -> Result<()> {
+        self.segments.drain()
+    }
 
     fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
         Ok(Some(self.superblock.clone()))

@@ -4,7 +4,8 @@
 
 use arbor_engine::bucket::S3Store;
 use arbor_engine::bucket::{Fault, FaultStore, LocalFolderStore, MemObjectStore, ObjectStore, RetryPolicy, RetryStore};
-use arbor_engine::disk::HeadDevice;
+use arbor_engine::device::Device;
+use arbor_engine::disk::{HeadDevice, LeaseConfig};
 use arbor_engine::env::TestEnv;
 use arbor_engine::testkit::S3Server;
 use arbor_engine::tier::{BucketDevice, Durability, TierConfig};
@@ -310,4 +311,63 @@ fn local_writes_continue_while_the_bucket_is_away_up_to_a_bound_then_wait() {
     let ino = vol.lookup(ROOT_INO, b"stream").expect("stream").ino;
     assert_eq!(vol.getattr(ino).expect("attr").size, 32 * (256 << 10));
     assert_eq!(vol.read(ino, 31 * (256 << 10), 256 << 10).expect("read"), pattern(256 << 10, 8));
+}
+
+fn open_leased(
+    store: &Arc<dyn ObjectStore>,
+    cache: &Path,
+    host: &str,
+    ttl: Duration,
+) -> arbor_engine::Result<(Arc<Volume>, Arc<BucketDevice>)> {
+    let dev = BucketDevice::open(store.clone(), cache, tier(Durability::Local)).expect("bucket device");
+    let lease = LeaseConfig { host: host.into(), ttl };
+    let head = HeadDevice::with_lease(dev.clone(), store.clone(), "main", Some(lease));
+    Ok((Volume::open(head, vol_cfg())?, dev))
+}
+
+#[test]
+fn a_second_writer_on_another_host_is_refused_while_the_lease_lives() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let ttl = Duration::from_secs(2);
+    let (a, _da) = open_leased(&store, &cache.path().join("a"), "node-a", ttl).expect("first writer");
+    write_files(&a, &some_files(1, 20));
+    let err = open_leased(&store, &cache.path().join("b"), "node-b", ttl).err().expect("second writer refused");
+    assert!(matches!(err, Error::Busy(ref why) if why.contains("node-a")), "{err}");
+    // Held past its first life: the writer renews its lease.
+    std::thread::sleep(ttl + Duration::from_millis(500));
+    assert!(open_leased(&store, &cache.path().join("c"), "node-b", ttl).is_err(), "the lease was not renewed");
+    // A clean close gives the branch back at once.
+    a.close().expect("close");
+    drop(a);
+    let (b, _db) = open_leased(&store, &cache.path().join("d"), "node-b", ttl).expect("after close");
+    b.close().expect("close");
+}
+
+#[test]
+fn a_dead_writers_lease_expires_and_the_next_writer_takes_over() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    // Whole seconds: long enough that the first refusal cannot race expiry.
+    let ttl = Duration::from_secs(3);
+    let files = some_files(2, 21);
+    let (a, da) = open_leased(&store, &cache.path().join("a"), "node-a", ttl).expect("first writer");
+    write_files(&a, &files);
+    a.commit().expect("commit");
+    da.drain().ok();
+    // node-a dies: no close, no renewals.
+    drop(a);
+    drop(da);
+    assert!(open_leased(&store, &cache.path().join("b"), "node-b", ttl).is_err(), "refused while the lease lives");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let b = loop {
+        match open_leased(&store, &cache.path().join("b"), "node-b", ttl) {
+            Ok((b, _)) => break b,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "the dead writer's lease never expired: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    b.lookup(ROOT_INO, files[0].0.as_bytes()).expect("the new writer sees the committed files");
 }

@@ -18,6 +18,13 @@ fn conformance(store: &dyn ObjectStore) {
     assert!(matches!(store.put_if_match("branches/main", b"v3", &t1), Err(Error::PreconditionFailed(_))));
     assert_eq!(store.get("branches/main").expect("get"), (b"v2".to_vec(), t2.clone()));
     assert!(matches!(store.put_if_match("branches/none", b"x", &t2), Err(Error::NoSuchObject(_))));
+    // A shorter body replaces a longer one whole.
+    let t3 = store.put_if_match("branches/main", &[7u8; 100], &t2).expect("long");
+    store.put_if_match("branches/main", b"short", &t3).expect("short");
+    assert_eq!(store.get("branches/main").expect("get").0, b"short");
+    store.put("branches/other", &[1u8; 100]).expect("long");
+    store.put("branches/other", b"tiny").expect("short");
+    assert_eq!(store.get("branches/other").expect("get").0, b"tiny");
     // Ranged reads.
     store.put("segments/ab/seg-1", b"0123456789").expect("put");
     assert_eq!(store.get_range("segments/ab/seg-1", 2..5).expect("range"), b"234");

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use arbor_engine::bucket::ObjectStore;
 use arbor_engine::device::Device;
-use arbor_engine::disk::{branch_key, checkpoint_key, FixedRootDevice, HeadDevice};
+use arbor_engine::disk::{branch_key, checkpoint_key, decode_head, FixedRootDevice, HeadDevice, Lease, LeaseConfig};
 use arbor_engine::env::{Env, SystemEnv, Timestamp};
 use arbor_engine::format::{decode_value, encode_value, Addr};
 use arbor_engine::volume::{Change, Config, Inspector, Superblock, Volume};
@@ -84,6 +84,7 @@ pub struct Catalog {
     locks: Option<PathBuf>,
     env: Arc<dyn Env>,
     inspector: Inspector,
+    lease: Option<LeaseConfig>,
 }
 
 fn with_crc(mut body: Vec<u8>) -> Vec<u8> {
@@ -104,7 +105,46 @@ fn without_crc<'a>(bytes: &'a [u8], what: &'static str) -> Result<&'a [u8]> {
 impl Catalog {
     /// `locks`: a node-local folder for branch locks (none in model tests).
     pub fn new(store: Arc<dyn ObjectStore>, segments: Arc<dyn Device>, locks: Option<PathBuf>) -> Catalog {
-        Catalog { inspector: Inspector::new(segments.clone()), store, segments, locks, env: Arc::new(SystemEnv) }
+        Catalog {
+            inspector: Inspector::new(segments.clone()),
+            store,
+            segments,
+            locks,
+            env: Arc::new(SystemEnv),
+            lease: None,
+        }
+    }
+
+    /// Writers of this catalog's branches hold leases in their heads, so a
+    /// writer on another host is refused too, not only one on this node.
+    pub fn with_lease(mut self, lease: LeaseConfig) -> Catalog {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// The live lease on `name` held by another process, if any.
+    pub fn lease_of(&self, name: &str) -> Result<Option<Lease>> {
+        check_name(name)?;
+        let host = self.lease.as_ref().map_or_else(arbor_engine::disk::hostname, |l| l.host.clone());
+        match self.store.get(&branch_key(name)) {
+            Ok((body, _)) => {
+                let (_, _, lease) = decode_head(&body)?;
+                Ok(lease.filter(|l| l.is_live(&host) && !(l.host == host && l.pid == std::process::id())))
+            }
+            Err(EngineError::NoSuchObject(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Refuses when another process holds a live lease on `name`.
+    fn check_unleased(&self, name: &str) -> Result<()> {
+        match self.lease_of(name)? {
+            Some(l) => Err(Error::Refused(format!(
+                "branch {name} is open read-write by pid {} on host {}; run this against its mount",
+                l.pid, l.host
+            ))),
+            None => Ok(()),
+        }
     }
 
     pub fn with_env(mut self, env: Arc<dyn Env>) -> Catalog {
@@ -154,7 +194,7 @@ impl Catalog {
     pub fn branch_head(&self, name: &str) -> Result<Superblock> {
         check_name(name)?;
         match self.store.get(&branch_key(name)) {
-            Ok((body, _)) => Ok(Superblock::decode(&body)?),
+            Ok((body, _)) => Ok(decode_head(&body)?.1),
             Err(EngineError::NoSuchObject(_)) => Err(Error::NotFound("branch", name.into())),
             Err(e) => Err(e.into()),
         }
@@ -189,6 +229,7 @@ impl Catalog {
         }
         self.branch_head(name)?;
         let _lock = self.lock_branch(name)?;
+        self.check_unleased(name)?;
         Ok(self.store.delete(&branch_key(name))?)
     }
 
@@ -197,6 +238,7 @@ impl Catalog {
     pub fn reset_branch(&self, name: &str, to: Addr) -> Result<()> {
         check_name(name)?;
         let _lock = self.lock_branch(name)?;
+        self.check_unleased(name)?;
         let (_, tag) = match self.store.get(&branch_key(name)) {
             Ok(x) => x,
             Err(EngineError::NoSuchObject(_)) => return Err(Error::NotFound("branch", name.into())),
@@ -215,12 +257,15 @@ impl Catalog {
             return Err(Error::Refused("branch main cannot be renamed".into()));
         }
         let _lock = self.lock_branch(old)?;
+        self.check_unleased(old)?;
         let (body, _) = match self.store.get(&branch_key(old)) {
             Ok(x) => x,
             Err(EngineError::NoSuchObject(_)) => return Err(Error::NotFound("branch", old.into())),
             Err(e) => return Err(e.into()),
         };
-        match self.store.put_if_absent(&branch_key(new), &body) {
+        // The new name starts unleased.
+        let (superblock, _, _) = decode_head(&body)?;
+        match self.store.put_if_absent(&branch_key(new), &superblock) {
             Ok(_) => {}
             Err(EngineError::AlreadyExists(_)) => return Err(Error::Exists("branch", new.into())),
             Err(e) => return Err(e.into()),
@@ -234,8 +279,12 @@ impl Catalog {
             self.branch_head(name)?;
         }
         let lock = self.lock_branch(name)?;
-        let device = HeadDevice::new(self.segments.clone(), self.store.clone(), name);
-        Ok((Volume::open(device, cfg)?, lock))
+        let device = HeadDevice::with_lease(self.segments.clone(), self.store.clone(), name, self.lease.clone());
+        let vol = Volume::open(device, cfg).map_err(|e| match e {
+            EngineError::Busy(why) if self.lease.is_some() => Error::Refused(why),
+            e => e.into(),
+        })?;
+        Ok((vol, lock))
     }
 
     /// Opens a checkpoint read-only.
@@ -260,8 +309,11 @@ impl Catalog {
     // ---- checkpoints ----
 
     /// Records the commit `commit` of `branch` as checkpoint `name`.
+    /// The commit's bytes are in the bucket before the checkpoint names
+    /// it, so any node can open it.
     pub fn create_checkpoint(&self, name: &str, branch: &str, commit: Addr) -> Result<CheckpointInfo> {
         check_name(name)?;
+        self.segments.flush_to_bucket(commit)?;
         let rec = CheckpointRecord {
             magic: CHECKPOINT_MAGIC,
             version: 1,

@@ -33,6 +33,18 @@ pub fn arbor(args: &[&str]) -> Output {
     Command::new(arbor_bin()).args(args).output().expect("run arbor")
 }
 
+/// Runs arbor with extra environment variables.
+pub fn arbor_env(args: &[&str], env: &[(&str, String)]) -> Output {
+    Command::new(arbor_bin()).args(args).envs(env.iter().map(|(k, v)| (*k, v))).output().expect("run arbor")
+}
+
+/// Runs arbor with extra environment variables and insists it succeeded.
+pub fn arbor_env_ok(args: &[&str], env: &[(&str, String)]) -> String {
+    let out = arbor_env(args, env);
+    assert!(out.status.success(), "arbor {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Runs arbor and insists it succeeded.
 pub fn arbor_ok(args: &[&str]) -> String {
     let out = arbor(args);
@@ -119,11 +131,17 @@ pub struct Mount {
 
 impl Mount {
     pub fn start(disk: &str, mnt: &Path, extra: &[&str]) -> Mount {
+        Self::start_env(disk, mnt, extra, &[])
+    }
+
+    /// Mounts with extra environment variables (an S3 endpoint, credentials).
+    pub fn start_env(disk: &str, mnt: &Path, extra: &[&str], env: &[(&str, String)]) -> Mount {
         let log = mnt.with_extension(format!("log-{}", std::process::id()));
         let log_file = std::fs::File::create(&log).expect("log");
         let child = Command::new(arbor_bin())
             .args(["mount", disk, mnt.to_str().expect("utf8"), "--foreground"])
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (*k, v)))
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().expect("log"))
             .stderr(log_file)
@@ -148,8 +166,12 @@ impl Mount {
     }
 
     /// `arbor unmount`, and the server must exit cleanly.
-    pub fn unmount(mut self) {
-        arbor_ok(&["unmount", self.mnt.to_str().expect("utf8")]);
+    pub fn unmount(self) {
+        self.unmount_env(&[]);
+    }
+
+    pub fn unmount_env(mut self, env: &[(&str, String)]) {
+        arbor_env_ok(&["unmount", self.mnt.to_str().expect("utf8")], env);
         let status = self.child.wait().expect("wait");
         assert!(
             status.success(),

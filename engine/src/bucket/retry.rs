@@ -1,6 +1,6 @@
 //! Retries with exponential backoff and full jitter around any store.
 //!
-//! Only I/O errors (the network, the server) are retried; answers such as
+//! Only transient I/O errors (no answer, a server error, throttling) are retried; answers such as
 //! "no such object" or "precondition failed" are returned at once. Every
 //! retried call is idempotent: a plain put or delete may run twice, and a
 //! conditional put whose first attempt landed but reported an error is
@@ -9,6 +9,7 @@
 
 use super::{ETag, ObjectStore};
 use crate::error::{Error, Result};
+use std::io::ErrorKind::{InvalidInput, PermissionDenied};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -60,14 +61,17 @@ impl RetryStore {
 
     /// Runs `call` until it succeeds, fails for good, or runs out of tries.
     /// `retried` tells `call` whether an earlier try failed in transit.
-    fn run<T>(&self, what: &str, mut call: impl FnMut(bool) -> Result<T>) -> Result<T> {
+    fn run<T>(&self, what: &str, key: &str, mut call: impl FnMut(bool) -> Result<T>) -> Result<T> {
         let mut retried = false;
         let mut attempt = 0;
         loop {
             match call(retried) {
-                Err(Error::Io(e)) if attempt + 1 < self.policy.attempts => {
+                // A refusal (bad credentials, a bad request) stays one.
+                Err(Error::Io(e))
+                    if attempt + 1 < self.policy.attempts && !matches!(e.kind(), PermissionDenied | InvalidInput) =>
+                {
                     let wait = self.backoff(attempt);
-                    tracing::warn!(what, error = %e, attempt, ?wait, "bucket call failed; retrying");
+                    tracing::info!(what, key, error = %e, attempt, ?wait, "bucket call failed; retrying");
                     self.retries.fetch_add(1, Ordering::Relaxed);
                     retried = true;
                     attempt += 1;
@@ -90,44 +94,44 @@ impl RetryStore {
 
 impl ObjectStore for RetryStore {
     fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
-        self.run("put", |_| self.inner.put(key, body))
+        self.run("put", key, |_| self.inner.put(key, body))
     }
 
     fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
-        self.run("put", |retried| match self.inner.put_if_absent(key, body) {
+        self.run("put", key, |retried| match self.inner.put_if_absent(key, body) {
             Err(Error::AlreadyExists(k)) if retried => self.landed(key, body).ok_or(Error::AlreadyExists(k)),
             other => other,
         })
     }
 
     fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
-        self.run("put", |retried| match self.inner.put_if_match(key, body, etag) {
+        self.run("put", key, |retried| match self.inner.put_if_match(key, body, etag) {
             Err(Error::PreconditionFailed(k)) if retried => self.landed(key, body).ok_or(Error::PreconditionFailed(k)),
             other => other,
         })
     }
 
     fn put_large(&self, key: &str, body: &[u8]) -> Result<ETag> {
-        self.run("multipart put", |_| self.inner.put_large(key, body))
+        self.run("multipart put", key, |_| self.inner.put_large(key, body))
     }
 
     fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
-        self.run("get", |_| self.inner.get(key))
+        self.run("get", key, |_| self.inner.get(key))
     }
 
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
-        self.run("ranged get", |_| self.inner.get_range(key, range.clone()))
+        self.run("ranged get", key, |_| self.inner.get_range(key, range.clone()))
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
-        self.run("list", |_| self.inner.list(prefix))
+        self.run("list", prefix, |_| self.inner.list(prefix))
     }
 
     fn size(&self, key: &str) -> Result<u64> {
-        self.run("head", |_| self.inner.size(key))
+        self.run("head", key, |_| self.inner.size(key))
     }
 
     fn delete(&self, key: &str) -> Result<()> {
-        self.run("delete", |_| self.inner.delete(key))
+        self.run("delete", key, |_| self.inner.delete(key))
     }
 }

@@ -41,12 +41,41 @@ fn status<E>(e: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> Option<
     e.raw_response().map(|r| r.status().as_u16())
 }
 
-fn io_error<E: std::error::Error + Send + Sync + 'static>(
+fn io_error<E: std::error::Error + aws_sdk_s3::error::ProvideErrorMetadata + Send + Sync + 'static>(
     what: &str,
     e: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
 ) -> Error {
-    let detail = aws_sdk_s3::error::DisplayErrorContext(&e).to_string();
-    Error::Io(std::io::Error::other(format!("S3 {what}: {detail}")))
+    // One short line: the service's code and message, or the innermost
+    // cause of a failure to send (no connection, no credentials).
+    let meta = e.as_service_error().map(|s| (s.code().map(str::to_string), s.message().map(str::to_string)));
+    let detail = match meta.unwrap_or((None, None)) {
+        (Some(code), msg) => format!("{code} {}", msg.unwrap_or_default()).trim_end().to_string(),
+        _ => {
+            let mut cause: &dyn std::error::Error = &e;
+            while let Some(next) = cause.source() {
+                cause = next;
+            }
+            let text = cause.to_string();
+            let text = text.split(" (").next().unwrap_or(&text).to_string();
+            if text.contains("credentials") || text.contains("IMDS") {
+                return Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("S3 {what}: no usable credentials ({text})"),
+                ));
+            }
+            text
+        }
+    };
+    let detail: String = detail.chars().take(300).collect();
+    // Transient failures (no answer, 5xx, 408, 429) are `Other` and get
+    // retried; a refusal (other 4xx) will not change on a retry.
+    let kind = match status(&e) {
+        Some(401 | 403) => std::io::ErrorKind::PermissionDenied,
+        Some(408 | 429) | None => std::io::ErrorKind::Other,
+        Some(s) if (400..500).contains(&s) => std::io::ErrorKind::InvalidInput,
+        _ => std::io::ErrorKind::Other,
+    };
+    Error::Io(std::io::Error::new(kind, format!("S3 {what}: {detail}")))
 }
 
 impl S3Store {
@@ -56,9 +85,24 @@ impl S3Store {
         }
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest());
-        if let Some(region) = &cfg.region {
-            loader = loader.region(aws_config::Region::new(region.clone()));
-        }
+        // The region: given, else the environment's or the profile's, else
+        // us-east-1 (S3-compatible servers accept any; AWS redirects). Not
+        // asked of the instance metadata service, which off EC2 only warns.
+        let region = match &cfg.region {
+            Some(r) => r.clone(),
+            None => {
+                let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+                let from_profile = || {
+                    use aws_config::meta::region::ProvideRegion;
+                    rt.block_on(aws_config::profile::ProfileFileRegionProvider::new().region()).map(|r| r.to_string())
+                };
+                env("AWS_REGION")
+                    .or_else(|| env("AWS_DEFAULT_REGION"))
+                    .or_else(from_profile)
+                    .unwrap_or_else(|| "us-east-1".into())
+            }
+        };
+        loader = loader.region(aws_config::Region::new(region));
         if let Some(endpoint) = &cfg.endpoint {
             loader = loader.endpoint_url(endpoint);
         }

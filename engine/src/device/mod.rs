@@ -76,7 +76,7 @@ pub trait Device: Send + Sync {
     }
     /// Runs `publish` (a branch-head update) once every byte through
     /// `upto` is in the bucket: at once where the device is the durable copy.
-    fn publish_when_stored(&self, _upto: Addr, publish: Box<dyn FnOnce() -> Result<()> + Send>) -> Result<()> {
+    fn publish_when_stored(&self, _upto: Addr, publish: Box<dyn Fn() -> Result<()> + Send>) -> Result<()> {
         publish()
     }
     /// Returns once every sealed segment, and segment `upto.seg` through

@@ -90,7 +90,7 @@ impl Default for TierConfig {
     }
 }
 
-type PublishFn = Box<dyn FnOnce() -> Result<()> + Send>;
+type PublishFn = Box<dyn Fn() -> Result<()> + Send>;
 
 struct Publish {
     upto: Addr,
@@ -112,6 +112,8 @@ struct Uploads {
     /// Bytes of open segments shipped as WAL pieces.
     shipped: HashMap<SegId, u64>,
     publish: Option<Publish>,
+    /// A publish taken by the uploader and not finished yet.
+    publishing: bool,
     /// Upload failures so far, and the newest one.
     failures: u64,
     last_error: Option<String>,
@@ -281,6 +283,7 @@ impl Shared {
                         break Job::Upload(t, id, len);
                     }
                     if up.publish.as_ref().is_some_and(|p| up.done_through >= p.need) {
+                        up.publishing = true;
                         break Job::Publish(up.publish.take().expect("checked"));
                     }
                     self.changed.wait_for(&mut up, Duration::from_secs(1));
@@ -303,26 +306,34 @@ impl Shared {
                 },
                 Job::Publish(p) => {
                     let upto = p.upto;
-                    match self.ship(upto) {
-                        Err(e) => {
-                            // Put it back unless a newer head replaced it.
-                            self.up.lock().publish.get_or_insert(p);
-                            self.failed("shipping the log tail", e);
-                        }
+                    let shipped = self.ship(upto);
+                    let outcome = match shipped {
+                        Err(e) => Err((e, Some(p))),
                         Ok(()) => match (p.run)() {
-                            Ok(()) => {
-                                self.changed.notify_all();
-                            }
-                            Err(Error::Busy(why)) => {
-                                tracing::error!(%why, "this writer was fenced off its branch; refusing further writes");
-                                self.up.lock().fenced = Some(why);
-                                self.changed.notify_all();
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "publishing a branch head failed; the next commit tries again");
-                                self.failed("publishing a branch head", e);
-                            }
+                            Ok(()) => Ok(()),
+                            Err(Error::Busy(why)) => Err((Error::Busy(why), None)),
+                            Err(e) => Err((e, Some(p))),
                         },
+                    };
+                    self.up.lock().publishing = false;
+                    match outcome {
+                        Ok(()) => {
+                            self.changed.notify_all();
+                        }
+                        Err((e, Some(p))) => {
+                            // Try again later, unless a newer head replaced it.
+                            self.up.lock().publish.get_or_insert(p);
+                            self.failed("publishing a branch head", e);
+                        }
+                        Err((e, None)) => {
+                            let why = match e {
+                                Error::Busy(why) => why,
+                                e => e.to_string(),
+                            };
+                            tracing::error!(%why, "this writer was fenced off its branch; refusing further writes");
+                            self.up.lock().fenced = Some(why);
+                            self.changed.notify_all();
+                        }
                     }
                 }
             }
@@ -374,12 +385,10 @@ impl Shared {
         if from >= end {
             return Ok(());
         }
-        let Some(file) = self.local.open_segment(upto.seg)? else {
-            if self.up.lock().in_bucket.contains(&upto.seg) {
-                return Ok(());
-            }
-            return Err(Error::corrupted("segment to ship (not in the cache)", upto));
-        };
+        // Only segments this node writes are local before they are in the
+        // bucket; any other segment got there before its commit was
+        // published by the writer that made it.
+        let Some(file) = self.local.open_segment(upto.seg)? else { return Ok(()) };
         let mut buf = vec![0u8; (end - from) as usize];
         file.read_at(&mut buf, from)?;
         let (body, _) = object::with_footer(&buf, self.cfg.chunk_size);
@@ -514,7 +523,7 @@ impl Device for BucketDevice {
     }
 
     fn drain(&self) -> Result<()> {
-        self.wait_for("waiting for uploads", |up| up.queue.is_empty() && up.publish.is_none(), false)
+        self.wait_for("waiting for uploads", |up| up.queue.is_empty() && up.publish.is_none() && !up.publishing, false)
     }
 
     fn pending_upload_bytes(&self) -> u64 {

@@ -1,0 +1,150 @@
+//! An s3:// disk end to end: the real binary, real FUSE mounts, and a real
+//! S3-compatible server (s3s-fs) on 127.0.0.1. A node that dies and loses
+//! its whole cache directory comes back with every fsynced byte, every
+//! checkpoint and every branch.
+
+use arbor_engine::testkit::{S3Server, S3_BUCKET, S3_KEY, S3_SECRET};
+use arbor_tests::*;
+use std::io::Write;
+use std::path::Path;
+
+struct World {
+    _server: S3Server,
+    _data: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    env: Vec<(&'static str, String)>,
+}
+
+impl World {
+    fn start() -> Option<World> {
+        if !fuse_available() {
+            return None;
+        }
+        let data = tempfile::tempdir().expect("tempdir");
+        let server = S3Server::start(data.path()).expect("s3s-fs")?;
+        let dir = tempfile::Builder::new().prefix("arbs3").tempdir().expect("tempdir");
+        let env = vec![
+            ("AWS_ACCESS_KEY_ID", S3_KEY.to_string()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.to_string()),
+            ("AWS_ENDPOINT_URL", server.endpoint()),
+            ("AWS_REGION", "us-east-1".to_string()),
+            ("XDG_CACHE_HOME", dir.path().join("cache").display().to_string()),
+        ];
+        Some(World { _server: server, _data: data, dir, env })
+    }
+
+    fn mnt(&self, name: &str) -> std::path::PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::create_dir_all(&p).expect("mkdir");
+        p
+    }
+
+    /// Every cache this node has: gone, as with a replaced node.
+    fn lose_the_cache(&self) {
+        std::fs::remove_dir_all(self.dir.path().join("cache")).expect("rm cache");
+    }
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) {
+    let mut f = std::fs::File::create(path).expect("create");
+    f.write_all(bytes).expect("write");
+    f.sync_all().expect("fsync");
+}
+
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 11) as u8).collect()
+}
+
+#[test]
+fn bucket_durability_survives_kill_9_and_losing_the_whole_cache() {
+    let Some(w) = World::start() else { return };
+    let disk = format!("s3://{S3_BUCKET}/disks/one");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let mnt = w.mnt("m1");
+    let m = Mount::start_env(&disk, &mnt, &["--durability", "bucket"], &w.env);
+    let files: Vec<(String, Vec<u8>)> =
+        (0..5).map(|i| (format!("shard-{i}.bin"), pattern(300_000 + i * 9_000_000, i as u32))).collect();
+    std::fs::create_dir_all(mnt.join("data")).expect("mkdir");
+    for (name, bytes) in &files {
+        write_synced(&mnt.join("data").join(name), bytes);
+    }
+    let status = arbor_env_ok(&["status", mnt.to_str().expect("utf8"), "--json"], &w.env);
+    assert!(status.contains("\"durability\":\"bucket\""), "{status}");
+    m.kill9();
+    w.lose_the_cache();
+    // A new node: an empty cache, the same bucket.
+    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    for (name, bytes) in &files {
+        let got = std::fs::read(mnt.join("data").join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(got == *bytes, "{name}: bytes differ after losing the node");
+    }
+    m.unmount_env(&w.env);
+}
+
+#[test]
+fn checkpoints_and_branches_open_from_the_bucket_alone() {
+    let Some(w) = World::start() else { return };
+    let disk = format!("s3://{S3_BUCKET}/disks/two");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let main = w.mnt("main");
+    let m = Mount::start_env(&disk, &main, &[], &w.env);
+    let dataset = pattern(70 << 20, 7);
+    write_synced(&main.join("dataset.bin"), &dataset);
+    let mp = main.to_str().expect("utf8");
+    arbor_env_ok(&["checkpoints", "create", mp, "v1"], &w.env);
+    arbor_env_ok(&["branches", "create", mp, "run-a", "--from-checkpoint", "v1"], &w.env);
+    let status = arbor_env_ok(&["status", mp, "--json"], &w.env);
+    assert!(status.contains("\"pending_upload_bytes\""), "{status}");
+    // Local durability: unmount waits until the bucket has everything.
+    m.unmount_env(&w.env);
+    w.lose_the_cache();
+    let run_a = w.mnt("run-a");
+    let m = Mount::start_env(&disk, &run_a, &["--branch", "run-a"], &w.env);
+    write_synced(&run_a.join("model.ckpt"), b"weights of run a");
+    m.unmount_env(&w.env);
+    w.lose_the_cache();
+    let v1 = w.mnt("v1");
+    let m = Mount::start_env(&disk, &v1, &["--checkpoint", "v1"], &w.env);
+    assert!(std::fs::read(v1.join("dataset.bin")).expect("read") == dataset, "checkpoint bytes differ");
+    assert!(!v1.join("model.ckpt").exists());
+    m.unmount_env(&w.env);
+    let m = Mount::start_env(
+        &disk,
+        &run_a,
+        &["--branch", "run-a", "--cache-dir", &w.dir.path().join("c2").display().to_string()],
+        &w.env,
+    );
+    assert_eq!(std::fs::read(run_a.join("model.ckpt")).expect("read"), b"weights of run a");
+    assert!(std::fs::read(run_a.join("dataset.bin")).expect("read") == dataset);
+    m.unmount_env(&w.env);
+    let list = arbor_env_ok(&["branches", "list", &disk], &w.env);
+    assert!(list.contains("run-a") && list.contains("main"), "{list}");
+    let diff = arbor_env_ok(&["diff", &disk, "v1", "branch:run-a"], &w.env);
+    assert!(diff.contains("model.ckpt"), "{diff}");
+}
+
+#[test]
+fn an_unreachable_bucket_and_bad_credentials_are_one_clear_line() {
+    let Some(w) = World::start() else { return };
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let mut env = w.env.clone();
+    env.retain(|(k, _)| *k != "AWS_ENDPOINT_URL");
+    env.push(("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{closed}")));
+    env.push(("ARBOR_S3_RETRIES", "2".into()));
+    let out = arbor_env(&["init", &format!("s3://{S3_BUCKET}/x")], &env);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unreachable"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let mut env = w.env.clone();
+    env.retain(|(k, _)| *k != "AWS_SECRET_ACCESS_KEY");
+    env.push(("AWS_SECRET_ACCESS_KEY", "wrong".into()));
+    let out = arbor_env(&["init", &format!("s3://{S3_BUCKET}/y")], &env);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("access denied"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    let out = arbor_env(&["status", "/nonexistent"], &env);
+    assert!(!out.status.success());
+}
