@@ -18,7 +18,7 @@ use std::fs::{self, File};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -26,6 +26,10 @@ type ChunkKey = (SegId, u32);
 
 /// Remote segments whose handles are kept (each holds a descriptor).
 const MAX_OPEN: usize = 1024;
+/// Chunks read-ahead fetches with one GET at most (and asks for at once).
+const RUN_CHUNKS: usize = 8;
+/// The largest read-ahead window a streaming reader ramps up to.
+const MAX_READ_AHEAD: u64 = 64 << 20;
 /// Tries per chunk before a checksum mismatch is reported as corruption.
 const GET_TRIES: usize = 4;
 
@@ -62,6 +66,12 @@ pub(crate) struct Remote {
     inflight: Mutex<HashSet<ChunkKey>>,
     landed: Condvar,
     segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
+    /// Read-ahead jobs for the fetch workers, started on first use.
+    prefetch: Mutex<Option<crossbeam::channel::Sender<Prefetch>>>,
+    /// Chunks queued for read-ahead and not yet taken by a worker.
+    queued: Mutex<HashSet<ChunkKey>>,
+    /// Segments read-ahead looked for and did not find (it looks once).
+    absent: Mutex<HashSet<SegId>>,
     gets: AtomicU64,
     fetched: AtomicU64,
     hits: AtomicU64,
@@ -84,8 +94,17 @@ pub(crate) struct RemoteSeg {
     source: Source,
     /// End of the last read, to spot sequential readers.
     last_end: AtomicU64,
-    reading_ahead: AtomicBool,
+    /// The read-ahead window: the configured size after a random read,
+    /// doubling with each sequential one up to [`MAX_READ_AHEAD`].
+    window: AtomicU64,
     me: Weak<RemoteSeg>,
+}
+
+/// A chunk to fetch ahead of a reader; `chunk: None` opens the segment
+/// first (a sequential reader about to cross into it).
+enum Prefetch {
+    Chunk(Arc<RemoteSeg>, usize),
+    NextSegment(Arc<Remote>, SegId, u64),
 }
 
 fn punch(file: &File, off: u64, len: u64) {
@@ -136,6 +155,9 @@ impl Remote {
             inflight: Mutex::new(HashSet::new()),
             landed: Condvar::new(),
             segs: RwLock::new(HashMap::new()),
+            prefetch: Mutex::new(None),
+            queued: Mutex::new(HashSet::new()),
+            absent: Mutex::new(HashSet::new()),
             gets: AtomicU64::new(0),
             fetched: AtomicU64::new(0),
             hits: AtomicU64::new(0),
@@ -263,7 +285,7 @@ impl Remote {
             footer,
             source,
             last_end: AtomicU64::new(u64::MAX),
-            reading_ahead: AtomicBool::new(false),
+            window: AtomicU64::new(self.read_ahead),
             me: me.clone(),
         });
         let mut segs = self.segs.write();
@@ -431,6 +453,60 @@ impl RemoteSeg {
         res.map(Some)
     }
 
+    /// Read-ahead: fetches chunks `first..first + count` (those no other
+    /// thread has or brings) with one ranged GET, checking each chunk on
+    /// its own. A chunk that fails its check is left for an on-demand fetch.
+    fn fetch_run(&self, first: usize, count: usize) {
+        let Source::Object { file } = &self.source else { return };
+        let r = &self.remote;
+        // Claim the leading chunks nobody else has or is fetching.
+        let mut claimed = 0;
+        {
+            let mut inflight = r.inflight.lock();
+            for i in first..first + count {
+                let key = (self.id, i as u32);
+                if r.present(key) || !inflight.insert(key) {
+                    break;
+                }
+                claimed += 1;
+            }
+        }
+        if claimed == 0 {
+            return;
+        }
+        let (start, _) = self.footer.chunk_range(first);
+        let (_, end) = self.footer.chunk_range(first + claimed - 1);
+        r.gets.fetch_add(1, Ordering::Relaxed);
+        let mut landed = Vec::new();
+        match r.store.get_range(&self.key, start..end) {
+            Ok(bytes) => {
+                for i in first..first + claimed {
+                    let (s, e) = self.footer.chunk_range(i);
+                    let part = bytes.get((s - start) as usize..(e - start) as usize);
+                    match part {
+                        Some(part) if self.footer.verify(i, part) => {
+                            if file.write_all_at(part, s).is_ok() {
+                                r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
+                                landed.push(((self.id, i as u32), part.len() as u32, s));
+                            }
+                        }
+                        _ => {
+                            r.retries.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand"),
+        }
+        r.add(landed, false);
+        let mut inflight = r.inflight.lock();
+        for i in first..first + claimed {
+            inflight.remove(&(self.id, i as u32));
+        }
+        drop(inflight);
+        r.landed.notify_all();
+    }
+
     /// Fetches the missing chunks of `chunks`, up to `parallel` at a time.
     fn fetch_all(&self, chunks: &[usize]) -> Result<HashMap<usize, Vec<u8>>> {
         let missing: Vec<usize> =
@@ -468,29 +544,100 @@ impl RemoteSeg {
         Ok(got)
     }
 
-    /// Starts fetching the chunks after `end` in the background, once per
-    /// window, for a reader that reads sequentially.
-    fn read_ahead(&self, end: u64) {
+    /// Keeps the `read_ahead` bytes after `end` coming: every chunk there
+    /// that is neither present nor on its way is queued for the fetch
+    /// workers, so a sequential reader finds a full pipeline of GETs ahead
+    /// of it. Past the segment's end the window continues into the next
+    /// segment of the same writer, where a file written in one go goes on.
+    fn read_ahead(&self, end: u64, window: u64) {
         let r = &self.remote;
-        if r.read_ahead == 0 || end >= self.footer.data_len {
-            return;
-        }
-        let first = end.div_ceil(self.chunk_size()) as usize;
-        let last = ((end + r.read_ahead).min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
-            .min(self.footer.crcs.len());
-        let want: Vec<usize> = (first..last).filter(|&i| !r.present((self.id, i as u32))).collect();
-        if want.is_empty() || self.reading_ahead.swap(true, Ordering::AcqRel) {
+        if window == 0 {
             return;
         }
         let Some(me) = self.me.upgrade() else { return };
-        let spawned = std::thread::Builder::new().name("arbor-readahead".into()).spawn(move || {
-            if let Err(e) = me.fetch_all(&want) {
-                tracing::debug!(error = %e, "read-ahead failed; the reader will fetch on demand");
+        let window_end = end + window;
+        if end < self.footer.data_len {
+            let first = (end / self.chunk_size()) as usize;
+            // Whole runs of chunks, so each worker GET is a large one.
+            let last = (window_end.min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
+                .next_multiple_of(RUN_CHUNKS)
+                .min(self.footer.crcs.len());
+            for i in first..last {
+                r.enqueue_chunk(&me, i);
             }
-            me.reading_ahead.store(false, Ordering::Release);
-        });
-        if spawned.is_err() {
-            self.reading_ahead.store(false, Ordering::Release);
+        }
+        if window_end > self.footer.data_len && matches!(self.source, Source::Object { .. }) {
+            let next = self.id.next();
+            let spill = window_end - self.footer.data_len.max(end);
+            let known = r.segs.read().get(&next).cloned();
+            match known {
+                Some(seg) => {
+                    let last =
+                        (spill.min(seg.footer.data_len).div_ceil(seg.chunk_size()) as usize).min(seg.footer.crcs.len());
+                    for i in 0..last {
+                        r.enqueue_chunk(&seg, i);
+                    }
+                }
+                None if r.absent.lock().insert(next) => r.enqueue(Prefetch::NextSegment(r.clone(), next, spill)),
+                None => {}
+            }
+        }
+    }
+}
+
+impl Remote {
+    fn enqueue_chunk(self: &Arc<Self>, seg: &Arc<RemoteSeg>, i: usize) {
+        let key = (seg.id, i as u32);
+        if self.present(key) || self.inflight.lock().contains(&key) || !self.queued.lock().insert(key) {
+            return;
+        }
+        self.enqueue(Prefetch::Chunk(seg.clone(), i));
+    }
+
+    fn enqueue(self: &Arc<Self>, job: Prefetch) {
+        let mut tx = self.prefetch.lock();
+        if tx.is_none() {
+            let (send, recv) = crossbeam::channel::unbounded::<Prefetch>();
+            for n in 0..self.parallel {
+                let recv = recv.clone();
+                let spawned = std::thread::Builder::new().name(format!("arbor-fetch-{n}")).spawn(move || {
+                    for job in recv {
+                        match job {
+                            Prefetch::Chunk(seg, i) => {
+                                // Take the queued chunks that follow too, for one larger GET.
+                                let mut count = 0;
+                                {
+                                    let mut queued = seg.remote.queued.lock();
+                                    while count < RUN_CHUNKS
+                                        && i + count < seg.footer.crcs.len()
+                                        && queued.remove(&(seg.id, (i + count) as u32))
+                                    {
+                                        count += 1;
+                                    }
+                                }
+                                seg.fetch_run(i, count);
+                            }
+                            Prefetch::NextSegment(remote, id, bytes) => {
+                                if let Ok(Some(seg)) = remote.open(id) {
+                                    remote.absent.lock().remove(&id);
+                                    let last = (bytes.min(seg.footer.data_len).div_ceil(seg.chunk_size()) as usize)
+                                        .min(seg.footer.crcs.len());
+                                    for i in 0..last {
+                                        remote.enqueue_chunk(&seg, i);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                });
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "cannot start a fetch worker");
+                }
+            }
+            *tx = Some(send);
+        }
+        if let Some(tx) = tx.as_ref() {
+            let _ = tx.send(job);
         }
     }
 }
@@ -519,7 +666,13 @@ impl SegmentFile for RemoteSeg {
         let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
         let prev = self.last_end.swap(end, Ordering::Relaxed);
         if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
-            self.read_ahead(end);
+            let base = self.remote.read_ahead;
+            let w = self.window.load(Ordering::Relaxed);
+            let grown = if base == 0 { 0 } else { (w * 2).clamp(base, MAX_READ_AHEAD.max(base)) };
+            self.window.store(grown, Ordering::Relaxed);
+            self.read_ahead(end, grown);
+        } else {
+            self.window.store(self.remote.read_ahead, Ordering::Relaxed);
         }
         let mut fetched = self.fetch_all(&chunks)?;
         for &i in &chunks {
