@@ -69,29 +69,42 @@ impl Server {
         Ok(Server { listener, path, owner })
     }
 
-    /// Serves requests with `handle` until `handle` says stop.
-    pub fn serve(&self, mut handle: impl FnMut(&Value) -> (Value, bool)) {
-        for stream in self.listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let uid = peer_uid(&stream).unwrap_or(u32::MAX);
-            if uid != self.owner && uid != 0 {
-                tracing::warn!(uid, "refused a control request from another user");
-                let _ = writeln!(stream, "{}", json!({"ok": false, "error": "permission denied"}));
-                continue;
+    /// Serves requests with `handle`, each connection on its own thread
+    /// (so `status` answers while an `unmount` waits for uploads), until
+    /// `handle` says stop.
+    pub fn serve(&self, handle: impl Fn(&Value) -> (Value, bool) + Sync) {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for stream in self.listener.incoming() {
+                if stop.load(std::sync::atomic::Ordering::Acquire) {
+                    break;
+                }
+                let Ok(mut stream) = stream else { continue };
+                let uid = peer_uid(&stream).unwrap_or(u32::MAX);
+                if uid != self.owner && uid != 0 {
+                    tracing::warn!(uid, "refused a control request from another user");
+                    let _ = writeln!(stream, "{}", json!({"ok": false, "error": "permission denied"}));
+                    continue;
+                }
+                let (handle, stop, path) = (&handle, &stop, &self.path);
+                s.spawn(move || {
+                    let mut line = String::new();
+                    if BufReader::new(&stream).read_line(&mut line).is_err() {
+                        return;
+                    }
+                    let (reply, done) = match serde_json::from_str::<Value>(&line) {
+                        Ok(req) => handle(&req),
+                        Err(e) => (json!({"ok": false, "error": format!("bad request: {e}")}), false),
+                    };
+                    let _ = writeln!(stream, "{reply}");
+                    if done {
+                        stop.store(true, std::sync::atomic::Ordering::Release);
+                        // Wake the accept loop so it sees the flag.
+                        let _ = UnixStream::connect(path);
+                    }
+                });
             }
-            let mut line = String::new();
-            if BufReader::new(&stream).read_line(&mut line).is_err() {
-                continue;
-            }
-            let (reply, stop) = match serde_json::from_str::<Value>(&line) {
-                Ok(req) => handle(&req),
-                Err(e) => (json!({"ok": false, "error": format!("bad request: {e}")}), false),
-            };
-            let _ = writeln!(stream, "{reply}");
-            if stop {
-                return;
-            }
-        }
+        });
     }
 }
 

@@ -285,6 +285,44 @@ pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
     bail!("mount did not answer within 60 s; see {}", log_path.display())
 }
 
+/// While an unmount waits for the bucket, shows what is left to upload.
+fn show_upload_progress<T>(mountpoint: &Path, req: &std::thread::ScopedJoinHandle<'_, T>) {
+    use indicatif::{ProgressBar, ProgressStyle};
+    let pending = |mp: &Path| {
+        control::request(mp, json!({"op": "status"})).ok().and_then(|s| {
+            s["durability"].as_str()?;
+            s["pending_upload_bytes"].as_u64()
+        })
+    };
+    let mut bar: Option<ProgressBar> = None;
+    let mut most = 0;
+    // Bounded: an hour of 200 ms polls; the unmount itself has its own limit.
+    for _ in 0..18_000 {
+        if req.is_finished() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let Some(left) = pending(mountpoint) else { continue };
+        if left == 0 && bar.is_none() {
+            continue;
+        }
+        most = most.max(left);
+        let b = bar.get_or_insert_with(|| {
+            let b = ProgressBar::new(most);
+            if let Ok(style) = ProgressStyle::with_template("uploading {bar:40} {bytes}/{total_bytes} {bytes_per_sec}")
+            {
+                b.set_style(style);
+            }
+            b
+        });
+        b.set_length(most);
+        b.set_position(most - left);
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+}
+
 fn last_line(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let line = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no log output");
@@ -294,7 +332,12 @@ fn last_line(log: &Path) -> String {
 /// Unmounts through the control socket (which waits for the final
 /// commit), or detaches a mount whose server is gone.
 pub fn unmount(mountpoint: &Path) -> Result<()> {
-    if let Err(e) = control::request(mountpoint, json!({"op": "unmount"})) {
+    let waited = std::thread::scope(|s| {
+        let req = s.spawn(|| control::request(mountpoint, json!({"op": "unmount"})));
+        show_upload_progress(mountpoint, &req);
+        req.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the unmount request failed")))
+    });
+    if let Err(e) = waited {
         if !disk::is_mountpoint(mountpoint) {
             return Err(e);
         }

@@ -371,3 +371,40 @@ fn a_dead_writers_lease_expires_and_the_next_writer_takes_over() {
     };
     b.lookup(ROOT_INO, files[0].0.as_bytes()).expect("the new writer sees the committed files");
 }
+
+#[test]
+fn slow_bucket_calls_are_shared_by_concurrent_fsyncs() {
+    let (faults, store) = faulty(Arc::new(MemObjectStore::new()));
+    let cache = tempfile::tempdir().expect("cache");
+    let (vol, dev) = open(&store, cache.path(), tier(Durability::Bucket));
+    faults.inject(Fault::Delay(Duration::from_millis(20)));
+    let before = dev.stats().wal_pieces;
+    let threads: Vec<_> = (0..8u32)
+        .map(|t| {
+            let vol = vol.clone();
+            std::thread::spawn(move || {
+                let name = format!("t{t}");
+                let ino = vol.create(ROOT_INO, name.as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+                for i in 0..10u64 {
+                    vol.write(ino, i * 4096, &pattern(4096, t)).expect("write");
+                    vol.fsync(ino).expect("fsync");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread");
+    }
+    let pieces = dev.stats().wal_pieces - before;
+    assert!(pieces < 80, "80 fsyncs made {pieces} WAL PUTs: no group commit over a slow bucket");
+    assert!(pieces > 0);
+    faults.inject(Fault::Delay(Duration::ZERO));
+    drop(vol);
+    drop(dev);
+    let fresh = tempfile::tempdir().expect("cache");
+    let (vol, _dev) = open(&store, fresh.path(), tier(Durability::Bucket));
+    for t in 0..8u32 {
+        let ino = vol.lookup(ROOT_INO, format!("t{t}").as_bytes()).expect("file").ino;
+        assert_eq!(vol.read(ino, 9 * 4096, 4096).expect("read"), pattern(4096, t));
+    }
+}
