@@ -15,7 +15,9 @@ use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(name = "arbor", version, about = "A disk made of a bucket: mount it anywhere, fsync is durable.")]
-#[command(after_help = "Example:\n  arbor init ./disk && mkdir -p /mnt/data && arbor mount ./disk /mnt/data")]
+#[command(
+    after_help = "Example:\n  arbor init ./disk && mkdir -p /mnt/data && arbor mount ./disk /mnt/data\n  arbor init s3://my-bucket/disk1 && arbor mount s3://my-bucket/disk1 /mnt/data --cache-size 100G"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -23,18 +25,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create a new disk in DISK (a local folder), with branch main.
-    #[command(after_help = "Example:\n  arbor init /data/arbor-disk")]
+    /// Create a new disk (with branch main) in a bucket or a local folder.
+    #[command(after_help = "Example:\n  arbor init /data/arbor-disk\n  arbor init s3://my-bucket/team/disk1")]
     Init {
-        /// The disk: a local folder (s3:// URLs are not supported yet).
+        /// The disk: s3://bucket/prefix, or a local folder (the embedded default).
         disk: String,
     },
     /// Mount a branch (read-write) or checkpoint (read-only) of DISK at MOUNTPOINT.
     #[command(
-        after_help = "Example:\n  arbor mount /data/arbor-disk /mnt/data\n  arbor mount /data/arbor-disk /mnt/run-a --branch run-a\n  arbor mount /data/arbor-disk /mnt/v1 --checkpoint dataset-v1"
+        after_help = "Example:\n  arbor mount /data/arbor-disk /mnt/data\n  arbor mount /data/arbor-disk /mnt/run-a --branch run-a\n  arbor mount /data/arbor-disk /mnt/v1 --checkpoint dataset-v1\n  arbor mount s3://my-bucket/disk1 /mnt/run-b --branch run-b --durability bucket --cache-dir /nvme/arbor"
     )]
     Mount(MountCmd),
-    /// Unmount MOUNTPOINT, waiting until everything is durable.
+    /// Unmount MOUNTPOINT, waiting until everything is durable and in the bucket.
     #[command(after_help = "Example:\n  arbor unmount /mnt/data")]
     Unmount { mountpoint: PathBuf },
     /// Show what the mount at MOUNTPOINT is doing.

@@ -242,7 +242,7 @@ impl ObjectStore for S3Store {
         };
         let tag = out.e_tag().unwrap_or_default().to_string();
         let body = self.rt.block_on(out.body.collect()).map_err(|e| Error::Io(std::io::Error::other(e.to_string())))?;
-        Ok((body.into_bytes().to_vec(), tag))
+        Ok((Vec::from(body.into_bytes()), tag))
     }
 
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
@@ -255,14 +255,21 @@ impl ObjectStore for S3Store {
             range.start,
             range.end - 1
         ));
-        let out = match self.rt.block_on(req.send()) {
-            Ok(out) => out,
-            Err(e) if status(&e) == Some(404) => return Err(Error::NoSuchObject(key.into())),
-            Err(e) if status(&e) == Some(416) => return Err(Error::Invalid("range outside the object")),
-            Err(e) => return Err(io_error("ranged get", e)),
-        };
-        let body = self.rt.block_on(out.body.collect()).map_err(|e| Error::Io(std::io::Error::other(e.to_string())))?;
-        Ok(body.into_bytes().to_vec())
+        // The request and its body run as one task on the store's runtime:
+        // the caller's thread only waits, so many concurrent readers do not
+        // each poll sockets of their own.
+        let task = self.rt.spawn(async move {
+            let out = req.send().await?;
+            Ok::<_, SdkError<_, _>>(out.body.collect().await.map(|b| b.into_bytes()))
+        });
+        let joined = self.rt.block_on(task).map_err(|e| Error::Io(std::io::Error::other(format!("S3 task: {e}"))))?;
+        match joined {
+            Ok(Ok(bytes)) => Ok(Vec::from(bytes)),
+            Ok(Err(e)) => Err(Error::Io(std::io::Error::other(format!("S3 ranged get body: {e}")))),
+            Err(e) if status(&e) == Some(404) => Err(Error::NoSuchObject(key.into())),
+            Err(e) if status(&e) == Some(416) => Err(Error::Invalid("range outside the object")),
+            Err(e) => Err(io_error("ranged get", e)),
+        }
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
