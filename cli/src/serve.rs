@@ -30,7 +30,8 @@ impl MountArgs {
 
 enum Event {
     Stop(&'static str),
-    Unmount(mpsc::Sender<()>),
+    /// Unmount, then report how closing the volume went.
+    Unmount(mpsc::Sender<Result<(), String>>),
 }
 
 struct Prepared {
@@ -202,7 +203,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let closed = vol.close();
     drop(vol);
     if let Some(a) = ack {
-        let _ = a.send(());
+        let _ = a.send(closed.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")));
         let _ = replied_rx.recv_timeout(Duration::from_secs(5));
     }
     closed.context("final commit failed")?;
@@ -241,8 +242,17 @@ impl ControlState {
             Some("unmount") => {
                 let (ack_tx, ack_rx) = mpsc::channel();
                 let _ = tx.send(Event::Unmount(ack_tx));
-                let _ = ack_rx.recv_timeout(Duration::from_secs(600));
-                (json!({"ok": true, "result": null}), true)
+                match ack_rx.recv_timeout(Duration::from_secs(600)) {
+                    Ok(Ok(())) => (json!({"ok": true, "result": null}), true),
+                    Ok(Err(e)) => (json!({"ok": false, "error": format!("unmounted, but closing failed: {e}")}), true),
+                    Err(_) => (
+                        json!({"ok": false, "error": format!(
+                            "unmounted, but still uploading after 10 minutes; the server (pid {}) keeps trying: see its log",
+                            std::process::id()
+                        )}),
+                        true,
+                    ),
+                }
             }
             other => (json!({"ok": false, "error": format!("unknown request {other:?}")}), false),
         }

@@ -158,7 +158,7 @@ impl BucketDevice {
     /// Segments left in the cache by an earlier life that never reached the
     /// bucket are queued for upload; the uploads start with the first write.
     pub fn open(store: Arc<dyn ObjectStore>, cache_dir: &Path, cfg: TierConfig) -> Result<Arc<BucketDevice>> {
-        let local = FileDevice::open_exclusive(cache_dir.join("segments"), cfg.io)?;
+        let local = open_cache(&cache_dir.join("segments"), cfg.io)?;
         let remote =
             Remote::new(store.clone(), cache_dir.join("chunks"), cfg.cache_size, cfg.read_ahead, cfg.parallel_gets)?;
         let mut up = Uploads::default();
@@ -390,7 +390,7 @@ impl Shared {
         // published by the writer that made it.
         let Some(file) = self.local.open_segment(upto.seg)? else { return Ok(()) };
         let mut buf = vec![0u8; (end - from) as usize];
-        file.read_at(&mut buf, from)?;
+        self.remote.read_local(upto.seg, file.as_ref(), &mut buf, from)?;
         let (body, _) = object::with_footer(&buf, self.cfg.chunk_size);
         self.store.put(&object::wal_key(upto.seg, from), &body)?;
         let mut up = self.up.lock();
@@ -401,12 +401,46 @@ impl Shared {
     }
 }
 
+/// A segment this node is writing or has not uploaded yet. Once uploaded,
+/// its file becomes a cached copy whose chunks may be evicted; reads through
+/// a handle taken before that go through the cache.
+struct LocalSeg {
+    id: SegId,
+    file: Arc<dyn SegmentFile>,
+    remote: Arc<Remote>,
+}
+
+impl SegmentFile for LocalSeg {
+    fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
+        self.file.write_at(buf, off)
+    }
+    fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        self.remote.read_local(self.id, self.file.as_ref(), buf, off)
+    }
+    fn sync(&self) -> Result<()> {
+        self.file.sync()
+    }
+    fn size(&self) -> Result<u64> {
+        self.file.size()
+    }
+    fn truncate(&self, len: u64) -> Result<()> {
+        self.file.truncate(len)
+    }
+    fn start_writeback(&self) {
+        self.file.start_writeback()
+    }
+}
+
 impl Drop for BucketDevice {
     fn drop(&mut self) {
         self.shared.up.lock().stop = true;
         self.shared.changed.notify_all();
         if let Some(h) = self.uploader.lock().take() {
-            let _ = h.join();
+            // The uploader itself may drop the last handle (through a head
+            // it was publishing); it then just ends its loop.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
     }
 }
@@ -434,7 +468,7 @@ impl Device for BucketDevice {
 
     fn open_segment(&self, id: SegId) -> Result<Option<Arc<dyn SegmentFile>>> {
         if let Some(f) = self.shared.local.open_segment(id)? {
-            return Ok(Some(f));
+            return Ok(Some(Arc::new(LocalSeg { id, file: f, remote: self.shared.remote.clone() })));
         }
         Ok(self.shared.remote.open(id)?.map(|s| s as Arc<dyn SegmentFile>))
     }
@@ -536,6 +570,22 @@ impl Device for BucketDevice {
             })
             .sum()
     }
+}
+
+/// Opens the cache directory as its one user. A device of this process
+/// that is still shutting down (its uploader finishing a call) is waited
+/// for, briefly; another process holding it is an error at once.
+fn open_cache(dir: &Path, io: IoMode) -> Result<Arc<FileDevice>> {
+    let me = std::process::id().to_string();
+    for _ in 0..100 {
+        match FileDevice::open_exclusive(dir, io) {
+            Err(Error::Busy(why)) if why.ends_with(&format!("pid {me}")) => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => return other,
+        }
+    }
+    FileDevice::open_exclusive(dir, io)
 }
 
 /// Where a mount of `disk` keeps its cache by default:

@@ -36,8 +36,9 @@ const GET_TRIES: usize = 4;
 #[derive(Default)]
 struct Lru {
     tick: u64,
-    /// Present chunks: when each was last used, its length and offset.
-    chunks: HashMap<ChunkKey, (u64, u32, u64)>,
+    /// Present chunks: when each was last used, its length and offset,
+    /// and whether its bytes were checked in this process.
+    chunks: HashMap<ChunkKey, (u64, u32, u64, bool)>,
     bytes: u64,
 }
 
@@ -72,6 +73,12 @@ pub(crate) struct Remote {
     queued: Mutex<HashSet<ChunkKey>>,
     /// Segments read-ahead looked for and did not find (it looks once).
     absent: Mutex<HashSet<SegId>>,
+    /// Segments this node wrote whose files became cached copies: reads
+    /// through an older local handle go through the cache instead.
+    adopted: Mutex<HashSet<SegId>>,
+    /// One open at a time: two opens of one segment must not both set up
+    /// its cache file.
+    opening: Mutex<()>,
     gets: AtomicU64,
     fetched: AtomicU64,
     hits: AtomicU64,
@@ -158,6 +165,8 @@ impl Remote {
             prefetch: Mutex::new(None),
             queued: Mutex::new(HashSet::new()),
             absent: Mutex::new(HashSet::new()),
+            adopted: Mutex::new(HashSet::new()),
+            opening: Mutex::new(()),
             gets: AtomicU64::new(0),
             fetched: AtomicU64::new(0),
             hits: AtomicU64::new(0),
@@ -182,6 +191,25 @@ impl Remote {
         self.dir.join(id.file_name())
     }
 
+    /// Whether chunk `key` is present and already checked in this process.
+    fn verified(&self, key: ChunkKey) -> Option<bool> {
+        self.lru.lock().chunks.get(&key).map(|e| e.3)
+    }
+
+    fn mark_verified(&self, key: ChunkKey) {
+        if let Some(e) = self.lru.lock().chunks.get_mut(&key) {
+            e.3 = true;
+        }
+    }
+
+    /// Drops one chunk that failed its check.
+    fn forget_chunk(&self, key: ChunkKey) {
+        let mut lru = self.lru.lock();
+        if let Some((_, len, _, _)) = lru.chunks.remove(&key) {
+            lru.bytes -= len as u64;
+        }
+    }
+
     fn present(&self, key: ChunkKey) -> bool {
         self.lru.lock().chunks.contains_key(&key)
     }
@@ -195,23 +223,54 @@ impl Remote {
         }
     }
 
-    /// Marks chunks present, then evicts down to 90 % of the capacity if
-    /// the cache grew past it. `old` chunks go to the cold end.
-    fn add(&self, keys: impl IntoIterator<Item = (ChunkKey, u32, u64)>, old: bool) {
-        let over = {
-            let mut lru = self.lru.lock();
-            for (key, len, off) in keys {
-                lru.tick += 1;
-                let tick = if old { 0 } else { lru.tick };
-                if lru.chunks.insert(key, (tick, len, off)).is_none() {
-                    lru.bytes += len as u64;
+    /// Writes fetched chunks into `file` and marks them present, both while
+    /// no eviction runs: an eviction that chose a chunk (before a reader
+    /// fetched it again) must punch its hole before the fresh bytes land,
+    /// never after.
+    fn land(&self, file: &File, chunks: &[(ChunkKey, &[u8], u64)]) {
+        let mut landed = Vec::with_capacity(chunks.len());
+        {
+            let _no_eviction = self.evicting.read();
+            for &(key, bytes, off) in chunks {
+                match file.write_all_at(bytes, off) {
+                    Ok(()) => landed.push((key, bytes.len() as u32, off)),
+                    Err(e) => tracing::warn!(error = %e, "cannot write a chunk to the cache; it stays uncached"),
                 }
             }
-            lru.bytes > self.capacity
-        };
+            self.insert(&landed, false);
+        }
+        self.evict_if_over();
+    }
+
+    /// Marks chunks present; `old` chunks go to the cold end.
+    fn insert(&self, keys: &[(ChunkKey, u32, u64)], old: bool) {
+        let mut lru = self.lru.lock();
+        for &(key, len, off) in keys {
+            lru.tick += 1;
+            let tick = if old { 0 } else { lru.tick };
+            // Chunks found in a cache file from before (`old`) are checked
+            // against the footer when first read: a crash may have left
+            // a chunk half written, and a punched partial block reads as
+            // zeros yet counts as data.
+            if lru.chunks.insert(key, (tick, len, off, !old)).is_none() {
+                lru.bytes += len as u64;
+            }
+        }
+    }
+
+    fn evict_if_over(&self) {
+        let over = self.lru.lock().bytes > self.capacity;
         if over {
             self.evict();
         }
+    }
+
+    /// Marks chunks present, then evicts down to 90 % of the capacity if
+    /// the cache grew past it. `old` chunks go to the cold end.
+    fn add(&self, keys: impl IntoIterator<Item = (ChunkKey, u32, u64)>, old: bool) {
+        let keys: Vec<_> = keys.into_iter().collect();
+        self.insert(&keys, old);
+        self.evict_if_over();
     }
 
     fn evict(&self) {
@@ -223,7 +282,7 @@ impl Remote {
                 return;
             }
             let mut all: Vec<(u64, ChunkKey, u32, u64)> =
-                lru.chunks.iter().map(|(k, (t, l, o))| (*t, *k, *l, *o)).collect();
+                lru.chunks.iter().map(|(k, (t, l, o, _))| (*t, *k, *l, *o)).collect();
             all.sort_unstable();
             let mut out = Vec::new();
             for (_, key, len, off) in all {
@@ -262,19 +321,41 @@ impl Remote {
 
     /// A segment this node wrote and has just uploaded: its file becomes
     /// the cached copy, every chunk present.
+    /// Done while no read of the old local file is under way (they hold
+    /// `evicting` shared), so none can see a hole punched later.
     pub fn adopt(self: &Arc<Self>, id: SegId, local: &std::path::Path, footer: Footer) -> Result<()> {
-        let path = self.path(id);
-        fs::rename(local, &path)?;
-        let file = File::options().read(true).write(true).open(&path)?;
-        let chunks: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
-            .map(|i| {
-                let (s, e) = footer.chunk_range(i);
-                ((id, i as u32), (e - s) as u32, s)
-            })
-            .collect();
-        self.insert_seg(id, footer, Source::Object { file });
-        self.add(chunks, false);
+        {
+            let _no_readers = self.evicting.write();
+            let path = self.path(id);
+            fs::rename(local, &path)?;
+            self.adopted.lock().insert(id);
+            let file = File::options().read(true).write(true).open(&path)?;
+            let chunks: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
+                .map(|i| {
+                    let (s, e) = footer.chunk_range(i);
+                    ((id, i as u32), (e - s) as u32, s)
+                })
+                .collect();
+            self.segs.write().remove(&id);
+            self.insert_seg(id, footer, Source::Object { file });
+            self.insert(&chunks, false);
+        }
+        self.evict_if_over();
         Ok(())
+    }
+
+    /// Reads `buf` at `off` of segment `id` through `local` (this node's
+    /// file of it), unless the segment has since become a cached copy:
+    /// then through the cache, which knows which chunks were evicted.
+    pub fn read_local(self: &Arc<Self>, id: SegId, local: &dyn SegmentFile, buf: &mut [u8], off: u64) -> Result<()> {
+        {
+            let _no_eviction = self.evicting.read();
+            if !self.adopted.lock().contains(&id) {
+                return local.read_at(buf, off);
+            }
+        }
+        let seg = self.open(id)?.ok_or_else(|| Error::corrupted("missing segment", id))?;
+        seg.read_at(buf, off)
     }
 
     fn insert_seg(self: &Arc<Self>, id: SegId, footer: Footer, source: Source) -> Arc<RemoteSeg> {
@@ -303,6 +384,10 @@ impl Remote {
         if let Some(s) = self.segs.read().get(&id) {
             return Ok(Some(s.clone()));
         }
+        let _one = self.opening.lock();
+        if let Some(s) = self.segs.read().get(&id) {
+            return Ok(Some(s.clone()));
+        }
         let key = segment_key(id);
         let size = match self.store.size(&key) {
             Ok(size) => size,
@@ -314,6 +399,8 @@ impl Remote {
         let file = File::options().read(true).write(true).create(true).truncate(false).open(&path)?;
         if file.metadata()?.len() != footer.data_len {
             // A new cache file, or one from another life of this name: start empty.
+            let _no_readers = self.evicting.write();
+            self.forget_chunks(id);
             file.set_len(0)?;
             file.set_len(footer.data_len)?;
         } else {
@@ -394,15 +481,20 @@ impl Remote {
     /// Forgets a deleted segment.
     pub fn remove(&self, id: SegId) {
         self.segs.write().remove(&id);
+        self.adopted.lock().remove(&id);
         let _x = self.evicting.write();
+        self.forget_chunks(id);
+        let _ = fs::remove_file(self.path(id));
+    }
+
+    fn forget_chunks(&self, id: SegId) {
         let mut lru = self.lru.lock();
         let keys: Vec<ChunkKey> = lru.chunks.keys().filter(|k| k.0 == id).copied().collect();
         for k in keys {
-            if let Some((_, len, _)) = lru.chunks.remove(&k) {
+            if let Some((_, len, _, _)) = lru.chunks.remove(&k) {
                 lru.bytes -= len as u64;
             }
         }
-        let _ = fs::remove_file(self.path(id));
     }
 }
 
@@ -437,7 +529,6 @@ impl RemoteSeg {
                 let bytes = r.store.get_range(&self.key, s..e)?;
                 if self.footer.verify(i, &bytes) {
                     r.fetched.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                    file.write_all_at(&bytes, s)?;
                     return Ok(bytes);
                 }
                 r.retries.fetch_add(1, Ordering::Relaxed);
@@ -446,7 +537,7 @@ impl RemoteSeg {
             Err(Error::corrupted("segment chunk from the bucket", format!("{}#{i}", self.id)))
         })();
         if let Ok(bytes) = &res {
-            r.add([(key, bytes.len() as u32, self.footer.chunk_range(i).0)], false);
+            r.land(file, &[(key, bytes, self.footer.chunk_range(i).0)]);
         }
         r.inflight.lock().remove(&key);
         r.landed.notify_all();
@@ -477,28 +568,25 @@ impl RemoteSeg {
         let (start, _) = self.footer.chunk_range(first);
         let (_, end) = self.footer.chunk_range(first + claimed - 1);
         r.gets.fetch_add(1, Ordering::Relaxed);
-        let mut landed = Vec::new();
         match r.store.get_range(&self.key, start..end) {
             Ok(bytes) => {
+                let mut good = Vec::new();
                 for i in first..first + claimed {
                     let (s, e) = self.footer.chunk_range(i);
-                    let part = bytes.get((s - start) as usize..(e - start) as usize);
-                    match part {
+                    match bytes.get((s - start) as usize..(e - start) as usize) {
                         Some(part) if self.footer.verify(i, part) => {
-                            if file.write_all_at(part, s).is_ok() {
-                                r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
-                                landed.push(((self.id, i as u32), part.len() as u32, s));
-                            }
+                            r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
+                            good.push(((self.id, i as u32), part, s));
                         }
                         _ => {
                             r.retries.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }
+                r.land(file, &good);
             }
             Err(e) => tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand"),
         }
-        r.add(landed, false);
         let mut inflight = r.inflight.lock();
         for i in first..first + claimed {
             inflight.remove(&(self.id, i as u32));
@@ -690,12 +778,31 @@ impl SegmentFile for RemoteSeg {
                 }
                 {
                     let _x = self.remote.evicting.read();
-                    if self.remote.present((self.id, i as u32)) {
-                        file.read_exact_at(dst, from)?;
-                        self.remote.touch((self.id, i as u32));
-                        self.remote.hits.fetch_add(1, Ordering::Relaxed);
-                        filled = true;
-                        break;
+                    let key = (self.id, i as u32);
+                    match self.remote.verified(key) {
+                        Some(true) => {
+                            file.read_exact_at(dst, from)?;
+                            self.remote.touch(key);
+                            self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                            filled = true;
+                            break;
+                        }
+                        Some(false) => {
+                            // Cached by an earlier process: check it once.
+                            let mut whole = vec![0u8; (cend - cstart) as usize];
+                            file.read_exact_at(&mut whole, cstart)?;
+                            if self.footer.verify(i, &whole) {
+                                self.remote.mark_verified(key);
+                                dst.copy_from_slice(&whole[(from - cstart) as usize..(to - cstart) as usize]);
+                                self.remote.touch(key);
+                                self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                                filled = true;
+                                break;
+                            }
+                            tracing::debug!(seg = %self.id, chunk = i, "a cached chunk failed its check; fetching it again");
+                            self.remote.forget_chunk(key);
+                        }
+                        None => {}
                     }
                 }
                 if let Some(b) = self.fetch(i)? {
