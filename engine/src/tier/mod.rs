@@ -442,6 +442,7 @@ impl Drop for BucketDevice {
                 let _ = h.join();
             }
         }
+        self.shared.remote.shutdown();
     }
 }
 

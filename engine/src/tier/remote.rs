@@ -478,6 +478,14 @@ impl Remote {
         Ok(Some(self.insert_seg(id, footer, Source::Wal(data))))
     }
 
+    /// Lets go of every open segment and stops the fetch workers (once
+    /// their queue is empty). Segments hold the cache, so without this the
+    /// two would keep each other, and the workers, alive.
+    pub fn shutdown(&self) {
+        self.prefetch.lock().take();
+        self.segs.write().clear();
+    }
+
     /// Forgets a deleted segment.
     pub fn remove(&self, id: SegId) {
         self.segs.write().remove(&id);
