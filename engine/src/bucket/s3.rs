@@ -111,7 +111,15 @@ impl S3Store {
                 loader.credentials_provider(aws_sdk_s3::config::Credentials::new(key, secret, None, None, "arbor"));
         }
         let shared = rt.block_on(loader.load());
-        let conf = aws_sdk_s3::config::Builder::from(&shared).force_path_style(cfg.path_style).build();
+        // Every byte arbor stores carries its own crc32c (records, segment
+        // footers, heads), checked on read; the SDK's optional checksums
+        // would only add CPU, and a server that stores a stale one (s3s-fs
+        // after a client dies mid-PUT) would make good bytes unreadable.
+        let conf = aws_sdk_s3::config::Builder::from(&shared)
+            .force_path_style(cfg.path_style)
+            .request_checksum_calculation(aws_sdk_s3::config::RequestChecksumCalculation::WhenRequired)
+            .response_checksum_validation(aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired)
+            .build();
         let prefix = cfg.prefix.trim_matches('/').to_string();
         Ok(S3Store { client: Client::from_conf(conf), bucket: cfg.bucket.clone(), prefix, rt })
     }
