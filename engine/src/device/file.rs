@@ -70,14 +70,7 @@ impl FileDevice {
     fn remember(&self, id: SegId, file: File) -> Arc<dyn SegmentFile> {
         let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment { file, io: self.io.clone() });
         let mut open = self.open.write();
-        // Bound the descriptors kept open. Dropping a handle from the map
-        // never closes a file in use: its users hold their own Arc.
-        if open.len() >= MAX_OPEN_SEGMENTS {
-            let victims: Vec<SegId> = open.keys().take(MAX_OPEN_SEGMENTS / 4).copied().collect();
-            for v in victims {
-                open.remove(&v);
-            }
-        }
+        super::bound_handles(&mut open, MAX_OPEN_SEGMENTS);
         open.entry(id).or_insert(seg).clone()
     }
 

@@ -26,6 +26,18 @@ pub mod failpoints {
     pub const ALL: [&str; 6] = [INTENT_APPEND, SEGMENT_SEAL, FSYNC, NODE_WRITE, COMMIT_RECORD, SUPERBLOCK];
 }
 
+/// Keeps a map of open segment handles under `max` entries by dropping a
+/// quarter of them when it is full. Dropping a handle never closes a file
+/// in use: its users hold their own `Arc`.
+pub(crate) fn bound_handles<V>(map: &mut std::collections::HashMap<SegId, V>, max: usize) {
+    if map.len() >= max {
+        let victims: Vec<SegId> = map.keys().take(max / 4).copied().collect();
+        for v in victims {
+            map.remove(&v);
+        }
+    }
+}
+
 pub trait SegmentFile: Send + Sync {
     /// Writes all of `buf` at `off`; not durable until [`SegmentFile::sync`].
     fn write_at(&self, buf: &[u8], off: u64) -> Result<()>;

@@ -282,9 +282,10 @@ impl Shared {
                     if let Some(&(t, id, len)) = up.queue.front() {
                         break Job::Upload(t, id, len);
                     }
-                    if up.publish.as_ref().is_some_and(|p| up.done_through >= p.need) {
+                    let done = up.done_through;
+                    if let Some(p) = up.publish.take_if(|p| done >= p.need) {
                         up.publishing = true;
-                        break Job::Publish(up.publish.take().expect("checked"));
+                        break Job::Publish(p);
                     }
                     self.changed.wait_for(&mut up, Duration::from_secs(1));
                 }
@@ -358,8 +359,9 @@ impl Shared {
     /// Uploads sealed segment `id` and moves its file into the cache.
     fn upload(&self, id: SegId) -> Result<u64> {
         let path = self.local.path_of(id);
-        let data = std::fs::read(&path)?;
-        let (body, footer) = object::with_footer(&data, self.cfg.chunk_size);
+        let body = std::fs::read(&path)?;
+        let len = body.len() as u64;
+        let (body, footer) = object::with_footer(body, self.cfg.chunk_size);
         self.store.put_large(&object::segment_key(id), &body)?;
         // The segment is in the bucket whole: its WAL pieces are spare.
         for key in self.store.list(&object::wal_prefix(id))? {
@@ -367,7 +369,7 @@ impl Shared {
         }
         self.local.forget(id);
         self.remote.adopt(id, &path, footer)?;
-        Ok(data.len() as u64)
+        Ok(len)
     }
 
     /// Puts the bytes of `upto.seg` up to `upto.end()` that are not in the
@@ -391,7 +393,7 @@ impl Shared {
         let Some(file) = self.local.open_segment(upto.seg)? else { return Ok(()) };
         let mut buf = vec![0u8; (end - from) as usize];
         self.remote.read_local(upto.seg, file.as_ref(), &mut buf, from)?;
-        let (body, _) = object::with_footer(&buf, self.cfg.chunk_size);
+        let (body, _) = object::with_footer(buf, self.cfg.chunk_size);
         self.store.put(&object::wal_key(upto.seg, from), &body)?;
         let mut up = self.up.lock();
         let shipped = up.shipped.entry(upto.seg).or_insert(0);

@@ -144,13 +144,12 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
-/// `data` followed by its footer: the body of a segment object or WAL piece.
-pub fn with_footer(data: &[u8], chunk_size: u32) -> (Vec<u8>, Footer) {
-    let footer = Footer::of(data, chunk_size);
-    let mut body = Vec::with_capacity(data.len() + footer.encoded_len());
-    body.extend_from_slice(data);
-    footer.encode(&mut body);
-    (body, footer)
+/// `data` with its footer appended: the body of a segment object or WAL piece.
+pub fn with_footer(mut data: Vec<u8>, chunk_size: u32) -> (Vec<u8>, Footer) {
+    let footer = Footer::of(&data, chunk_size);
+    data.reserve_exact(footer.encoded_len());
+    footer.encode(&mut data);
+    (data, footer)
 }
 
 /// Splits a whole object into its data and verified footer, checking every chunk.
@@ -187,7 +186,7 @@ mod tests {
     #[test]
     fn footer_round_trips_and_catches_any_flipped_byte() {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
-        let (body, footer) = with_footer(&data, 4096);
+        let (body, footer) = with_footer(data.clone(), 4096);
         assert_eq!(footer.crcs.len(), 3);
         let (back, f2) = split_verified(&body, "test").expect("valid");
         assert_eq!(back, data);

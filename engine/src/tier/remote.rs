@@ -370,12 +370,7 @@ impl Remote {
             me: me.clone(),
         });
         let mut segs = self.segs.write();
-        if segs.len() >= MAX_OPEN {
-            let victims: Vec<SegId> = segs.keys().take(MAX_OPEN / 4).copied().collect();
-            for v in victims {
-                segs.remove(&v);
-            }
-        }
+        crate::device::bound_handles(&mut segs, MAX_OPEN);
         segs.entry(id).or_insert(seg).clone()
     }
 
