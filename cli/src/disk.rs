@@ -63,8 +63,6 @@ pub struct Disk {
     cache_name: String,
     catalog: OnceLock<Arc<Catalog>>,
     tier: OnceLock<Arc<BucketDevice>>,
-    /// A command's throwaway cache, removed when the disk is dropped.
-    scratch: OnceLock<PathBuf>,
 }
 
 /// Parses a DISK argument.
@@ -155,7 +153,6 @@ impl Disk {
             cache_name: format!("cmd-{}", std::process::id()),
             catalog: OnceLock::new(),
             tier: OnceLock::new(),
-            scratch: OnceLock::new(),
         })
     }
 
@@ -241,10 +238,9 @@ impl Disk {
             Location::Local(root) => Ok(FileDevice::open(root.join("segments"), io_mode()?)?),
             Location::S3 { .. } => {
                 let dir = self.cache_dir();
-                if self.cache.dir.is_none() && self.cache_name.starts_with("cmd-") {
-                    let _ = self.scratch.set(dir.clone());
-                }
                 let tier = TierConfig {
+                    // A command's own cache goes when its last user does.
+                    ephemeral: self.cache.dir.is_none() && self.cache_name.starts_with("cmd-"),
                     durability: self.cache.durability,
                     cache_size: self.cache.size,
                     read_ahead: self.cache.read_ahead,
@@ -252,7 +248,11 @@ impl Disk {
                     ..TierConfig::default()
                 };
                 let dev = BucketDevice::open(self.store.clone(), &dir, tier).map_err(|e| match e {
-                    Error::Busy(_) => anyhow!("cache directory {} is in use by another arbor process", dir.display()),
+                    Error::Busy(_) => anyhow!(
+                        "cache directory {} is in use by another arbor process ({} is already mounted on this node?)",
+                        dir.display(),
+                        self.cache_name.trim_start_matches("mounts/")
+                    ),
                     e => anyhow::Error::from(e).context(format!("cannot open cache directory {}", dir.display())),
                 })?;
                 let _ = self.tier.set(dev.clone());
@@ -280,16 +280,6 @@ impl Disk {
 
     pub fn log_path(&self, name: &str) -> PathBuf {
         self.node_dir.join("logs").join(format!("{name}.log"))
-    }
-}
-
-impl Drop for Disk {
-    fn drop(&mut self) {
-        if let Some(dir) = self.scratch.take() {
-            self.catalog.take();
-            self.tier.take();
-            let _ = std::fs::remove_dir_all(dir);
-        }
     }
 }
 

@@ -163,6 +163,13 @@ fn cold_reads_fetch_verified_chunks_and_the_cache_stays_bounded() {
     check_files(&vol, &files);
     let s = dev.stats().cache;
     assert!(s.gets > 0 && s.fetched_bytes >= 6 << 20, "{s:?}");
+    // A short-lived cache goes with its device.
+    let scratch = cache.path().join("scratch");
+    let temp = BucketDevice::open(store.clone(), &scratch, TierConfig { ephemeral: true, ..tier(Durability::Local) })
+        .expect("device");
+    assert!(scratch.exists());
+    drop(temp);
+    assert!(!scratch.exists(), "an ephemeral cache outlived its device");
     assert!(s.cached_bytes <= 1 << 20, "cache grew past its bound: {s:?}");
     assert!(s.evicted_bytes > 0, "{s:?}");
     // The chunk files on disk hold no more than the bound either.

@@ -121,6 +121,15 @@ fn checkpoints_and_branches_open_from_the_bucket_alone() {
     assert!(list.contains("run-a") && list.contains("main"), "{list}");
     let diff = arbor_env_ok(&["diff", &disk, "v1", "branch:run-a"], &w.env);
     assert!(diff.contains("model.ckpt"), "{diff}");
+    // Commands on the unmounted disk read segments through a cache of their own.
+    let gc = arbor_env_ok(&["gc", &disk], &w.env);
+    assert!(gc.contains("reachable") && gc.contains("deleted"), "{gc}");
+    let fsck = arbor_env_ok(&["fsck", &disk, "--json"], &w.env);
+    assert!(fsck.contains("\"problems\":[]"), "{fsck}");
+    // Nothing gc deleted was needed: every root still reads whole.
+    let m = Mount::start_env(&disk, &v1, &["--checkpoint", "v1"], &w.env);
+    assert!(std::fs::read(v1.join("dataset.bin")).expect("read") == dataset, "checkpoint bytes differ after gc");
+    m.unmount_env(&w.env);
 }
 
 #[test]

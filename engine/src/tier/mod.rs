@@ -72,6 +72,9 @@ pub struct TierConfig {
     pub max_pending: u64,
     /// How long close waits for uploads; `None` waits as long as it takes.
     pub drain_timeout: Option<Duration>,
+    /// Delete the cache directory when the device is dropped (a command's
+    /// short-lived cache, as opposed to a mount's).
+    pub ephemeral: bool,
     pub io: IoMode,
 }
 
@@ -85,6 +88,7 @@ impl Default for TierConfig {
             parallel_gets: 8,
             max_pending: 1 << 30,
             drain_timeout: None,
+            ephemeral: false,
             io: IoMode::Auto,
         }
     }
@@ -151,6 +155,7 @@ pub struct TierStats {
 pub struct BucketDevice {
     shared: Arc<Shared>,
     uploader: Mutex<Option<std::thread::JoinHandle<()>>>,
+    cache_dir: PathBuf,
 }
 
 impl BucketDevice {
@@ -187,7 +192,7 @@ impl BucketDevice {
             changed: Condvar::new(),
             ship_lock: Mutex::new(()),
         });
-        Ok(Arc::new(BucketDevice { shared, uploader: Mutex::new(None) }))
+        Ok(Arc::new(BucketDevice { shared, uploader: Mutex::new(None), cache_dir: cache_dir.to_path_buf() }))
     }
 
     pub fn cache_dir_segments(&self) -> &Path {
@@ -445,6 +450,9 @@ impl Drop for BucketDevice {
             }
         }
         self.shared.remote.shutdown();
+        if self.shared.cfg.ephemeral {
+            let _ = std::fs::remove_dir_all(&self.cache_dir);
+        }
     }
 }
 
