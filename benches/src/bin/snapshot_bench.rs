@@ -2,7 +2,8 @@
 //! disks of growing size: the medians should stay flat.
 //!
 //! `cargo run --release -p arbor-benches --bin snapshot_bench -- [DIR]`
-//! Env: ARBOR_BENCH_SIZES (default "1000,100000,1000000"), ARBOR_BENCH_REPS (30).
+//! Env: ARBOR_BENCH_SIZES (default "1000,100000,1000000"), ARBOR_BENCH_REPS (30),
+//! ARBOR_BENCH_COLD_REPS (fresh-catalog diffs, 10), ARBOR_BENCH_DIFF_REPS (warm diffs, REPS).
 
 use arbor_benches::*;
 use arbor_engine::bucket::{LocalFolderStore, ObjectStore};
@@ -21,6 +22,9 @@ fn main() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let reps: usize = std::env::var("ARBOR_BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+    let cold_reps: usize =
+        std::env::var("ARBOR_BENCH_COLD_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(reps.min(10));
+    let diff_reps: usize = std::env::var("ARBOR_BENCH_DIFF_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(reps);
     let mut rows: Vec<(usize, f64, f64, f64, f64)> = Vec::new();
     for &n in &sizes {
         let dir = base.join(format!("disk-{n}"));
@@ -31,7 +35,10 @@ fn main() {
         let cfg = Config { commit_interval: None, ..Config::default() };
         let (vol, _lock) = cat.open_branch("main", cfg.clone()).expect("main");
         eprintln!("building a disk of {n} files");
-        let per_dir = 10_000;
+        // 100 directories at every size, so the 10 changed files (spread
+        // evenly over the disk) sit in 10 directories at every size too:
+        // the same change on a bigger disk.
+        let per_dir = (n / 100).max(1);
         let mut dirs = Vec::new();
         let mut files = Vec::new();
         for i in 0..n {
@@ -70,7 +77,7 @@ fn main() {
         let head = run.last_commit().expect("commit");
         // Cold: a fresh catalog, as one `arbor diff` command has.
         let mut cold = Vec::new();
-        for _ in 0..reps.min(10) {
+        for _ in 0..cold_reps {
             let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(&dir).expect("store"));
             let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
             let fresh = Catalog::new(store, segs, None);
@@ -78,7 +85,7 @@ fn main() {
             cold.push(t.as_secs_f64() * 1e3);
         }
         let mut diff_times = Vec::new();
-        for _ in 0..reps {
+        for _ in 0..diff_reps {
             let (changes, t) = time(|| cat.diff_between(cp.commit, head).expect("diff"));
             assert_eq!(changes.len(), files.len().min(10), "diff must find the changed files");
             diff_times.push(t.as_secs_f64() * 1e3);

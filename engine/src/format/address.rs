@@ -36,7 +36,7 @@ impl fmt::Display for SegId {
 
 /// A byte range inside one segment: where a record, or the data bytes of a
 /// write, live. Stable forever.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, bincode::Encode, bincode::Decode)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default, bincode::Encode, bincode::Decode)]
 pub struct Addr {
     pub seg: SegId,
     pub off: u32,

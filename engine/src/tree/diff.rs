@@ -6,10 +6,11 @@
 //! level: at each level it drops the nodes whose address appears on both
 //! sides (their whole subtrees are equal) and expands only the rest.
 
-use super::{load, Child, Node, NodeStore};
+use super::{load, Child, Entry, Node, NodeStore};
 use crate::error::Result;
 use crate::format::Addr;
 use std::collections::HashSet;
+use std::sync::Arc;
 /// The nodes of one side at one tree level, by address, in key order.
 struct Level {
     level: u8,
@@ -32,15 +33,51 @@ impl Level {
         Ok(Level { level: self.level.saturating_sub(1), addrs })
     }
 
-    fn leaves(&self, store: &dyn NodeStore) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut out = Vec::new();
-        for a in &self.addrs {
-            if let Node::Leaf(l) = &*load(store, &Child::Disk(*a), Some(0))? {
-                out.extend(l.entries.iter().cloned());
+    /// The leaves of this level, in key order.
+    fn leaves(&self, store: &dyn NodeStore) -> Result<Vec<Arc<Node>>> {
+        self.addrs.iter().map(|a| load(store, &Child::Disk(*a), Some(0))).collect()
+    }
+
+    /// Drops the addresses `other` also has, and returns them sorted.
+    fn drop_shared(&mut self, other: &mut Level) {
+        let mut mine = self.addrs.clone();
+        mine.sort_unstable();
+        let mut theirs = other.addrs.clone();
+        theirs.sort_unstable();
+        let shared: Vec<Addr> = intersect(&mine, &theirs);
+        if !shared.is_empty() {
+            self.addrs.retain(|a| shared.binary_search(a).is_err());
+            other.addrs.retain(|a| shared.binary_search(a).is_err());
+        }
+    }
+}
+
+/// The addresses in both sorted lists.
+fn intersect(a: &[Addr], b: &[Addr]) -> Vec<Addr> {
+    let (mut i, mut j, mut out) = (0, 0, Vec::new());
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                out.push(a[i]);
+                i += 1;
+                j += 1;
             }
         }
-        Ok(out)
     }
+    out
+}
+
+/// The entries of `leaves`, in key order, without copying them.
+fn entries_of(leaves: &[Arc<Node>]) -> Vec<&Entry> {
+    let mut out = Vec::new();
+    for n in leaves {
+        if let Node::Leaf(l) = &**n {
+            out.extend(l.entries.iter());
+        }
+    }
+    out
 }
 
 /// One entry that differs: its key, and its value on each side.
@@ -63,13 +100,11 @@ pub fn diff(store: &dyn NodeStore, a: Addr, b: Addr, f: &mut dyn FnMut(Differenc
         while right.level > left.level && !right.addrs.is_empty() {
             right = right.expand(store)?;
         }
-        let on_left: HashSet<Addr> = left.addrs.iter().copied().collect();
-        let shared: HashSet<Addr> = right.addrs.iter().copied().filter(|a| on_left.contains(a)).collect();
-        left.addrs.retain(|a| !shared.contains(a));
-        right.addrs.retain(|a| !shared.contains(a));
+        left.drop_shared(&mut right);
         let bottom = |l: &Level| l.level == 0 || l.addrs.is_empty();
         if bottom(&left) && bottom(&right) {
-            return merge_leaves(&left.leaves(store)?, &right.leaves(store)?, f);
+            let (l, r) = (left.leaves(store)?, right.leaves(store)?);
+            return merge_leaves(&entries_of(&l), &entries_of(&r), f);
         }
         if !bottom(&left) {
             left = left.expand(store)?;
@@ -80,9 +115,7 @@ pub fn diff(store: &dyn NodeStore, a: Addr, b: Addr, f: &mut dyn FnMut(Differenc
     }
 }
 
-type Entries = [(Vec<u8>, Vec<u8>)];
-
-fn merge_leaves(l: &Entries, r: &Entries, f: &mut dyn FnMut(Difference) -> Result<()>) -> Result<()> {
+fn merge_leaves(l: &[&Entry], r: &[&Entry], f: &mut dyn FnMut(Difference) -> Result<()>) -> Result<()> {
     let (mut i, mut j) = (0, 0);
     while i < l.len() || j < r.len() {
         match (l.get(i), r.get(j)) {
