@@ -30,6 +30,10 @@ const MAX_OPEN: usize = 1024;
 const RUN_CHUNKS: usize = 8;
 /// The largest read-ahead window a streaming reader ramps up to.
 const MAX_READ_AHEAD: u64 = 64 << 20;
+/// How much of a segment object's tail is fetched to find its footer.
+const FOOTER_GUESS: u64 = 16 << 10;
+/// How many of the writer's following segments read-ahead may reach into.
+const SPILL_SEGMENTS: usize = 4;
 /// Tries per chunk before a checksum mismatch is reported as corruption.
 const GET_TRIES: usize = 4;
 
@@ -73,6 +77,8 @@ pub(crate) struct Remote {
     queued: Mutex<HashSet<ChunkKey>>,
     /// Segments read-ahead looked for and did not find (it looks once).
     absent: Mutex<HashSet<SegId>>,
+    /// The segment a streaming reader is about to enter, and its window.
+    stream: Mutex<Option<(SegId, u64)>>,
     /// Segments this node wrote whose files became cached copies: reads
     /// through an older local handle go through the cache instead.
     adopted: Mutex<HashSet<SegId>>,
@@ -107,10 +113,11 @@ pub(crate) struct RemoteSeg {
     me: Weak<RemoteSeg>,
 }
 
-/// A chunk to fetch ahead of a reader; `chunk: None` opens the segment
-/// first (a sequential reader about to cross into it).
+/// Work for the fetch workers: a run of chunks to fetch ahead of a reader
+/// with one GET, or a segment to open first (a sequential reader is about
+/// to cross into it) and then read ahead in.
 enum Prefetch {
-    Chunk(Arc<RemoteSeg>, usize),
+    Run(Arc<RemoteSeg>, usize, usize),
     NextSegment(Arc<Remote>, SegId, u64),
 }
 
@@ -165,6 +172,7 @@ impl Remote {
             prefetch: Mutex::new(None),
             queued: Mutex::new(HashSet::new()),
             absent: Mutex::new(HashSet::new()),
+            stream: Mutex::new(None),
             adopted: Mutex::new(HashSet::new()),
             opening: Mutex::new(()),
             gets: AtomicU64::new(0),
@@ -386,7 +394,15 @@ impl Remote {
         let key = segment_key(id);
         let size = match self.store.size(&key) {
             Ok(size) => size,
-            Err(Error::NoSuchObject(_)) => return self.open_wal(id),
+            Err(Error::NoSuchObject(_)) => match self.open_wal(id)? {
+                Some(seg) => return Ok(Some(seg)),
+                // Gone, or sealed and uploaded between the two looks.
+                None => match self.store.size(&key) {
+                    Ok(size) => size,
+                    Err(Error::NoSuchObject(_)) => return Ok(None),
+                    Err(e) => return Err(e),
+                },
+            },
             Err(e) => return Err(e),
         };
         let footer = self.read_footer(&key, size)?;
@@ -417,9 +433,19 @@ impl Remote {
                 if size < TRAILER_LEN as u64 {
                     return Err(Error::corrupted("segment object (too short)", key));
                 }
-                let trailer = self.store.get_range(key, size - TRAILER_LEN as u64..size)?;
-                let table = Footer::table_len(&trailer, size, key)? as u64;
-                let whole = self.store.get_range(key, size - TRAILER_LEN as u64 - table..size)?;
+                // One GET of the object's tail holds the whole footer of any
+                // segment up to FOOTER_GUESS / 4 chunks; larger ones take two.
+                let guess = size.min(FOOTER_GUESS);
+                let tail = self.store.get_range(key, size - guess..size)?;
+                if tail.len() as u64 != guess {
+                    return Err(Error::corrupted("segment object footer (short read)", key));
+                }
+                let table = Footer::table_len(&tail[tail.len() - TRAILER_LEN..], size, key)? as u64;
+                let need = table + TRAILER_LEN as u64;
+                if need <= guess {
+                    return Footer::decode(&tail[(guess - need) as usize..], key);
+                }
+                let whole = self.store.get_range(key, size - need..size)?;
                 Footer::decode(&whole, key)
             })();
             match attempt {
@@ -433,16 +459,12 @@ impl Remote {
         Err(last.unwrap_or_else(|| Error::corrupted("segment object footer", key)))
     }
 
-    /// A segment only its WAL pieces hold: its writer stopped before sealing it.
+    /// A segment only its WAL pieces hold: its writer stopped before sealing it;
+    /// `None` when it has no WAL pieces either. Called under `opening`.
     fn open_wal(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
         let keys = self.store.list(&wal_prefix(id))?;
         if keys.is_empty() {
-            // Gone, or sealed and uploaded between the two looks.
-            return match self.store.size(&segment_key(id)) {
-                Ok(_) => self.open(id),
-                Err(Error::NoSuchObject(_)) => Ok(None),
-                Err(e) => Err(e),
-            };
+            return Ok(None);
         }
         let mut pieces: Vec<(u64, String)> = keys.into_iter().filter_map(|k| Some((wal_offset(&k)?, k))).collect();
         pieces.sort();
@@ -512,6 +534,7 @@ impl RemoteSeg {
         let Source::Object { file } = &self.source else { return Ok(None) };
         let r = &self.remote;
         let key = (self.id, i as u32);
+        let mut run = 1;
         {
             let mut inflight = r.inflight.lock();
             // Bounded: a fetch ends in at most GET_TRIES retried calls.
@@ -524,6 +547,23 @@ impl RemoteSeg {
                 }
                 r.landed.wait_for(&mut inflight, Duration::from_millis(100));
             }
+            // A reader that caught up with read-ahead takes the chunks
+            // queued right after its own, for one larger GET.
+            let mut queued = r.queued.lock();
+            while run < RUN_CHUNKS && i + run < self.footer.crcs.len() {
+                let next = (self.id, (i + run) as u32);
+                if !queued.contains(&next) || r.present(next) || !inflight.insert(next) {
+                    break;
+                }
+                queued.remove(&next);
+                run += 1;
+            }
+        }
+        if run > 1 {
+            // Lands what passes its check; the caller reads it from the
+            // cache (or comes back for a chunk that failed).
+            self.fetch_claimed(i, run);
+            return Ok(None);
         }
         let res = (|| {
             let (s, e) = self.footer.chunk_range(i);
@@ -551,51 +591,99 @@ impl RemoteSeg {
     /// thread has or brings) with one ranged GET, checking each chunk on
     /// its own. A chunk that fails its check is left for an on-demand fetch.
     fn fetch_run(&self, first: usize, count: usize) {
-        let Source::Object { file } = &self.source else { return };
         let r = &self.remote;
-        // Claim the leading chunks nobody else has or is fetching.
-        let mut claimed = 0;
+        // Claim the chunks nobody else has or is fetching.
+        let mut claimed = Vec::new();
         {
             let mut inflight = r.inflight.lock();
             for i in first..first + count {
                 let key = (self.id, i as u32);
-                if r.present(key) || !inflight.insert(key) {
-                    break;
+                if !r.present(key) && inflight.insert(key) {
+                    claimed.push(i);
                 }
-                claimed += 1;
             }
         }
-        if claimed == 0 {
-            return;
+        if let (Some(&lo), Some(&hi)) = (claimed.first(), claimed.last()) {
+            self.fetch_claimed_set(lo, hi + 1, &claimed);
         }
-        let (start, _) = self.footer.chunk_range(first);
-        let (_, end) = self.footer.chunk_range(first + claimed - 1);
-        r.gets.fetch_add(1, Ordering::Relaxed);
-        match r.store.get_range(&self.key, start..end) {
-            Ok(bytes) => {
-                let mut good = Vec::new();
-                for i in first..first + claimed {
-                    let (s, e) = self.footer.chunk_range(i);
-                    match bytes.get((s - start) as usize..(e - start) as usize) {
-                        Some(part) if self.footer.verify(i, part) => {
-                            r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
-                            good.push(((self.id, i as u32), part, s));
-                        }
-                        _ => {
-                            r.retries.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-                r.land(file, &good);
+    }
+
+    /// Fetches the chunks `first..first + count`, all claimed in
+    /// `inflight` by the caller, with one GET; lands those that pass
+    /// their check and releases the claims.
+    fn fetch_claimed(&self, first: usize, count: usize) {
+        let all: Vec<usize> = (first..first + count).collect();
+        self.fetch_claimed_set(first, first + count, &all);
+    }
+
+    /// One GET of chunks `lo..hi`; lands the `claimed` ones (claimed in
+    /// `inflight` by the caller) that pass their check, keeps a copy for
+    /// a reader that waits for one, and releases the claims.
+    fn fetch_claimed_set(&self, lo: usize, hi: usize, claimed: &[usize]) {
+        let r = &self.remote;
+        if let Source::Object { file } = &self.source {
+            let (start, _) = self.footer.chunk_range(lo);
+            let (_, end) = self.footer.chunk_range(hi - 1);
+            r.gets.fetch_add(1, Ordering::Relaxed);
+            match r.store.get_range_parts(&self.key, start..end) {
+                Ok(parts) => self.land_parts(file, start, &parts, claimed),
+                Err(e) => tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand"),
             }
-            Err(e) => tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand"),
         }
         let mut inflight = r.inflight.lock();
-        for i in first..first + claimed {
+        for &i in claimed {
             inflight.remove(&(self.id, i as u32));
         }
         drop(inflight);
         r.landed.notify_all();
+    }
+
+    /// Writes the `claimed` chunks of a body that starts at `start` and
+    /// arrived in `parts` into the cache file as they lie, checking each
+    /// chunk's crc on the way; those that pass become present. No copy of
+    /// the body is made. Done while no eviction runs, as [`Remote::land`].
+    fn land_parts(&self, file: &File, start: u64, parts: &[bytes::Bytes], claimed: &[usize]) {
+        let r = &self.remote;
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let mut good = Vec::new();
+        {
+            let _no_eviction = r.evicting.read();
+            for &i in claimed {
+                let (cs, ce) = self.footer.chunk_range(i);
+                if ce - start > total {
+                    // A short body: this chunk and the rest are left for an on-demand fetch.
+                    r.retries.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                let (mut crc, mut at, mut ok) = (0u32, 0u64, true);
+                for p in parts {
+                    let (ps, pe) = (start + at, start + at + p.len() as u64);
+                    at += p.len() as u64;
+                    let (from, to) = (cs.max(ps), ce.min(pe));
+                    if from >= to {
+                        continue;
+                    }
+                    let piece = &p[(from - ps) as usize..(to - ps) as usize];
+                    crc = crc32c::crc32c_append(crc, piece);
+                    if let Err(e) = file.write_all_at(piece, from) {
+                        tracing::warn!(error = %e, "cannot write a chunk to the cache; it stays uncached");
+                        ok = false;
+                        break;
+                    }
+                }
+                if !ok {
+                    continue;
+                }
+                if self.footer.crcs.get(i) == Some(&crc) {
+                    r.fetched.fetch_add(ce - cs, Ordering::Relaxed);
+                    good.push(((self.id, i as u32), (ce - cs) as u32, cs));
+                } else {
+                    r.retries.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            r.insert(&good, false);
+        }
+        r.evict_if_over();
     }
 
     /// Fetches the missing chunks of `chunks`, up to `parallel` at a time.
@@ -603,7 +691,13 @@ impl RemoteSeg {
         let missing: Vec<usize> =
             chunks.iter().copied().filter(|&i| !self.remote.present((self.id, i as u32))).collect();
         let mut got = HashMap::new();
-        if missing.len() <= 1 {
+        // Chunks already on their way (read-ahead) are waited for in turn:
+        // threads only help where GETs are still to be sent.
+        let unclaimed = {
+            let inflight = self.remote.inflight.lock();
+            missing.iter().filter(|&&i| !inflight.contains(&(self.id, i as u32))).count()
+        };
+        if unclaimed <= 1 {
             for &i in &missing {
                 if let Some(b) = self.fetch(i)? {
                     got.insert(i, b);
@@ -653,36 +747,86 @@ impl RemoteSeg {
             let last = (window_end.min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
                 .next_multiple_of(RUN_CHUNKS)
                 .min(self.footer.crcs.len());
-            for i in first..last {
-                r.enqueue_chunk(&me, i);
-            }
+            r.enqueue_chunks(&me, first, last);
         }
-        if window_end > self.footer.data_len && matches!(self.source, Source::Object { .. }) {
-            let next = self.id.next();
-            let spill = window_end - self.footer.data_len.max(end);
-            let known = r.segs.read().get(&next).cloned();
+        if !matches!(self.source, Source::Object { .. }) {
+            return;
+        }
+        // Past this segment's end the window goes on through the writer's
+        // next segments. The next one is opened as soon as a reader streams
+        // through this one, so its footer is at hand before the reader is.
+        let mut spill = window_end.saturating_sub(self.footer.data_len.max(end));
+        let mut id = self.id;
+        for _ in 0..SPILL_SEGMENTS {
+            id = id.next();
+            let known = r.segs.read().get(&id).cloned();
             match known {
-                Some(seg) => {
-                    let last =
-                        (spill.min(seg.footer.data_len).div_ceil(seg.chunk_size()) as usize).min(seg.footer.crcs.len());
-                    for i in 0..last {
-                        r.enqueue_chunk(&seg, i);
+                Some(seg) if matches!(seg.source, Source::Object { .. }) => {
+                    r.enqueue_first(&seg, spill);
+                    spill = spill.saturating_sub(seg.footer.data_len);
+                    if spill == 0 {
+                        break;
                     }
                 }
-                None if r.absent.lock().insert(next) => r.enqueue(Prefetch::NextSegment(r.clone(), next, spill)),
-                None => {}
+                Some(_) => break,
+                None => {
+                    r.open_ahead(id, spill);
+                    break;
+                }
             }
         }
     }
 }
 
 impl Remote {
-    fn enqueue_chunk(self: &Arc<Self>, seg: &Arc<RemoteSeg>, i: usize) {
-        let key = (seg.id, i as u32);
-        if self.present(key) || self.inflight.lock().contains(&key) || !self.queued.lock().insert(key) {
+    /// Opens segment `id` (once) on a thread of its own, not behind the
+    /// queued chunk fetches, then queues its first `spill` bytes.
+    fn open_ahead(self: &Arc<Self>, id: SegId, spill: u64) {
+        if !self.absent.lock().insert(id) {
             return;
         }
-        self.enqueue(Prefetch::Chunk(seg.clone(), i));
+        let remote = self.clone();
+        let spawned = std::thread::Builder::new().name("arbor-open".into()).spawn(move || {
+            if let Ok(Some(seg)) = remote.open(id) {
+                remote.absent.lock().remove(&id);
+                remote.enqueue_first(&seg, spill);
+            }
+        });
+        if spawned.is_err() {
+            self.enqueue(Prefetch::NextSegment(self.clone(), id, spill));
+        }
+    }
+
+    /// Queues the chunks holding the first `bytes` of `seg`, in whole runs.
+    fn enqueue_first(self: &Arc<Self>, seg: &Arc<RemoteSeg>, bytes: u64) {
+        let last = (bytes.min(seg.footer.data_len).div_ceil(seg.chunk_size()) as usize)
+            .next_multiple_of(RUN_CHUNKS)
+            .min(seg.footer.crcs.len());
+        self.enqueue_chunks(seg, 0, last);
+    }
+
+    /// Queues chunks `first..last` of `seg` that are neither present, on
+    /// their way nor queued, as jobs of up to [`RUN_CHUNKS`] neighbours
+    /// (split at multiples of it), each fetched with one GET.
+    fn enqueue_chunks(self: &Arc<Self>, seg: &Arc<RemoteSeg>, first: usize, last: usize) {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        {
+            let inflight = self.inflight.lock();
+            let mut queued = self.queued.lock();
+            for i in first..last {
+                let key = (seg.id, i as u32);
+                if self.present(key) || inflight.contains(&key) || !queued.insert(key) {
+                    continue;
+                }
+                match runs.last_mut() {
+                    Some((s, n)) if *s + *n == i && i % RUN_CHUNKS != 0 => *n += 1,
+                    _ => runs.push((i, 1)),
+                }
+            }
+        }
+        for (s, n) in runs {
+            self.enqueue(Prefetch::Run(seg.clone(), s, n));
+        }
     }
 
     fn enqueue(self: &Arc<Self>, job: Prefetch) {
@@ -694,28 +838,21 @@ impl Remote {
                 let spawned = std::thread::Builder::new().name(format!("arbor-fetch-{n}")).spawn(move || {
                     for job in recv {
                         match job {
-                            Prefetch::Chunk(seg, i) => {
-                                // Take the queued chunks that follow too, for one larger GET.
-                                let mut count = 0;
+                            Prefetch::Run(seg, first, count) => {
+                                // Chunks a reader took for itself meanwhile are
+                                // no longer queued; fetch_run skips them.
                                 {
                                     let mut queued = seg.remote.queued.lock();
-                                    while count < RUN_CHUNKS
-                                        && i + count < seg.footer.crcs.len()
-                                        && queued.remove(&(seg.id, (i + count) as u32))
-                                    {
-                                        count += 1;
+                                    for i in first..first + count {
+                                        queued.remove(&(seg.id, i as u32));
                                     }
                                 }
-                                seg.fetch_run(i, count);
+                                seg.fetch_run(first, count);
                             }
                             Prefetch::NextSegment(remote, id, bytes) => {
                                 if let Ok(Some(seg)) = remote.open(id) {
                                     remote.absent.lock().remove(&id);
-                                    let last = (bytes.min(seg.footer.data_len).div_ceil(seg.chunk_size()) as usize)
-                                        .min(seg.footer.crcs.len());
-                                    for i in 0..last {
-                                        remote.enqueue_chunk(&seg, i);
-                                    }
+                                    remote.enqueue_first(&seg, bytes);
                                 }
                             }
                         }
@@ -756,14 +893,35 @@ impl SegmentFile for RemoteSeg {
         let cs = self.chunk_size();
         let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
         let prev = self.last_end.swap(end, Ordering::Relaxed);
-        if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
-            let base = self.remote.read_ahead;
+        // A reader that streamed to the end of the previous segment goes on
+        // at the start of this one with the window it had there.
+        let carried = if prev == u64::MAX && off < cs {
+            let mut stream = self.remote.stream.lock();
+            match *stream {
+                Some((id, w)) if id == self.id => {
+                    *stream = None;
+                    Some(w)
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let base = self.remote.read_ahead;
+        if let Some(w) = carried {
+            self.window.store(w, Ordering::Relaxed);
+            self.read_ahead(end, w);
+        } else if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
+            // Sequential: the window grows fast (x4 a read) to its largest.
             let w = self.window.load(Ordering::Relaxed);
-            let grown = if base == 0 { 0 } else { (w * 2).clamp(base, MAX_READ_AHEAD.max(base)) };
+            let grown = if base == 0 { 0 } else { (w * 4).clamp(base, MAX_READ_AHEAD.max(base)) };
             self.window.store(grown, Ordering::Relaxed);
             self.read_ahead(end, grown);
+            if end + cs >= self.footer.data_len {
+                *self.remote.stream.lock() = Some((self.id.next(), grown));
+            }
         } else {
-            self.window.store(self.remote.read_ahead, Ordering::Relaxed);
+            self.window.store(base, Ordering::Relaxed);
         }
         let mut fetched = self.fetch_all(&chunks)?;
         for &i in &chunks {
