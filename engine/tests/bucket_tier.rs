@@ -420,15 +420,13 @@ fn slow_bucket_calls_are_shared_by_concurrent_fsyncs() {
     }
 }
 
-/// Hands every ranged body back in pieces of `piece` bytes, as a network
-/// body arrives, and counts the ranged GETs.
-struct Pieces {
+/// Counts the ranged GETs.
+struct Counting {
     inner: Arc<dyn ObjectStore>,
-    piece: usize,
     gets: std::sync::atomic::AtomicU64,
 }
 
-impl ObjectStore for Pieces {
+impl ObjectStore for Counting {
     fn put(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
         self.inner.put(key, body)
     }
@@ -445,10 +443,6 @@ impl ObjectStore for Pieces {
         self.gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.inner.get_range(key, range)
     }
-    fn get_range_parts(&self, key: &str, range: std::ops::Range<u64>) -> arbor_engine::Result<Vec<bytes::Bytes>> {
-        let body = self.get_range(key, range)?;
-        Ok(body.chunks(self.piece).map(bytes::Bytes::copy_from_slice).collect())
-    }
     fn list(&self, prefix: &str) -> arbor_engine::Result<Vec<String>> {
         self.inner.list(prefix)
     }
@@ -461,9 +455,9 @@ impl ObjectStore for Pieces {
 }
 
 #[test]
-fn read_ahead_lands_bodies_that_arrive_in_pieces_across_segments() {
+fn read_ahead_streams_across_segments_in_runs_of_chunks() {
     // 200-byte chunks: a 1 MiB segment's footer (over 20 KiB) is larger
-    // than one tail GET brings; 7-byte pieces straddle every chunk boundary.
+    // than one tail GET brings.
     let mem: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");
     let small_chunks = TierConfig { chunk_size: 200, ..tier(Durability::Local) };
@@ -473,8 +467,8 @@ fn read_ahead_lands_bodies_that_arrive_in_pieces_across_segments() {
     write_files(&vol, &files);
     vol.close().expect("close");
     drop((vol, dev));
-    let pieces = Arc::new(Pieces { inner: mem.clone(), piece: 7, gets: Default::default() });
-    let store: Arc<dyn ObjectStore> = pieces.clone();
+    let counting = Arc::new(Counting { inner: mem.clone(), gets: Default::default() });
+    let store: Arc<dyn ObjectStore> = counting.clone();
     let (vol, dev) = open(&store, &cache.path().join("b"), small_chunks);
     // Sequential 64 KiB reads: read-ahead runs ahead through the segments.
     let ino = vol.lookup(ROOT_INO, b"stream").expect("lookup").ino;
@@ -489,6 +483,6 @@ fn read_ahead_lands_bodies_that_arrive_in_pieces_across_segments() {
     assert_eq!(stats.checksum_retries, 0);
     assert!(stats.fetched_bytes >= len as u64, "fetched {}", stats.fetched_bytes);
     // Read-ahead asks for runs of chunks: far fewer GETs than chunks.
-    let gets = pieces.gets.load(std::sync::atomic::Ordering::Relaxed);
+    let gets = counting.gets.load(std::sync::atomic::Ordering::Relaxed);
     assert!(gets < (len / 200 / 3) as u64, "{gets} GETs for {} chunks", len / 200);
 }

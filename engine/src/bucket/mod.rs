@@ -14,7 +14,6 @@ pub use retry::{RetryPolicy, RetryStore};
 pub use s3::{S3Config, S3Store};
 
 use crate::error::{Error, Result};
-use bytes::Bytes;
 use std::ops::Range;
 
 /// An opaque version tag of one object's content.
@@ -31,11 +30,6 @@ pub trait ObjectStore: Send + Sync {
     fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)>;
     /// Bytes `range` of `key`, clipped at its end.
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>>;
-    /// The same bytes as [`ObjectStore::get_range`], in the pieces they
-    /// arrived in: a large body is not copied into one buffer first.
-    fn get_range_parts(&self, key: &str, range: Range<u64>) -> Result<Vec<Bytes>> {
-        Ok(vec![Bytes::from(self.get_range(key, range)?)])
-    }
     /// Every key starting with `prefix`, in order.
     fn list(&self, prefix: &str) -> Result<Vec<String>>;
     /// The length of `key` in bytes.

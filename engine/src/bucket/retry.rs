@@ -123,10 +123,6 @@ impl ObjectStore for RetryStore {
         self.run("ranged get", key, |_| self.inner.get_range(key, range.clone()))
     }
 
-    fn get_range_parts(&self, key: &str, range: Range<u64>) -> Result<Vec<bytes::Bytes>> {
-        self.run("ranged get", key, |_| self.inner.get_range_parts(key, range.clone()))
-    }
-
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
         self.run("list", prefix, |_| self.inner.list(prefix))
     }

@@ -261,14 +261,6 @@ impl ObjectStore for S3Store {
         self.ranged(key, &full, range, |body| Vec::from(body.into_bytes()))
     }
 
-    fn get_range_parts(&self, key: &str, range: Range<u64>) -> Result<Vec<bytes::Bytes>> {
-        if range.start >= range.end {
-            return Err(Error::Invalid("range outside the object"));
-        }
-        let full = self.key(key)?;
-        self.ranged(key, &full, range, |body| body.into_segments().collect())
-    }
-
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
         let full = if self.prefix.is_empty() { prefix.to_string() } else { format!("{}/{prefix}", self.prefix) };
         let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };

@@ -617,16 +617,34 @@ impl RemoteSeg {
     }
 
     /// One GET of chunks `lo..hi`; lands the `claimed` ones (claimed in
-    /// `inflight` by the caller) that pass their check, keeps a copy for
-    /// a reader that waits for one, and releases the claims.
+    /// `inflight` by the caller) that pass their check and releases the
+    /// claims.
     fn fetch_claimed_set(&self, lo: usize, hi: usize, claimed: &[usize]) {
         let r = &self.remote;
         if let Source::Object { file } = &self.source {
             let (start, _) = self.footer.chunk_range(lo);
             let (_, end) = self.footer.chunk_range(hi - 1);
             r.gets.fetch_add(1, Ordering::Relaxed);
-            match r.store.get_range_parts(&self.key, start..end) {
-                Ok(parts) => self.land_parts(file, start, &parts, claimed),
+            match r.store.get_range(&self.key, start..end) {
+                Ok(bytes) => {
+                    let mut good = Vec::new();
+                    for &i in claimed {
+                        let (s, e) = self.footer.chunk_range(i);
+                        match bytes.get((s - start) as usize..(e - start) as usize) {
+                            Some(part) if self.footer.verify(i, part) => {
+                                r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
+                                good.push(((self.id, i as u32), part, s));
+                            }
+                            _ => {
+                                r.retries.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    // One large write per run: the page cache keeps it in
+                    // large pages (a write per network piece would leave
+                    // small ones, and re-reads from the cache run slower).
+                    r.land(file, &good);
+                }
                 Err(e) => tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand"),
             }
         }
@@ -636,54 +654,6 @@ impl RemoteSeg {
         }
         drop(inflight);
         r.landed.notify_all();
-    }
-
-    /// Writes the `claimed` chunks of a body that starts at `start` and
-    /// arrived in `parts` into the cache file as they lie, checking each
-    /// chunk's crc on the way; those that pass become present. No copy of
-    /// the body is made. Done while no eviction runs, as [`Remote::land`].
-    fn land_parts(&self, file: &File, start: u64, parts: &[bytes::Bytes], claimed: &[usize]) {
-        let r = &self.remote;
-        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        let mut good = Vec::new();
-        {
-            let _no_eviction = r.evicting.read();
-            for &i in claimed {
-                let (cs, ce) = self.footer.chunk_range(i);
-                if ce - start > total {
-                    // A short body: this chunk and the rest are left for an on-demand fetch.
-                    r.retries.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
-                let (mut crc, mut at, mut ok) = (0u32, 0u64, true);
-                for p in parts {
-                    let (ps, pe) = (start + at, start + at + p.len() as u64);
-                    at += p.len() as u64;
-                    let (from, to) = (cs.max(ps), ce.min(pe));
-                    if from >= to {
-                        continue;
-                    }
-                    let piece = &p[(from - ps) as usize..(to - ps) as usize];
-                    crc = crc32c::crc32c_append(crc, piece);
-                    if let Err(e) = file.write_all_at(piece, from) {
-                        tracing::warn!(error = %e, "cannot write a chunk to the cache; it stays uncached");
-                        ok = false;
-                        break;
-                    }
-                }
-                if !ok {
-                    continue;
-                }
-                if self.footer.crcs.get(i) == Some(&crc) {
-                    r.fetched.fetch_add(ce - cs, Ordering::Relaxed);
-                    good.push(((self.id, i as u32), (ce - cs) as u32, cs));
-                } else {
-                    r.retries.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            r.insert(&good, false);
-        }
-        r.evict_if_over();
     }
 
     /// Fetches the missing chunks of `chunks`, up to `parallel` at a time.
