@@ -108,7 +108,7 @@ pub(crate) struct RemoteSeg {
     /// End of the last read, to spot sequential readers.
     last_end: AtomicU64,
     /// The read-ahead window: the configured size after a random read,
-    /// doubling with each sequential one up to [`MAX_READ_AHEAD`].
+    /// growing fourfold with each sequential one up to [`MAX_READ_AHEAD`].
     window: AtomicU64,
     me: Weak<RemoteSeg>,
 }
