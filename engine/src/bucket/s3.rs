@@ -258,7 +258,26 @@ impl ObjectStore for S3Store {
             return Err(Error::Invalid("range outside the object"));
         }
         let full = self.key(key)?;
-        self.ranged(key, &full, range, |body| Vec::from(body.into_bytes()))
+        let req = self.client.get_object().bucket(&self.bucket).key(&full).range(format!(
+            "bytes={}-{}",
+            range.start,
+            range.end - 1
+        ));
+        // The request and its body run as one task on the store's runtime:
+        // the caller's thread only waits, so many concurrent readers do not
+        // each poll sockets of their own.
+        let task = self.rt.spawn(async move {
+            let out = req.send().await?;
+            Ok::<_, SdkError<_, _>>(out.body.collect().await.map(|b| b.into_bytes()))
+        });
+        let joined = self.rt.block_on(task).map_err(|e| Error::Io(std::io::Error::other(format!("S3 task: {e}"))))?;
+        match joined {
+            Ok(Ok(bytes)) => Ok(Vec::from(bytes)),
+            Ok(Err(e)) => Err(Error::Io(std::io::Error::other(format!("S3 ranged get body: {e}")))),
+            Err(e) if status(&e) == Some(404) => Err(Error::NoSuchObject(key.into())),
+            Err(e) if status(&e) == Some(416) => Err(Error::Invalid("range outside the object")),
+            Err(e) => Err(io_error("ranged get", e)),
+        }
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
@@ -308,39 +327,6 @@ impl ObjectStore for S3Store {
             Ok(_) => Ok(()),
             Err(e) if status(&e) == Some(404) => Ok(()),
             Err(e) => Err(io_error("delete", e)),
-        }
-    }
-}
-
-impl S3Store {
-    /// One ranged GET of `full` (the prefixed name of `key`); `take` turns
-    /// the whole body into what the caller wants.
-    fn ranged<T: Send + 'static>(
-        &self,
-        key: &str,
-        full: &str,
-        range: Range<u64>,
-        take: fn(aws_sdk_s3::primitives::AggregatedBytes) -> T,
-    ) -> Result<T> {
-        let req = self.client.get_object().bucket(&self.bucket).key(full).range(format!(
-            "bytes={}-{}",
-            range.start,
-            range.end - 1
-        ));
-        // The request and its body run as one task on the store's runtime:
-        // the caller's thread only waits, so many concurrent readers do not
-        // each poll sockets of their own.
-        let task = self.rt.spawn(async move {
-            let out = req.send().await?;
-            Ok::<_, SdkError<_, _>>(out.body.collect().await.map(take))
-        });
-        let joined = self.rt.block_on(task).map_err(|e| Error::Io(std::io::Error::other(format!("S3 task: {e}"))))?;
-        match joined {
-            Ok(Ok(body)) => Ok(body),
-            Ok(Err(e)) => Err(Error::Io(std::io::Error::other(format!("S3 ranged get body: {e}")))),
-            Err(e) if status(&e) == Some(404) => Err(Error::NoSuchObject(key.into())),
-            Err(e) if status(&e) == Some(416) => Err(Error::Invalid("range outside the object")),
-            Err(e) => Err(io_error("ranged get", e)),
         }
     }
 }

@@ -72,7 +72,7 @@ pub(crate) struct Remote {
     landed: Condvar,
     segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
     /// Read-ahead jobs for the fetch workers, started on first use.
-    prefetch: Mutex<Option<crossbeam::channel::Sender<Prefetch>>>,
+    prefetch: Mutex<Option<crossbeam::channel::Sender<Run>>>,
     /// Chunks queued for read-ahead and not yet taken by a worker.
     queued: Mutex<HashSet<ChunkKey>>,
     /// Segments read-ahead looked for and did not find (it looks once).
@@ -113,12 +113,12 @@ pub(crate) struct RemoteSeg {
     me: Weak<RemoteSeg>,
 }
 
-/// Work for the fetch workers: a run of chunks to fetch ahead of a reader
-/// with one GET, or a segment to open first (a sequential reader is about
-/// to cross into it) and then read ahead in.
-enum Prefetch {
-    Run(Arc<RemoteSeg>, usize, usize),
-    NextSegment(Arc<Remote>, SegId, u64),
+/// Work for the fetch workers: a run of `count` chunks from `first`, to
+/// fetch ahead of a reader with one GET.
+struct Run {
+    seg: Arc<RemoteSeg>,
+    first: usize,
+    count: usize,
 }
 
 fn punch(file: &File, off: u64, len: u64) {
@@ -562,7 +562,7 @@ impl RemoteSeg {
         if run > 1 {
             // Lands what passes its check; the caller reads it from the
             // cache (or comes back for a chunk that failed).
-            self.fetch_claimed(i, run);
+            self.fetch_claimed(&(i..i + run).collect::<Vec<_>>());
             return Ok(None);
         }
         let res = (|| {
@@ -603,27 +603,18 @@ impl RemoteSeg {
                 }
             }
         }
-        if let (Some(&lo), Some(&hi)) = (claimed.first(), claimed.last()) {
-            self.fetch_claimed_set(lo, hi + 1, &claimed);
-        }
+        self.fetch_claimed(&claimed);
     }
 
-    /// Fetches the chunks `first..first + count`, all claimed in
-    /// `inflight` by the caller, with one GET; lands those that pass
+    /// One GET from the first to the last of `claimed` (ascending chunk
+    /// numbers the caller claimed in `inflight`); lands those that pass
     /// their check and releases the claims.
-    fn fetch_claimed(&self, first: usize, count: usize) {
-        let all: Vec<usize> = (first..first + count).collect();
-        self.fetch_claimed_set(first, first + count, &all);
-    }
-
-    /// One GET of chunks `lo..hi`; lands the `claimed` ones (claimed in
-    /// `inflight` by the caller) that pass their check and releases the
-    /// claims.
-    fn fetch_claimed_set(&self, lo: usize, hi: usize, claimed: &[usize]) {
+    fn fetch_claimed(&self, claimed: &[usize]) {
         let r = &self.remote;
+        let (Some(&lo), Some(&hi)) = (claimed.first(), claimed.last()) else { return };
         if let Source::Object { file } = &self.source {
             let (start, _) = self.footer.chunk_range(lo);
-            let (_, end) = self.footer.chunk_range(hi - 1);
+            let (_, end) = self.footer.chunk_range(hi);
             r.gets.fetch_add(1, Ordering::Relaxed);
             match r.store.get_range(&self.key, start..end) {
                 Ok(bytes) => {
@@ -762,8 +753,10 @@ impl Remote {
                 remote.enqueue_first(&seg, spill);
             }
         });
-        if spawned.is_err() {
-            self.enqueue(Prefetch::NextSegment(self.clone(), id, spill));
+        if let Err(e) = spawned {
+            // Read-ahead stops at this segment's end; the reader opens the next itself.
+            tracing::warn!(error = %e, "cannot start a thread to open the next segment");
+            self.absent.lock().remove(&id);
         }
     }
 
@@ -794,38 +787,28 @@ impl Remote {
                 }
             }
         }
-        for (s, n) in runs {
-            self.enqueue(Prefetch::Run(seg.clone(), s, n));
+        for (first, count) in runs {
+            self.enqueue(Run { seg: seg.clone(), first, count });
         }
     }
 
-    fn enqueue(self: &Arc<Self>, job: Prefetch) {
+    fn enqueue(self: &Arc<Self>, job: Run) {
         let mut tx = self.prefetch.lock();
         if tx.is_none() {
-            let (send, recv) = crossbeam::channel::unbounded::<Prefetch>();
+            let (send, recv) = crossbeam::channel::unbounded::<Run>();
             for n in 0..self.parallel {
                 let recv = recv.clone();
                 let spawned = std::thread::Builder::new().name(format!("arbor-fetch-{n}")).spawn(move || {
-                    for job in recv {
-                        match job {
-                            Prefetch::Run(seg, first, count) => {
-                                // Chunks a reader took for itself meanwhile are
-                                // no longer queued; fetch_run skips them.
-                                {
-                                    let mut queued = seg.remote.queued.lock();
-                                    for i in first..first + count {
-                                        queued.remove(&(seg.id, i as u32));
-                                    }
-                                }
-                                seg.fetch_run(first, count);
-                            }
-                            Prefetch::NextSegment(remote, id, bytes) => {
-                                if let Ok(Some(seg)) = remote.open(id) {
-                                    remote.absent.lock().remove(&id);
-                                    remote.enqueue_first(&seg, bytes);
-                                }
+                    for Run { seg, first, count } in recv {
+                        // Chunks a reader took for itself meanwhile are no
+                        // longer queued; fetch_run skips them.
+                        {
+                            let mut queued = seg.remote.queued.lock();
+                            for i in first..first + count {
+                                queued.remove(&(seg.id, i as u32));
                             }
                         }
+                        seg.fetch_run(first, count);
                     }
                 });
                 if let Err(e) = spawned {
