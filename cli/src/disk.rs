@@ -315,7 +315,7 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 }
 
 /// How segment writes reach the kernel: `ARBOR_IO=uring|syscall`, else
-/// io_uring where the kernel allows it.
+/// plain syscalls.
 fn io_mode() -> Result<IoMode> {
     match std::env::var("ARBOR_IO").as_deref() {
         Err(_) | Ok("") | Ok("auto") => Ok(IoMode::Auto),

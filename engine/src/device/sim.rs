@@ -30,6 +30,9 @@ struct SimState {
     crash_at: Option<(Option<&'static str>, u64)>,
     failpoint_hits: u64,
     failing_syncs: u32,
+    /// Counts crashes: a segment handle from before the last one belongs to
+    /// a process that is gone, and writes through it fail.
+    generation: u64,
 }
 
 #[derive(Default, Clone)]
@@ -42,6 +45,7 @@ struct SimFile {
 struct SimSegment {
     state: Arc<Mutex<SimState>>,
     id: SegId,
+    generation: u64,
 }
 
 fn write_into(buf: &mut Vec<u8>, off: u64, data: &[u8]) {
@@ -126,6 +130,7 @@ impl SimDevice {
         }
         st.crashed = None;
         st.crash_at = None;
+        st.generation += 1;
         st.failing_syncs = 0;
     }
 
@@ -154,13 +159,14 @@ impl Device for SimDevice {
             return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EEXIST)));
         }
         st.files.insert(id, SimFile::default());
-        Ok(Arc::new(SimSegment { state: self.state.clone(), id }))
+        Ok(Arc::new(SimSegment { state: self.state.clone(), id, generation: st.generation }))
     }
 
     fn open_segment(&self, id: SegId) -> Result<Option<Arc<dyn SegmentFile>>> {
         let st = self.state.lock();
         st.check()?;
-        Ok(st.files.contains_key(&id).then(|| Arc::new(SimSegment { state: self.state.clone(), id }) as _))
+        let generation = st.generation;
+        Ok(st.files.contains_key(&id).then(|| Arc::new(SimSegment { state: self.state.clone(), id, generation }) as _))
     }
 
     fn list_segments(&self) -> Result<Vec<SegId>> {
@@ -213,6 +219,9 @@ impl Device for SimDevice {
 impl SegmentFile for SimSegment {
     fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
         let mut st = self.state.lock();
+        if st.generation != self.generation {
+            return Err(Error::Crashed("write through a handle from before the crash"));
+        }
         let f = st.file(self.id)?;
         write_into(&mut f.live, off, buf);
         f.unsynced.push((off, buf.to_vec()));
@@ -233,6 +242,9 @@ impl SegmentFile for SimSegment {
     fn sync(&self) -> Result<()> {
         let mut st = self.state.lock();
         st.check()?;
+        if st.generation != self.generation {
+            return Err(Error::Crashed("sync through a handle from before the crash"));
+        }
         if st.failing_syncs > 0 {
             st.failing_syncs -= 1;
             let f = st.file(self.id)?;
@@ -292,6 +304,10 @@ mod tests {
         assert!(matches!(dev.failpoint("b"), Err(Error::Crashed("b"))));
         assert!(f.write_at(b"x", 0).is_err());
         dev.crash(CrashMode::DropUnsynced);
+        // The handle belonged to the process that crashed; a fresh one works.
+        assert!(matches!(f.write_at(b"x", 0), Err(Error::Crashed(_))));
+        assert!(f.sync().is_err());
+        let f = dev.open_segment(seg()).expect("open").expect("exists");
         assert!(f.write_at(b"x", 0).is_ok());
     }
 

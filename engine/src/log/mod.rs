@@ -2,6 +2,7 @@
 //! epoch per open: records are appended to the open segment, which is
 //! sealed (synced, then never written again) at the size limit.
 
+mod behind;
 mod reader;
 mod writer;
 

@@ -1,3 +1,4 @@
+use super::behind::WriteBehind;
 use crate::device::{failpoints, Device, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{block_crcs, Addr, RecordHeader, RecordKind, SegId, ALIGN_DATA_MIN, BLOCK_SIZE, HEADER_LEN};
@@ -26,14 +27,20 @@ pub struct Log {
     /// usually find their record already durable when they get it.
     sync_lock: Mutex<()>,
     durable_seq: AtomicU64,
-    poisoned: AtomicBool,
+    /// Shared with the write-behind thread, which sets it when a write fails.
+    poisoned: Arc<AtomicBool>,
     syncs: AtomicU64,
+    /// Where appended bytes go to the file on a thread of their own; `None`
+    /// writes them in the appending call.
+    behind: Option<Arc<WriteBehind>>,
+    behind_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Records without data (metadata intents, tree nodes, commits) wait in
 /// `pending` until the next data record, seal or sync writes them in the
 /// same call: nothing reads them back before a sync, and a small file's
-/// create + write + fsync then costs two system calls, not four.
+/// create + write + fsync then costs two system calls, not four. With
+/// write-behind, "writes" means "hands to the write-behind thread".
 struct Tail {
     seg: SegId,
     file: Arc<dyn SegmentFile>,
@@ -55,10 +62,31 @@ struct Tail {
 const PENDING_MAX: usize = 1 << 20;
 
 impl Log {
-    /// Starts a new writer epoch: segment `(writer, 0)`, first record `first_seq`.
+    /// Starts a new writer epoch: segment `(writer, 0)`, first record
+    /// `first_seq`. Appends write their bytes before they return.
     pub fn create(device: Arc<dyn Device>, writer: u64, first_seq: u64, segment_size: u64) -> Result<Log> {
+        Self::create_with(device, writer, first_seq, segment_size, false)
+    }
+
+    /// Like [`Log::create`]; with `write_behind`, appended bytes reach the
+    /// file on a thread of their own (see [`WriteBehind`]).
+    pub fn create_with(
+        device: Arc<dyn Device>,
+        writer: u64,
+        first_seq: u64,
+        segment_size: u64,
+        write_behind: bool,
+    ) -> Result<Log> {
         let seg = SegId { writer, seq: 0 };
         let file = device.create_segment(seg)?;
+        let poisoned = Arc::new(AtomicBool::new(false));
+        let (behind, behind_thread) = match write_behind {
+            true => {
+                let (wb, thread) = WriteBehind::start(writer, poisoned.clone())?;
+                (Some(wb), Some(thread))
+            }
+            false => (None, None),
+        };
         Ok(Log {
             device,
             segment_size,
@@ -74,8 +102,10 @@ impl Log {
             }),
             sync_lock: Mutex::new(()),
             durable_seq: AtomicU64::new(first_seq.saturating_sub(1)),
-            poisoned: AtomicBool::new(false),
+            poisoned,
             syncs: AtomicU64::new(0),
+            behind,
+            behind_thread: Mutex::new(behind_thread),
         })
     }
 
@@ -173,6 +203,8 @@ impl Log {
     fn seal(&self, tail: &mut Tail) -> Result<()> {
         self.device.failpoint(failpoints::SEGMENT_SEAL)?;
         self.flush(tail)?;
+        // The sealed file is complete before anyone is told it is sealed.
+        self.wait_flushed()?;
         // No fdatasync here: a writer must not stall on it. Writeback of
         // the sealed segment starts now without waiting, and the next sync
         // makes it durable before anything after it.
@@ -186,9 +218,14 @@ impl Log {
         Ok(())
     }
 
-    /// Writes the pending records.
+    /// Writes the pending records, or hands them to the write-behind thread.
     fn flush(&self, tail: &mut Tail) -> Result<()> {
         if tail.pending.is_empty() {
+            return Ok(());
+        }
+        if let Some(wb) = &self.behind {
+            let buf = std::mem::replace(&mut tail.pending, wb.spare());
+            wb.hand_over(tail.file.clone(), tail.seg, tail.pending_at, buf)?;
             return Ok(());
         }
         if let Err(e) = tail.file.write_at(&tail.pending, tail.pending_at) {
@@ -201,6 +238,24 @@ impl Log {
             tail.pending.shrink_to(PENDING_MAX);
         }
         Ok(())
+    }
+
+    /// Returns once every buffer handed to the write-behind thread so far is
+    /// in its file.
+    fn wait_flushed(&self) -> Result<()> {
+        match &self.behind {
+            Some(wb) => wb.wait_for(wb.last_handed()),
+            None => Ok(()),
+        }
+    }
+
+    /// Returns once the log's bytes before `end` of `seg` can be read from
+    /// the segment file (at once unless write-behind still holds them).
+    pub fn wait_written(&self, seg: SegId, end: u64) -> Result<()> {
+        match &self.behind {
+            Some(wb) => wb.wait_written(seg, end),
+            None => Ok(()),
+        }
     }
 
     /// Returns once every record up to `seq` is durable. Concurrent callers
@@ -219,6 +274,7 @@ impl Log {
         if self.is_poisoned() {
             return Err(Error::Poisoned);
         }
+        let mut handed = 0;
         let (files, upto, open) = {
             let mut t = self.tail.lock();
             if t.finished {
@@ -227,8 +283,16 @@ impl Log {
             self.flush(&mut t)?;
             let mut files = std::mem::take(&mut t.unsynced);
             files.push(t.file.clone());
+            if let Some(wb) = &self.behind {
+                handed = wb.last_handed();
+            }
             (files, t.next_seq - 1, (t.seg, t.off))
         };
+        // Bytes still on their way to the file first (the write-behind
+        // thread poisons the log itself if one fails).
+        if let Some(wb) = &self.behind {
+            wb.wait_for(handed)?;
+        }
         self.device.failpoint(failpoints::FSYNC)?;
         self.syncs.fetch_add(1, Ordering::Relaxed);
         for file in files {
@@ -263,5 +327,18 @@ impl Log {
     /// Syncs everything appended so far.
     pub fn sync_all(&self) -> Result<()> {
         self.sync(self.last_seq())
+    }
+}
+
+impl Drop for Log {
+    /// The write-behind thread writes what it holds and ends before the
+    /// log is gone, so nothing reaches the device after its owner let go.
+    fn drop(&mut self) {
+        if let Some(wb) = &self.behind {
+            wb.stop();
+        }
+        if let Some(t) = self.behind_thread.lock().take() {
+            let _ = t.join();
+        }
     }
 }

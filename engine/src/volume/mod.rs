@@ -50,6 +50,10 @@ pub struct Config {
     pub commit_interval: Option<Duration>,
     /// Refuse every change with EROFS.
     pub read_only: bool,
+    /// Write appended records to the segment file on a thread of their own,
+    /// so a writer does not wait for the copy into the page cache (the
+    /// next write overlaps it). Durability is unchanged: fsync waits.
+    pub write_behind: bool,
     /// Owner of the root directory of a new volume.
     pub root_uid: u32,
     pub root_gid: u32,
@@ -64,6 +68,7 @@ impl Default for Config {
             commit_every_ops: 16_384,
             commit_interval: Some(Duration::from_secs(1)),
             read_only: false,
+            write_behind: true,
             root_uid: 0,
             root_gid: 0,
             env: Arc::new(SystemEnv),

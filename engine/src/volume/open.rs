@@ -50,7 +50,8 @@ impl Volume {
         };
         if !vol.cfg.read_only {
             let writer = fresh_writer(device.as_ref(), vol.cfg.env.as_ref())?;
-            let log = Log::create(device.clone(), writer, last_seq + 1, vol.cfg.segment_size)?;
+            let log =
+                Log::create_with(device.clone(), writer, last_seq + 1, vol.cfg.segment_size, vol.cfg.write_behind)?;
             let _ = vol.nodes.log.set(Arc::new(log));
             let mut st = vol.state.write();
             if superblock.is_none() {

@@ -58,6 +58,9 @@ impl Volume {
         let b0 = r0 / BLOCK_SIZE;
         let span_end = (r1.div_ceil(BLOCK_SIZE) * BLOCK_SIZE).min(data.len as usize);
         let mut buf = vec![0u8; span_end - b0 * BLOCK_SIZE];
+        if let Some(log) = self.nodes.log.get() {
+            log.wait_written(data.seg, data.end())?;
+        }
         let file = self.device().open_segment(data.seg)?.ok_or_else(|| Error::corrupted("missing segment", data))?;
         file.read_at(&mut buf, data.off as u64 + (b0 * BLOCK_SIZE) as u64)?;
         for (i, block) in buf.chunks(BLOCK_SIZE).enumerate() {
