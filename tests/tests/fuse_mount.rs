@@ -152,3 +152,47 @@ print("ok")
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     m.unmount();
 }
+
+/// The mount tells the kernel to remember that a name is missing; every
+/// way of making that name exist through the mount must still show it.
+#[test]
+fn names_probed_while_missing_appear_once_created_by_any_call() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let code = r#"
+import os, sys
+d = sys.argv[1]
+def probe(name):
+    p = os.path.join(d, name)
+    for _ in range(50):
+        assert not os.path.lexists(p), name + " exists before it was made"
+    return p
+open(os.path.join(d, "src"), "w").write("src")
+makers = {
+    "file": lambda p: open(p, "w").write("x"),
+    "dir": lambda p: os.mkdir(p),
+    "symlink": lambda p: os.symlink("src", p),
+    "hardlink": lambda p: os.link(os.path.join(d, "src"), p),
+    "fifo": lambda p: os.mkfifo(p),
+    "renamed": lambda p: os.rename(os.path.join(d, "src"), p),
+}
+for name, make in makers.items():
+    p = probe(name)
+    make(p)
+    assert os.path.lexists(p), name + " missing after it was made"
+for name in makers:
+    p = os.path.join(d, name)
+    os.rmdir(p) if name == "dir" else os.unlink(p)
+    assert not os.path.lexists(p), name + " still there after removal"
+    os.mkdir(p)
+    assert os.path.isdir(p), name + " not made again as a directory"
+print("ok")
+"#;
+    let out = Command::new("python3").args(["-c", code, s.mnt.to_str().expect("utf8")]).output().expect("python");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+    m.unmount();
+}
