@@ -102,6 +102,18 @@ impl WriteBehind {
         Ok(n)
     }
 
+    /// Whether every job handed over is written (none queued or running).
+    pub fn is_idle(&self) -> bool {
+        let q = self.queue.lock();
+        q.done == q.handed
+    }
+
+    /// Records that the caller wrote bytes up to `end` of `seg` itself
+    /// (only while idle, so the file still grows in log order).
+    pub fn note_written(&self, seg: SegId, end: u64) {
+        self.written.fetch_max(pack(seg, end), Ordering::AcqRel);
+    }
+
     /// The number of the last job handed over.
     pub fn last_handed(&self) -> u64 {
         self.queue.lock().handed
@@ -300,10 +312,10 @@ mod tests {
     fn appends_return_before_their_bytes_are_written_and_readers_and_syncs_wait_for_them() {
         let (sim, gate, dev) = gated();
         let log = Arc::new(Log::create_with(dev.clone(), 7, 1, 1 << 20, true).expect("log"));
-        // The file is held shut, yet appends (across a seal) return... up to
-        // the bound on queued bytes, so stay under it.
-        let a = log.append(RecordKind::Intent, b"m", &[1; 5000], "t").expect("append");
-        let b = log.append(RecordKind::Intent, b"m", &[2; 7000], "t").expect("append");
+        // The file is held shut, yet appends return (records large enough to
+        // be handed over, under the bound on queued bytes).
+        let a = log.append(RecordKind::Intent, b"m", &[1; 100_000], "t").expect("append");
+        let b = log.append(RecordKind::Intent, b"m", &[2; 70_000], "t").expect("append");
         assert_eq!(sim.segment_len(a.addr.seg), 0, "nothing reached the file yet");
 
         let (read_tx, read_rx) = mpsc::channel();
@@ -327,14 +339,34 @@ mod tests {
         assert!(read_rx.recv_timeout(Duration::from_millis(100)).is_err(), "a reader got unwritten bytes");
         assert!(sync_rx.try_recv().is_err(), "a sync returned before the bytes were written");
         gate.set(true, false);
-        assert_eq!(read_rx.recv_timeout(Duration::from_secs(10)).expect("reader"), vec![2; 7000]);
+        assert_eq!(read_rx.recv_timeout(Duration::from_secs(10)).expect("reader"), vec![2; 70_000]);
         sync_rx.recv_timeout(Duration::from_secs(10)).expect("syncer").expect("sync");
         reader.join().expect("reader thread");
         syncer.join().expect("sync thread");
         drop(log);
         sim.crash(CrashMode::DropUnsynced);
         let dev: Arc<dyn Device> = Arc::new(sim);
-        assert_eq!(records(&dev, 7), vec![vec![1; 5000], vec![2; 7000]], "synced records survive in order");
+        assert_eq!(records(&dev, 7), vec![vec![1; 100_000], vec![2; 70_000]], "synced records survive in order");
+    }
+
+    #[test]
+    fn small_records_with_nothing_queued_are_written_in_the_call_and_large_ones_behind() {
+        let (sim, gate, dev) = gated();
+        gate.set(true, false);
+        let log = Log::create_with(dev.clone(), 6, 1, 4 << 20, true).expect("log");
+        let seg = SegId { writer: 6, seq: 0 };
+        let small = log.append(RecordKind::Intent, b"m", &[1; 4096], "t").expect("append");
+        assert_eq!(sim.segment_len(seg) as u64, small.addr.end(), "a small record is in the file at once");
+        gate.set(false, false);
+        let big = log.append(RecordKind::Intent, b"m", &[2; 200_000], "t").expect("append");
+        assert_eq!(sim.segment_len(seg) as u64, small.addr.end(), "a large one is handed over");
+        // A small record behind a queued one must queue too (log order).
+        let after = log.append(RecordKind::Intent, b"m", &[3; 10], "t").expect("append");
+        assert_eq!(sim.segment_len(seg) as u64, small.addr.end(), "nothing overtakes a queued write");
+        gate.set(true, false);
+        log.sync_all().expect("sync");
+        assert_eq!(sim.segment_len(seg) as u64, after.addr.end());
+        assert!(big.addr.end() <= after.addr.off as u64);
     }
 
     #[test]
@@ -359,17 +391,18 @@ mod tests {
         let (sim, gate, dev) = gated();
         gate.set(true, false);
         let log = Log::create_with(dev.clone(), 4, 1, 1 << 20, true).expect("log");
-        log.append(RecordKind::Intent, b"m", &[1; 5000], "t").expect("append");
+        log.append(RecordKind::Intent, b"m", &[1; 100_000], "t").expect("append");
         log.sync_all().expect("sync");
         let seg = SegId { writer: 4, seq: 0 };
         let good = sim.segment_len(seg);
         gate.set(false, true);
-        log.append(RecordKind::Intent, b"m", &[2; 5000], "t").expect("queued");
+        log.append(RecordKind::Intent, b"m", &[2; 100_000], "t").expect("queued");
         gate.set(true, true);
         assert!(log.sync_all().is_err(), "a sync after a failed write must fail");
         gate.set(true, false);
         assert!(log.is_poisoned());
-        assert!(log.append(RecordKind::Intent, b"m", &[3; 5000], "t").is_err());
+        assert!(log.append(RecordKind::Intent, b"m", &[3; 100_000], "t").is_err());
+        assert!(log.append(RecordKind::Intent, b"m", &[4; 10], "t").is_err(), "small records too");
         assert!(log.sync_all().is_err());
         drop(log);
         assert_eq!(sim.segment_len(seg), good, "nothing after the failed write reached the file");

@@ -60,6 +60,9 @@ struct Tail {
 
 /// Past this, pending records are written without waiting for company.
 const PENDING_MAX: usize = 1 << 20;
+/// With write-behind, buffers up to this size are written by the appending
+/// thread itself when nothing is queued ahead of them.
+const INLINE_MAX: usize = 64 << 10;
 
 impl Log {
     /// Starts a new writer epoch: segment `(writer, 0)`, first record
@@ -182,7 +185,7 @@ impl Log {
         tail.pending.extend_from_slice(&meta_region);
         tail.pending.extend_from_slice(data);
         if !data.is_empty() || tail.pending.len() >= PENDING_MAX {
-            self.flush(&mut tail)?;
+            self.flush(&mut tail, false)?;
         }
         let addr = Addr { seg: tail.seg, off: tail.off as u32, len: total as u32 };
         let data_off = tail.off + (HEADER_LEN + meta_region.len()) as u64;
@@ -202,7 +205,7 @@ impl Log {
     /// always a prefix.
     fn seal(&self, tail: &mut Tail) -> Result<()> {
         self.device.failpoint(failpoints::SEGMENT_SEAL)?;
-        self.flush(tail)?;
+        self.flush(tail, true)?;
         // The sealed file is complete before anyone is told it is sealed.
         self.wait_flushed()?;
         // No fdatasync here: a writer must not stall on it. Writeback of
@@ -219,18 +222,28 @@ impl Log {
     }
 
     /// Writes the pending records, or hands them to the write-behind thread.
-    fn flush(&self, tail: &mut Tail) -> Result<()> {
+    /// `waiting`: the caller waits for the bytes anyway (a sync or a seal).
+    fn flush(&self, tail: &mut Tail, waiting: bool) -> Result<()> {
         if tail.pending.is_empty() {
             return Ok(());
         }
         if let Some(wb) = &self.behind {
-            let buf = std::mem::replace(&mut tail.pending, wb.spare());
-            wb.hand_over(tail.file.clone(), tail.seg, tail.pending_at, buf)?;
-            return Ok(());
+            // With nothing queued ahead, a caller that will wait anyway, or
+            // one with a small buffer, writes it here: waking the thread
+            // (and being woken by it) costs more than the copy. Only the
+            // holder of the tail lock hands over, so the queue stays idle.
+            if !(wb.is_idle() && (waiting || tail.pending.len() <= INLINE_MAX)) {
+                let buf = std::mem::replace(&mut tail.pending, wb.spare());
+                wb.hand_over(tail.file.clone(), tail.seg, tail.pending_at, buf)?;
+                return Ok(());
+            }
         }
         if let Err(e) = tail.file.write_at(&tail.pending, tail.pending_at) {
             tail.pending.clear();
             return Err(self.poison(e));
+        }
+        if let Some(wb) = &self.behind {
+            wb.note_written(tail.seg, tail.pending_at + tail.pending.len() as u64);
         }
         // Keep the allocation: the next megabyte write reuses it.
         tail.pending.clear();
@@ -280,7 +293,7 @@ impl Log {
             if t.finished {
                 return Err(Error::Invalid("the log is closed"));
             }
-            self.flush(&mut t)?;
+            self.flush(&mut t, true)?;
             let mut files = std::mem::take(&mut t.unsynced);
             files.push(t.file.clone());
             if let Some(wb) = &self.behind {
