@@ -265,10 +265,18 @@ impl Log {
     /// Returns once the log's bytes before `end` of `seg` can be read from
     /// the segment file (at once unless write-behind still holds them).
     pub fn wait_written(&self, seg: SegId, end: u64) -> Result<()> {
-        match &self.behind {
-            Some(wb) => wb.wait_written(seg, end),
-            None => Ok(()),
+        let Some(wb) = &self.behind else { return Ok(()) };
+        if wb.has_written(seg, end) {
+            return Ok(());
         }
+        {
+            // Still in the pending buffer: send it on its way first.
+            let mut t = self.tail.lock();
+            if t.seg == seg && !t.pending.is_empty() && t.pending_at < end {
+                self.flush(&mut t, true)?;
+            }
+        }
+        wb.wait_written(seg, end)
     }
 
     /// Returns once every record up to `seq` is durable. Concurrent callers

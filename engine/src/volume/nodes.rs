@@ -61,6 +61,12 @@ impl NodeStore for Nodes {
         if let Some(n) = self.cache.get(&addr) {
             return Ok(n);
         }
+        // A node evicted from the cache before its bytes reached the file
+        // (a commit holds the tree lock until its sync, so none is read
+        // back today; this keeps reads right whatever the cache does).
+        if let Some(log) = self.log.get() {
+            log.wait_written(addr.seg, addr.end())?;
+        }
         let rec = read_record_at(self.device.as_ref(), addr, RecordKind::Node)?;
         let node = Arc::new(Node::decode(&rec.meta).map_err(|_| Error::corrupted("tree node", addr))?);
         self.cache.insert(addr, node.clone());
