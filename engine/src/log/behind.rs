@@ -7,7 +7,8 @@
 //! prefix of the operations. Nothing here makes bytes durable: a sync first
 //! waits for every buffer handed over before it ([`WriteBehind::wait_for`]),
 //! then syncs the files. A reader of bytes not yet written waits for them
-//! ([`WriteBehind::wait_written`]).
+//! ([`Behind::wait_written`]). Dropping the [`WriteBehind`] writes what is
+//! queued and ends the thread.
 
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
@@ -16,6 +17,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
 /// Bytes handed over but not yet written, at most; an append past it waits.
 /// Enough for the next megabyte write to overlap the one being written.
@@ -43,7 +45,15 @@ struct Queue {
     stop: bool,
 }
 
+/// The running write-behind: the state it shares with its thread, and the
+/// thread.
 pub struct WriteBehind {
+    shared: Arc<Behind>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What the appending side and the writing thread share.
+pub struct Behind {
     queue: Mutex<Queue>,
     /// Signalled when a job is handed over, when one is written, and at stop.
     changed: Condvar,
@@ -62,27 +72,48 @@ fn pack(seg: SegId, off: u64) -> u64 {
 impl WriteBehind {
     /// Starts the writing thread. `poisoned` is the log's flag, set on the
     /// first failed write.
-    pub fn start(writer: u64, poisoned: Arc<AtomicBool>) -> Result<(Arc<WriteBehind>, std::thread::JoinHandle<()>)> {
-        let wb = Arc::new(WriteBehind {
+    pub fn start(writer: u64, poisoned: Arc<AtomicBool>) -> Result<WriteBehind> {
+        let shared = Arc::new(Behind {
             queue: Mutex::new(Queue::default()),
             changed: Condvar::new(),
             written: AtomicU64::new(0),
             writer,
             poisoned,
         });
-        let worker = wb.clone();
+        let worker = shared.clone();
         let thread = std::thread::Builder::new().name("arbor-log-write".into()).spawn(move || worker.run())?;
-        Ok((wb, thread))
+        Ok(WriteBehind { shared, thread: Some(thread) })
     }
+}
 
+impl std::ops::Deref for WriteBehind {
+    type Target = Behind;
+    fn deref(&self) -> &Behind {
+        &self.shared
+    }
+}
+
+impl Drop for WriteBehind {
+    /// Writes what is queued and ends the thread, so nothing reaches the
+    /// device after its owner let go.
+    fn drop(&mut self) {
+        self.shared.queue.lock().stop = true;
+        self.shared.changed.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Behind {
     /// A buffer for the next records (empty, maybe with capacity).
     pub fn spare(&self) -> Vec<u8> {
         self.queue.lock().spare.pop().unwrap_or_default()
     }
 
-    /// Queues `buf` to be written at `at` in `file` and returns its job
-    /// number, waiting first while too much is queued.
-    pub fn hand_over(&self, file: Arc<dyn SegmentFile>, seg: SegId, at: u64, buf: Vec<u8>) -> Result<u64> {
+    /// Queues `buf` to be written at `at` in `file`, waiting first while too
+    /// much is queued.
+    pub fn hand_over(&self, file: Arc<dyn SegmentFile>, seg: SegId, at: u64, buf: Vec<u8>) -> Result<()> {
         let mut q = self.queue.lock();
         while q.queued_bytes > 0 && q.queued_bytes + buf.len() > MAX_QUEUED && q.failed.is_none() && !q.stop {
             self.changed.wait(&mut q);
@@ -96,10 +127,9 @@ impl WriteBehind {
         q.queued_bytes += buf.len();
         q.jobs.push_back(Job { file, seg, at, buf });
         q.handed += 1;
-        let n = q.handed;
         drop(q);
         self.changed.notify_all();
-        Ok(n)
+        Ok(())
     }
 
     /// Whether every job handed over is written (none queued or running).
@@ -117,6 +147,11 @@ impl WriteBehind {
     /// The number of the last job handed over.
     pub fn last_handed(&self) -> u64 {
         self.queue.lock().handed
+    }
+
+    /// Returns once everything handed over so far is written.
+    pub fn wait_all(&self) -> Result<()> {
+        self.wait_for(self.last_handed())
     }
 
     /// Returns once job `n` and every job before it is written.
@@ -159,12 +194,6 @@ impl WriteBehind {
             }
             self.changed.wait(&mut q);
         }
-    }
-
-    /// Ends the thread once everything queued is written.
-    pub fn stop(&self) {
-        self.queue.lock().stop = true;
-        self.changed.notify_all();
     }
 
     fn run(&self) {

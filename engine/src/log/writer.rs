@@ -32,15 +32,14 @@ pub struct Log {
     syncs: AtomicU64,
     /// Where appended bytes go to the file on a thread of their own; `None`
     /// writes them in the appending call.
-    behind: Option<Arc<WriteBehind>>,
-    behind_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    behind: Option<WriteBehind>,
 }
 
 /// Records without data (metadata intents, tree nodes, commits) wait in
 /// `pending` until the next data record, seal or sync writes them in the
 /// same call: nothing reads them back before a sync, and a small file's
 /// create + write + fsync then costs two system calls, not four. With
-/// write-behind, "writes" means "hands to the write-behind thread".
+/// write-behind, a large buffer is handed to its thread instead.
 struct Tail {
     seg: SegId,
     file: Arc<dyn SegmentFile>,
@@ -83,13 +82,7 @@ impl Log {
         let seg = SegId { writer, seq: 0 };
         let file = device.create_segment(seg)?;
         let poisoned = Arc::new(AtomicBool::new(false));
-        let (behind, behind_thread) = match write_behind {
-            true => {
-                let (wb, thread) = WriteBehind::start(writer, poisoned.clone())?;
-                (Some(wb), Some(thread))
-            }
-            false => (None, None),
-        };
+        let behind = if write_behind { Some(WriteBehind::start(writer, poisoned.clone())?) } else { None };
         Ok(Log {
             device,
             segment_size,
@@ -108,7 +101,6 @@ impl Log {
             poisoned,
             syncs: AtomicU64::new(0),
             behind,
-            behind_thread: Mutex::new(behind_thread),
         })
     }
 
@@ -207,7 +199,9 @@ impl Log {
         self.device.failpoint(failpoints::SEGMENT_SEAL)?;
         self.flush(tail, true)?;
         // The sealed file is complete before anyone is told it is sealed.
-        self.wait_flushed()?;
+        if let Some(wb) = &self.behind {
+            wb.wait_all()?;
+        }
         // No fdatasync here: a writer must not stall on it. Writeback of
         // the sealed segment starts now without waiting, and the next sync
         // makes it durable before anything after it.
@@ -232,7 +226,7 @@ impl Log {
             // one with a small buffer, writes it here: waking the thread
             // (and being woken by it) costs more than the copy. Only the
             // holder of the tail lock hands over, so the queue stays idle.
-            if !(wb.is_idle() && (waiting || tail.pending.len() <= INLINE_MAX)) {
+            if !((waiting || tail.pending.len() <= INLINE_MAX) && wb.is_idle()) {
                 let buf = std::mem::replace(&mut tail.pending, wb.spare());
                 wb.hand_over(tail.file.clone(), tail.seg, tail.pending_at, buf)?;
                 return Ok(());
@@ -251,15 +245,6 @@ impl Log {
             tail.pending.shrink_to(PENDING_MAX);
         }
         Ok(())
-    }
-
-    /// Returns once every buffer handed to the write-behind thread so far is
-    /// in its file.
-    fn wait_flushed(&self) -> Result<()> {
-        match &self.behind {
-            Some(wb) => wb.wait_for(wb.last_handed()),
-            None => Ok(()),
-        }
     }
 
     /// Returns once the log's bytes before `end` of `seg` can be read from
@@ -348,18 +333,5 @@ impl Log {
     /// Syncs everything appended so far.
     pub fn sync_all(&self) -> Result<()> {
         self.sync(self.last_seq())
-    }
-}
-
-impl Drop for Log {
-    /// The write-behind thread writes what it holds and ends before the
-    /// log is gone, so nothing reaches the device after its owner let go.
-    fn drop(&mut self) {
-        if let Some(wb) = &self.behind {
-            wb.stop();
-        }
-        if let Some(t) = self.behind_thread.lock().take() {
-            let _ = t.join();
-        }
     }
 }
