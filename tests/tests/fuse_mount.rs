@@ -122,77 +122,26 @@ fn fusermount_unmount_flushes_and_the_server_exits_cleanly() {
 
 #[test]
 fn open_unlinked_files_and_locks_behave_like_a_local_disk() {
-    if !fuse_available() {
-        return;
-    }
-    let s = Scratch::new();
-    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
-    let code = r#"
-import fcntl, os, subprocess, sys
-d = sys.argv[1]
-p = os.path.join(d, "scratch")
-fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
-os.unlink(p)
-os.write(fd, b"still here")
-os.lseek(fd, 0, 0)
-assert os.read(fd, 100) == b"still here"
-assert not os.path.exists(p)
-os.close(fd)
-lockfile = os.path.join(d, "lock")
-f = open(lockfile, "w")
-fcntl.flock(f, fcntl.LOCK_EX)
-other = subprocess.run([sys.executable, "-c", "import fcntl,sys; f=open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX|fcntl.LOCK_NB)", lockfile])
-assert other.returncode != 0, "a second flock must be refused"
-fcntl.lockf(f, fcntl.LOCK_EX)
-other = subprocess.run([sys.executable, "-c", "import fcntl,sys; f=open(sys.argv[1],'w'); fcntl.lockf(f, fcntl.LOCK_EX|fcntl.LOCK_NB)", lockfile])
-assert other.returncode != 0, "a second fcntl lock must be refused"
-print("ok")
-"#;
-    let out = Command::new("python3").args(["-c", code, s.mnt.to_str().expect("utf8")]).output().expect("python");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    m.unmount();
+    client_on_a_fresh_mount("unlinked_and_locks.py");
 }
 
 /// The mount tells the kernel to remember that a name is missing; every
 /// way of making that name exist through the mount must still show it.
 #[test]
 fn names_probed_while_missing_appear_once_created_by_any_call() {
+    client_on_a_fresh_mount("missing_names.py");
+}
+
+/// Runs a client script from `tests/clients` on a fresh mount and checks
+/// that it succeeded and said "ok".
+fn client_on_a_fresh_mount(script: &str) {
     if !fuse_available() {
         return;
     }
     let s = Scratch::new();
     let m = Mount::start(s.disk_str(), &s.mnt, &[]);
-    let code = r#"
-import os, sys
-d = sys.argv[1]
-def probe(name):
-    p = os.path.join(d, name)
-    for _ in range(50):
-        assert not os.path.lexists(p), name + " exists before it was made"
-    return p
-open(os.path.join(d, "src"), "w").write("src")
-makers = {
-    "file": lambda p: open(p, "w").write("x"),
-    "dir": lambda p: os.mkdir(p),
-    "symlink": lambda p: os.symlink("src", p),
-    "hardlink": lambda p: os.link(os.path.join(d, "src"), p),
-    "fifo": lambda p: os.mkfifo(p),
-    "renamed": lambda p: os.rename(os.path.join(d, "src"), p),
-}
-for name, make in makers.items():
-    p = probe(name)
-    make(p)
-    assert os.path.lexists(p), name + " missing after it was made"
-for name in makers:
-    p = os.path.join(d, name)
-    os.rmdir(p) if name == "dir" else os.unlink(p)
-    assert not os.path.lexists(p), name + " still there after removal"
-    os.mkdir(p)
-    assert os.path.isdir(p), name + " not made again as a directory"
-print("ok")
-"#;
-    let out = Command::new("python3").args(["-c", code, s.mnt.to_str().expect("utf8")]).output().expect("python");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+    let out = python(script, &[s.mnt.to_str().expect("utf8")]);
+    assert!(out.status.success(), "{script} failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok", "{script}");
     m.unmount();
 }
