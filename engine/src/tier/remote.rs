@@ -524,6 +524,14 @@ impl Remote {
 }
 
 impl RemoteSeg {
+    /// The chunk after the last one holding bytes before `end`, rounded up
+    /// to a whole run (so each worker GET is a large one).
+    fn run_end(&self, end: u64) -> usize {
+        (end.min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
+            .next_multiple_of(RUN_CHUNKS)
+            .min(self.footer.crcs.len())
+    }
+
     fn chunk_size(&self) -> u64 {
         self.footer.chunk_size as u64
     }
@@ -704,11 +712,7 @@ impl RemoteSeg {
         let window_end = end + window;
         if end < self.footer.data_len {
             let first = (end / self.chunk_size()) as usize;
-            // Whole runs of chunks, so each worker GET is a large one.
-            let last = (window_end.min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
-                .next_multiple_of(RUN_CHUNKS)
-                .min(self.footer.crcs.len());
-            r.enqueue_chunks(&me, first, last);
+            r.enqueue_chunks(&me, first, self.run_end(window_end));
         }
         if !matches!(self.source, Source::Object { .. }) {
             return;
@@ -762,10 +766,7 @@ impl Remote {
 
     /// Queues the chunks holding the first `bytes` of `seg`, in whole runs.
     fn enqueue_first(self: &Arc<Self>, seg: &Arc<RemoteSeg>, bytes: u64) {
-        let last = (bytes.min(seg.footer.data_len).div_ceil(seg.chunk_size()) as usize)
-            .next_multiple_of(RUN_CHUNKS)
-            .min(seg.footer.crcs.len());
-        self.enqueue_chunks(seg, 0, last);
+        self.enqueue_chunks(seg, 0, seg.run_end(bytes));
     }
 
     /// Queues chunks `first..last` of `seg` that are neither present, on
