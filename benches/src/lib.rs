@@ -3,6 +3,11 @@
 
 use std::time::{Duration, Instant};
 
+/// The number in environment variable `name`, or `default`.
+pub fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
     match xs.len() {

@@ -12,7 +12,7 @@
 //! Usage: `bucket_bench [DIR]` (default `target/bench-data`); env
 //! `ARBOR_BENCH_MIB` (1024), `ARBOR_BENCH_RUNS` (3). Medians are printed.
 
-use arbor_benches::{median, print_table, Row};
+use arbor_benches::{env_usize, median, print_table, Row};
 use arbor_engine::bucket::{ObjectStore, S3Store};
 use arbor_engine::device::FileDevice;
 use arbor_engine::disk::HeadDevice;
@@ -25,10 +25,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 const MIB: usize = 1 << 20;
-
-fn env(k: &str, d: usize) -> usize {
-    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
-}
 
 fn cfg() -> Config {
     Config { commit_interval: None, ..Config::default() }
@@ -82,7 +78,7 @@ fn parallel_download(server: &S3Server, prefix: &str, keys: &[(String, u64)]) ->
     for (key, size) in keys {
         let mut off = 0;
         while off < *size {
-            let end = (off + env("ARBOR_BENCH_RANGE_MIB", 8) as u64 * MIB as u64).min(*size);
+            let end = (off + env_usize("ARBOR_BENCH_RANGE_MIB", 8) as u64 * MIB as u64).min(*size);
             ranges.push((format!("{prefix}/{key}"), off, end));
             off = end;
         }
@@ -124,7 +120,7 @@ fn fresh(base: &Path, name: &str) -> PathBuf {
 
 fn main() {
     let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-data"));
-    let (mib, runs) = (env("ARBOR_BENCH_MIB", 1024), env("ARBOR_BENCH_RUNS", 3));
+    let (mib, runs) = (env_usize("ARBOR_BENCH_MIB", 1024), env_usize("ARBOR_BENCH_RUNS", 3));
     println!("bucket_bench: dir {}, {mib} MiB, {runs} runs (medians)", base.display());
     let data = fresh(&base, "s3");
     let Some(server) = S3Server::start(&data).expect("s3s-fs") else {

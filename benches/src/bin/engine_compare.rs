@@ -17,10 +17,6 @@ use std::time::Duration;
 
 const MIB: usize = 1 << 20;
 
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
 fn fresh(dir: &Path, name: &str) -> PathBuf {
     let p = dir.join(name);
     let _ = fs::remove_dir_all(&p);
@@ -105,10 +101,10 @@ fn files_arbor(dir: &Path, n: usize) -> f64 {
 fn main() {
     let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-data"));
     let (mib, nfiles, nreads, runs) = (
-        env("ARBOR_BENCH_MIB", 1024),
-        env("ARBOR_BENCH_FILES", 10_000),
-        env("ARBOR_BENCH_READS", 100_000),
-        env("ARBOR_BENCH_RUNS", 5),
+        env_usize("ARBOR_BENCH_MIB", 1024),
+        env_usize("ARBOR_BENCH_FILES", 10_000),
+        env_usize("ARBOR_BENCH_READS", 100_000),
+        env_usize("ARBOR_BENCH_RUNS", 5),
     );
     println!(
         "engine_compare: dir {}, {mib} MiB, {nfiles} files, {nreads} reads, {runs} runs (medians)",

@@ -21,10 +21,9 @@ fn main() {
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
         .collect();
-    let reps: usize = std::env::var("ARBOR_BENCH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
-    let cold_reps: usize =
-        std::env::var("ARBOR_BENCH_COLD_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(reps.min(10));
-    let diff_reps: usize = std::env::var("ARBOR_BENCH_DIFF_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(reps);
+    let reps = env_usize("ARBOR_BENCH_REPS", 30);
+    let cold_reps = env_usize("ARBOR_BENCH_COLD_REPS", reps.min(10));
+    let diff_reps = env_usize("ARBOR_BENCH_DIFF_REPS", reps);
     let mut rows: Vec<(usize, f64, f64, f64, f64)> = Vec::new();
     for &n in &sizes {
         let dir = base.join(format!("disk-{n}"));

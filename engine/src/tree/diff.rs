@@ -38,7 +38,7 @@ impl Level {
         self.addrs.iter().map(|a| load(store, &Child::Disk(*a), Some(0))).collect()
     }
 
-    /// Drops the addresses `other` also has, and returns them sorted.
+    /// Drops the addresses both levels hold (their subtrees are equal).
     fn drop_shared(&mut self, other: &mut Level) {
         let mut mine = self.addrs.clone();
         mine.sort_unstable();
