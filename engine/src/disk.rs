@@ -65,11 +65,22 @@ fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Whether process `pid` is alive on this host.
+/// Whether process `pid` is alive on this host. A zombie is not: it has
+/// exited and closed everything, and only waits for its parent to collect
+/// its status, which a container's first process may never do (a mount
+/// killed with -9 there would otherwise hold its branch for good).
 fn pid_alive(pid: u32) -> bool {
     // SAFETY: signal 0 checks existence and permission only.
     let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let exists = rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    exists && !matches!(process_state(pid), Some('Z' | 'X'))
+}
+
+/// The state letter of `/proc/PID/stat` (after the parenthesised name,
+/// which may itself hold spaces and parentheses).
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
 }
 
 impl Lease {
@@ -417,6 +428,24 @@ mod tests {
 
     fn cfg(read_only: bool) -> Config {
         Config { commit_interval: None, read_only, env: TestEnv::new(5), ..Config::default() }
+    }
+
+    #[test]
+    fn a_process_that_exited_counts_as_gone_before_its_parent_collects_it() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let pid = child.id();
+        assert!(pid_alive(pid), "a running process");
+        child.kill().expect("kill");
+        // Not waited for yet: a zombie until `wait` below.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while process_state(pid) != Some('Z') && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(process_state(pid), Some('Z'));
+        assert!(!pid_alive(pid), "a zombie holds nothing");
+        child.wait().expect("wait");
+        assert!(!pid_alive(pid));
+        assert!(pid_alive(std::process::id()), "this process");
     }
 
     #[test]
