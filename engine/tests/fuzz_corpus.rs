@@ -27,7 +27,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     ]));
     let branch = Node::Branch(Branch {
         level: 1,
-        keys: vec![b"m".to_vec()],
+        keys: [b"m"].into_iter().collect(),
         children: vec![Child::Disk(addr), Child::Disk(addr)],
     });
     let commit = CommitRecord {

@@ -36,6 +36,29 @@ pub fn read_record(file: &dyn SegmentFile, seg: SegId, off: u64, limit: u64) -> 
     }
     let mut payload = vec![0u8; h.payload_len.get() as usize];
     file.read_at(&mut payload, off + HEADER_LEN as u64)?;
+    verify(&h, payload, seg, off)
+}
+
+/// Reads the record at `addr` with one read of its known length, verified
+/// as [`read_record`] does.
+pub fn read_record_at_addr(file: &dyn SegmentFile, addr: Addr) -> Result<Record> {
+    let (seg, off) = (addr.seg, addr.off as u64);
+    if (addr.len as usize) < HEADER_LEN {
+        return Err(torn("record length", seg, off));
+    }
+    let mut buf = vec![0u8; addr.len as usize];
+    file.read_at(&mut buf, off)?;
+    let h = RecordHeader::parse(&buf[..HEADER_LEN]).ok_or_else(|| torn("record header", seg, off))?;
+    if h.total_len() != addr.len as u64 {
+        return Err(torn("record length", seg, off));
+    }
+    buf.drain(..HEADER_LEN);
+    verify(&h, buf, seg, off)
+}
+
+/// Checks a record's payload against its header and splits it up.
+fn verify(h: &RecordHeader, mut payload: Vec<u8>, seg: SegId, off: u64) -> Result<Record> {
+    let total = h.total_len();
     let meta_len = h.meta_len.get() as usize;
     if h.compute_crc(&payload[..meta_len]) != h.crc.get() {
         return Err(torn("record checksum", seg, off));

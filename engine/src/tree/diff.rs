@@ -6,8 +6,8 @@
 //! level: at each level it drops the nodes whose address appears on both
 //! sides (their whole subtrees are equal) and expands only the rest.
 
-use super::{load, Child, Entry, Node, NodeStore};
-use crate::error::Result;
+use super::{load, Branch, Child, Node, NodeStore};
+use crate::error::{Error, Result};
 use crate::format::Addr;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -69,17 +69,6 @@ fn intersect(a: &[Addr], b: &[Addr]) -> Vec<Addr> {
     out
 }
 
-/// The entries of `leaves`, in key order, without copying them.
-fn entries_of(leaves: &[Arc<Node>]) -> Vec<&Entry> {
-    let mut out = Vec::new();
-    for n in leaves {
-        if let Node::Leaf(l) = &**n {
-            out.extend(l.entries.iter());
-        }
-    }
-    out
-}
-
 /// One entry that differs: its key, and its value on each side.
 pub type Difference<'a> = (&'a [u8], Option<&'a [u8]>, Option<&'a [u8]>);
 
@@ -89,9 +78,94 @@ pub fn diff(store: &dyn NodeStore, a: Addr, b: Addr, f: &mut dyn FnMut(Differenc
     if a == b {
         return Ok(());
     }
-    let root_level = |x: Addr| -> Result<u8> { Ok(load(store, &Child::Disk(x), None)?.level()) };
-    let mut left = Level { level: root_level(a)?, addrs: vec![a] };
-    let mut right = Level { level: root_level(b)?, addrs: vec![b] };
+    let (na, nb) = (load(store, &Child::Disk(a), None)?, load(store, &Child::Disk(b), None)?);
+    if na.level() == nb.level() {
+        return diff_nodes(store, &na, &nb, f);
+    }
+    diff_levels(store, Level { level: na.level(), addrs: vec![a] }, Level { level: nb.level(), addrs: vec![b] }, f)
+}
+
+/// Two nodes of one level covering the same key range. Both lists of
+/// children are walked in key order and cut wherever the two sides agree on
+/// a boundary: at a child both share (its address on both sides: equal
+/// subtrees, skipped; every entry before it on either side is smaller than
+/// its keys) or at a separator key both hold. The children between two cuts
+/// cover the same keys on both sides: a single pair is compared on its own,
+/// and only a run whose cuts differ (a child split or merged) is left to the
+/// level-by-level comparison. Mostly this compares addresses, not keys.
+fn diff_nodes(store: &dyn NodeStore, a: &Node, b: &Node, f: &mut dyn FnMut(Difference) -> Result<()>) -> Result<()> {
+    let (x, y) = match (a, b) {
+        (Node::Leaf(x), Node::Leaf(y)) => return merge(x.entries(), y.entries(), f),
+        (Node::Branch(x), Node::Branch(y)) => (x, y),
+        _ => return Err(Error::corrupted("tree node (mixed levels)", "diff")),
+    };
+    let level = x.level - 1;
+    let mut run = |left: &[Child], right: &[Child]| -> Result<()> {
+        match (left, right) {
+            ([], []) => Ok(()),
+            ([Child::Disk(l)], [Child::Disk(r)]) if l == r => Ok(()),
+            ([l], [r]) => diff_nodes(store, &*load(store, l, Some(level))?, &*load(store, r, Some(level))?, f),
+            _ => {
+                let (left, right) = (disk_addrs(left)?, disk_addrs(right)?);
+                diff_levels(store, Level { level, addrs: left }, Level { level, addrs: right }, f)
+            }
+        }
+    };
+    let (xs, ys) = (&x.children, &y.children);
+    // Child k covers [keys[k-1], keys[k]); the last one has no upper key.
+    let (mut i, mut j, mut from_l, mut from_r) = (0, 0, 0, 0);
+    while i < xs.len() && j < ys.len() {
+        if let (Child::Disk(l), Child::Disk(r)) = (&xs[i], &ys[j]) {
+            if l == r {
+                run(&xs[from_l..i], &ys[from_r..j])?;
+                (i, j) = (i + 1, j + 1);
+                (from_l, from_r) = (i, j);
+                continue;
+            }
+        }
+        match (upper(x, i), upper(y, j)) {
+            (None, None) => break,
+            (Some(_), None) => i += 1,
+            (None, Some(_)) => j += 1,
+            (Some(p), Some(q)) => match p.cmp(q) {
+                std::cmp::Ordering::Less => i += 1,
+                std::cmp::Ordering::Greater => j += 1,
+                std::cmp::Ordering::Equal => {
+                    run(&xs[from_l..=i], &ys[from_r..=j])?;
+                    (i, j) = (i + 1, j + 1);
+                    (from_l, from_r) = (i, j);
+                }
+            },
+        }
+    }
+    run(&xs[from_l..], &ys[from_r..])
+}
+
+/// The smallest key past child `k`; none for the last child.
+fn upper(b: &Branch, k: usize) -> Option<&[u8]> {
+    (k + 1 < b.children.len()).then(|| b.keys.get(k))
+}
+
+/// The addresses of written children (a committed tree has no others).
+fn disk_addrs(children: &[Child]) -> Result<Vec<Addr>> {
+    children
+        .iter()
+        .map(|c| match c {
+            Child::Disk(a) => Ok(*a),
+            Child::Mem(_) => Err(Error::Invalid("diff of a tree with unwritten nodes")),
+        })
+        .collect()
+}
+
+/// Compares two lists of subtrees covering the same key range, level by
+/// level: at each level the nodes whose address appears on both sides are
+/// dropped (their subtrees are equal) and only the rest are expanded.
+fn diff_levels(
+    store: &dyn NodeStore,
+    mut left: Level,
+    mut right: Level,
+    f: &mut dyn FnMut(Difference) -> Result<()>,
+) -> Result<()> {
     loop {
         // Bring both sides to the same level.
         while left.level > right.level && !left.addrs.is_empty() {
@@ -104,7 +178,7 @@ pub fn diff(store: &dyn NodeStore, a: Addr, b: Addr, f: &mut dyn FnMut(Differenc
         let bottom = |l: &Level| l.level == 0 || l.addrs.is_empty();
         if bottom(&left) && bottom(&right) {
             let (l, r) = (left.leaves(store)?, right.leaves(store)?);
-            return merge_leaves(&entries_of(&l), &entries_of(&r), f);
+            return merge(entries_of(&l), entries_of(&r), f);
         }
         if !bottom(&left) {
             left = left.expand(store)?;
@@ -115,33 +189,47 @@ pub fn diff(store: &dyn NodeStore, a: Addr, b: Addr, f: &mut dyn FnMut(Differenc
     }
 }
 
-fn merge_leaves(l: &[&Entry], r: &[&Entry], f: &mut dyn FnMut(Difference) -> Result<()>) -> Result<()> {
-    let (mut i, mut j) = (0, 0);
-    while i < l.len() || j < r.len() {
-        match (l.get(i), r.get(j)) {
+/// The entries of `leaves`, in key order, without copying them.
+fn entries_of(leaves: &[Arc<Node>]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    leaves
+        .iter()
+        .flat_map(|n| match &**n {
+            Node::Leaf(l) => Some(l.entries()),
+            Node::Branch(_) => None,
+        })
+        .flatten()
+}
+
+/// Merges two sorted entry sequences, reporting the keys whose values differ.
+fn merge<'a>(
+    mut l: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+    mut r: impl Iterator<Item = (&'a [u8], &'a [u8])>,
+    f: &mut dyn FnMut(Difference) -> Result<()>,
+) -> Result<()> {
+    let (mut x, mut y) = (l.next(), r.next());
+    loop {
+        match (x, y) {
+            (None, None) => return Ok(()),
             (Some((lk, lv)), Some((rk, rv))) if lk == rk => {
                 if lv != rv {
                     f((lk, Some(lv), Some(rv)))?;
                 }
-                i += 1;
-                j += 1;
+                (x, y) = (l.next(), r.next());
             }
             (Some((lk, lv)), Some((rk, _))) if lk < rk => {
                 f((lk, Some(lv), None))?;
-                i += 1;
+                x = l.next();
             }
             (Some((lk, lv)), None) => {
                 f((lk, Some(lv), None))?;
-                i += 1;
+                x = l.next();
             }
             (_, Some((rk, rv))) => {
                 f((rk, None, Some(rv)))?;
-                j += 1;
+                y = r.next();
             }
-            (None, None) => break,
         }
     }
-    Ok(())
 }
 
 /// Visits every node reachable from `root` that is not in `seen` (and adds

@@ -9,11 +9,13 @@
 mod cache;
 mod diff;
 mod node;
+mod packed;
 
 pub use diff::{diff, walk, Difference};
 
 pub use cache::NodeCache;
 pub use node::{Branch, Child, Entry, Leaf, Node, MAX_LEVEL};
+pub use packed::Packed;
 
 use crate::error::{Error, Result};
 use crate::format::Addr;
@@ -87,7 +89,7 @@ fn child_level(b: &Branch) -> Option<u8> {
 }
 
 fn child_index(b: &Branch, key: &[u8]) -> usize {
-    b.keys.partition_point(|k| k.as_slice() <= key)
+    b.keys.partition_point(|k| k <= key)
 }
 
 type Split = Option<(Vec<u8>, Child)>;
@@ -116,13 +118,7 @@ impl Tree {
         let mut node = load(store, &self.root, None)?;
         loop {
             let next = match &*node {
-                Node::Leaf(l) => {
-                    return Ok(l
-                        .entries
-                        .binary_search_by(|(k, _)| k.as_slice().cmp(key))
-                        .ok()
-                        .map(|i| l.entries[i].1.clone()))
-                }
+                Node::Leaf(l) => return Ok(l.get(key).map(<[u8]>::to_vec)),
                 Node::Branch(b) => load(store, &b.children[child_index(b, key)], child_level(b))?,
             };
             node = next;
@@ -153,8 +149,8 @@ impl Tree {
         if let Some((k, right)) = split {
             let left = std::mem::replace(&mut self.root, Child::Disk(Addr::default()));
             let level = load(store, &left, None)?.level() + 1;
-            self.root =
-                Child::Mem(Arc::new(Node::Branch(Branch { level, keys: vec![k], children: vec![left, right] })));
+            let keys = Packed::from_iter([k]);
+            self.root = Child::Mem(Arc::new(Node::Branch(Branch { level, keys, children: vec![left, right] })));
         }
         Ok(old)
     }
@@ -184,8 +180,7 @@ impl Tree {
 fn scan_node(store: &dyn NodeStore, node: &Node, from: &[u8], f: Visitor) -> Result<bool> {
     match node {
         Node::Leaf(l) => {
-            let start = l.entries.partition_point(|(k, _)| k.as_slice() < from);
-            for (k, v) in &l.entries[start..] {
+            for (k, v) in l.entries().skip(l.lower_bound(from)) {
                 if !f(k, v)? {
                     return Ok(false);
                 }
@@ -213,17 +208,7 @@ fn insert_rec(
 ) -> Result<(Option<Vec<u8>>, Split)> {
     match make_mut(store, child, level)? {
         Node::Leaf(l) => {
-            let old = match l.entries.binary_search_by(|(k, _)| k.as_slice().cmp(&key)) {
-                Ok(i) => {
-                    l.bytes = l.bytes + val.len() - l.entries[i].1.len();
-                    Some(std::mem::replace(&mut l.entries[i].1, val))
-                }
-                Err(i) => {
-                    l.bytes += node::entry_size(&key, &val);
-                    l.entries.insert(i, (key, val));
-                    None
-                }
-            };
+            let old = l.put(&key, &val);
             Ok((old, split_leaf(l)))
         }
         Node::Branch(b) => {
@@ -231,7 +216,7 @@ fn insert_rec(
             let lvl = child_level(b);
             let (old, split) = insert_rec(store, &mut b.children[idx], lvl, key, val)?;
             if let Some((k, c)) = split {
-                b.keys.insert(idx, k);
+                b.keys.insert(idx, &k);
                 b.children.insert(idx + 1, c);
             }
             Ok((old, split_branch(b)))
@@ -240,21 +225,21 @@ fn insert_rec(
 }
 
 fn split_leaf(l: &mut Leaf) -> Split {
-    if l.bytes <= LEAF_MAX || l.entries.len() < 2 {
+    let bytes = l.bytes();
+    if bytes <= LEAF_MAX || l.len() < 2 {
         return None;
     }
     let mut acc = 0;
-    let mut mid = l.entries.len() - 1;
-    for (i, (k, v)) in l.entries.iter().enumerate() {
+    let mut mid = l.len() - 1;
+    for (i, (k, v)) in l.entries().enumerate() {
         acc += node::entry_size(k, v);
-        if acc > l.bytes / 2 {
-            mid = i.clamp(1, l.entries.len() - 1);
+        if acc > bytes / 2 {
+            mid = i.clamp(1, l.len() - 1);
             break;
         }
     }
-    let right = Leaf::from_entries(l.entries.split_off(mid));
-    *l = Leaf::from_entries(std::mem::take(&mut l.entries));
-    let key = right.entries[0].0.clone();
+    let right = l.split_off(mid);
+    let key = right.key(0).to_vec();
     Some((key, Child::Mem(Arc::new(Node::Leaf(right)))))
 }
 
@@ -271,14 +256,7 @@ fn split_branch(b: &mut Branch) -> Split {
 
 fn remove_rec(store: &dyn NodeStore, child: &mut Child, level: Option<u8>, key: &[u8]) -> Result<Option<Vec<u8>>> {
     match make_mut(store, child, level)? {
-        Node::Leaf(l) => match l.entries.binary_search_by(|(k, _)| k.as_slice().cmp(key)) {
-            Ok(i) => {
-                let (k, v) = l.entries.remove(i);
-                l.bytes -= node::entry_size(&k, &v);
-                Ok(Some(v))
-            }
-            Err(_) => Ok(None),
-        },
+        Node::Leaf(l) => Ok(l.remove(key)),
         Node::Branch(b) => {
             let idx = child_index(b, key);
             let lvl = child_level(b);
@@ -291,7 +269,7 @@ fn remove_rec(store: &dyn NodeStore, child: &mut Child, level: Option<u8>, key: 
 
 fn fill(node: &Node) -> (usize, usize) {
     match node {
-        Node::Leaf(l) => (l.bytes, LEAF_MAX),
+        Node::Leaf(l) => (l.bytes(), LEAF_MAX),
         Node::Branch(b) => (b.children.len(), BRANCH_MAX),
     }
 }
@@ -323,13 +301,10 @@ fn rebalance(store: &dyn NodeStore, b: &mut Branch, idx: usize) -> Result<()> {
         store.released(a);
     }
     match (make_mut(store, &mut b.children[left], lvl)?, &*right) {
-        (Node::Leaf(l), Node::Leaf(r)) => {
-            l.entries.extend(r.entries.iter().cloned());
-            l.bytes += r.bytes;
-        }
+        (Node::Leaf(l), Node::Leaf(r)) => l.append(r),
         (Node::Branch(l), Node::Branch(r)) => {
-            l.keys.push(sep);
-            l.keys.extend(r.keys.iter().cloned());
+            l.keys.push(&sep);
+            l.keys.extend_from(&r.keys);
             l.children.extend(r.children.iter().cloned());
         }
         _ => return Err(Error::corrupted("tree node (mixed levels)", "merge")),

@@ -1,5 +1,6 @@
 //! Tree nodes and their on-disk encoding.
 
+use super::packed::{Packed, Span};
 use crate::error::{Error, Result};
 use crate::format::{Addr, Reader, Writer};
 use std::sync::Arc;
@@ -16,18 +17,18 @@ pub enum Node {
     Branch(Branch),
 }
 
-#[derive(Clone, Debug, Default)]
+/// Entries in strictly increasing key order. Key `i` is string `2i` of one
+/// packed list and its value string `2i + 1`.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Leaf {
-    pub entries: Vec<Entry>,
-    /// Encoded size of the entries, kept up to date so splits are O(1) to decide.
-    pub bytes: usize,
+    strings: Packed,
 }
 
 /// `keys[i]` is the smallest key in `children[i + 1]`.
 #[derive(Clone, Debug)]
 pub struct Branch {
     pub level: u8,
-    pub keys: Vec<Vec<u8>>,
+    pub keys: Packed,
     pub children: Vec<Child>,
 }
 
@@ -43,9 +44,91 @@ pub fn entry_size(k: &[u8], v: &[u8]) -> usize {
 }
 
 impl Leaf {
-    pub fn from_entries(entries: Vec<Entry>) -> Leaf {
-        let bytes = entries.iter().map(|(k, v)| entry_size(k, v)).sum();
-        Leaf { entries, bytes }
+    pub fn from_entries<K: AsRef<[u8]>, V: AsRef<[u8]>>(entries: impl IntoIterator<Item = (K, V)>) -> Leaf {
+        let mut strings = Packed::default();
+        for (k, v) in entries {
+            strings.push(k.as_ref());
+            strings.push(v.as_ref());
+        }
+        Leaf { strings }
+    }
+
+    pub fn len(&self) -> usize {
+        self.strings.len() / 2
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.strings.is_empty()
+    }
+
+    /// Encoded size of the entries.
+    pub fn bytes(&self) -> usize {
+        self.strings.live_bytes() + 6 * self.len()
+    }
+
+    pub fn key(&self, i: usize) -> &[u8] {
+        self.strings.get(2 * i)
+    }
+
+    pub fn value(&self, i: usize) -> &[u8] {
+        self.strings.get(2 * i + 1)
+    }
+
+    pub fn entries(&self) -> impl DoubleEndedIterator<Item = (&[u8], &[u8])> + ExactSizeIterator + '_ {
+        (0..self.len()).map(|i| (self.key(i), self.value(i)))
+    }
+
+    /// Where `key` is (`Ok`), or where it would go (`Err`).
+    pub fn search(&self, key: &[u8]) -> std::result::Result<usize, usize> {
+        let (mut lo, mut hi) = (0, self.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.key(mid).cmp(key) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Ok(mid),
+            }
+        }
+        Err(lo)
+    }
+
+    /// The index of the first key `>= key`.
+    pub fn lower_bound(&self, key: &[u8]) -> usize {
+        self.search(key).unwrap_or_else(|i| i)
+    }
+
+    pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
+        self.search(key).ok().map(|i| self.value(i))
+    }
+
+    /// Inserts or replaces; returns the value replaced.
+    pub fn put(&mut self, key: &[u8], val: &[u8]) -> Option<Vec<u8>> {
+        match self.search(key) {
+            Ok(i) => Some(self.strings.set(2 * i + 1, val)),
+            Err(i) => {
+                self.strings.insert(2 * i, key);
+                self.strings.insert(2 * i + 1, val);
+                None
+            }
+        }
+    }
+
+    /// Removes `key`; returns its value.
+    pub fn remove(&mut self, key: &[u8]) -> Option<Vec<u8>> {
+        let i = self.search(key).ok()?;
+        let v = self.strings.remove(2 * i + 1);
+        self.strings.remove(2 * i);
+        Some(v)
+    }
+
+    /// Moves the entries `at..` into a new leaf.
+    pub fn split_off(&mut self, at: usize) -> Leaf {
+        Leaf { strings: self.strings.split_off(2 * at) }
+    }
+
+    /// Appends the entries of `other`, all of whose keys are greater.
+    pub fn append(&mut self, other: &Leaf) {
+        self.strings.extend_from(&other.strings);
     }
 }
 
@@ -60,8 +143,8 @@ impl Node {
     /// Approximate in-memory weight, for the node cache.
     pub fn weight(&self) -> u64 {
         64 + match self {
-            Node::Leaf(l) => l.bytes + l.entries.len() * 48,
-            Node::Branch(b) => b.keys.iter().map(|k| k.len() + 24).sum::<usize>() + b.children.len() * 32,
+            Node::Leaf(l) => l.strings.heap_bytes(),
+            Node::Branch(b) => b.keys.heap_bytes() + b.children.capacity() * std::mem::size_of::<Child>(),
         } as u64
     }
 
@@ -71,8 +154,8 @@ impl Node {
         match self {
             Node::Leaf(l) => {
                 w.u8(0);
-                w.u32(l.entries.len() as u32);
-                for (k, v) in &l.entries {
+                w.u32(l.len() as u32);
+                for (k, v) in l.entries() {
                     w.u16(k.len() as u16);
                     w.bytes(k);
                     w.u32(v.len() as u32);
@@ -88,7 +171,7 @@ impl Node {
                         Child::Mem(_) => return Err(Error::Invalid("encoding a node with an unwritten child")),
                     }
                 }
-                for k in &b.keys {
+                for k in b.keys.iter() {
                     w.u16(k.len() as u16);
                     w.bytes(k);
                 }
@@ -100,49 +183,68 @@ impl Node {
     /// Decodes a node, checking every length and that keys are strictly
     /// increasing. Never panics on garbage.
     pub fn decode(bytes: &[u8]) -> Result<Node> {
-        let mut r = Reader::new(bytes, "tree node");
+        Node::decode_owned(bytes.to_vec())
+    }
+
+    /// [`Node::decode`], keeping `bytes` as the node's buffer: a node costs a
+    /// few allocations, not one per key and value.
+    pub fn decode_owned(bytes: Vec<u8>) -> Result<Node> {
+        let bad = || Error::Corrupted { what: "tree node", addr: "layout".into() };
+        let mut r = Reader::new(&bytes, "tree node");
         let level = r.u8()?;
         let count = r.u32()? as usize;
-        let bad = || Error::Corrupted { what: "tree node", addr: "layout".into() };
         if level > MAX_LEVEL {
             return Err(bad());
         }
-        let node = if level == 0 {
+        // Takes a string of `len` bytes, checking it sorts after `prev`.
+        fn string<'a>(
+            r: &mut Reader<'a>,
+            len: usize,
+            prev: &mut Option<&'a [u8]>,
+            spans: &mut Vec<Span>,
+        ) -> Result<()> {
+            let at = r.position();
+            let s = r.take(len)?;
+            if let Some(p) = prev.replace(s) {
+                if p >= s {
+                    return Err(Error::Corrupted { what: "tree node", addr: "key order".into() });
+                }
+            }
+            spans.push((at as u32, len as u32));
+            Ok(())
+        }
+        if level == 0 {
             if count > r.remaining() / 6 {
                 return Err(bad());
             }
-            let mut entries: Vec<Entry> = Vec::with_capacity(count);
+            let mut spans = Vec::with_capacity(2 * count);
+            let mut prev = None;
             for _ in 0..count {
                 let klen = r.u16()? as usize;
-                let k = r.take(klen)?.to_vec();
+                string(&mut r, klen, &mut prev, &mut spans)?;
                 let vlen = r.u32()? as usize;
-                let v = r.take(vlen)?.to_vec();
-                if entries.last().is_some_and(|(prev, _)| *prev >= k) {
-                    return Err(bad());
-                }
-                entries.push((k, v));
+                string(&mut r, vlen, &mut None, &mut spans)?;
             }
-            Node::Leaf(Leaf::from_entries(entries))
+            r.finish()?;
+            let strings = Packed::from_parts(bytes, spans).ok_or_else(bad)?;
+            Ok(Node::Leaf(Leaf { strings }))
         } else {
-            if count == 0 || count > r.remaining() / crate::format::Addr::ENCODED_LEN {
+            if count == 0 || count > r.remaining() / Addr::ENCODED_LEN {
                 return Err(bad());
             }
             let mut children = Vec::with_capacity(count);
             for _ in 0..count {
                 children.push(Child::Disk(r.addr()?));
             }
-            let mut keys: Vec<Vec<u8>> = Vec::with_capacity(count - 1);
+            let mut spans = Vec::with_capacity(count - 1);
+            let mut prev = None;
             for _ in 1..count {
                 let klen = r.u16()? as usize;
-                let k = r.take(klen)?.to_vec();
-                if keys.last().is_some_and(|prev| *prev >= k) {
-                    return Err(bad());
-                }
-                keys.push(k);
+                string(&mut r, klen, &mut prev, &mut spans)?;
             }
-            Node::Branch(Branch { level, keys, children })
-        };
-        r.finish()?;
-        Ok(node)
+            r.finish()?;
+            let keys = Packed::from_parts(bytes, spans).ok_or_else(bad)?;
+            Ok(Node::Branch(Branch { level, keys, children }))
+        }
     }
 }

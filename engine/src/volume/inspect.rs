@@ -10,7 +10,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::format::{decode_value, Addr, RecordKind, SegId};
 use crate::tree::{self, Node, Tree};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,23 +42,61 @@ pub fn root_of(device: &dyn Device, commit: Addr) -> Result<Addr> {
     Ok(c.root)
 }
 
-/// The path of `ino` in `v`, through each inode's newest name.
-fn path_in(v: &View, ino: u64) -> Result<String> {
-    let mut parts = Vec::new();
-    let mut at = ino;
-    for _ in 0..4096 {
-        if at == ROOT_INO {
-            parts.reverse();
-            return Ok(parts.join("/"));
-        }
-        let i = v.inode(at)?;
-        match v.entry(i.parent, &i.name)? {
-            Some(e) if e.ino == at => parts.push(String::from_utf8_lossy(&i.name).into_owned()),
-            _ => return Ok(format!("<inode {ino}>")),
-        }
-        at = i.parent;
+/// Paths in one tree, each directory's worked out once per diff.
+struct Paths<'a> {
+    view: &'a View<'a>,
+    dirs: HashMap<u64, Option<String>>,
+}
+
+impl<'a> Paths<'a> {
+    fn new(view: &'a View<'a>) -> Paths<'a> {
+        Paths { view, dirs: HashMap::new() }
     }
-    Err(Error::corrupted("directory parent chain", ino))
+
+    /// The path of directory `ino`, or `None` if it is gone. A directory has
+    /// exactly one name, which mkdir and rename keep in its inode, so its
+    /// path is read up the parent chain without looking names up.
+    fn dir(&mut self, ino: u64) -> Result<Option<String>> {
+        let mut chain = Vec::new();
+        let mut at = ino;
+        let mut base = loop {
+            if at == ROOT_INO {
+                break Some(String::new());
+            }
+            if let Some(p) = self.dirs.get(&at) {
+                break p.clone();
+            }
+            if chain.len() > 4096 {
+                return Err(Error::corrupted("directory parent chain", ino));
+            }
+            match self.view.try_inode(at)? {
+                Some(i) if i.kind == FileKind::Directory => {
+                    chain.push((at, i.name));
+                    at = i.parent;
+                }
+                _ => break None,
+            }
+        };
+        for (dir, name) in chain.into_iter().rev() {
+            base = base.map(|b| join(&b, &name));
+            self.dirs.insert(dir, base.clone());
+        }
+        Ok(base)
+    }
+
+    /// The path of `ino`, whose inode is `i`, through its newest name. A
+    /// file's name is checked against its directory: removing that link
+    /// while others remain leaves it stale (then the path is `<inode N>`).
+    fn of(&mut self, ino: u64, i: &Inode) -> Result<String> {
+        let unknown = || format!("<inode {ino}>");
+        if i.kind == FileKind::Directory {
+            return Ok(self.dir(ino)?.unwrap_or_else(unknown));
+        }
+        match self.view.entry(i.parent, &i.name)? {
+            Some(e) if e.ino == ino => Ok(self.dir(i.parent)?.map(|d| join(&d, &i.name)).unwrap_or_else(unknown)),
+            _ => Ok(unknown()),
+        }
+    }
 }
 
 fn join(dir: &str, name: &[u8]) -> String {
@@ -104,44 +142,66 @@ fn diff_with(store: &Nodes, from: Addr, to: Addr) -> Result<Vec<Change>> {
     // (parent, name, entry before, entry after)
     type EntryChange = (u64, Vec<u8>, Option<DirEntry>, Option<DirEntry>);
     let mut entries: Vec<EntryChange> = Vec::new();
-    let mut touched: BTreeSet<u64> = BTreeSet::new();
+    // Inodes whose keys differ, with the inode on each side when the diff
+    // itself carried it.
+    type Sides = (Option<Inode>, Option<Inode>);
+    let mut touched: BTreeMap<u64, Option<Sides>> = BTreeMap::new();
     tree::diff(store, ra, rb, &mut |(k, old, new)| {
         match k.first() {
             Some(&keys::DIRENT) => {
                 let dec = |v: Option<&[u8]>| v.map(|v| decode_value::<DirEntry>(v, "directory entry")).transpose();
                 entries.push((keys::leading_u64(k), k[9..].to_vec(), dec(old)?, dec(new)?));
             }
-            Some(&keys::INODE) | Some(&keys::EXTENT) | Some(&keys::XATTR) => {
-                touched.insert(keys::leading_u64(k));
+            Some(&keys::INODE) => {
+                let dec = |v: Option<&[u8]>| v.map(|v| decode_value::<Inode>(v, "inode")).transpose();
+                touched.insert(keys::leading_u64(k), Some((dec(old)?, dec(new)?)));
+            }
+            Some(&keys::EXTENT) | Some(&keys::XATTR) => {
+                touched.entry(keys::leading_u64(k)).or_insert(None);
             }
             _ => {}
         }
         Ok(())
     })?;
-    let size = |v: &View, ino: u64| -> Result<Option<u64>> { Ok(v.try_inode(ino)?.map(|i: Inode| i.size)) };
+    let inodes = |ino: u64| -> Result<Sides> {
+        match touched.get(&ino) {
+            Some(Some(both)) => Ok(both.clone()),
+            _ => Ok((va.try_inode(ino)?, vb.try_inode(ino)?)),
+        }
+    };
+    let (mut paths_a, mut paths_b) = (Paths::new(&va), Paths::new(&vb));
     let mut out: BTreeMap<String, Change> = BTreeMap::new();
     let mut reported = HashSet::new();
-    for (parent, name, old, new) in entries {
-        let (kind, file_kind, before, after) = match (&old, &new) {
-            (None, Some(n)) => (ChangeKind::Added, n.kind, None, size(&vb, n.ino)?),
-            (Some(o), None) => (ChangeKind::Removed, o.kind, size(&va, o.ino)?, None),
-            (Some(o), Some(n)) => (ChangeKind::Modified, n.kind, size(&va, o.ino)?, size(&vb, n.ino)?),
+    for (parent, name, old, new) in &entries {
+        let size = |e: &Option<DirEntry>, after: bool| -> Result<Option<u64>> {
+            let Some(e) = e else { return Ok(None) };
+            let (a, b) = inodes(e.ino)?;
+            Ok(if after { b } else { a }.map(|i| i.size))
+        };
+        let (kind, file_kind) = match (old, new) {
+            (None, Some(n)) => (ChangeKind::Added, n.kind),
+            (Some(o), None) => (ChangeKind::Removed, o.kind),
+            (Some(_), Some(n)) => (ChangeKind::Modified, n.kind),
             (None, None) => continue,
         };
-        let dir = if kind == ChangeKind::Removed { path_in(&va, parent)? } else { path_in(&vb, parent)? };
-        reported.extend(old.iter().chain(new.iter()).map(|e| e.ino));
-        let path = join(&dir, &name);
-        out.insert(path.clone(), Change { path, kind, file_kind, size_before: before, size_after: after });
+        let dir = if kind == ChangeKind::Removed { paths_a.dir(*parent)? } else { paths_b.dir(*parent)? };
+        let dir = dir.unwrap_or_else(|| format!("<inode {parent}>"));
+        // A name that now points at an inode covers that inode's changes; a
+        // removed name does not (the inode may live on under another link).
+        reported.extend(new.iter().map(|e| e.ino));
+        let path = join(&dir, name);
+        let (size_before, size_after) = (size(old, false)?, size(new, true)?);
+        out.insert(path.clone(), Change { path, kind, file_kind, size_before, size_after });
     }
-    for ino in touched {
+    for &ino in touched.keys() {
         if reported.contains(&ino) {
             continue;
         }
-        let (Some(a), Some(b)) = (va.try_inode(ino)?, vb.try_inode(ino)?) else { continue };
+        let (Some(a), Some(b)) = inodes(ino)? else { continue };
         if b.kind == FileKind::Directory {
             continue;
         }
-        let path = path_in(&vb, ino)?;
+        let path = paths_b.of(ino, &b)?;
         out.insert(
             path.clone(),
             Change {
@@ -174,7 +234,7 @@ fn reachable_with(store: &Nodes, commit: Addr, seen: &mut HashSet<Addr>, segment
     tree::walk(store, root, seen, &mut |addr, node| {
         segments.insert(addr.seg);
         if let Node::Leaf(l) = node {
-            for (k, v) in &l.entries {
+            for (k, v) in l.entries() {
                 if k.first() == Some(&keys::EXTENT) {
                     segments.insert(Extent::decode(v)?.data.seg);
                 }
@@ -193,7 +253,7 @@ pub fn recount_live_bytes(device: Arc<dyn Device>, commit: Addr) -> Result<Vec<(
     tree::walk(&store, root, &mut HashSet::new(), &mut |addr, node| {
         *live.entry(addr.seg).or_default() += addr.len as u64;
         if let Node::Leaf(l) = node {
-            for (k, v) in &l.entries {
+            for (k, v) in l.entries() {
                 if k.first() == Some(&keys::EXTENT) {
                     let e = Extent::decode(v)?;
                     *live.entry(e.data.seg).or_default() += e.len as u64;
@@ -220,11 +280,23 @@ mod tests {
     use crate::env::TestEnv;
     use crate::volume::{Config, RenameMode, Volume};
 
-    #[test]
-    fn diff_names_added_removed_and_modified_paths() {
+    fn volume() -> (SimDevice, Arc<Volume>) {
         let dev = SimDevice::new();
         let cfg = Config { commit_interval: None, env: TestEnv::new(2), ..Config::default() };
         let vol = Volume::open(Arc::new(dev.clone()), cfg).expect("open");
+        (dev, vol)
+    }
+
+    /// The diff between two commits, and its paths and kinds.
+    fn changes(dev: SimDevice, before: Addr, after: Addr) -> (Vec<Change>, Vec<(String, ChangeKind)>) {
+        let changes = diff_commits(Arc::new(dev), before, after).expect("diff");
+        let summary = changes.iter().map(|c| (c.path.clone(), c.kind)).collect();
+        (changes, summary)
+    }
+
+    #[test]
+    fn diff_names_added_removed_and_modified_paths() {
+        let (dev, vol) = volume();
         let data = vol.mkdir(ROOT_INO, b"data", 0o755, 0, 0).expect("mkdir").ino;
         for i in 0..200 {
             let f =
@@ -241,9 +313,7 @@ mod tests {
         vol.unlink(data, b"shard-5").expect("unlink");
         vol.rename(data, b"shard-6", data, b"renamed", RenameMode::Plain).expect("rename");
         vol.commit().expect("commit");
-        let after = vol.last_commit().expect("commit");
-        let changes = diff_commits(Arc::new(dev), before, after).expect("diff");
-        let summary: Vec<(String, ChangeKind)> = changes.iter().map(|c| (c.path.clone(), c.kind)).collect();
+        let (changes, summary) = changes(dev, before, vol.last_commit().expect("commit"));
         assert_eq!(
             summary,
             vec![
@@ -259,5 +329,50 @@ mod tests {
         assert_eq!((step.size_before, step.size_after), (None, Some(10_000)));
         let cfg_change = changes.iter().find(|c| c.path == "config.yaml").expect("config");
         assert_eq!((cfg_change.size_before, cfg_change.size_after), (Some(0), Some(7)));
+    }
+
+    #[test]
+    fn diff_paths_follow_renamed_directories_and_never_name_a_removed_link() {
+        let (dev, vol) = volume();
+        let mk = |p: u64, n: &[u8]| vol.mkdir(p, n, 0o755, 0, 0).expect("mkdir").ino;
+        let file = |p: u64, n: &[u8]| vol.create(p, n, libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+        let (a, old) = (mk(ROOT_INO, b"a"), mk(ROOT_INO, b"old"));
+        let b = mk(a, b"b");
+        let big = file(b, b"big.bin");
+        vol.write(big, 0, &[1; 100_000]).expect("write");
+        let small = file(b, b"small.txt");
+        let linked = file(a, b"first");
+        vol.link(linked, old, b"second").expect("link");
+        let gone = file(old, b"gone");
+        vol.commit().expect("commit");
+        let before = vol.last_commit().expect("commit");
+        // A rename of a directory moves every path below it.
+        vol.rename(ROOT_INO, b"a", ROOT_INO, b"renamed", RenameMode::Plain).expect("rename");
+        vol.write(big, 50_000, &[2; 10]).expect("write extent");
+        vol.write(small, 0, b"x").expect("write inline");
+        // The newest link of `linked` goes; its recorded name is stale.
+        vol.unlink(old, b"second").expect("unlink");
+        vol.write(linked, 0, b"y").expect("write");
+        vol.unlink(old, b"gone").expect("unlink");
+        vol.rmdir(ROOT_INO, b"old").expect("rmdir");
+        vol.commit().expect("commit");
+        let (changes, summary) = changes(dev, before, vol.last_commit().expect("commit"));
+        assert_eq!(
+            summary,
+            vec![
+                (format!("<inode {linked}>"), ChangeKind::Modified),
+                ("a".into(), ChangeKind::Removed),
+                ("old".into(), ChangeKind::Removed),
+                ("old/gone".into(), ChangeKind::Removed),
+                ("old/second".into(), ChangeKind::Removed),
+                ("renamed".into(), ChangeKind::Added),
+                ("renamed/b/big.bin".into(), ChangeKind::Modified),
+                ("renamed/b/small.txt".into(), ChangeKind::Modified),
+            ],
+            "{changes:?}"
+        );
+        let big_change = changes.iter().find(|c| c.path == "renamed/b/big.bin").expect("big");
+        assert_eq!((big_change.size_before, big_change.size_after), (Some(100_000), Some(100_000)));
+        let _ = gone;
     }
 }

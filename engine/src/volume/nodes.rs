@@ -4,7 +4,7 @@
 use crate::device::{failpoints, Device};
 use crate::error::{Error, Result};
 use crate::format::{Addr, RecordKind, SegId};
-use crate::log::{read_record, Log};
+use crate::log::{read_record_at_addr, Log};
 use crate::tree::{Node, NodeCache, NodeStore};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -46,7 +46,7 @@ impl Nodes {
 /// Reads and verifies the record at `addr`, which must be of `kind`.
 pub fn read_record_at(device: &dyn Device, addr: Addr, kind: RecordKind) -> Result<crate::log::Record> {
     let file = device.open_segment(addr.seg)?.ok_or_else(|| Error::corrupted("missing segment", addr))?;
-    let rec = read_record(file.as_ref(), addr.seg, addr.off as u64, addr.end()).map_err(|e| match e {
+    let rec = read_record_at_addr(file.as_ref(), addr).map_err(|e| match e {
         Error::Corrupted { what, .. } => Error::corrupted(what, addr),
         e => e,
     })?;
@@ -68,7 +68,7 @@ impl NodeStore for Nodes {
             log.wait_written(addr.seg, addr.end())?;
         }
         let rec = read_record_at(self.device.as_ref(), addr, RecordKind::Node)?;
-        let node = Arc::new(Node::decode(&rec.meta).map_err(|_| Error::corrupted("tree node", addr))?);
+        let node = Arc::new(Node::decode_owned(rec.meta).map_err(|_| Error::corrupted("tree node", addr))?);
         self.cache.insert(addr, node.clone());
         Ok(node)
     }
