@@ -2,9 +2,10 @@
 //! and walking everything a tree reaches.
 //!
 //! Two trees that share history share nodes: a copy-on-write change copies
-//! only the path from the root to what changed. The diff works level by
-//! level: at each level it drops the nodes whose address appears on both
-//! sides (their whole subtrees are equal) and expands only the rest.
+//! only the path from the root to what changed. The diff walks two nodes'
+//! children side by side, skips every child both share (equal subtrees)
+//! and follows only the paths that differ; where a split or merge left the
+//! two sides cut differently, it compares that run level by level.
 
 use super::{load, Branch, Child, Node, NodeStore};
 use crate::error::{Error, Result};
