@@ -279,6 +279,7 @@ mod tests {
     use crate::device::SimDevice;
     use crate::env::TestEnv;
     use crate::volume::{Config, RenameMode, Volume};
+    use std::collections::BTreeSet;
 
     fn volume() -> (SimDevice, Arc<Volume>) {
         let dev = SimDevice::new();
@@ -332,7 +333,7 @@ mod tests {
     }
 
     #[test]
-    fn diff_paths_follow_renamed_directories_and_never_name_a_removed_link() {
+    fn diff_paths_follow_renamed_directories_and_the_links_a_file_keeps() {
         let (dev, vol) = volume();
         let mk = |p: u64, n: &[u8]| vol.mkdir(p, n, 0o755, 0, 0).expect("mkdir").ino;
         let file = |p: u64, n: &[u8]| vol.create(p, n, libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
@@ -350,7 +351,7 @@ mod tests {
         vol.rename(ROOT_INO, b"a", ROOT_INO, b"renamed", RenameMode::Plain).expect("rename");
         vol.write(big, 50_000, &[2; 10]).expect("write extent");
         vol.write(small, 0, b"x").expect("write inline");
-        // The newest link of `linked` goes; its recorded name is stale.
+        // The newest link of `linked` goes: it is named by the one it keeps.
         vol.unlink(old, b"second").expect("unlink");
         vol.write(linked, 0, b"y").expect("write");
         vol.unlink(old, b"gone").expect("unlink");
@@ -360,7 +361,6 @@ mod tests {
         assert_eq!(
             summary,
             vec![
-                (format!("<inode {linked}>"), ChangeKind::Modified),
                 ("a".into(), ChangeKind::Removed),
                 ("old".into(), ChangeKind::Removed),
                 ("old/gone".into(), ChangeKind::Removed),
@@ -368,11 +368,68 @@ mod tests {
                 ("renamed".into(), ChangeKind::Added),
                 ("renamed/b/big.bin".into(), ChangeKind::Modified),
                 ("renamed/b/small.txt".into(), ChangeKind::Modified),
+                ("renamed/first".into(), ChangeKind::Modified),
             ],
             "{changes:?}"
         );
         let big_change = changes.iter().find(|c| c.path == "renamed/b/big.bin").expect("big");
         assert_eq!((big_change.size_before, big_change.size_after), (Some(100_000), Some(100_000)));
         let _ = gone;
+    }
+
+    /// Every file's recorded name is one of its links, and a file with
+    /// several names keeps exactly those under its inode, whatever mix of
+    /// link, unlink and rename (plain, over another file, exchange) made it.
+    #[test]
+    fn a_file_records_a_live_name_through_links_unlinks_and_renames() {
+        let (_dev, vol) = volume();
+        let dirs: Vec<u64> = [b"d0".as_slice(), b"d1", b"d2"]
+            .iter()
+            .map(|n| vol.mkdir(ROOT_INO, n, 0o755, 0, 0).expect("mkdir").ino)
+            .collect();
+        let names = [b"a".as_slice(), b"b", b"c", b"d"];
+        let mut x = 99u64;
+        let mut next = |n: usize| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) as usize % n
+        };
+        for step in 0..3000 {
+            let (d, n) = (dirs[next(3)], names[next(4)]);
+            let (d2, n2) = (dirs[next(3)], names[next(4)]);
+            let _ = match next(6) {
+                0 => vol.create(d, n, libc::S_IFREG | 0o644, 0, 0, 0).map(drop),
+                1 => vol.lookup(d, n).and_then(|a| vol.link(a.ino, d2, n2)).map(drop),
+                2 => vol.unlink(d, n),
+                3 => vol.rename(d, n, d2, n2, RenameMode::Plain),
+                4 => vol.rename(d, n, d2, n2, RenameMode::Exchange),
+                _ => vol.lookup(d, n).and_then(|a| vol.link(a.ino, d, n2)).map(drop),
+            };
+            let st = vol.state.read();
+            let v = vol.view(&st);
+            let mut links: BTreeMap<u64, BTreeSet<(u64, Vec<u8>)>> = BTreeMap::new();
+            for &d in &dirs {
+                for k in v.keys_with_prefix(&keys::dirent_prefix(d)).expect("scan") {
+                    let e = v.entry(d, &k[9..]).expect("entry").expect("listed");
+                    links.entry(e.ino).or_default().insert((d, k[9..].to_vec()));
+                }
+            }
+            for (ino, names) in &links {
+                let i = v.inode(*ino).expect("inode");
+                assert_eq!(i.nlink as usize, names.len(), "step {step}: nlink of {ino}");
+                assert!(
+                    names.contains(&(i.parent, i.name.clone())),
+                    "step {step}: {ino} records {:?}, links {names:?}",
+                    (i.parent, &i.name)
+                );
+                let kept: BTreeSet<(u64, Vec<u8>)> = v
+                    .keys_with_prefix(&keys::link_prefix(*ino))
+                    .expect("scan")
+                    .iter()
+                    .map(|k| (keys::trailing_u64(k), k[17..].to_vec()))
+                    .collect();
+                let want = if names.len() > 1 { names.clone() } else { BTreeSet::new() };
+                assert_eq!(kept, want, "step {step}: names kept for {ino}");
+            }
+        }
     }
 }

@@ -7,6 +7,7 @@ pub const COOKIE: u8 = b'R';
 pub const EXTENT: u8 = b'E';
 pub const XATTR: u8 = b'X';
 pub const ORPHAN: u8 = b'O';
+pub const LINK: u8 = b'L';
 
 fn tagged(tag: u8, a: u64, rest: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(9 + rest.len());
@@ -59,6 +60,19 @@ pub fn xattr_prefix(ino: u64) -> Vec<u8> {
 
 pub fn orphan(ino: u64) -> Vec<u8> {
     tagged(ORPHAN, ino, &[])
+}
+
+/// One name of a file that has several: `ino`, then the directory and the
+/// name. Kept while a file has two links or more, so that removing the
+/// link an inode records as its name can record another.
+pub fn link(ino: u64, parent: u64, name: &[u8]) -> Vec<u8> {
+    let mut k = tagged(LINK, ino, &parent.to_be_bytes());
+    k.extend_from_slice(name);
+    k
+}
+
+pub fn link_prefix(ino: u64) -> Vec<u8> {
+    tagged(LINK, ino, &[])
 }
 
 /// The big-endian u64 at bytes 9..17 of a key (a cookie or an extent end).

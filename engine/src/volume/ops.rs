@@ -129,6 +129,11 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             tx.add_entry(&mut p, *parent, name, *ino, i.kind)?;
             touch(&mut p, *time);
             tx.put_inode(*parent, &p)?;
+            // From two links on, every name is also kept under the inode.
+            if i.nlink == 1 && tx.entry(i.parent, &i.name)?.is_some_and(|e| e.ino == *ino) {
+                tx.put(keys::link(*ino, i.parent, &i.name), Vec::new())?;
+            }
+            tx.put(keys::link(*ino, *parent, name), Vec::new())?;
             i.nlink += 1;
             i.ctime = *time;
             i.parent = *parent;
@@ -143,7 +148,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
                 p.nlink -= 1;
             }
             tx.put_inode(*parent, &p)?;
-            drop_link(tx, e.ino, *keep_orphan, *time)
+            drop_link(tx, e.ino, (*parent, name), *keep_orphan, *time)
         }
         Op::Rename { parent, name, new_parent, new_name, mode, time } => {
             apply_rename(tx, *parent, name, *new_parent, new_name, *mode, *time)
@@ -221,7 +226,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
         }
         Op::DropOrphan { ino } => match tx.try_inode(*ino)? {
             Some(i) if i.nlink == 0 => tx.delete_inode(*ino),
-            _ => tx.del(&keys::orphan(*ino)),
+            _ => tx.del(&keys::orphan(*ino)).map(drop),
         },
     }
 }
@@ -263,16 +268,33 @@ fn new_inode(
     }
 }
 
-/// One name of `ino` is gone: a directory goes at once; a file when its
-/// last link goes, unless it is still open (then it becomes an orphan).
-fn drop_link(tx: &mut Txn, ino: u64, keep_orphan: bool, time: Timestamp) -> Result<()> {
+/// One name of `ino` (`gone`: directory and name) is gone: a directory
+/// goes at once; a file when its last link goes, unless it is still open
+/// (then it becomes an orphan). A file that keeps other links records one
+/// of them as its name if `gone` was the one recorded.
+fn drop_link(tx: &mut Txn, ino: u64, gone: (u64, &[u8]), keep_orphan: bool, time: Timestamp) -> Result<()> {
     let mut i = tx.inode(ino)?;
     if i.kind == FileKind::Directory {
         return tx.delete_inode(ino);
     }
     i.nlink = i.nlink.saturating_sub(1);
     i.ctime = time;
+    tx.del(&keys::link(ino, gone.0, gone.1))?;
     if i.nlink > 0 {
+        let others = tx.keys_with_prefix(&keys::link_prefix(ino))?;
+        if (i.parent, i.name.as_slice()) == gone {
+            // Another name, or none known (a disk written before names
+            // were kept: diff then prints the inode number).
+            (i.parent, i.name) = match others.first() {
+                Some(k) => (keys::trailing_u64(k), k.get(17..).unwrap_or_default().to_vec()),
+                None => (i.parent, Vec::new()),
+            };
+        }
+        if i.nlink == 1 {
+            for k in others {
+                tx.del(&k)?;
+            }
+        }
         return tx.put_inode(ino, &i);
     }
     if keep_orphan {
@@ -308,10 +330,20 @@ fn apply_rename(
     let src = tx.remove_entry(parent, name)?.ok_or(Error::NotFound)?;
     let dst = tx.remove_entry(new_parent, new_name)?;
     let mut moved = vec![(src.clone(), parent, new_parent, new_name.to_vec())];
+    let mut from_names = vec![name];
     if let Some(d) = &dst {
         match mode {
-            RenameMode::Exchange => moved.push((d.clone(), new_parent, parent, name.to_vec())),
-            _ => drop_link(tx, d.ino, false, time)?,
+            RenameMode::Exchange => {
+                moved.push((d.clone(), new_parent, parent, name.to_vec()));
+                from_names.push(new_name);
+            }
+            _ => drop_link(tx, d.ino, (new_parent, new_name), false, time)?,
+        }
+    }
+    // A file with several names keeps them under its inode: move this one.
+    for ((e, from, to, to_name), from_name) in moved.iter().zip(&from_names) {
+        if tx.del(&keys::link(e.ino, *from, from_name))? {
+            tx.put(keys::link(e.ino, *to, to_name), Vec::new())?;
         }
     }
     // Directory link counts: a directory leaving a parent takes one link with it.

@@ -139,9 +139,9 @@ impl Txn<'_> {
         Ok(())
     }
 
-    pub fn del(&mut self, key: &[u8]) -> Result<()> {
-        self.tree.remove(self.store, key)?;
-        Ok(())
+    /// Removes `key`; whether it was there.
+    pub fn del(&mut self, key: &[u8]) -> Result<bool> {
+        Ok(self.tree.remove(self.store, key)?.is_some())
     }
 
     pub fn add_entry(
@@ -202,12 +202,12 @@ impl Txn<'_> {
     /// Removes an inode with everything it owns.
     pub fn delete_inode(&mut self, ino: u64) -> Result<()> {
         self.punch(ino, 0, u64::MAX)?;
-        for prefix in [keys::extent_prefix(ino), keys::xattr_prefix(ino)] {
+        for prefix in [keys::extent_prefix(ino), keys::xattr_prefix(ino), keys::link_prefix(ino)] {
             for k in self.keys_with_prefix(&prefix)? {
                 self.del(&k)?;
             }
         }
         self.del(&keys::orphan(ino))?;
-        self.del(&keys::inode(ino))
+        self.del(&keys::inode(ino)).map(drop)
     }
 }

@@ -66,11 +66,14 @@ pub struct Inode {
     pub ctime: Timestamp,
     pub crtime: Timestamp,
     pub rdev: u32,
-    /// The directory holding this inode's newest name: a directory's one
+    /// The directory holding one of this inode's names: a directory's one
     /// parent (for "..", and to refuse moving a directory into itself); for
-    /// a file with several links, the last one made.
+    /// a file with several links, the last one made, or another of them
+    /// (its `'L'` keys) once that one is removed.
     pub parent: u64,
-    /// That name (empty for the root). With `parent`, what `diff` prints.
+    /// That name (empty for the root, and for a file whose recorded link
+    /// was removed on a disk written before links were kept). With
+    /// `parent`, what `diff` prints.
     pub name: Vec<u8>,
     /// A directory's next readdir cookie.
     pub next_cookie: u64,
