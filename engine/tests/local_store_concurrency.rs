@@ -35,19 +35,26 @@ fn concurrent_compare_and_replace_never_loses_an_update() {
 #[test]
 fn exactly_one_of_many_concurrent_creators_wins() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let winners: usize = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..8)
+    let winners: Vec<u32> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8u32)
             .map(|i| {
                 let root = dir.path().to_path_buf();
                 s.spawn(move || {
-                    LocalFolderStore::open(root)
+                    let won = LocalFolderStore::open(root)
                         .expect("open")
                         .put_if_absent("checkpoints/c", format!("{i}").as_bytes())
-                        .is_ok()
+                        .is_ok();
+                    won.then_some(i)
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("join") as usize).sum()
+        handles.into_iter().filter_map(|h| h.join().expect("join")).collect::<Vec<_>>()
     });
-    assert_eq!(winners, 1);
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    let store = LocalFolderStore::open(dir.path()).expect("open");
+    assert_eq!(store.get("checkpoints/c").expect("get").0, format!("{}", winners[0]).into_bytes());
+    // The losers' temporary files are gone, and a create-once leaves no lock file.
+    let count = |d: &str| std::fs::read_dir(dir.path().join(d)).expect("read_dir").count();
+    assert_eq!((count(".arbor-tmp"), count(".arbor-locks")), (0, 0));
+    assert!(store.list("").expect("list").iter().all(|k| !k.starts_with(".arbor")));
 }

@@ -1,9 +1,11 @@
 //! A local folder as a bucket. Objects are files under the root; every
-//! write goes to a temporary file, is synced, and is renamed into place, so
-//! a crash leaves the old object or the new one. Conditional writes hold an
-//! exclusive `flock` on a per-key lock file, so two processes (or two
-//! threads with their own stores) sharing a folder get the same
-//! create-once and compare-and-replace semantics as S3.
+//! write goes to a temporary file, is synced, and is renamed (or, to
+//! create once, hard-linked) into place, so a crash leaves the old object
+//! or the new one. A create-once is a `link`, which fails if the name
+//! exists; replacing and deleting hold an exclusive `flock` on a per-key
+//! lock file. So two processes (or two threads with their own stores)
+//! sharing a folder get the same create-once and compare-and-replace
+//! semantics as S3.
 
 use super::{check_key, ETag, ObjectStore};
 use crate::error::{Error, Result};
@@ -37,6 +39,11 @@ fn etag_of(body: &[u8]) -> ETag {
     let mut h = std::hash::DefaultHasher::new();
     body.hash(&mut h);
     format!("{:016x}-{:08x}-{}", h.finish(), crc32c::crc32c(body), body.len())
+}
+
+/// Errors of `link` on a file system without hard links.
+fn link_unsupported(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EPERM | libc::EOPNOTSUPP | libc::ENOSYS | libc::EXDEV))
 }
 
 fn not_found(key: &str) -> Error {
@@ -80,21 +87,46 @@ impl LocalFolderStore {
         }
     }
 
-    /// Writes `body` to a temporary file, syncs it, and renames it over `path`.
-    fn replace(&self, path: &Path, body: &[u8]) -> Result<ETag> {
+    /// Writes `body` to a new temporary file and syncs it.
+    fn write_tmp(&self, body: &[u8]) -> Result<PathBuf> {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let tmp =
             self.root.join(TMP).join(format!("{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
-        let mut f = File::create(&tmp)?;
-        f.write_all(body)?;
-        f.sync_all()?;
-        let parent = path.parent().ok_or(Error::Invalid("object key"))?;
-        fs::create_dir_all(parent)?;
-        if let Err(e) = fs::rename(&tmp, path) {
-            let _ = fs::remove_file(&tmp);
-            return Err(e.into());
+        let written = (|| -> Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(body)?;
+            Ok(f.sync_all()?)
+        })();
+        match written {
+            Ok(()) => Ok(tmp),
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                Err(e)
+            }
         }
-        File::open(parent)?.sync_all()?;
+    }
+
+    /// Puts the synced temporary file `tmp` at `path` with `place` (a
+    /// rename, or a link that fails if `path` exists), creating the folders
+    /// on the way the first time, then syncs the folder.
+    fn place(&self, tmp: &Path, path: &Path, place: fn(&Path, &Path) -> std::io::Result<()>) -> Result<()> {
+        let parent = path.parent().ok_or(Error::Invalid("object key"))?;
+        let mut placed = place(tmp, path);
+        if placed.as_ref().is_err_and(|e| e.kind() == ErrorKind::NotFound) {
+            fs::create_dir_all(parent)?;
+            placed = place(tmp, path);
+        }
+        placed?;
+        Ok(File::open(parent)?.sync_all()?)
+    }
+
+    /// Writes `body` to a temporary file, syncs it, and renames it over `path`.
+    fn replace(&self, path: &Path, body: &[u8]) -> Result<ETag> {
+        let tmp = self.write_tmp(body)?;
+        if let Err(e) = self.place(&tmp, path, |t, p| fs::rename(t, p)) {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
         Ok(etag_of(body))
     }
 
@@ -139,13 +171,27 @@ impl ObjectStore for LocalFolderStore {
         self.replace(&path, body)
     }
 
+    /// A hard link is the create-once: `link` fails if the name exists, so
+    /// no lock is needed (and no lock file is left per key). A folder that
+    /// refuses hard links falls back to the lock, a check and a rename.
     fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
         let path = self.path(key)?;
-        let _g = self.lock(key)?;
-        if path.exists() {
-            return Err(Error::AlreadyExists(key.to_string()));
-        }
-        self.replace(&path, body)
+        let tmp = self.write_tmp(body)?;
+        let linked = self.place(&tmp, &path, |t, p| fs::hard_link(t, p));
+        let linked = match linked {
+            Err(Error::Io(e)) if link_unsupported(&e) => {
+                let _g = self.lock(key)?;
+                if path.exists() {
+                    Err(Error::AlreadyExists(key.to_string()))
+                } else {
+                    self.place(&tmp, &path, |t, p| fs::rename(t, p))
+                }
+            }
+            Err(Error::Io(e)) if e.kind() == ErrorKind::AlreadyExists => Err(Error::AlreadyExists(key.to_string())),
+            other => other,
+        };
+        let _ = fs::remove_file(&tmp);
+        linked.map(|()| etag_of(body))
     }
 
     fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
