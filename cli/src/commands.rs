@@ -4,7 +4,7 @@
 
 use crate::control;
 use crate::disk::{quiet_config, Disk};
-use crate::serve::addr_json;
+use crate::serve::{addr_json, compact_json};
 use anyhow::{anyhow, bail, Context, Result};
 use arbor_engine::disk::FixedRootDevice;
 use arbor_engine::env::Timestamp;
@@ -241,6 +241,32 @@ pub fn gc(target: &str, grace: u64) -> Result<()> {
         report.reachable,
         report.kept_for_writers,
         report.deleted.len()
+    );
+    Ok(())
+}
+
+/// Moves a branch's live tree nodes out of mostly dead segments, through
+/// its mount if it is mounted, else by opening it here.
+pub fn compact(target: &str, branch: Option<&str>, max_live: f64) -> Result<()> {
+    if !(0.0..=1.0).contains(&max_live) {
+        bail!("--max-live must be a fraction between 0 and 1, not {max_live}");
+    }
+    let t = resolve(target)?;
+    let catalog = t.disk.catalog()?;
+    let branch = branch.map(str::to_string).or(t.branch.clone()).unwrap_or_else(|| "main".into());
+    let report = match mount_of(&catalog, &branch) {
+        Some(mp) => control::request(&mp, json!({"op": "compact", "max_live": max_live}))?,
+        None => {
+            let (vol, _lock) = catalog.open_branch(&branch, quiet_config()).map_err(friendly)?;
+            let report = vol.compact(max_live)?;
+            vol.close()?;
+            compact_json(report)
+        }
+    };
+    let (segments, nodes) = (report["segments"].as_u64().unwrap_or(0), report["nodes"].as_u64().unwrap_or(0));
+    println!(
+        "branch {branch}: moved {nodes} tree nodes ({}); {segments} segments no longer reached by it (`arbor gc` deletes them once no checkpoint or branch does)",
+        HumanBytes(report["bytes"].as_u64().unwrap_or(0))
     );
     Ok(())
 }

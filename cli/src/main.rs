@@ -84,6 +84,21 @@ enum Command {
         #[arg(long, default_value_t = 600)]
         grace: u64,
     },
+    /// Move a branch's live tree nodes out of segments that are mostly dead,
+    /// so that `gc` can delete those segments.
+    #[command(
+        after_help = "Example:\n  arbor compact /mnt/arbor            # the mounted branch\n  arbor compact /data/arbor-disk --branch run-a --max-live 0.5"
+    )]
+    Compact {
+        /// A disk or a mountpoint.
+        target: String,
+        /// The branch (default: the mounted one, else main).
+        #[arg(long)]
+        branch: Option<String>,
+        /// Move out of segments whose live bytes are at most this fraction.
+        #[arg(long, default_value_t = 0.25)]
+        max_live: f64,
+    },
     /// Verify every record, and every file byte of every branch and checkpoint.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
     Fsck {
@@ -257,6 +272,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Diff { target, from, to, json } => commands::diff(&target, &from, &to, json)?,
         Command::Prefetch { mountpoint, paths } => commands::prefetch(&mountpoint, &paths)?,
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
+        Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
         Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
     }
     Ok(())

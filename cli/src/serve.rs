@@ -110,6 +110,10 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
     })
 }
 
+pub fn compact_json(r: arbor_engine::volume::CompactReport) -> Value {
+    json!({"segments": r.segments.len(), "nodes": r.nodes, "bytes": r.bytes})
+}
+
 pub fn addr_json(a: arbor_engine::format::Addr) -> Value {
     json!({"writer": a.seg.writer, "seq": a.seg.seq, "off": a.off, "len": a.len})
 }
@@ -238,6 +242,13 @@ impl ControlState {
                         c.checkpoint_volume(name, args.root_name(), &self.vol).map_err(|e| e.to_string())
                     });
                 reply(made, |c| json!({"name": c.name, "commit": addr_json(c.commit)}))
+            }
+            Some("compact") => {
+                if args.checkpoint.is_some() {
+                    return reply(Err("a checkpoint mount is read-only"), |()| Value::Null);
+                }
+                let max_live = req["max_live"].as_f64().unwrap_or(0.25);
+                reply(self.vol.compact(max_live), compact_json)
             }
             Some("unmount") => {
                 let (ack_tx, ack_rx) = mpsc::channel();

@@ -35,6 +35,9 @@ enum Op {
     Rmdir(usize, usize),
     Fsync,
     Commit,
+    /// Moves live tree nodes out of mostly dead segments: changes nothing
+    /// a reader sees, and commits.
+    Compact,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -147,7 +150,7 @@ fn model_apply(m: &mut Model, op: &Op) -> bool {
             m.remove(&p);
             true
         }
-        Op::Fsync | Op::Commit => true,
+        Op::Fsync | Op::Commit | Op::Compact => true,
     }
 }
 
@@ -185,6 +188,7 @@ fn volume_apply(vol: &Volume, op: &Op) -> Result<(), Error> {
         Op::Rmdir(d, n) => vol.rmdir(resolve(vol, DIRS[*d])?, NAMES[*n].as_bytes()),
         Op::Fsync => vol.fsync(ROOT_INO),
         Op::Commit => vol.commit(),
+        Op::Compact => vol.compact(1.0).map(drop),
     }
 }
 
@@ -230,6 +234,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => (d.clone(), 3..NAMES.len()).prop_map(|(d, n)| Op::Rmdir(d, n)),
         2 => Just(Op::Fsync),
         1 => Just(Op::Commit),
+        1 => Just(Op::Compact),
     ]
 }
 
@@ -245,14 +250,8 @@ fn crash_strategy() -> impl Strategy<Value = Crash> {
     prop_oneof![(0u64..200).prop_map(Crash::AtFailpoint), (0usize..80).prop_map(Crash::AfterOps)]
 }
 
-fn config(commit_every_ops: u64, seed: u64) -> Config {
-    Config {
-        segment_size: 256 << 10,
-        commit_every_ops,
-        commit_interval: None,
-        env: TestEnv::new(seed),
-        ..Config::default()
-    }
+fn config(commit_every_ops: u64, seed: u64, segment_size: u64) -> Config {
+    Config { segment_size, commit_every_ops, commit_interval: None, env: TestEnv::new(seed), ..Config::default() }
 }
 
 fn cases() -> u32 {
@@ -275,64 +274,82 @@ proptest! {
         commit_every in 2u64..40,
         crash_recovery_at in proptest::option::weighted(0.2, 0u64..6),
     ) {
-        let dev = SimDevice::new();
-        let vol = Volume::open(Arc::new(dev.clone()), config(commit_every, 1)).expect("open");
-        // models[i] is the state after the first i operations.
-        let mut models = vec![Model::new()];
-        let mut durable = 0;
-        let mut issued = 0;
-        if let Crash::AtFailpoint(n) = crash {
-            dev.crash_at_failpoint(None, n);
-        }
-        for (i, op) in ops.iter().enumerate() {
-            if matches!(crash, Crash::AfterOps(k) if k == i) {
-                break;
-            }
-            issued = i + 1;
-            let mut next = models[i].clone();
-            let valid = model_apply(&mut next, op);
-            let got = volume_apply(&vol, op);
-            if let Err(Error::Crashed(_)) = got {
-                models.push(next);
-                break;
-            }
-            prop_assert_eq!(got.is_ok(), valid, "op {} {:?} gave {:?}", i, op, got.err());
-            models.push(next);
-            if matches!(op, Op::Fsync | Op::Commit) {
-                durable = i + 1;
-            }
-        }
-        let mode = match scramble {
-            Some(seed) => CrashMode::Scramble { seed },
-            None => CrashMode::DropUnsynced,
-        };
-        dev.crash(mode);
-        drop(vol);
-        if let Some(n) = crash_recovery_at {
-            dev.crash_at_failpoint(None, n);
-            let _ = Volume::open(Arc::new(dev.clone()), config(commit_every, 2));
-            dev.crash(mode);
-        }
-        let vol = Volume::open(Arc::new(dev.clone()), config(commit_every, 3)).expect("recovery must succeed");
-        let got = snapshot(&vol);
-        if std::env::var_os("CRASH_MODEL_TRACE").is_some() {
-            eprintln!("TRACE issued={issued} durable={durable} files={} crash={crash:?}", got.len());
-        }
-        let allowed = durable..=issued;
-        let matched = allowed.clone().find(|p| models[*p] == got);
-        prop_assert!(
-            matched.is_some(),
-            "recovered state matches no prefix in {:?}\nrecovered: {:?}\nafter durable prefix: {:?}",
-            allowed, got.keys().collect::<Vec<_>>(), models[durable].keys().collect::<Vec<_>>()
-        );
-        // Its live-bytes table, as recovery rebuilt it, matches a recount.
-        vol.commit().expect("commit");
-        let commit = vol.last_commit().expect("commit");
-        let recount = arbor_engine::volume::recount_live_bytes(Arc::new(dev.clone()), commit).expect("recount");
-        prop_assert_eq!(vol.live_bytes(), recount);
-        // The recovered volume keeps working.
-        let f = vol.create(ROOT_INO, b"after-recovery", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-        vol.write(f.ino, 0, b"ok").expect("write");
-        vol.fsync(f.ino).expect("fsync");
+        run_case(&ops, crash, scramble, commit_every, crash_recovery_at, 256 << 10)?;
     }
+}
+
+/// Runs `ops`, crashes as told, recovers, and checks the recovered state is
+/// the state after a prefix of the operations that includes every one
+/// before the last fsync or commit.
+fn run_case(
+    ops: &[Op],
+    crash: Crash,
+    scramble: Option<u64>,
+    commit_every: u64,
+    crash_recovery_at: Option<u64>,
+    segment_size: u64,
+) -> Result<(), TestCaseError> {
+    let dev = SimDevice::new();
+    let vol = Volume::open(Arc::new(dev.clone()), config(commit_every, 1, segment_size)).expect("open");
+    // models[i] is the state after the first i operations.
+    let mut models = vec![Model::new()];
+    let mut durable = 0;
+    let mut issued = 0;
+    if let Crash::AtFailpoint(n) = crash {
+        dev.crash_at_failpoint(None, n);
+    }
+    for (i, op) in ops.iter().enumerate() {
+        if matches!(crash, Crash::AfterOps(k) if k == i) {
+            break;
+        }
+        issued = i + 1;
+        let mut next = models[i].clone();
+        let valid = model_apply(&mut next, op);
+        let got = volume_apply(&vol, op);
+        if let Err(Error::Crashed(_)) = got {
+            models.push(next);
+            break;
+        }
+        prop_assert_eq!(got.is_ok(), valid, "op {} {:?} gave {:?}", i, op, got.err());
+        models.push(next);
+        if matches!(op, Op::Fsync | Op::Commit | Op::Compact) {
+            durable = i + 1;
+        }
+    }
+    let mode = match scramble {
+        Some(seed) => CrashMode::Scramble { seed },
+        None => CrashMode::DropUnsynced,
+    };
+    dev.crash(mode);
+    drop(vol);
+    if let Some(n) = crash_recovery_at {
+        dev.crash_at_failpoint(None, n);
+        let _ = Volume::open(Arc::new(dev.clone()), config(commit_every, 2, segment_size));
+        dev.crash(mode);
+    }
+    let vol =
+        Volume::open(Arc::new(dev.clone()), config(commit_every, 3, segment_size)).expect("recovery must succeed");
+    let got = snapshot(&vol);
+    if std::env::var_os("CRASH_MODEL_TRACE").is_some() {
+        eprintln!("TRACE issued={issued} durable={durable} files={} crash={crash:?}", got.len());
+    }
+    let allowed = durable..=issued;
+    let matched = allowed.clone().find(|p| models[*p] == got);
+    prop_assert!(
+        matched.is_some(),
+        "recovered state matches no prefix in {:?}\nrecovered: {:?}\nafter durable prefix: {:?}",
+        allowed,
+        got.keys().collect::<Vec<_>>(),
+        models[durable].keys().collect::<Vec<_>>()
+    );
+    // Its live-bytes table, as recovery rebuilt it, matches a recount.
+    vol.commit().expect("commit");
+    let commit = vol.last_commit().expect("commit");
+    let recount = arbor_engine::volume::recount_live_bytes(Arc::new(dev.clone()), commit).expect("recount");
+    prop_assert_eq!(vol.live_bytes(), recount);
+    // The recovered volume keeps working.
+    let f = vol.create(ROOT_INO, b"after-recovery", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    vol.write(f.ino, 0, b"ok").expect("write");
+    vol.fsync(f.ino).expect("fsync");
+    Ok(())
 }

@@ -55,6 +55,8 @@ fn errors_are_one_line_with_a_nonzero_exit() {
         ),
         (vec!["diff".into(), s.disk_str().into(), "main".into(), "nope".into()], "no checkpoint or branch"),
         (vec!["prefetch".into(), s.mnt.display().to_string(), "x".into()], "not an arbor mount"),
+        (vec!["compact".into(), s.disk_str().into(), "--max-live".into(), "2".into()], "between 0 and 1"),
+        (vec!["compact".into(), s.disk_str().into(), "--branch".into(), "nope".into()], "no branch named"),
     ];
     for (args, want) in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -69,7 +71,9 @@ fn errors_are_one_line_with_a_nonzero_exit() {
 
 #[test]
 fn help_says_what_each_command_does_with_an_example() {
-    for cmd in ["init", "mount", "unmount", "status", "checkpoints", "branches", "diff", "prefetch", "gc", "fsck"] {
+    for cmd in
+        ["init", "mount", "unmount", "status", "checkpoints", "branches", "diff", "prefetch", "gc", "compact", "fsck"]
+    {
         let out = arbor_ok(&[cmd, "--help"]);
         assert!(out.contains("Example:"), "{cmd}: {out}");
     }
@@ -143,6 +147,47 @@ fn checkpoints_and_branches_on_an_unmounted_disk_and_a_read_only_checkpoint_moun
     arbor_ok(&["checkpoints", "delete", s.disk_str(), "v1"]);
     assert!(arbor_ok(&["gc", s.disk_str(), "--grace", "0"]).contains("deleted"));
     assert!(arbor_ok(&["fsck", s.disk_str()]).contains("segments"));
+}
+
+/// Files written once and big files written and deleted after them: the
+/// segments the big files filled stay, kept by the small files' tree nodes,
+/// until compact moves those nodes and gc deletes the segments.
+#[test]
+fn compact_then_gc_gives_back_segments_that_only_old_tree_nodes_kept() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    std::fs::create_dir_all(s.mnt.join("keep")).expect("mkdir");
+    for i in 0..200 {
+        std::fs::write(s.mnt.join(format!("keep/f{i}")), format!("small {i}")).expect("write");
+    }
+    for round in 0..3u8 {
+        std::fs::write(s.mnt.join(format!("big{round}")), vec![round; 70 << 20]).expect("write");
+    }
+    for round in 0..3 {
+        std::fs::remove_file(s.mnt.join(format!("big{round}"))).expect("remove");
+    }
+    let mnt = s.mnt.to_str().expect("utf8");
+    let out = arbor_ok(&["compact", mnt, "--max-live", "0.5"]);
+    assert!(out.contains("branch main: moved"), "{out}");
+    m.unmount();
+    let segments = || std::fs::read_dir(s.disk.join("segments")).expect("segments").count();
+    let before = segments();
+    // Again on the unmounted disk (the mount's last segment is sealed now).
+    let out = arbor_ok(&["compact", s.disk_str(), "--branch", "main"]);
+    assert!(out.contains("branch main: moved"), "{out}");
+    let out = arbor_ok(&["gc", s.disk_str(), "--grace", "0"]);
+    // All that is left is the segment the last compaction wrote (without
+    // compaction, the first segment stays too, kept by the small files).
+    assert_eq!(segments(), 1, "{before} segments before gc: {out}");
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    for i in 0..200 {
+        assert_eq!(std::fs::read_to_string(s.mnt.join(format!("keep/f{i}"))).expect("read"), format!("small {i}"));
+    }
+    m.unmount();
+    assert!(arbor_ok(&["fsck", s.disk_str(), "--json"]).contains("\"problems\":[]"));
 }
 
 #[test]

@@ -170,6 +170,13 @@ impl Tree {
         Ok(old)
     }
 
+    /// Copies into memory (as any change does, with the path above it)
+    /// every written node that `pick` chooses, so the next flush writes it
+    /// afresh. Walks only into chosen nodes and nodes already in memory.
+    pub fn rewrite_where(&mut self, store: &dyn NodeStore, pick: &dyn Fn(Addr) -> bool) -> Result<()> {
+        rewrite_rec(store, &mut self.root, None, pick)
+    }
+
     /// Writes every dirty node, children before parents, and returns the
     /// root's address.
     pub fn flush(&mut self, store: &dyn NodeStore) -> Result<Addr> {
@@ -308,6 +315,21 @@ fn rebalance(store: &dyn NodeStore, b: &mut Branch, idx: usize) -> Result<()> {
             l.children.extend(r.children.iter().cloned());
         }
         _ => return Err(Error::corrupted("tree node (mixed levels)", "merge")),
+    }
+    Ok(())
+}
+
+fn rewrite_rec(store: &dyn NodeStore, child: &mut Child, level: Option<u8>, pick: &dyn Fn(Addr) -> bool) -> Result<()> {
+    if let Child::Disk(a) = child {
+        if !pick(*a) {
+            return Ok(());
+        }
+    }
+    if let Node::Branch(b) = make_mut(store, child, level)? {
+        let lvl = child_level(b);
+        for c in b.children.iter_mut() {
+            rewrite_rec(store, c, lvl, pick)?;
+        }
     }
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! much recovery must replay.
 
 mod commit;
+mod compact;
 mod inspect;
 mod keys;
 mod nodes;
@@ -17,6 +18,7 @@ mod txn;
 mod types;
 
 pub use commit::{CommitRecord, Superblock};
+pub use compact::CompactReport;
 pub use inspect::{
     diff_commits, live_table_of, reachable_segments, recount_live_bytes, root_of, Change, ChangeKind, Inspector,
 };
