@@ -245,7 +245,7 @@ pub fn gc(target: &str, grace: u64) -> Result<()> {
     Ok(())
 }
 
-/// Moves a branch's live tree nodes out of mostly dead segments, through
+/// Moves a branch's live bytes out of mostly dead segments, through
 /// its mount if it is mounted, else by opening it here.
 pub fn compact(target: &str, branch: Option<&str>, max_live: f64) -> Result<()> {
     if !(0.0..=1.0).contains(&max_live) {
@@ -264,9 +264,11 @@ pub fn compact(target: &str, branch: Option<&str>, max_live: f64) -> Result<()> 
         }
     };
     let (segments, nodes) = (report["segments"].as_u64().unwrap_or(0), report["nodes"].as_u64().unwrap_or(0));
+    let bytes = |k: &str| HumanBytes(report[k].as_u64().unwrap_or(0));
     println!(
-        "branch {branch}: moved {nodes} tree nodes ({}); {segments} segments no longer reached by it (`arbor gc` deletes them once no checkpoint or branch does)",
-        HumanBytes(report["bytes"].as_u64().unwrap_or(0))
+        "branch {branch}: moved {} of file data and {nodes} tree nodes ({}); {segments} segments no longer reached by it (`arbor gc` deletes them once no checkpoint or branch does)",
+        bytes("data_bytes"),
+        bytes("bytes")
     );
     Ok(())
 }

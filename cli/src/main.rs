@@ -84,8 +84,8 @@ enum Command {
         #[arg(long, default_value_t = 600)]
         grace: u64,
     },
-    /// Move a branch's live tree nodes out of segments that are mostly dead,
-    /// so that `gc` can delete those segments.
+    /// Move a branch's live bytes (file data and tree nodes) out of segments
+    /// that are mostly dead, so that `gc` can delete those segments.
     #[command(
         after_help = "Example:\n  arbor compact /mnt/arbor            # the mounted branch\n  arbor compact /data/arbor-disk --branch run-a --max-live 0.5"
     )]

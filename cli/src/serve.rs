@@ -111,7 +111,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
 }
 
 pub fn compact_json(r: arbor_engine::volume::CompactReport) -> Value {
-    json!({"segments": r.segments.len(), "nodes": r.nodes, "bytes": r.bytes})
+    json!({"segments": r.segments.len(), "nodes": r.nodes, "bytes": r.bytes, "data_bytes": r.data_bytes})
 }
 
 pub fn addr_json(a: arbor_engine::format::Addr) -> Value {

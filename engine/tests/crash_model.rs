@@ -276,6 +276,22 @@ proptest! {
     ) {
         run_case(&ops, crash, scramble, commit_every, crash_recovery_at, 256 << 10)?;
     }
+
+    /// The same with smaller segments and compaction often, so that it
+    /// finds bytes and nodes to move and crashes land inside it.
+    #[test]
+    fn compaction_keeps_the_prefix_promise(
+        ops in proptest::collection::vec(prop_oneof![4 => op_strategy(), 1 => Just(Op::Compact)], 1..120),
+        crash in crash_strategy(),
+        scramble in proptest::option::of(any::<u64>()),
+        commit_every in 2u64..40,
+        crash_recovery_at in proptest::option::weighted(0.2, 0u64..6),
+    ) {
+        // Small enough that segments fill, large enough that no write of
+        // the model is split into two records (a crash between them would
+        // tear the write, which only a larger write than FUSE sends can).
+        run_case(&ops, crash, scramble, commit_every, crash_recovery_at, 160 << 10)?;
+    }
 }
 
 /// Runs `ops`, crashes as told, recovers, and checks the recovered state is

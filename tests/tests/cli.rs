@@ -150,10 +150,11 @@ fn checkpoints_and_branches_on_an_unmounted_disk_and_a_read_only_checkpoint_moun
 }
 
 /// Files written once and big files written and deleted after them: the
-/// segments the big files filled stay, kept by the small files' tree nodes,
-/// until compact moves those nodes and gc deletes the segments.
+/// segments the big files filled stay, kept by the small files' tree nodes
+/// and the bytes of the file written first, until compact moves those and
+/// gc deletes the segments.
 #[test]
-fn compact_then_gc_gives_back_segments_that_only_old_tree_nodes_kept() {
+fn compact_then_gc_gives_back_segments_kept_only_by_a_few_live_bytes() {
     if !fuse_available() {
         return;
     }
@@ -163,6 +164,9 @@ fn compact_then_gc_gives_back_segments_that_only_old_tree_nodes_kept() {
     for i in 0..200 {
         std::fs::write(s.mnt.join(format!("keep/f{i}")), format!("small {i}")).expect("write");
     }
+    // File bytes that stay live in the first segment, beside the dead ones.
+    let tokens: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    std::fs::write(s.mnt.join("keep/tokens.bin"), &tokens).expect("write");
     for round in 0..3u8 {
         std::fs::write(s.mnt.join(format!("big{round}")), vec![round; 70 << 20]).expect("write");
     }
@@ -180,12 +184,13 @@ fn compact_then_gc_gives_back_segments_that_only_old_tree_nodes_kept() {
     assert!(out.contains("branch main: moved"), "{out}");
     let out = arbor_ok(&["gc", s.disk_str(), "--grace", "0"]);
     // All that is left is the segment the last compaction wrote (without
-    // compaction, the first segment stays too, kept by the small files).
+    // compaction, the first segment stays too, kept by what lives in it).
     assert_eq!(segments(), 1, "{before} segments before gc: {out}");
     let m = Mount::start(s.disk_str(), &s.mnt, &[]);
     for i in 0..200 {
         assert_eq!(std::fs::read_to_string(s.mnt.join(format!("keep/f{i}"))).expect("read"), format!("small {i}"));
     }
+    assert!(std::fs::read(s.mnt.join("keep/tokens.bin")).expect("read") == tokens);
     m.unmount();
     assert!(arbor_ok(&["fsck", s.disk_str(), "--json"]).contains("\"problems\":[]"));
 }

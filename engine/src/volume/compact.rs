@@ -1,19 +1,18 @@
-//! Compaction: moving the live tree nodes out of segments that are mostly
-//! dead, so that nothing this branch holds keeps those segments.
+//! Compaction: moving what a branch still holds out of segments that are
+//! mostly dead, so that the branch no longer keeps those segments.
 //!
-//! A copy-on-write tree leaves the nodes of parts that did not change in
-//! the segments where they were first written. Once the files written
-//! beside them are rewritten or deleted, a segment can be almost all dead
-//! bytes and still be kept whole by a handful of live nodes. Compaction
-//! finds those nodes and copies them (and the path above each) into the
-//! current segment with an ordinary commit; the segments are then
+//! A copy-on-write tree leaves the nodes of parts that did not change, and
+//! file bytes nobody overwrote, in the segments where they were first
+//! written. Once the rest of a segment is rewritten or deleted, it can be
+//! almost all dead bytes and still be kept whole by a few live ones.
+//! Compaction copies those: each live extent's bytes with a `Relocate`
+//! intent (applied only if the extent is still the one read, and replayed
+//! like any write), and each live node, with the path above it, by copying
+//! it into memory for the next commit to write. The segments are then
 //! unreachable from this branch, and `gc` deletes them once no checkpoint
-//! or other branch reaches them either.
-//!
-//! Only segments whose live bytes are all tree nodes are chosen: one that
-//! still holds live file data would stay reachable however its nodes move.
-//! Compaction changes no key or value, so a crash at any point leaves the
-//! volume as it was or as it would be after any other commit.
+//! or other branch reaches them either. No file's bytes, size or times
+//! change, so a crash at any point leaves the volume as it was or as it
+//! would be after any other commit.
 
 use super::keys;
 use super::types::Extent;
@@ -32,12 +31,14 @@ pub struct CompactReport {
     pub nodes: u64,
     /// Their bytes.
     pub bytes: u64,
+    /// File bytes copied out of them.
+    pub data_bytes: u64,
 }
 
 impl Volume {
-    /// Moves the live tree nodes out of every sealed segment in which this
-    /// branch's live bytes are at most `max_live` of a segment's size and
-    /// are all tree nodes, and commits.
+    /// Moves the live tree nodes and file bytes out of every sealed segment
+    /// in which this branch's live bytes are at most `max_live` of a
+    /// segment's size, and commits.
     pub fn compact(&self, max_live: f64) -> Result<CompactReport> {
         if self.cfg.read_only {
             return Err(crate::error::Error::ReadOnly);
@@ -62,10 +63,19 @@ impl Volume {
         let root = super::inspect::root_of(self.nodes.device.as_ref(), commit)?;
         let mut found = Found::default();
         found.walk(&self.nodes, root, None, &candidates)?;
-        let victims: HashSet<SegId> = candidates.difference(&found.data).copied().collect();
+        let victims = candidates;
+        // File bytes first: each copy is an intent of its own, applied only
+        // if the extent is still the one read (the file may change meanwhile).
+        let mut report = CompactReport::default();
+        for (ino, end, e) in &found.extents {
+            let mut bytes = vec![0u8; e.len as usize];
+            self.read_extent(e, 0, &mut bytes)?;
+            let op = super::ops::Op::Relocate { ino: *ino, end: *end, from: e.data, rec_off: e.rec_off, len: e.len };
+            self.run(&mut self.state.write(), op, &bytes)?;
+            report.data_bytes += e.len as u64;
+        }
         // Every node to move, and every node above one.
         let mut on_path: HashSet<Addr> = HashSet::new();
-        let mut report = CompactReport::default();
         for (addr, parents) in &found.nodes {
             if victims.contains(&addr.seg) {
                 on_path.insert(*addr);
@@ -74,7 +84,7 @@ impl Volume {
                 report.bytes += addr.len as u64;
             }
         }
-        if report.nodes == 0 {
+        if report.nodes == 0 && report.data_bytes == 0 {
             return Ok(report);
         }
         {
@@ -95,8 +105,8 @@ impl Volume {
 struct Found {
     /// Nodes in candidate segments, each with the addresses above it.
     nodes: Vec<(Addr, Vec<Addr>)>,
-    /// Candidate segments holding live file data.
-    data: HashSet<SegId>,
+    /// Extents whose bytes are in candidate segments: (inode, end, extent).
+    extents: Vec<(u64, u64, Extent)>,
 }
 
 impl Found {
@@ -130,9 +140,9 @@ impl Found {
             Node::Leaf(l) => {
                 for (k, v) in l.entries() {
                     if k.first() == Some(&keys::EXTENT) {
-                        let seg = Extent::decode(v)?.data.seg;
-                        if candidates.contains(&seg) {
-                            self.data.insert(seg);
+                        let e = Extent::decode(v)?;
+                        if candidates.contains(&e.data.seg) {
+                            self.extents.push((keys::leading_u64(k), keys::trailing_u64(k), e));
                         }
                     }
                 }
@@ -209,17 +219,23 @@ mod tests {
     }
 
     #[test]
-    fn nodes_move_out_of_mostly_dead_segments_and_nothing_changes() {
+    fn live_nodes_and_bytes_move_out_of_mostly_dead_segments_and_nothing_changes() {
         let (dev, cfg, vol, files, pinned) = scenario();
         let shared: Arc<dyn Device> = Arc::new(dev.clone());
         let before = contents(&vol, &files);
-        let head = vol.last_commit().expect("commit");
+        let old_head = vol.last_commit().expect("commit");
         let mut reached = HashSet::new();
-        reachable_segments(shared.clone(), head, &mut HashSet::new(), &mut reached).expect("reach");
+        reachable_segments(shared.clone(), old_head, &mut HashSet::new(), &mut reached).expect("reach");
+        let data_seg = |vol: &Volume| {
+            let st = vol.state.read();
+            let k = crate::volume::keys::extent(pinned, 8192);
+            Extent::decode(&st.tree.get(&vol.nodes, &k).expect("get").expect("extent")).expect("extent").data.seg
+        };
+        let pinned_at = data_seg(&vol);
 
         let report = vol.compact(0.5).expect("compact");
-        assert!(!report.segments.is_empty(), "{report:?}");
-        assert!(report.nodes > 0 && report.bytes > 0);
+        assert!(report.segments.contains(&pinned_at), "{report:?}");
+        assert!(report.nodes > 0 && report.bytes > 0 && report.data_bytes >= 8192, "{report:?}");
         let head = vol.last_commit().expect("commit");
         let mut now = HashSet::new();
         reachable_segments(shared.clone(), head, &mut HashSet::new(), &mut now).expect("reach");
@@ -227,14 +243,10 @@ mod tests {
             assert!(reached.contains(seg), "{seg} was not reachable before");
             assert!(!now.contains(seg), "{seg} is still reachable");
         }
-        // The segment holding the pinned file's data stays.
-        let data_seg = {
-            let st = vol.state.read();
-            let v = vol.view(&st);
-            let k = crate::volume::keys::extent(pinned, 8192);
-            Extent::decode(&v.tree.get(&vol.nodes, &k).expect("get").expect("extent")).expect("extent").data.seg
-        };
-        assert!(now.contains(&data_seg) && !report.segments.contains(&data_seg));
+        // The pinned file's bytes moved to the segment being written.
+        assert_eq!(data_seg(&vol), vol.log().expect("log").position().0);
+        // Nothing a user sees changed: diff reports nothing.
+        assert_eq!(crate::volume::diff_commits(shared.clone(), old_head, head).expect("diff"), vec![]);
         // The live table is exact, and says the same.
         let mut table = live_table_of(shared.as_ref(), head).expect("table");
         let mut recount = recount_live_bytes(shared.clone(), head).expect("recount");

@@ -198,7 +198,9 @@ fn diff_with(store: &Nodes, from: Addr, to: Addr) -> Result<Vec<Change>> {
             continue;
         }
         let (Some(a), Some(b)) = inodes(ino)? else { continue };
-        if b.kind == FileKind::Directory {
+        // Every write and attribute change sets the inode's ctime: extents
+        // that differ under an identical inode were only moved (compaction).
+        if b.kind == FileKind::Directory || a == b {
             continue;
         }
         let path = paths_b.of(ino, &b)?;

@@ -88,6 +88,17 @@ pub enum Op {
     DropOrphan {
         ino: u64,
     },
+    /// Compaction: the record's data is a copy of the extent of `ino`
+    /// ending at `end`, if that extent still reads `len` bytes from `from`
+    /// at `rec_off`; the extent then points at the copy. Otherwise (the file
+    /// changed since) nothing happens. No time or size changes.
+    Relocate {
+        ino: u64,
+        end: u64,
+        from: Addr,
+        rec_off: u32,
+        len: u32,
+    },
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -223,6 +234,16 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             tx.del(&keys::xattr(*ino, name))?;
             i.ctime = *time;
             tx.put_inode(*ino, &i)
+        }
+        Op::Relocate { ino, end, from, rec_off, len } => {
+            let key = keys::extent(*ino, *end);
+            let Some(v) = tx.tree.get(tx.store, &key)? else { return Ok(()) };
+            let e = Extent::decode(&v)?;
+            if (e.data, e.rec_off, e.len) != (*from, *rec_off, *len) || data.bytes.len() != *len as usize {
+                return Ok(());
+            }
+            tx.store.account_data(e.data.seg, -(e.len as i64));
+            tx.put_extent(*ino, *end, &Extent { data: data.addr, rec_off: 0, len: *len, crcs: data.crcs.to_vec() })
         }
         Op::DropOrphan { ino } => match tx.try_inode(*ino)? {
             Some(i) if i.nlink == 0 => tx.delete_inode(*ino),

@@ -51,7 +51,7 @@ impl Volume {
 
     /// Fills `dst` from extent `e` starting `at` bytes into it, verifying
     /// every data block it touches.
-    fn read_extent(&self, e: &Extent, at: u32, dst: &mut [u8]) -> Result<()> {
+    pub(super) fn read_extent(&self, e: &Extent, at: u32, dst: &mut [u8]) -> Result<()> {
         let data = e.data;
         let r0 = (e.rec_off + at) as usize;
         let r1 = r0 + dst.len();
