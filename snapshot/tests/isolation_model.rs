@@ -46,6 +46,11 @@ enum Op {
         b: usize,
         c: usize,
     },
+    /// Compaction of branch `b`: moves its live bytes out of mostly dead
+    /// segments and commits (so, durably, like a sync).
+    Compact {
+        b: usize,
+    },
     GcMark,
     GcSweep,
     Crash {
@@ -61,6 +66,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0usize..4).prop_map(|b| Op::Checkpoint { b }),
         2 => (0usize..8).prop_map(|c| Op::Fork { c }),
         1 => (0usize..4, 0usize..8).prop_map(|(b, c)| Op::Reset { b, c }),
+        2 => (0usize..4).prop_map(|b| Op::Compact { b }),
         2 => Just(Op::GcMark),
         2 => Just(Op::GcSweep),
         2 => proptest::option::of(any::<u64>()).prop_map(|seed| Op::Crash { seed }),
@@ -226,6 +232,11 @@ proptest! {
                     let at = w.catalog.checkpoint(&cp).expect("checkpoint").commit;
                     w.catalog.reset_branch(&w.branches[b].name.clone(), at).expect("reset");
                     w.branches[b].history = vec![files];
+                }
+                Op::Compact { b } => {
+                    let b = b % w.branches.len();
+                    w.vol(b).compact(1.0).expect("compact");
+                    w.branches[b].settle();
                 }
                 Op::GcMark => w.plan = Some(w.catalog.gc_plan().expect("gc plan")),
                 Op::GcSweep => {
