@@ -130,6 +130,20 @@ fn checkpoints_and_branches_open_from_the_bucket_alone() {
     let m = Mount::start_env(&disk, &v1, &["--checkpoint", "v1"], &w.env);
     assert!(std::fs::read(v1.join("dataset.bin")).expect("read") == dataset, "checkpoint bytes differ after gc");
     m.unmount_env(&w.env);
+    // Compacting run-a copies what it still holds of mostly dead segments
+    // (the dataset's tail, shared with v1) through the bucket; gc then keeps
+    // what v1 needs, and both read whole from the bucket alone.
+    let out = arbor_env_ok(&["compact", &disk, "--branch", "run-a"], &w.env);
+    assert!(out.contains("branch run-a: moved"), "{out}");
+    arbor_env_ok(&["gc", &disk], &w.env);
+    w.lose_the_cache();
+    let m = Mount::start_env(&disk, &run_a, &["--branch", "run-a"], &w.env);
+    assert_eq!(std::fs::read(run_a.join("model.ckpt")).expect("read"), b"weights of run a");
+    assert!(std::fs::read(run_a.join("dataset.bin")).expect("read") == dataset, "branch bytes differ after compact");
+    m.unmount_env(&w.env);
+    let m = Mount::start_env(&disk, &v1, &["--checkpoint", "v1"], &w.env);
+    assert!(std::fs::read(v1.join("dataset.bin")).expect("read") == dataset, "checkpoint bytes differ after compact");
+    m.unmount_env(&w.env);
 }
 
 #[test]
