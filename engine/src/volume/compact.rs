@@ -62,8 +62,7 @@ impl Volume {
         let Some(commit) = self.state.read().last_commit else { return Ok(CompactReport::default()) };
         let root = super::inspect::root_of(self.nodes.device.as_ref(), commit)?;
         let mut found = Found::default();
-        found.walk(&self.nodes, root, None, &candidates)?;
-        let victims = candidates;
+        found.visit(&self.nodes, root, None, &candidates, &mut Vec::new())?;
         // File bytes first: each copy is an intent of its own, applied only
         // if the extent is still the one read (the file may change meanwhile).
         let mut report = CompactReport::default();
@@ -77,12 +76,10 @@ impl Volume {
         // Every node to move, and every node above one.
         let mut on_path: HashSet<Addr> = HashSet::new();
         for (addr, parents) in &found.nodes {
-            if victims.contains(&addr.seg) {
-                on_path.insert(*addr);
-                on_path.extend(parents.iter().copied());
-                report.nodes += 1;
-                report.bytes += addr.len as u64;
-            }
+            on_path.insert(*addr);
+            on_path.extend(parents.iter().copied());
+            report.nodes += 1;
+            report.bytes += addr.len as u64;
         }
         if report.nodes == 0 && report.data_bytes == 0 {
             return Ok(report);
@@ -93,7 +90,7 @@ impl Volume {
         }
         self.commit()?;
         let live: HashMap<SegId, u64> = self.nodes.live_table().into_iter().collect();
-        report.segments = victims.into_iter().filter(|s| !live.contains_key(s)).collect();
+        report.segments = candidates.into_iter().filter(|s| !live.contains_key(s)).collect();
         report.segments.sort();
         tracing::info!(segments = report.segments.len(), nodes = report.nodes, "compacted");
         Ok(report)
@@ -110,17 +107,8 @@ struct Found {
 }
 
 impl Found {
-    fn walk(
-        &mut self,
-        store: &dyn NodeStore,
-        root: Addr,
-        level: Option<u8>,
-        candidates: &HashSet<SegId>,
-    ) -> Result<()> {
-        let mut above = Vec::new();
-        self.visit(store, root, level, candidates, &mut above)
-    }
-
+    /// Walks the subtree at `addr` (of `level`, if known); `above` holds
+    /// the addresses on the way down to it.
     fn visit(
         &mut self,
         store: &dyn NodeStore,
