@@ -300,6 +300,12 @@ fn print_status(s: &serde_json::Value) {
         HumanBytes(s["live_bytes"].as_u64().unwrap_or(0)),
         s["segments_referenced"].as_u64().unwrap_or(0)
     );
+    if let Some(n) = s["compactable"]["segments"].as_u64().filter(|n| *n > 0) {
+        println!(
+            "compactable  {n} segments hold {} of it (`arbor compact`, then `arbor gc`)",
+            HumanBytes(s["compactable"]["live_bytes"].as_u64().unwrap_or(0))
+        );
+    }
     if let Some(d) = s["durability"].as_str() {
         println!("durability   {d}");
         println!("uploads      {} pending", HumanBytes(s["pending_upload_bytes"].as_u64().unwrap_or(0)));

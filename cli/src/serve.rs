@@ -107,6 +107,11 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
         })),
         "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
         "segments_referenced": vol.live_bytes().len(),
+        // What `arbor compact` (default --max-live) would move and free.
+        "compactable": vol.compactable(0.25).ok().map(|c| json!({
+            "segments": c.len(),
+            "live_bytes": c.iter().map(|(_, n)| n).sum::<u64>(),
+        })),
     })
 }
 

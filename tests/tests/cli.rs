@@ -174,8 +174,12 @@ fn compact_then_gc_gives_back_segments_kept_only_by_a_few_live_bytes() {
         std::fs::remove_file(s.mnt.join(format!("big{round}"))).expect("remove");
     }
     let mnt = s.mnt.to_str().expect("utf8");
+    let status = arbor_ok(&["status", mnt]);
+    assert!(status.contains("compactable  ") && status.contains(" segments hold "), "{status}");
     let out = arbor_ok(&["compact", mnt, "--max-live", "0.5"]);
     assert!(out.contains("branch main: moved"), "{out}");
+    let status = arbor_ok(&["status", mnt, "--json"]);
+    assert!(status.contains("\"compactable\":{\"live_bytes\":0,\"segments\":0}"), "{status}");
     m.unmount();
     let segments = || std::fs::read_dir(s.disk.join("segments")).expect("segments").count();
     let before = segments();

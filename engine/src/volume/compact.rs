@@ -36,6 +36,20 @@ pub struct CompactReport {
 }
 
 impl Volume {
+    /// The sealed segments this branch holds at most `max_live` of a
+    /// segment's size in, with the bytes it holds there: what
+    /// [`Volume::compact`] would empty.
+    pub fn compactable(&self, max_live: f64) -> Result<Vec<(SegId, u64)>> {
+        let (current, _) = self.log()?.position();
+        let limit = (self.cfg.segment_size as f64 * max_live.clamp(0.0, 1.0)) as u64;
+        Ok(self
+            .nodes
+            .live_table()
+            .into_iter()
+            .filter(|&(seg, live)| seg != current && live > 0 && live <= limit)
+            .collect())
+    }
+
     /// Moves the live tree nodes and file bytes out of every sealed segment
     /// in which this branch's live bytes are at most `max_live` of a
     /// segment's size, and commits.
@@ -43,17 +57,8 @@ impl Volume {
         if self.cfg.read_only {
             return Err(crate::error::Error::ReadOnly);
         }
-        // The committed tree, walked without holding the volume's lock.
         self.commit()?;
-        let (current, _) = self.log()?.position();
-        let limit = (self.cfg.segment_size as f64 * max_live.clamp(0.0, 1.0)) as u64;
-        let candidates: HashSet<SegId> = self
-            .nodes
-            .live_table()
-            .into_iter()
-            .filter(|&(seg, live)| seg != current && live > 0 && live <= limit)
-            .map(|(seg, _)| seg)
-            .collect();
+        let candidates: HashSet<SegId> = self.compactable(max_live)?.into_iter().map(|(seg, _)| seg).collect();
         if candidates.is_empty() {
             return Ok(CompactReport::default());
         }
