@@ -127,6 +127,11 @@ struct MountCmd {
     /// Let other users access the mount.
     #[arg(long)]
     allow_other: bool,
+    /// Every this many seconds, compact the mounted branch and delete the
+    /// segments no branch or checkpoint reaches (0: never; `arbor compact`
+    /// and `arbor gc` do it by hand).
+    #[arg(long, default_value_t = 0)]
+    maintain_every: u64,
     /// Stay attached and log to stderr (for systemd and containers).
     #[arg(long)]
     foreground: bool,
@@ -221,6 +226,7 @@ fn run(cli: Cli) -> Result<()> {
                 read_ahead: m.read_ahead,
                 allow_other: m.allow_other,
                 pre_fetch: m.pre_fetch,
+                maintain_every: m.maintain_every,
                 cache: disk::CacheOptions {
                     dir: m.cache_dir.map(std::path::absolute).transpose()?,
                     size: m.cache_size,

@@ -19,6 +19,8 @@ pub struct MountArgs {
     pub read_ahead: u32,
     pub allow_other: bool,
     pub pre_fetch: Vec<PathBuf>,
+    /// Seconds between background compaction + gc runs (0: none).
+    pub maintain_every: u64,
     pub cache: disk::CacheOptions,
 }
 
@@ -123,6 +125,19 @@ pub fn addr_json(a: arbor_engine::format::Addr) -> Value {
     json!({"writer": a.seg.writer, "seq": a.seg.seq, "off": a.off, "len": a.len})
 }
 
+/// One background maintenance run: compaction of the mounted branch, then
+/// gc with the same grace as `arbor gc`.
+fn maintain(vol: &Volume, disk: &Disk) -> Result<()> {
+    let compacted = if vol.compactable(0.25)?.is_empty() { None } else { Some(vol.compact(0.25)?) };
+    let gc = disk.catalog()?.gc(Duration::from_secs(600))?;
+    tracing::info!(
+        moved_bytes = compacted.as_ref().map_or(0, |r| r.data_bytes + r.bytes),
+        deleted = gc.deleted.len(),
+        "background maintenance"
+    );
+    Ok(())
+}
+
 fn reply<T>(r: Result<T, impl std::fmt::Display>, ok: impl FnOnce(T) -> Value) -> (Value, bool) {
     match r {
         Ok(v) => (json!({"ok": true, "result": ok(v)}), false),
@@ -164,6 +179,25 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         });
     }
 
+    // Background maintenance of a branch mount: compaction, then gc. It
+    // stops (finishing a run in progress) before the volume is closed.
+    let (maintain_stop, maintainer) = match (args.maintain_every, &args.checkpoint) {
+        (secs, None) if secs > 0 => {
+            let (stop_tx, stop_rx) = mpsc::channel::<()>();
+            let (vol, disk) = (vol.clone(), p.disk.clone());
+            let every = Duration::from_secs(secs);
+            let t = std::thread::Builder::new().name("arbor-maintain".into()).spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(every) {
+                    if let Err(e) = maintain(&vol, &disk) {
+                        tracing::warn!(error = %format!("{e:#}"), "background maintenance failed");
+                    }
+                }
+            })?;
+            (Some(stop_tx), Some(t))
+        }
+        _ => (None, None),
+    };
+
     let (tx, rx) = mpsc::channel();
     let sig_tx = tx.clone();
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
@@ -182,6 +216,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         read_ahead: args.read_ahead,
         allow_other: args.allow_other,
         pre_fetch: Vec::new(),
+        maintain_every: args.maintain_every,
         cache: args.cache.clone(),
     };
     std::thread::spawn(move || {
@@ -208,6 +243,10 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let ended = if unmount { handle.unmount() } else { handle.join() };
     if let Err(e) = ended {
         tracing::warn!(error = %e, "session ended with an error");
+    }
+    drop(maintain_stop);
+    if let Some(t) = maintainer {
+        let _ = t.join();
     }
     let closed = vol.close();
     drop(vol);

@@ -199,6 +199,31 @@ fn compact_then_gc_gives_back_segments_kept_only_by_a_few_live_bytes() {
     assert!(arbor_ok(&["fsck", s.disk_str(), "--json"]).contains("\"problems\":[]"));
 }
 
+/// A mount told to maintain itself compacts on its own: what compact would
+/// empty drops to nothing without any command.
+#[test]
+fn a_mount_with_maintain_every_compacts_by_itself() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &["--maintain-every", "5"]);
+    let tokens: Vec<u8> = (0..3_000_000u32).map(|i| (i % 253) as u8).collect();
+    std::fs::write(s.mnt.join("tokens.bin"), &tokens).expect("write");
+    std::fs::write(s.mnt.join("big"), vec![1u8; 70 << 20]).expect("write");
+    std::fs::remove_file(s.mnt.join("big")).expect("remove");
+    let mnt = s.mnt.to_str().expect("utf8");
+    // The first segment holds the tokens and the dead start of the big file.
+    assert!(arbor_ok(&["status", mnt]).contains("compactable  "));
+    wait_until("background compaction", std::time::Duration::from_secs(60), || {
+        arbor_ok(&["status", mnt, "--json"]).contains("\"compactable\":{\"live_bytes\":0,\"segments\":0}")
+    });
+    m.unmount();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert!(std::fs::read(s.mnt.join("tokens.bin")).expect("read") == tokens);
+    m.unmount();
+}
+
 #[test]
 fn the_sweep_walkthrough_runs_as_written() {
     if !fuse_available() {
