@@ -187,7 +187,7 @@ impl Tree {
 fn scan_node(store: &dyn NodeStore, node: &Node, from: &[u8], f: Visitor) -> Result<bool> {
     match node {
         Node::Leaf(l) => {
-            for (k, v) in l.entries().skip(l.lower_bound(from)) {
+            for (k, v) in l.entries_from(l.lower_bound(from)) {
                 if !f(k, v)? {
                     return Ok(false);
                 }

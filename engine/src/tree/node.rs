@@ -75,7 +75,15 @@ impl Leaf {
     }
 
     pub fn entries(&self) -> impl DoubleEndedIterator<Item = (&[u8], &[u8])> + ExactSizeIterator + '_ {
-        (0..self.len()).map(|i| (self.key(i), self.value(i)))
+        self.entries_from(0)
+    }
+
+    /// The entries from index `start` on.
+    pub fn entries_from(
+        &self,
+        start: usize,
+    ) -> impl DoubleEndedIterator<Item = (&[u8], &[u8])> + ExactSizeIterator + '_ {
+        (start.min(self.len())..self.len()).map(|i| (self.key(i), self.value(i)))
     }
 
     /// Where `key` is (`Ok`), or where it would go (`Err`).

@@ -71,10 +71,6 @@ impl Packed {
         &self.buf[range(self.spans[i])]
     }
 
-    pub fn last(&self) -> Option<&[u8]> {
-        self.len().checked_sub(1).map(|i| self.get(i))
-    }
-
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = &[u8]> + ExactSizeIterator + '_ {
         self.spans.iter().map(|s| &self.buf[range(*s)])
     }

@@ -131,12 +131,10 @@ impl Found {
         }
         match &*node {
             Node::Leaf(l) => {
-                for (k, v) in l.entries() {
-                    if k.first() == Some(&keys::EXTENT) {
-                        let e = Extent::decode(v)?;
-                        if candidates.contains(&e.data.seg) {
-                            self.extents.push((keys::leading_u64(k), keys::trailing_u64(k), e));
-                        }
+                for e in super::inspect::leaf_extents(l) {
+                    let (k, e) = e?;
+                    if candidates.contains(&e.data.seg) {
+                        self.extents.push((keys::leading_u64(k), keys::trailing_u64(k), e));
                     }
                 }
             }

@@ -9,7 +9,7 @@ use super::types::{DirEntry, Extent, FileKind, Inode, ROOT_INO};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::format::{decode_value, Addr, RecordKind, SegId};
-use crate::tree::{self, Node, Tree};
+use crate::tree::{self, Leaf, Node, Tree};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
@@ -218,6 +218,14 @@ fn diff_with(store: &Nodes, from: Addr, to: Addr) -> Result<Vec<Change>> {
     Ok(out.into_values().collect())
 }
 
+/// The extents a leaf holds, with their keys: they sit together, every
+/// extent key starting with the same tag.
+pub(super) fn leaf_extents(l: &Leaf) -> impl Iterator<Item = Result<(&[u8], Extent)>> + '_ {
+    l.entries_from(l.lower_bound(&[keys::EXTENT]))
+        .take_while(|(k, _)| k.first() == Some(&keys::EXTENT))
+        .map(|(k, v)| Ok((k, Extent::decode(v)?)))
+}
+
 /// Adds to `segments` every segment the commit `commit` needs: its own, its
 /// tree's nodes', and its files' data. Nodes already in `seen` (reached from
 /// another root) are not walked again.
@@ -236,10 +244,8 @@ fn reachable_with(store: &Nodes, commit: Addr, seen: &mut HashSet<Addr>, segment
     tree::walk(store, root, seen, &mut |addr, node| {
         segments.insert(addr.seg);
         if let Node::Leaf(l) = node {
-            for (k, v) in l.entries() {
-                if k.first() == Some(&keys::EXTENT) {
-                    segments.insert(Extent::decode(v)?.data.seg);
-                }
+            for e in leaf_extents(l) {
+                segments.insert(e?.1.data.seg);
             }
         }
         Ok(())
@@ -255,11 +261,9 @@ pub fn recount_live_bytes(device: Arc<dyn Device>, commit: Addr) -> Result<Vec<(
     tree::walk(&store, root, &mut HashSet::new(), &mut |addr, node| {
         *live.entry(addr.seg).or_default() += addr.len as u64;
         if let Node::Leaf(l) = node {
-            for (k, v) in l.entries() {
-                if k.first() == Some(&keys::EXTENT) {
-                    let e = Extent::decode(v)?;
-                    *live.entry(e.data.seg).or_default() += e.len as u64;
-                }
+            for e in leaf_extents(l) {
+                let (_, e) = e?;
+                *live.entry(e.data.seg).or_default() += e.len as u64;
             }
         }
         Ok(())
