@@ -298,9 +298,12 @@ fn drop_link(tx: &mut Txn, ino: u64, gone: (u64, &[u8]), keep_orphan: bool, time
     if i.kind == FileKind::Directory {
         return tx.delete_inode(ino);
     }
+    // Names are kept under the inode only while it has several.
+    if i.nlink > 1 {
+        tx.del(&keys::link(ino, gone.0, gone.1))?;
+    }
     i.nlink = i.nlink.saturating_sub(1);
     i.ctime = time;
-    tx.del(&keys::link(ino, gone.0, gone.1))?;
     if i.nlink > 0 {
         let others = tx.keys_with_prefix(&keys::link_prefix(ino))?;
         if (i.parent, i.name.as_slice()) == gone {
@@ -350,28 +353,19 @@ fn apply_rename(
 ) -> Result<()> {
     let src = tx.remove_entry(parent, name)?.ok_or(Error::NotFound)?;
     let dst = tx.remove_entry(new_parent, new_name)?;
-    let mut moved = vec![(src.clone(), parent, new_parent, new_name.to_vec())];
-    let mut from_names = vec![name];
+    // (entry, from, its name there, to, its name there)
+    let mut moved = vec![(src.clone(), parent, name, new_parent, new_name)];
     if let Some(d) = &dst {
         match mode {
-            RenameMode::Exchange => {
-                moved.push((d.clone(), new_parent, parent, name.to_vec()));
-                from_names.push(new_name);
-            }
+            RenameMode::Exchange => moved.push((d.clone(), new_parent, new_name, parent, name)),
             _ => drop_link(tx, d.ino, (new_parent, new_name), false, time)?,
-        }
-    }
-    // A file with several names keeps them under its inode: move this one.
-    for ((e, from, to, to_name), from_name) in moved.iter().zip(&from_names) {
-        if tx.del(&keys::link(e.ino, *from, from_name))? {
-            tx.put(keys::link(e.ino, *to, to_name), Vec::new())?;
         }
     }
     // Directory link counts: a directory leaving a parent takes one link with it.
     let dirs_out =
-        |p: u64| moved.iter().filter(|(e, from, _, _)| e.kind == FileKind::Directory && *from == p).count() as i64;
+        |p: u64| moved.iter().filter(|(e, from, _, _, _)| e.kind == FileKind::Directory && *from == p).count() as i64;
     let dirs_in =
-        |p: u64| moved.iter().filter(|(e, _, to, _)| e.kind == FileKind::Directory && *to == p).count() as i64;
+        |p: u64| moved.iter().filter(|(e, _, _, to, _)| e.kind == FileKind::Directory && *to == p).count() as i64;
     let replaced_dir = dst.as_ref().is_some_and(|d| d.kind == FileKind::Directory) && mode != RenameMode::Exchange;
     let mut parents = vec![parent];
     if new_parent != parent {
@@ -385,18 +379,22 @@ fn apply_rename(
         }
         pi.nlink = (pi.nlink as i64 + delta) as u32;
         touch(&mut pi, time);
-        for (e, _, to, to_name) in &moved {
+        for (e, _, _, to, to_name) in &moved {
             if *to == p {
                 tx.add_entry(&mut pi, p, to_name, e.ino, e.kind)?;
             }
         }
         tx.put_inode(p, &pi)?;
     }
-    for (e, _, to, to_name) in &moved {
+    for (e, from, from_name, to, to_name) in &moved {
         let mut i = tx.inode(e.ino)?;
+        // A file with several names keeps them under its inode: move this one.
+        if e.kind != FileKind::Directory && i.nlink > 1 && tx.del(&keys::link(e.ino, *from, from_name))? {
+            tx.put(keys::link(e.ino, *to, to_name), Vec::new())?;
+        }
         i.ctime = time;
         i.parent = *to;
-        i.name = to_name.clone();
+        i.name = to_name.to_vec();
         tx.put_inode(e.ino, &i)?;
     }
     Ok(())
