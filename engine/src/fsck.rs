@@ -4,7 +4,8 @@
 use crate::device::Device;
 use crate::error::Result;
 use crate::log::{Cursor, Next};
-use crate::volume::{Config, FileKind, Volume, ROOT_INO};
+use crate::volume::{features, Config, FileKind, Volume, ROOT_INO};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 #[derive(Debug, Default, Clone)]
@@ -63,12 +64,23 @@ pub fn check_segments(device: Arc<dyn Device>, progress: &mut dyn FnMut(&str)) -
     Ok(report)
 }
 
-/// Reads every file of `vol`, which verifies every data block it holds.
+/// Reads every file of `vol`, which verifies every data block it holds; on
+/// a tree that promises exact names, checks that each file's recorded name
+/// is one of its links.
 pub fn check_files(vol: &Volume, report: &mut FsckReport) -> Result<()> {
+    let check_names = vol.features() & features::NAMES_EXACT != 0;
+    // Files by inode: whether one of their links is the recorded name.
+    let mut named: HashMap<u64, bool> = HashMap::new();
     let mut stack = vec![ROOT_INO];
     while let Some(dir) = stack.pop() {
         report.directories += 1;
         for e in vol.list_dir(dir)? {
+            if check_names && e.kind != FileKind::Directory {
+                let found = named.entry(e.ino).or_default();
+                if !*found {
+                    *found = vol.recorded_name(e.ino)? == (dir, e.name.clone());
+                }
+            }
             match e.kind {
                 FileKind::Directory => stack.push(e.ino),
                 FileKind::Regular => {
@@ -92,6 +104,15 @@ pub fn check_files(vol: &Volume, report: &mut FsckReport) -> Result<()> {
                 _ => report.files += 1,
             }
         }
+    }
+    let mut stale: Vec<u64> = named.into_iter().filter(|(_, ok)| !ok).map(|(ino, _)| ino).collect();
+    stale.sort_unstable();
+    for ino in stale {
+        let (parent, name) = vol.recorded_name(ino)?;
+        report.problems.push(format!(
+            "file inode {ino} records the name {:?} in directory inode {parent}, which is not one of its links",
+            String::from_utf8_lossy(&name)
+        ));
     }
     Ok(())
 }

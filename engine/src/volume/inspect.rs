@@ -1,14 +1,14 @@
 //! Questions about committed roots, asked without opening a volume: what
 //! changed between two roots, and which segments a root needs.
 
-use super::commit::CommitRecord;
+use super::commit::{features, read_commit};
 use super::keys;
-use super::nodes::{read_record_at, Nodes};
+use super::nodes::Nodes;
 use super::txn::{Reads, View};
 use super::types::{DirEntry, Extent, FileKind, Inode, ROOT_INO};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::format::{decode_value, Addr, RecordKind, SegId};
+use crate::format::{decode_value, Addr, SegId};
 use crate::tree::{self, Leaf, Node, Tree};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -36,21 +36,20 @@ fn nodes(device: Arc<dyn Device>) -> Nodes {
 
 /// The tree root a commit record names.
 pub fn root_of(device: &dyn Device, commit: Addr) -> Result<Addr> {
-    let rec = read_record_at(device, commit, RecordKind::Commit)?;
-    let c: CommitRecord =
-        decode_value(&rec.meta, "commit record").map_err(|_| Error::corrupted("commit record", commit))?;
-    Ok(c.root)
+    Ok(read_commit(device, commit)?.record.root)
 }
 
 /// Paths in one tree, each directory's worked out once per diff.
 struct Paths<'a> {
     view: &'a View<'a>,
     dirs: HashMap<u64, Option<String>>,
+    /// Every recorded name is a live link ([`features::NAMES_EXACT`]).
+    names_exact: bool,
 }
 
 impl<'a> Paths<'a> {
-    fn new(view: &'a View<'a>) -> Paths<'a> {
-        Paths { view, dirs: HashMap::new() }
+    fn new(view: &'a View<'a>, features: u64) -> Paths<'a> {
+        Paths { view, dirs: HashMap::new(), names_exact: features & features::NAMES_EXACT != 0 }
     }
 
     /// The path of directory `ino`, or `None` if it is gone. A directory has
@@ -84,18 +83,22 @@ impl<'a> Paths<'a> {
         Ok(base)
     }
 
-    /// The path of `ino`, whose inode is `i`, through its newest name. A
-    /// file's name is checked against its directory: removing that link
-    /// while others remain leaves it stale (then the path is `<inode N>`).
+    /// The path of `ino`, whose inode is `i`, through its recorded name. On
+    /// a tree that does not promise exact names (one written before link
+    /// names were kept) a file's name is checked against its directory, as
+    /// removing that link while others remained left it stale; then the
+    /// path is `<inode N>`. A file with no links left has no path.
     fn of(&mut self, ino: u64, i: &Inode) -> Result<String> {
         let unknown = || format!("<inode {ino}>");
         if i.kind == FileKind::Directory {
             return Ok(self.dir(ino)?.unwrap_or_else(unknown));
         }
-        match self.view.entry(i.parent, &i.name)? {
-            Some(e) if e.ino == ino => Ok(self.dir(i.parent)?.map(|d| join(&d, &i.name)).unwrap_or_else(unknown)),
-            _ => Ok(unknown()),
+        let live =
+            i.nlink > 0 && (self.names_exact || self.view.entry(i.parent, &i.name)?.is_some_and(|e| e.ino == ino));
+        if !live {
+            return Ok(unknown());
         }
+        Ok(self.dir(i.parent)?.map(|d| join(&d, &i.name)).unwrap_or_else(unknown))
     }
 }
 
@@ -136,7 +139,8 @@ impl Inspector {
 
 fn diff_with(store: &Nodes, from: Addr, to: Addr) -> Result<Vec<Change>> {
     let device = store.device.clone();
-    let (ra, rb) = (root_of(device.as_ref(), from)?, root_of(device.as_ref(), to)?);
+    let (ca, cb) = (read_commit(device.as_ref(), from)?, read_commit(device.as_ref(), to)?);
+    let (ra, rb) = (ca.record.root, cb.record.root);
     let (ta, tb) = (Tree::from_root(ra), Tree::from_root(rb));
     let (va, vb) = (View { tree: &ta, store }, View { tree: &tb, store });
     // (parent, name, entry before, entry after)
@@ -169,7 +173,7 @@ fn diff_with(store: &Nodes, from: Addr, to: Addr) -> Result<Vec<Change>> {
             _ => Ok((va.try_inode(ino)?, vb.try_inode(ino)?)),
         }
     };
-    let (mut paths_a, mut paths_b) = (Paths::new(&va), Paths::new(&vb));
+    let (mut paths_a, mut paths_b) = (Paths::new(&va, ca.features), Paths::new(&vb, cb.features));
     let mut out: BTreeMap<String, Change> = BTreeMap::new();
     let mut reported = HashSet::new();
     for (parent, name, old, new) in &entries {
@@ -273,10 +277,7 @@ pub fn recount_live_bytes(device: Arc<dyn Device>, commit: Addr) -> Result<Vec<(
 
 /// The live-bytes table a commit record carries.
 pub fn live_table_of(device: &dyn Device, commit: Addr) -> Result<Vec<(SegId, u64)>> {
-    let rec = read_record_at(device, commit, RecordKind::Commit)?;
-    let c: CommitRecord =
-        decode_value(&rec.meta, "commit record").map_err(|_| Error::corrupted("commit record", commit))?;
-    Ok(c.live)
+    Ok(read_commit(device, commit)?.record.live)
 }
 
 #[cfg(test)]
@@ -284,6 +285,7 @@ mod tests {
     use super::*;
     use crate::device::SimDevice;
     use crate::env::TestEnv;
+    use crate::volume::txn::Txn;
     use crate::volume::{Config, RenameMode, Volume};
     use std::collections::BTreeSet;
 
@@ -381,6 +383,67 @@ mod tests {
         let big_change = changes.iter().find(|c| c.path == "renamed/b/big.bin").expect("big");
         assert_eq!((big_change.size_before, big_change.size_after), (Some(100_000), Some(100_000)));
         let _ = gone;
+    }
+
+    #[test]
+    fn a_tree_made_from_empty_promises_exact_names_and_a_commit_passes_on_only_what_its_tree_had() {
+        let (dev, vol) = volume();
+        let bits = |at: Addr| read_commit(&dev, at).expect("commit").features;
+        assert_eq!(bits(vol.last_commit().expect("commit")), features::NAMES_EXACT);
+        vol.create(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        vol.commit().expect("commit");
+        assert_eq!(bits(vol.last_commit().expect("commit")), features::NAMES_EXACT);
+        // A tree whose commit lacks the bit (one written by an older build)
+        // never regains it, through commits and reopening.
+        vol.state.write().features = 0;
+        vol.create(ROOT_INO, b"g", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        vol.commit().expect("commit");
+        assert_eq!(bits(vol.last_commit().expect("commit")), 0);
+        drop(vol);
+        let cfg = Config { commit_interval: None, env: TestEnv::new(3), ..Config::default() };
+        let vol = Volume::open(Arc::new(dev.clone()), cfg).expect("reopen");
+        vol.create(ROOT_INO, b"h", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        vol.commit().expect("commit");
+        assert_eq!(bits(vol.last_commit().expect("commit")), 0);
+    }
+
+    /// A tree written before link names were kept may record a removed
+    /// link as a file's name: there the diff checks names and prints
+    /// `<inode N>` for a stale one rather than a path that is gone.
+    #[test]
+    fn diff_checks_names_on_a_tree_that_does_not_promise_them() {
+        let (dev, vol) = volume();
+        let (a, b) = (
+            vol.mkdir(ROOT_INO, b"a", 0o755, 0, 0).expect("mkdir").ino,
+            vol.mkdir(ROOT_INO, b"b", 0o755, 0, 0).expect("mkdir").ino,
+        );
+        let f = vol.create(a, b"first", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+        vol.link(f, b, b"second").expect("link");
+        vol.unlink(b, b"second").expect("unlink");
+        let fsck = |vol: &Volume| {
+            let mut report = crate::fsck::FsckReport::default();
+            crate::fsck::check_files(vol, &mut report).expect("fsck");
+            report.problems
+        };
+        assert_eq!(fsck(&vol), Vec::<String>::new());
+        {
+            // What an older build left: the removed link as the name.
+            let mut st = vol.state.write();
+            let mut i = vol.view(&st).inode(f).expect("inode");
+            (i.parent, i.name) = (b, b"second".to_vec());
+            Txn { tree: &mut st.tree, store: &vol.nodes }.put_inode(f, &i).expect("put");
+        }
+        // Where exact names are promised, fsck reports a stale one...
+        assert_eq!(fsck(&vol).len(), 1, "{:?}", fsck(&vol));
+        vol.state.write().features = 0;
+        // ...and where they are not, a stale name is no problem.
+        assert_eq!(fsck(&vol), Vec::<String>::new());
+        vol.commit().expect("commit");
+        let before = vol.last_commit().expect("commit");
+        vol.write(f, 0, b"changed").expect("write");
+        vol.commit().expect("commit");
+        let (_, summary) = changes(dev, before, vol.last_commit().expect("commit"));
+        assert_eq!(summary, vec![(format!("<inode {f}>"), ChangeKind::Modified)]);
     }
 
     /// Every file's recorded name is one of its links, and a file with

@@ -17,7 +17,7 @@ mod read;
 mod txn;
 mod types;
 
-pub use commit::{CommitRecord, Superblock};
+pub use commit::{features, read_commit, Commit, CommitRecord, Superblock};
 pub use compact::CompactReport;
 pub use inspect::{
     diff_commits, live_table_of, reachable_segments, recount_live_bytes, root_of, Change, ChangeKind, Inspector,
@@ -99,6 +99,8 @@ struct State {
     next_ino: u64,
     ops_since_commit: u64,
     last_commit: Option<Addr>,
+    /// The tree's feature bits ([`commit::features`]), kept in each commit.
+    features: u64,
 }
 
 pub struct Volume {
@@ -201,6 +203,18 @@ impl Volume {
     pub fn live_bytes(&self) -> Vec<(crate::format::SegId, u64)> {
         let _st = self.state.read();
         self.nodes.live_table()
+    }
+
+    /// The tree's feature bits ([`features`]).
+    pub fn features(&self) -> u64 {
+        self.state.read().features
+    }
+
+    /// The directory and name `ino`'s inode records as its name.
+    pub fn recorded_name(&self, ino: u64) -> Result<(u64, Vec<u8>)> {
+        let st = self.state.read();
+        let i = self.view(&st).inode(ino)?;
+        Ok((i.parent, i.name))
     }
 
     /// The address of the newest durable commit.
@@ -716,8 +730,12 @@ impl Volume {
                 live: self.nodes.live_table(),
             };
             let meta = crate::format::encode_value(&rec);
-            let app =
-                log.append(crate::format::RecordKind::Commit, &meta, &[], crate::device::failpoints::COMMIT_RECORD)?;
+            let app = log.append(
+                crate::format::RecordKind::Commit,
+                &meta,
+                &commit::encode_features(st.features),
+                crate::device::failpoints::COMMIT_RECORD,
+            )?;
             log.sync(app.seq)?;
             if publish_head {
                 self.nodes.device.failpoint(crate::device::failpoints::SUPERBLOCK)?;

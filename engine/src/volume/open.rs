@@ -1,8 +1,8 @@
 //! Opening a volume: load the newest commit, replay the intents after it,
 //! cut a torn tail, start a new writer epoch, and commit.
 
-use super::commit::{CommitRecord, Superblock};
-use super::nodes::{read_record_at, Nodes};
+use super::commit::{features, read_commit, Superblock};
+use super::nodes::Nodes;
 use super::ops::{self, Op};
 use super::txn::{Reads, Txn};
 use super::{keys, Config, State, Volume, ROOT_INO};
@@ -31,7 +31,14 @@ impl Volume {
 
     pub fn open_with_report(device: Arc<dyn Device>, cfg: Config) -> Result<(Arc<Volume>, Recovery)> {
         let nodes = Nodes::new(device.clone(), cfg.node_cache_bytes);
-        let mut st = State { tree: Tree::new(), next_ino: ROOT_INO + 1, ops_since_commit: 0, last_commit: None };
+        // A tree made from empty keeps every promise this build knows.
+        let mut st = State {
+            tree: Tree::new(),
+            next_ino: ROOT_INO + 1,
+            ops_since_commit: 0,
+            last_commit: None,
+            features: features::KNOWN,
+        };
         let mut report = Recovery::default();
         let superblock = device.read_superblock()?.map(|b| Superblock::decode(&b)).transpose()?;
         let mut last_seq = 0;
@@ -78,18 +85,17 @@ impl Volume {
 /// Returns the last sequence number seen.
 fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, report: &mut Recovery) -> Result<u64> {
     let device = nodes.device.clone();
-    let rec = read_record_at(device.as_ref(), sb.commit, RecordKind::Commit)?;
-    let commit: CommitRecord =
-        decode_value(&rec.meta, "commit record").map_err(|_| Error::corrupted("commit record", sb.commit))?;
-    st.tree = Tree::from_root(commit.root);
-    st.next_ino = commit.next_ino;
-    nodes.set_live_table(&commit.live);
+    let commit = read_commit(device.as_ref(), sb.commit)?;
+    st.tree = Tree::from_root(commit.record.root);
+    st.next_ino = commit.record.next_ino;
+    st.features = commit.features;
+    nodes.set_live_table(&commit.record.live);
     st.last_commit = Some(sb.commit);
-    let mut last_seq = rec.seq;
+    let mut last_seq = commit.seq;
     if !sb.replay {
         return Ok(last_seq);
     }
-    let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?.expecting(rec.seq + 1);
+    let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?.expecting(commit.seq + 1);
     loop {
         match cursor.next_record()? {
             Next::Record(r) => {
