@@ -46,6 +46,14 @@ pub struct Addr {
 impl Addr {
     pub const ENCODED_LEN: usize = 20;
 
+    /// Decodes the 20 bytes [`crate::format::Writer::addr`] wrote.
+    pub fn from_encoded(b: &[u8; Self::ENCODED_LEN]) -> Addr {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut writer = [0; 8];
+        writer.copy_from_slice(&b[..8]);
+        Addr { seg: SegId { writer: u64::from_le_bytes(writer), seq: u32_at(8) }, off: u32_at(12), len: u32_at(16) }
+    }
+
     pub fn end(&self) -> u64 {
         self.off as u64 + self.len as u64
     }

@@ -39,6 +39,28 @@ pub enum Child {
     Disk(Addr),
 }
 
+/// Whether `a` sorts strictly before `b`, as `a < b` does. Keys start with
+/// a tag and big-endian numbers, so neighbours share long prefixes: eight
+/// bytes at a time is several times faster than a call to memcmp per key.
+#[inline]
+pub fn sorts_before(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len().min(b.len());
+    let (mut ca, mut cb) = (a[..n].chunks_exact(8), b[..n].chunks_exact(8));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        let word = |c: &[u8]| c.try_into().map_or(0, u64::from_be_bytes);
+        let (x, y) = (word(x), word(y));
+        if x != y {
+            return x < y;
+        }
+    }
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        if x != y {
+            return x < y;
+        }
+    }
+    a.len() < b.len()
+}
+
 pub fn entry_size(k: &[u8], v: &[u8]) -> usize {
     k.len() + v.len() + 6
 }
@@ -205,6 +227,7 @@ impl Node {
             return Err(bad());
         }
         // Takes a string of `len` bytes, checking it sorts after `prev`.
+        #[inline(always)]
         fn string<'a>(
             r: &mut Reader<'a>,
             len: usize,
@@ -214,7 +237,7 @@ impl Node {
             let at = r.position();
             let s = r.take(len)?;
             if let Some(p) = prev.replace(s) {
-                if p >= s {
+                if !sorts_before(p, s) {
                     return Err(Error::Corrupted { what: "tree node", addr: "key order".into() });
                 }
             }
@@ -231,7 +254,9 @@ impl Node {
                 let klen = r.u16()? as usize;
                 string(&mut r, klen, &mut prev, &mut spans)?;
                 let vlen = r.u32()? as usize;
-                string(&mut r, vlen, &mut None, &mut spans)?;
+                let at = r.position();
+                r.take(vlen)?;
+                spans.push((at as u32, vlen as u32));
             }
             r.finish()?;
             let strings = Packed::from_parts(bytes, spans).ok_or_else(bad)?;
@@ -240,10 +265,12 @@ impl Node {
             if count == 0 || count > r.remaining() / Addr::ENCODED_LEN {
                 return Err(bad());
             }
-            let mut children = Vec::with_capacity(count);
-            for _ in 0..count {
-                children.push(Child::Disk(r.addr()?));
-            }
+            let children = r
+                .take(count * Addr::ENCODED_LEN)?
+                .chunks_exact(Addr::ENCODED_LEN)
+                .filter_map(|c| c.try_into().ok())
+                .map(|c| Child::Disk(Addr::from_encoded(c)))
+                .collect();
             let mut spans = Vec::with_capacity(count - 1);
             let mut prev = None;
             for _ in 1..count {
@@ -254,5 +281,51 @@ impl Node {
             let keys = Packed::from_parts(bytes, spans).ok_or_else(bad)?;
             Ok(Node::Branch(Branch { level, keys, children }))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Byte strings from a small alphabet, so that pairs share prefixes
+    /// of every length, across and within 8-byte words.
+    fn key() -> impl Strategy<Value = Vec<u8>> {
+        prop::collection::vec(prop_oneof![Just(0u8), Just(1), Just(0x80), Just(0xff)], 0..20)
+    }
+
+    proptest! {
+        #[test]
+        fn sorts_before_is_byte_order(a in key(), b in key(), shared in key()) {
+            prop_assert_eq!(sorts_before(&a, &b), a < b);
+            prop_assert!(!sorts_before(&a, &a));
+            let (x, y) = ([shared.as_slice(), &a].concat(), [shared.as_slice(), &b].concat());
+            prop_assert_eq!(sorts_before(&x, &y), x < y);
+        }
+    }
+
+    #[test]
+    fn decode_refuses_keys_out_of_order_in_leaves_and_branches() {
+        let keys: [&[u8]; 3] = [b"I\0\0\0\0\0\0\0\x01a", b"I\0\0\0\0\0\0\0\x01b", b"I\0\0\0\0\0\0\0\x01b\0"];
+        let leaf =
+            |ks: &[&[u8]]| Node::Leaf(Leaf::from_entries(ks.iter().map(|k| (*k, b"v")))).encode().expect("encode");
+        let branch = |ks: &[&[u8]]| {
+            let mut keys = Packed::default();
+            ks.iter().for_each(|k| keys.push(k));
+            let addr = Addr { seg: crate::format::SegId { writer: 1, seq: 2 }, off: 3, len: 4 };
+            let children = (0..=ks.len()).map(|_| Child::Disk(addr)).collect();
+            Node::Branch(Branch { level: 1, keys, children }).encode().expect("encode")
+        };
+        for encode in [&leaf as &dyn Fn(&[&[u8]]) -> Vec<u8>, &branch] {
+            assert!(Node::decode(&encode(&keys)).is_ok());
+            // Differing past the first eight bytes, and a key that is a prefix of the next.
+            for bad in [[keys[1], keys[0], keys[2]], [keys[0], keys[2], keys[1]], [keys[0], keys[1], keys[1]]] {
+                assert!(Node::decode(&encode(&bad)).is_err(), "{bad:?}");
+            }
+        }
+        let node = Node::decode(&branch(&keys)).expect("decode");
+        let Node::Branch(b) = node else { panic!("a branch") };
+        assert!(matches!(b.children[2], Child::Disk(a) if a.off == 3 && a.len == 4 && a.seg.seq == 2));
     }
 }
