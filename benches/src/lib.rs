@@ -32,10 +32,16 @@ pub fn time<T>(f: impl FnOnce() -> T) -> (T, Duration) {
     (out, t.elapsed())
 }
 
-/// Drops the page cache (root only); returns whether it could.
-pub fn drop_page_cache() -> bool {
+/// Waits until the kernel has written back every dirty page, so that
+/// writeback of what a bench just wrote does not run under its timings.
+pub fn settle() {
     // SAFETY: plain syscall.
     unsafe { libc::sync() };
+}
+
+/// Drops the page cache (root only); returns whether it could.
+pub fn drop_page_cache() -> bool {
+    settle();
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 

@@ -3,7 +3,14 @@
 //!
 //! `cargo run --release -p arbor-benches --bin snapshot_bench -- [DIR]`
 //! Env: ARBOR_BENCH_SIZES (default "1000,100000,1000000"), ARBOR_BENCH_REPS (30),
-//! ARBOR_BENCH_COLD_REPS (fresh-catalog diffs, 10), ARBOR_BENCH_DIFF_REPS (warm diffs, REPS).
+//! ARBOR_BENCH_COLD_REPS (cold diffs, 300), ARBOR_BENCH_DIFF_REPS (warm diffs, REPS).
+//!
+//! A cold diff is what one `arbor diff` command does: a new process with a
+//! fresh catalog and no node cached. The bench runs them in a child process
+//! of its own, each with a fresh catalog, so that the heap and caches of
+//! the process that built the disk do not weigh on them; the time is the
+//! diff alone, without process start. Each phase starts after `sync(2)`, so
+//! the kernel's writeback of the disk just built does not run under it.
 
 use arbor_benches::*;
 use arbor_engine::bucket::{LocalFolderStore, ObjectStore};
@@ -11,10 +18,38 @@ use arbor_engine::device::{Device, FileDevice};
 use arbor_engine::io::IoMode;
 use arbor_engine::volume::{Config, ROOT_INO};
 use arbor_snapshot::Catalog;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+fn open_catalog(dir: &Path, locks: Option<PathBuf>) -> Catalog {
+    let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(dir).expect("store"));
+    let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
+    Catalog::new(store, segs, locks)
+}
+
+/// `--cold-diffs DIR CHECKPOINT BRANCH REPS CHANGES`: the child process.
+/// Prints the time of each diff from the checkpoint to the branch's head,
+/// each through a fresh catalog, in ms, one per line.
+fn cold_diffs(args: &[String]) {
+    let [dir, checkpoint, branch, reps, changes] = args else { panic!("usage: --cold-diffs DIR CP BRANCH REPS N") };
+    let dir = Path::new(dir);
+    let cat = open_catalog(dir, None);
+    let (from, to) =
+        (cat.checkpoint(checkpoint).expect("checkpoint").commit, cat.branch_head(branch).expect("head").commit);
+    drop(cat);
+    for _ in 0..reps.parse::<usize>().expect("reps") {
+        let fresh = open_catalog(dir, None);
+        let (found, t) = time(|| fresh.diff_between(from, to).expect("diff"));
+        assert_eq!(found.len().to_string(), *changes, "diff must find the changed files");
+        println!("{}", t.as_secs_f64() * 1e3);
+    }
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("--cold-diffs") {
+        return cold_diffs(&args[2..]);
+    }
     let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-snapshot"));
     let sizes: Vec<usize> = std::env::var("ARBOR_BENCH_SIZES")
         .unwrap_or_else(|_| "1000,100000,1000000".into())
@@ -22,15 +57,13 @@ fn main() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let reps = env_usize("ARBOR_BENCH_REPS", 30);
-    let cold_reps = env_usize("ARBOR_BENCH_COLD_REPS", reps.min(10));
+    let cold_reps = env_usize("ARBOR_BENCH_COLD_REPS", 300);
     let diff_reps = env_usize("ARBOR_BENCH_DIFF_REPS", reps);
     let mut rows: Vec<(usize, f64, f64, f64, f64)> = Vec::new();
     for &n in &sizes {
         let dir = base.join(format!("disk-{n}"));
         let _ = std::fs::remove_dir_all(&dir);
-        let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(&dir).expect("store"));
-        let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
-        let cat = Catalog::new(store, segs, Some(dir.join("locks")));
+        let cat = open_catalog(&dir, Some(dir.join("locks")));
         let cfg = Config { commit_interval: None, ..Config::default() };
         let (vol, _lock) = cat.open_branch("main", cfg.clone()).expect("main");
         eprintln!("building a disk of {n} files");
@@ -52,6 +85,7 @@ fn main() {
             }
         }
         vol.commit().expect("commit");
+        settle();
         // Checkpoint create, each after a small change, as in a training loop.
         let mut cp_times = Vec::new();
         let mut last = None;
@@ -74,15 +108,19 @@ fn main() {
         }
         run.commit().expect("commit");
         let head = run.last_commit().expect("commit");
-        // Cold: a fresh catalog, as one `arbor diff` command has.
-        let mut cold = Vec::new();
-        for _ in 0..cold_reps {
-            let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(&dir).expect("store"));
-            let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
-            let fresh = Catalog::new(store, segs, None);
-            let (_, t) = time(|| fresh.diff_between(cp.commit, head).expect("diff"));
-            cold.push(t.as_secs_f64() * 1e3);
-        }
+        settle();
+        let child = std::process::Command::new(std::env::current_exe().expect("this program"))
+            .arg("--cold-diffs")
+            .arg(&dir)
+            .arg(&cp.name)
+            .arg("run-0")
+            .arg(cold_reps.to_string())
+            .arg(files.len().min(10).to_string())
+            .output()
+            .expect("cold diffs");
+        assert!(child.status.success(), "cold diffs: {}", String::from_utf8_lossy(&child.stderr));
+        let cold: Vec<f64> =
+            String::from_utf8_lossy(&child.stdout).lines().map(|l| l.parse().expect("a time")).collect();
         let mut diff_times = Vec::new();
         for _ in 0..diff_reps {
             let (changes, t) = time(|| cat.diff_between(cp.commit, head).expect("diff"));
