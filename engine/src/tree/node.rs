@@ -265,12 +265,10 @@ impl Node {
             if count == 0 || count > r.remaining() / Addr::ENCODED_LEN {
                 return Err(bad());
             }
-            let children = r
-                .take(count * Addr::ENCODED_LEN)?
-                .chunks_exact(Addr::ENCODED_LEN)
-                .filter_map(|c| c.try_into().ok())
-                .map(|c| Child::Disk(Addr::from_encoded(c)))
-                .collect();
+            let mut children = Vec::with_capacity(count);
+            for c in r.take(count * Addr::ENCODED_LEN)?.chunks_exact(Addr::ENCODED_LEN) {
+                children.push(Child::Disk(Addr::from_encoded(c.try_into().map_err(|_| bad())?)));
+            }
             let mut spans = Vec::with_capacity(count - 1);
             let mut prev = None;
             for _ in 1..count {
