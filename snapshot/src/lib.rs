@@ -11,6 +11,6 @@ mod catalog;
 mod error;
 mod gc;
 
-pub use catalog::{check_name, BranchInfo, Catalog, CheckpointInfo, Root};
+pub use catalog::{check_name, BranchInfo, BranchLock, Catalog, CheckpointInfo, Root};
 pub use error::{Error, Result};
 pub use gc::{GcPlan, GcReport};
