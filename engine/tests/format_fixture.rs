@@ -6,7 +6,7 @@
 
 use arbor_engine::device::FileDevice;
 use arbor_engine::io::IoMode;
-use arbor_engine::volume::{Config, FileKind, RenameMode, Volume, XattrFlags, ROOT_INO};
+use arbor_engine::volume::{read_commit, Config, FileKind, RenameMode, Volume, XattrFlags, ROOT_INO};
 use std::path::PathBuf;
 
 fn fixture() -> PathBuf {
@@ -60,6 +60,17 @@ fn a_format_1_volume_still_opens_and_reads_the_same() {
     for read_only in [true, false] {
         let dev = FileDevice::open(copy.path(), IoMode::Syscall).expect("device");
         let vol = Volume::open(dev, Config { read_only, commit_interval: None, ..Config::default() }).expect("open");
+        // Written before commit records carried feature bits: it promises
+        // nothing, and its commits (the writable open makes one) keep none.
+        assert_eq!(vol.features(), 0);
+        if let Some(at) = vol.last_commit() {
+            assert_eq!(
+                read_commit(&*FileDevice::open(copy.path(), IoMode::Syscall).expect("device"), at)
+                    .expect("commit")
+                    .features,
+                0
+            );
+        }
         let data = vol.lookup(ROOT_INO, b"data").expect("data");
         assert_eq!((data.kind, data.perm, data.uid), (FileKind::Directory, 0o750, 1000));
         let small = vol.lookup(data.ino, b"small.txt").expect("small").ino;

@@ -2,7 +2,7 @@
 //! Nothing here trusts a length before checking it against what is there.
 
 use crate::error::{Error, Result};
-use crate::format::{Addr, SegId};
+use crate::format::Addr;
 
 /// Decode limit for any bincode value read from disk: a garbage length
 /// prefix can never make us allocate more than this.
@@ -110,9 +110,7 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
     pub fn addr(&mut self) -> Result<Addr> {
-        let writer = self.u64()?;
-        let seq = self.u32()?;
-        Ok(Addr { seg: SegId { writer, seq }, off: self.u32()?, len: self.u32()? })
+        Ok(Addr::from_encoded(&self.array()?))
     }
 
     pub fn finish(&self) -> Result<()> {
