@@ -417,3 +417,41 @@ fn live_bytes_per_segment_match_a_full_recount_through_changes_and_recovery() {
     let vol = reopen(&dev);
     assert_live_table_matches_a_recount(&dev, &vol);
 }
+
+/// A write too large for one record goes to the log in pieces; after a
+/// crash anywhere among them, and with commits due after every intent, the
+/// file holds all of the write or none of it.
+#[test]
+fn a_write_logged_in_pieces_survives_a_crash_whole_or_not_at_all() {
+    // 256 KiB segments hold pieces of 124 KiB: 600 KB is five pieces.
+    let cfg = Config { segment_size: 256 << 10, commit_every_ops: 1, ..cfg() };
+    let (old, new) = (pattern(8 << 10, 1), pattern(600_000, 2));
+    let (mut crashed, mut outcomes) = (0, std::collections::BTreeSet::new());
+    for nth in 0..40 {
+        for mode in [CrashMode::DropUnsynced, CrashMode::Scramble { seed: nth }] {
+            let dev = SimDevice::new();
+            let vol = Volume::open(Arc::new(dev.clone()), cfg.clone()).expect("open");
+            let f = file(&vol, ROOT_INO, "shard");
+            vol.write(f, 0, &old).expect("write");
+            vol.sync_all().expect("sync");
+            dev.crash_at_failpoint(None, nth);
+            let done = vol.write(f, 0, &new).and_then(|_| vol.sync_all());
+            dev.crash(mode);
+            drop(vol);
+            crashed += usize::from(done.is_err());
+            let vol = Volume::open(Arc::new(dev.clone()), cfg.clone()).expect("recovery");
+            let f = vol.lookup(ROOT_INO, b"shard").expect("the file was synced").ino;
+            let got = vol.read(f, 0, 1 << 20).expect("read");
+            if done.is_ok() {
+                assert!(got == new, "crash at failpoint {nth} after the sync: the write must be whole");
+            }
+            assert!(
+                got == old || got == new,
+                "crash at failpoint {nth}: {} bytes, neither before nor after",
+                got.len()
+            );
+            outcomes.insert(got == new);
+        }
+    }
+    assert!(crashed > 0 && outcomes.len() == 2, "crashes landed inside the write and on both sides of it");
+}

@@ -234,7 +234,10 @@ impl Volume {
             return Err(self.poison(e));
         }
         st.ops_since_commit += 1;
-        if st.ops_since_commit >= self.cfg.commit_every_ops {
+        // Never between the pieces of a write: a commit there would make
+        // the first pieces durable without the last.
+        let inside_a_write = matches!(op, ops::Op::WritePart { .. });
+        if st.ops_since_commit >= self.cfg.commit_every_ops && !inside_a_write {
             self.commit_locked(st)?;
         }
         Ok(())
@@ -610,10 +613,19 @@ impl Volume {
         if end > INLINE_MAX {
             self.spill(&mut st, ino)?;
         }
-        let chunk = self.max_write_chunk();
+        // One record per piece; all but the last are parts, which recovery
+        // applies only once the last is in the log too.
+        let time = self.now();
+        let pieces = data.chunks(self.max_write_chunk());
+        let last = pieces.len() - 1;
         let mut at = off;
-        for piece in data.chunks(chunk) {
-            self.run(&mut st, ops::Op::Write { ino, off: at, time: self.now() }, piece)?;
+        for (n, piece) in pieces.enumerate() {
+            let op = if n == last {
+                ops::Op::Write { ino, off: at, time }
+            } else {
+                ops::Op::WritePart { ino, off: at, time }
+            };
+            self.run(&mut st, op, piece)?;
             at += piece.len() as u64;
         }
         Ok(data.len())

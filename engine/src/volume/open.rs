@@ -9,7 +9,7 @@ use super::{keys, Config, State, Volume, ROOT_INO};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::format::{decode_value, RecordKind};
-use crate::log::{Cursor, Log, Next};
+use crate::log::{Cursor, Log, Next, Record};
 use crate::tree::Tree;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -96,6 +96,8 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
         return Ok(last_seq);
     }
     let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?.expecting(commit.seq + 1);
+    // The pieces of a large write seen so far: applied with its last piece.
+    let mut parts: Vec<(Op, Record)> = Vec::new();
     loop {
         match cursor.next_record()? {
             Next::Record(r) => {
@@ -104,11 +106,28 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
                     continue;
                 }
                 let op: Op = decode_value(&r.meta, "intent").map_err(|_| Error::corrupted("intent", r.addr))?;
-                let data = ops::Data { addr: r.data_addr, crcs: &r.crcs, bytes: &r.data };
-                let mut tx = Txn { tree: &mut st.tree, store: nodes };
-                ops::apply(&mut tx, &op, &data, &mut st.next_ino)?;
-                st.ops_since_commit += 1;
-                report.replayed += 1;
+                if let Op::WritePart { .. } = op {
+                    parts.push((op, r));
+                    continue;
+                }
+                // A write's pieces are logged back to back under the
+                // volume's lock: anything but their last piece after them
+                // means the write never finished.
+                let finished = matches!((parts.first(), &op), (Some((Op::WritePart { ino: a, .. }, _)), Op::Write { ino: b, .. }) if a == b);
+                if !parts.is_empty() && !finished {
+                    tracing::warn!(
+                        pieces = parts.len(),
+                        "dropping the pieces of a write whose last piece was never logged"
+                    );
+                    parts.clear();
+                }
+                for (op, r) in parts.drain(..).chain([(op, r)]) {
+                    let data = ops::Data { addr: r.data_addr, crcs: &r.crcs, bytes: &r.data };
+                    let mut tx = Txn { tree: &mut st.tree, store: nodes };
+                    ops::apply(&mut tx, &op, &data, &mut st.next_ino)?;
+                    st.ops_since_commit += 1;
+                    report.replayed += 1;
+                }
             }
             Next::End => break,
             Next::Torn(seg, off, why) => {
@@ -122,6 +141,9 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
                 break;
             }
         }
+    }
+    if !parts.is_empty() {
+        tracing::warn!(pieces = parts.len(), "the log ends inside a write: dropping its pieces");
     }
     Ok(last_seq)
 }

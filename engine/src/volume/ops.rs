@@ -99,6 +99,15 @@ pub enum Op {
         rec_off: u32,
         len: u32,
     },
+    /// A piece of a write too large for one record, other than its last:
+    /// applied as `Write` is, but recovery applies the pieces only together
+    /// with the `Write` that ends them, so a crash between two pieces
+    /// leaves no part of the write.
+    WritePart {
+        ino: u64,
+        off: u64,
+        time: Timestamp,
+    },
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -190,7 +199,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             i.ctime = *time;
             tx.put_inode(*ino, &i)
         }
-        Op::Write { ino, off, time } => {
+        Op::Write { ino, off, time } | Op::WritePart { ino, off, time } => {
             let mut i = tx.inode(*ino)?;
             let end = off + data.bytes.len() as u64;
             match &mut i.inline {
