@@ -128,10 +128,10 @@ pub fn addr_json(a: arbor_engine::format::Addr) -> Value {
 /// One background maintenance run: compaction of the mounted branch, then
 /// gc with the same grace as `arbor gc`.
 fn maintain(vol: &Volume, disk: &Disk) -> Result<()> {
-    let compacted = if vol.compactable(0.25)?.is_empty() { None } else { Some(vol.compact(0.25)?) };
+    let compacted = vol.compact(0.25)?;
     let gc = disk.catalog()?.gc(Duration::from_secs(600))?;
     tracing::info!(
-        moved_bytes = compacted.as_ref().map_or(0, |r| r.data_bytes + r.bytes),
+        moved_bytes = compacted.data_bytes + compacted.bytes,
         deleted = gc.deleted.len(),
         "background maintenance"
     );

@@ -52,11 +52,17 @@ impl Volume {
 
     /// Moves the live tree nodes and file bytes out of every sealed segment
     /// in which this branch's live bytes are at most `max_live` of a
-    /// segment's size, and commits.
+    /// segment's size, and commits. With no such segment it does nothing,
+    /// not even a commit.
     pub fn compact(&self, max_live: f64) -> Result<CompactReport> {
         if self.cfg.read_only {
             return Err(crate::error::Error::ReadOnly);
         }
+        // Nothing to move: no commit (a periodic caller would sync for nothing).
+        if self.compactable(max_live)?.is_empty() {
+            return Ok(CompactReport::default());
+        }
+        // The walk below reads the last commit's tree: make it the current one.
         self.commit()?;
         let candidates: HashSet<SegId> = self.compactable(max_live)?.into_iter().map(|(seg, _)| seg).collect();
         if candidates.is_empty() {
