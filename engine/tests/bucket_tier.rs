@@ -486,3 +486,100 @@ fn read_ahead_streams_across_segments_in_runs_of_chunks() {
     let gets = counting.gets.load(std::sync::atomic::Ordering::Relaxed);
     assert!(gets < (len / 200 / 3) as u64, "{gets} GETs for {} chunks", len / 200);
 }
+
+/// A store whose first `size` and first `list` answer from a copy of the
+/// bucket taken earlier, as a reader that looked just before the writer
+/// sealed its segment and retired the WAL pieces would see it.
+struct LookedEarlier {
+    now: Arc<dyn ObjectStore>,
+    before: MemObjectStore,
+    stale_size: std::sync::atomic::AtomicBool,
+    stale_list: std::sync::atomic::AtomicBool,
+}
+
+impl LookedEarlier {
+    fn new(now: Arc<dyn ObjectStore>) -> LookedEarlier {
+        let before = MemObjectStore::new();
+        for key in now.list("").expect("list") {
+            before.put(&key, &now.get(&key).expect("get").0).expect("copy");
+        }
+        let flag = || std::sync::atomic::AtomicBool::new(true);
+        LookedEarlier { now, before, stale_size: flag(), stale_list: flag() }
+    }
+}
+
+impl ObjectStore for LookedEarlier {
+    fn put(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
+        self.now.put(key, body)
+    }
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
+        self.now.put_if_absent(key, body)
+    }
+    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> arbor_engine::Result<String> {
+        self.now.put_if_match(key, body, etag)
+    }
+    fn get(&self, key: &str) -> arbor_engine::Result<(Vec<u8>, String)> {
+        self.now.get(key)
+    }
+    fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> arbor_engine::Result<Vec<u8>> {
+        self.now.get_range(key, range)
+    }
+    fn list(&self, prefix: &str) -> arbor_engine::Result<Vec<String>> {
+        match self.stale_list.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            true => self.before.list(prefix),
+            false => self.now.list(prefix),
+        }
+    }
+    fn size(&self, key: &str) -> arbor_engine::Result<u64> {
+        match self.stale_size.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            true => self.before.size(key),
+            false => self.now.size(key),
+        }
+    }
+    fn delete(&self, key: &str) -> arbor_engine::Result<()> {
+        self.now.delete(key)
+    }
+}
+
+/// Every byte of segment `id` as `dev` reads it.
+fn segment_bytes(dev: &BucketDevice, id: arbor_engine::format::SegId) -> Vec<u8> {
+    let file = dev.open_segment(id).expect("open").expect("the segment is in the bucket");
+    let mut buf = vec![0; file.size().expect("size") as usize];
+    file.read_at(&mut buf, 0).expect("read");
+    buf
+}
+
+#[test]
+fn a_reader_follows_a_live_writers_segment_while_its_wal_pieces_are_retired() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let (vol, _dev) = open(&store, &cache.path().join("w"), tier(Durability::Bucket));
+    write_files(&vol, &some_files(1, 5));
+    let wal = store.list("wal/").expect("list");
+    let open_seg = wal.iter().find_map(|k| arbor_engine::tier::segment_of_key(k)).expect("a WAL piece");
+    // A reader (gc, diff, another node) opens the open segment from its pieces…
+    let reader = BucketDevice::open(store.clone(), &cache.path().join("r"), tier(Durability::Local)).expect("reader");
+    let early = reader.open_segment(open_seg).expect("open").expect("from the WAL");
+    let early_len = early.size().expect("size");
+    // …the writer goes on, and the reader asks for bytes written since.
+    write_files(&vol, &some_files(1, 6));
+    let later = LookedEarlier::new(store.clone());
+    vol.close().expect("close seals and uploads, then drops the WAL pieces");
+    assert!(store.list("wal/").expect("list").is_empty(), "WAL pieces left after upload");
+    let sealed = segment_bytes(
+        &BucketDevice::open(store.clone(), &cache.path().join("s"), tier(Durability::Local)).expect("dev"),
+        open_seg,
+    );
+    assert!(sealed.len() as u64 > early_len, "the writer wrote nothing more to its segment");
+    let mut tail = vec![0; (sealed.len() as u64 - early_len + 8) as usize];
+    early.read_at(&mut tail, early_len - 8).expect("bytes the writer added after the reader looked");
+    assert!(tail == sealed[early_len as usize - 8..], "wrong bytes after following the writer");
+    // A reader that listed the pieces just before they were retired finds
+    // them gone, and reads the sealed object instead of failing.
+    let racing =
+        BucketDevice::open(Arc::new(later), &cache.path().join("x"), tier(Durability::Local)).expect("racing reader");
+    assert!(segment_bytes(&racing, open_seg) == sealed, "wrong bytes after the pieces were retired");
+    // A segment with neither object nor pieces is missing, and says so.
+    let gone = arbor_engine::format::SegId { writer: open_seg.writer, seq: open_seg.seq + 1000 };
+    assert!(racing.open_segment(gone).expect("open").is_none());
+}

@@ -207,3 +207,58 @@ pub fn numpy_available() -> bool {
     }
     ok
 }
+
+/// A real S3-compatible server (s3s-fs on 127.0.0.1), the environment that
+/// points arbor at it, and a folder for mountpoints and this node's caches.
+pub struct S3World {
+    _server: arbor_engine::testkit::S3Server,
+    _data: tempfile::TempDir,
+    pub dir: tempfile::TempDir,
+    pub env: Vec<(&'static str, String)>,
+}
+
+impl S3World {
+    /// `None` (the test skips) where FUSE or s3s-fs is missing outside CI.
+    pub fn start() -> Option<S3World> {
+        use arbor_engine::testkit::{S3Server, S3_KEY, S3_SECRET};
+        if !fuse_available() {
+            return None;
+        }
+        let data = tempfile::tempdir().expect("tempdir");
+        let server = S3Server::start(data.path()).expect("s3s-fs")?;
+        let dir = tempfile::Builder::new().prefix("arbs3").tempdir().expect("tempdir");
+        let env = vec![
+            ("AWS_ACCESS_KEY_ID", S3_KEY.to_string()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.to_string()),
+            ("AWS_ENDPOINT_URL", server.endpoint()),
+            ("AWS_REGION", "us-east-1".to_string()),
+            ("XDG_CACHE_HOME", dir.path().join("cache").display().to_string()),
+        ];
+        Some(S3World { _server: server, _data: data, dir, env })
+    }
+
+    /// A folder for a mountpoint.
+    pub fn mnt(&self, name: &str) -> PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::create_dir_all(&p).expect("mkdir");
+        p
+    }
+
+    /// Every cache this node has: gone, as with a replaced node.
+    pub fn lose_the_cache(&self) {
+        std::fs::remove_dir_all(self.dir.path().join("cache")).expect("rm cache");
+    }
+}
+
+/// Creates `path` with `bytes` and fsyncs it.
+pub fn write_synced(path: &Path, bytes: &[u8]) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).expect("create");
+    f.write_all(bytes).expect("write");
+    f.sync_all().expect("fsync");
+}
+
+/// `len` bytes that differ with `seed` and with position.
+pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 11) as u8).collect()
+}

@@ -3,61 +3,12 @@
 //! its whole cache directory comes back with every fsynced byte, every
 //! checkpoint and every branch.
 
-use arbor_engine::testkit::{S3Server, S3_BUCKET, S3_KEY, S3_SECRET};
+use arbor_engine::testkit::S3_BUCKET;
 use arbor_tests::*;
-use std::io::Write;
-use std::path::Path;
-
-struct World {
-    _server: S3Server,
-    _data: tempfile::TempDir,
-    dir: tempfile::TempDir,
-    env: Vec<(&'static str, String)>,
-}
-
-impl World {
-    fn start() -> Option<World> {
-        if !fuse_available() {
-            return None;
-        }
-        let data = tempfile::tempdir().expect("tempdir");
-        let server = S3Server::start(data.path()).expect("s3s-fs")?;
-        let dir = tempfile::Builder::new().prefix("arbs3").tempdir().expect("tempdir");
-        let env = vec![
-            ("AWS_ACCESS_KEY_ID", S3_KEY.to_string()),
-            ("AWS_SECRET_ACCESS_KEY", S3_SECRET.to_string()),
-            ("AWS_ENDPOINT_URL", server.endpoint()),
-            ("AWS_REGION", "us-east-1".to_string()),
-            ("XDG_CACHE_HOME", dir.path().join("cache").display().to_string()),
-        ];
-        Some(World { _server: server, _data: data, dir, env })
-    }
-
-    fn mnt(&self, name: &str) -> std::path::PathBuf {
-        let p = self.dir.path().join(name);
-        std::fs::create_dir_all(&p).expect("mkdir");
-        p
-    }
-
-    /// Every cache this node has: gone, as with a replaced node.
-    fn lose_the_cache(&self) {
-        std::fs::remove_dir_all(self.dir.path().join("cache")).expect("rm cache");
-    }
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) {
-    let mut f = std::fs::File::create(path).expect("create");
-    f.write_all(bytes).expect("write");
-    f.sync_all().expect("fsync");
-}
-
-fn pattern(len: usize, seed: u32) -> Vec<u8> {
-    (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 11) as u8).collect()
-}
 
 #[test]
 fn bucket_durability_survives_kill_9_and_losing_the_whole_cache() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = S3World::start() else { return };
     let disk = format!("s3://{S3_BUCKET}/disks/one");
     arbor_env_ok(&["init", &disk], &w.env);
     let mnt = w.mnt("m1");
@@ -83,7 +34,7 @@ fn bucket_durability_survives_kill_9_and_losing_the_whole_cache() {
 
 #[test]
 fn checkpoints_and_branches_open_from_the_bucket_alone() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = S3World::start() else { return };
     let disk = format!("s3://{S3_BUCKET}/disks/two");
     arbor_env_ok(&["init", &disk], &w.env);
     let main = w.mnt("main");
@@ -148,7 +99,7 @@ fn checkpoints_and_branches_open_from_the_bucket_alone() {
 
 #[test]
 fn an_unreachable_bucket_and_bad_credentials_are_one_clear_line() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = S3World::start() else { return };
     let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
     let mut env = w.env.clone();
     env.retain(|(k, _)| *k != "AWS_ENDPOINT_URL");

@@ -157,7 +157,7 @@ impl Remote {
         read_ahead: u64,
         parallel: usize,
     ) -> Result<Arc<Remote>> {
-        fs::create_dir_all(&dir)?;
+        crate::private::create_dir_all(&dir)?;
         Ok(Arc::new(Remote {
             store,
             dir,
@@ -407,7 +407,7 @@ impl Remote {
         };
         let footer = self.read_footer(&key, size)?;
         let path = self.path(id);
-        let file = File::options().read(true).write(true).create(true).truncate(false).open(&path)?;
+        let file = crate::private::options().read(true).write(true).create(true).truncate(false).open(&path)?;
         if file.metadata()?.len() != footer.data_len {
             // A new cache file, or one from another life of this name: start empty.
             let _no_readers = self.evicting.write();
@@ -477,7 +477,14 @@ impl Remote {
             }
             let mut verified = None;
             for _ in 0..GET_TRIES {
-                let (body, _) = self.store.get(&key)?;
+                let body = match self.store.get(&key) {
+                    Ok((body, _)) => body,
+                    // Listed a moment ago and gone now: pieces are deleted
+                    // only once their segment is in the bucket whole (or
+                    // nothing needs it any more), so the caller looks there.
+                    Err(Error::NoSuchObject(_)) => return Ok(None),
+                    Err(e) => return Err(e),
+                };
                 match split_verified(&body, &key) {
                     Ok((bytes, _)) => {
                         verified = Some(bytes);
@@ -493,6 +500,18 @@ impl Remote {
         }
         let footer = Footer::of(&data, data.len().max(1) as u32);
         Ok(Some(self.insert_seg(id, footer, Source::Wal(data))))
+    }
+
+    /// Opens `stale` (a segment read from its WAL pieces) again, as the
+    /// bucket holds it now: more pieces, or the sealed object.
+    fn reopen(self: &Arc<Self>, stale: &RemoteSeg) -> Result<Option<Arc<RemoteSeg>>> {
+        {
+            let mut segs = self.segs.write();
+            if segs.get(&stale.id).is_some_and(|s| std::ptr::eq(Arc::as_ptr(s), stale)) {
+                segs.remove(&stale.id);
+            }
+        }
+        Ok(self.open(stale.id)?.filter(|f| !std::ptr::eq(Arc::as_ptr(f), stale)))
     }
 
     /// Lets go of every open segment and stops the fetch workers (once
@@ -832,6 +851,15 @@ impl SegmentFile for RemoteSeg {
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
         let end = off + buf.len() as u64;
         if end > self.footer.data_len {
+            if matches!(self.source, Source::Wal(_)) {
+                // Read as its WAL pieces while its writer went on: the bytes
+                // asked for came later. Look again, once.
+                if let Some(fresh) = self.remote.reopen(self)? {
+                    if end <= fresh.footer.data_len {
+                        return fresh.read_at(buf, off);
+                    }
+                }
+            }
             return Err(Error::corrupted("segment (short read)", off));
         }
         if buf.is_empty() {
