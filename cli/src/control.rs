@@ -54,8 +54,8 @@ impl Server {
     pub fn bind(mountpoint: &Path) -> Result<Server> {
         let path = socket_path(mountpoint)?;
         let dir = path.parent().ok_or_else(|| anyhow!("bad socket path"))?;
-        std::fs::create_dir_all(dir)?;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        arbor_engine::private::create_dir_all(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(arbor_engine::private::DIR_MODE))?;
         if path.exists() {
             if UnixStream::connect(&path).is_ok() {
                 bail!("{} is already served by a running arbor", mountpoint.display());
@@ -117,8 +117,12 @@ impl Drop for Server {
 /// Sends one request to the mount at `mountpoint` and returns its result.
 pub fn request(mountpoint: &Path, req: Value) -> Result<Value> {
     let path = socket_path(mountpoint)?;
-    let mut stream = UnixStream::connect(&path)
-        .map_err(|_| anyhow!("{} is not an arbor mount served on this node", mountpoint.display()))?;
+    let mut stream = UnixStream::connect(&path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+            anyhow!("{} is not an arbor mount served on this node", mountpoint.display())
+        }
+        _ => anyhow!("cannot reach the arbor mount at {}: {}", mountpoint.display(), crate::disk::io_cause(&e)),
+    })?;
     writeln!(stream, "{req}")?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line)?;

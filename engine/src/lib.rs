@@ -15,10 +15,11 @@ pub mod format;
 pub mod fsck;
 pub mod io;
 pub mod log;
+pub mod private;
 pub mod testkit;
 pub mod tier;
 pub mod tree;
 pub mod volume;
 
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use volume::{Attr, Config, FileKind, RenameMode, SetAttr, StatFs, TimeSet, Volume};

@@ -170,9 +170,13 @@ impl Catalog {
     pub fn lock_branch(&self, name: &str) -> Result<BranchLock> {
         check_name(name)?;
         let Some(dir) = &self.locks else { return Ok(BranchLock { file: None }) };
-        std::fs::create_dir_all(dir).map_err(EngineError::from)?;
-        let f =
-            File::options().create(true).truncate(false).write(true).open(dir.join(name)).map_err(EngineError::from)?;
+        arbor_engine::private::create_dir_all(dir).map_err(EngineError::from)?;
+        let f = arbor_engine::private::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(name))
+            .map_err(EngineError::from)?;
         // SAFETY: plain syscall on a descriptor we own.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             return Err(Error::Open(name.to_string()));

@@ -9,6 +9,7 @@
 
 use super::{check_key, ETag, ObjectStore};
 use crate::error::{Error, Result};
+use crate::private;
 use std::fs::{self, File};
 use std::hash::{Hash, Hasher};
 use std::io::{ErrorKind, Write};
@@ -53,8 +54,8 @@ fn not_found(key: &str) -> Error {
 impl LocalFolderStore {
     pub fn open(root: impl AsRef<Path>) -> Result<Self> {
         let root = root.as_ref().to_path_buf();
-        fs::create_dir_all(root.join(LOCKS))?;
-        fs::create_dir_all(root.join(TMP))?;
+        private::create_dir_all(&root.join(LOCKS))?;
+        private::create_dir_all(&root.join(TMP))?;
         Ok(LocalFolderStore { root })
     }
 
@@ -70,7 +71,7 @@ impl LocalFolderStore {
     fn lock(&self, key: &str) -> Result<KeyLock> {
         let mut h = std::hash::DefaultHasher::new();
         key.hash(&mut h);
-        let f = File::options()
+        let f = private::options()
             .create(true)
             .truncate(false)
             .write(true)
@@ -93,7 +94,7 @@ impl LocalFolderStore {
         let tmp =
             self.root.join(TMP).join(format!("{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
         let written = (|| -> Result<()> {
-            let mut f = File::create(&tmp)?;
+            let mut f = private::create(&tmp)?;
             f.write_all(body)?;
             Ok(f.sync_all()?)
         })();
@@ -113,7 +114,7 @@ impl LocalFolderStore {
         let parent = path.parent().ok_or(Error::Invalid("object key"))?;
         let mut placed = place(tmp, path);
         if placed.as_ref().is_err_and(|e| e.kind() == ErrorKind::NotFound) {
-            fs::create_dir_all(parent)?;
+            private::create_dir_all(parent)?;
             placed = place(tmp, path);
         }
         placed?;

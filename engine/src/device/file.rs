@@ -2,6 +2,7 @@ use super::{Device, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::SegId;
 use crate::io::{backend, IoBackend, IoMode};
+use crate::private;
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -32,7 +33,7 @@ struct FileSegment {
 impl FileDevice {
     pub fn open(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
         let dir = dir.as_ref().to_path_buf();
-        fs::create_dir_all(&dir)?;
+        private::create_dir_all(&dir)?;
         Ok(Arc::new(FileDevice { dir, io: backend(mode)?, open: RwLock::new(HashMap::new()), _writer_lock: None }))
     }
 
@@ -41,8 +42,8 @@ impl FileDevice {
     /// holder's pid, until the first device is dropped.
     pub fn open_exclusive(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
         let dir = dir.as_ref().to_path_buf();
-        fs::create_dir_all(&dir)?;
-        let mut lock = File::options().read(true).write(true).create(true).truncate(false).open(dir.join("lock"))?;
+        private::create_dir_all(&dir)?;
+        let mut lock = private::options().read(true).write(true).create(true).truncate(false).open(dir.join("lock"))?;
         // SAFETY: plain syscall on a descriptor we own.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let holder = fs::read_to_string(dir.join("lock")).unwrap_or_default();
@@ -93,7 +94,7 @@ impl FileDevice {
 impl Device for FileDevice {
     fn create_segment(&self, id: SegId) -> Result<Arc<dyn SegmentFile>> {
         let path = self.dir.join(id.file_name());
-        let file = File::options().read(true).write(true).create_new(true).open(path)?;
+        let file = private::options().read(true).write(true).create_new(true).open(path)?;
         self.sync_dir()?;
         Ok(self.remember(id, file))
     }
@@ -138,7 +139,7 @@ impl Device for FileDevice {
 
     fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
         let tmp = self.dir.join("superblock.tmp");
-        let mut f = File::create(&tmp)?;
+        let mut f = private::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         fs::rename(&tmp, self.dir.join(SUPERBLOCK))?;
@@ -155,6 +156,19 @@ impl Device for FileDevice {
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.into()),
         }
+    }
+
+    fn free_bytes(&self) -> Option<u64> {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(self.dir.as_os_str().as_bytes()).ok()?;
+        let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: a valid C string and a buffer statvfs fills.
+        if unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) } != 0 {
+            return None;
+        }
+        // SAFETY: statvfs succeeded, so it filled the buffer.
+        let st = unsafe { st.assume_init() };
+        Some(st.f_bavail.saturating_mul(st.f_frsize))
     }
 }
 
