@@ -216,7 +216,7 @@ impl HeadDevice {
             }
             match head.renew(every) {
                 Ok(()) => {}
-                Err(Error::Busy(why)) => {
+                Err(Error::Fenced(why)) => {
                     tracing::error!(%why, "lost the branch lease; refusing further writes");
                     *head.fenced.lock() = Some(why);
                     return;
@@ -260,7 +260,7 @@ impl HeadDevice {
                 Ok(())
             }
             Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
-                Err(Error::Busy(format!("{} was changed by another writer; this one stops", self.key)))
+                Err(Error::Fenced(format!("{} was changed by another writer; this one stops", self.key)))
             }
             Err(e) => Err(e),
         }
@@ -287,6 +287,9 @@ macro_rules! delegate_segments {
         fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
             self.segments.segment_modified(id)
         }
+        fn free_bytes(&self) -> Option<u64> {
+            self.segments.free_bytes()
+        }
         fn segment_sealed(&self, id: SegId, len: u64) {
             self.segments.segment_sealed(id, len)
         }
@@ -310,7 +313,7 @@ impl Device for HeadDevice {
 
     fn failpoint(&self, name: &'static str) -> Result<()> {
         if let Some(why) = self.fenced.lock().clone() {
-            return Err(Error::Busy(why));
+            return Err(Error::Fenced(why));
         }
         self.segments.failpoint(name)
     }
@@ -352,7 +355,7 @@ impl Device for HeadDevice {
     fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
         let commit = Superblock::decode(bytes)?.commit;
         if let Some(why) = self.fenced.lock().clone() {
-            return Err(Error::Busy(why));
+            return Err(Error::Fenced(why));
         }
         if !self.claimed.load(std::sync::atomic::Ordering::Acquire) {
             // The claim: synchronous, so a second writer learns at open.
@@ -455,7 +458,7 @@ mod tests {
         let a = Volume::open(HeadDevice::new(segs.clone(), catalog.clone(), "main"), cfg(false)).expect("a");
         let b = Volume::open(HeadDevice::new(segs.clone(), catalog.clone(), "main"), cfg(false)).expect("b");
         a.create(ROOT_INO, b"from-a", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-        assert!(matches!(a.commit(), Err(Error::Busy(_))), "a's head was replaced by b's open");
+        assert!(matches!(a.commit(), Err(Error::Fenced(_))), "a's head was replaced by b's open");
         assert!(a.is_poisoned());
         b.create(ROOT_INO, b"from-b", libc::S_IFREG | 0o644, 0, 0, 0).expect("b keeps working");
         b.commit().expect("commit");

@@ -46,11 +46,63 @@ pub enum Error {
     NoSuchObject(String),
     #[error("busy: {0}")]
     Busy(String),
+    /// Another writer took this one's branch; it refuses further writes.
+    #[error("fenced off: {0}")]
+    Fenced(String),
     #[error("I/O error: {0}")]
     Io(#[from] io::Error),
 }
 
+/// What a caller can do about an error, without reading its text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The same call may succeed later: a network or bucket hiccup, a busy
+    /// resource, a conditional write that lost a race.
+    Transient,
+    /// Credentials or file permissions refuse it; retrying will not help.
+    Permission,
+    /// What it names does not exist.
+    NotFound,
+    /// Another writer owns the branch now; this writer must stop.
+    Fenced,
+    /// Stored bytes failed their checksum or make no sense.
+    Corrupt,
+    /// No space (or quota) left where the bytes go; retry once freed.
+    NoSpace,
+    /// The request itself is refused (bad input, or what POSIX forbids):
+    /// the same call fails the same way.
+    Refused,
+    /// The volume stopped accepting writes after a failed sync.
+    Poisoned,
+}
+
 impl Error {
+    /// Which [`ErrorKind`] this is.
+    pub fn kind(&self) -> ErrorKind {
+        use std::io::ErrorKind as Io;
+        match self {
+            Error::NotFound | Error::NoSuchObject(_) => ErrorKind::NotFound,
+            Error::NotPermitted => ErrorKind::Permission,
+            Error::Corrupted { .. } => ErrorKind::Corrupt,
+            Error::Poisoned | Error::Crashed(_) => ErrorKind::Poisoned,
+            Error::Fenced(_) => ErrorKind::Fenced,
+            Error::Busy(_) | Error::PreconditionFailed(_) => ErrorKind::Transient,
+            Error::Io(e) => match (e.kind(), e.raw_os_error()) {
+                (_, Some(libc::ENOSPC) | Some(libc::EDQUOT)) => ErrorKind::NoSpace,
+                (Io::PermissionDenied, _) | (_, Some(libc::EROFS)) => ErrorKind::Permission,
+                (Io::NotFound, _) => ErrorKind::NotFound,
+                (Io::InvalidInput | Io::InvalidData, _) => ErrorKind::Refused,
+                _ => ErrorKind::Transient,
+            },
+            _ => ErrorKind::Refused,
+        }
+    }
+
+    /// Whether the same call may succeed if tried again.
+    pub fn is_transient(&self) -> bool {
+        self.kind() == ErrorKind::Transient
+    }
+
     pub fn corrupted(what: &'static str, addr: impl std::fmt::Display) -> Self {
         let addr = addr.to_string();
         tracing::error!(what, %addr, "corruption detected");
@@ -75,7 +127,7 @@ impl Error {
             Error::ReadOnly => libc::EROFS,
             Error::PreconditionFailed(_) => libc::EAGAIN,
             Error::Corrupted { .. } | Error::Poisoned | Error::Crashed(_) => libc::EIO,
-            Error::Busy(_) => libc::EBUSY,
+            Error::Busy(_) | Error::Fenced(_) => libc::EBUSY,
             Error::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
         }
     }
@@ -109,6 +161,31 @@ mod tests {
         ];
         for (err, errno) in cases {
             assert_eq!(err.errno(), errno, "{err}");
+        }
+    }
+
+    #[test]
+    fn every_error_says_whether_to_retry() {
+        use std::io::ErrorKind as Io;
+        let cases = [
+            (Error::Io(io::Error::from(Io::TimedOut)), ErrorKind::Transient),
+            (Error::Io(io::Error::from(Io::ConnectionRefused)), ErrorKind::Transient),
+            (Error::PreconditionFailed("k".into()), ErrorKind::Transient),
+            (Error::Io(io::Error::from(Io::PermissionDenied)), ErrorKind::Permission),
+            (Error::Io(io::Error::from_raw_os_error(libc::EROFS)), ErrorKind::Permission),
+            (Error::NotPermitted, ErrorKind::Permission),
+            (Error::NoSuchObject("k".into()), ErrorKind::NotFound),
+            (Error::NotFound, ErrorKind::NotFound),
+            (Error::Fenced("b".into()), ErrorKind::Fenced),
+            (Error::corrupted("node", "w1-2@3"), ErrorKind::Corrupt),
+            (Error::Io(io::Error::from_raw_os_error(libc::ENOSPC)), ErrorKind::NoSpace),
+            (Error::NameTooLong, ErrorKind::Refused),
+            (Error::Exists, ErrorKind::Refused),
+            (Error::Poisoned, ErrorKind::Poisoned),
+        ];
+        for (err, kind) in cases {
+            assert_eq!(err.kind(), kind, "{err}");
+            assert_eq!(err.is_transient(), kind == ErrorKind::Transient, "{err}");
         }
     }
 }

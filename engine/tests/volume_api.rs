@@ -455,3 +455,41 @@ fn a_write_logged_in_pieces_survives_a_crash_whole_or_not_at_all() {
     }
     assert!(crashed > 0 && outcomes.len() == 2, "crashes landed inside the write and on both sides of it");
 }
+
+#[test]
+fn a_full_disk_refuses_new_changes_with_enospc_changes_nothing_and_recovers_when_freed() {
+    let (dev, vol) = sim();
+    file(&vol, ROOT_INO, "made-before");
+    let a = file(&vol, ROOT_INO, "a");
+    vol.write(a, 0, &pattern(100_000, 1)).expect("write");
+    vol.fsync(a).expect("fsync");
+    let before = vol.getattr(a).expect("attr");
+    // Just short of room for a 1 MiB write beside the reserve.
+    dev.set_free_bytes(Some(SPACE_RESERVE + (1 << 20) - 1));
+    assert_eq!(errno(vol.write(a, 0, &pattern(1 << 20, 2))), libc::ENOSPC);
+    assert_eq!(vol.getattr(a).expect("attr").size, before.size, "a refused write changed the size");
+    assert!(vol.read(a, 0, 100_000).expect("read") == pattern(100_000, 1), "a refused write changed bytes");
+    // A small write still fits; metadata needs the reserve too.
+    vol.write(a, 0, b"fits").expect("a small write fits");
+    dev.set_free_bytes(Some(SPACE_RESERVE - 1));
+    assert_eq!(errno(vol.create(ROOT_INO, b"b", libc::S_IFREG | 0o644, 0, 0, 0)), libc::ENOSPC);
+    assert_eq!(errno(vol.lookup(ROOT_INO, b"b")), libc::ENOENT, "a refused create left a name");
+    assert_eq!(errno(vol.mkdir(ROOT_INO, b"d", 0o755, 0, 0)), libc::ENOSPC);
+    // Cleaning up is allowed into half of the reserve.
+    vol.unlink(ROOT_INO, b"made-before").expect("unlink into the reserve");
+    // What was fsynced is intact, and syncs still work: nothing is poisoned.
+    vol.fsync(a).expect("fsync on a full disk");
+    assert!(!vol.is_poisoned());
+    // Space comes back: everything works again, no reopen.
+    dev.set_free_bytes(Some(1 << 40));
+    let b = file(&vol, ROOT_INO, "b");
+    vol.write(b, 0, &pattern(1 << 20, 3)).expect("write after space is freed");
+    vol.fsync(b).expect("fsync");
+    let vol = reopen(&dev);
+    let a = vol.lookup(ROOT_INO, b"a").expect("a").ino;
+    let mut want = pattern(100_000, 1);
+    want[..4].copy_from_slice(b"fits");
+    assert!(vol.read(a, 0, 100_000).expect("read") == want);
+    let b = vol.lookup(ROOT_INO, b"b").expect("b").ino;
+    assert!(vol.read(b, 0, 1 << 20).expect("read") == pattern(1 << 20, 3));
+}

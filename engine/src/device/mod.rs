@@ -74,6 +74,10 @@ pub trait Device: Send + Sync {
     fn segment_modified(&self, _id: SegId) -> Result<Option<std::time::SystemTime>> {
         Ok(None)
     }
+    /// Bytes free for new segments, where the device can tell.
+    fn free_bytes(&self) -> Option<u64> {
+        None
+    }
 
     // ---- the bucket tier: no-ops for a device that is its own durable copy ----
 

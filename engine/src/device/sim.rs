@@ -30,6 +30,8 @@ struct SimState {
     crash_at: Option<(Option<&'static str>, u64)>,
     failpoint_hits: u64,
     failing_syncs: u32,
+    /// What [`Device::free_bytes`] reports, when a test sets it.
+    free: Option<u64>,
     /// Counts crashes: a segment handle from before the last one belongs to
     /// a process that is gone, and writes through it fail.
     generation: u64,
@@ -98,6 +100,11 @@ impl SimDevice {
     }
 
     /// Makes the next `n` syncs fail with EIO (and lose their data).
+    /// Reports `free` bytes free for new segments (`None`: unknown).
+    pub fn set_free_bytes(&self, free: Option<u64>) {
+        self.state.lock().free = free;
+    }
+
     pub fn fail_next_syncs(&self, n: u32) {
         self.state.lock().failing_syncs = n;
     }
@@ -213,6 +220,10 @@ impl Device for SimDevice {
 
     fn io_name(&self) -> &'static str {
         "sim"
+    }
+
+    fn free_bytes(&self) -> Option<u64> {
+        self.state.lock().free
     }
 }
 

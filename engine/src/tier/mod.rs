@@ -57,6 +57,11 @@ impl std::str::FromStr for Durability {
     }
 }
 
+/// Bytes of segment data a mount's cache keeps by default.
+pub const CACHE_SIZE: u64 = 10 << 30;
+/// How far ahead of a sequential reader chunks are fetched, at first.
+pub const READ_AHEAD: u64 = 4 << 20;
+
 #[derive(Clone, Debug)]
 pub struct TierConfig {
     pub durability: Durability,
@@ -82,8 +87,8 @@ impl Default for TierConfig {
     fn default() -> Self {
         TierConfig {
             durability: Durability::Local,
-            cache_size: 10 << 30,
-            read_ahead: 4 << 20,
+            cache_size: CACHE_SIZE,
+            read_ahead: READ_AHEAD,
             chunk_size: 1 << 20,
             parallel_gets: 8,
             max_pending: 1 << 30,
@@ -237,7 +242,7 @@ impl BucketDevice {
         let mut last_note = Instant::now();
         loop {
             if let Some(why) = &up.fenced {
-                return Err(Error::Busy(why.clone()));
+                return Err(Error::Fenced(why.clone()));
             }
             if done(&up) {
                 return Ok(());
@@ -317,7 +322,7 @@ impl Shared {
                         Err(e) => Err((e, Some(p))),
                         Ok(()) => match (p.run)() {
                             Ok(()) => Ok(()),
-                            Err(Error::Busy(why)) => Err((Error::Busy(why), None)),
+                            Err(Error::Fenced(why)) => Err((Error::Fenced(why), None)),
                             Err(e) => Err((e, Some(p))),
                         },
                     };
@@ -333,7 +338,7 @@ impl Shared {
                         }
                         Err((e, None)) => {
                             let why = match e {
-                                Error::Busy(why) => why,
+                                Error::Fenced(why) => why,
                                 e => e.to_string(),
                             };
                             tracing::error!(%why, "this writer was fenced off its branch; refusing further writes");
@@ -517,7 +522,7 @@ impl Device for BucketDevice {
 
     fn failpoint(&self, _name: &'static str) -> Result<()> {
         match &self.shared.up.lock().fenced {
-            Some(why) => Err(Error::Busy(why.clone())),
+            Some(why) => Err(Error::Fenced(why.clone())),
             None => Ok(()),
         }
     }
@@ -528,6 +533,10 @@ impl Device for BucketDevice {
 
     fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
         self.shared.local.segment_modified(id)
+    }
+
+    fn free_bytes(&self) -> Option<u64> {
+        self.shared.local.free_bytes()
     }
 
     fn segment_sealed(&self, id: SegId, len: u64) {
@@ -554,7 +563,7 @@ impl Device for BucketDevice {
         self.start_uploader()?;
         let mut up = self.shared.up.lock();
         if let Some(why) = &up.fenced {
-            return Err(Error::Busy(why.clone()));
+            return Err(Error::Fenced(why.clone()));
         }
         let need = up.next_ticket;
         up.publish = Some(Publish { upto, need, run });
@@ -597,15 +606,4 @@ fn open_cache(dir: &Path, io: IoMode) -> Result<Arc<FileDevice>> {
         }
     }
     FileDevice::open_exclusive(dir, io)
-}
-
-/// Where a mount of `disk` keeps its cache by default:
-/// `$XDG_CACHE_HOME/arbor/<disk>/<name>` (or `~/.cache/…`).
-pub fn default_cache_dir(disk: &str, name: &str) -> PathBuf {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from("/var/cache"));
-    let tag = format!("{:08x}", crc32c::crc32c(disk.as_bytes()));
-    base.join("arbor").join(tag).join(name)
 }

@@ -18,7 +18,7 @@ mod txn;
 mod types;
 
 pub use commit::{features, read_commit, Commit, CommitRecord, Superblock};
-pub use compact::CompactReport;
+pub use compact::{CompactReport, MAX_LIVE};
 pub use inspect::{
     diff_commits, live_table_of, reachable_segments, recount_live_bytes, root_of, Change, ChangeKind, Inspector,
 };
@@ -39,6 +39,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 use txn::{Reads, View};
+
+/// A segment is sealed once it would grow past this, by default.
+pub const SEGMENT_SIZE: u64 = 64 << 20;
+
+/// Free bytes the log's file system keeps back from new operations (see
+/// [`Volume::check_room`]): what the log may still write for operations it
+/// already accepted.
+pub const SPACE_RESERVE: u64 = 16 << 20;
 
 #[derive(Clone)]
 pub struct Config {
@@ -65,7 +73,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            segment_size: 64 << 20,
+            segment_size: SEGMENT_SIZE,
             node_cache_bytes: 256 << 20,
             commit_every_ops: 16_384,
             commit_interval: Some(Duration::from_secs(1)),
@@ -222,9 +230,34 @@ impl Volume {
         self.state.read().last_commit
     }
 
+    /// Refuses with ENOSPC, changing nothing, when the log's file system
+    /// has less than `need` bytes free beyond `reserve` (normally
+    /// [`SPACE_RESERVE`]): what the log may still write for what it already
+    /// accepted (the write-behind queue, a commit's nodes, a new segment).
+    /// So a full disk stops new operations before a write already
+    /// acknowledged can fail, and the volume works again once space is freed.
+    fn check_room(&self, need: u64, reserve: u64) -> Result<()> {
+        let Some(free) = self.nodes.device.free_bytes() else { return Ok(()) };
+        if free < need.saturating_add(reserve) {
+            tracing::warn!(free, need, "refusing a change: the log's file system is (nearly) full");
+            return Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSPC)));
+        }
+        Ok(())
+    }
+
     /// Logs one intent and applies it.
     fn run(&self, st: &mut State, op: ops::Op, data: &[u8]) -> Result<()> {
         let log = self.log()?;
+        match op {
+            // A write's room is checked once for all its pieces, by `write`.
+            ops::Op::Write { .. } | ops::Op::WritePart { .. } | ops::Op::Spill { .. } | ops::Op::InitRoot { .. } => {}
+            // What frees names (and, after gc, space) may use half the
+            // reserve, so a full disk can still be cleaned up.
+            ops::Op::Unlink { .. } | ops::Op::RemoveXattr { .. } | ops::Op::DropOrphan { .. } => {
+                self.check_room(0, SPACE_RESERVE / 2)?
+            }
+            _ => self.check_room(data.len() as u64, SPACE_RESERVE)?,
+        }
         let meta = crate::format::encode_value(&op);
         let app =
             log.append(crate::format::RecordKind::Intent, &meta, data, crate::device::failpoints::INTENT_APPEND)?;
@@ -609,6 +642,7 @@ impl Volume {
         if data.is_empty() {
             return Ok(0);
         }
+        self.check_room(data.len() as u64, SPACE_RESERVE)?;
         let end = off + data.len() as u64;
         if end > INLINE_MAX {
             self.spill(&mut st, ino)?;
