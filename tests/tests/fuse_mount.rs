@@ -145,3 +145,33 @@ fn client_on_a_fresh_mount(script: &str) {
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok", "{script}");
     m.unmount();
 }
+
+#[test]
+fn ioctls_get_enotty_and_leave_the_log_quiet() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let path = s.mnt.join("plain.txt");
+    std::fs::write(&path, b"text").expect("write");
+    let f = std::fs::File::open(&path).expect("open");
+    for _ in 0..20 {
+        let mut flags: libc::c_long = 0;
+        // SAFETY: FS_IOC_GETFLAGS writes one long into `flags`.
+        let rc = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::FS_IOC_GETFLAGS, &mut flags) };
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        assert!(rc == -1 && errno == Some(libc::ENOTTY), "ioctl: rc {rc}, errno {errno:?}");
+        // And what Python's open() asks: is this a terminal?
+        let mut ws = std::mem::MaybeUninit::<libc::winsize>::uninit();
+        // SAFETY: TIOCGWINSZ fills a winsize.
+        let rc = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::TIOCGWINSZ, ws.as_mut_ptr()) };
+        assert_eq!(rc, -1);
+        assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::ENOTTY));
+    }
+    drop(f);
+    let log = m.log.clone();
+    m.unmount();
+    let log = std::fs::read_to_string(log).expect("mount log");
+    assert!(!log.contains("Not Implemented") && !log.contains("ioctl"), "the log speaks of ioctls:\n{log}");
+}
