@@ -26,6 +26,13 @@ pub struct Target {
 
 pub fn resolve(arg: &str) -> Result<Target> {
     let path = Path::new(arg);
+    if !arg.contains("://") {
+        if let Err(e) = std::fs::metadata(path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                bail!("{arg}: {}", crate::disk::io_cause(&e));
+            }
+        }
+    }
     if path.is_dir() {
         if let Ok(s) = control::request(path, json!({"op": "status"})) {
             let disk = s["disk"].as_str().ok_or_else(|| anyhow!("bad status reply"))?;
