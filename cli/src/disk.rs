@@ -19,7 +19,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use arbor_engine::bucket::{LocalFolderStore, ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
 use arbor_engine::device::{Device, FileDevice};
 use arbor_engine::io::IoMode;
-use arbor_engine::tier::{BucketDevice, Durability, TierConfig, TierStats};
+use arbor_engine::tier::{BucketDevice, Durability, TierConfig, TierStats, CACHE_SIZE, READ_AHEAD};
 use arbor_engine::Error;
 use arbor_snapshot::Catalog;
 use std::path::{Path, PathBuf};
@@ -47,7 +47,7 @@ pub struct CacheOptions {
 
 impl Default for CacheOptions {
     fn default() -> Self {
-        CacheOptions { dir: None, size: 10 << 30, durability: Durability::Local, read_ahead: 4 << 20 }
+        CacheOptions { dir: None, size: CACHE_SIZE, durability: Durability::Local, read_ahead: READ_AHEAD }
     }
 }
 
@@ -107,7 +107,8 @@ fn s3_config(bucket: &str, prefix: &str) -> S3Config {
         bucket: bucket.into(),
         prefix: prefix.into(),
         endpoint,
-        region: env("AWS_REGION").or_else(|| env("AWS_DEFAULT_REGION")),
+        // Resolved by the store (environment, profile, else us-east-1).
+        region: None,
         path_style,
         credentials: None,
     }
@@ -121,10 +122,12 @@ fn node_base() -> PathBuf {
         .join("arbor")
 }
 
-/// How many attempts a bucket call gets: `ARBOR_S3_RETRIES` (default 6).
+/// How many attempts a bucket call gets: `ARBOR_S3_RETRIES`, else the
+/// store's default.
 fn retry_policy() -> RetryPolicy {
-    let attempts = std::env::var("ARBOR_S3_RETRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(6);
-    RetryPolicy { attempts, ..RetryPolicy::default() }
+    let default = RetryPolicy::default();
+    let attempts = std::env::var("ARBOR_S3_RETRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(default.attempts);
+    RetryPolicy { attempts, ..default }
 }
 
 impl Disk {
@@ -132,8 +135,17 @@ impl Disk {
         let (url, location) = parse(arg)?;
         let (store, node_dir): (Arc<dyn ObjectStore>, PathBuf) = match &location {
             Location::Local(root) => {
-                if !create && !root.is_dir() {
-                    bail!("{} does not exist (create it with: arbor init {arg})", root.display());
+                match std::fs::metadata(root) {
+                    Ok(m) if m.is_dir() => {}
+                    Ok(_) => bail!(
+                        "{} is not a folder; a DISK is a folder made by arbor init, or s3://bucket/prefix",
+                        root.display()
+                    ),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound && !create => {
+                        bail!("{} does not exist (create it with: arbor init {arg})", root.display())
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => bail!("{}: {}", root.display(), io_cause(&e)),
                 }
                 let store = LocalFolderStore::open(root).with_context(|| format!("cannot open {}", root.display()))?;
                 (Arc::new(store), root.clone())
@@ -273,6 +285,26 @@ impl Disk {
         Ok(self.catalog.get_or_init(|| catalog).clone())
     }
 
+    /// Makes this node's files of the disk (a local disk's whole folder, an
+    /// s3 disk's caches, logs and locks) private to their owner, as this
+    /// build creates them: a disk from an older build was readable by all.
+    /// Says so once in the log when it changed anything.
+    pub fn make_private(&self) -> Result<()> {
+        if !self.node_dir.exists() {
+            return Ok(());
+        }
+        let changed = arbor_engine::private::tighten(&self.node_dir)
+            .with_context(|| format!("cannot make {} private", self.node_dir.display()))?;
+        if changed > 0 {
+            tracing::warn!(
+                changed,
+                folder = %self.node_dir.display(),
+                "made the disk's files and folders private to their owner (an older arbor created them readable by others)"
+            );
+        }
+        Ok(())
+    }
+
     /// Upload and cache counters, for an s3 disk opened by this process.
     pub fn tier_stats(&self) -> Option<TierStats> {
         self.tier.get().map(|t| t.stats())
@@ -283,14 +315,54 @@ impl Disk {
     }
 }
 
-/// Says what a failed bucket call means for a person.
+/// Says what a failed bucket call means for a person. A local folder's
+/// errors are file system errors and keep their errno's meaning.
 pub fn bucket_error(e: Error, url: &str) -> anyhow::Error {
+    let s3 = url.starts_with("s3://");
     match &e {
-        Error::Io(io) if io.kind() == std::io::ErrorKind::PermissionDenied => {
+        Error::Io(io) if s3 && io.kind() == std::io::ErrorKind::PermissionDenied => {
             anyhow!("{url}: access denied; check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, …): {io}")
         }
-        Error::Io(io) => anyhow!("{url}: the bucket is unreachable: {io}"),
+        Error::Io(io) if s3 => anyhow!("{url}: the bucket is unreachable: {io}"),
+        Error::Io(io) => anyhow!("{url}: {}", io_cause(io)),
         _ => anyhow::Error::from(e),
+    }
+}
+
+/// An I/O error as a person reads it: what the errno means here, then the
+/// system's own words.
+pub fn io_cause(e: &std::io::Error) -> String {
+    let hint = match e.raw_os_error() {
+        Some(libc::ENOENT) => "no such file or folder",
+        Some(libc::EACCES) | Some(libc::EPERM) => "permission denied",
+        Some(libc::ENOTDIR) => "a part of the path is not a folder",
+        Some(libc::EROFS) => "the file system is read-only",
+        Some(libc::ENOSPC) => "no space left on the device",
+        Some(libc::EDQUOT) => "disk quota exceeded",
+        Some(libc::ENOTCONN) => "a stale mount (its arbor process is gone; mount it again)",
+        _ => return e.to_string(),
+    };
+    format!("{hint} ({e})")
+}
+
+/// A byte count as a person writes it: parsed from `10G`, shown as `10G`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Size(pub u64);
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let units = [(1u64 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")];
+        match units.iter().find(|(u, _)| self.0 >= *u && self.0.is_multiple_of(*u)) {
+            Some((u, name)) => write!(f, "{}{name}", self.0 / u),
+            None => write!(f, "{}", self.0),
+        }
+    }
+}
+
+impl std::str::FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Size, String> {
+        parse_size(s).map(Size)
     }
 }
 
@@ -377,5 +449,9 @@ mod tests {
         assert_eq!(parse_size("4096"), Ok(4096));
         assert!(parse_size("ten").is_err());
         assert!(parse_size("5X").is_err());
+        for n in [CACHE_SIZE, READ_AHEAD, 1536, 4096, (3 << 40) + 1] {
+            assert_eq!(Size(n).to_string().parse::<Size>(), Ok(Size(n)), "{n} shown as {}", Size(n));
+        }
+        assert_eq!(Size(10 << 30).to_string(), "10G");
     }
 }

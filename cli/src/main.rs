@@ -81,7 +81,7 @@ enum Command {
     Gc {
         target: String,
         /// Keep segments written within this many seconds (live writers).
-        #[arg(long, default_value_t = 600)]
+        #[arg(long, default_value_t = arbor_snapshot::GC_GRACE.as_secs())]
         grace: u64,
     },
     /// Move a branch's live bytes (file data and tree nodes) out of segments
@@ -96,7 +96,7 @@ enum Command {
         #[arg(long)]
         branch: Option<String>,
         /// Move out of segments whose live bytes are at most this fraction.
-        #[arg(long, default_value_t = 0.25)]
+        #[arg(long, default_value_t = arbor_engine::volume::MAX_LIVE)]
         max_live: f64,
     },
     /// Verify every record, and every file byte of every branch and checkpoint.
@@ -119,7 +119,7 @@ struct MountCmd {
     #[arg(long)]
     checkpoint: Option<String>,
     /// Kernel read-ahead for sequential readers, in bytes.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = arbor_engine::tier::READ_AHEAD as u32)]
     read_ahead: u32,
     /// Paths (inside the mount, comma-separated) to read in the background once mounted.
     #[arg(long, value_delimiter = ',')]
@@ -139,12 +139,16 @@ struct MountCmd {
     #[arg(long)]
     cache_dir: Option<PathBuf>,
     /// How much segment data the cache of an s3:// disk keeps, e.g. 50G.
-    #[arg(long, value_parser = disk::parse_size, default_value = "10G")]
-    cache_size: u64,
+    #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
+    cache_size: disk::Size,
     /// local: fsync is durable on this node, the bucket catches up in the background;
     /// bucket: fsync returns once the bytes are in the bucket.
     #[arg(long, default_value = "local")]
     durability: arbor_engine::tier::Durability,
+    /// How large a log segment grows before it is sealed (and, on an s3://
+    /// disk, uploaded): fewer, larger objects, or a bucket that catches up sooner.
+    #[arg(long, default_value_t = disk::Size(arbor_engine::volume::SEGMENT_SIZE))]
+    segment_size: disk::Size,
 }
 
 #[derive(Subcommand)]
@@ -227,9 +231,10 @@ fn run(cli: Cli) -> Result<()> {
                 allow_other: m.allow_other,
                 pre_fetch: m.pre_fetch,
                 maintain_every: m.maintain_every,
+                segment_size: m.segment_size.0,
                 cache: disk::CacheOptions {
                     dir: m.cache_dir.map(std::path::absolute).transpose()?,
-                    size: m.cache_size,
+                    size: m.cache_size.0,
                     durability: m.durability,
                     read_ahead: m.read_ahead as u64,
                 },

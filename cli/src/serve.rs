@@ -3,9 +3,9 @@
 use crate::control;
 use crate::disk::{self, Disk};
 use anyhow::{bail, Context, Result};
-use arbor_engine::volume::{Config, Volume};
+use arbor_engine::volume::{Config, Volume, MAX_LIVE};
 use arbor_fs::MountOptions;
-use arbor_snapshot::{check_name, Error as CatalogError};
+use arbor_snapshot::{check_name, Error as CatalogError, GC_GRACE};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
@@ -21,6 +21,7 @@ pub struct MountArgs {
     pub pre_fetch: Vec<PathBuf>,
     /// Seconds between background compaction + gc runs (0: none).
     pub maintain_every: u64,
+    pub segment_size: u64,
     pub cache: disk::CacheOptions,
 }
 
@@ -41,8 +42,19 @@ struct Prepared {
     mountpoint: PathBuf,
 }
 
+/// Segment sizes a mount accepts: addresses hold 32-bit offsets, and a
+/// segment much smaller than a FUSE write would be mostly headers.
+const SEGMENT_SIZES: std::ops::RangeInclusive<u64> = (1 << 20)..=(1 << 31);
+
 fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_name(args.root_name())?;
+    if !SEGMENT_SIZES.contains(&args.segment_size) {
+        bail!(
+            "--segment-size must be between {} and {}",
+            disk::Size(*SEGMENT_SIZES.start()),
+            disk::Size(*SEGMENT_SIZES.end())
+        );
+    }
     let disk = Disk::open_for_mount(&args.disk, args.root_name(), args.cache.clone())?;
     if !disk.is_s3() && (args.cache.dir.is_some() || args.cache.durability != arbor_engine::tier::Durability::Local) {
         eprintln!(
@@ -110,7 +122,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
         "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
         "segments_referenced": vol.live_bytes().len(),
         // What `arbor compact` (default --max-live) would move and free.
-        "compactable": vol.compactable(0.25).ok().map(|c| json!({
+        "compactable": vol.compactable(MAX_LIVE).ok().map(|c| json!({
             "segments": c.len(),
             "live_bytes": c.iter().map(|(_, n)| n).sum::<u64>(),
         })),
@@ -128,8 +140,8 @@ pub fn addr_json(a: arbor_engine::format::Addr) -> Value {
 /// One background maintenance run: compaction of the mounted branch, then
 /// gc with the same grace as `arbor gc`.
 fn maintain(vol: &Volume, disk: &Disk) -> Result<()> {
-    let compacted = vol.compact(0.25)?;
-    let gc = disk.catalog()?.gc(Duration::from_secs(600))?;
+    let compacted = vol.compact(MAX_LIVE)?;
+    let gc = disk.catalog()?.gc(GC_GRACE)?;
     tracing::info!(
         moved_bytes = compacted.data_bytes + compacted.bytes,
         deleted = gc.deleted.len(),
@@ -149,11 +161,15 @@ fn reply<T>(r: Result<T, impl std::fmt::Display>, ok: impl FnOnce(T) -> Value) -
 pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let p = prepare(args)?;
     let catalog = p.disk.catalog()?;
+    if args.checkpoint.is_none() {
+        p.disk.make_private()?;
+    }
+    let cfg = Config { segment_size: args.segment_size, ..Config::default() };
     let (vol, _lock) = match &args.checkpoint {
-        Some(c) => (catalog.open_checkpoint(c, Config::default())?, None),
+        Some(c) => (catalog.open_checkpoint(c, cfg)?, None),
         None => {
             let name = args.root_name();
-            let (v, mut l) = catalog.open_branch(name, Config::default()).map_err(|e| match e {
+            let (v, mut l) = catalog.open_branch(name, cfg).map_err(|e| match e {
                 CatalogError::Open(_) => match catalog.holder_of(name) {
                     Some(mp) if !mp.is_empty() => {
                         anyhow::anyhow!("branch {name} is already mounted read-write at {mp}")
@@ -217,6 +233,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         allow_other: args.allow_other,
         pre_fetch: Vec::new(),
         maintain_every: args.maintain_every,
+        segment_size: args.segment_size,
         cache: args.cache.clone(),
     };
     std::thread::spawn(move || {
@@ -291,7 +308,7 @@ impl ControlState {
                 if args.checkpoint.is_some() {
                     return reply(Err("a checkpoint mount is read-only"), |()| Value::Null);
                 }
-                let max_live = req["max_live"].as_f64().unwrap_or(0.25);
+                let max_live = req["max_live"].as_f64().unwrap_or(MAX_LIVE);
                 reply(self.vol.compact(max_live), compact_json)
             }
             Some("unmount") => {
@@ -323,8 +340,8 @@ pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
     let mountpoint = p.mountpoint.clone();
     // The server opens the disk (and its cache directory) itself.
     drop(p);
-    std::fs::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(&log_path)?;
+    arbor_engine::private::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
+    let log = arbor_engine::private::options().create(true).append(true).open(&log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1)).arg("--foreground");
     cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone()?).stderr(log);

@@ -23,7 +23,12 @@ pub struct MountOptions {
 
 impl Default for MountOptions {
     fn default() -> Self {
-        MountOptions { allow_other: false, threads: 4, read_ahead: 4 << 20, fs_name: "arbor".into() }
+        MountOptions {
+            allow_other: false,
+            threads: 4,
+            read_ahead: arbor_engine::tier::READ_AHEAD as u32,
+            fs_name: "arbor".into(),
+        }
     }
 }
 

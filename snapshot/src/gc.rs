@@ -19,6 +19,10 @@ use arbor_engine::format::{Addr, SegId};
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
+/// How old an unreachable segment must be before gc deletes it, by
+/// default: a live writer's newest segments may not be in any head yet.
+pub const GC_GRACE: Duration = Duration::from_secs(600);
+
 /// The result of the mark phase.
 pub struct GcPlan {
     candidates: Vec<SegId>,

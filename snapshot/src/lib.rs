@@ -13,4 +13,4 @@ mod gc;
 
 pub use catalog::{check_name, BranchInfo, BranchLock, Catalog, CheckpointInfo, Root};
 pub use error::{Error, Result};
-pub use gc::{GcPlan, GcReport};
+pub use gc::{GcPlan, GcReport, GC_GRACE};

@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Tries per bucket call by default, the first included.
+pub const ATTEMPTS: u32 = 6;
+
 #[derive(Clone, Debug)]
 pub struct RetryPolicy {
     /// Tries per call, the first included.
@@ -26,7 +29,7 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        RetryPolicy { attempts: 8, base: Duration::from_millis(50), max_backoff: Duration::from_secs(5) }
+        RetryPolicy { attempts: ATTEMPTS, base: Duration::from_millis(50), max_backoff: Duration::from_secs(5) }
     }
 }
 

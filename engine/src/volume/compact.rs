@@ -22,6 +22,10 @@ use crate::format::{Addr, SegId};
 use crate::tree::{Child, Node, NodeStore, Tree};
 use std::collections::{HashMap, HashSet};
 
+/// Segments holding at most this share of a segment's size of live bytes
+/// are compacted by default.
+pub const MAX_LIVE: f64 = 0.25;
+
 /// What one compaction did.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CompactReport {
