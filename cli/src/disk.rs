@@ -147,7 +147,10 @@ impl Disk {
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => bail!("{}: {}", root.display(), io_cause(&e)),
                 }
-                let store = LocalFolderStore::open(root).with_context(|| format!("cannot open {}", root.display()))?;
+                let store = LocalFolderStore::open(root).map_err(|e| match e {
+                    Error::Io(io) => anyhow!("cannot open {}: {}", root.display(), io_cause(&io)),
+                    e => anyhow::Error::from(e).context(format!("cannot open {}", root.display())),
+                })?;
                 (Arc::new(store), root.clone())
             }
             Location::S3 { bucket, prefix } => {

@@ -245,3 +245,38 @@ fn the_sweep_walkthrough_runs_as_written() {
     assert!(stdout.contains("M config/base.yaml"), "{stdout}");
     assert!(stdout.contains("sweep done"), "{stdout}");
 }
+
+#[test]
+fn errors_name_the_real_cause_of_a_bad_path() {
+    let out = arbor(&["checkpoints", "create", "/etc/passwd/x", "v1"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a folder") && !err.contains("does not exist"), "{err}");
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED: the permission case runs a copy of arbor as user nobody, which needs root");
+        return;
+    }
+    // A folder only root may enter, and a copy of arbor nobody may run.
+    let private = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(private.path().join("mnt")).expect("mkdir");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let open = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(open.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let bin = open.path().join("arbor");
+    std::fs::copy(arbor_bin(), &bin).expect("copy arbor");
+    let target = private.path().join("mnt");
+    let out = std::process::Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .arg(&bin)
+        .args(["checkpoints", "create"])
+        .arg(&target)
+        .arg("v1")
+        .output()
+        .expect("runuser");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("permission denied") && !err.contains("does not exist"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+}
