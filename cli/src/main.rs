@@ -332,6 +332,19 @@ fn print_status(s: &serde_json::Value) {
             c["gets"].as_u64().unwrap_or(0)
         );
     }
+    let r = &s["recovery"];
+    if r["replayed"].as_u64().unwrap_or(0) > 0 || r["torn_at"].is_string() || r["sealed"].as_u64().unwrap_or(0) > 0 {
+        println!(
+            "recovery     opened in {} ms: replayed {} operations from {} segments{}; sealed {} segments that were WAL pieces only ({} pieces read, {} deleted)",
+            r["open_ms"].as_u64().unwrap_or(0),
+            r["replayed"].as_u64().unwrap_or(0),
+            r["segments"].as_u64().unwrap_or(0),
+            r["torn_at"].as_str().map(|t| format!(", cut a torn tail at {t}")).unwrap_or_default(),
+            r["sealed"].as_u64().unwrap_or(0),
+            r["wal_pieces_read"].as_u64().unwrap_or(0),
+            r["wal_pieces_deleted"].as_u64().unwrap_or(0),
+        );
+    }
     if s["poisoned"] == json!(true) {
         println!("state        REFUSING WRITES after a failed sync; see the log");
     }

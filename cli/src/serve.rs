@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+/// How long opening the volume took (recovery included), for `status`.
+static OPEN_MS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+
 pub struct MountArgs {
     pub disk: String,
     pub mountpoint: PathBuf,
@@ -85,6 +88,16 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
 fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
     let s = vol.stats();
     let tier = p.disk.tier_stats();
+    let r = vol.recovery();
+    let recovery = json!({
+        "open_ms": OPEN_MS.get(),
+        "replayed": r.replayed,
+        "torn_at": r.torn_at,
+        "segments": r.segments.len(),
+        "sealed": r.sealed,
+        "wal_pieces_deleted": r.wal_pieces_deleted,
+        "wal_pieces_read": tier.as_ref().map(|t| t.cache.wal_pieces_read),
+    });
     json!({
         "mountpoint": p.mountpoint,
         "disk": p.disk.url,
@@ -119,6 +132,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
             "evicted_bytes": t.cache.evicted_bytes,
             "checksum_retries": t.cache.checksum_retries,
         })),
+        "recovery": recovery,
         "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
         "segments_referenced": vol.live_bytes().len(),
         // What `arbor compact` (default --max-live) would move and free.
@@ -165,6 +179,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         p.disk.make_private()?;
     }
     let cfg = Config { segment_size: args.segment_size, ..Config::default() };
+    let opening = Instant::now();
     let (vol, _lock) = match &args.checkpoint {
         Some(c) => (catalog.open_checkpoint(c, cfg)?, None),
         None => {
@@ -182,6 +197,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
             (v, Some(l))
         }
     };
+    let _ = OPEN_MS.set(opening.elapsed().as_millis() as u64);
     let control = control::Server::bind(&p.mountpoint)?;
     let opts = MountOptions { allow_other: args.allow_other, read_ahead: args.read_ahead, ..MountOptions::default() };
     let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)

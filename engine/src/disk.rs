@@ -290,6 +290,9 @@ macro_rules! delegate_segments {
         fn free_bytes(&self) -> Option<u64> {
             self.segments.free_bytes()
         }
+        fn seal_recovered(&self, segments: &[SegId]) -> Result<(u64, u64)> {
+            self.segments.seal_recovered(segments)
+        }
         fn segment_sealed(&self, id: SegId, len: u64) {
             self.segments.segment_sealed(id, len)
         }

@@ -212,7 +212,7 @@ pub fn numpy_available() -> bool {
 /// points arbor at it, and a folder for mountpoints and this node's caches.
 pub struct S3World {
     _server: arbor_engine::testkit::S3Server,
-    _data: tempfile::TempDir,
+    data: tempfile::TempDir,
     pub dir: tempfile::TempDir,
     pub env: Vec<(&'static str, String)>,
 }
@@ -234,7 +234,26 @@ impl S3World {
             ("AWS_REGION", "us-east-1".to_string()),
             ("XDG_CACHE_HOME", dir.path().join("cache").display().to_string()),
         ];
-        Some(S3World { _server: server, _data: data, dir, env })
+        Some(S3World { _server: server, data, dir, env })
+    }
+
+    /// The objects under `prefix` of the test bucket, as s3s-fs keeps them
+    /// (one file each in its data folder), counted without asking arbor.
+    pub fn objects_under(&self, prefix: &str) -> usize {
+        let root = self.data.path().join(arbor_engine::testkit::S3_BUCKET).join(prefix);
+        let mut n = 0;
+        let mut stack = vec![root];
+        while let Some(p) = stack.pop() {
+            let Ok(rd) = std::fs::read_dir(&p) else { continue };
+            for e in rd.flatten() {
+                match e.file_type() {
+                    Ok(t) if t.is_dir() => stack.push(e.path()),
+                    Ok(_) => n += 1,
+                    Err(_) => {}
+                }
+            }
+        }
+        n
     }
 
     /// A folder for a mountpoint.

@@ -104,6 +104,15 @@ pub trait Device: Send + Sync {
     fn drain(&self) -> Result<()> {
         Ok(())
     }
+    /// Recovery replayed these segments of a writer that is gone (this
+    /// volume holds its branch now). Where they live in the bucket only as
+    /// WAL pieces, each becomes one segment object and its pieces go, so
+    /// no later head needs a WAL piece and the next open reads chunks, not
+    /// one object per fsync. Returns how many segments it sealed and how
+    /// many pieces it deleted.
+    fn seal_recovered(&self, _segments: &[SegId]) -> Result<(u64, u64)> {
+        Ok((0, 0))
+    }
     /// Bytes written here and not yet in the bucket.
     fn pending_upload_bytes(&self) -> u64 {
         0

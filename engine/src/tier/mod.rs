@@ -539,6 +539,40 @@ impl Device for BucketDevice {
         self.shared.local.free_bytes()
     }
 
+    fn seal_recovered(&self, segments: &[SegId]) -> Result<(u64, u64)> {
+        let (mut sealed, mut deleted) = (0, 0);
+        for &id in segments {
+            // A segment in this cache is uploaded whole by the uploader,
+            // which drops its pieces itself.
+            if self.shared.local.open_segment(id)?.is_some() {
+                continue;
+            }
+            let key = object::segment_key(id);
+            if let Some(data) = self.shared.remote.wal_bytes(id) {
+                let (body, _) = object::with_footer(data, self.shared.cfg.chunk_size);
+                // Create-once: an upload by the segment's own writer (whole,
+                // so a superset of these bytes) is never replaced.
+                match self.shared.store.put_if_absent(&key, &body) {
+                    Ok(_) => sealed += 1,
+                    Err(Error::AlreadyExists(_)) => {}
+                    Err(e) => return Err(e),
+                }
+                self.shared.remote.forget_wal(id);
+            }
+            match self.shared.store.size(&key) {
+                Ok(_) => {
+                    for piece in self.shared.store.list(&object::wal_prefix(id))? {
+                        self.shared.store.delete(&piece)?;
+                        deleted += 1;
+                    }
+                }
+                Err(Error::NoSuchObject(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((sealed, deleted))
+    }
+
     fn segment_sealed(&self, id: SegId, len: u64) {
         let mut up = self.shared.up.lock();
         if up.in_bucket.contains(&id) || up.queue.iter().any(|q| q.1 == id) {

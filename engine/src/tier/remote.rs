@@ -36,6 +36,8 @@ const FOOTER_GUESS: u64 = 16 << 10;
 const SPILL_SEGMENTS: usize = 4;
 /// Tries per chunk before a checksum mismatch is reported as corruption.
 const GET_TRIES: usize = 4;
+/// WAL pieces fetched at once when a segment is read from them.
+const PIECE_FETCHES: usize = 16;
 
 #[derive(Default)]
 struct Lru {
@@ -56,6 +58,8 @@ pub struct CacheStats {
     pub hits: u64,
     pub evicted_bytes: u64,
     pub checksum_retries: u64,
+    /// WAL pieces read, for segments whose writers never sealed them.
+    pub wal_pieces_read: u64,
 }
 
 pub(crate) struct Remote {
@@ -90,6 +94,8 @@ pub(crate) struct Remote {
     hits: AtomicU64,
     evicted: AtomicU64,
     retries: AtomicU64,
+    /// WAL pieces fetched to read segments their writers never sealed.
+    wal_pieces: AtomicU64,
 }
 
 enum Source {
@@ -180,6 +186,7 @@ impl Remote {
             hits: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            wal_pieces: AtomicU64::new(0),
         }))
     }
 
@@ -192,6 +199,7 @@ impl Remote {
             hits: self.hits.load(Ordering::Relaxed),
             evicted_bytes: self.evicted.load(Ordering::Relaxed),
             checksum_retries: self.retries.load(Ordering::Relaxed),
+            wal_pieces_read: self.wal_pieces.load(Ordering::Relaxed),
         }
     }
 
@@ -468,38 +476,90 @@ impl Remote {
         }
         let mut pieces: Vec<(u64, String)> = keys.into_iter().filter_map(|k| Some((wal_offset(&k)?, k))).collect();
         pieces.sort();
+        let Some(bodies) = self.fetch_pieces(&pieces)? else { return Ok(None) };
         let mut data = Vec::new();
-        for (off, key) in pieces {
-            if off != data.len() as u64 {
+        for ((off, _), bytes) in pieces.iter().zip(bodies) {
+            if *off != data.len() as u64 {
                 // A gap: pieces after it are unusable, as a torn log tail is.
                 tracing::warn!(%id, at = data.len(), "WAL pieces of a segment leave a gap; reading up to it");
                 break;
             }
-            let mut verified = None;
+            data.extend_from_slice(&bytes);
+        }
+        let footer = Footer::of(&data, data.len().max(1) as u32);
+        Ok(Some(self.insert_seg(id, footer, Source::Wal(data))))
+    }
+
+    /// The verified bodies of WAL pieces `pieces`, fetched many at a time
+    /// (a dead writer leaves one piece per fsync), in their order; `None`
+    /// when one vanished since it was listed: its segment is in the bucket
+    /// whole now (pieces are deleted only after that), so look there.
+    fn fetch_pieces(&self, pieces: &[(u64, String)]) -> Result<Option<Vec<Vec<u8>>>> {
+        let next = AtomicU64::new(0);
+        // Per piece: not fetched yet, or its bytes, gone, or an error.
+        type Slot = Mutex<Option<Result<Option<Vec<u8>>>>>;
+        let slots: Vec<Slot> = pieces.iter().map(|_| Mutex::new(None)).collect();
+        let fetch_one = |key: &str| -> Result<Option<Vec<u8>>> {
             for _ in 0..GET_TRIES {
-                let body = match self.store.get(&key) {
+                let body = match self.store.get(key) {
                     Ok((body, _)) => body,
-                    // Listed a moment ago and gone now: pieces are deleted
-                    // only once their segment is in the bucket whole (or
-                    // nothing needs it any more), so the caller looks there.
                     Err(Error::NoSuchObject(_)) => return Ok(None),
                     Err(e) => return Err(e),
                 };
-                match split_verified(&body, &key) {
-                    Ok((bytes, _)) => {
-                        verified = Some(bytes);
-                        break;
-                    }
+                match split_verified(&body, key) {
+                    Ok((bytes, _)) => return Ok(Some(bytes)),
                     Err(_) => {
                         self.retries.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
-            let bytes = verified.ok_or_else(|| Error::corrupted("WAL piece", &key))?;
-            data.extend_from_slice(&bytes);
+            Err(Error::corrupted("WAL piece", key))
+        };
+        std::thread::scope(|s| {
+            for _ in 0..pieces.len().min(PIECE_FETCHES) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some((_, key)) = pieces.get(i) else { return };
+                    let got = fetch_one(key);
+                    let failed = !matches!(got, Ok(Some(_)));
+                    *slots[i].lock() = Some(got);
+                    if failed {
+                        // No piece after this one can be used.
+                        next.store(pieces.len() as u64, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        self.wal_pieces.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        let mut bodies = Vec::with_capacity(pieces.len());
+        for slot in slots {
+            match slot.into_inner() {
+                Some(Ok(Some(bytes))) => bodies.push(bytes),
+                Some(Ok(None)) => return Ok(None),
+                Some(Err(e)) => return Err(e),
+                // Not fetched: a piece before it failed, handled above.
+                None => break,
+            }
         }
-        let footer = Footer::of(&data, data.len().max(1) as u32);
-        Ok(Some(self.insert_seg(id, footer, Source::Wal(data))))
+        Ok(Some(bodies))
+    }
+
+    /// The bytes of segment `id` if this process read it from its WAL
+    /// pieces (its writer never sealed it).
+    pub fn wal_bytes(&self, id: SegId) -> Option<Vec<u8>> {
+        match &self.segs.read().get(&id)?.source {
+            Source::Wal(data) => Some(data.clone()),
+            Source::Object { .. } => None,
+        }
+    }
+
+    /// Forgets what this process read of segment `id` from its WAL pieces,
+    /// so the next read opens the segment object.
+    pub fn forget_wal(&self, id: SegId) {
+        let mut segs = self.segs.write();
+        if segs.get(&id).is_some_and(|s| matches!(s.source, Source::Wal(_))) {
+            segs.remove(&id);
+        }
     }
 
     /// Opens `stale` (a segment read from its WAL pieces) again, as the

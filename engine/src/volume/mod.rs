@@ -12,6 +12,7 @@ mod inspect;
 mod keys;
 mod nodes;
 mod open;
+pub use open::Recovery;
 mod ops;
 mod read;
 mod txn;
@@ -119,6 +120,8 @@ pub struct Volume {
     opens: Mutex<HashMap<u64, u32>>,
     poisoned: AtomicBool,
     stop_committer: Mutex<Option<mpsc::Sender<()>>>,
+    /// What recovery found and did when this volume was opened.
+    recovery: Mutex<open::Recovery>,
 }
 
 fn check_name(name: &[u8]) -> Result<()> {
@@ -175,6 +178,11 @@ impl Volume {
 
     pub fn is_read_only(&self) -> bool {
         self.cfg.read_only
+    }
+
+    /// What recovery found and did when this volume was opened.
+    pub fn recovery(&self) -> Recovery {
+        self.recovery.lock().clone()
     }
 
     /// Whether a failed sync or write has stopped this volume.

@@ -21,6 +21,12 @@ use std::sync::{mpsc, Arc, Weak};
 pub struct Recovery {
     pub replayed: u64,
     pub torn_at: Option<String>,
+    /// The segments replayed, all of one writer that is gone.
+    pub segments: Vec<crate::format::SegId>,
+    /// Of those, how many lived only as WAL pieces and became segment
+    /// objects, and how many WAL pieces went.
+    pub sealed: u64,
+    pub wal_pieces_deleted: u64,
 }
 
 impl Volume {
@@ -54,6 +60,7 @@ impl Volume {
             opens: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
             stop_committer: Mutex::new(None),
+            recovery: Mutex::new(Recovery::default()),
         };
         if !vol.cfg.read_only {
             let writer = fresh_writer(device.as_ref(), vol.cfg.env.as_ref())?;
@@ -70,7 +77,22 @@ impl Volume {
                 vol.run(&mut st, Op::DropOrphan { ino: keys::leading_u64(&k) }, &[])?;
             }
             vol.commit_locked(&mut st)?;
+            drop(st);
+            // This volume holds the branch now (its commit claimed it), so
+            // the writer whose log was replayed is gone for good.
+            if !report.segments.is_empty() {
+                match device.seal_recovered(&report.segments) {
+                    Ok((sealed, deleted)) => {
+                        report.sealed = sealed;
+                        report.wal_pieces_deleted = deleted;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot seal the segments recovery replayed; they stay as WAL pieces")
+                    }
+                }
+            }
         }
+        *vol.recovery.lock() = report.clone();
         let vol = Arc::new(vol);
         if let (Some(every), false) = (vol.cfg.commit_interval, vol.cfg.read_only) {
             let (tx, rx) = mpsc::channel();
@@ -95,6 +117,7 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
     if !sb.replay {
         return Ok(last_seq);
     }
+    report.segments.push(sb.commit.seg);
     let mut cursor = Cursor::new(device.clone(), sb.commit.seg, sb.commit.end())?.expecting(commit.seq + 1);
     // The pieces of a large write seen so far: applied with its last piece.
     let mut parts: Vec<(Op, Record)> = Vec::new();
@@ -102,6 +125,9 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
         match cursor.next_record()? {
             Next::Record(r) => {
                 last_seq = r.seq;
+                if report.segments.last() != Some(&r.addr.seg) {
+                    report.segments.push(r.addr.seg);
+                }
                 if r.kind != RecordKind::Intent {
                     continue;
                 }
