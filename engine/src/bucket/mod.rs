@@ -1,12 +1,14 @@
 //! The object-store seam: what the engine needs from a bucket. The local
 //! folder here is the embedded default; S3 implements the same trait.
 
+mod crash;
 mod fault;
 mod local;
 mod mem;
 mod retry;
 mod s3;
 
+pub use crash::{CrashStore, Step};
 pub use fault::{Fault, FaultStore};
 pub use local::LocalFolderStore;
 pub use mem::MemObjectStore;
