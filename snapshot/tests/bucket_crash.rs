@@ -57,7 +57,7 @@ fn catalog(store: Arc<dyn ObjectStore>, cache: &Path) -> Catalog {
 }
 
 fn bytes(i: usize) -> Vec<u8> {
-    (0..20_000 + i * 23_000).map(|n| (n.wrapping_mul(31) ^ i * 7) as u8).collect()
+    (0..20_000 + i * 23_000).map(|n| (n.wrapping_mul(31) ^ (i * 7)) as u8).collect()
 }
 
 /// The workload; stops at the first error (the process died there).
