@@ -1,0 +1,281 @@
+//! The chunk cache: which chunks are on local disk, bounded by bytes and
+//! evicted least-recently-used first. A chunk's bytes live in a sparse
+//! file (one per object, the caller's); an evicted chunk is punched out of
+//! it. The index is in memory, and rebuilt from the files' data extents
+//! (`is_data`) when an object is opened after a restart; chunks found that
+//! way are checked once before use.
+//!
+//! Generic over the chunk's key, so every reader of immutable objects can
+//! use it: a mount's segment reader keys chunks by (segment, index).
+//!
+//! Locks: `evicting` before `index`. A reader holds `evicting` shared
+//! ([`ChunkCache::hold`]) from "is the chunk present" to the end of its
+//! pread; eviction holds it exclusively while it punches holes.
+
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::collections::HashMap;
+use std::fs::File;
+use std::hash::Hash;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One chunk on local disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// When it was last used (a tick of the cache; 0: the cold end).
+    pub last_used: u64,
+    pub len: u32,
+    /// Where its bytes start in the object's cache file.
+    pub off: u64,
+    /// Whether its bytes were checked in this process.
+    pub verified: bool,
+}
+
+struct Index<K> {
+    tick: u64,
+    chunks: HashMap<K, Chunk>,
+    bytes: u64,
+}
+
+pub struct ChunkCache<K> {
+    capacity: u64,
+    index: Mutex<Index<K>>,
+    evicting: RwLock<()>,
+    evicted: AtomicU64,
+}
+
+impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
+    pub fn new(capacity: u64) -> ChunkCache<K> {
+        ChunkCache {
+            capacity,
+            index: Mutex::new(Index { tick: 0, chunks: HashMap::new(), bytes: 0 }),
+            evicting: RwLock::new(()),
+            evicted: AtomicU64::new(0),
+        }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes of the chunks present.
+    pub fn bytes(&self) -> u64 {
+        self.index.lock().bytes
+    }
+
+    /// Bytes evicted so far.
+    pub fn evicted_bytes(&self) -> u64 {
+        self.evicted.load(Ordering::Relaxed)
+    }
+
+    /// No eviction punches a hole while the guard lives.
+    pub fn hold(&self) -> RwLockReadGuard<'_, ()> {
+        self.evicting.read()
+    }
+
+    /// No reader is between its presence check and its pread while the
+    /// guard lives.
+    pub fn exclusive(&self) -> RwLockWriteGuard<'_, ()> {
+        self.evicting.write()
+    }
+
+    pub fn get(&self, key: K) -> Option<Chunk> {
+        self.index.lock().chunks.get(&key).copied()
+    }
+
+    /// Whether chunk `key` is present and already checked in this process.
+    pub fn verified(&self, key: K) -> Option<bool> {
+        self.get(key).map(|c| c.verified)
+    }
+
+    pub fn mark_verified(&self, key: K) {
+        if let Some(c) = self.index.lock().chunks.get_mut(&key) {
+            c.verified = true;
+        }
+    }
+
+    pub fn present(&self, key: K) -> bool {
+        self.index.lock().chunks.contains_key(&key)
+    }
+
+    pub fn touch(&self, key: K) {
+        let mut index = self.index.lock();
+        index.tick += 1;
+        let tick = index.tick;
+        if let Some(c) = index.chunks.get_mut(&key) {
+            c.last_used = tick;
+        }
+    }
+
+    /// Drops one chunk (one that failed its check).
+    pub fn forget(&self, key: K) {
+        let mut index = self.index.lock();
+        if let Some(c) = index.chunks.remove(&key) {
+            index.bytes -= c.len as u64;
+        }
+    }
+
+    /// Drops every chunk whose key `pred` picks (an object deleted, or its
+    /// cache file started anew).
+    pub fn forget_where(&self, pred: impl Fn(&K) -> bool) {
+        let mut index = self.index.lock();
+        let keys: Vec<K> = index.chunks.keys().filter(|k| pred(k)).copied().collect();
+        for k in keys {
+            if let Some(c) = index.chunks.remove(&k) {
+                index.bytes -= c.len as u64;
+            }
+        }
+    }
+
+    /// Marks chunks (key, length, offset) present. `old` chunks (found in
+    /// a cache file from before) go to the cold end and are checked when
+    /// first read: a crash may have left a chunk half written, and a
+    /// punched partial block reads as zeros yet counts as data.
+    pub fn insert(&self, keys: &[(K, u32, u64)], old: bool) {
+        let mut index = self.index.lock();
+        for &(key, len, off) in keys {
+            index.tick += 1;
+            let last_used = if old { 0 } else { index.tick };
+            if index.chunks.insert(key, Chunk { last_used, len, off, verified: !old }).is_none() {
+                index.bytes += len as u64;
+            }
+        }
+    }
+
+    /// Writes fetched chunks (key, bytes, offset) into `file` and marks
+    /// them present, both while no eviction runs: an eviction that chose a
+    /// chunk (before a reader fetched it again) must punch its hole before
+    /// the fresh bytes land, never after. A chunk that cannot be written
+    /// (a full disk) stays uncached; its reader has the bytes in hand.
+    pub fn land(&self, file: &File, chunks: &[(K, &[u8], u64)]) {
+        let _no_eviction = self.evicting.read();
+        let mut landed = Vec::with_capacity(chunks.len());
+        for &(key, bytes, off) in chunks {
+            match file.write_all_at(bytes, off) {
+                Ok(()) => landed.push((key, bytes.len() as u32, off)),
+                Err(e) => tracing::warn!(error = %e, "cannot write a chunk to the cache; it stays uncached"),
+            }
+        }
+        self.insert(&landed, false);
+    }
+
+    /// When the cache holds more than its capacity, drops the least
+    /// recently used chunks down to 90 % of it and hands them (key,
+    /// length, offset) to `punch`, which removes their bytes, while no
+    /// reader is between its presence check and its pread.
+    pub fn evict_if_over(&self, punch: impl FnOnce(&[(K, u32, u64)])) {
+        if self.index.lock().bytes <= self.capacity {
+            return;
+        }
+        let _x = self.evicting.write();
+        let victims: Vec<(K, u32, u64)> = {
+            let mut index = self.index.lock();
+            let target = self.capacity / 10 * 9;
+            if index.bytes <= self.capacity {
+                return;
+            }
+            let mut all: Vec<(u64, K, u32, u64)> =
+                index.chunks.iter().map(|(k, c)| (c.last_used, *k, c.len, c.off)).collect();
+            all.sort_unstable();
+            let mut out = Vec::new();
+            for (_, key, len, off) in all {
+                if index.bytes <= target {
+                    break;
+                }
+                index.chunks.remove(&key);
+                index.bytes -= len as u64;
+                out.push((key, len, off));
+            }
+            out
+        };
+        self.evicted.fetch_add(victims.iter().map(|v| v.1 as u64).sum(), Ordering::Relaxed);
+        punch(&victims);
+    }
+}
+
+/// Frees `len` bytes at `off` of `file`, keeping its size.
+pub fn punch_hole(file: &File, off: u64, len: u64) {
+    // SAFETY: plain syscall on a descriptor we own.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if rc != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "punching an evicted chunk out of the cache failed");
+    }
+}
+
+/// Whether `[off, end)` of `file` is all data (no hole).
+pub fn is_data(file: &File, off: u64, end: u64) -> bool {
+    // SAFETY: plain syscalls on a descriptor we own.
+    unsafe {
+        let d = libc::lseek(file.as_raw_fd(), off as libc::off_t, libc::SEEK_DATA);
+        if d < 0 || d as u64 != off {
+            return false;
+        }
+        let h = libc::lseek(file.as_raw_fd(), off as libc::off_t, libc::SEEK_HOLE);
+        h >= 0 && h as u64 >= end
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evicts_least_recently_used_down_to_ninety_percent_and_punches_them() {
+        let cache: ChunkCache<u32> = ChunkCache::new(1000);
+        cache.insert(&[(1, 300, 0), (2, 300, 300), (3, 300, 600)], false);
+        cache.touch(1);
+        let mut punched = Vec::new();
+        cache.evict_if_over(|v| punched.extend_from_slice(v));
+        assert!(punched.is_empty(), "900 of 1000 bytes: nothing to evict");
+        cache.insert(&[(4, 300, 900)], false);
+        cache.evict_if_over(|v| punched.extend_from_slice(v));
+        // 1200 > 1000: down to <= 900, oldest first (2, then 3; 1 was touched).
+        assert_eq!(punched, vec![(2, 300, 300)]);
+        assert_eq!(cache.bytes(), 900);
+        assert!(!cache.present(2) && cache.present(1) && cache.present(3) && cache.present(4));
+        assert_eq!(cache.evicted_bytes(), 300);
+    }
+
+    #[test]
+    fn chunks_from_before_are_cold_and_unchecked_until_marked() {
+        let cache: ChunkCache<u32> = ChunkCache::new(1 << 20);
+        cache.insert(&[(7, 10, 0)], true);
+        assert_eq!(cache.verified(7), Some(false));
+        assert_eq!(cache.get(7).map(|c| c.last_used), Some(0));
+        cache.mark_verified(7);
+        assert_eq!(cache.verified(7), Some(true));
+        cache.forget(7);
+        assert_eq!((cache.verified(7), cache.bytes()), (None, 0));
+        cache.insert(&[(1, 5, 0), (2, 5, 5), (11, 5, 0)], false);
+        cache.forget_where(|k| *k < 10);
+        assert_eq!((cache.present(11), cache.bytes()), (true, 5));
+    }
+
+    #[test]
+    fn landed_chunks_are_in_the_file_and_punched_ones_are_holes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("c"))
+            .expect("file");
+        file.set_len(2 << 20).expect("len");
+        let cache: ChunkCache<u32> = ChunkCache::new(1 << 30);
+        let bytes = vec![7u8; 1 << 20];
+        cache.land(&file, &[(0, &bytes, 0)]);
+        assert!(cache.present(0) && is_data(&file, 0, 1 << 20));
+        assert!(!is_data(&file, 1 << 20, 2 << 20), "the second chunk was never written");
+        punch_hole(&file, 0, 1 << 20);
+        assert!(!is_data(&file, 0, 1 << 20));
+    }
+}

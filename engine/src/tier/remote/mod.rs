@@ -1,0 +1,457 @@
+//! Reading segments that live in the bucket: ranged GETs of aligned
+//! chunks, each verified against the object's footer before use, kept in
+//! a local cache bounded by bytes and evicted least-recently-used first.
+//!
+//! Rooms, one job each:
+//! - `chunks.rs`: the chunk cache, which chunks are on local disk (sparse
+//!   files, holes punched on eviction), least-recently-used eviction, and
+//!   the lock that keeps a reader's pread and a hole punch apart;
+//! - `segment.rs`: one segment in the bucket, its footer, on-demand chunk
+//!   fetches and reads (`SegmentFile`);
+//! - `prefetch.rs`: read-ahead, the fetch workers, and streaming across
+//!   a writer's segments;
+//! - this file: `Remote`, which opens segments (objects, or the WAL pieces
+//!   of a segment never sealed) and owns the rest.
+//!
+//! Lock order (a thread holding one may take those after it, never before):
+//! `opening` → `chunks` eviction lock (`ChunkCache::exclusive`/`hold`) →
+//! `segs` → `inflight` → `queued` → the chunk index → `stream`, `absent`,
+//! `adopted`, `prefetch`.
+
+mod chunks;
+mod prefetch;
+mod segment;
+
+use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
+use crate::bucket::ObjectStore;
+use crate::device::SegmentFile;
+use crate::error::{Error, Result};
+use crate::format::SegId;
+use chunks::ChunkCache;
+use chunks::{is_data, punch_hole};
+use parking_lot::{Condvar, Mutex, RwLock};
+use prefetch::Run;
+pub(crate) use segment::RemoteSeg;
+use segment::Source;
+use std::collections::{HashMap, HashSet};
+use std::fs::{self, File};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+type ChunkKey = (SegId, u32);
+
+/// Remote segments whose handles are kept (each holds a descriptor).
+const MAX_OPEN: usize = 1024;
+/// Chunks read-ahead fetches with one GET at most (and asks for at once).
+const RUN_CHUNKS: usize = 8;
+/// The largest read-ahead window a streaming reader ramps up to.
+const MAX_READ_AHEAD: u64 = 64 << 20;
+/// How much of a segment object's tail is fetched to find its footer.
+const FOOTER_GUESS: u64 = 16 << 10;
+/// How many of the writer's following segments read-ahead may reach into.
+const SPILL_SEGMENTS: usize = 4;
+/// Tries per chunk before a checksum mismatch is reported as corruption.
+const GET_TRIES: usize = 4;
+/// WAL pieces fetched at once when a segment is read from them.
+const PIECE_FETCHES: usize = 16;
+
+/// Counters for `status` and the benchmarks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CacheStats {
+    pub cached_bytes: u64,
+    pub capacity: u64,
+    pub gets: u64,
+    pub fetched_bytes: u64,
+    pub hits: u64,
+    pub evicted_bytes: u64,
+    pub checksum_retries: u64,
+    /// WAL pieces read, for segments whose writers never sealed them.
+    pub wal_pieces_read: u64,
+}
+
+pub(crate) struct Remote {
+    store: Arc<dyn ObjectStore>,
+    dir: PathBuf,
+    read_ahead: u64,
+    parallel: usize,
+    /// Which chunks are on local disk, and evicting them.
+    chunks: ChunkCache<ChunkKey>,
+    inflight: Mutex<HashSet<ChunkKey>>,
+    landed: Condvar,
+    segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
+    /// Read-ahead jobs for the fetch workers, started on first use.
+    prefetch: Mutex<Option<crossbeam::channel::Sender<Run>>>,
+    /// Chunks queued for read-ahead and not yet taken by a worker.
+    queued: Mutex<HashSet<ChunkKey>>,
+    /// Segments read-ahead looked for and did not find (it looks once).
+    absent: Mutex<HashSet<SegId>>,
+    /// The segment a streaming reader is about to enter, and its window.
+    stream: Mutex<Option<(SegId, u64)>>,
+    /// Segments this node wrote whose files became cached copies: reads
+    /// through an older local handle go through the cache instead.
+    adopted: Mutex<HashSet<SegId>>,
+    /// One open at a time: two opens of one segment must not both set up
+    /// its cache file.
+    opening: Mutex<()>,
+    gets: AtomicU64,
+    fetched: AtomicU64,
+    hits: AtomicU64,
+    retries: AtomicU64,
+    /// WAL pieces fetched to read segments their writers never sealed.
+    wal_pieces: AtomicU64,
+}
+
+impl Remote {
+    pub(crate) fn new(
+        store: Arc<dyn ObjectStore>,
+        dir: PathBuf,
+        capacity: u64,
+        read_ahead: u64,
+        parallel: usize,
+    ) -> Result<Arc<Remote>> {
+        crate::private::create_dir_all(&dir)?;
+        Ok(Arc::new(Remote {
+            store,
+            dir,
+            read_ahead,
+            parallel: parallel.max(1),
+            chunks: ChunkCache::new(capacity),
+            inflight: Mutex::new(HashSet::new()),
+            landed: Condvar::new(),
+            segs: RwLock::new(HashMap::new()),
+            prefetch: Mutex::new(None),
+            queued: Mutex::new(HashSet::new()),
+            absent: Mutex::new(HashSet::new()),
+            stream: Mutex::new(None),
+            adopted: Mutex::new(HashSet::new()),
+            opening: Mutex::new(()),
+            gets: AtomicU64::new(0),
+            fetched: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            wal_pieces: AtomicU64::new(0),
+        }))
+    }
+
+    pub(crate) fn stats(&self) -> CacheStats {
+        CacheStats {
+            cached_bytes: self.chunks.bytes(),
+            capacity: self.chunks.capacity(),
+            gets: self.gets.load(Ordering::Relaxed),
+            fetched_bytes: self.fetched.load(Ordering::Relaxed),
+            hits: self.hits.load(Ordering::Relaxed),
+            evicted_bytes: self.chunks.evicted_bytes(),
+            checksum_retries: self.retries.load(Ordering::Relaxed),
+            wal_pieces_read: self.wal_pieces.load(Ordering::Relaxed),
+        }
+    }
+
+    fn path(&self, id: SegId) -> PathBuf {
+        self.dir.join(id.file_name())
+    }
+
+    /// Writes fetched chunks into the segment's cache file, then evicts
+    /// if the cache grew past its capacity.
+    fn land(&self, file: &File, chunks: &[(ChunkKey, &[u8], u64)]) {
+        self.chunks.land(file, chunks);
+        self.evict_if_over();
+    }
+
+    /// Marks chunks present, then evicts if the cache grew past its
+    /// capacity. `old` chunks go to the cold end.
+    fn add(&self, keys: &[(ChunkKey, u32, u64)], old: bool) {
+        self.chunks.insert(keys, old);
+        self.evict_if_over();
+    }
+
+    /// Evicts down to 90 % of the capacity when over it, punching the
+    /// victims out of their segments' cache files.
+    fn evict_if_over(&self) {
+        self.chunks.evict_if_over(|victims| {
+            let mut by_seg: HashMap<SegId, Vec<(u32, u64)>> = HashMap::new();
+            for &((seg, _), len, off) in victims {
+                by_seg.entry(seg).or_default().push((len, off));
+            }
+            for (seg, chunks) in by_seg {
+                let held = self.segs.read().get(&seg).cloned();
+                let opened;
+                let file = match held.as_deref().map(|s| &s.source) {
+                    Some(Source::Object { file }) => file,
+                    _ => match File::options().write(true).open(self.path(seg)) {
+                        Ok(f) => {
+                            opened = f;
+                            &opened
+                        }
+                        Err(_) => continue,
+                    },
+                };
+                for (len, off) in chunks {
+                    punch_hole(file, off, len as u64);
+                }
+            }
+        });
+    }
+
+    /// A segment this node wrote and has just uploaded: its file becomes
+    /// the cached copy, every chunk present.
+    /// Done while no read of the old local file is under way (they hold
+    /// `evicting` shared), so none can see a hole punched later.
+    pub(crate) fn adopt(self: &Arc<Self>, id: SegId, local: &std::path::Path, footer: Footer) -> Result<()> {
+        {
+            let _no_readers = self.chunks.exclusive();
+            let path = self.path(id);
+            fs::rename(local, &path)?;
+            self.adopted.lock().insert(id);
+            let file = File::options().read(true).write(true).open(&path)?;
+            let chunks: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
+                .map(|i| {
+                    let (s, e) = footer.chunk_range(i);
+                    ((id, i as u32), (e - s) as u32, s)
+                })
+                .collect();
+            self.segs.write().remove(&id);
+            self.insert_seg(id, footer, Source::Object { file });
+            self.chunks.insert(&chunks, false);
+        }
+        self.evict_if_over();
+        Ok(())
+    }
+
+    /// Reads `buf` at `off` of segment `id` through `local` (this node's
+    /// file of it), unless the segment has since become a cached copy:
+    /// then through the cache, which knows which chunks were evicted.
+    pub(crate) fn read_local(
+        self: &Arc<Self>,
+        id: SegId,
+        local: &dyn SegmentFile,
+        buf: &mut [u8],
+        off: u64,
+    ) -> Result<()> {
+        {
+            let _no_eviction = self.chunks.hold();
+            if !self.adopted.lock().contains(&id) {
+                return local.read_at(buf, off);
+            }
+        }
+        let seg = self.open(id)?.ok_or_else(|| Error::corrupted("missing segment", id))?;
+        seg.read_at(buf, off)
+    }
+
+    fn insert_seg(self: &Arc<Self>, id: SegId, footer: Footer, source: Source) -> Arc<RemoteSeg> {
+        let seg = Arc::new_cyclic(|me| RemoteSeg {
+            remote: self.clone(),
+            id,
+            key: segment_key(id),
+            footer,
+            source,
+            last_end: AtomicU64::new(u64::MAX),
+            window: AtomicU64::new(self.read_ahead),
+            me: me.clone(),
+        });
+        let mut segs = self.segs.write();
+        crate::device::bound_handles(&mut segs, MAX_OPEN);
+        segs.entry(id).or_insert(seg).clone()
+    }
+
+    /// Opens segment `id` from the bucket, or `None` if it is not there.
+    pub(crate) fn open(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
+        if let Some(s) = self.segs.read().get(&id) {
+            return Ok(Some(s.clone()));
+        }
+        let _one = self.opening.lock();
+        if let Some(s) = self.segs.read().get(&id) {
+            return Ok(Some(s.clone()));
+        }
+        let key = segment_key(id);
+        let size = match self.store.size(&key) {
+            Ok(size) => size,
+            Err(Error::NoSuchObject(_)) => match self.open_wal(id)? {
+                Some(seg) => return Ok(Some(seg)),
+                // Gone, or sealed and uploaded between the two looks.
+                None => match self.store.size(&key) {
+                    Ok(size) => size,
+                    Err(Error::NoSuchObject(_)) => return Ok(None),
+                    Err(e) => return Err(e),
+                },
+            },
+            Err(e) => return Err(e),
+        };
+        let footer = self.read_footer(&key, size)?;
+        let path = self.path(id);
+        let file = crate::private::options().read(true).write(true).create(true).truncate(false).open(&path)?;
+        if file.metadata()?.len() != footer.data_len {
+            // A new cache file, or one from another life of this name: start empty.
+            let _no_readers = self.chunks.exclusive();
+            self.chunks.forget_where(|k| k.0 == id);
+            file.set_len(0)?;
+            file.set_len(footer.data_len)?;
+        } else {
+            let present: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
+                .filter_map(|i| {
+                    let (s, e) = footer.chunk_range(i);
+                    is_data(&file, s, e).then_some(((id, i as u32), (e - s) as u32, s))
+                })
+                .collect();
+            self.add(&present, true);
+        }
+        Ok(Some(self.insert_seg(id, footer, Source::Object { file })))
+    }
+
+    fn read_footer(&self, key: &str, size: u64) -> Result<Footer> {
+        let mut last = None;
+        for _ in 0..GET_TRIES {
+            let attempt = (|| {
+                if size < TRAILER_LEN as u64 {
+                    return Err(Error::corrupted("segment object (too short)", key));
+                }
+                // One GET of the object's tail holds the whole footer of any
+                // segment up to FOOTER_GUESS / 4 chunks; larger ones take two.
+                let guess = size.min(FOOTER_GUESS);
+                let tail = self.store.get_range(key, size - guess..size)?;
+                if tail.len() as u64 != guess {
+                    return Err(Error::corrupted("segment object footer (short read)", key));
+                }
+                let table = Footer::table_len(&tail[tail.len() - TRAILER_LEN..], size, key)? as u64;
+                let need = table + TRAILER_LEN as u64;
+                if need <= guess {
+                    return Footer::decode(&tail[(guess - need) as usize..], key);
+                }
+                let whole = self.store.get_range(key, size - need..size)?;
+                Footer::decode(&whole, key)
+            })();
+            match attempt {
+                Err(e @ Error::Corrupted { .. }) => {
+                    self.retries.fetch_add(1, Ordering::Relaxed);
+                    last = Some(e);
+                }
+                other => return other,
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::corrupted("segment object footer", key)))
+    }
+
+    /// A segment only its WAL pieces hold: its writer stopped before sealing it;
+    /// `None` when it has no WAL pieces either. Called under `opening`.
+    fn open_wal(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
+        let keys = self.store.list(&wal_prefix(id))?;
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        let mut pieces: Vec<(u64, String)> = keys.into_iter().filter_map(|k| Some((wal_offset(&k)?, k))).collect();
+        pieces.sort();
+        let Some(bodies) = self.fetch_pieces(&pieces)? else { return Ok(None) };
+        let mut data = Vec::new();
+        for ((off, _), bytes) in pieces.iter().zip(bodies) {
+            if *off != data.len() as u64 {
+                // A gap: pieces after it are unusable, as a torn log tail is.
+                tracing::warn!(%id, at = data.len(), "WAL pieces of a segment leave a gap; reading up to it");
+                break;
+            }
+            data.extend_from_slice(&bytes);
+        }
+        let footer = Footer::of(&data, data.len().max(1) as u32);
+        Ok(Some(self.insert_seg(id, footer, Source::Wal(data))))
+    }
+
+    /// The verified bodies of WAL pieces `pieces`, fetched many at a time
+    /// (a dead writer leaves one piece per fsync), in their order; `None`
+    /// when one vanished since it was listed: its segment is in the bucket
+    /// whole now (pieces are deleted only after that), so look there.
+    fn fetch_pieces(&self, pieces: &[(u64, String)]) -> Result<Option<Vec<Vec<u8>>>> {
+        let next = AtomicU64::new(0);
+        // Per piece: not fetched yet, or its bytes, gone, or an error.
+        type Slot = Mutex<Option<Result<Option<Vec<u8>>>>>;
+        let slots: Vec<Slot> = pieces.iter().map(|_| Mutex::new(None)).collect();
+        let fetch_one = |key: &str| -> Result<Option<Vec<u8>>> {
+            for _ in 0..GET_TRIES {
+                let body = match self.store.get(key) {
+                    Ok((body, _)) => body,
+                    Err(Error::NoSuchObject(_)) => return Ok(None),
+                    Err(e) => return Err(e),
+                };
+                match split_verified(&body, key) {
+                    Ok((bytes, _)) => return Ok(Some(bytes)),
+                    Err(_) => {
+                        self.retries.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Err(Error::corrupted("WAL piece", key))
+        };
+        std::thread::scope(|s| {
+            for _ in 0..pieces.len().min(PIECE_FETCHES) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some((_, key)) = pieces.get(i) else { return };
+                    let got = fetch_one(key);
+                    let failed = !matches!(got, Ok(Some(_)));
+                    *slots[i].lock() = Some(got);
+                    if failed {
+                        // No piece after this one can be used.
+                        next.store(pieces.len() as u64, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+        self.wal_pieces.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        let mut bodies = Vec::with_capacity(pieces.len());
+        for slot in slots {
+            match slot.into_inner() {
+                Some(Ok(Some(bytes))) => bodies.push(bytes),
+                Some(Ok(None)) => return Ok(None),
+                Some(Err(e)) => return Err(e),
+                // Not fetched: a piece before it failed, handled above.
+                None => break,
+            }
+        }
+        Ok(Some(bodies))
+    }
+
+    /// The bytes of segment `id` if this process read it from its WAL
+    /// pieces (its writer never sealed it).
+    pub(crate) fn wal_bytes(&self, id: SegId) -> Option<Vec<u8>> {
+        match &self.segs.read().get(&id)?.source {
+            Source::Wal(data) => Some(data.clone()),
+            Source::Object { .. } => None,
+        }
+    }
+
+    /// Forgets what this process read of segment `id` from its WAL pieces,
+    /// so the next read opens the segment object.
+    pub(crate) fn forget_wal(&self, id: SegId) {
+        let mut segs = self.segs.write();
+        if segs.get(&id).is_some_and(|s| matches!(s.source, Source::Wal(_))) {
+            segs.remove(&id);
+        }
+    }
+
+    /// Opens `stale` (a segment read from its WAL pieces) again, as the
+    /// bucket holds it now: more pieces, or the sealed object.
+    fn reopen(self: &Arc<Self>, stale: &RemoteSeg) -> Result<Option<Arc<RemoteSeg>>> {
+        {
+            let mut segs = self.segs.write();
+            if segs.get(&stale.id).is_some_and(|s| std::ptr::eq(Arc::as_ptr(s), stale)) {
+                segs.remove(&stale.id);
+            }
+        }
+        Ok(self.open(stale.id)?.filter(|f| !std::ptr::eq(Arc::as_ptr(f), stale)))
+    }
+
+    /// Lets go of every open segment and stops the fetch workers (once
+    /// their queue is empty). Segments hold the cache, so without this the
+    /// two would keep each other, and the workers, alive.
+    pub(crate) fn shutdown(&self) {
+        self.prefetch.lock().take();
+        self.segs.write().clear();
+    }
+
+    /// Forgets a deleted segment.
+    pub(crate) fn remove(&self, id: SegId) {
+        self.segs.write().remove(&id);
+        self.adopted.lock().remove(&id);
+        let _x = self.chunks.exclusive();
+        self.chunks.forget_where(|k| k.0 == id);
+        let _ = fs::remove_file(self.path(id));
+    }
+}

@@ -1,0 +1,205 @@
+//! Read-ahead: a sequential reader's window grows fourfold per read up
+//! to `MAX_READ_AHEAD`; the chunks in it are queued as runs of up to
+//! [`RUN_CHUNKS`] neighbours, each one job and one GET for a pool of fetch
+//! workers, and the window runs on into the writer's next segments.
+
+use super::segment::{RemoteSeg, Source};
+use super::{Remote, RUN_CHUNKS, SPILL_SEGMENTS};
+use crate::format::SegId;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Work for the fetch workers: a run of `count` chunks from `first`, to
+/// fetch ahead of a reader with one GET.
+pub(super) struct Run {
+    seg: Arc<RemoteSeg>,
+    first: usize,
+    count: usize,
+}
+
+impl RemoteSeg {
+    /// Read-ahead: fetches chunks `first..first + count` (those no other
+    /// thread has or brings) with one ranged GET, checking each chunk on
+    /// its own. A chunk that fails its check is left for an on-demand fetch.
+    fn fetch_run(&self, first: usize, count: usize) {
+        let r = &self.remote;
+        // Claim the chunks nobody else has or is fetching.
+        let mut claimed = Vec::new();
+        {
+            let mut inflight = r.inflight.lock();
+            for i in first..first + count {
+                let key = (self.id, i as u32);
+                if !r.chunks.present(key) && inflight.insert(key) {
+                    claimed.push(i);
+                }
+            }
+        }
+        self.fetch_claimed(&claimed);
+    }
+
+    /// One GET from the first to the last of `claimed` (ascending chunk
+    /// numbers the caller claimed in `inflight`); lands those that pass
+    /// their check and releases the claims.
+    pub(super) fn fetch_claimed(&self, claimed: &[usize]) {
+        let r = &self.remote;
+        let (Some(&lo), Some(&hi)) = (claimed.first(), claimed.last()) else { return };
+        if let Source::Object { file } = &self.source {
+            let (start, _) = self.footer.chunk_range(lo);
+            let (_, end) = self.footer.chunk_range(hi);
+            r.gets.fetch_add(1, Ordering::Relaxed);
+            match r.store.get_range(&self.key, start..end) {
+                Ok(bytes) => {
+                    let mut good = Vec::new();
+                    for &i in claimed {
+                        let (s, e) = self.footer.chunk_range(i);
+                        match bytes.get((s - start) as usize..(e - start) as usize) {
+                            Some(part) if self.footer.verify(i, part) => {
+                                r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
+                                good.push(((self.id, i as u32), part, s));
+                            }
+                            _ => {
+                                r.retries.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                    // One large write per run: the page cache keeps it in
+                    // large pages (a write per network piece would leave
+                    // small ones, and re-reads from the cache run slower).
+                    r.land(file, &good);
+                }
+                Err(e) => tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand"),
+            }
+        }
+        let mut inflight = r.inflight.lock();
+        for &i in claimed {
+            inflight.remove(&(self.id, i as u32));
+        }
+        drop(inflight);
+        r.landed.notify_all();
+    }
+
+    /// Keeps the `read_ahead` bytes after `end` coming: every chunk there
+    /// that is neither present nor on its way is queued for the fetch
+    /// workers, so a sequential reader finds a full pipeline of GETs ahead
+    /// of it. Past the segment's end the window continues into the next
+    /// segment of the same writer, where a file written in one go goes on.
+    pub(super) fn read_ahead(&self, end: u64, window: u64) {
+        let r = &self.remote;
+        if window == 0 {
+            return;
+        }
+        let Some(me) = self.me.upgrade() else { return };
+        let window_end = end + window;
+        if end < self.footer.data_len {
+            let first = (end / self.chunk_size()) as usize;
+            r.enqueue_chunks(&me, first, self.run_end(window_end));
+        }
+        if !matches!(self.source, Source::Object { .. }) {
+            return;
+        }
+        // Past this segment's end the window goes on through the writer's
+        // next segments. The next one is opened as soon as a reader streams
+        // through this one, so its footer is at hand before the reader is.
+        let mut spill = window_end.saturating_sub(self.footer.data_len.max(end));
+        let mut id = self.id;
+        for _ in 0..SPILL_SEGMENTS {
+            id = id.next();
+            let known = r.segs.read().get(&id).cloned();
+            match known {
+                Some(seg) if matches!(seg.source, Source::Object { .. }) => {
+                    r.enqueue_first(&seg, spill);
+                    spill = spill.saturating_sub(seg.footer.data_len);
+                    if spill == 0 {
+                        break;
+                    }
+                }
+                Some(_) => break,
+                None => {
+                    r.open_ahead(id, spill);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl Remote {
+    /// Opens segment `id` (once) on a thread of its own, not behind the
+    /// queued chunk fetches, then queues its first `spill` bytes.
+    fn open_ahead(self: &Arc<Self>, id: SegId, spill: u64) {
+        if !self.absent.lock().insert(id) {
+            return;
+        }
+        let remote = self.clone();
+        let spawned = std::thread::Builder::new().name("arbor-open".into()).spawn(move || {
+            if let Ok(Some(seg)) = remote.open(id) {
+                remote.absent.lock().remove(&id);
+                remote.enqueue_first(&seg, spill);
+            }
+        });
+        if let Err(e) = spawned {
+            // Read-ahead stops at this segment's end; the reader opens the next itself.
+            tracing::warn!(error = %e, "cannot start a thread to open the next segment");
+            self.absent.lock().remove(&id);
+        }
+    }
+
+    /// Queues the chunks holding the first `bytes` of `seg`, in whole runs.
+    fn enqueue_first(self: &Arc<Self>, seg: &Arc<RemoteSeg>, bytes: u64) {
+        self.enqueue_chunks(seg, 0, seg.run_end(bytes));
+    }
+
+    /// Queues chunks `first..last` of `seg` that are neither present, on
+    /// their way nor queued, as jobs of up to [`RUN_CHUNKS`] neighbours
+    /// (split at multiples of it), each fetched with one GET.
+    fn enqueue_chunks(self: &Arc<Self>, seg: &Arc<RemoteSeg>, first: usize, last: usize) {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        {
+            let inflight = self.inflight.lock();
+            let mut queued = self.queued.lock();
+            for i in first..last {
+                let key = (seg.id, i as u32);
+                if self.chunks.present(key) || inflight.contains(&key) || !queued.insert(key) {
+                    continue;
+                }
+                match runs.last_mut() {
+                    Some((s, n)) if *s + *n == i && i % RUN_CHUNKS != 0 => *n += 1,
+                    _ => runs.push((i, 1)),
+                }
+            }
+        }
+        for (first, count) in runs {
+            self.enqueue(Run { seg: seg.clone(), first, count });
+        }
+    }
+
+    fn enqueue(self: &Arc<Self>, job: Run) {
+        let mut tx = self.prefetch.lock();
+        if tx.is_none() {
+            let (send, recv) = crossbeam::channel::unbounded::<Run>();
+            for n in 0..self.parallel {
+                let recv = recv.clone();
+                let spawned = std::thread::Builder::new().name(format!("arbor-fetch-{n}")).spawn(move || {
+                    for Run { seg, first, count } in recv {
+                        // Chunks a reader took for itself meanwhile are no
+                        // longer queued; fetch_run skips them.
+                        {
+                            let mut queued = seg.remote.queued.lock();
+                            for i in first..first + count {
+                                queued.remove(&(seg.id, i as u32));
+                            }
+                        }
+                        seg.fetch_run(first, count);
+                    }
+                });
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "cannot start a fetch worker");
+                }
+            }
+            *tx = Some(send);
+        }
+        if let Some(tx) = tx.as_ref() {
+            let _ = tx.send(job);
+        }
+    }
+}

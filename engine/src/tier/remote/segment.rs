@@ -1,0 +1,287 @@
+//! One segment in the bucket: its footer, on-demand chunk fetches (one
+//! per chunk, or the run read-ahead queued right after it), and reads
+//! through the chunk cache.
+
+use super::{Remote, GET_TRIES, MAX_READ_AHEAD, RUN_CHUNKS};
+use crate::device::SegmentFile;
+use crate::error::{Error, Result};
+use crate::format::SegId;
+use crate::tier::object::Footer;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+pub(super) enum Source {
+    /// A sealed segment object, read chunk by chunk through the cache.
+    Object { file: File },
+    /// The WAL pieces of a segment that was never sealed: small, read whole.
+    Wal(Vec<u8>),
+}
+
+pub(crate) struct RemoteSeg {
+    pub(super) remote: Arc<Remote>,
+    pub(super) id: SegId,
+    pub(super) key: String,
+    pub(super) footer: Footer,
+    pub(super) source: Source,
+    /// End of the last read, to spot sequential readers.
+    pub(super) last_end: AtomicU64,
+    /// The read-ahead window: the configured size after a random read,
+    /// growing fourfold with each sequential one up to [`MAX_READ_AHEAD`].
+    pub(super) window: AtomicU64,
+    pub(super) me: Weak<RemoteSeg>,
+}
+
+impl RemoteSeg {
+    /// The chunk after the last one holding bytes before `end`, rounded up
+    /// to a whole run (so each worker GET is a large one).
+    pub(super) fn run_end(&self, end: u64) -> usize {
+        (end.min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
+            .next_multiple_of(RUN_CHUNKS)
+            .min(self.footer.crcs.len())
+    }
+
+    pub(super) fn chunk_size(&self) -> u64 {
+        self.footer.chunk_size as u64
+    }
+
+    /// Fetches chunk `i` from the bucket unless it is present or another
+    /// thread brings it; returns its bytes when this call fetched them.
+    pub(super) fn fetch(&self, i: usize) -> Result<Option<Vec<u8>>> {
+        let Source::Object { file } = &self.source else { return Ok(None) };
+        let r = &self.remote;
+        let key = (self.id, i as u32);
+        let mut run = 1;
+        {
+            let mut inflight = r.inflight.lock();
+            // Bounded: a fetch ends in at most GET_TRIES retried calls.
+            for _ in 0..10_000 {
+                if r.chunks.present(key) {
+                    return Ok(None);
+                }
+                if inflight.insert(key) {
+                    break;
+                }
+                r.landed.wait_for(&mut inflight, Duration::from_millis(100));
+            }
+            // A reader that caught up with read-ahead takes the chunks
+            // queued right after its own, for one larger GET.
+            let mut queued = r.queued.lock();
+            while run < RUN_CHUNKS && i + run < self.footer.crcs.len() {
+                let next = (self.id, (i + run) as u32);
+                if !queued.contains(&next) || r.chunks.present(next) || !inflight.insert(next) {
+                    break;
+                }
+                queued.remove(&next);
+                run += 1;
+            }
+        }
+        if run > 1 {
+            // Lands what passes its check; the caller reads it from the
+            // cache (or comes back for a chunk that failed).
+            self.fetch_claimed(&(i..i + run).collect::<Vec<_>>());
+            return Ok(None);
+        }
+        let res = (|| {
+            let (s, e) = self.footer.chunk_range(i);
+            for attempt in 0..GET_TRIES {
+                r.gets.fetch_add(1, Ordering::Relaxed);
+                let bytes = r.store.get_range(&self.key, s..e)?;
+                if self.footer.verify(i, &bytes) {
+                    r.fetched.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    return Ok(bytes);
+                }
+                r.retries.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(seg = %self.id, chunk = i, attempt, got = bytes.len(), "chunk from the bucket failed its checksum; fetching again");
+            }
+            Err(Error::corrupted("segment chunk from the bucket", format!("{}#{i}", self.id)))
+        })();
+        if let Ok(bytes) = &res {
+            r.land(file, &[(key, bytes, self.footer.chunk_range(i).0)]);
+        }
+        r.inflight.lock().remove(&key);
+        r.landed.notify_all();
+        res.map(Some)
+    }
+
+    /// Fetches the missing chunks of `chunks`, up to `parallel` at a time.
+    fn fetch_all(&self, chunks: &[usize]) -> Result<HashMap<usize, Vec<u8>>> {
+        let missing: Vec<usize> =
+            chunks.iter().copied().filter(|&i| !self.remote.chunks.present((self.id, i as u32))).collect();
+        let mut got = HashMap::new();
+        // Chunks already on their way (read-ahead) are waited for in turn:
+        // threads only help where GETs are still to be sent.
+        let unclaimed = {
+            let inflight = self.remote.inflight.lock();
+            missing.iter().filter(|&&i| !inflight.contains(&(self.id, i as u32))).count()
+        };
+        if unclaimed <= 1 {
+            for &i in &missing {
+                if let Some(b) = self.fetch(i)? {
+                    got.insert(i, b);
+                }
+            }
+            return Ok(got);
+        }
+        let next = AtomicU64::new(0);
+        let results = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..self.remote.parallel.min(missing.len()) {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some(&i) = missing.get(k) else { break };
+                    let r = self.fetch(i);
+                    let failed = r.is_err();
+                    results.lock().push((i, r));
+                    if failed {
+                        break;
+                    }
+                });
+            }
+        });
+        for (i, r) in results.into_inner() {
+            if let Some(b) = r? {
+                got.insert(i, b);
+            }
+        }
+        Ok(got)
+    }
+}
+
+impl SegmentFile for RemoteSeg {
+    fn write_at(&self, _buf: &[u8], _off: u64) -> Result<()> {
+        Err(Error::ReadOnly)
+    }
+
+    fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        let end = off + buf.len() as u64;
+        if end > self.footer.data_len {
+            if matches!(self.source, Source::Wal(_)) {
+                // Read as its WAL pieces while its writer went on: the bytes
+                // asked for came later. Look again, once.
+                if let Some(fresh) = self.remote.reopen(self)? {
+                    if end <= fresh.footer.data_len {
+                        return fresh.read_at(buf, off);
+                    }
+                }
+            }
+            return Err(Error::corrupted("segment (short read)", off));
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let file = match &self.source {
+            Source::Wal(data) => {
+                buf.copy_from_slice(&data[off as usize..end as usize]);
+                return Ok(());
+            }
+            Source::Object { file } => file,
+        };
+        let cs = self.chunk_size();
+        let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
+        let prev = self.last_end.swap(end, Ordering::Relaxed);
+        // A reader that streamed to the end of the previous segment goes on
+        // at the start of this one with the window it had there.
+        let carried = if prev == u64::MAX && off < cs {
+            let mut stream = self.remote.stream.lock();
+            match *stream {
+                Some((id, w)) if id == self.id => {
+                    *stream = None;
+                    Some(w)
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let base = self.remote.read_ahead;
+        if let Some(w) = carried {
+            self.window.store(w, Ordering::Relaxed);
+            self.read_ahead(end, w);
+        } else if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
+            // Sequential: the window grows fast (x4 a read) to its largest.
+            let w = self.window.load(Ordering::Relaxed);
+            let grown = if base == 0 { 0 } else { (w * 4).clamp(base, MAX_READ_AHEAD.max(base)) };
+            self.window.store(grown, Ordering::Relaxed);
+            self.read_ahead(end, grown);
+            if end + cs >= self.footer.data_len {
+                *self.remote.stream.lock() = Some((self.id.next(), grown));
+            }
+        } else {
+            self.window.store(base, Ordering::Relaxed);
+        }
+        let mut fetched = self.fetch_all(&chunks)?;
+        for &i in &chunks {
+            let (cstart, cend) = self.footer.chunk_range(i);
+            let (from, to) = (off.max(cstart), end.min(cend));
+            let dst = &mut buf[(from - off) as usize..(to - off) as usize];
+            // Bounded: a chunk evicted between the fetch and the read is
+            // fetched again, and kept in hand the second time.
+            let mut filled = false;
+            for _ in 0..GET_TRIES {
+                if let Some(bytes) = fetched.get(&i) {
+                    dst.copy_from_slice(&bytes[(from - cstart) as usize..(to - cstart) as usize]);
+                    filled = true;
+                    break;
+                }
+                {
+                    let _x = self.remote.chunks.hold();
+                    let key = (self.id, i as u32);
+                    match self.remote.chunks.verified(key) {
+                        Some(true) => {
+                            file.read_exact_at(dst, from)?;
+                            self.remote.chunks.touch(key);
+                            self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                            filled = true;
+                            break;
+                        }
+                        Some(false) => {
+                            // Cached by an earlier process: check it once.
+                            let mut whole = vec![0u8; (cend - cstart) as usize];
+                            file.read_exact_at(&mut whole, cstart)?;
+                            if self.footer.verify(i, &whole) {
+                                self.remote.chunks.mark_verified(key);
+                                dst.copy_from_slice(&whole[(from - cstart) as usize..(to - cstart) as usize]);
+                                self.remote.chunks.touch(key);
+                                self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                                filled = true;
+                                break;
+                            }
+                            tracing::debug!(seg = %self.id, chunk = i, "a cached chunk failed its check; fetching it again");
+                            self.remote.chunks.forget(key);
+                        }
+                        None => {}
+                    }
+                }
+                if let Some(b) = self.fetch(i)? {
+                    fetched.insert(i, b);
+                }
+            }
+            if !filled {
+                return Err(Error::Io(std::io::Error::other(format!(
+                    "chunk {i} of segment {} kept leaving the cache before it could be read; the cache is too small",
+                    self.id
+                ))));
+            }
+        }
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn size(&self) -> Result<u64> {
+        Ok(self.footer.data_len)
+    }
+
+    /// The bucket's copy is immutable; a torn tail is cut by every reader
+    /// the same way, so there is nothing to truncate.
+    fn truncate(&self, _len: u64) -> Result<()> {
+        Ok(())
+    }
+}
