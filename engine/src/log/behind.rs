@@ -412,7 +412,8 @@ mod tests {
         log.wait_written(a.addr.seg, a.addr.end()).expect("wait");
         assert_eq!(sim.segment_len(a.addr.seg) as u64, a.addr.end());
         let file = dev.open_segment(a.addr.seg).expect("open").expect("segment");
-        let rec = crate::log::read_record(file.as_ref(), a.addr.seg, a.addr.off as u64, a.addr.end()).expect("read");
+        let rec = crate::log::read_record_at_offset(file.as_ref(), a.addr.seg, a.addr.off as u64, a.addr.end())
+            .expect("read");
         assert_eq!(rec.meta, b"a node");
     }
 

@@ -6,5 +6,5 @@ mod behind;
 mod reader;
 mod writer;
 
-pub use reader::{read_record, read_record_at_addr, Cursor, Next, Record};
+pub use reader::{read_record_at_addr, read_record_at_offset, Cursor, Next, Record};
 pub use writer::{Appended, Log};

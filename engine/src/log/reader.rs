@@ -23,7 +23,7 @@ fn torn(why: &'static str, seg: SegId, off: u64) -> Error {
 
 /// Reads and fully verifies the record at `(seg, off)`, which must lie
 /// within the first `limit` bytes of the file.
-pub fn read_record(file: &dyn SegmentFile, seg: SegId, off: u64, limit: u64) -> Result<Record> {
+pub fn read_record_at_offset(file: &dyn SegmentFile, seg: SegId, off: u64, limit: u64) -> Result<Record> {
     if off + HEADER_LEN as u64 > limit {
         return Err(torn("record header past end of segment", seg, off));
     }
@@ -40,7 +40,7 @@ pub fn read_record(file: &dyn SegmentFile, seg: SegId, off: u64, limit: u64) -> 
 }
 
 /// Reads the record at `addr` with one read of its known length, verified
-/// as [`read_record`] does.
+/// as [`read_record_at_offset`] does.
 pub fn read_record_at_addr(file: &dyn SegmentFile, addr: Addr) -> Result<Record> {
     let (seg, off) = (addr.seg, addr.off as u64);
     if (addr.len as usize) < HEADER_LEN {
@@ -148,7 +148,7 @@ impl Cursor {
                 None => return Ok(Next::End),
             }
         }
-        let rec = match read_record(self.file.as_ref(), self.seg, self.off, self.len) {
+        let rec = match read_record_at_offset(self.file.as_ref(), self.seg, self.off, self.len) {
             Ok(r) => r,
             Err(Error::Corrupted { what, .. }) => return Ok(Next::Torn(self.seg, self.off, what.to_string())),
             Err(e) => return Err(e),

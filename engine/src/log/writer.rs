@@ -61,7 +61,7 @@ struct Tail {
 const PENDING_MAX: usize = 1 << 20;
 /// With write-behind, buffers up to this size are written by the appending
 /// thread itself when nothing is queued ahead of them.
-const INLINE_MAX: usize = 64 << 10;
+const WRITE_IN_CALLER_MAX: usize = 64 << 10;
 
 impl Log {
     /// Starts a new writer epoch: segment `(writer, 0)`, first record
@@ -226,7 +226,7 @@ impl Log {
             // one with a small buffer, writes it here: waking the thread
             // (and being woken by it) costs more than the copy. Only the
             // holder of the tail lock hands over, so the queue stays idle.
-            if !((waiting || tail.pending.len() <= INLINE_MAX) && wb.is_idle()) {
+            if !((waiting || tail.pending.len() <= WRITE_IN_CALLER_MAX) && wb.is_idle()) {
                 let buf = std::mem::replace(&mut tail.pending, wb.spare());
                 wb.hand_over(tail.file.clone(), tail.seg, tail.pending_at, buf)?;
                 return Ok(());

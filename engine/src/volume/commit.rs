@@ -57,7 +57,7 @@ pub struct Commit {
 
 /// Reads and verifies the commit record at `addr`.
 pub fn read_commit(device: &dyn Device, addr: Addr) -> Result<Commit> {
-    let rec = super::nodes::read_record_at(device, addr, RecordKind::Commit)?;
+    let rec = super::nodes::load_record(device, addr, RecordKind::Commit)?;
     let bad = || Error::corrupted("commit record", addr);
     let record: CommitRecord = decode_value(&rec.meta, "commit record").map_err(|_| bad())?;
     let features = decode_features(&rec.data).ok_or_else(bad)?;

@@ -44,7 +44,7 @@ impl Nodes {
 }
 
 /// Reads and verifies the record at `addr`, which must be of `kind`.
-pub fn read_record_at(device: &dyn Device, addr: Addr, kind: RecordKind) -> Result<crate::log::Record> {
+pub fn load_record(device: &dyn Device, addr: Addr, kind: RecordKind) -> Result<crate::log::Record> {
     let file = device.open_segment(addr.seg)?.ok_or_else(|| Error::corrupted("missing segment", addr))?;
     let rec = read_record_at_addr(file.as_ref(), addr).map_err(|e| match e {
         Error::Corrupted { what, .. } => Error::corrupted(what, addr),
@@ -67,7 +67,7 @@ impl NodeStore for Nodes {
         if let Some(log) = self.log.get() {
             log.wait_written(addr.seg, addr.end())?;
         }
-        let rec = read_record_at(self.device.as_ref(), addr, RecordKind::Node)?;
+        let rec = load_record(self.device.as_ref(), addr, RecordKind::Node)?;
         let node = Arc::new(Node::decode_owned(rec.meta).map_err(|_| Error::corrupted("tree node", addr))?);
         self.cache.insert(addr, node.clone());
         Ok(node)

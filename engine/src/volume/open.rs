@@ -61,6 +61,7 @@ impl Volume {
             poisoned: AtomicBool::new(false),
             stop_committer: Mutex::new(None),
             recovery: Mutex::new(Recovery::default()),
+            room: Mutex::default(),
         };
         if !vol.cfg.read_only {
             let writer = fresh_writer(device.as_ref(), vol.cfg.env.as_ref())?;

@@ -203,7 +203,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             let mut i = tx.inode(*ino)?;
             let end = off + data.bytes.len() as u64;
             match &mut i.inline {
-                Some(buf) if end <= INLINE_MAX => {
+                Some(buf) if end <= INLINE_DATA_MAX => {
                     if (buf.len() as u64) < end {
                         buf.resize(end as usize, 0);
                     }
@@ -339,7 +339,7 @@ fn drop_link(tx: &mut Txn, ino: u64, gone: (u64, &[u8]), keep_orphan: bool, time
 
 fn resize(tx: &mut Txn, ino: u64, i: &mut Inode, size: u64) -> Result<()> {
     match &mut i.inline {
-        Some(buf) if size <= INLINE_MAX => buf.resize(size as usize, 0),
+        Some(buf) if size <= INLINE_DATA_MAX => buf.resize(size as usize, 0),
         _ => {
             i.inline = None;
             if size < i.size {

@@ -6,7 +6,7 @@ use crate::format::{Addr, BLOCK_SIZE};
 /// Largest file size: 16 TiB, as on ext4 with 4 KiB blocks.
 pub const MAX_FILE_SIZE: u64 = 1 << 44;
 /// Files up to this size keep their bytes inside the inode.
-pub const INLINE_MAX: u64 = 2048;
+pub const INLINE_DATA_MAX: u64 = 2048;
 pub const NAME_MAX: usize = 255;
 pub const XATTR_NAME_MAX: usize = 255;
 pub const XATTR_VALUE_MAX: usize = 64 << 10;
