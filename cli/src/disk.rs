@@ -283,7 +283,7 @@ impl Disk {
         }
         let segments = self.segments()?;
         let catalog = Catalog::new(self.store.clone(), segments, Some(self.node_dir.join("locks")))
-            .with_lease(arbor_engine::disk::LeaseConfig::local());
+            .with_lease(crate::node::lease());
         let catalog = Arc::new(catalog);
         Ok(self.catalog.get_or_init(|| catalog).clone())
     }

@@ -3,6 +3,7 @@
 mod commands;
 mod control;
 mod disk;
+mod node;
 mod prefetch;
 mod serve;
 

@@ -35,61 +35,42 @@ pub struct Lease {
     pub expires: u64,
 }
 
-/// How a writer claims its branch: which host it is, how long a claim
-/// lives without renewal (renewed every third of that).
-#[derive(Clone, Debug)]
+/// Whether process `pid` on this host is alive (the caller knows how;
+/// the engine knows nothing of processes).
+pub type ProcessAlive = Arc<dyn Fn(u32) -> bool + Send + Sync>;
+
+/// How a writer claims its branch: which host and process it is, how long
+/// a claim lives without renewal (renewed every third of that), and how to
+/// tell whether a holder on this host is still alive.
+#[derive(Clone)]
 pub struct LeaseConfig {
     pub host: String,
+    pub pid: u32,
     pub ttl: std::time::Duration,
+    /// `None`: a holder on this host is judged by its lease's expiry too.
+    pub alive: Option<ProcessAlive>,
 }
 
 impl LeaseConfig {
-    /// This host, and a one-minute lease.
-    pub fn local() -> LeaseConfig {
-        LeaseConfig { host: hostname(), ttl: std::time::Duration::from_secs(60) }
+    /// A claim by `host` lasting `ttl`, judged by expiry alone.
+    pub fn new(host: &str, ttl: std::time::Duration) -> LeaseConfig {
+        LeaseConfig { host: host.into(), pid: 0, ttl, alive: None }
     }
-}
-
-pub fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "unknown-host".into();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Whether process `pid` is alive on this host. A zombie is not: it has
-/// exited and closed everything, and only waits for its parent to collect
-/// its status, which a container's first process may never do (a mount
-/// killed with -9 there would otherwise hold its branch for good).
-fn pid_alive(pid: u32) -> bool {
-    // SAFETY: signal 0 checks existence and permission only.
-    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    let exists = rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-    exists && !matches!(process_state(pid), Some('Z' | 'X'))
-}
-
-/// The state letter of `/proc/PID/stat` (after the parenthesised name,
-/// which may itself hold spaces and parentheses).
-fn process_state(pid: u32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.trim_start().chars().next()
-}
-
 impl Lease {
-    /// Whether this lease still keeps other writers out.
-    pub fn is_live(&self, my_host: &str) -> bool {
-        if self.host == my_host {
-            return pid_alive(self.pid);
+    /// Whether this lease still keeps other writers out, as seen by the
+    /// writer `me` configures: a holder on the same host is live while its
+    /// process is (when `me` can tell), any other while its lease runs.
+    pub fn is_live(&self, me: Option<&LeaseConfig>) -> bool {
+        match me {
+            Some(LeaseConfig { host, alive: Some(alive), .. }) if *host == self.host => alive(self.pid),
+            _ => self.expires > unix_now(),
         }
-        self.expires > unix_now()
     }
 }
 
@@ -187,12 +168,7 @@ impl HeadDevice {
             return Ok(None);
         }
         let writer = Superblock::decode(superblock)?.commit.seg.writer;
-        Ok(Some(Lease {
-            writer,
-            host: cfg.host.clone(),
-            pid: std::process::id(),
-            expires: unix_now() + cfg.ttl.as_secs(),
-        }))
+        Ok(Some(Lease { writer, host: cfg.host.clone(), pid: cfg.pid, expires: unix_now() + cfg.ttl.as_secs() }))
     }
 
     /// Renews the lease every third of its life while this head lives.
@@ -363,7 +339,7 @@ impl Device for HeadDevice {
         if !self.claimed.load(std::sync::atomic::Ordering::Acquire) {
             // The claim: synchronous, so a second writer learns at open.
             if let (Some(cfg), Some(held)) = (&self.lease, self.found.lock().as_ref()) {
-                if held.writer != commit.seg.writer && held.is_live(&cfg.host) {
+                if held.writer != commit.seg.writer && held.is_live(Some(cfg)) {
                     return Err(Error::Busy(format!(
                         "{} is open read-write by pid {} on host {} (its lease runs {} s more without renewal); \
                          a second writer is refused",
@@ -434,24 +410,6 @@ mod tests {
 
     fn cfg(read_only: bool) -> Config {
         Config { commit_interval: None, read_only, env: TestEnv::new(5), ..Config::default() }
-    }
-
-    #[test]
-    fn a_process_that_exited_counts_as_gone_before_its_parent_collects_it() {
-        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
-        let pid = child.id();
-        assert!(pid_alive(pid), "a running process");
-        child.kill().expect("kill");
-        // Not waited for yet: a zombie until `wait` below.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while process_state(pid) != Some('Z') && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        assert_eq!(process_state(pid), Some('Z'));
-        assert!(!pid_alive(pid), "a zombie holds nothing");
-        child.wait().expect("wait");
-        assert!(!pid_alive(pid));
-        assert!(pid_alive(std::process::id()), "this process");
     }
 
     #[test]

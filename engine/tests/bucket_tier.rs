@@ -331,7 +331,7 @@ fn open_leased(
     ttl: Duration,
 ) -> arbor_engine::Result<(Arc<Volume>, Arc<BucketDevice>)> {
     let dev = BucketDevice::open(store.clone(), cache, tier(Durability::Local)).expect("bucket device");
-    let lease = LeaseConfig { host: host.into(), ttl };
+    let lease = LeaseConfig::new(host, ttl);
     let head = HeadDevice::with_lease(dev.clone(), store.clone(), "main", Some(lease));
     Ok((Volume::open(head, vol_cfg())?, dev))
 }

@@ -125,11 +125,12 @@ impl Catalog {
     /// The live lease on `name` held by another process, if any.
     pub fn lease_of(&self, name: &str) -> Result<Option<Lease>> {
         check_name(name)?;
-        let host = self.lease.as_ref().map_or_else(arbor_engine::disk::hostname, |l| l.host.clone());
+        let me = self.lease.as_ref();
         match self.store.get(&branch_key(name)) {
             Ok((body, _)) => {
                 let (_, _, lease) = decode_head(&body)?;
-                Ok(lease.filter(|l| l.is_live(&host) && !(l.host == host && l.pid == std::process::id())))
+                let mine = |l: &Lease| me.is_some_and(|c| l.host == c.host && l.pid == c.pid);
+                Ok(lease.filter(|l| l.is_live(me) && !mine(l)))
             }
             Err(EngineError::NoSuchObject(_)) => Ok(None),
             Err(e) => Err(e.into()),
