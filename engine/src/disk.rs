@@ -6,7 +6,7 @@
 //! writer of the same branch is fenced off instead of corrupting it.
 
 use crate::bucket::{ETag, ObjectStore};
-use crate::device::{Device, SegmentFile};
+use crate::device::{Device, Replica, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{Addr, SegId};
 use crate::volume::Superblock;
@@ -266,48 +266,27 @@ macro_rules! delegate_segments {
         fn free_bytes(&self) -> Option<u64> {
             self.segments.free_bytes()
         }
-        fn seal_recovered(&self, segments: &[SegId]) -> Result<(u64, u64)> {
-            self.segments.seal_recovered(segments)
-        }
-        fn segment_sealed(&self, id: SegId, len: u64) {
-            self.segments.segment_sealed(id, len)
-        }
-        fn log_synced(&self, id: SegId, len: u64) -> Result<()> {
-            self.segments.log_synced(id, len)
-        }
-        fn publish_when_stored(&self, upto: Addr, publish: Box<dyn Fn() -> Result<()> + Send>) -> Result<()> {
-            self.segments.publish_when_stored(upto, publish)
-        }
-        fn flush_to_bucket(&self, upto: Addr) -> Result<()> {
-            self.segments.flush_to_bucket(upto)
-        }
-        fn pending_upload_bytes(&self) -> u64 {
-            self.segments.pending_upload_bytes()
-        }
     };
 }
 
 impl Device for HeadDevice {
     delegate_segments!();
 
-    fn failpoint(&self, name: &'static str) -> Result<()> {
+    fn check_writable(&self) -> Result<()> {
         if let Some(why) = self.fenced.lock().clone() {
             return Err(Error::Fenced(why));
         }
+        self.segments.check_writable()
+    }
+
+    fn failpoint(&self, name: &'static str) -> Result<()> {
         self.segments.failpoint(name)
     }
 
-    /// Waits for the uploads, then gives the lease back.
-    fn drain(&self) -> Result<()> {
-        self.segments.drain()?;
-        if self.lease.is_some() && self.claimed.load(std::sync::atomic::Ordering::Acquire) {
-            self.released.store(true, std::sync::atomic::Ordering::Release);
-            let last = self.last.lock().as_ref().map(|(b, _)| b.clone());
-            if let Some(bytes) = last {
-                self.compare_and_swap(&bytes)?;
-            }
-        }
-        Ok(())
+    /// A head always answers: closing gives its lease back, with or
+    /// without a bucket tier underneath.
+    fn replica(&self) -> Option<&dyn Replica> {
+        Some(self)
     }
 
     fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
@@ -350,7 +329,9 @@ impl Device for HeadDevice {
                     )));
                 }
             }
-            self.segments.flush_to_bucket(commit)?;
+            if let Some(r) = self.segments.replica() {
+                r.flush_to_bucket(commit)?;
+            }
             self.compare_and_swap(bytes)?;
             self.claimed.store(true, std::sync::atomic::Ordering::Release);
             self.spawn_renewal();
@@ -358,13 +339,50 @@ impl Device for HeadDevice {
         }
         let me = self.me.clone();
         let bytes = bytes.to_vec();
-        self.segments.publish_when_stored(
+        crate::device::publish_when_stored(
+            self.segments.as_ref(),
             commit,
             Box::new(move || match me.upgrade() {
                 Some(head) => head.compare_and_swap(&bytes),
                 None => Ok(()),
             }),
         )
+    }
+}
+
+impl Replica for HeadDevice {
+    fn segment_sealed(&self, id: SegId, len: u64) {
+        if let Some(r) = self.segments.replica() {
+            r.segment_sealed(id, len)
+        }
+    }
+    fn log_synced(&self, id: SegId, len: u64) -> Result<()> {
+        self.segments.replica().map_or(Ok(()), |r| r.log_synced(id, len))
+    }
+    fn publish_when_stored(&self, upto: Addr, publish: Box<dyn Fn() -> Result<()> + Send>) -> Result<()> {
+        crate::device::publish_when_stored(self.segments.as_ref(), upto, publish)
+    }
+    fn flush_to_bucket(&self, upto: Addr) -> Result<()> {
+        self.segments.replica().map_or(Ok(()), |r| r.flush_to_bucket(upto))
+    }
+    fn seal_recovered(&self, segments: &[SegId]) -> Result<(u64, u64)> {
+        self.segments.replica().map_or(Ok((0, 0)), |r| r.seal_recovered(segments))
+    }
+    fn pending_upload_bytes(&self) -> u64 {
+        self.segments.replica().map_or(0, |r| r.pending_upload_bytes())
+    }
+
+    /// Waits for the uploads, then gives the lease back.
+    fn drain(&self) -> Result<()> {
+        self.segments.replica().map_or(Ok(()), |r| r.drain())?;
+        if self.lease.is_some() && self.claimed.load(std::sync::atomic::Ordering::Acquire) {
+            self.released.store(true, std::sync::atomic::Ordering::Release);
+            let last = self.last.lock().as_ref().map(|(b, _)| b.clone());
+            if let Some(bytes) = last {
+                self.compare_and_swap(&bytes)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -387,8 +405,8 @@ impl Device for FixedRootDevice {
         self.segments.failpoint(name)
     }
 
-    fn drain(&self) -> Result<()> {
-        self.segments.drain()
+    fn replica(&self) -> Option<&dyn Replica> {
+        self.segments.replica()
     }
 
     fn read_superblock(&self) -> Result<Option<Vec<u8>>> {

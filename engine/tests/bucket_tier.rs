@@ -4,7 +4,7 @@
 
 use arbor_engine::bucket::S3Store;
 use arbor_engine::bucket::{Fault, FaultStore, LocalFolderStore, MemObjectStore, ObjectStore, RetryPolicy, RetryStore};
-use arbor_engine::device::Device;
+use arbor_engine::device::{Device, Replica};
 use arbor_engine::disk::{HeadDevice, LeaseConfig};
 use arbor_engine::env::TestEnv;
 use arbor_engine::testkit::S3Server;

@@ -318,7 +318,9 @@ impl Catalog {
     /// it, so any node can open it.
     pub fn create_checkpoint(&self, name: &str, branch: &str, commit: Addr) -> Result<CheckpointInfo> {
         check_name(name)?;
-        self.segments.flush_to_bucket(commit)?;
+        if let Some(r) = self.segments.replica() {
+            r.flush_to_bucket(commit)?;
+        }
         let rec = CheckpointRecord {
             magic: CHECKPOINT_MAGIC,
             version: 1,

@@ -63,7 +63,13 @@ pub trait Device: Send + Sync {
     fn read_superblock(&self) -> Result<Option<Vec<u8>>>;
     /// Replaces the superblock atomically and durably.
     fn write_superblock(&self, bytes: &[u8]) -> Result<()>;
-    /// Called before each durable step; a test device may crash here.
+    /// Refuses every durable step once this device must not write any
+    /// more: a writer fenced off its branch.
+    fn check_writable(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Called before each durable step with its name; a test device may
+    /// crash here. Never a production check (that is `check_writable`).
     fn failpoint(&self, _name: &'static str) -> Result<()> {
         Ok(())
     }
@@ -79,8 +85,17 @@ pub trait Device: Send + Sync {
         None
     }
 
-    // ---- the bucket tier: no-ops for a device that is its own durable copy ----
+    /// Who watches this device's log to copy it to a bucket and publish
+    /// its heads; `None` where the device is its own durable copy.
+    fn replica(&self) -> Option<&dyn Replica> {
+        None
+    }
+}
 
+/// The bucket tier's side of a device: what the log tells it at each
+/// durable step, and what waits for it. Kept apart from [`Device`], which
+/// only stores.
+pub trait Replica: Send + Sync {
     /// The log wrote its last byte to `id` (`len` bytes): the segment is
     /// final and may be uploaded.
     fn segment_sealed(&self, _id: SegId, _len: u64) {}
@@ -116,5 +131,21 @@ pub trait Device: Send + Sync {
     /// Bytes written here and not yet in the bucket.
     fn pending_upload_bytes(&self) -> u64 {
         0
+    }
+}
+
+/// A durable step named `name` on `dev`: refused if the device may not
+/// write, and a place where a test device may crash.
+pub fn durable_step(dev: &dyn Device, name: &'static str) -> Result<()> {
+    dev.check_writable()?;
+    dev.failpoint(name)
+}
+
+/// Runs `publish` once every byte through `upto` is in the bucket, or at
+/// once where the device is its own durable copy.
+pub fn publish_when_stored(dev: &dyn Device, upto: Addr, publish: Box<dyn Fn() -> Result<()> + Send>) -> Result<()> {
+    match dev.replica() {
+        Some(r) => r.publish_when_stored(upto, publish),
+        None => publish(),
     }
 }

@@ -169,7 +169,7 @@ impl Log {
         }
         let total = (HEADER_LEN + meta_region.len() + data.len()) as u64;
         let header = RecordHeader::with_pad(kind, tail.next_seq, &meta_region, data.len(), pad as u32);
-        self.device.failpoint(failpoint)?;
+        crate::device::durable_step(self.device.as_ref(), failpoint)?;
         if tail.pending.is_empty() {
             tail.pending_at = tail.off;
         }
@@ -196,7 +196,7 @@ impl Log {
     /// durable before anything is written after them, so the log on disk is
     /// always a prefix.
     fn seal(&self, tail: &mut Tail) -> Result<()> {
-        self.device.failpoint(failpoints::SEGMENT_SEAL)?;
+        crate::device::durable_step(self.device.as_ref(), failpoints::SEGMENT_SEAL)?;
         self.flush(tail, true)?;
         // The sealed file is complete before anyone is told it is sealed.
         if let Some(wb) = &self.behind {
@@ -208,7 +208,9 @@ impl Log {
         let next = tail.seg.next();
         let sealed = std::mem::replace(&mut tail.file, self.device.create_segment(next)?);
         sealed.start_writeback();
-        self.device.segment_sealed(tail.seg, tail.off);
+        if let Some(r) = self.device.replica() {
+            r.segment_sealed(tail.seg, tail.off);
+        }
         tail.unsynced.push(sealed);
         tail.seg = next;
         tail.off = 0;
@@ -299,7 +301,7 @@ impl Log {
         if let Some(wb) = &self.behind {
             wb.wait_for(handed)?;
         }
-        self.device.failpoint(failpoints::FSYNC)?;
+        crate::device::durable_step(self.device.as_ref(), failpoints::FSYNC)?;
         self.syncs.fetch_add(1, Ordering::Relaxed);
         for file in files {
             if let Err(e) = file.sync() {
@@ -309,7 +311,9 @@ impl Log {
         // Where fsync means "in the bucket", wait for it there too. A
         // failure here leaves the local log intact: no poison, and the next
         // sync tries again.
-        self.device.log_synced(open.0, open.1)?;
+        if let Some(r) = self.device.replica() {
+            r.log_synced(open.0, open.1)?;
+        }
         self.durable_seq.fetch_max(upto, Ordering::AcqRel);
         Ok(())
     }
@@ -325,7 +329,9 @@ impl Log {
         let mut t = self.tail.lock();
         if !t.finished {
             t.finished = true;
-            self.device.segment_sealed(t.seg, t.off);
+            if let Some(r) = self.device.replica() {
+                r.segment_sealed(t.seg, t.off);
+            }
         }
         Ok(())
     }

@@ -27,7 +27,7 @@ pub use object::{segment_key, segment_of_key, wal_key, wal_prefix, Footer};
 pub use remote::CacheStats;
 
 use crate::bucket::ObjectStore;
-use crate::device::{Device, FileDevice, SegmentFile};
+use crate::device::{Device, FileDevice, Replica, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{Addr, SegId};
 use crate::io::IoMode;
@@ -520,7 +520,7 @@ impl Device for BucketDevice {
         Err(Error::Invalid("a bucket device keeps no superblock; branch heads live in the catalog"))
     }
 
-    fn failpoint(&self, _name: &'static str) -> Result<()> {
+    fn check_writable(&self) -> Result<()> {
         match &self.shared.up.lock().fenced {
             Some(why) => Err(Error::Fenced(why.clone())),
             None => Ok(()),
@@ -539,6 +539,12 @@ impl Device for BucketDevice {
         self.shared.local.free_bytes()
     }
 
+    fn replica(&self) -> Option<&dyn Replica> {
+        Some(self)
+    }
+}
+
+impl Replica for BucketDevice {
     fn seal_recovered(&self, segments: &[SegId]) -> Result<(u64, u64)> {
         let (mut sealed, mut deleted) = (0, 0);
         for &id in segments {

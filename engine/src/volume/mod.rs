@@ -626,7 +626,7 @@ impl Volume {
             )?;
             log.sync(app.seq)?;
             if publish_head {
-                self.nodes.device.failpoint(crate::device::failpoints::SUPERBLOCK)?;
+                crate::device::durable_step(self.nodes.device.as_ref(), crate::device::failpoints::SUPERBLOCK)?;
                 self.nodes.device.write_superblock(&Superblock::new(app.addr).encode())?;
             }
             Ok(app.addr)
@@ -654,12 +654,12 @@ impl Volume {
         }
         self.commit()?;
         self.log()?.finish()?;
-        self.nodes.device.drain()
+        self.nodes.device.replica().map_or(Ok(()), |r| r.drain())
     }
 
     /// Bytes written on this node and not yet in the bucket.
     pub fn pending_upload_bytes(&self) -> u64 {
-        self.nodes.device.pending_upload_bytes()
+        self.nodes.device.replica().map_or(0, |r| r.pending_upload_bytes())
     }
 }
 

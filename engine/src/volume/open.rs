@@ -82,7 +82,7 @@ impl Volume {
             // This volume holds the branch now (its commit claimed it), so
             // the writer whose log was replayed is gone for good.
             if !report.segments.is_empty() {
-                match device.seal_recovered(&report.segments) {
+                match device.replica().map_or(Ok((0, 0)), |r| r.seal_recovered(&report.segments)) {
                     Ok((sealed, deleted)) => {
                         report.sealed = sealed;
                         report.wal_pieces_deleted = deleted;
