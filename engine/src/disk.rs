@@ -127,7 +127,7 @@ pub struct HeadDevice {
     /// The lease found at open, if any.
     found: Mutex<Option<Lease>>,
     /// The superblock last written, and when (for renewals and release).
-    last: Mutex<Option<(Vec<u8>, std::time::Instant)>>,
+    last: Mutex<Option<(Superblock, std::time::Instant)>>,
     /// Set when another writer took the branch.
     fenced: Mutex<Option<String>>,
     released: std::sync::atomic::AtomicBool,
@@ -162,13 +162,13 @@ impl HeadDevice {
         })
     }
 
-    fn lease_for(&self, superblock: &[u8]) -> Result<Option<Lease>> {
-        let Some(cfg) = &self.lease else { return Ok(None) };
+    fn lease_for(&self, superblock: &Superblock) -> Option<Lease> {
+        let cfg = self.lease.as_ref()?;
         if self.released.load(std::sync::atomic::Ordering::Acquire) {
-            return Ok(None);
+            return None;
         }
-        let writer = Superblock::decode(superblock)?.commit.seg.writer;
-        Ok(Some(Lease { writer, host: cfg.host.clone(), pid: cfg.pid, expires: unix_now() + cfg.ttl.as_secs() }))
+        let writer = superblock.commit.seg.writer;
+        Some(Lease { writer, host: cfg.host.clone(), pid: cfg.pid, expires: unix_now() + cfg.ttl.as_secs() })
     }
 
     /// Renews the lease every third of its life while this head lives.
@@ -207,7 +207,7 @@ impl HeadDevice {
 
     /// Replaces the head object (with a fresh lease, if leased) if nobody
     /// else did since we last saw it.
-    fn compare_and_swap(&self, superblock: &[u8]) -> Result<()> {
+    fn compare_and_swap(&self, superblock: &Superblock) -> Result<()> {
         let mut seen = self.seen.lock();
         self.swap_locked(&mut seen, superblock)
     }
@@ -218,13 +218,13 @@ impl HeadDevice {
         let mut seen = self.seen.lock();
         let due = self.last.lock().as_ref().filter(|(_, at)| at.elapsed() >= every).map(|(b, _)| b.clone());
         match due {
-            Some(bytes) => self.swap_locked(&mut seen, &bytes),
+            Some(sb) => self.swap_locked(&mut seen, &sb),
             None => Ok(()),
         }
     }
 
-    fn swap_locked(&self, seen: &mut Option<ETag>, superblock: &[u8]) -> Result<()> {
-        let body = encode_head(superblock, self.lease_for(superblock)?.as_ref());
+    fn swap_locked(&self, seen: &mut Option<ETag>, superblock: &Superblock) -> Result<()> {
+        let body = encode_head(&superblock.encode(), self.lease_for(superblock).as_ref());
         let written = match seen.as_deref() {
             Some(tag) => self.catalog.put_if_match(&self.key, &body, tag),
             None => self.catalog.put_if_absent(&self.key, &body),
@@ -232,7 +232,7 @@ impl HeadDevice {
         match written {
             Ok(tag) => {
                 *seen = Some(tag);
-                *self.last.lock() = Some((superblock.to_vec(), std::time::Instant::now()));
+                *self.last.lock() = Some((superblock.clone(), std::time::Instant::now()));
                 Ok(())
             }
             Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
@@ -310,8 +310,8 @@ impl Device for HeadDevice {
         Err(last.unwrap_or_else(|| Error::corrupted("branch head", &self.key)))
     }
 
-    fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
-        let commit = Superblock::decode(bytes)?.commit;
+    fn write_superblock(&self, sb: &Superblock) -> Result<()> {
+        let commit = sb.commit;
         if let Some(why) = self.fenced.lock().clone() {
             return Err(Error::Fenced(why));
         }
@@ -332,18 +332,18 @@ impl Device for HeadDevice {
             if let Some(r) = self.segments.replica() {
                 r.flush_to_bucket(commit)?;
             }
-            self.compare_and_swap(bytes)?;
+            self.compare_and_swap(sb)?;
             self.claimed.store(true, std::sync::atomic::Ordering::Release);
             self.spawn_renewal();
             return Ok(());
         }
         let me = self.me.clone();
-        let bytes = bytes.to_vec();
+        let sb = sb.clone();
         crate::device::publish_when_stored(
             self.segments.as_ref(),
             commit,
             Box::new(move || match me.upgrade() {
-                Some(head) => head.compare_and_swap(&bytes),
+                Some(head) => head.compare_and_swap(&sb),
                 None => Ok(()),
             }),
         )
@@ -377,9 +377,9 @@ impl Replica for HeadDevice {
         self.segments.replica().map_or(Ok(()), |r| r.drain())?;
         if self.lease.is_some() && self.claimed.load(std::sync::atomic::Ordering::Acquire) {
             self.released.store(true, std::sync::atomic::Ordering::Release);
-            let last = self.last.lock().as_ref().map(|(b, _)| b.clone());
-            if let Some(bytes) = last {
-                self.compare_and_swap(&bytes)?;
+            let last = self.last.lock().as_ref().map(|(sb, _)| sb.clone());
+            if let Some(sb) = last {
+                self.compare_and_swap(&sb)?;
             }
         }
         Ok(())
@@ -413,7 +413,7 @@ impl Device for FixedRootDevice {
         Ok(Some(self.superblock.clone()))
     }
 
-    fn write_superblock(&self, _bytes: &[u8]) -> Result<()> {
+    fn write_superblock(&self, _sb: &Superblock) -> Result<()> {
         Err(Error::ReadOnly)
     }
 }

@@ -137,10 +137,10 @@ impl Device for FileDevice {
         }
     }
 
-    fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
+    fn write_superblock(&self, sb: &crate::format::Superblock) -> Result<()> {
         let tmp = self.dir.join("superblock.tmp");
         let mut f = private::create(&tmp)?;
-        f.write_all(bytes)?;
+        f.write_all(&sb.encode())?;
         f.sync_all()?;
         fs::rename(&tmp, self.dir.join(SUPERBLOCK))?;
         self.sync_dir()

@@ -9,7 +9,7 @@ mod file;
 mod sim;
 
 use crate::error::Result;
-use crate::format::{Addr, SegId};
+use crate::format::{Addr, SegId, Superblock};
 use std::sync::Arc;
 
 pub use file::FileDevice;
@@ -62,7 +62,7 @@ pub trait Device: Send + Sync {
     fn remove_segment(&self, id: SegId) -> Result<()>;
     fn read_superblock(&self) -> Result<Option<Vec<u8>>>;
     /// Replaces the superblock atomically and durably.
-    fn write_superblock(&self, bytes: &[u8]) -> Result<()>;
+    fn write_superblock(&self, sb: &Superblock) -> Result<()>;
     /// Refuses every durable step once this device must not write any
     /// more: a writer fenced off its branch.
     fn check_writable(&self) -> Result<()> {

@@ -195,10 +195,10 @@ impl Device for SimDevice {
         Ok(st.superblock.clone())
     }
 
-    fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
+    fn write_superblock(&self, sb: &crate::format::Superblock) -> Result<()> {
         let mut st = self.state.lock();
         st.check()?;
-        st.superblock = Some(bytes.to_vec());
+        st.superblock = Some(sb.encode());
         Ok(())
     }
 

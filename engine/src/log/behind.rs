@@ -316,8 +316,8 @@ mod tests {
         fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
             self.0.read_superblock()
         }
-        fn write_superblock(&self, bytes: &[u8]) -> Result<()> {
-            self.0.write_superblock(bytes)
+        fn write_superblock(&self, sb: &crate::format::Superblock) -> Result<()> {
+            self.0.write_superblock(sb)
         }
         fn io_name(&self) -> &'static str {
             "gated"

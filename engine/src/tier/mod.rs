@@ -516,7 +516,7 @@ impl Device for BucketDevice {
         Ok(None)
     }
 
-    fn write_superblock(&self, _bytes: &[u8]) -> Result<()> {
+    fn write_superblock(&self, _sb: &crate::format::Superblock) -> Result<()> {
         Err(Error::Invalid("a bucket device keeps no superblock; branch heads live in the catalog"))
     }
 

@@ -3,10 +3,9 @@
 use crate::device::Device;
 use crate::env::Timestamp;
 use crate::error::{Error, Result};
-use crate::format::{decode_value, encode_value, Addr, RecordKind};
+use crate::format::{decode_value, Addr, RecordKind};
 
-const SUPERBLOCK_MAGIC: u32 = u32::from_le_bytes(*b"ARSB");
-const SUPERBLOCK_VERSION: u16 = 1;
+pub use crate::format::Superblock;
 
 #[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
 pub struct CommitRecord {
@@ -62,51 +61,6 @@ pub fn read_commit(device: &dyn Device, addr: Addr) -> Result<Commit> {
     let record: CommitRecord = decode_value(&rec.meta, "commit record").map_err(|_| bad())?;
     let features = decode_features(&rec.data).ok_or_else(bad)?;
     Ok(Commit { record, features, seq: rec.seq })
-}
-
-#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
-pub struct Superblock {
-    pub magic: u32,
-    pub version: u16,
-    /// The newest durable commit of this branch.
-    pub commit: Addr,
-    /// Whether intents after `commit` in its writer's log belong to this
-    /// branch. False for a branch just forked from a checkpoint: the log
-    /// after that commit is its parent's.
-    pub replay: bool,
-}
-
-impl Superblock {
-    pub fn new(commit: Addr) -> Self {
-        Superblock { magic: SUPERBLOCK_MAGIC, version: SUPERBLOCK_VERSION, commit, replay: true }
-    }
-
-    /// A root to open without replaying anything after it.
-    pub fn frozen(commit: Addr) -> Self {
-        Superblock { replay: false, ..Self::new(commit) }
-    }
-
-    /// The encoding followed by its crc32c.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut b = encode_value(self);
-        let crc = crc32c::crc32c(&b);
-        b.extend_from_slice(&crc.to_le_bytes());
-        b
-    }
-
-    pub fn decode(bytes: &[u8]) -> Result<Superblock> {
-        let bad = || Error::corrupted("superblock", "local cache directory");
-        let split = bytes.len().checked_sub(4).ok_or_else(bad)?;
-        let (body, crc) = bytes.split_at(split);
-        if crc32c::crc32c(body).to_le_bytes() != crc {
-            return Err(bad());
-        }
-        let sb: Superblock = decode_value(body, "superblock").map_err(|_| bad())?;
-        if sb.magic != SUPERBLOCK_MAGIC || sb.version != SUPERBLOCK_VERSION {
-            return Err(bad());
-        }
-        Ok(sb)
-    }
 }
 
 #[cfg(test)]

@@ -627,7 +627,7 @@ impl Volume {
             log.sync(app.seq)?;
             if publish_head {
                 crate::device::durable_step(self.nodes.device.as_ref(), crate::device::failpoints::SUPERBLOCK)?;
-                self.nodes.device.write_superblock(&Superblock::new(app.addr).encode())?;
+                self.nodes.device.write_superblock(&Superblock::new(app.addr))?;
             }
             Ok(app.addr)
         })();
