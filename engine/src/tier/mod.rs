@@ -367,6 +367,15 @@ impl Shared {
     }
 
     /// Uploads sealed segment `id` and moves its file into the cache.
+    /// Deletes every WAL piece of segment `id`; returns how many there were.
+    fn retire_wal(&self, id: SegId) -> Result<u64> {
+        let pieces = self.store.list(&object::wal_prefix(id))?;
+        for key in &pieces {
+            self.store.delete(key)?;
+        }
+        Ok(pieces.len() as u64)
+    }
+
     fn upload(&self, id: SegId) -> Result<u64> {
         let path = self.local.path_of(id);
         let body = std::fs::read(&path)?;
@@ -374,9 +383,7 @@ impl Shared {
         let (body, footer) = object::with_footer(body, self.cfg.chunk_size);
         self.store.put_large(&object::segment_key(id), &body)?;
         // The segment is in the bucket whole: its WAL pieces are spare.
-        for key in self.store.list(&object::wal_prefix(id))? {
-            self.store.delete(&key)?;
-        }
+        self.retire_wal(id)?;
         self.local.forget(id);
         self.remote.adopt(id, &path, footer)?;
         Ok(len)
@@ -503,9 +510,7 @@ impl Device for BucketDevice {
         self.shared.local.remove_segment(id)?;
         self.shared.remote.remove(id);
         self.shared.store.delete(&object::segment_key(id))?;
-        for key in self.shared.store.list(&object::wal_prefix(id))? {
-            self.shared.store.delete(&key)?;
-        }
+        self.shared.retire_wal(id)?;
         let mut up = self.shared.up.lock();
         up.in_bucket.remove(&id);
         up.shipped.remove(&id);
@@ -566,12 +571,7 @@ impl Replica for BucketDevice {
                 self.shared.remote.forget_wal(id);
             }
             match self.shared.store.size(&key) {
-                Ok(_) => {
-                    for piece in self.shared.store.list(&object::wal_prefix(id))? {
-                        self.shared.store.delete(&piece)?;
-                        deleted += 1;
-                    }
-                }
+                Ok(_) => deleted += self.shared.retire_wal(id)?,
                 Err(Error::NoSuchObject(_)) => {}
                 Err(e) => return Err(e),
             }
