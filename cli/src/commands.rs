@@ -3,7 +3,7 @@
 //! state matters) or directly on an unmounted DISK.
 
 use crate::control;
-use crate::disk::{quiet_config, Disk};
+use crate::disk::{self, quiet_config, Disk};
 use crate::serve::{addr_json, compact_json};
 use anyhow::{anyhow, bail, Context, Result};
 use arbor_engine::disk::FixedRootDevice;
@@ -36,10 +36,10 @@ pub fn resolve(arg: &str) -> Result<Target> {
     if path.is_dir() {
         if let Ok(s) = control::request(path, json!({"op": "status"})) {
             let disk = s["disk"].as_str().ok_or_else(|| anyhow!("bad status reply"))?;
-            return Ok(Target { disk: Disk::open(disk)?, branch: s["branch"].as_str().map(str::to_string) });
+            return Ok(Target { disk: disk::open(disk)?, branch: s["branch"].as_str().map(str::to_string) });
         }
     }
-    Ok(Target { disk: Disk::open(arg)?, branch: None })
+    Ok(Target { disk: disk::open(arg)?, branch: None })
 }
 
 fn friendly(e: CatalogError) -> anyhow::Error {
@@ -300,7 +300,7 @@ pub fn prefetch(mountpoint: &Path, paths: &[PathBuf]) -> Result<()> {
 }
 
 pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
-    let d = Disk::open(disk_arg)?;
+    let d = disk::open(disk_arg)?;
     let catalog = d.catalog()?;
     // A record being written would look torn to a reader running beside it.
     for b in catalog.list_branches()? {

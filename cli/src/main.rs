@@ -219,7 +219,7 @@ fn init_logging(default: &str) {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Init { disk } => {
-            let d = disk::Disk::init(&disk)?;
+            let d = disk::init(&disk)?;
             println!("initialized arbor disk at {} with branch main", d.url);
         }
         Command::Mount(m) => {

@@ -58,7 +58,7 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
             disk::Size(*SEGMENT_SIZES.end())
         );
     }
-    let disk = Disk::open_for_mount(&args.disk, args.root_name(), args.cache.clone())?;
+    let disk = disk::open_for_mount(&args.disk, args.root_name(), args.cache.clone())?;
     if !disk.is_s3() && (args.cache.dir.is_some() || args.cache.durability != arbor_engine::tier::Durability::Local) {
         eprintln!(
             "note: a local-folder disk is its own durable copy; --cache-dir and --durability apply to s3:// disks"

@@ -13,13 +13,7 @@ use crate::volume::Superblock;
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-pub fn branch_key(name: &str) -> String {
-    format!("branches/{name}")
-}
-
-pub fn checkpoint_key(name: &str) -> String {
-    format!("checkpoints/{name}")
-}
+pub use crate::layout::{branch_key, checkpoint_key};
 
 const HEAD_MAGIC: &[u8; 4] = b"ARHD";
 

@@ -14,6 +14,7 @@ pub mod error;
 pub mod format;
 pub mod fsck;
 pub mod io;
+pub mod layout;
 pub mod log;
 pub mod private;
 pub mod testkit;

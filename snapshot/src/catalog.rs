@@ -4,9 +4,10 @@
 use crate::error::{Error, Result};
 use arbor_engine::bucket::ObjectStore;
 use arbor_engine::device::Device;
-use arbor_engine::disk::{branch_key, checkpoint_key, decode_head, FixedRootDevice, HeadDevice, Lease, LeaseConfig};
+use arbor_engine::disk::{decode_head, FixedRootDevice, HeadDevice, Lease, LeaseConfig};
 use arbor_engine::env::{Env, SystemEnv, Timestamp};
 use arbor_engine::format::{decode_value, encode_value, Addr};
+use arbor_engine::layout::{self, branch_key, checkpoint_key};
 use arbor_engine::volume::{Change, Config, Inspector, Superblock, Volume};
 use arbor_engine::Error as EngineError;
 use std::fs::File;
@@ -207,8 +208,8 @@ impl Catalog {
 
     pub fn list_branches(&self) -> Result<Vec<BranchInfo>> {
         let mut out = Vec::new();
-        for key in self.store.list("branches/")? {
-            let name = &key["branches/".len()..];
+        for key in self.store.list(layout::BRANCHES)? {
+            let name = &key[layout::BRANCHES.len()..];
             match self.branch_head(name) {
                 Ok(sb) => out.push(BranchInfo { name: name.to_string(), commit: sb.commit }),
                 Err(Error::NotFound(..)) => {}
@@ -358,8 +359,8 @@ impl Catalog {
 
     pub fn list_checkpoints(&self) -> Result<Vec<CheckpointInfo>> {
         let mut out = Vec::new();
-        for key in self.store.list("checkpoints/")? {
-            match self.checkpoint(&key["checkpoints/".len()..]) {
+        for key in self.store.list(layout::CHECKPOINTS)? {
+            match self.checkpoint(&key[layout::CHECKPOINTS.len()..]) {
                 Ok(c) => out.push(c),
                 Err(Error::NotFound(..)) => {}
                 Err(e) => return Err(e),

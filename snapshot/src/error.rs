@@ -14,6 +14,9 @@ pub enum Error {
     Open(String),
     #[error("{0}")]
     Refused(String),
+    /// Opening a disk failed; the message says why for a person.
+    #[error("{message}")]
+    Disk { message: String, errno: i32 },
     #[error(transparent)]
     Engine(#[from] arbor_engine::Error),
 }
@@ -27,6 +30,7 @@ impl Error {
             Error::Exists(..) => libc::EEXIST,
             Error::Open(_) => libc::EBUSY,
             Error::Refused(_) => libc::EPERM,
+            Error::Disk { errno, .. } => *errno,
             Error::Engine(e) => e.errno(),
         }
     }

@@ -8,9 +8,11 @@
 //! small object, whatever the disk holds.
 
 mod catalog;
+pub mod disk;
 mod error;
 mod gc;
 
 pub use catalog::{check_name, BranchInfo, BranchLock, Catalog, CheckpointInfo, Root};
+pub use disk::{Disk, DiskOptions};
 pub use error::{Error, Result};
 pub use gc::{GcPlan, GcReport, GC_GRACE};

@@ -13,13 +13,11 @@
 //! `ARBOR_BENCH_MIB` (1024), `ARBOR_BENCH_RUNS` (3). Medians are printed.
 
 use arbor_benches::{env_usize, median, print_table, Row};
-use arbor_engine::bucket::{ObjectStore, S3Store};
 use arbor_engine::device::FileDevice;
-use arbor_engine::disk::HeadDevice;
 use arbor_engine::io::IoMode;
 use arbor_engine::testkit::{S3Server, S3_BUCKET};
-use arbor_engine::tier::{BucketDevice, Durability, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_snapshot::disk::{CacheOptions, Disk, DiskOptions, S3Overrides};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -131,14 +129,21 @@ fn main() {
     for run in 0..runs {
         eprintln!("run {}/{runs}", run + 1);
         let prefix = format!("bench{run}");
-        let store: Arc<dyn ObjectStore> = Arc::new(S3Store::open(&server.config(&prefix)).expect("s3"));
+        let url = format!("s3://{S3_BUCKET}/{prefix}");
+        let opts = |cache: CacheOptions| DiskOptions {
+            cache,
+            s3: Some(S3Overrides::from(&server.config(&prefix))),
+            ..DiskOptions::default()
+        };
         // Write and upload.
-        {
-            let dev = BucketDevice::open(store.clone(), &fresh(&base, "cache-w"), TierConfig::default()).expect("dev");
-            let vol = Volume::open(HeadDevice::new(dev.clone(), store.clone(), "main"), cfg()).expect("vol");
+        let store = {
+            let cache = CacheOptions { dir: Some(fresh(&base, "cache-w")), ..CacheOptions::default() };
+            let disk = Disk::init(&url, opts(cache)).expect("disk");
+            let (vol, _lock) = disk.catalog().expect("catalog").open_branch("main", cfg()).expect("vol");
             write_file(&vol, mib);
             vol.close().expect("close");
-        }
+            disk.store().clone()
+        };
         // The baseline first, then the engine cold, on the same objects.
         let keys: Vec<(String, u64)> = store
             .list("segments/")
@@ -152,20 +157,17 @@ fn main() {
         arbor_benches::drop_page_cache();
         baseline.push(parallel_download(&server, &prefix, &keys));
         arbor_benches::drop_page_cache();
-        let mut tier = TierConfig { durability: Durability::Local, ..TierConfig::default() };
+        let mut cache = CacheOptions { dir: Some(fresh(&base, "cache-r")), ..CacheOptions::default() };
         if let Ok(ra) = std::env::var("ARBOR_BENCH_READ_AHEAD_MIB") {
-            tier.read_ahead = ra.parse::<u64>().expect("read-ahead MiB") << 20;
+            cache.read_ahead = ra.parse::<u64>().expect("read-ahead MiB") << 20;
         }
-        let dev = BucketDevice::open(store.clone(), &fresh(&base, "cache-r"), tier).expect("dev");
-        let vol =
-            Volume::open(HeadDevice::new(dev.clone(), store.clone(), "main"), Config { read_only: false, ..cfg() })
-                .expect("vol");
+        let disk = Disk::open(&url, opts(cache)).expect("disk");
+        let (vol, lock) = disk.catalog().expect("catalog").open_branch("main", cfg()).expect("vol");
         let ino = vol.lookup(ROOT_INO, b"data.bin").expect("lookup").ino;
         cold.push(read_all(&vol, ino, mib));
         warm.push(read_all(&vol, ino, mib));
         vol.close().expect("close");
-        drop(vol);
-        drop(dev);
+        drop((vol, lock, disk));
         // The engine alone on a local directory.
         let local = fresh(&base, "local");
         let vol = Volume::open(FileDevice::open(&local, IoMode::Auto).expect("dev"), cfg()).expect("vol");

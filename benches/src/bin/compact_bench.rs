@@ -11,14 +11,10 @@
 //! Env: ARBOR_BENCH_ROUNDS (shards, default 8), ARBOR_BENCH_RUNS (3).
 
 use arbor_benches::*;
-use arbor_engine::bucket::{LocalFolderStore, ObjectStore};
-use arbor_engine::device::{Device, FileDevice};
-use arbor_engine::io::IoMode;
 use arbor_engine::volume::{Config, ROOT_INO};
-use arbor_snapshot::Catalog;
+use arbor_snapshot::{Disk, DiskOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 const SHARD: usize = 4 << 20;
@@ -40,9 +36,8 @@ struct Run {
 
 fn run(dir: &Path, rounds: usize, seed: u64) -> Run {
     let _ = std::fs::remove_dir_all(dir);
-    let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(dir).expect("store"));
-    let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
-    let cat = Catalog::new(store, segs, Some(dir.join("locks")));
+    let disk = Disk::init(&dir.display().to_string(), DiskOptions::default()).expect("disk");
+    let cat = disk.catalog().expect("catalog");
     let cfg = Config { commit_interval: None, ..Config::default() };
     let (vol, _lock) = cat.open_branch("main", cfg).expect("main");
     let keep = vol.mkdir(ROOT_INO, b"keep", 0o755, 0, 0).expect("mkdir").ino;

@@ -19,19 +19,17 @@
 //! what was just written does not run under it.
 
 use arbor_benches::*;
-use arbor_engine::bucket::{LocalFolderStore, ObjectStore};
-use arbor_engine::device::{Device, FileDevice};
 use arbor_engine::format::Addr;
-use arbor_engine::io::IoMode;
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_snapshot::{BranchLock, Catalog};
+use arbor_snapshot::{BranchLock, Catalog, Disk, DiskOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-fn open_catalog(dir: &Path, locks: Option<PathBuf>) -> Catalog {
-    let store: Arc<dyn ObjectStore> = Arc::new(LocalFolderStore::open(dir).expect("store"));
-    let segs: Arc<dyn Device> = FileDevice::open(dir.join("segments"), IoMode::Auto).expect("segments");
-    Catalog::new(store, segs, locks)
+/// The catalog of the local disk at `dir`, created first if `create`.
+fn open_catalog(dir: &Path, create: bool) -> Arc<Catalog> {
+    let arg = dir.display().to_string();
+    let disk = if create { Disk::init(&arg, DiskOptions::default()) } else { Disk::open(&arg, DiskOptions::default()) };
+    disk.expect("disk").catalog().expect("catalog")
 }
 
 /// `--diffs COLD WARM CHANGES CHECKPOINT BRANCH DIR...`: the child
@@ -45,10 +43,10 @@ fn diffs(args: &[String]) {
     };
     let reps = |s: &String| s.parse::<usize>().expect("repetitions");
     let check = |found: Vec<_>| assert_eq!(found.len().to_string(), *changes, "diff must find the changed files");
-    let disks: Vec<(&Path, Catalog, Addr, Addr)> = dirs
+    let disks: Vec<(&Path, Arc<Catalog>, Addr, Addr)> = dirs
         .iter()
         .map(|d| {
-            let cat = open_catalog(Path::new(d), None);
+            let cat = open_catalog(Path::new(d), false);
             let from = cat.checkpoint(checkpoint).expect("checkpoint").commit;
             let to = cat.branch_head(branch).expect("head").commit;
             (Path::new(d), cat, from, to)
@@ -56,7 +54,7 @@ fn diffs(args: &[String]) {
         .collect();
     for _ in 0..reps(cold) {
         for (i, (dir, _, from, to)) in disks.iter().enumerate() {
-            let fresh = open_catalog(dir, None);
+            let fresh = open_catalog(dir, false);
             let (found, t) = time(|| fresh.diff_between(*from, *to).expect("diff"));
             check(found);
             println!("cold {i} {}", t.as_secs_f64() * 1e3);
@@ -75,20 +73,20 @@ fn diffs(args: &[String]) {
 }
 
 /// A disk being measured, with its main branch open.
-struct Disk {
+struct Measured {
     n: usize,
     dir: PathBuf,
-    cat: Catalog,
+    cat: Arc<Catalog>,
     vol: Arc<Volume>,
     _lock: BranchLock,
     /// Ten files spread evenly over the disk.
     files: Vec<u64>,
 }
 
-fn build(base: &Path, n: usize, cfg: &Config) -> Disk {
+fn build(base: &Path, n: usize, cfg: &Config) -> Measured {
     let dir = base.join(format!("disk-{n}"));
     let _ = std::fs::remove_dir_all(&dir);
-    let cat = open_catalog(&dir, Some(dir.join("locks")));
+    let cat = open_catalog(&dir, true);
     let (vol, lock) = cat.open_branch("main", cfg.clone()).expect("main");
     eprintln!("building a disk of {n} files");
     // 100 directories at every size, so the 10 changed files (spread
@@ -109,7 +107,7 @@ fn build(base: &Path, n: usize, cfg: &Config) -> Disk {
         }
     }
     vol.commit().expect("commit");
-    Disk { n, dir, cat, vol, _lock: lock, files }
+    Measured { n, dir, cat, vol, _lock: lock, files }
 }
 
 fn main() {
@@ -127,7 +125,7 @@ fn main() {
     let cold_reps = env_usize("ARBOR_BENCH_COLD_REPS", 300);
     let diff_reps = env_usize("ARBOR_BENCH_DIFF_REPS", 300);
     let cfg = Config { commit_interval: None, ..Config::default() };
-    let disks: Vec<Disk> = sizes.iter().map(|&n| build(&base, n, &cfg)).collect();
+    let disks: Vec<Measured> = sizes.iter().map(|&n| build(&base, n, &cfg)).collect();
     let mut times = vec![[Vec::new(), Vec::new(), Vec::new(), Vec::new()]; disks.len()];
     settle();
     // Checkpoint create, each after a small change, as in a training loop.

@@ -21,10 +21,14 @@
 //!   until `max_pending` bytes wait for upload, then block.
 
 mod object;
+mod peers;
 mod remote;
+mod serve;
 
 pub use object::{segment_key, segment_of_key, wal_key, wal_prefix, Footer};
+pub use peers::{ChunkRequest, ChunkSource};
 pub use remote::CacheStats;
+pub use serve::{SegmentCache, ServedChunk};
 
 use crate::bucket::ObjectStore;
 use crate::device::{Device, FileDevice, Replica, SegmentFile};
@@ -81,6 +85,14 @@ pub struct TierConfig {
     /// short-lived cache, as opposed to a mount's).
     pub ephemeral: bool,
     pub io: IoMode,
+    /// Cache servers asked for a chunk before the bucket.
+    pub peers: Option<Arc<dyn ChunkSource>>,
+}
+
+impl std::fmt::Debug for dyn ChunkSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChunkSource")
+    }
 }
 
 impl Default for TierConfig {
@@ -95,6 +107,7 @@ impl Default for TierConfig {
             drain_timeout: None,
             ephemeral: false,
             io: IoMode::Auto,
+            peers: None,
         }
     }
 }
@@ -168,9 +181,10 @@ impl BucketDevice {
     /// Segments left in the cache by an earlier life that never reached the
     /// bucket are queued for upload; the uploads start with the first write.
     pub fn open(store: Arc<dyn ObjectStore>, cache_dir: &Path, cfg: TierConfig) -> Result<Arc<BucketDevice>> {
-        let local = open_cache(&cache_dir.join("segments"), cfg.io)?;
+        let local = open_cache(&cache_dir.join(crate::layout::SEGMENT_DIR), cfg.io)?;
         let remote =
             Remote::new(store.clone(), cache_dir.join("chunks"), cfg.cache_size, cfg.read_ahead, cfg.parallel_gets)?;
+        remote.set_peers(cfg.peers.clone());
         let mut up = Uploads::default();
         for id in local.list_segments()? {
             let path = local.path_of(id);
@@ -498,7 +512,7 @@ impl Device for BucketDevice {
 
     fn list_segments(&self) -> Result<Vec<SegId>> {
         let mut all: HashSet<SegId> = self.shared.local.list_segments()?.into_iter().collect();
-        for prefix in ["segments/", "wal/"] {
+        for prefix in [crate::layout::SEGMENTS, crate::layout::WAL] {
             all.extend(self.shared.store.list(prefix)?.iter().filter_map(|k| object::segment_of_key(k)));
         }
         let mut out: Vec<SegId> = all.into_iter().collect();

@@ -20,45 +20,12 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::format::SegId;
 
 pub const FOOTER_MAGIC: u32 = u32::from_le_bytes(*b"ARSO");
 /// Bytes after the crc table.
 pub const TRAILER_LEN: usize = 24;
 
-fn spread(id: SegId) -> String {
-    format!("{:02x}", crc32c::crc32c(id.file_name().as_bytes()) & 0xff)
-}
-
-pub fn segment_key(id: SegId) -> String {
-    format!("segments/{}/{}", spread(id), id.file_name())
-}
-
-pub fn wal_prefix(id: SegId) -> String {
-    format!("wal/{}/{}/", spread(id), id.file_name())
-}
-
-pub fn wal_key(id: SegId, offset: u64) -> String {
-    format!("{}{offset:016x}", wal_prefix(id))
-}
-
-/// The segment a `segments/` or `wal/` key belongs to.
-pub fn segment_of_key(key: &str) -> Option<SegId> {
-    let mut parts = key.split('/');
-    match parts.next()? {
-        "segments" | "wal" => {
-            parts.next()?;
-            SegId::parse_file_name(parts.next()?)
-        }
-        _ => None,
-    }
-}
-
-/// The offset a WAL piece starts at.
-pub fn wal_offset(key: &str) -> Option<u64> {
-    let last = key.rsplit('/').next()?;
-    (last.len() == 16).then(|| u64::from_str_radix(last, 16).ok()).flatten()
-}
+pub use crate::layout::{segment_key, segment_of_key, wal_key, wal_offset, wal_prefix};
 
 /// Checksums of each chunk, and the layout they describe.
 #[derive(Clone, Debug, PartialEq)]
@@ -171,6 +138,7 @@ pub fn split_verified(body: &[u8], what: &str) -> Result<(Vec<u8>, Footer)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::SegId;
 
     #[test]
     fn keys_round_trip_and_spread() {

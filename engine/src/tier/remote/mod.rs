@@ -27,6 +27,7 @@ use crate::bucket::ObjectStore;
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
+use crate::tier::peers::{ChunkRequest, ChunkSource};
 use chunks::ChunkCache;
 use chunks::{is_data, punch_hole};
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -68,6 +69,9 @@ pub struct CacheStats {
     pub checksum_retries: u64,
     /// WAL pieces read, for segments whose writers never sealed them.
     pub wal_pieces_read: u64,
+    /// Chunks and bytes cache servers gave (and that passed their check).
+    pub peer_chunks: u64,
+    pub peer_bytes: u64,
 }
 
 pub(crate) struct Remote {
@@ -100,6 +104,11 @@ pub(crate) struct Remote {
     retries: AtomicU64,
     /// WAL pieces fetched to read segments their writers never sealed.
     wal_pieces: AtomicU64,
+    /// Cache servers asked before the bucket (set once, before first use).
+    peers: RwLock<Option<Arc<dyn ChunkSource>>>,
+    /// Chunks and bytes cache servers gave that passed their check.
+    peer_chunks: AtomicU64,
+    peer_bytes: AtomicU64,
 }
 
 impl Remote {
@@ -131,7 +140,40 @@ impl Remote {
             hits: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             wal_pieces: AtomicU64::new(0),
+            peers: RwLock::new(None),
+            peer_chunks: AtomicU64::new(0),
+            peer_bytes: AtomicU64::new(0),
         }))
+    }
+
+    pub(crate) fn set_peers(&self, peers: Option<Arc<dyn ChunkSource>>) {
+        *self.peers.write() = peers;
+    }
+
+    /// Asks the cache servers for chunks `wanted` of segment `seg` (with
+    /// `footer`) and keeps those that pass their check: (index, bytes).
+    fn ask_peers(&self, seg: SegId, footer: &Footer, wanted: &[usize]) -> Vec<(usize, Vec<u8>)> {
+        let Some(peers) = self.peers.read().clone() else { return Vec::new() };
+        let asks: Vec<ChunkRequest> = wanted
+            .iter()
+            .map(|&i| {
+                let (s, e) = footer.chunk_range(i);
+                ChunkRequest { index: i as u32, range: s..e }
+            })
+            .collect();
+        let mut good = Vec::new();
+        for (&i, got) in wanted.iter().zip(peers.fetch(seg, &asks)) {
+            let Some(bytes) = got else { continue };
+            if footer.verify(i, &bytes) {
+                self.peer_chunks.fetch_add(1, Ordering::Relaxed);
+                self.peer_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                good.push((i, bytes));
+            } else {
+                tracing::warn!(seg = %seg, chunk = i, got = bytes.len(), "a chunk from a cache server failed its checksum; reading it from the bucket");
+                peers.rejected(seg, i as u32);
+            }
+        }
+        good
     }
 
     pub(crate) fn stats(&self) -> CacheStats {
@@ -144,6 +186,8 @@ impl Remote {
             evicted_bytes: self.chunks.evicted_bytes(),
             checksum_retries: self.retries.load(Ordering::Relaxed),
             wal_pieces_read: self.wal_pieces.load(Ordering::Relaxed),
+            peer_chunks: self.peer_chunks.load(Ordering::Relaxed),
+            peer_bytes: self.peer_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -256,6 +300,19 @@ impl Remote {
 
     /// Opens segment `id` from the bucket, or `None` if it is not there.
     pub(crate) fn open(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
+        self.open_as(id, true)
+    }
+
+    /// Opens sealed segment `id` from its object alone (never from WAL
+    /// pieces), or `None` if it has no object.
+    pub(crate) fn open_object(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
+        match self.open_as(id, false)? {
+            Some(seg) if matches!(seg.source, Source::Wal(_)) => Ok(None),
+            other => Ok(other),
+        }
+    }
+
+    fn open_as(self: &Arc<Self>, id: SegId, wal: bool) -> Result<Option<Arc<RemoteSeg>>> {
         if let Some(s) = self.segs.read().get(&id) {
             return Ok(Some(s.clone()));
         }
@@ -266,6 +323,7 @@ impl Remote {
         let key = segment_key(id);
         let size = match self.store.size(&key) {
             Ok(size) => size,
+            Err(Error::NoSuchObject(_)) if !wal => return Ok(None),
             Err(Error::NoSuchObject(_)) => match self.open_wal(id)? {
                 Some(seg) => return Ok(Some(seg)),
                 // Gone, or sealed and uploaded between the two looks.

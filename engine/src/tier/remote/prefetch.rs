@@ -4,7 +4,7 @@
 //! workers, and the window runs on into the writer's next segments.
 
 use super::segment::{RemoteSeg, Source};
-use super::{Remote, RUN_CHUNKS, SPILL_SEGMENTS};
+use super::{ChunkKey, Remote, RUN_CHUNKS, SPILL_SEGMENTS};
 use crate::format::SegId;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -37,38 +37,59 @@ impl RemoteSeg {
         self.fetch_claimed(&claimed);
     }
 
-    /// One GET from the first to the last of `claimed` (ascending chunk
-    /// numbers the caller claimed in `inflight`); lands those that pass
-    /// their check and releases the claims.
+    /// Fetches `claimed` (ascending chunk numbers the caller claimed in
+    /// `inflight`): from the cache servers, and the rest with one GET from
+    /// the first to the last of them; lands those that pass their check
+    /// and releases the claims.
     pub(super) fn fetch_claimed(&self, claimed: &[usize]) {
         let r = &self.remote;
-        let (Some(&lo), Some(&hi)) = (claimed.first(), claimed.last()) else { return };
+        if claimed.is_empty() {
+            return;
+        }
         if let Source::Object { file } = &self.source {
-            let (start, _) = self.footer.chunk_range(lo);
-            let (_, end) = self.footer.chunk_range(hi);
-            r.gets.fetch_add(1, Ordering::Relaxed);
-            match r.store.get_range(&self.key, start..end) {
-                Ok(bytes) => {
-                    let mut good = Vec::new();
-                    for &i in claimed {
-                        let (s, e) = self.footer.chunk_range(i);
-                        match bytes.get((s - start) as usize..(e - start) as usize) {
-                            Some(part) if self.footer.verify(i, part) => {
-                                r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
-                                good.push(((self.id, i as u32), part, s));
-                            }
-                            _ => {
-                                r.retries.fetch_add(1, Ordering::Relaxed);
-                            }
+            // Cache servers first; what they did not give comes from the
+            // bucket in one GET spanning it.
+            let given_by_peers = r.ask_peers(self.id, &self.footer, claimed);
+            let given: Vec<usize> = given_by_peers.iter().map(|(i, _)| *i).collect();
+            let rest: Vec<usize> = claimed.iter().copied().filter(|i| !given.contains(i)).collect();
+            let mut good: Vec<(ChunkKey, &[u8], u64)> = given_by_peers
+                .iter()
+                .map(|(i, bytes)| ((self.id, *i as u32), bytes.as_slice(), self.footer.chunk_range(*i).0))
+                .collect();
+            let fetched = match (rest.first(), rest.last()) {
+                (Some(&lo), Some(&hi)) => {
+                    let (start, _) = self.footer.chunk_range(lo);
+                    let (_, end) = self.footer.chunk_range(hi);
+                    r.gets.fetch_add(1, Ordering::Relaxed);
+                    match r.store.get_range(&self.key, start..end) {
+                        Ok(bytes) => Some((start, bytes)),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand");
+                            None
                         }
                     }
-                    // One large write per run: the page cache keeps it in
-                    // large pages (a write per network piece would leave
-                    // small ones, and re-reads from the cache run slower).
-                    r.land(file, &good);
                 }
-                Err(e) => tracing::debug!(error = %e, "read-ahead GET failed; the reader fetches on demand"),
+                _ => None,
+            };
+            if let Some((start, bytes)) = &fetched {
+                for &i in &rest {
+                    let (s, e) = self.footer.chunk_range(i);
+                    match bytes.get((s - start) as usize..(e - start) as usize) {
+                        Some(part) if self.footer.verify(i, part) => {
+                            r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
+                            good.push(((self.id, i as u32), part, s));
+                        }
+                        _ => {
+                            r.retries.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
             }
+            // One large write per run: the page cache keeps it in large
+            // pages (a write per network piece would leave small ones, and
+            // re-reads from the cache run slower).
+            good.sort_by_key(|g| g.2);
+            r.land(file, &good);
         }
         let mut inflight = r.inflight.lock();
         for &i in claimed {

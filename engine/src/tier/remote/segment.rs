@@ -26,7 +26,7 @@ pub(crate) struct RemoteSeg {
     pub(super) remote: Arc<Remote>,
     pub(super) id: SegId,
     pub(super) key: String,
-    pub(super) footer: Footer,
+    pub(crate) footer: Footer,
     pub(super) source: Source,
     /// End of the last read, to spot sequential readers.
     pub(super) last_end: AtomicU64,
@@ -51,7 +51,7 @@ impl RemoteSeg {
 
     /// Fetches chunk `i` from the bucket unless it is present or another
     /// thread brings it; returns its bytes when this call fetched them.
-    pub(super) fn fetch(&self, i: usize) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn fetch(&self, i: usize) -> Result<Option<Vec<u8>>> {
         let Source::Object { file } = &self.source else { return Ok(None) };
         let r = &self.remote;
         let key = (self.id, i as u32);
@@ -87,6 +87,9 @@ impl RemoteSeg {
             return Ok(None);
         }
         let res = (|| {
+            if let Some((_, bytes)) = r.ask_peers(self.id, &self.footer, &[i]).pop() {
+                return Ok(bytes);
+            }
             let (s, e) = self.footer.chunk_range(i);
             for attempt in 0..GET_TRIES {
                 r.gets.fetch_add(1, Ordering::Relaxed);

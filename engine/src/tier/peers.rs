@@ -1,0 +1,27 @@
+//! Where a chunk can come from before the bucket: cache servers nearby
+//! (`arbor serve`). A sealed segment's object is immutable and its name is
+//! never reused, so a chunk is a pure function of (segment, index): any
+//! server may hold a copy, and the reader checks every byte it is given
+//! against the footer it read from the bucket. A chunk a server did not
+//! give, or gave wrong, is read from the bucket.
+
+use crate::format::SegId;
+use std::ops::Range;
+
+/// One chunk asked of a [`ChunkSource`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkRequest {
+    pub index: u32,
+    /// Its bytes in the segment object (the last chunk may be short).
+    pub range: Range<u64>,
+}
+
+/// Chunks of sealed segments from somewhere other than the bucket.
+pub trait ChunkSource: Send + Sync {
+    /// The chunks `wanted` of segment `seg`, in order: `None` for each one
+    /// this source cannot give now (the caller reads the bucket for it).
+    /// Never blocks longer than the source's own timeout.
+    fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>>;
+    /// Chunk `index` of `seg` as given failed its checksum.
+    fn rejected(&self, seg: SegId, index: u32);
+}

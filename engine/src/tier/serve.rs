@@ -1,0 +1,65 @@
+//! The chunk cache as a cache server uses it (`arbor serve`): chunks of
+//! sealed segment objects fetched from the bucket once, checked against
+//! the object's footer, kept on local disk (bounded, least recently used
+//! out first) and found again after a restart (checked again before they
+//! are served). The same code as a mount's cache, with no read-ahead: a
+//! server holds the chunks its clients ask for, and with several servers
+//! each asks only for its own share.
+
+use super::remote::{CacheStats, Remote};
+use crate::bucket::ObjectStore;
+use crate::error::Result;
+use crate::format::SegId;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The chunk asked for, and whether it was already in the cache.
+#[derive(Debug)]
+pub struct ServedChunk {
+    pub bytes: Vec<u8>,
+    pub hit: bool,
+}
+
+pub struct SegmentCache {
+    remote: Arc<Remote>,
+}
+
+impl SegmentCache {
+    /// Opens the cache in `dir` (its only user while open) in front of
+    /// `store`, keeping at most `capacity` bytes of chunks; `parallel`
+    /// bucket GETs at most for one request.
+    pub fn open(store: Arc<dyn ObjectStore>, dir: &Path, capacity: u64) -> Result<SegmentCache> {
+        Ok(SegmentCache { remote: Remote::new(store, dir.to_path_buf(), capacity, 0, 1)? })
+    }
+
+    /// Chunk `index` of sealed segment `seg`; `None` when the segment has
+    /// no object in the bucket (never sealed, or removed) or no such chunk.
+    /// Many callers asking for one chunk at once share one bucket GET.
+    pub fn chunk(&self, seg: SegId, index: u32) -> Result<Option<ServedChunk>> {
+        let Some(s) = self.remote.open_object(seg)? else { return Ok(None) };
+        let i = index as usize;
+        if i >= s.footer.crcs.len() {
+            return Ok(None);
+        }
+        // A miss is the one request that went to the bucket for the
+        // chunk; those that waited for it meanwhile count as hits.
+        if let Some(bytes) = s.fetch(i)? {
+            return Ok(Some(ServedChunk { bytes, hit: false }));
+        }
+        let (start, end) = s.footer.chunk_range(i);
+        let mut bytes = vec![0u8; (end - start) as usize];
+        crate::device::SegmentFile::read_at(&*s, &mut bytes, start)?;
+        Ok(Some(ServedChunk { bytes, hit: true }))
+    }
+
+    /// Counters: bytes cached, fetched from the bucket, evicted, hits.
+    pub fn stats(&self) -> CacheStats {
+        self.remote.stats()
+    }
+}
+
+impl Drop for SegmentCache {
+    fn drop(&mut self) {
+        self.remote.shutdown();
+    }
+}

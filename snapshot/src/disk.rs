@@ -1,0 +1,508 @@
+//! A disk, opened from what a person names it: `s3://bucket/prefix`, or a
+//! local folder (the embedded default). Both hold the same objects (see
+//! [`arbor_engine::layout`]); this module assembles the stack that reads
+//! and writes them — the store (S3 with retries, or the folder), the
+//! segment device (the folder's `segments/`, or the bucket tier through a
+//! cache folder on this node) and the catalog — so the CLI, the benches
+//! and the tests open a disk the same way:
+//!
+//! ```no_run
+//! # use arbor_snapshot::disk::{Disk, DiskOptions};
+//! let disk = Disk::open("s3://datasets/team-a", DiskOptions::default())?;
+//! let branches = disk.catalog()?.list_branches()?;
+//! # Ok::<(), arbor_snapshot::Error>(())
+//! ```
+//!
+//! A local-folder disk keeps its segments in place (the folder is both the
+//! bucket and the cache) and its node-local state inside it. An s3 disk
+//! keeps node-local state under `$XDG_CACHE_HOME/arbor/<disk-id>/` (or
+//! `~/.cache/…`), with one cache folder per mount unless the options name
+//! one.
+
+use crate::catalog::Catalog;
+use crate::error::{Error, Result};
+use arbor_engine::bucket::{LocalFolderStore, ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
+use arbor_engine::device::{Device, FileDevice};
+use arbor_engine::disk::LeaseConfig;
+use arbor_engine::io::IoMode;
+use arbor_engine::layout::{self, FORMAT, IDENTITY, PROBE};
+use arbor_engine::tier::{BucketDevice, Durability, TierConfig, TierStats, CACHE_SIZE, READ_AHEAD};
+use arbor_engine::Error as EngineError;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Location {
+    Local(PathBuf),
+    S3 { bucket: String, prefix: String },
+}
+
+/// How a process uses this node for an s3 disk.
+#[derive(Clone, Debug)]
+pub struct CacheOptions {
+    /// The cache folder; by default one per mount (or per command) under
+    /// the node folder.
+    pub dir: Option<PathBuf>,
+    pub size: u64,
+    pub durability: Durability,
+    pub read_ahead: u64,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions { dir: None, size: CACHE_SIZE, durability: Durability::Local, read_ahead: READ_AHEAD }
+    }
+}
+
+/// How to open a disk. The defaults suit a short-lived command.
+#[derive(Clone, Default)]
+pub struct DiskOptions {
+    pub cache: CacheOptions,
+    /// The mount this process serves (`main`, a checkpoint's name): its
+    /// cache folder is kept between runs. `None`: a command's own cache,
+    /// removed when the command ends.
+    pub mount: Option<String>,
+    /// How this process claims branches it writes; `None` judges other
+    /// writers by their leases' expiry alone.
+    pub lease: Option<LeaseConfig>,
+    /// How segment writes reach the kernel.
+    pub io: IoMode,
+    /// S3 settings; `None` takes them from the environment
+    /// ([`s3_config_from_env`]).
+    pub s3: Option<S3Overrides>,
+    /// Tries per bucket call; `None`: `ARBOR_S3_RETRIES`, else the default.
+    pub retries: Option<u32>,
+    /// This node's folder for an s3 disk; `None`: under
+    /// `$XDG_CACHE_HOME/arbor/`. (A local disk's is its own folder.)
+    pub node_dir: Option<PathBuf>,
+}
+
+/// S3 settings a caller gives instead of the environment's.
+#[derive(Clone, Debug, Default)]
+pub struct S3Overrides {
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub path_style: bool,
+    pub credentials: Option<(String, String)>,
+}
+
+impl From<&S3Config> for S3Overrides {
+    /// Everything but the bucket and prefix, which the disk's URL names.
+    fn from(c: &S3Config) -> S3Overrides {
+        S3Overrides {
+            endpoint: c.endpoint.clone(),
+            region: c.region.clone(),
+            path_style: c.path_style,
+            credentials: c.credentials.clone(),
+        }
+    }
+}
+
+pub struct Disk {
+    /// The disk's name as shown to people: an absolute path or an s3:// URL.
+    pub url: String,
+    pub location: Location,
+    store: Arc<dyn ObjectStore>,
+    /// Node-local state: locks, logs, caches.
+    node_dir: PathBuf,
+    opts: DiskOptions,
+    catalog: OnceLock<Arc<Catalog>>,
+    tier: OnceLock<Arc<BucketDevice>>,
+}
+
+/// A setup error with a person's explanation and the errno it stands for.
+fn fail(errno: i32, message: String) -> Error {
+    Error::Disk { message, errno }
+}
+
+/// Parses a DISK argument into its display name and location.
+pub fn parse(arg: &str) -> Result<(String, Location)> {
+    let invalid = |m: String| fail(libc::EINVAL, m);
+    if arg.is_empty() {
+        return Err(invalid("DISK must not be empty".into()));
+    }
+    if let Some(rest) = arg.strip_prefix("s3://") {
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let prefix = prefix.trim_matches('/');
+        let ok_bucket = (3..=63).contains(&bucket.len())
+            && bucket.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+        if !ok_bucket {
+            return Err(invalid(format!("{arg}: {bucket:?} is not a valid bucket name")));
+        }
+        if prefix.split('/').any(|p| p.is_empty() && !prefix.is_empty() || p == "." || p == "..") {
+            return Err(invalid(format!("{arg}: the prefix must be a plain path")));
+        }
+        let url = if prefix.is_empty() { format!("s3://{bucket}") } else { format!("s3://{bucket}/{prefix}") };
+        return Ok((url, Location::S3 { bucket: bucket.into(), prefix: prefix.into() }));
+    }
+    if let Some((scheme, _)) = arg.split_once("://") {
+        return Err(invalid(format!(
+            "{scheme}:// disks are not supported; use s3://bucket/prefix or a local folder (got {arg})"
+        )));
+    }
+    let path = std::path::absolute(arg).map_err(|e| fail(libc::EINVAL, format!("{arg}: {}", io_cause(&e))))?;
+    Ok((path.display().to_string(), Location::Local(path)))
+}
+
+/// S3 settings from the environment: the standard AWS chain for
+/// credentials and region, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` for
+/// an S3-compatible server (which then gets path-style addressing unless
+/// `ARBOR_S3_PATH_STYLE=0`).
+pub fn s3_config_from_env(bucket: &str, prefix: &str) -> S3Config {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let endpoint = env("AWS_ENDPOINT_URL_S3").or_else(|| env("AWS_ENDPOINT_URL"));
+    let path_style = match env("ARBOR_S3_PATH_STYLE").as_deref() {
+        Some("0") | Some("false") => false,
+        Some(_) => true,
+        None => endpoint.is_some(),
+    };
+    S3Config {
+        bucket: bucket.into(),
+        prefix: prefix.into(),
+        endpoint,
+        // Resolved by the store (environment, profile, else us-east-1).
+        region: None,
+        path_style,
+        credentials: None,
+    }
+}
+
+/// Where this node keeps its state of s3 disks.
+fn node_base() -> PathBuf {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    env("XDG_CACHE_HOME")
+        .or_else(|| env("HOME").map(|h| h.join(".cache")))
+        .unwrap_or_else(|| PathBuf::from("/var/cache"))
+        .join("arbor")
+}
+
+/// How segment writes reach the kernel: `ARBOR_IO=uring|syscall`, else
+/// plain syscalls.
+pub fn io_mode_from_env() -> Result<IoMode> {
+    match std::env::var("ARBOR_IO").as_deref() {
+        Err(_) | Ok("") | Ok("auto") => Ok(IoMode::Auto),
+        Ok("uring") => Ok(IoMode::Uring),
+        Ok("syscall") => Ok(IoMode::Syscall),
+        Ok(other) => Err(fail(libc::EINVAL, format!("ARBOR_IO must be auto, uring or syscall (got {other:?})"))),
+    }
+}
+
+impl Disk {
+    fn at(arg: &str, create: bool, opts: DiskOptions) -> Result<Disk> {
+        let (url, location) = parse(arg)?;
+        let (store, node_dir): (Arc<dyn ObjectStore>, PathBuf) = match &location {
+            Location::Local(root) => {
+                match std::fs::metadata(root) {
+                    Ok(m) if m.is_dir() => {}
+                    Ok(_) => {
+                        return Err(fail(
+                            libc::ENOTDIR,
+                            format!(
+                                "{} is not a folder; a DISK is a folder made by arbor init, or s3://bucket/prefix",
+                                root.display()
+                            ),
+                        ))
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound && !create => {
+                        return Err(fail(
+                            libc::ENOENT,
+                            format!("{} does not exist (create it with: arbor init {arg})", root.display()),
+                        ))
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io_fail(&e, root.display().to_string())),
+                }
+                let store = LocalFolderStore::open(root).map_err(|e| match e {
+                    EngineError::Io(io) => io_fail(&io, format!("cannot open {}", root.display())),
+                    e => fail(e.errno(), format!("cannot open {}: {e}", root.display())),
+                })?;
+                (Arc::new(store), root.clone())
+            }
+            Location::S3 { bucket, prefix } => {
+                let config = match &opts.s3 {
+                    None => s3_config_from_env(bucket, prefix),
+                    Some(o) => S3Config {
+                        bucket: bucket.clone(),
+                        prefix: prefix.clone(),
+                        endpoint: o.endpoint.clone(),
+                        region: o.region.clone(),
+                        path_style: o.path_style,
+                        credentials: o.credentials.clone(),
+                    },
+                };
+                let s3 = S3Store::open(&config).map_err(|e| fail(e.errno(), format!("cannot set up {url}: {e}")))?;
+                let node = opts
+                    .node_dir
+                    .clone()
+                    .unwrap_or_else(|| node_base().join(format!("{:08x}", crc32c::crc32c(url.as_bytes()))));
+                let default = RetryPolicy::default();
+                let attempts = opts.retries.unwrap_or_else(|| {
+                    std::env::var("ARBOR_S3_RETRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(default.attempts)
+                });
+                (RetryStore::new(Arc::new(s3), RetryPolicy { attempts, ..default }), node)
+            }
+        };
+        Ok(Disk { url, location, store, node_dir, opts, catalog: OnceLock::new(), tier: OnceLock::new() })
+    }
+
+    pub fn is_s3(&self) -> bool {
+        matches!(self.location, Location::S3 { .. })
+    }
+
+    /// The disk's objects (the bucket, or the local folder standing in for one).
+    pub fn store(&self) -> &Arc<dyn ObjectStore> {
+        &self.store
+    }
+
+    /// Creates a disk: its identity object, after checking that the
+    /// bucket honours conditional writes, and branch `main`.
+    pub fn init(arg: &str, opts: DiskOptions) -> Result<Disk> {
+        let disk = Disk::at(arg, true, opts)?;
+        let identity = format!("{FORMAT}\ncreated-by: arbor {}\n", env!("CARGO_PKG_VERSION"));
+        match disk.store.put_if_absent(IDENTITY, identity.as_bytes()) {
+            Ok(_) => {}
+            Err(EngineError::AlreadyExists(_)) => {
+                return Err(fail(libc::EEXIST, format!("{} is already an arbor disk", disk.url)))
+            }
+            Err(e) => return Err(disk.bucket_error(e, "cannot write the disk identity")),
+        }
+        if let Err(e) = disk.check_conditional_writes() {
+            let _ = disk.store.delete(IDENTITY);
+            return Err(e);
+        }
+        // Create branch main now, so every later command finds it.
+        let (vol, _lock) = disk.catalog()?.open_branch("main", quiet_config())?;
+        vol.close()?;
+        Ok(disk)
+    }
+
+    /// Branch heads are only safe where a conditional PUT is refused when
+    /// its condition fails; a bucket that ignores the condition is refused.
+    fn check_conditional_writes(&self) -> Result<()> {
+        let refuse = |what: &str| {
+            fail(
+                libc::ENOTSUP,
+                format!(
+                    "{} does not honour conditional writes ({what} was ignored); arbor refuses to use it, \
+                     as two writers could then overwrite each other's branch heads",
+                    self.url
+                ),
+            )
+        };
+        let _ = self.store.delete(PROBE);
+        self.store.put_if_absent(PROBE, b"1").map_err(|e| self.bucket_error(e, "cannot write a probe object"))?;
+        let outcome = (|| {
+            match self.store.put_if_absent(PROBE, b"2") {
+                Err(EngineError::AlreadyExists(_)) => {}
+                Ok(_) => return Err(refuse("If-None-Match")),
+                Err(e) => return Err(self.bucket_error(e, "cannot write a probe object")),
+            }
+            // A well-formed tag no object of ours has (the probe holds "2" or "1").
+            match self.store.put_if_match(PROBE, b"3", "\"00000000000000000000000000000000\"") {
+                Err(EngineError::PreconditionFailed(_)) => Ok(()),
+                Ok(_) => Err(refuse("If-Match")),
+                Err(e) => Err(self.bucket_error(e, "cannot write a probe object")),
+            }
+        })();
+        let _ = self.store.delete(PROBE);
+        outcome
+    }
+
+    /// Opens an existing disk.
+    pub fn open(arg: &str, opts: DiskOptions) -> Result<Disk> {
+        let disk = Disk::at(arg, false, opts)?;
+        match disk.store.get(IDENTITY) {
+            Ok((body, _)) if body.starts_with(FORMAT.as_bytes()) => Ok(disk),
+            Ok(_) => Err(fail(libc::EINVAL, format!("{} holds a disk of a format this arbor does not read", disk.url))),
+            Err(EngineError::NoSuchObject(_)) => Err(fail(
+                libc::ENOENT,
+                format!("{} is not an arbor disk (create one with: arbor init {arg})", disk.url),
+            )),
+            Err(e) => Err(disk.bucket_error(e, "cannot read the disk identity")),
+        }
+    }
+
+    /// The node folder: locks, logs and caches of this disk on this node.
+    pub fn node_dir(&self) -> &Path {
+        &self.node_dir
+    }
+
+    fn cache_name(&self) -> String {
+        match &self.opts.mount {
+            Some(name) => layout::mount_cache(name),
+            None => layout::command_cache(std::process::id()),
+        }
+    }
+
+    /// The cache folder this process uses for an s3 disk.
+    pub fn cache_dir(&self) -> PathBuf {
+        self.opts.cache.dir.clone().unwrap_or_else(|| self.node_dir.join(self.cache_name()))
+    }
+
+    /// The segments of the disk: the folder itself, or the bucket through
+    /// this process's cache folder.
+    fn segments(&self) -> Result<Arc<dyn Device>> {
+        match &self.location {
+            Location::Local(root) => Ok(FileDevice::open(root.join(layout::SEGMENT_DIR), self.opts.io)?),
+            Location::S3 { .. } => {
+                let dir = self.cache_dir();
+                let cache = &self.opts.cache;
+                let tier = TierConfig {
+                    // A command's own cache goes when its last user does.
+                    ephemeral: cache.dir.is_none() && self.opts.mount.is_none(),
+                    durability: cache.durability,
+                    cache_size: cache.size,
+                    read_ahead: cache.read_ahead,
+                    io: self.opts.io,
+                    ..TierConfig::default()
+                };
+                let dev = BucketDevice::open(self.store.clone(), &dir, tier).map_err(|e| match e {
+                    EngineError::Busy(_) => fail(
+                        libc::EBUSY,
+                        format!(
+                            "cache directory {} is in use by another arbor process ({} is already mounted on this node?)",
+                            dir.display(),
+                            self.opts.mount.as_deref().unwrap_or("it")
+                        ),
+                    ),
+                    EngineError::Io(io) => io_fail(&io, format!("cannot open cache directory {}", dir.display())),
+                    e => fail(e.errno(), format!("cannot open cache directory {}: {e}", dir.display())),
+                })?;
+                let _ = self.tier.set(dev.clone());
+                Ok(dev)
+            }
+        }
+    }
+
+    /// The disk's catalog, opened once per process.
+    pub fn catalog(&self) -> Result<Arc<Catalog>> {
+        if let Some(c) = self.catalog.get() {
+            return Ok(c.clone());
+        }
+        let segments = self.segments()?;
+        let mut catalog = Catalog::new(self.store.clone(), segments, Some(self.node_dir.join(layout::LOCK_DIR)));
+        if let Some(lease) = &self.opts.lease {
+            catalog = catalog.with_lease(lease.clone());
+        }
+        let catalog = Arc::new(catalog);
+        Ok(self.catalog.get_or_init(|| catalog).clone())
+    }
+
+    /// Makes this node's files of the disk (a local disk's whole folder, an
+    /// s3 disk's caches, logs and locks) private to their owner, as this
+    /// build creates them: a disk from an older build was readable by all.
+    /// Says so once in the log when it changed anything.
+    pub fn make_private(&self) -> Result<()> {
+        if !self.node_dir.exists() {
+            return Ok(());
+        }
+        let changed = arbor_engine::private::tighten(&self.node_dir)
+            .map_err(|e| io_fail(&e, format!("cannot make {} private", self.node_dir.display())))?;
+        if changed > 0 {
+            tracing::warn!(
+                changed,
+                folder = %self.node_dir.display(),
+                "made the disk's files and folders private to their owner (an older arbor created them readable by others)"
+            );
+        }
+        Ok(())
+    }
+
+    /// Upload and cache counters, for an s3 disk opened by this process.
+    pub fn tier_stats(&self) -> Option<TierStats> {
+        self.tier.get().map(|t| t.stats())
+    }
+
+    /// Where a background mount of `name` logs.
+    pub fn log_path(&self, name: &str) -> PathBuf {
+        self.node_dir.join(layout::LOG_DIR).join(format!("{name}.log"))
+    }
+
+    /// Says what a failed bucket call means for a person.
+    pub fn bucket_error(&self, e: EngineError, doing: &str) -> Error {
+        bucket_error(e, &self.url, doing)
+    }
+}
+
+/// Says what a failed bucket call means for a person. A local folder's
+/// errors are file system errors and keep their errno's meaning.
+pub fn bucket_error(e: EngineError, url: &str, doing: &str) -> Error {
+    let s3 = url.starts_with("s3://");
+    match &e {
+        EngineError::Io(io) if s3 && io.kind() == std::io::ErrorKind::PermissionDenied => fail(
+            libc::EACCES,
+            format!("{doing}: {url}: access denied; check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE, …): {io}"),
+        ),
+        EngineError::Io(io) if s3 => fail(libc::EIO, format!("{doing}: {url}: the bucket is unreachable: {io}")),
+        EngineError::Io(io) => io_fail(io, format!("{doing}: {url}")),
+        _ => fail(e.errno(), format!("{doing}: {url}: {e}")),
+    }
+}
+
+fn io_fail(e: &std::io::Error, what: String) -> Error {
+    fail(e.raw_os_error().unwrap_or(libc::EIO), format!("{what}: {}", io_cause(e)))
+}
+
+/// An I/O error as a person reads it: what the errno means here, then the
+/// system's own words.
+pub fn io_cause(e: &std::io::Error) -> String {
+    let hint = match e.raw_os_error() {
+        Some(libc::ENOENT) => "no such file or folder",
+        Some(libc::EACCES) | Some(libc::EPERM) => "permission denied",
+        Some(libc::ENOTDIR) => "a part of the path is not a folder",
+        Some(libc::EROFS) => "the file system is read-only",
+        Some(libc::ENOSPC) => "no space left on the device",
+        Some(libc::EDQUOT) => "disk quota exceeded",
+        Some(libc::ENOTCONN) => "a stale mount (its arbor process is gone; mount it again)",
+        _ => return e.to_string(),
+    };
+    format!("{hint} ({e})")
+}
+
+/// A volume configuration for short-lived opens by commands.
+pub fn quiet_config() -> arbor_engine::Config {
+    arbor_engine::Config { commit_interval: None, ..arbor_engine::Config::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_once_then_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let arg = dir.path().join("d").display().to_string();
+        let err = Disk::open(&arg, DiskOptions::default()).err().expect("no disk yet");
+        assert_eq!(err.errno(), libc::ENOENT, "{err}");
+        Disk::init(&arg, DiskOptions::default()).expect("init");
+        let again = Disk::init(&arg, DiskOptions::default()).err().expect("second init must fail");
+        assert_eq!(again.errno(), libc::EEXIST, "{again}");
+        let d = Disk::open(&arg, DiskOptions::default()).expect("open");
+        let branches = d.catalog().expect("catalog").list_branches().expect("list");
+        assert_eq!(branches.len(), 1, "init creates main");
+        assert!(dir.path().join("d").join(IDENTITY).is_file(), "the identity is where layout says");
+    }
+
+    #[test]
+    fn a_folder_that_is_not_a_disk_is_named_as_such() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = Disk::open(&dir.path().display().to_string(), DiskOptions::default()).err().expect("not a disk");
+        assert!(err.to_string().contains("is not an arbor disk"), "{err}");
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").expect("write");
+        let err = Disk::open(&file.display().to_string(), DiskOptions::default()).err().expect("a file");
+        assert_eq!(err.errno(), libc::ENOTDIR, "{err}");
+    }
+
+    #[test]
+    fn disk_urls_parse_or_say_why_not() {
+        assert_eq!(
+            parse("s3://my-bucket/team/disk1/").expect("s3").1,
+            Location::S3 { bucket: "my-bucket".into(), prefix: "team/disk1".into() }
+        );
+        assert_eq!(parse("s3://my-bucket").expect("s3").0, "s3://my-bucket");
+        for bad in ["s3://", "s3://Upper/x", "s3://b/x/../y", "gs://b/x", ""] {
+            assert_eq!(parse(bad).err().map(|e| e.errno()), Some(libc::EINVAL), "{bad:?}");
+        }
+    }
+}
