@@ -1,0 +1,351 @@
+//! The client side of the shared cache: a [`ChunkSource`] a mount's
+//! bucket tier asks before the bucket.
+//!
+//! Each chunk has one owner among the servers, by rendezvous (highest
+//! random weight) hashing of (server address, segment, chunk): every
+//! client with the same list agrees on the owner without talking to the
+//! others, and adding a server moves only the chunks it now wins. The list
+//! is fixed for the life of the mount. A server that refuses connections,
+//! times out or answers with an error is skipped for that chunk — the
+//! reader goes to the bucket — and is left alone for [`DOWN_FOR`] before
+//! it is tried again; its chunks are not handed to another server.
+
+use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};
+use crate::CACHE_HEADER;
+use arbor_engine::format::SegId;
+use arbor_engine::tier::{ChunkRequest, ChunkSource};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http2::SendRequest;
+use hyper::header::{HeaderValue, AUTHORIZATION};
+use hyper::{Request, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a server that failed is skipped before it is tried again.
+pub const DOWN_FOR: Duration = Duration::from_secs(2);
+/// How long a chunk request may take before the reader goes to the bucket.
+pub const TIMEOUT: Duration = Duration::from_secs(2);
+
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// `host:port` of each server, the same list (in any order) on every
+    /// client so that they agree on each chunk's owner.
+    pub servers: Vec<String>,
+    pub token: String,
+    /// How long one chunk request may take.
+    pub timeout: Duration,
+}
+
+/// What one server gave this client, and why it was passed over.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    pub addr: String,
+    /// Chunks and bytes it answered (before the client's checks).
+    pub chunks: u64,
+    pub bytes: u64,
+    /// Of those, how many it had cached already.
+    pub hits: u64,
+    /// Chunks read from the bucket instead, by reason.
+    pub fallback_down: u64,
+    pub fallback_timeout: u64,
+    pub fallback_error: u64,
+    pub fallback_not_found: u64,
+    /// Chunks it gave that failed their checksum (read from the bucket).
+    pub rejected: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    chunks: AtomicU64,
+    bytes: AtomicU64,
+    hits: AtomicU64,
+    down: AtomicU64,
+    timeout: AtomicU64,
+    error: AtomicU64,
+    not_found: AtomicU64,
+    rejected: AtomicU64,
+}
+
+struct Peer {
+    addr: String,
+    /// FNV-1a of the address, the server's part of every chunk's score.
+    seed: u64,
+    conn: tokio::sync::Mutex<Option<SendRequest<Full<Bytes>>>>,
+    down_until: Mutex<Option<Instant>>,
+    n: Counters,
+}
+
+struct Inner {
+    peers: Vec<Peer>,
+    auth: HeaderValue,
+    timeout: Duration,
+}
+
+pub struct CacheClient {
+    inner: Arc<Inner>,
+    rt: tokio::runtime::Runtime,
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The weight of server `seed` for chunk `index` of `seg`: the highest wins.
+fn score(seed: u64, seg: SegId, index: u32) -> u64 {
+    splitmix(seed ^ splitmix(seg.writer ^ splitmix(((seg.seq as u64) << 32) | index as u64)))
+}
+
+impl CacheClient {
+    pub fn new(opts: ClientOptions) -> Result<CacheClient, crate::Error> {
+        if opts.servers.is_empty() {
+            return Err(crate::Error::Config("no cache servers given".into()));
+        }
+        let mut peers: Vec<Peer> = Vec::new();
+        for addr in &opts.servers {
+            let addr = addr.trim().to_string();
+            if addr.is_empty() || !addr.contains(':') {
+                return Err(crate::Error::Config(format!("{addr:?} is not HOST:PORT")));
+            }
+            if peers.iter().any(|p| p.addr == addr) {
+                continue;
+            }
+            peers.push(Peer {
+                seed: fnv1a(addr.as_bytes()),
+                addr,
+                conn: tokio::sync::Mutex::new(None),
+                down_until: Mutex::new(None),
+                n: Counters::default(),
+            });
+        }
+        let auth = HeaderValue::from_str(&format!("Bearer {}", opts.token))
+            .map_err(|_| crate::Error::Config("the token must be printable ASCII".into()))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("arbor-cache-client")
+            .enable_all()
+            .build()?;
+        Ok(CacheClient { inner: Arc::new(Inner { peers, auth, timeout: opts.timeout }), rt })
+    }
+
+    /// The index of the server that owns chunk `index` of `seg`.
+    pub fn owner(&self, seg: SegId, index: u32) -> usize {
+        self.inner.owner(seg, index)
+    }
+
+    /// Per server: what it gave and why it was passed over.
+    pub fn stats(&self) -> Vec<ServerStats> {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        self.inner
+            .peers
+            .iter()
+            .map(|p| ServerStats {
+                addr: p.addr.clone(),
+                chunks: get(&p.n.chunks),
+                bytes: get(&p.n.bytes),
+                hits: get(&p.n.hits),
+                fallback_down: get(&p.n.down),
+                fallback_timeout: get(&p.n.timeout),
+                fallback_error: get(&p.n.error),
+                fallback_not_found: get(&p.n.not_found),
+                rejected: get(&p.n.rejected),
+            })
+            .collect()
+    }
+}
+
+impl Inner {
+    fn owner(&self, seg: SegId, index: u32) -> usize {
+        let mut best = (0, 0);
+        for (i, p) in self.peers.iter().enumerate() {
+            let s = score(p.seed, seg, index);
+            if i == 0 || s > best.1 {
+                best = (i, s);
+            }
+        }
+        best.0
+    }
+
+    async fn get(self: Arc<Self>, seg: SegId, index: u32) -> Option<Vec<u8>> {
+        let peer = &self.peers[self.owner(seg, index)];
+        if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
+            peer.n.down.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let uri = format!("http://{}/v1/chunks/{}/{index}", peer.addr, seg.file_name());
+        let attempt = async {
+            let mut send = peer.sender(self.timeout).await?;
+            let req = Request::get(uri)
+                .header(AUTHORIZATION, self.auth.clone())
+                .body(Full::new(Bytes::new()))
+                .map_err(|e| e.to_string())?;
+            let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let hit = resp.headers().get(CACHE_HEADER).is_some_and(|v| v.as_bytes() == b"hit");
+            let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+            Ok::<_, String>((status, hit, body))
+        };
+        match tokio::time::timeout(self.timeout, attempt).await {
+            Ok(Ok((StatusCode::OK, hit, body))) => {
+                peer.n.chunks.fetch_add(1, Ordering::Relaxed);
+                peer.n.bytes.fetch_add(body.len() as u64, Ordering::Relaxed);
+                if hit {
+                    peer.n.hits.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(Vec::from(body))
+            }
+            Ok(Ok((StatusCode::NOT_FOUND, ..))) => {
+                peer.n.not_found.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Ok(Ok((status, ..))) => {
+                tracing::debug!(server = %peer.addr, %status, "a cache server answered with an error");
+                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
+                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                peer.failed().await;
+                None
+            }
+            Err(_) => {
+                tracing::debug!(server = %peer.addr, "a cache server timed out");
+                peer.n.timeout.fetch_add(1, Ordering::Relaxed);
+                peer.failed().await;
+                None
+            }
+        }
+    }
+}
+
+impl Peer {
+    /// The connection to this server, made anew when there is none.
+    async fn sender(&self, timeout: Duration) -> Result<SendRequest<Full<Bytes>>, String> {
+        let mut conn = self.conn.lock().await;
+        if let Some(s) = conn.as_ref() {
+            if !s.is_closed() {
+                return Ok(s.clone());
+            }
+        }
+        let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| "connect timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        let (send, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_frame_size(MAX_FRAME)
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        let addr = self.addr.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(server = %addr, error = %e, "connection to a cache server ended");
+            }
+        });
+        *conn = Some(send.clone());
+        Ok(send)
+    }
+
+    /// Drops the connection and leaves the server alone for a while.
+    async fn failed(&self) {
+        *self.down_until.lock() = Some(Instant::now() + DOWN_FOR);
+        *self.conn.lock().await = None;
+    }
+}
+
+impl ChunkSource for CacheClient {
+    fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
+        let inner = &self.inner;
+        self.rt.block_on(async {
+            let tasks: Vec<_> = wanted.iter().map(|w| tokio::spawn(inner.clone().get(seg, w.index))).collect();
+            let mut out = Vec::with_capacity(tasks.len());
+            for t in tasks {
+                out.push(t.await.ok().flatten());
+            }
+            out
+        })
+    }
+
+    fn rejected(&self, seg: SegId, index: u32) {
+        let peer = &self.inner.peers[self.inner.owner(seg, index)];
+        peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn client(servers: &[&str]) -> CacheClient {
+        CacheClient::new(ClientOptions {
+            servers: servers.iter().map(|s| s.to_string()).collect(),
+            token: "t".into(),
+            timeout: TIMEOUT,
+        })
+        .expect("client")
+    }
+
+    #[test]
+    fn owners_spread_evenly_and_a_new_server_takes_only_its_share() {
+        let three = client(&["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]);
+        let four = client(&["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000", "10.0.0.4:7000"]);
+        let mut per = [0usize; 3];
+        let (mut moved, n) = (0, 30_000u32);
+        for i in 0..n {
+            let seg = SegId { writer: 0xfeed + (i / 100) as u64, seq: i % 7 };
+            let (a, b) = (three.owner(seg, i % 100), four.owner(seg, i % 100));
+            per[a] += 1;
+            if a != b {
+                assert_eq!(b, 3, "a chunk moves only to the new server");
+                moved += 1;
+            }
+        }
+        for c in per {
+            assert!((9_000..11_000).contains(&c), "an even spread: {per:?}");
+        }
+        assert!((6_500..8_500).contains(&moved), "about a quarter moves: {moved}");
+        let reordered = client(&["10.0.0.3:7000", "10.0.0.1:7000", "10.0.0.2:7000"]);
+        let seg = SegId { writer: 1, seq: 2 };
+        for i in 0..100 {
+            assert_eq!(
+                three.inner.peers[three.owner(seg, i)].addr,
+                reordered.inner.peers[reordered.owner(seg, i)].addr,
+                "the order of the list does not matter"
+            );
+        }
+    }
+
+    #[test]
+    fn a_server_that_is_not_there_gives_nothing_quickly_and_is_counted() {
+        // A port nothing listens on: bind one, then close it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let c = client(&[&format!("127.0.0.1:{port}")]);
+        let seg = SegId { writer: 1, seq: 1 };
+        let got = c.fetch(seg, &[ChunkRequest { index: 0, range: 0..10 }, ChunkRequest { index: 1, range: 10..20 }]);
+        assert_eq!(got, vec![None, None]);
+        let s = &c.stats()[0];
+        assert_eq!(s.fallback_error + s.fallback_down, 2, "{s:?}");
+        assert_eq!(s.chunks, 0);
+        assert!(CacheClient::new(ClientOptions { servers: vec![], token: "t".into(), timeout: TIMEOUT }).is_err());
+        assert!(CacheClient::new(ClientOptions {
+            servers: vec!["nohost".into()],
+            token: "t".into(),
+            timeout: TIMEOUT
+        })
+        .is_err());
+    }
+}

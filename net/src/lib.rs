@@ -1,0 +1,100 @@
+//! arbor over the network: `arbor serve`, a cache of segment chunks shared
+//! by every node that mounts a disk, and the client a mount uses to read
+//! through it.
+//!
+//! A sealed segment object is immutable and its name is never reused, and
+//! every 1 MiB chunk of it has a crc32c in the object's footer. A chunk is
+//! therefore a pure function of (segment, index): the cache needs no
+//! invalidation and no coherence protocol, and a client checks every byte
+//! a server gives it against the footer it read from the bucket itself.
+//!
+//! # Wire protocol
+//!
+//! HTTP/2 over TCP without TLS (prior knowledge; the server also answers
+//! HTTP/1.1, so `curl` works). One connection per client and server,
+//! many requests in flight on it. Every request carries the shared token
+//! as `Authorization: Bearer <token>`; without it the answer is `401` and
+//! an empty body, whatever was asked.
+//!
+//! | request | answer |
+//! | --- | --- |
+//! | `GET /v1/chunks/<segment file name>/<index>` | `200` the chunk's bytes, `x-arbor-cache: hit\|miss`; `404` no such sealed segment or chunk; `502` the bucket failed |
+//! | `GET /metrics` | Prometheus text: hits, misses, bucket bytes, bytes served, evictions, resident bytes, request latency |
+//! | `GET /v1/health` | `200 ok` |
+
+pub mod client;
+mod metrics;
+pub use metrics::sample as metric_sample;
+pub mod server;
+
+pub use client::{CacheClient, ClientOptions, ServerStats};
+pub use server::{CacheServer, Fault, ServerOptions};
+
+use std::path::Path;
+
+/// The header a server says whether a chunk was already cached in.
+pub const CACHE_HEADER: &str = "x-arbor-cache";
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("token file {path}: {cause}")]
+    Token { path: String, cause: String },
+    #[error("{0}")]
+    Config(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Reads a shared token: the file's first line, trimmed; it must not be
+/// empty. A token file others can read is used, with a warning.
+pub fn read_token(path: &Path) -> Result<String, Error> {
+    let fail = |cause: String| Error::Token { path: path.display().to_string(), cause };
+    let text = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+    let token = text.lines().next().unwrap_or("").trim().to_string();
+    if token.is_empty() {
+        return Err(fail("is empty; put a long random secret in it (e.g. openssl rand -hex 32)".into()));
+    }
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(m) = std::fs::metadata(path) {
+        if m.permissions().mode() & 0o077 != 0 {
+            tracing::warn!(file = %path.display(), "the token file can be read by other users; chmod 600 it");
+        }
+    }
+    Ok(token)
+}
+
+/// Whether `got` is the `Authorization` header for `token`, compared in
+/// constant time.
+pub(crate) fn authorized(got: Option<&[u8]>, token: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    let want = format!("Bearer {token}");
+    match got {
+        Some(got) => bool::from(got.ct_eq(want.as_bytes())),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_read_trimmed_and_must_not_be_empty() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let f = dir.path().join("t");
+        std::fs::write(&f, "  s3cret \nignored\n").expect("write");
+        assert_eq!(read_token(&f).expect("token"), "s3cret");
+        std::fs::write(&f, "\n").expect("write");
+        assert!(read_token(&f).is_err());
+        assert!(read_token(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn only_the_exact_bearer_token_is_authorized() {
+        assert!(authorized(Some(b"Bearer abc"), "abc"));
+        for bad in [&b"Bearer abd"[..], b"Bearer ab", b"abc", b"Bearer abcd", b""] {
+            assert!(!authorized(Some(bad), "abc"), "{bad:?}");
+        }
+        assert!(!authorized(None, "abc"));
+    }
+}

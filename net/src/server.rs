@@ -1,0 +1,197 @@
+//! `arbor serve`: answers chunk requests from a [`SegmentCache`] over
+//! HTTP/2 (and HTTP/1.1), behind a shared token.
+
+use crate::metrics::{CacheGauges, Metrics};
+use crate::{authorized, CACHE_HEADER};
+use arbor_engine::format::SegId;
+use arbor_engine::tier::SegmentCache;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{AUTHORIZATION, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A deliberate misbehaviour, for tests of the clients' checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Every chunk served has one byte flipped.
+    Corrupt,
+    /// Every chunk served is cut to half its length.
+    Short,
+}
+
+impl std::str::FromStr for Fault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Fault, String> {
+        match s {
+            "corrupt" => Ok(Fault::Corrupt),
+            "short" => Ok(Fault::Short),
+            _ => Err(format!("{s:?}: a fault is corrupt or short")),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ServerOptions {
+    /// The shared secret every request must carry.
+    pub token: String,
+    pub fault: Option<Fault>,
+}
+
+pub struct CacheServer {
+    cache: Arc<SegmentCache>,
+    opts: ServerOptions,
+    metrics: Metrics,
+}
+
+/// HTTP/2 flow-control windows: a 1 MiB chunk must not wait for window
+/// updates (the protocol's default stream window is 64 KiB).
+pub(crate) const STREAM_WINDOW: u32 = 8 << 20;
+pub(crate) const CONNECTION_WINDOW: u32 = 256 << 20;
+pub(crate) const MAX_FRAME: u32 = 1 << 20;
+
+type Reply = Response<Full<Bytes>>;
+
+fn reply(status: StatusCode, body: impl Into<Bytes>) -> Reply {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r
+}
+
+impl CacheServer {
+    pub fn new(cache: SegmentCache, opts: ServerOptions) -> Arc<CacheServer> {
+        Arc::new(CacheServer { cache: Arc::new(cache), opts, metrics: Metrics::default() })
+    }
+
+    /// Serves connections from `listener` until `shutdown` completes.
+    pub async fn run(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()> {
+        let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        builder
+            .http2()
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_frame_size(MAX_FRAME)
+            .max_concurrent_streams(1024);
+        let builder = Arc::new(builder);
+        tokio::pin!(shutdown);
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of descriptors and the like: keep serving.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                () = &mut shutdown => return Ok(()),
+            };
+            let _ = stream.set_nodelay(true);
+            let (me, builder) = (self.clone(), builder.clone());
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let me = me.clone();
+                    async move { Ok::<_, Infallible>(me.handle(req).await) }
+                });
+                if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
+                    tracing::debug!(%peer, error = %e, "connection ended");
+                }
+            });
+        }
+    }
+
+    async fn handle(&self, req: Request<Incoming>) -> Reply {
+        let auth = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
+        if !authorized(auth, &self.opts.token) {
+            self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
+            return reply(StatusCode::UNAUTHORIZED, Bytes::new());
+        }
+        if req.method() != Method::GET {
+            return reply(StatusCode::METHOD_NOT_ALLOWED, Bytes::new());
+        }
+        let parts: Vec<&str> = req.uri().path().trim_start_matches('/').split('/').collect();
+        match parts.as_slice() {
+            ["metrics"] => {
+                let mut r = reply(StatusCode::OK, self.metrics_text());
+                r.headers_mut().insert(CONTENT_TYPE, "text/plain; version=0.0.4".parse().expect("header"));
+                r
+            }
+            ["v1", "health"] => reply(StatusCode::OK, "ok\n"),
+            ["v1", "chunks", seg, index] => match (SegId::parse_file_name(seg), index.parse::<u32>()) {
+                (Some(seg), Ok(index)) => self.chunk(seg, index).await,
+                _ => reply(StatusCode::BAD_REQUEST, "not a segment chunk\n"),
+            },
+            _ => reply(StatusCode::NOT_FOUND, Bytes::new()),
+        }
+    }
+
+    async fn chunk(&self, seg: SegId, index: u32) -> Reply {
+        let started = Instant::now();
+        let cache = self.cache.clone();
+        let got = tokio::task::spawn_blocking(move || cache.chunk(seg, index)).await;
+        let m = &self.metrics;
+        let r = match got {
+            Ok(Ok(Some(chunk))) => {
+                if chunk.hit {
+                    m.hits.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    m.misses.fetch_add(1, Ordering::Relaxed);
+                }
+                let mut bytes = chunk.bytes;
+                match self.opts.fault {
+                    Some(Fault::Corrupt) => {
+                        let mid = bytes.len() / 2;
+                        if let Some(b) = bytes.get_mut(mid) {
+                            *b ^= 0x5a;
+                        }
+                    }
+                    Some(Fault::Short) => bytes.truncate(bytes.len() / 2),
+                    None => {}
+                }
+                m.served_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                let mut r = reply(StatusCode::OK, bytes);
+                let state = if chunk.hit { "hit" } else { "miss" };
+                r.headers_mut().insert(CACHE_HEADER, state.parse().expect("header"));
+                r
+            }
+            Ok(Ok(None)) => {
+                m.not_found.fetch_add(1, Ordering::Relaxed);
+                reply(StatusCode::NOT_FOUND, Bytes::new())
+            }
+            Ok(Err(e)) => {
+                m.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(seg = %seg, chunk = index, error = %e, "cannot serve a chunk");
+                reply(StatusCode::BAD_GATEWAY, format!("{e}\n"))
+            }
+            Err(e) => {
+                m.errors.fetch_add(1, Ordering::Relaxed);
+                reply(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n"))
+            }
+        };
+        m.latency.observe(started.elapsed());
+        r
+    }
+
+    /// The server's counters in the Prometheus text format.
+    pub fn metrics_text(&self) -> String {
+        let s = self.cache.stats();
+        self.metrics.render(&CacheGauges {
+            bucket_bytes: s.fetched_bytes,
+            bucket_gets: s.gets,
+            resident_bytes: s.cached_bytes,
+            capacity: s.capacity,
+            evicted_bytes: s.evicted_bytes,
+        })
+    }
+}

@@ -1,0 +1,310 @@
+//! The shared chunk cache in one process: a real server on 127.0.0.1 over
+//! HTTP/2, real clients, a volume on the bucket tier reading through them,
+//! and a bucket that counts what it sends.
+
+use arbor_engine::bucket::{MemObjectStore, ObjectStore};
+use arbor_engine::disk::HeadDevice;
+use arbor_engine::env::TestEnv;
+use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
+use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_engine::Result;
+use arbor_net::{metric_sample, CacheClient, CacheServer, ClientOptions, Fault, ServerOptions, ServerStats};
+use std::io::{Read, Write};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const TOKEN: &str = "a-shared-secret";
+const MIB: usize = 1 << 20;
+
+/// A bucket that counts the bytes of segment data it sends.
+struct Counting {
+    inner: MemObjectStore,
+    segment_bytes: AtomicU64,
+}
+
+impl Counting {
+    fn sent(&self) -> u64 {
+        self.segment_bytes.load(Ordering::Relaxed)
+    }
+}
+
+impl ObjectStore for Counting {
+    fn put(&self, key: &str, body: &[u8]) -> Result<String> {
+        self.inner.put(key, body)
+    }
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<String> {
+        self.inner.put_if_absent(key, body)
+    }
+    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<String> {
+        self.inner.put_if_match(key, body, etag)
+    }
+    fn get(&self, key: &str) -> Result<(Vec<u8>, String)> {
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
+        let got = self.inner.get_range(key, range)?;
+        if key.starts_with("segments/") {
+            self.segment_bytes.fetch_add(got.len() as u64, Ordering::Relaxed);
+        }
+        Ok(got)
+    }
+    fn list(&self, prefix: &str) -> Result<Vec<String>> {
+        self.inner.list(prefix)
+    }
+    fn size(&self, key: &str) -> Result<u64> {
+        self.inner.size(key)
+    }
+    fn delete(&self, key: &str) -> Result<()> {
+        self.inner.delete(key)
+    }
+}
+
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 11) as u8).collect()
+}
+
+fn vol_cfg(read_only: bool) -> Config {
+    Config { commit_interval: None, read_only, env: TestEnv::new(3), ..Config::default() }
+}
+
+/// A bucket holding one file of `mib` MiB on branch main.
+fn bucket_with_file(dir: &Path, mib: usize) -> (Arc<Counting>, Vec<u8>) {
+    let store = Arc::new(Counting { inner: MemObjectStore::new(), segment_bytes: AtomicU64::new(0) });
+    let dyn_store: Arc<dyn ObjectStore> = store.clone();
+    let data = pattern(mib * MIB, 7);
+    let dev = BucketDevice::open(dyn_store.clone(), &dir.join("writer"), TierConfig::default()).expect("device");
+    let vol = Volume::open(HeadDevice::new(dev, dyn_store, "main"), vol_cfg(false)).expect("volume");
+    let ino = vol.create(ROOT_INO, b"data", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+    for (i, part) in data.chunks(MIB).enumerate() {
+        vol.write(ino, (i * MIB) as u64, part).expect("write");
+    }
+    vol.close().expect("close");
+    store.segment_bytes.store(0, Ordering::Relaxed);
+    (store, data)
+}
+
+/// A server on 127.0.0.1 with its own runtime; stops when dropped.
+struct Server {
+    addr: String,
+    server: Arc<CacheServer>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    fn start(store: Arc<Counting>, dir: &Path, fault: Option<Fault>) -> Server {
+        let cache = SegmentCache::open(store, dir, 1 << 30).expect("cache");
+        let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault });
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let s = server.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                s.run(listener, async move {
+                    let _ = rx.await;
+                })
+                .await
+                .expect("serve");
+            });
+        });
+        Server { addr, server, stop: Some(tx), thread: Some(thread) }
+    }
+
+    fn metric(&self, name: &str) -> u64 {
+        metric_sample(&self.server.metrics_text(), name).unwrap_or_else(|| panic!("no {name}")) as u64
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn client(servers: &[&Server]) -> Arc<CacheClient> {
+    Arc::new(
+        CacheClient::new(ClientOptions {
+            servers: servers.iter().map(|s| s.addr.clone()).collect(),
+            token: TOKEN.into(),
+            timeout: Duration::from_secs(5),
+        })
+        .expect("client"),
+    )
+}
+
+/// Reads the whole file through a fresh cache folder and the given client.
+fn read_through(store: &Arc<Counting>, cache: &Path, peers: Option<Arc<CacheClient>>, want: &[u8]) {
+    let dyn_store: Arc<dyn ObjectStore> = store.clone();
+    let tier = TierConfig { peers: peers.map(|c| c as Arc<dyn ChunkSource>), ..TierConfig::default() };
+    let dev = BucketDevice::open(dyn_store.clone(), cache, tier).expect("device");
+    let vol = Volume::open(HeadDevice::new(dev, dyn_store, "main"), vol_cfg(true)).expect("volume");
+    let ino = vol.lookup(ROOT_INO, b"data").expect("lookup").ino;
+    let mut got = Vec::with_capacity(want.len());
+    while got.len() < want.len() {
+        let part = vol.read(ino, got.len() as u64, MIB).expect("read");
+        assert!(!part.is_empty(), "short file");
+        got.extend_from_slice(&part);
+    }
+    assert!(got == want, "every byte read through the cache is the file's");
+}
+
+/// Bytes of every segment object in the bucket.
+fn segments_len(store: &Counting) -> u64 {
+    store.list("segments/").expect("list").iter().map(|k| store.size(k).expect("size")).sum()
+}
+
+fn total(stats: &[ServerStats], f: impl Fn(&ServerStats) -> u64) -> u64 {
+    stats.iter().map(f).sum()
+}
+
+#[test]
+fn four_readers_through_one_server_pull_each_byte_from_the_bucket_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, data) = bucket_with_file(dir.path(), 24);
+    let len = data.len() as u64;
+    // Without the server: every reader pulls the whole file.
+    for r in 0..2 {
+        read_through(&store, &dir.path().join(format!("alone{r}")), None, &data);
+    }
+    let alone = store.sent();
+    assert!(alone >= 2 * len, "two readers alone pulled {alone} bytes of {len}");
+    store.segment_bytes.store(0, Ordering::Relaxed);
+
+    let server = Server::start(store.clone(), &dir.path().join("server"), None);
+    let readers: Vec<_> = (0..4)
+        .map(|r| {
+            let (store, data, c) = (store.clone(), data.clone(), client(&[&server]));
+            let cache = dir.path().join(format!("reader{r}"));
+            std::thread::spawn(move || {
+                read_through(&store, &cache, Some(c.clone()), &data);
+                c.stats()
+            })
+        })
+        .collect();
+    let stats: Vec<ServerStats> = readers.into_iter().flat_map(|t| t.join().expect("reader")).collect();
+    let pulled = store.sent();
+    let fetched = server.metric("arbor_cache_bucket_bytes_total");
+    // The segments hold the file, its metadata and footers; the readers
+    // fetch the footers (a few KiB a segment) from the bucket themselves.
+    assert!(fetched >= len && fetched <= segments_len(&store), "the server fetched {fetched} bytes");
+    assert!(pulled <= fetched + fetched / 10, "the bucket sent {pulled} bytes for a {len}-byte file read 4 times");
+    assert!(total(&stats, |s| s.bytes) >= 4 * len, "every reader got the file from the server: {stats:?}");
+    assert_eq!(total(&stats, |s| s.rejected + s.fallback_error + s.fallback_timeout), 0, "{stats:?}");
+    let hits = server.metric("arbor_cache_hits_total");
+    let misses = server.metric("arbor_cache_misses_total");
+    assert_eq!(misses, server.metric("arbor_cache_bucket_gets_total"), "one GET per miss");
+    assert!(misses >= 24, "at least one miss per MiB of the file: {misses}");
+    assert_eq!(hits, 3 * misses, "each chunk missed once; the other three readers hit");
+
+    // A second job: new readers, empty caches, nothing from the bucket.
+    store.segment_bytes.store(0, Ordering::Relaxed);
+    read_through(&store, &dir.path().join("second-job"), Some(client(&[&server])), &data);
+    assert!(store.sent() < len / 50, "the second job pulled {} bytes", store.sent());
+
+    // A restarted server finds its chunks again and checks them first.
+    drop(server);
+    let server = Server::start(store.clone(), &dir.path().join("server"), None);
+    store.segment_bytes.store(0, Ordering::Relaxed);
+    read_through(&store, &dir.path().join("after-restart"), Some(client(&[&server])), &data);
+    assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "the restarted server read its own disk");
+    assert_eq!(server.metric("arbor_cache_hits_total"), misses);
+}
+
+#[test]
+fn corrupt_or_short_chunks_are_caught_and_read_from_the_bucket() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, data) = bucket_with_file(dir.path(), 6);
+    for (n, fault) in [Fault::Corrupt, Fault::Short].into_iter().enumerate() {
+        let server = Server::start(store.clone(), &dir.path().join(format!("server{n}")), Some(fault));
+        let c = client(&[&server]);
+        read_through(&store, &dir.path().join(format!("reader{n}")), Some(c.clone()), &data);
+        let s = &c.stats()[0];
+        assert!(s.chunks >= 6 && s.rejected == s.chunks, "{fault:?}: every chunk was rejected: {s:?}");
+    }
+}
+
+#[test]
+fn two_servers_share_the_chunks_and_one_stopped_costs_only_its_share() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, data) = bucket_with_file(dir.path(), 32);
+    let len = data.len() as u64;
+    let a = Server::start(store.clone(), &dir.path().join("a"), None);
+    let b = Server::start(store.clone(), &dir.path().join("b"), None);
+    for r in 0..2 {
+        read_through(&store, &dir.path().join(format!("r{r}")), Some(client(&[&a, &b])), &data);
+    }
+    let (from_a, from_b) = (a.metric("arbor_cache_bucket_bytes_total"), b.metric("arbor_cache_bucket_bytes_total"));
+    assert!(from_a + from_b >= len && from_a + from_b <= segments_len(&store), "{from_a} + {from_b}");
+    let gets = a.metric("arbor_cache_bucket_gets_total") + b.metric("arbor_cache_bucket_gets_total");
+    let hits = a.metric("arbor_cache_hits_total") + b.metric("arbor_cache_hits_total");
+    assert_eq!(hits, gets, "each chunk was fetched from the bucket once in total, and hit by the second reader");
+    assert!(from_a > 0 && from_b > 0, "both servers own a share: {from_a} / {from_b}");
+    drop(b);
+    let c = client(&[&a, &dummy_down()]);
+    read_through(&store, &dir.path().join("one-down"), Some(c.clone()), &data);
+    let stats = c.stats();
+    assert!(stats[1].fallback_error + stats[1].fallback_down > 0, "{stats:?}");
+    assert_eq!(stats[1].chunks, 0);
+}
+
+/// A server address nobody answers on.
+fn dummy_down() -> Server {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    Server { addr: format!("127.0.0.1:{port}"), server: dummy_server(), stop: None, thread: None }
+}
+
+fn dummy_server() -> Arc<CacheServer> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cache = SegmentCache::open(Arc::new(MemObjectStore::new()), dir.path(), 1).expect("cache");
+    CacheServer::new(cache, ServerOptions::default())
+}
+
+/// One HTTP/1.1 request by hand: (status line, body).
+fn raw_get(addr: &str, path: &str, auth: Option<&str>) -> (String, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let auth = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text.lines().next().unwrap_or("").to_string();
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn a_request_without_the_token_gets_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = bucket_with_file(dir.path(), 2);
+    let seg = store.list("segments/").expect("list")[0].rsplit('/').next().expect("name").to_string();
+    let server = Server::start(store.clone(), &dir.path().join("server"), None);
+    let real = format!("/v1/chunks/{seg}/0");
+    let missing = "/v1/chunks/seg-00000000000000ff-00000001/0";
+    for path in [real.as_str(), missing, "/metrics"] {
+        for auth in [None, Some("Bearer wrong"), Some("a-shared-secret"), Some("Bearer a-shared-secre")] {
+            let (status, body) = raw_get(&server.addr, path, auth);
+            assert!(status.contains(" 401 "), "{path} with {auth:?}: {status}");
+            assert!(body.trim_end_matches(['0', '\r', '\n']).is_empty(), "no body for {path}: {body:?}");
+        }
+    }
+    assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "nothing was fetched for them");
+    let (status, _) = raw_get(&server.addr, &real, Some("Bearer a-shared-secret"));
+    assert!(status.contains(" 200 "), "{status}");
+    let (status, _) = raw_get(&server.addr, missing, Some("Bearer a-shared-secret"));
+    assert!(status.contains(" 404 "), "{status}");
+    let (status, body) = raw_get(&server.addr, "/metrics", Some("Bearer a-shared-secret"));
+    assert!(status.contains(" 200 ") && body.contains("arbor_cache_unauthorized_total 12"), "{status}\n{body}");
+}
