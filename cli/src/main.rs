@@ -1,5 +1,6 @@
 //! `arbor`: mount a disk made of a bucket (or a local folder), and manage it.
 
+mod cache_server;
 mod commands;
 mod control;
 mod disk;
@@ -100,6 +101,13 @@ enum Command {
         #[arg(long, default_value_t = arbor_engine::volume::MAX_LIVE)]
         max_live: f64,
     },
+    /// Serve a shared cache of DISK's data to every node that mounts it
+    /// (`arbor mount … --cache-server HOST:PORT`): each chunk is fetched from
+    /// the bucket once, checked, kept on this node, and served from here.
+    #[command(
+        after_help = "Example:\n  arbor serve s3://my-bucket/disk1 --listen 0.0.0.0:7070 --cache-dir /nvme/arbor-cache --cache-size 2T --token-file /etc/arbor/token\n  arbor mount s3://my-bucket/disk1 /mnt/data --checkpoint v1 --cache-server cache1:7070,cache2:7070 --token-file /etc/arbor/token"
+    )]
+    Serve(ServeCmd),
     /// Verify every record, and every file byte of every branch and checkpoint.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
     Fsck {
@@ -150,6 +158,37 @@ struct MountCmd {
     /// disk, uploaded): fewer, larger objects, or a bucket that catches up sooner.
     #[arg(long, default_value_t = disk::Size(arbor_engine::volume::SEGMENT_SIZE))]
     segment_size: disk::Size,
+    /// Cache servers (`arbor serve`) to read through, HOST:PORT,… (the same
+    /// list on every node); chunks they cannot give come from the bucket.
+    #[arg(long, value_delimiter = ',', env = "ARBOR_CACHE_SERVERS")]
+    cache_server: Vec<String>,
+    /// A file holding the cache servers' token.
+    #[arg(long, env = "ARBOR_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ServeCmd {
+    /// An s3:// disk.
+    disk: String,
+    /// The address to listen on, HOST:PORT.
+    #[arg(long)]
+    listen: String,
+    /// Where the cached chunks live (default: a folder under ~/.cache/arbor).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// How much chunk data the cache keeps, e.g. 2T.
+    #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
+    cache_size: disk::Size,
+    /// A file holding the token every client must present.
+    #[arg(long, env = "ARBOR_TOKEN_FILE")]
+    token_file: PathBuf,
+    /// Stay attached and log to stderr (for systemd and containers).
+    #[arg(long)]
+    foreground: bool,
+    /// Misbehave on purpose (tests of the clients' checks): corrupt or short.
+    #[arg(long, hide = true)]
+    fault: Option<arbor_net::Fault>,
 }
 
 #[derive(Subcommand)]
@@ -238,7 +277,10 @@ fn run(cli: Cli) -> Result<()> {
                     size: m.cache_size.0,
                     durability: m.durability,
                     read_ahead: m.read_ahead as u64,
+                    peers: None,
                 },
+                cache_servers: m.cache_server,
+                token_file: m.token_file.map(std::path::absolute).transpose()?,
             };
             if m.foreground {
                 serve::run_foreground(&args)?;
@@ -286,6 +328,22 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
         Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
         Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
+        Command::Serve(c) => {
+            let args = cache_server::ServeArgs {
+                disk: c.disk,
+                listen: c.listen,
+                cache_dir: c.cache_dir,
+                cache_size: c.cache_size.0,
+                token_file: c.token_file,
+                fault: c.fault,
+            };
+            if c.foreground {
+                cache_server::run_foreground(&args)?;
+            } else {
+                let (pid, log) = cache_server::spawn_background(&args)?;
+                println!("serving {} on {} (pid {pid}); log: {}", args.disk, args.listen, log.display());
+            }
+        }
     }
     Ok(())
 }
@@ -333,6 +391,21 @@ fn print_status(s: &serde_json::Value) {
             c["gets"].as_u64().unwrap_or(0)
         );
     }
+    for c in s["cache_servers"].as_array().into_iter().flatten() {
+        let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        println!(
+            "cache server {}: {} chunks ({}), {} hits; to the bucket instead: {} down, {} timed out, {} errors, {} not there, {} rejected (bad checksum)",
+            c["addr"].as_str().unwrap_or("?"),
+            n("chunks"),
+            HumanBytes(n("bytes")),
+            n("hits"),
+            n("fallback_down"),
+            n("fallback_timeout"),
+            n("fallback_error"),
+            n("fallback_not_found"),
+            n("rejected"),
+        );
+    }
     let r = &s["recovery"];
     if r["replayed"].as_u64().unwrap_or(0) > 0 || r["torn_at"].is_string() || r["sealed"].as_u64().unwrap_or(0) > 0 {
         println!(
@@ -367,7 +440,8 @@ fn raise_fd_limit() {
 fn main() -> ExitCode {
     raise_fd_limit();
     let cli = Cli::parse();
-    let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground);
+    let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground)
+        || matches!(&cli.command, Command::Serve(c) if c.foreground);
     // The AWS SDK warns about every provider it tries (instance metadata
     // off EC2, for one); arbor reports what failed itself.
     init_logging(if foreground_mount {

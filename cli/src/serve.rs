@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 /// How long opening the volume took (recovery included), for `status`.
 static OPEN_MS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
+#[derive(Clone)]
 pub struct MountArgs {
     pub disk: String,
     pub mountpoint: PathBuf,
@@ -26,6 +27,8 @@ pub struct MountArgs {
     pub maintain_every: u64,
     pub segment_size: u64,
     pub cache: disk::CacheOptions,
+    pub cache_servers: Vec<String>,
+    pub token_file: Option<PathBuf>,
 }
 
 impl MountArgs {
@@ -40,9 +43,11 @@ enum Event {
     Unmount(mpsc::Sender<Result<(), String>>),
 }
 
+#[derive(Clone)]
 struct Prepared {
     disk: Arc<Disk>,
     mountpoint: PathBuf,
+    cache_client: Option<Arc<arbor_net::CacheClient>>,
 }
 
 /// Segment sizes a mount accepts: addresses hold 32-bit offsets, and a
@@ -58,10 +63,17 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
             disk::Size(*SEGMENT_SIZES.end())
         );
     }
-    let disk = disk::open_for_mount(&args.disk, args.root_name(), args.cache.clone())?;
-    if !disk.is_s3() && (args.cache.dir.is_some() || args.cache.durability != arbor_engine::tier::Durability::Local) {
+    let cache_client = crate::cache_server::client(&args.cache_servers, args.token_file.as_deref())?;
+    let mut cache = args.cache.clone();
+    cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>);
+    let disk = disk::open_for_mount(&args.disk, args.root_name(), cache)?;
+    if !disk.is_s3()
+        && (args.cache.dir.is_some()
+            || args.cache.durability != arbor_engine::tier::Durability::Local
+            || cache_client.is_some())
+    {
         eprintln!(
-            "note: a local-folder disk is its own durable copy; --cache-dir and --durability apply to s3:// disks"
+            "note: a local-folder disk is its own durable copy; --cache-dir, --durability and --cache-server apply to s3:// disks"
         );
     }
     let catalog = disk.catalog()?;
@@ -82,7 +94,7 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     if disk::is_mountpoint(&mountpoint) {
         bail!("{} is busy: something is already mounted there", mountpoint.display());
     }
-    Ok(Prepared { disk: Arc::new(disk), mountpoint })
+    Ok(Prepared { disk: Arc::new(disk), mountpoint, cache_client })
 }
 
 fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
@@ -133,6 +145,17 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
             "checksum_retries": t.cache.checksum_retries,
         })),
         "recovery": recovery,
+        "cache_servers": p.cache_client.as_ref().map(|c| c.stats().into_iter().map(|s| json!({
+            "addr": s.addr,
+            "chunks": s.chunks,
+            "bytes": s.bytes,
+            "hits": s.hits,
+            "fallback_down": s.fallback_down,
+            "fallback_timeout": s.fallback_timeout,
+            "fallback_error": s.fallback_error,
+            "fallback_not_found": s.fallback_not_found,
+            "rejected": s.rejected,
+        })).collect::<Vec<_>>()),
         "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
         "segments_referenced": vol.live_bytes().len(),
         // What `arbor compact` (default --max-live) would move and free.
@@ -239,19 +262,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         }
     });
     let (replied_tx, replied_rx) = mpsc::channel::<()>();
-    let ctl = ControlState { p: Prepared { disk: p.disk.clone(), mountpoint: p.mountpoint.clone() }, vol: vol.clone() };
-    let args_view = MountArgs {
-        disk: args.disk.clone(),
-        mountpoint: args.mountpoint.clone(),
-        branch: args.branch.clone(),
-        checkpoint: args.checkpoint.clone(),
-        read_ahead: args.read_ahead,
-        allow_other: args.allow_other,
-        pre_fetch: Vec::new(),
-        maintain_every: args.maintain_every,
-        segment_size: args.segment_size,
-        cache: args.cache.clone(),
-    };
+    let ctl = ControlState { p: p.clone(), vol: vol.clone() };
+    let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
     std::thread::spawn(move || {
         control.serve(|req| ctl.handle(&args_view, req, &tx));
         let _ = replied_tx.send(());
@@ -421,7 +433,7 @@ fn show_upload_progress<T>(mountpoint: &Path, req: &std::thread::ScopedJoinHandl
     }
 }
 
-fn last_line(log: &Path) -> String {
+pub fn last_line(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let line = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no log output");
     line.split_once("arbor: ").map_or(line, |(_, msg)| msg).to_string()

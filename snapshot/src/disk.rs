@@ -26,7 +26,7 @@ use arbor_engine::device::{Device, FileDevice};
 use arbor_engine::disk::LeaseConfig;
 use arbor_engine::io::IoMode;
 use arbor_engine::layout::{self, FORMAT, IDENTITY, PROBE};
-use arbor_engine::tier::{BucketDevice, Durability, TierConfig, TierStats, CACHE_SIZE, READ_AHEAD};
+use arbor_engine::tier::{BucketDevice, ChunkSource, Durability, TierConfig, TierStats, CACHE_SIZE, READ_AHEAD};
 use arbor_engine::Error as EngineError;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -46,11 +46,13 @@ pub struct CacheOptions {
     pub size: u64,
     pub durability: Durability,
     pub read_ahead: u64,
+    /// Cache servers asked for a chunk before the bucket.
+    pub peers: Option<Arc<dyn ChunkSource>>,
 }
 
 impl Default for CacheOptions {
     fn default() -> Self {
-        CacheOptions { dir: None, size: CACHE_SIZE, durability: Durability::Local, read_ahead: READ_AHEAD }
+        CacheOptions { dir: None, size: CACHE_SIZE, durability: Durability::Local, read_ahead: READ_AHEAD, peers: None }
     }
 }
 
@@ -354,6 +356,7 @@ impl Disk {
                     cache_size: cache.size,
                     read_ahead: cache.read_ahead,
                     io: self.opts.io,
+                    peers: cache.peers.clone(),
                     ..TierConfig::default()
                 };
                 let dev = BucketDevice::open(self.store.clone(), &dir, tier).map_err(|e| match e {

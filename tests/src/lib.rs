@@ -256,6 +256,22 @@ impl S3World {
         n
     }
 
+    /// Where the S3 server listens.
+    pub fn s3_addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self._server.port))
+    }
+
+    /// The environment with the bucket reached through `endpoint` instead.
+    pub fn env_via(&self, endpoint: &str) -> Vec<(&'static str, String)> {
+        let mut env = self.env.clone();
+        for (k, v) in env.iter_mut() {
+            if *k == "AWS_ENDPOINT_URL" {
+                *v = endpoint.to_string();
+            }
+        }
+        env
+    }
+
     /// A folder for a mountpoint.
     pub fn mnt(&self, name: &str) -> PathBuf {
         let p = self.dir.path().join(name);
@@ -280,4 +296,75 @@ pub fn write_synced(path: &Path, bytes: &[u8]) {
 /// `len` bytes that differ with `seed` and with position.
 pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 11) as u8).collect()
+}
+
+/// A TCP proxy on 127.0.0.1 in front of `upstream` that counts the bytes
+/// the upstream sends back: what a bucket served, counted outside arbor.
+/// Stops accepting when dropped.
+pub struct CountingProxy {
+    pub port: u16,
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl CountingProxy {
+    pub fn start(upstream: std::net::SocketAddr) -> CountingProxy {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let sent = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sent2, stop2) = (sent.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                let Ok(client) = conn else { continue };
+                let Ok(server) = std::net::TcpStream::connect(upstream) else { continue };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else { continue };
+                let counter = sent2.clone();
+                // Each direction copies until its source closes.
+                std::thread::spawn(move || copy(client, server, None));
+                std::thread::spawn(move || copy(s2, c2, Some(counter)));
+            }
+        });
+        fn copy(mut from: std::net::TcpStream, mut to: std::net::TcpStream, count: Option<Arc<AtomicU64>>) {
+            use std::io::{Read, Write};
+            let mut buf = vec![0u8; 256 << 10];
+            loop {
+                match from.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if let Some(c) = &count {
+                            c.fetch_add(n as u64, Ordering::Relaxed);
+                        }
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            let _ = to.shutdown(std::net::Shutdown::Write);
+        }
+        CountingProxy { port, sent, stop }
+    }
+
+    /// Bytes the upstream has sent so far.
+    pub fn sent(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for CountingProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
 }

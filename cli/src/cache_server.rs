@@ -1,0 +1,138 @@
+//! `arbor serve`: a shared cache of a disk's segment chunks for every node
+//! that mounts it (see `arbor_net`), and the cache-server options of
+//! `arbor mount`.
+
+use crate::disk;
+use anyhow::{bail, Context, Result};
+use arbor_net::{CacheClient, CacheServer, ClientOptions, Fault, ServerOptions};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct ServeArgs {
+    pub disk: String,
+    pub listen: String,
+    pub cache_dir: Option<PathBuf>,
+    pub cache_size: u64,
+    pub token_file: PathBuf,
+    pub fault: Option<Fault>,
+}
+
+/// The lock that keeps a second server off a cache folder.
+fn lock_cache_dir(dir: &Path) -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    arbor_engine::private::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let f = arbor_engine::private::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("lock"))
+        .with_context(|| format!("cannot open {}", dir.display()))?;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!("cache folder {} is in use by another arbor serve", dir.display());
+    }
+    Ok(f)
+}
+
+fn cache_dir(args: &ServeArgs, d: &disk::Disk) -> Result<PathBuf> {
+    Ok(match &args.cache_dir {
+        Some(dir) => std::path::absolute(dir)?,
+        None => d.node_dir().join("serve"),
+    })
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run_foreground(args: &ServeArgs) -> Result<()> {
+    let token = arbor_net::read_token(&args.token_file)?;
+    let d = disk::open(&args.disk)?;
+    if !d.is_s3() {
+        bail!("{} is a local folder: every reader already has its bytes; arbor serve is for s3:// disks", d.url);
+    }
+    let dir = cache_dir(args, &d)?;
+    let _lock = lock_cache_dir(&dir)?;
+    let cache = arbor_engine::tier::SegmentCache::open(d.store().clone(), &dir.join("chunks"), args.cache_size)
+        .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
+    let listener =
+        std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
+    listener.set_nonblocking(true)?;
+    let addr = listener.local_addr()?;
+    let server = CacheServer::new(cache, ServerOptions { token, fault: args.fault });
+    if let Some(f) = args.fault {
+        tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");
+    }
+    tracing::info!(
+        disk = %d.url,
+        listen = %addr,
+        cache = %dir.display(),
+        size = %disk::Size(args.cache_size),
+        "serving chunks"
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("arbor-serve").build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let stop = async {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(_) => return std::future::pending().await,
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        };
+        server.run(listener, stop).await
+    })?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Starts the server as a background process and returns once it accepts
+/// connections: (pid, log).
+pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
+    use std::os::unix::process::CommandExt;
+    // Refuse what the child would refuse, here, with the message on the terminal.
+    arbor_net::read_token(&args.token_file)?;
+    let d = disk::open(&args.disk)?;
+    let log_path = d.log_path("serve");
+    drop(d);
+    arbor_engine::private::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
+    let log = arbor_engine::private::options().create(true).append(true).open(&log_path)?;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(std::env::args_os().skip(1)).arg("--foreground");
+    cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone()?).stderr(log);
+    // SAFETY: setsid is async-signal-safe; it detaches the server from our terminal.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("cannot start the server process")?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Some(status) = child.try_wait()? {
+            bail!("arbor serve failed ({status}): {}", crate::serve::last_line(&log_path));
+        }
+        if std::net::TcpStream::connect(&args.listen).is_ok() {
+            return Ok((child.id(), log_path));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    bail!("arbor serve did not listen within 60 s; see {}", log_path.display())
+}
+
+/// The client a mount reads through, from `--cache-server` and `--token-file`.
+pub fn client(servers: &[String], token_file: Option<&Path>) -> Result<Option<Arc<CacheClient>>> {
+    let servers: Vec<String> = servers.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if servers.is_empty() {
+        return Ok(None);
+    }
+    let Some(token_file) = token_file else {
+        bail!("--cache-server needs --token-file (or ARBOR_TOKEN_FILE): the servers' shared token");
+    };
+    let token = arbor_net::read_token(token_file)?;
+    let client = CacheClient::new(ClientOptions { servers, token, timeout: arbor_net::client::TIMEOUT })?;
+    Ok(Some(Arc::new(client)))
+}

@@ -1,0 +1,234 @@
+//! `arbor serve` end to end: real processes, a real S3 server (s3s-fs) whose
+//! bytes sent are counted by a proxy of the test's own, real FUSE mounts
+//! reading through the shared cache.
+
+use arbor_engine::testkit::S3_BUCKET;
+use arbor_tests::*;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const TOKEN: &str = "cache-token-for-tests";
+const FILES: usize = 4;
+const FILE_LEN: usize = 12 << 20;
+
+/// `arbor serve --foreground` as a child process; killed on drop.
+struct Serve {
+    child: Child,
+    addr: String,
+    log: PathBuf,
+}
+
+impl Serve {
+    fn start(w: &S3World, env: &[(&str, String)], disk: &str, cache: &Path, extra: &[&str]) -> Serve {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        Self::start_on(w, env, disk, cache, port, extra)
+    }
+
+    fn start_on(w: &S3World, env: &[(&str, String)], disk: &str, cache: &Path, port: u16, extra: &[&str]) -> Serve {
+        let addr = format!("127.0.0.1:{port}");
+        let log = w.dir.path().join(format!("serve-{port}.log"));
+        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(&log).expect("log");
+        let child = Command::new(arbor_bin())
+            .args(["serve", disk, "--listen", &addr, "--cache-dir", cache.to_str().expect("utf8"), "--foreground"])
+            .args(["--token-file", token_file(w).to_str().expect("utf8")])
+            .args(extra)
+            .envs(env.iter().map(|(k, v)| (*k, v)))
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("log"))
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn arbor serve");
+        let mut s = Serve { child, addr, log };
+        wait_until("arbor serve to listen", Duration::from_secs(30), || {
+            if let Ok(Some(status)) = s.child.try_wait() {
+                panic!("arbor serve exited with {status}: {}", std::fs::read_to_string(&s.log).unwrap_or_default());
+            }
+            std::net::TcpStream::connect(&s.addr).is_ok()
+        });
+        s
+    }
+
+    fn port(&self) -> u16 {
+        self.addr.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port")
+    }
+
+    /// A sample of the server's /metrics.
+    fn metric(&self, name: &str) -> u64 {
+        let (status, body) = http_get(&self.addr, "/metrics", Some(&format!("Bearer {TOKEN}")));
+        assert!(status.contains(" 200 "), "{status}");
+        arbor_net::metric_sample(&body, name).unwrap_or_else(|| panic!("no {name} in {body}")) as u64
+    }
+
+    fn kill9(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn token_file(w: &S3World) -> PathBuf {
+    let p = w.dir.path().join("token");
+    if !p.exists() {
+        std::fs::write(&p, format!("{TOKEN}\n")).expect("token");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    }
+    p
+}
+
+/// One HTTP/1.1 GET by hand: (status line, body).
+fn http_get(addr: &str, path: &str, auth: Option<&str>) -> (String, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let auth = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text.lines().next().unwrap_or("").to_string();
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+fn expected(i: usize) -> Vec<u8> {
+    pattern(FILE_LEN, 100 + i as u32)
+}
+
+/// Reads every file of the dataset under `mnt` and checks every byte.
+fn read_all(mnt: &Path) {
+    for i in 0..FILES {
+        let got = std::fs::read(mnt.join(format!("shard-{i}.bin"))).expect("read");
+        assert!(got == expected(i), "shard-{i}: wrong bytes");
+    }
+}
+
+/// A client mount of checkpoint v1 with its own empty cache.
+fn client(w: &S3World, env: &[(&str, String)], disk: &str, name: &str, servers: &[&str]) -> Mount {
+    client_with(w, env, disk, name, servers, &[])
+}
+
+fn client_with(w: &S3World, env: &[(&str, String)], disk: &str, name: &str, servers: &[&str], extra: &[&str]) -> Mount {
+    let mnt = w.mnt(name);
+    let cache = w.dir.path().join("client-caches").join(name);
+    let mut args = vec!["--checkpoint", "v1", "--cache-dir", cache.to_str().expect("utf8")];
+    args.extend(extra);
+    let list = servers.join(",");
+    let token = token_file(w);
+    if !servers.is_empty() {
+        args.extend(["--cache-server", &list, "--token-file", token.to_str().expect("utf8")]);
+    }
+    let m = Mount::start_env(disk, &mnt, &args, env);
+    std::mem::drop(args);
+    m
+}
+
+fn status_json(mnt: &Path, env: &[(&str, String)]) -> String {
+    arbor_env_ok(&["status", mnt.to_str().expect("utf8"), "--json"], env)
+}
+
+#[test]
+fn one_warm_dataset_for_every_node_and_job() {
+    let Some(w) = S3World::start() else { return };
+    let disk = format!("s3://{S3_BUCKET}/disks/shared");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let main = w.mnt("main");
+    let m = Mount::start_env(&disk, &main, &[], &w.env);
+    for i in 0..FILES {
+        write_synced(&main.join(format!("shard-{i}.bin")), &expected(i));
+    }
+    arbor_env_ok(&["checkpoints", "create", main.to_str().expect("utf8"), "v1"], &w.env);
+    m.unmount_env(&w.env);
+    let dataset = (FILES * FILE_LEN) as u64;
+
+    // Every process reaches the bucket through a proxy that counts.
+    let proxy = CountingProxy::start(w.s3_addr());
+    let env = w.env_via(&proxy.endpoint());
+
+    // Without a server: each of four clients pulls the whole dataset.
+    let before = proxy.sent();
+    for n in 0..4 {
+        let c = client(&w, &env, &disk, &format!("alone-{n}"), &[]);
+        read_all(&c.mnt);
+        c.unmount_env(&env);
+    }
+    let alone = proxy.sent() - before;
+    assert!(alone >= 4 * dataset, "four clients alone pulled {alone} bytes of a {dataset}-byte dataset");
+
+    // One server, four clients reading at once.
+    let server_cache = w.dir.path().join("server-cache");
+    let server = Serve::start(&w, &env, &disk, &server_cache, &[]);
+    let before = proxy.sent();
+    let clients: Vec<Mount> = (0..4).map(|n| client(&w, &env, &disk, &format!("job1-{n}"), &[&server.addr])).collect();
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(|| read_all(&c.mnt));
+        }
+    });
+    let shared = proxy.sent() - before;
+    let fetched = server.metric("arbor_cache_bucket_bytes_total");
+    eprintln!(
+        "dataset {dataset} B: 4 clients alone pulled {alone} B, through one server {shared} B (server: {fetched} B)"
+    );
+    assert!(shared <= dataset + dataset / 10, "through the server the bucket sent {shared} bytes");
+    assert!(fetched >= dataset && fetched <= dataset + dataset / 20, "the server fetched {fetched} bytes");
+    let st = status_json(&clients[0].mnt, &env);
+    assert!(st.contains("\"cache_servers\":[{"), "{st}");
+    for c in clients {
+        c.unmount_env(&env);
+    }
+
+    // A second job: new client processes, empty caches, nothing from the bucket.
+    let before = proxy.sent();
+    let c = client(&w, &env, &disk, "job2", &[&server.addr]);
+    read_all(&c.mnt);
+    let second = proxy.sent() - before;
+    assert!(second < dataset / 50, "the second job pulled {second} bytes from the bucket");
+    c.unmount_env(&env);
+
+    // A request without the token gets nothing, not even whether a chunk exists.
+    for auth in [None, Some("Bearer wrong")] {
+        let (status, body) = http_get(&server.addr, "/metrics", auth);
+        assert!(status.contains(" 401 ") && !body.contains("arbor"), "{status}: {body}");
+    }
+    let (status, _) = http_get(&server.addr, "/v1/chunks/seg-0000000000000001-00000001/0", None);
+    assert!(status.contains(" 401 "), "{status}");
+
+    // kill -9 the server in the middle of a client's reads: the client
+    // reads on from the bucket; the restarted server finds its cache.
+    let port = server.port();
+    // No read-ahead, so that most chunks are still to be read after the kill.
+    let c = client_with(&w, &env, &disk, "job3", &[&server.addr], &["--read-ahead", "0"]);
+    let mut first = vec![0u8; 1 << 20];
+    std::fs::File::open(c.mnt.join("shard-0.bin")).and_then(|mut f| f.read_exact(&mut first)).expect("read");
+    assert!(first[..] == expected(0)[..1 << 20]);
+    server.kill9();
+    read_all(&c.mnt);
+    let st = status_json(&c.mnt, &env);
+    assert!(!st.contains("\"fallback_error\":0,") || !st.contains("\"fallback_down\":0,"), "{st}");
+    assert!(!st.contains("\"fetched_bytes\":0,"), "the rest came from the bucket: {st}");
+    c.unmount_env(&env);
+    let server = Serve::start_on(&w, &env, &disk, &server_cache, port, &[]);
+    let c = client(&w, &env, &disk, "job4", &[&server.addr]);
+    read_all(&c.mnt);
+    assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "the restarted server served its own cache");
+    assert!(server.metric("arbor_cache_hits_total") >= (dataset >> 20), "every chunk was a hit");
+    c.unmount_env(&env);
+
+    // A server that corrupts what it sends: clients notice, read the bucket, say so.
+    let bad = Serve::start(&w, &env, &disk, &w.dir.path().join("bad-cache"), &["--fault", "corrupt"]);
+    let c = client(&w, &env, &disk, "job5", &[&bad.addr]);
+    read_all(&c.mnt);
+    let st = status_json(&c.mnt, &env);
+    assert!(!st.contains("\"rejected\":0"), "{st}");
+    let text = arbor_env_ok(&["status", c.mnt.to_str().expect("utf8")], &env);
+    assert!(text.contains("rejected (bad checksum)"), "{text}");
+    c.unmount_env(&env);
+}
