@@ -77,6 +77,106 @@ pub fn print_table(title: &str, rows: &[Row]) {
     }
 }
 
+/// A TCP proxy on 127.0.0.1 that holds each direction back by `one_way`
+/// (half a round trip), so a path on this machine has the latency of a
+/// real network path; it counts the bytes the upstream sends back. This
+/// kernel has no netem, hence a proxy. Stops accepting when dropped.
+pub struct DelayProxy {
+    pub port: u16,
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl DelayProxy {
+    pub fn start(upstream: std::net::SocketAddr, one_way: Duration) -> DelayProxy {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let sent = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sent2, stop2) = (sent.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                let Ok(client) = conn else { continue };
+                let Ok(server) = std::net::TcpStream::connect(upstream) else { continue };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else { continue };
+                let counter = sent2.clone();
+                delayed_copy(client, server, one_way, None);
+                delayed_copy(s2, c2, one_way, Some(counter));
+            }
+        });
+        DelayProxy { port, sent, stop }
+    }
+
+    pub fn sent(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Copies `from` to `to`, each piece `delay` after it arrived: a reader
+/// thread stamps pieces, a writer thread sends each when its time comes.
+fn delayed_copy(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    delay: Duration,
+    count: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+) {
+    use std::io::{Read, Write};
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 256 << 10];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.send((Instant::now() + delay, buf[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        for (due, piece) in rx {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            if let Some(c) = &count {
+                c.fetch_add(piece.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+            if to.write_all(&piece).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
+}
+
+/// This process's resident memory in bytes (VmRSS), if known.
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb << 10)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

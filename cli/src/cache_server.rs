@@ -49,10 +49,17 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     if !d.is_s3() {
         bail!("{} is a local folder: every reader already has its bytes; arbor serve is for s3:// disks", d.url);
     }
-    let dir = cache_dir(args, &d)?;
-    let _lock = lock_cache_dir(&dir)?;
-    let cache = arbor_engine::tier::SegmentCache::open(d.store().clone(), &dir.join("chunks"), args.cache_size)
-        .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
+    let memory = args.cache_dir.as_deref() == Some(Path::new("none"));
+    let (cache, _lock, place) = if memory {
+        let cache = arbor_engine::tier::SegmentCache::in_memory(d.store().clone(), args.cache_size)?;
+        (cache, None, "memory".to_string())
+    } else {
+        let dir = cache_dir(args, &d)?;
+        let lock = lock_cache_dir(&dir)?;
+        let cache = arbor_engine::tier::SegmentCache::open(d.store().clone(), &dir.join("chunks"), args.cache_size)
+            .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
+        (cache, Some(lock), dir.display().to_string())
+    };
     let listener =
         std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
     listener.set_nonblocking(true)?;
@@ -64,7 +71,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     tracing::info!(
         disk = %d.url,
         listen = %addr,
-        cache = %dir.display(),
+        cache = %place,
         size = %disk::Size(args.cache_size),
         "serving chunks"
     );
@@ -133,6 +140,6 @@ pub fn client(servers: &[String], token_file: Option<&Path>) -> Result<Option<Ar
         bail!("--cache-server needs --token-file (or ARBOR_TOKEN_FILE): the servers' shared token");
     };
     let token = arbor_net::read_token(token_file)?;
-    let client = CacheClient::new(ClientOptions { servers, token, timeout: arbor_net::client::TIMEOUT })?;
+    let client = CacheClient::new(ClientOptions { servers, token, timeout: arbor_net::client::timeout_from_env() })?;
     Ok(Some(Arc::new(client)))
 }

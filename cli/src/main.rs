@@ -144,9 +144,13 @@ struct MountCmd {
     /// Stay attached and log to stderr (for systemd and containers).
     #[arg(long)]
     foreground: bool,
-    /// Where an s3:// disk keeps its local cache (default: a folder per mount under ~/.cache/arbor).
+    /// Where an s3:// disk keeps its local cache (default: a folder per mount
+    /// under ~/.cache/arbor); `none`: in memory only (checkpoint mounts), see --cache-memory.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// With --cache-dir none: how much chunk data the memory cache keeps.
+    #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_MEMORY))]
+    cache_memory: disk::Size,
     /// How much segment data the cache of an s3:// disk keeps, e.g. 50G.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
     cache_size: disk::Size,
@@ -174,9 +178,13 @@ struct ServeCmd {
     /// The address to listen on, HOST:PORT.
     #[arg(long)]
     listen: String,
-    /// Where the cached chunks live (default: a folder under ~/.cache/arbor).
+    /// Where the cached chunks live (default: a folder under ~/.cache/arbor);
+    /// `none`: in memory only, see --cache-memory.
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// With --cache-dir none: how much chunk data the memory cache keeps.
+    #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_MEMORY))]
+    cache_memory: disk::Size,
     /// How much chunk data the cache keeps, e.g. 2T.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
     cache_size: disk::Size,
@@ -262,6 +270,12 @@ fn run(cli: Cli) -> Result<()> {
             println!("initialized arbor disk at {} with branch main", d.url);
         }
         Command::Mount(m) => {
+            let memory = m.cache_dir.as_deref() == Some(std::path::Path::new("none"));
+            if memory && m.checkpoint.is_none() {
+                anyhow::bail!(
+                    "--cache-dir none (memory only) is for checkpoint mounts; a branch mount needs a cache folder for its log"
+                );
+            }
             let args = serve::MountArgs {
                 disk: m.disk,
                 mountpoint: m.mountpoint,
@@ -273,11 +287,12 @@ fn run(cli: Cli) -> Result<()> {
                 maintain_every: m.maintain_every,
                 segment_size: m.segment_size.0,
                 cache: disk::CacheOptions {
-                    dir: m.cache_dir.map(std::path::absolute).transpose()?,
-                    size: m.cache_size.0,
+                    dir: if memory { None } else { m.cache_dir.map(std::path::absolute).transpose()? },
+                    size: if memory { m.cache_memory.0 } else { m.cache_size.0 },
                     durability: m.durability,
                     read_ahead: m.read_ahead as u64,
                     peers: None,
+                    memory,
                 },
                 cache_servers: m.cache_server,
                 token_file: m.token_file.map(std::path::absolute).transpose()?,
@@ -332,8 +347,12 @@ fn run(cli: Cli) -> Result<()> {
             let args = cache_server::ServeArgs {
                 disk: c.disk,
                 listen: c.listen,
+                cache_size: if c.cache_dir.as_deref() == Some(std::path::Path::new("none")) {
+                    c.cache_memory.0
+                } else {
+                    c.cache_size.0
+                },
                 cache_dir: c.cache_dir,
-                cache_size: c.cache_size.0,
                 token_file: c.token_file,
                 fault: c.fault,
             };

@@ -5,10 +5,11 @@
 //! random weight) hashing of (server address, segment, chunk): every
 //! client with the same list agrees on the owner without talking to the
 //! others, and adding a server moves only the chunks it now wins. The list
-//! is fixed for the life of the mount. A server that refuses connections,
-//! times out or answers with an error is skipped for that chunk — the
-//! reader goes to the bucket — and is left alone for [`DOWN_FOR`] before
-//! it is tried again; its chunks are not handed to another server.
+//! is fixed for the life of the mount. A server that is slow past the
+//! timeout or answers with an error is skipped for that chunk — the reader
+//! goes to the bucket; one that cannot be reached (or whose connection
+//! breaks) is also left alone for [`DOWN_FOR`] before it is tried again.
+//! Its chunks are never handed to another server.
 
 use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};
 use crate::CACHE_HEADER;
@@ -29,6 +30,11 @@ use std::time::{Duration, Instant};
 pub const DOWN_FOR: Duration = Duration::from_secs(2);
 /// How long a chunk request may take before the reader goes to the bucket.
 pub const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The timeout: `ARBOR_CACHE_TIMEOUT_MS`, else [`TIMEOUT`].
+pub fn timeout_from_env() -> Duration {
+    std::env::var("ARBOR_CACHE_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).map_or(TIMEOUT, Duration::from_millis)
+}
 
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
@@ -183,8 +189,18 @@ impl Inner {
             return None;
         }
         let uri = format!("http://{}/v1/chunks/{}/{index}", peer.addr, seg.file_name());
+        // A server that cannot be reached is left alone for a while; one
+        // that is slow or answers an error loses only this chunk.
+        let mut send = match peer.sender(self.timeout).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
+                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                peer.failed().await;
+                return None;
+            }
+        };
         let attempt = async {
-            let mut send = peer.sender(self.timeout).await?;
             let req = Request::get(uri)
                 .header(AUTHORIZATION, self.auth.clone())
                 .body(Full::new(Bytes::new()))
@@ -214,15 +230,14 @@ impl Inner {
                 None
             }
             Ok(Err(e)) => {
-                tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
+                tracing::debug!(server = %peer.addr, error = %e, "the connection to a cache server broke");
                 peer.n.error.fetch_add(1, Ordering::Relaxed);
                 peer.failed().await;
                 None
             }
             Err(_) => {
-                tracing::debug!(server = %peer.addr, "a cache server timed out");
+                tracing::debug!(server = %peer.addr, chunk = index, "a cache server was too slow; reading the bucket");
                 peer.n.timeout.fetch_add(1, Ordering::Relaxed);
-                peer.failed().await;
                 None
             }
         }
@@ -327,6 +342,27 @@ mod tests {
                 "the order of the list does not matter"
             );
         }
+    }
+
+    #[test]
+    fn a_server_that_never_answers_costs_one_timeout_per_chunk() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        // Accepts, keeps the connection open, and says nothing.
+        let held = std::thread::spawn(move || listener.accept().map(|(s, _)| s));
+        let c = CacheClient::new(ClientOptions {
+            servers: vec![addr],
+            token: "t".into(),
+            timeout: Duration::from_millis(300),
+        })
+        .expect("client");
+        let t = Instant::now();
+        let got = c.fetch(SegId { writer: 9, seq: 1 }, &[ChunkRequest { index: 0, range: 0..10 }]);
+        assert_eq!(got, vec![None]);
+        assert!(t.elapsed() < Duration::from_secs(5), "bounded by the timeout: {:?}", t.elapsed());
+        let s = &c.stats()[0];
+        assert_eq!((s.fallback_timeout, s.fallback_down, s.chunks), (1, 0, 0), "{s:?}");
+        drop(held);
     }
 
     #[test]

@@ -97,7 +97,10 @@ struct Server {
 impl Server {
     fn start(store: Arc<Counting>, dir: &Path, fault: Option<Fault>) -> Server {
         let cache = SegmentCache::open(store, dir, 1 << 30).expect("cache");
-        let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault });
+        Self::start_with(CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault }))
+    }
+
+    fn start_with(server: Arc<CacheServer>) -> Server {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("addr").to_string();
@@ -307,4 +310,58 @@ fn a_request_without_the_token_gets_nothing() {
     assert!(status.contains(" 404 "), "{status}");
     let (status, body) = raw_get(&server.addr, "/metrics", Some("Bearer a-shared-secret"));
     assert!(status.contains(" 200 ") && body.contains("arbor_cache_unauthorized_total 12"), "{status}\n{body}");
+}
+
+/// Bytes of every file under `dir`.
+fn bytes_under(dir: &Path) -> u64 {
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&p) else { continue };
+        for e in rd.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => {
+                    use std::os::unix::fs::MetadataExt;
+                    n += m.blocks() * 512;
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    n
+}
+
+#[test]
+fn memory_only_readers_and_servers_keep_no_chunk_on_disk_and_stay_in_bounds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, data) = bucket_with_file(dir.path(), 16);
+    let cache = SegmentCache::in_memory(store.clone(), 1 << 30).expect("memory server cache");
+    let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault: None });
+    let started = Server::start_with(server);
+    let reader_dir = dir.path().join("reader");
+    let dyn_store: Arc<dyn ObjectStore> = store.clone();
+    let capacity = 4 << 20;
+    let tier = TierConfig {
+        memory_cache: true,
+        cache_size: capacity,
+        peers: Some(client(&[&started]) as Arc<dyn ChunkSource>),
+        ..TierConfig::default()
+    };
+    let dev = BucketDevice::open(dyn_store.clone(), &reader_dir, tier).expect("device");
+    let vol = Volume::open(HeadDevice::new(dev.clone(), dyn_store, "main"), vol_cfg(true)).expect("volume");
+    let ino = vol.lookup(ROOT_INO, b"data").expect("lookup").ino;
+    for pass in 0..2 {
+        let mut off = 0;
+        while off < data.len() {
+            let part = vol.read(ino, off as u64, MIB).expect("read");
+            assert!(part[..] == data[off..off + part.len()], "pass {pass} at {off}: wrong bytes");
+            off += part.len();
+        }
+        let cached = dev.stats().cache.cached_bytes;
+        assert!(cached <= capacity, "pass {pass}: {cached} bytes cached, more than the {capacity} allowed");
+    }
+    assert!(dev.stats().cache.evicted_bytes > 0, "a 16 MiB file through a 4 MiB memory cache evicts");
+    assert!(bytes_under(&reader_dir) < 64 << 10, "the reader wrote {} bytes to its folder", bytes_under(&reader_dir));
+    assert!(started.metric("arbor_cache_bucket_bytes_total") >= data.len() as u64, "the server fetched the file");
 }

@@ -48,11 +48,21 @@ pub struct CacheOptions {
     pub read_ahead: u64,
     /// Cache servers asked for a chunk before the bucket.
     pub peers: Option<Arc<dyn ChunkSource>>,
+    /// Chunks in memory only (`size` bytes), never on this node's disk;
+    /// the cache folder then holds no data and goes with the process.
+    pub memory: bool,
 }
 
 impl Default for CacheOptions {
     fn default() -> Self {
-        CacheOptions { dir: None, size: CACHE_SIZE, durability: Durability::Local, read_ahead: READ_AHEAD, peers: None }
+        CacheOptions {
+            dir: None,
+            size: CACHE_SIZE,
+            durability: Durability::Local,
+            read_ahead: READ_AHEAD,
+            peers: None,
+            memory: false,
+        }
     }
 }
 
@@ -331,6 +341,8 @@ impl Disk {
 
     fn cache_name(&self) -> String {
         match &self.opts.mount {
+            // A memory-only mount's folder holds no data and goes with it.
+            Some(_) if self.opts.cache.memory => layout::command_cache(std::process::id()),
             Some(name) => layout::mount_cache(name),
             None => layout::command_cache(std::process::id()),
         }
@@ -351,7 +363,8 @@ impl Disk {
                 let cache = &self.opts.cache;
                 let tier = TierConfig {
                     // A command's own cache goes when its last user does.
-                    ephemeral: cache.dir.is_none() && self.opts.mount.is_none(),
+                    ephemeral: cache.dir.is_none() && (self.opts.mount.is_none() || cache.memory),
+                    memory_cache: cache.memory,
                     durability: cache.durability,
                     cache_size: cache.size,
                     read_ahead: cache.read_ahead,

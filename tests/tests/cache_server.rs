@@ -130,6 +130,24 @@ fn client_with(w: &S3World, env: &[(&str, String)], disk: &str, name: &str, serv
     m
 }
 
+/// Bytes of data blocks of every file under `dir`.
+fn bytes_under(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&p) else { continue };
+        for e in rd.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => n += m.blocks() * 512,
+                Err(_) => {}
+            }
+        }
+    }
+    n
+}
+
 fn status_json(mnt: &Path, env: &[(&str, String)]) -> String {
     arbor_env_ok(&["status", mnt.to_str().expect("utf8"), "--json"], env)
 }
@@ -150,7 +168,10 @@ fn one_warm_dataset_for_every_node_and_job() {
 
     // Every process reaches the bucket through a proxy that counts.
     let proxy = CountingProxy::start(w.s3_addr());
-    let env = w.env_via(&proxy.endpoint());
+    let mut env = w.env_via(&proxy.endpoint());
+    // A busy CI machine must not turn a slow answer into a bucket read here:
+    // this test counts bucket bytes. (A killed server refuses at once.)
+    env.push(("ARBOR_CACHE_TIMEOUT_MS", "30000".into()));
 
     // Without a server: each of four clients pulls the whole dataset.
     let before = proxy.sent();
@@ -221,6 +242,27 @@ fn one_warm_dataset_for_every_node_and_job() {
     assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "the restarted server served its own cache");
     assert!(server.metric("arbor_cache_hits_total") >= (dataset >> 20), "every chunk was a hit");
     c.unmount_env(&env);
+
+    // A client without a local SSD: chunks in memory only, nothing on disk.
+    let mut mem_env = env.clone();
+    let mem_node = w.dir.path().join("memory-node");
+    mem_env.retain(|(k, _)| *k != "XDG_CACHE_HOME");
+    mem_env.push(("XDG_CACHE_HOME", mem_node.display().to_string()));
+    let tok = token_file(&w);
+    let mem_args = ["--cache-dir", "none", "--cache-memory", "8M", "--token-file", tok.to_str().expect("utf8")];
+    let refused =
+        arbor_env(&[&["mount", &disk, w.mnt("mem-branch").to_str().expect("utf8")][..], &mem_args].concat(), &mem_env);
+    assert!(!refused.status.success(), "a memory-only branch mount is refused");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("for checkpoint mounts"), "{refused:?}");
+    let mnt = w.mnt("mem");
+    let args = [&["--checkpoint", "v1", "--cache-server", &server.addr][..], &mem_args].concat();
+    let m = Mount::start_env(&disk, &mnt, &args, &mem_env);
+    read_all(&mnt);
+    let st = status_json(&mnt, &mem_env);
+    assert!(st.contains(&format!("\"capacity\":{}", 8 << 20)), "{st}");
+    let on_disk = bytes_under(&mem_node);
+    assert!(on_disk < 1 << 20, "a memory-only client wrote {on_disk} bytes under its node folder");
+    m.unmount_env(&mem_env);
 
     // A server that corrupts what it sends: clients notice, read the bucket, say so.
     let bad = Serve::start(&w, &env, &disk, &w.dir.path().join("bad-cache"), &["--fault", "corrupt"]);

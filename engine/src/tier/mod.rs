@@ -63,6 +63,8 @@ impl std::str::FromStr for Durability {
 
 /// Bytes of segment data a mount's cache keeps by default.
 pub const CACHE_SIZE: u64 = 10 << 30;
+/// Bytes of chunks a memory-only cache keeps by default.
+pub const CACHE_MEMORY: u64 = 2 << 30;
 /// How far ahead of a sequential reader chunks are fetched, at first.
 pub const READ_AHEAD: u64 = 4 << 20;
 
@@ -87,6 +89,9 @@ pub struct TierConfig {
     pub io: IoMode,
     /// Cache servers asked for a chunk before the bucket.
     pub peers: Option<Arc<dyn ChunkSource>>,
+    /// Keep fetched chunks in memory only (`cache_size` bytes of it),
+    /// never on the cache folder's disk; for read-only opens.
+    pub memory_cache: bool,
 }
 
 impl std::fmt::Debug for dyn ChunkSource {
@@ -108,6 +113,7 @@ impl Default for TierConfig {
             ephemeral: false,
             io: IoMode::Auto,
             peers: None,
+            memory_cache: false,
         }
     }
 }
@@ -182,8 +188,14 @@ impl BucketDevice {
     /// bucket are queued for upload; the uploads start with the first write.
     pub fn open(store: Arc<dyn ObjectStore>, cache_dir: &Path, cfg: TierConfig) -> Result<Arc<BucketDevice>> {
         let local = open_cache(&cache_dir.join(crate::layout::SEGMENT_DIR), cfg.io)?;
-        let remote =
-            Remote::new(store.clone(), cache_dir.join("chunks"), cfg.cache_size, cfg.read_ahead, cfg.parallel_gets)?;
+        let remote = Remote::new(
+            store.clone(),
+            cache_dir.join("chunks"),
+            cfg.cache_size,
+            cfg.read_ahead,
+            cfg.parallel_gets,
+            cfg.memory_cache,
+        )?;
         remote.set_peers(cfg.peers.clone());
         let mut up = Uploads::default();
         for id in local.list_segments()? {

@@ -26,10 +26,15 @@ pub struct SegmentCache {
 
 impl SegmentCache {
     /// Opens the cache in `dir` (its only user while open) in front of
-    /// `store`, keeping at most `capacity` bytes of chunks; `parallel`
-    /// bucket GETs at most for one request.
+    /// `store`, keeping at most `capacity` bytes of chunks.
     pub fn open(store: Arc<dyn ObjectStore>, dir: &Path, capacity: u64) -> Result<SegmentCache> {
-        Ok(SegmentCache { remote: Remote::new(store, dir.to_path_buf(), capacity, 0, 1)? })
+        Ok(SegmentCache { remote: Remote::new(store, dir.to_path_buf(), capacity, 0, 1, false)? })
+    }
+
+    /// A cache in memory alone (nothing on disk, nothing kept across a
+    /// restart), of at most `capacity` bytes of chunks.
+    pub fn in_memory(store: Arc<dyn ObjectStore>, capacity: u64) -> Result<SegmentCache> {
+        Ok(SegmentCache { remote: Remote::new(store, std::path::PathBuf::new(), capacity, 0, 1, true)? })
     }
 
     /// Chunk `index` of sealed segment `seg`; `None` when the segment has

@@ -57,6 +57,19 @@ const GET_TRIES: usize = 4;
 /// WAL pieces fetched at once when a segment is read from them.
 const PIECE_FETCHES: usize = 16;
 
+/// An anonymous file in memory (sparse, holes punched like any file).
+fn memory_file(name: &str) -> Result<File> {
+    use std::os::fd::FromRawFd;
+    let name = std::ffi::CString::new(format!("arbor-{name}")).map_err(|_| Error::Invalid("memory file name"))?;
+    // SAFETY: memfd_create with a valid C string; the descriptor is ours.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::Io(std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
 /// Counters for `status` and the benchmarks.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CacheStats {
@@ -77,6 +90,9 @@ pub struct CacheStats {
 pub(crate) struct Remote {
     store: Arc<dyn ObjectStore>,
     dir: PathBuf,
+    /// Chunks live in anonymous memory files (memfd), never on a disk:
+    /// for nodes without a local SSD. Nothing survives the process.
+    memory: bool,
     read_ahead: u64,
     parallel: usize,
     /// Which chunks are on local disk, and evicting them.
@@ -118,11 +134,15 @@ impl Remote {
         capacity: u64,
         read_ahead: u64,
         parallel: usize,
+        memory: bool,
     ) -> Result<Arc<Remote>> {
-        crate::private::create_dir_all(&dir)?;
+        if !memory {
+            crate::private::create_dir_all(&dir)?;
+        }
         Ok(Arc::new(Remote {
             store,
             dir,
+            memory,
             read_ahead,
             parallel: parallel.max(1),
             chunks: ChunkCache::new(capacity),
@@ -242,6 +262,11 @@ impl Remote {
     /// Done while no read of the old local file is under way (they hold
     /// `evicting` shared), so none can see a hole punched later.
     pub(crate) fn adopt(self: &Arc<Self>, id: SegId, local: &std::path::Path, footer: Footer) -> Result<()> {
+        if self.memory {
+            // No cache folder to move it into: the local file stays where
+            // it was written and keeps serving this node's reads.
+            return Ok(());
+        }
         {
             let _no_readers = self.chunks.exclusive();
             let path = self.path(id);
@@ -336,8 +361,11 @@ impl Remote {
             Err(e) => return Err(e),
         };
         let footer = self.read_footer(&key, size)?;
-        let path = self.path(id);
-        let file = crate::private::options().read(true).write(true).create(true).truncate(false).open(&path)?;
+        let file = if self.memory {
+            memory_file(&id.file_name())?
+        } else {
+            crate::private::options().read(true).write(true).create(true).truncate(false).open(self.path(id))?
+        };
         if file.metadata()?.len() != footer.data_len {
             // A new cache file, or one from another life of this name: start empty.
             let _no_readers = self.chunks.exclusive();

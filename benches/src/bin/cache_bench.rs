@@ -1,0 +1,245 @@
+//! The shared chunk cache (`arbor serve`) on a network shaped like a real
+//! one: the bucket 20 ms round trip away, the cache server 0.2 ms, each
+//! through a delaying proxy (this kernel has no netem). The S3 server is a
+//! real s3s-fs; the cache server and its clients are arbor's own code in
+//! this process, reading through the bucket tier (no FUSE: the kernel's
+//! part is the same on every path compared here).
+//!
+//! `cargo run --release -p arbor-benches --bin cache_bench [DIR]`
+//! (`ARBOR_BENCH_MIB`, default 512: the dataset; `ARBOR_BENCH_RANDOM`,
+//! default 300: random reads per path). Prints a markdown table.
+
+use arbor_benches::{percentile_us, print_table, DelayProxy, Rng, Row};
+use arbor_engine::bucket::{ObjectStore, S3Store};
+use arbor_engine::disk::HeadDevice;
+use arbor_engine::testkit::S3Server;
+use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
+use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_net::{CacheClient, CacheServer, ClientOptions, ServerOptions};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const MIB: usize = 1 << 20;
+const TOKEN: &str = "bench-token";
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn fresh(base: &Path, name: &str) -> PathBuf {
+    let p = base.join(name);
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).expect("mkdir");
+    p
+}
+
+fn cfg(read_only: bool) -> Config {
+    Config { commit_interval: None, read_only, ..Config::default() }
+}
+
+fn store_at(server: &S3Server, endpoint: String) -> Arc<dyn ObjectStore> {
+    let mut c = server.config("cache-bench");
+    c.endpoint = Some(endpoint);
+    Arc::new(S3Store::open(&c).expect("s3"))
+}
+
+/// A reader: a volume on its own empty cache, through `peers` or not.
+fn reader(store: &Arc<dyn ObjectStore>, cache: &Path, peers: Option<Arc<CacheClient>>, read_ahead: u64) -> Arc<Volume> {
+    let tier = TierConfig { read_ahead, peers: peers.map(|p| p as Arc<dyn ChunkSource>), ..TierConfig::default() };
+    let dev = BucketDevice::open(store.clone(), cache, tier).expect("device");
+    Volume::open(HeadDevice::new(dev, store.clone(), "main"), cfg(true)).expect("volume")
+}
+
+fn read_seq(vol: &Volume, len: u64) -> f64 {
+    let ino = vol.lookup(ROOT_INO, b"data").expect("lookup").ino;
+    let t = Instant::now();
+    let mut off = 0;
+    while off < len {
+        let n = vol.read(ino, off, MIB).expect("read").len() as u64;
+        assert!(n > 0, "short file");
+        off += n;
+    }
+    len as f64 / MIB as f64 / t.elapsed().as_secs_f64()
+}
+
+fn random_reads(vol: &Volume, len: u64, n: usize, seed: u64) -> Vec<Duration> {
+    let ino = vol.lookup(ROOT_INO, b"data").expect("lookup").ino;
+    let mut rng = Rng::new(seed);
+    let mut lat: Vec<Duration> = (0..n)
+        .map(|_| {
+            let off = (rng.next_u64() % (len / 4096)) * 4096;
+            let t = Instant::now();
+            let got = vol.read(ino, off, 4096).expect("read");
+            let d = t.elapsed();
+            assert_eq!(got.len(), 4096);
+            d
+        })
+        .collect();
+    lat.sort();
+    lat
+}
+
+struct Served {
+    server: Arc<CacheServer>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    addr: std::net::SocketAddr,
+}
+
+impl Served {
+    fn start(store: Arc<dyn ObjectStore>, dir: &Path) -> Served {
+        let cache = SegmentCache::open(store, dir, 64 << 30).expect("cache");
+        let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault: None });
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let s = server.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(listener).expect("listener");
+                s.run(l, async move {
+                    let _ = rx.await;
+                })
+                .await
+                .expect("serve");
+            });
+        });
+        Served { server, stop: Some(tx), thread: Some(thread), addr }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn client(addrs: &[String]) -> Arc<CacheClient> {
+    Arc::new(
+        CacheClient::new(ClientOptions {
+            servers: addrs.to_vec(),
+            token: TOKEN.into(),
+            timeout: Duration::from_secs(10),
+        })
+        .expect("client"),
+    )
+}
+
+fn main() {
+    let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-cache"));
+    let mib = env_usize("ARBOR_BENCH_MIB", 512);
+    let n_random = env_usize("ARBOR_BENCH_RANDOM", 300);
+    let len = (mib * MIB) as u64;
+    let Some(s3) = S3Server::start(&fresh(&base, "s3")).expect("s3s-fs") else {
+        eprintln!("cache_bench needs s3s-fs");
+        std::process::exit(2);
+    };
+    let bucket_proxy =
+        DelayProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], s3.port)), Duration::from_millis(10));
+    let direct = store_at(&s3, s3.endpoint());
+    let far = store_at(&s3, format!("http://{}", bucket_proxy.addr()));
+    eprintln!("writing {mib} MiB");
+    {
+        let dev = BucketDevice::open(direct.clone(), &fresh(&base, "writer"), TierConfig::default()).expect("dev");
+        let vol = Volume::open(HeadDevice::new(dev, direct.clone(), "main"), cfg(false)).expect("vol");
+        let ino = vol.create(ROOT_INO, b"data", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+        let block: Vec<u8> = (0..MIB).map(|i| (i * 31 % 251) as u8).collect();
+        for i in 0..mib {
+            vol.write(ino, (i * MIB) as u64, &block).expect("write");
+        }
+        vol.close().expect("close");
+    }
+
+    // The server, 0.2 ms round trip from its clients, warmed by one reader.
+    let served = Served::start(far.clone(), &fresh(&base, "server"));
+    let server_proxy = DelayProxy::start(served.addr, Duration::from_micros(100));
+    let near = vec![server_proxy.addr()];
+    eprintln!("warming the server");
+    read_seq(&reader(&far, &fresh(&base, "warm"), Some(client(&near)), 4 << 20), len);
+
+    eprintln!("random 4 KiB reads");
+    let via_server = random_reads(&reader(&far, &fresh(&base, "r1"), Some(client(&near)), 0), len, n_random, 1);
+    let via_bucket = random_reads(&reader(&far, &fresh(&base, "r2"), None, 0), len, n_random / 3, 2);
+
+    eprintln!("cold sequential reads");
+    let seq_server = read_seq(&reader(&far, &fresh(&base, "s1"), Some(client(&near)), 4 << 20), len);
+    let bucket_reader = reader(&far, &fresh(&base, "s2"), None, 4 << 20);
+    let seq_bucket = read_seq(&bucket_reader, len);
+    let seq_local = read_seq(&bucket_reader, len);
+    drop(bucket_reader);
+
+    let mut pulled = Vec::new();
+    for n in [1usize, 2, 4, 8] {
+        eprintln!("{n} clients on a cold server");
+        let served = Served::start(far.clone(), &fresh(&base, &format!("server-{n}")));
+        let proxy = DelayProxy::start(served.addr, Duration::from_micros(100));
+        let before = bucket_proxy.sent();
+        std::thread::scope(|s| {
+            for c in 0..n {
+                let (far, base, addr) = (far.clone(), base.clone(), proxy.addr());
+                s.spawn(move || {
+                    read_seq(&reader(&far, &fresh(&base, &format!("n{n}-{c}")), Some(client(&[addr])), 4 << 20), len)
+                });
+            }
+        });
+        pulled.push((n, (bucket_proxy.sent() - before) as f64 / len as f64));
+        drop(proxy);
+        drop(served);
+        let _ = std::fs::remove_dir_all(base.join(format!("server-{n}")));
+        for c in 0..n {
+            let _ = std::fs::remove_dir_all(base.join(format!("n{n}-{c}")));
+        }
+    }
+    let metrics = served.server.metrics_text();
+    let hits = arbor_net::metric_sample(&metrics, "arbor_cache_hits_total").unwrap_or(0.0);
+
+    let mut rows = vec![
+        Row {
+            name: "4 KiB random read, p50 (miss the client, hit the server)".into(),
+            baseline: format!("{:.0} µs from the bucket", percentile_us(&via_bucket, 50.0)),
+            arbor: format!("{:.0} µs via the server", percentile_us(&via_server, 50.0)),
+            ratio: percentile_us(&via_bucket, 50.0) / percentile_us(&via_server, 50.0),
+            target: "p50 ≤ 500 µs".into(),
+        },
+        Row {
+            name: "4 KiB random read, p99".into(),
+            baseline: format!("{:.0} µs from the bucket", percentile_us(&via_bucket, 99.0)),
+            arbor: format!("{:.0} µs via the server", percentile_us(&via_server, 99.0)),
+            ratio: percentile_us(&via_bucket, 99.0) / percentile_us(&via_server, 99.0),
+            target: "report".into(),
+        },
+        Row {
+            name: format!("cold sequential read of {mib} MiB, warm server vs the bucket"),
+            baseline: format!("{seq_bucket:.0} MiB/s from the bucket"),
+            arbor: format!("{seq_server:.0} MiB/s via the server"),
+            ratio: seq_server / seq_bucket,
+            target: "≥ 2".into(),
+        },
+        Row {
+            name: format!("cold sequential read of {mib} MiB, warm server vs the client's warm cache"),
+            baseline: format!("{seq_local:.0} MiB/s from the local cache"),
+            arbor: format!("{seq_server:.0} MiB/s via the server"),
+            ratio: seq_server / seq_local,
+            target: "≥ 0.7".into(),
+        },
+    ];
+    for (n, x) in &pulled {
+        rows.push(Row {
+            name: format!("bucket bytes pulled, {n} clients at once on a cold server"),
+            baseline: format!("{n}× the dataset without a server"),
+            arbor: format!("{x:.3}× the dataset"),
+            ratio: *n as f64 / x,
+            target: "≈ 1× for every N".into(),
+        });
+    }
+    print_table("arbor serve: the bucket 20 ms away, the server 0.2 ms (ratio: higher is better)", &rows);
+    println!("\n(server hits during the single-client runs: {hits:.0})");
+}
