@@ -143,3 +143,89 @@ pub fn client(servers: &[String], token_file: Option<&Path>) -> Result<Option<Ar
     let client = CacheClient::new(ClientOptions { servers, token, timeout: arbor_net::client::timeout_from_env() })?;
     Ok(Some(Arc::new(client)))
 }
+
+/// `arbor warm`: reads `paths` of checkpoint `checkpoint` through the cache
+/// servers, so that each chunk is fetched from the bucket by its owner
+/// before a job needs it. Needs no mount; keeps nothing on this node (its
+/// own cache is a small one in memory).
+pub fn warm(
+    disk_arg: &str,
+    checkpoint: &str,
+    paths: &[String],
+    servers: &[String],
+    token_file: Option<&Path>,
+) -> Result<()> {
+    use arbor_engine::volume::{FileKind, ROOT_INO};
+    use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
+    let Some(client) = client(servers, token_file)? else {
+        bail!("arbor warm needs --cache-server HOST:PORT,… (or ARBOR_CACHE_SERVERS)");
+    };
+    let cache = disk::CacheOptions {
+        size: 256 << 20,
+        memory: true,
+        peers: Some(client.clone() as Arc<dyn arbor_engine::tier::ChunkSource>),
+        ..disk::CacheOptions::default()
+    };
+    let d = disk::open_with_cache(disk_arg, cache)?;
+    if !d.is_s3() {
+        bail!("{} is a local folder: there is no bucket to warm a cache from", d.url);
+    }
+    let vol = d.catalog()?.open_checkpoint(checkpoint, disk::quiet_config())?;
+    let mut files: Vec<(String, u64, u64)> = Vec::new();
+    let mut stack: Vec<(String, u64)> = Vec::new();
+    for p in paths {
+        let mut ino = ROOT_INO;
+        for part in p.split('/').filter(|s| !s.is_empty() && *s != ".") {
+            ino = vol.lookup(ino, part.as_bytes()).with_context(|| format!("{p}: not in checkpoint {checkpoint}"))?.ino;
+        }
+        stack.push((p.clone(), ino));
+    }
+    // Bounded by the checkpoint's own tree: every inode is visited once per path.
+    while let Some((path, ino)) = stack.pop() {
+        let attr = vol.getattr(ino)?;
+        match attr.kind {
+            FileKind::Regular => files.push((path, ino, attr.size)),
+            FileKind::Directory => {
+                let mut entries = Vec::new();
+                vol.readdir(ino, 0, |e| {
+                    if e.name != b"." && e.name != b".." {
+                        entries.push(e);
+                    }
+                    true
+                })?;
+                for e in entries {
+                    stack.push((format!("{path}/{}", String::from_utf8_lossy(&e.name)), e.ino));
+                }
+            }
+            _ => {}
+        }
+    }
+    let total: u64 = files.iter().map(|f| f.2).sum();
+    let bar = ProgressBar::new(total)
+        .with_style(ProgressStyle::with_template("warm {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")?);
+    for (path, ino, size) in &files {
+        let mut off = 0;
+        while off < *size {
+            let n = vol.read(*ino, off, 4 << 20).with_context(|| format!("cannot read {path}"))?.len() as u64;
+            if n == 0 {
+                break;
+            }
+            off += n;
+            bar.inc(n);
+        }
+    }
+    bar.finish_and_clear();
+    let stats = client.stats();
+    let (given, hits): (u64, u64) = stats.iter().fold((0, 0), |a, s| (a.0 + s.chunks, a.1 + s.hits));
+    let fallbacks: u64 = stats
+        .iter()
+        .map(|s| s.fallback_down + s.fallback_timeout + s.fallback_error + s.fallback_not_found + s.rejected)
+        .sum();
+    println!(
+        "warmed {} files, {} of checkpoint {checkpoint}: {given} chunks through {} servers ({hits} were already there), {fallbacks} read from the bucket instead",
+        files.len(),
+        HumanBytes(total),
+        stats.len()
+    );
+    Ok(())
+}

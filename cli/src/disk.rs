@@ -26,6 +26,11 @@ pub fn open(arg: &str) -> Result<Disk> {
     Ok(Disk::open(arg, options(None, CacheOptions::default())?)?)
 }
 
+/// Opens the disk `arg` names for a command with its own cache options.
+pub fn open_with_cache(arg: &str, cache: CacheOptions) -> Result<Disk> {
+    Ok(Disk::open(arg, options(None, cache)?)?)
+}
+
 /// Opens the disk for a mount of `name` with its cache options.
 pub fn open_for_mount(arg: &str, name: &str, cache: CacheOptions) -> Result<Disk> {
     Ok(Disk::open(arg, options(Some(name), cache)?)?)

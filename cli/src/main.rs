@@ -108,6 +108,24 @@ enum Command {
         after_help = "Example:\n  arbor serve s3://my-bucket/disk1 --listen 0.0.0.0:7070 --cache-dir /nvme/arbor-cache --cache-size 2T --token-file /etc/arbor/token\n  arbor mount s3://my-bucket/disk1 /mnt/data --checkpoint v1 --cache-server cache1:7070,cache2:7070 --token-file /etc/arbor/token"
     )]
     Serve(ServeCmd),
+    /// Read PATHs of a checkpoint through the cache servers, without a mount,
+    /// so that the jobs that follow start warm (each chunk is fetched from
+    /// the bucket once, by the server that owns it).
+    #[command(
+        after_help = "Example:\n  arbor warm s3://my-bucket/disk1 --checkpoint v1 datasets/tokens shards/ --cache-server cache1:7070,cache2:7070 --token-file /etc/arbor/token"
+    )]
+    Warm {
+        disk: String,
+        #[arg(long)]
+        checkpoint: String,
+        /// Files or folders inside the checkpoint (`/` for all of it).
+        #[arg(required = true)]
+        paths: Vec<String>,
+        #[arg(long, value_delimiter = ',', env = "ARBOR_CACHE_SERVERS")]
+        cache_server: Vec<String>,
+        #[arg(long, env = "ARBOR_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+    },
     /// Verify every record, and every file byte of every branch and checkpoint.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
     Fsck {
@@ -343,6 +361,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
         Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
         Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
+        Command::Warm { disk, checkpoint, paths, cache_server, token_file } => {
+            cache_server::warm(&disk, &checkpoint, &paths, &cache_server, token_file.as_deref())?
+        }
         Command::Serve(c) => {
             let args = cache_server::ServeArgs {
                 disk: c.disk,

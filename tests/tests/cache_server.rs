@@ -243,6 +243,34 @@ fn one_warm_dataset_for_every_node_and_job() {
     assert!(server.metric("arbor_cache_hits_total") >= (dataset >> 20), "every chunk was a hit");
     c.unmount_env(&env);
 
+    // `arbor warm` without a mount: a fresh server is filled, and the job
+    // that follows pulls nothing from the bucket.
+    let fresh = Serve::start(&w, &env, &disk, &w.dir.path().join("fresh-cache"), &[]);
+    let tok = token_file(&w);
+    let out = arbor_env_ok(
+        &[
+            "warm",
+            &disk,
+            "--checkpoint",
+            "v1",
+            "/",
+            "--cache-server",
+            &fresh.addr,
+            "--token-file",
+            tok.to_str().expect("utf8"),
+        ],
+        &env,
+    );
+    assert!(out.contains(&format!("warmed {FILES} files")), "{out}");
+    let warmed = fresh.metric("arbor_cache_bucket_bytes_total");
+    assert!(warmed >= dataset, "arbor warm filled the server with {warmed} bytes");
+    let before = proxy.sent();
+    let c = client(&w, &env, &disk, "after-warm", &[&fresh.addr]);
+    read_all(&c.mnt);
+    assert!(proxy.sent() - before < dataset / 50, "after arbor warm the job pulled {} bytes", proxy.sent() - before);
+    c.unmount_env(&env);
+    drop(fresh);
+
     // A client without a local SSD: chunks in memory only, nothing on disk.
     let mut mem_env = env.clone();
     let mem_node = w.dir.path().join("memory-node");
