@@ -16,6 +16,8 @@ pub struct ServeArgs {
     pub cache_size: u64,
     pub token_file: PathBuf,
     pub fault: Option<Fault>,
+    /// Evict what nobody read for this long (`None`: by size alone).
+    pub keep_for: Option<Duration>,
 }
 
 /// The lock that keeps a second server off a cache folder.
@@ -64,7 +66,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let server = CacheServer::new(cache, ServerOptions { token, fault: args.fault });
+    let server = CacheServer::new(cache, ServerOptions { token, fault: args.fault, keep_for: args.keep_for });
     if let Some(f) = args.fault {
         tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");
     }

@@ -57,6 +57,38 @@ impl std::str::FromStr for Size {
     }
 }
 
+/// A length of time as a person writes it: `90s`, `30m`, `1h`, `2d`, `0`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Span(pub std::time::Duration);
+
+impl std::fmt::Display for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.0.as_secs();
+        match [(86_400, "d"), (3_600, "h"), (60, "m")].iter().find(|(u, _)| s >= *u && s % u == 0) {
+            Some((u, name)) => write!(f, "{}{name}", s / u),
+            None => write!(f, "{s}s"),
+        }
+    }
+}
+
+impl std::str::FromStr for Span {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Span, String> {
+        let t = s.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a length of time (try 30m or 1h)"))?;
+        let secs = match unit {
+            "" | "s" => 1,
+            "m" => 60,
+            "h" => 3_600,
+            "d" => 86_400,
+            _ => return Err(format!("{s:?}: unknown unit (use s, m, h or d)")),
+        };
+        n.checked_mul(secs).map(|x| Span(std::time::Duration::from_secs(x))).ok_or_else(|| format!("{s:?} is too long"))
+    }
+}
+
 /// Parses a size such as `10G`, `512MiB`, `1.5T` or `4096`.
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
@@ -104,5 +136,13 @@ mod tests {
             assert_eq!(Size(n).to_string().parse::<Size>(), Ok(Size(n)), "{n} shown as {}", Size(n));
         }
         assert_eq!(Size(10 << 30).to_string(), "10G");
+        for (text, secs) in [("90s", 90), ("30m", 1800), ("1h", 3600), ("2d", 172_800), ("0", 0), ("45", 45)] {
+            let span: Span = text.parse().expect(text);
+            assert_eq!(span.0.as_secs(), secs, "{text}");
+            assert_eq!(span.to_string().parse::<Span>(), Ok(span));
+        }
+        for bad in ["", "1w", "h", "-1h", "99999999999999999999d"] {
+            assert!(bad.parse::<Span>().is_err(), "{bad:?}");
+        }
     }
 }

@@ -212,6 +212,10 @@ struct ServeCmd {
     /// Stay attached and log to stderr (for systemd and containers).
     #[arg(long)]
     foreground: bool,
+    /// Evict chunks nobody read for this long, e.g. 30m, 1h, 2d (0: only
+    /// when the cache is full).
+    #[arg(long, default_value = "1h")]
+    keep_for: disk::Span,
     /// Misbehave on purpose (tests of the clients' checks): corrupt or short.
     #[arg(long, hide = true)]
     fault: Option<arbor_net::Fault>,
@@ -376,6 +380,7 @@ fn run(cli: Cli) -> Result<()> {
                 cache_dir: c.cache_dir,
                 token_file: c.token_file,
                 fault: c.fault,
+                keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),
             };
             if c.foreground {
                 cache_server::run_foreground(&args)?;

@@ -42,6 +42,8 @@ pub struct ServerOptions {
     /// The shared secret every request must carry.
     pub token: String,
     pub fault: Option<Fault>,
+    /// Evict chunks nobody read for this long, however much room is left.
+    pub keep_for: Option<std::time::Duration>,
 }
 
 pub struct CacheServer {
@@ -57,6 +59,32 @@ pub(crate) const CONNECTION_WINDOW: u32 = 256 << 20;
 pub(crate) const MAX_FRAME: u32 = 1 << 20;
 
 type Reply = Response<Full<Bytes>>;
+
+/// Every quarter of `keep_for` (from 0.1 s to a minute) reads the cache's
+/// clock, and evicts what was not used since the reading `keep_for` ago.
+/// Runs until the runtime stops.
+async fn keep_only_recent(cache: Arc<SegmentCache>, keep_for: std::time::Duration) {
+    use std::time::Duration;
+    let step = (keep_for / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    let mut readings: std::collections::VecDeque<(Instant, u64)> = std::collections::VecDeque::new();
+    loop {
+        tokio::time::sleep(step).await;
+        let now = Instant::now();
+        readings.push_back((now, cache.clock()));
+        let mut cut = None;
+        while let Some(&(at, tick)) = readings.front() {
+            if now.duration_since(at) < keep_for {
+                break;
+            }
+            cut = Some(tick);
+            readings.pop_front();
+        }
+        if let Some(tick) = cut {
+            let cache = cache.clone();
+            let _ = tokio::task::spawn_blocking(move || cache.evict_unused_since(tick)).await;
+        }
+    }
+}
 
 fn reply(status: StatusCode, body: impl Into<Bytes>) -> Reply {
     let mut r = Response::new(Full::new(body.into()));
@@ -83,6 +111,9 @@ impl CacheServer {
             .max_frame_size(MAX_FRAME)
             .max_concurrent_streams(1024);
         let builder = Arc::new(builder);
+        if let Some(keep_for) = self.opts.keep_for {
+            tokio::spawn(keep_only_recent(self.cache.clone(), keep_for));
+        }
         tokio::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
@@ -181,6 +212,11 @@ impl CacheServer {
         };
         m.latency.observe(started.elapsed());
         r
+    }
+
+    /// Evicts, now, every chunk not read since the cache's clock read `tick`.
+    pub fn evict_unused_since(&self, tick: u64) {
+        self.cache.evict_unused_since(tick);
     }
 
     /// The server's counters in the Prometheus text format.

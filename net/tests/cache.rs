@@ -97,7 +97,10 @@ struct Server {
 impl Server {
     fn start(store: Arc<Counting>, dir: &Path, fault: Option<Fault>) -> Server {
         let cache = SegmentCache::open(store, dir, 1 << 30).expect("cache");
-        Self::start_with(CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault }))
+        Self::start_with(CacheServer::new(
+            cache,
+            ServerOptions { token: TOKEN.into(), fault, ..ServerOptions::default() },
+        ))
     }
 
     fn start_with(server: Arc<CacheServer>) -> Server {
@@ -337,7 +340,7 @@ fn memory_only_readers_and_servers_keep_no_chunk_on_disk_and_stay_in_bounds() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (store, data) = bucket_with_file(dir.path(), 16);
     let cache = SegmentCache::in_memory(store.clone(), 1 << 30).expect("memory server cache");
-    let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault: None });
+    let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), ..ServerOptions::default() });
     let started = Server::start_with(server);
     let reader_dir = dir.path().join("reader");
     let dyn_store: Arc<dyn ObjectStore> = store.clone();
@@ -364,4 +367,24 @@ fn memory_only_readers_and_servers_keep_no_chunk_on_disk_and_stay_in_bounds() {
     assert!(dev.stats().cache.evicted_bytes > 0, "a 16 MiB file through a 4 MiB memory cache evicts");
     assert!(bytes_under(&reader_dir) < 64 << 10, "the reader wrote {} bytes to its folder", bytes_under(&reader_dir));
     assert!(started.metric("arbor_cache_bucket_bytes_total") >= data.len() as u64, "the server fetched the file");
+}
+
+#[test]
+fn chunks_nobody_read_for_keep_for_are_evicted_below_the_size_limit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, data) = bucket_with_file(dir.path(), 4);
+    let cache = SegmentCache::open(store.clone(), &dir.path().join("server"), 1 << 30).expect("cache");
+    let keep_for = Duration::from_millis(400);
+    let opts = ServerOptions { token: TOKEN.into(), keep_for: Some(keep_for), ..ServerOptions::default() };
+    let server = Server::start_with(CacheServer::new(cache, opts));
+    read_through(&store, &dir.path().join("reader"), Some(client(&[&server])), &data);
+    let resident = server.metric("arbor_cache_resident_bytes");
+    assert!(resident >= data.len() as u64, "the server holds what was read: {resident}");
+    // Bounded: at most 5 s for a 0.4 s keep-for swept every 0.1 s.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while server.metric("arbor_cache_resident_bytes") > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(server.metric("arbor_cache_resident_bytes"), 0, "nothing read for {keep_for:?} stays");
+    assert!(server.metric("arbor_cache_evicted_bytes_total") >= resident);
 }

@@ -90,7 +90,7 @@ struct Served {
 impl Served {
     fn start(store: Arc<dyn ObjectStore>, dir: &Path) -> Served {
         let cache = SegmentCache::open(store, dir, 64 << 30).expect("cache");
-        let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), fault: None });
+        let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), ..ServerOptions::default() });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("addr");

@@ -57,6 +57,16 @@ impl SegmentCache {
         Ok(Some(ServedChunk { bytes, hit: true }))
     }
 
+    /// The cache's clock: it advances with every use of a chunk.
+    pub fn clock(&self) -> u64 {
+        self.remote.tick()
+    }
+
+    /// Evicts every chunk not used since the clock read `tick`.
+    pub fn evict_unused_since(&self, tick: u64) {
+        self.remote.evict_unused_since(tick + 1);
+    }
+
     /// Counters: bytes cached, fetched from the bucket, evicted, hits.
     pub fn stats(&self) -> CacheStats {
         self.remote.stats()

@@ -160,6 +160,35 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
         self.insert(&landed, false);
     }
 
+    /// The cache's clock: the tick of the newest use so far.
+    pub fn tick(&self) -> u64 {
+        self.index.lock().tick
+    }
+
+    /// Drops every chunk last used before tick `before` and hands them to
+    /// `punch` like [`ChunkCache::evict_if_over`]: what nobody read for a
+    /// while goes, however much room is left.
+    pub fn evict_unused_since(&self, before: u64, punch: impl FnOnce(&[(K, u32, u64)])) {
+        let _x = self.evicting.write();
+        let victims: Vec<(K, u32, u64)> = {
+            let mut index = self.index.lock();
+            let keys: Vec<K> = index.chunks.iter().filter(|(_, c)| c.last_used < before).map(|(k, _)| *k).collect();
+            let mut out = Vec::with_capacity(keys.len());
+            for k in keys {
+                if let Some(c) = index.chunks.remove(&k) {
+                    index.bytes -= c.len as u64;
+                    out.push((k, c.len, c.off));
+                }
+            }
+            out
+        };
+        if victims.is_empty() {
+            return;
+        }
+        self.evicted.fetch_add(victims.iter().map(|v| v.1 as u64).sum(), Ordering::Relaxed);
+        punch(&victims);
+    }
+
     /// When the cache holds more than its capacity, drops the least
     /// recently used chunks down to 90 % of it and hands them (key,
     /// length, offset) to `punch`, which removes their bytes, while no
@@ -242,6 +271,20 @@ mod tests {
         assert_eq!(cache.bytes(), 900);
         assert!(!cache.present(2) && cache.present(1) && cache.present(3) && cache.present(4));
         assert_eq!(cache.evicted_bytes(), 300);
+    }
+
+    #[test]
+    fn chunks_unused_since_a_tick_go_whatever_the_room() {
+        let cache: ChunkCache<u32> = ChunkCache::new(1 << 30);
+        cache.insert(&[(1, 10, 0), (2, 10, 10)], false);
+        let mark = cache.tick() + 1;
+        cache.insert(&[(3, 10, 20)], false);
+        cache.touch(1);
+        let mut punched = Vec::new();
+        cache.evict_unused_since(mark, |v| punched.extend_from_slice(v));
+        assert_eq!(punched, vec![(2, 10, 10)], "only chunk 2 was not used since the mark");
+        assert_eq!((cache.bytes(), cache.evicted_bytes()), (20, 10));
+        assert!(cache.present(1) && cache.present(3));
     }
 
     #[test]

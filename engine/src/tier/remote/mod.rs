@@ -229,10 +229,24 @@ impl Remote {
         self.evict_if_over();
     }
 
+    /// The chunk cache's clock (see [`ChunkCache::tick`]).
+    pub(crate) fn tick(&self) -> u64 {
+        self.chunks.tick()
+    }
+
+    /// Evicts every chunk last used before tick `before`.
+    pub(crate) fn evict_unused_since(&self, before: u64) {
+        self.chunks.evict_unused_since(before, |victims| self.punch(victims));
+    }
+
     /// Evicts down to 90 % of the capacity when over it, punching the
     /// victims out of their segments' cache files.
     fn evict_if_over(&self) {
-        self.chunks.evict_if_over(|victims| {
+        self.chunks.evict_if_over(|victims| self.punch(victims));
+    }
+
+    fn punch(&self, victims: &[(ChunkKey, u32, u64)]) {
+        {
             let mut by_seg: HashMap<SegId, Vec<(u32, u64)>> = HashMap::new();
             for &((seg, _), len, off) in victims {
                 by_seg.entry(seg).or_default().push((len, off));
@@ -254,7 +268,7 @@ impl Remote {
                     punch_hole(file, off, len as u64);
                 }
             }
-        });
+        }
     }
 
     /// A segment this node wrote and has just uploaded: its file becomes
