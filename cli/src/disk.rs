@@ -64,7 +64,7 @@ pub struct Span(pub std::time::Duration);
 impl std::fmt::Display for Span {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.0.as_secs();
-        match [(86_400, "d"), (3_600, "h"), (60, "m")].iter().find(|(u, _)| s >= *u && s % u == 0) {
+        match [(86_400, "d"), (3_600, "h"), (60, "m")].iter().find(|(u, _)| s >= *u && s.is_multiple_of(*u)) {
             Some((u, name)) => write!(f, "{}{name}", s / u),
             None => write!(f, "{s}s"),
         }
