@@ -140,7 +140,7 @@ fn delayed_copy(
     use std::io::{Read, Write};
     let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
     std::thread::spawn(move || {
-        let mut buf = vec![0u8; 256 << 10];
+        let mut buf = vec![0u8; 1 << 20];
         loop {
             match from.read(&mut buf) {
                 Ok(0) | Err(_) => break,

@@ -292,6 +292,40 @@ fn one_warm_dataset_for_every_node_and_job() {
     assert!(on_disk < 1 << 20, "a memory-only client wrote {on_disk} bytes under its node folder");
     m.unmount_env(&mem_env);
 
+    // Without --foreground the server goes to the background, says where
+    // it logs, and answers once the command returns.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let listen = format!("127.0.0.1:{port}");
+    let bg_cache = w.dir.path().join("bg-cache");
+    let out = arbor_env_ok(
+        &[
+            "serve",
+            &disk,
+            "--listen",
+            &listen,
+            "--cache-dir",
+            bg_cache.to_str().expect("utf8"),
+            "--token-file",
+            tok.to_str().expect("utf8"),
+        ],
+        &env,
+    );
+    let pid: i32 = out
+        .split("(pid ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {out:?}"));
+    let (status, body) = http_get(&listen, "/v1/health", Some(&format!("Bearer {TOKEN}")));
+    // SAFETY: a signal to the server this test started.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(status.contains(" 200 ") && body.contains("ok"), "{status} {body}");
+    wait_until("the background server to stop", Duration::from_secs(20), || {
+        // Gone, or a zombie waiting for a parent that is not this test.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |st| st.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
+    });
+
     // A server that corrupts what it sends: clients notice, read the bucket, say so.
     let bad = Serve::start(&w, &env, &disk, &w.dir.path().join("bad-cache"), &["--fault", "corrupt"]);
     let c = client(&w, &env, &disk, "job5", &[&bad.addr]);

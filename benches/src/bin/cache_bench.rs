@@ -63,12 +63,20 @@ fn read_seq(vol: &Volume, len: u64) -> f64 {
     len as f64 / MIB as f64 / t.elapsed().as_secs_f64()
 }
 
+/// 4 KiB reads, each in a chunk not read before (so each misses the
+/// reader's own cache): at most one per MiB of the file.
 fn random_reads(vol: &Volume, len: u64, n: usize, seed: u64) -> Vec<Duration> {
     let ino = vol.lookup(ROOT_INO, b"data").expect("lookup").ino;
     let mut rng = Rng::new(seed);
-    let mut lat: Vec<Duration> = (0..n)
-        .map(|_| {
-            let off = (rng.next_u64() % (len / 4096)) * 4096;
+    let mut chunks: Vec<u64> = (0..len / MIB as u64).collect();
+    for i in (1..chunks.len()).rev() {
+        chunks.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    let mut lat: Vec<Duration> = chunks
+        .into_iter()
+        .take(n)
+        .map(|chunk| {
+            let off = chunk * MIB as u64 + (rng.next_u64() % (MIB as u64 / 4096)) * 4096;
             let t = Instant::now();
             let got = vol.read(ino, off, 4096).expect("read");
             let d = t.elapsed();
@@ -160,10 +168,36 @@ fn main() {
 
     // The server, 0.2 ms round trip from its clients, warmed by one reader.
     let served = Served::start(far.clone(), &fresh(&base, "server"));
-    let server_proxy = DelayProxy::start(served.addr, Duration::from_micros(100));
-    let near = vec![server_proxy.addr()];
+    // ARBOR_BENCH_SERVER_US=0: no proxy in front of the server at all.
+    let server_us = env_usize("ARBOR_BENCH_SERVER_US", 100) as u64;
+    let server_proxy = DelayProxy::start(served.addr, Duration::from_micros(server_us));
+    let near = if server_us == 0 { vec![served.addr.to_string()] } else { vec![server_proxy.addr()] };
     eprintln!("warming the server");
     read_seq(&reader(&far, &fresh(&base, "warm"), Some(client(&near)), 4 << 20), len);
+
+    // The wire alone: warm chunks fetched by the client, nothing else.
+    let wire = {
+        let c = client(&near);
+        // The largest segment's first chunks (all whole 1 MiB chunks).
+        let (seg, size) = far
+            .list("segments/")
+            .expect("list")
+            .iter()
+            .filter_map(|k| Some((arbor_engine::layout::segment_of_key(k)?, far.size(k).ok()?)))
+            .max_by_key(|s| s.1)
+            .expect("a segment");
+        let n = ((size / MIB as u64).saturating_sub(1)).clamp(1, 32);
+        let mut lat = Vec::new();
+        for i in 0..200u64 {
+            let want = [arbor_engine::tier::ChunkRequest { index: (i % n) as u32, range: 0..MIB as u64 }];
+            let t = Instant::now();
+            let got = c.fetch(seg, &want);
+            lat.push(t.elapsed());
+            assert!(got[0].is_some(), "a warm chunk");
+        }
+        lat.sort();
+        lat
+    };
 
     eprintln!("random 4 KiB reads");
     let via_server = random_reads(&reader(&far, &fresh(&base, "r1"), Some(client(&near)), 0), len, n_random, 1);
@@ -176,8 +210,29 @@ fn main() {
     let seq_local = read_seq(&bucket_reader, len);
     drop(bucket_reader);
 
+    // A memory-only client: a dataset four times its cache, read twice.
+    let limit = len / 4;
+    let rss_before = arbor_benches::resident_bytes().unwrap_or(0);
+    let (mem_cached, rss_growth) = {
+        let store = far.clone();
+        let tier = TierConfig {
+            read_ahead: 4 << 20,
+            cache_size: limit,
+            memory_cache: true,
+            peers: Some(client(&near) as Arc<dyn ChunkSource>),
+            ..TierConfig::default()
+        };
+        let dev = BucketDevice::open(store.clone(), &fresh(&base, "memory-client"), tier).expect("device");
+        let vol = Volume::open(HeadDevice::new(dev.clone(), store, "main"), cfg(true)).expect("volume");
+        read_seq(&vol, len);
+        read_seq(&vol, len);
+        let rss = arbor_benches::resident_bytes().unwrap_or(0).saturating_sub(rss_before);
+        (dev.stats().cache.cached_bytes, rss)
+    };
+
     let mut pulled = Vec::new();
-    for n in [1usize, 2, 4, 8] {
+    let counts: Vec<usize> = if env_usize("ARBOR_BENCH_SKIP_N", 0) == 1 { vec![] } else { vec![1, 2, 4, 8] };
+    for n in counts {
         eprintln!("{n} clients on a cold server");
         let served = Served::start(far.clone(), &fresh(&base, &format!("server-{n}")));
         let proxy = DelayProxy::start(served.addr, Duration::from_micros(100));
@@ -202,6 +257,13 @@ fn main() {
     let hits = arbor_net::metric_sample(&metrics, "arbor_cache_hits_total").unwrap_or(0.0);
 
     let mut rows = vec![
+        Row {
+            name: "1 MiB warm chunk, client ↔ server alone (no volume, no bucket)".into(),
+            baseline: "—".into(),
+            arbor: format!("p50 {:.0} µs, p99 {:.0} µs", percentile_us(&wire, 50.0), percentile_us(&wire, 99.0)),
+            ratio: f64::NAN,
+            target: "report".into(),
+        },
         Row {
             name: "4 KiB random read, p50 (miss the client, hit the server)".into(),
             baseline: format!("{:.0} µs from the bucket", percentile_us(&via_bucket, 50.0)),
@@ -240,6 +302,13 @@ fn main() {
             target: "≈ 1× for every N".into(),
         });
     }
+    rows.push(Row {
+        name: format!("memory-only client, {mib} MiB read twice through a {} MiB memory cache", limit >> 20),
+        baseline: format!("limit {} MiB", limit >> 20),
+        arbor: format!("chunks in memory {} MiB, process RSS +{} MiB", mem_cached >> 20, rss_growth >> 20),
+        ratio: (mem_cached + rss_growth) as f64 / limit as f64,
+        target: "≤ 1 + fixed overhead".into(),
+    });
     print_table("arbor serve: the bucket 20 ms away, the server 0.2 ms (ratio: higher is better)", &rows);
     println!("\n(server hits during the single-client runs: {hits:.0})");
 }
