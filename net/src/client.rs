@@ -74,6 +74,7 @@ struct Counters {
     error: AtomicU64,
     not_found: AtomicU64,
     rejected: AtomicU64,
+    unauthorized: AtomicU64,
 }
 
 struct Peer {
@@ -222,6 +223,16 @@ impl Inner {
             }
             Ok(Ok((StatusCode::NOT_FOUND, ..))) => {
                 peer.n.not_found.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Ok(Ok((StatusCode::UNAUTHORIZED, ..))) => {
+                // Misconfigured, not busy: say so once, and stop asking
+                // for a while instead of paying a round trip per chunk.
+                if peer.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
+                    tracing::warn!(server = %peer.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
+                }
+                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                *peer.down_until.lock() = Some(Instant::now() + DOWN_FOR);
                 None
             }
             Ok(Ok((status, ..))) => {

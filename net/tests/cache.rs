@@ -388,3 +388,24 @@ fn chunks_nobody_read_for_keep_for_are_evicted_below_the_size_limit() {
     assert_eq!(server.metric("arbor_cache_resident_bytes"), 0, "nothing read for {keep_for:?} stays");
     assert!(server.metric("arbor_cache_evicted_bytes_total") >= resident);
 }
+
+#[test]
+fn a_client_with_the_wrong_token_reads_the_bucket_and_stops_asking() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, data) = bucket_with_file(dir.path(), 8);
+    let server = Server::start(store.clone(), &dir.path().join("server"), None);
+    let wrong = Arc::new(
+        CacheClient::new(ClientOptions {
+            servers: vec![server.addr.clone()],
+            token: "not-the-token".into(),
+            timeout: Duration::from_secs(5),
+        })
+        .expect("client"),
+    );
+    read_through(&store, &dir.path().join("reader"), Some(wrong.clone()), &data);
+    let s = &wrong.stats()[0];
+    assert_eq!(s.chunks, 0, "{s:?}");
+    assert!(s.fallback_error >= 1 && s.fallback_down >= 1, "refused once, then left alone: {s:?}");
+    assert!(s.fallback_error < 4, "not one refused round trip per chunk: {s:?}");
+    assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "nothing was fetched for it");
+}
