@@ -7,12 +7,15 @@ use anyhow::{bail, Context, Result};
 use arbor_net::{CacheClient, CacheServer, ClientOptions, Fault, ServerOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub struct ServeArgs {
     pub disk: String,
     pub listen: String,
+    /// `None`: a folder under the node folder (unless `memory`).
     pub cache_dir: Option<PathBuf>,
+    /// The cache lives in memory only.
+    pub memory: bool,
     pub cache_size: u64,
     pub token_file: PathBuf,
     pub fault: Option<Fault>,
@@ -51,8 +54,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     if !d.is_s3() {
         bail!("{} is a local folder: every reader already has its bytes; arbor serve is for s3:// disks", d.url);
     }
-    let memory = args.cache_dir.as_deref() == Some(Path::new("none"));
-    let (cache, _lock, place) = if memory {
+    let (cache, _lock, place) = if args.memory {
         let cache = arbor_engine::tier::SegmentCache::in_memory(d.store().clone(), args.cache_size)?;
         (cache, None, "memory".to_string())
     } else {
@@ -99,37 +101,12 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
 /// Starts the server as a background process and returns once it accepts
 /// connections: (pid, log).
 pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
-    use std::os::unix::process::CommandExt;
     // Refuse what the child would refuse, here, with the message on the terminal.
     arbor_net::read_token(&args.token_file)?;
-    let d = disk::open(&args.disk)?;
-    let log_path = d.log_path("serve");
-    drop(d);
-    arbor_engine::private::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
-    let log = arbor_engine::private::options().create(true).append(true).open(&log_path)?;
-    let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.args(std::env::args_os().skip(1)).arg("--foreground");
-    cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone()?).stderr(log);
-    // SAFETY: setsid is async-signal-safe; it detaches the server from our terminal.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().context("cannot start the server process")?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if let Some(status) = child.try_wait()? {
-            bail!("arbor serve failed ({status}): {}", crate::serve::last_line(&log_path));
-        }
-        if std::net::TcpStream::connect(&args.listen).is_ok() {
-            return Ok((child.id(), log_path));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    bail!("arbor serve did not listen within 60 s; see {}", log_path.display())
+    let log_path = disk::open(&args.disk)?.log_path("serve");
+    let pid =
+        crate::serve::spawn_detached(&log_path, "arbor serve", || std::net::TcpStream::connect(&args.listen).is_ok())?;
+    Ok((pid, log_path))
 }
 
 /// The client a mount reads through, from `--cache-server` and `--token-file`.

@@ -121,10 +121,8 @@ enum Command {
         /// Files or folders inside the checkpoint (`/` for all of it).
         #[arg(required = true)]
         paths: Vec<String>,
-        #[arg(long, value_delimiter = ',', env = "ARBOR_CACHE_SERVERS")]
-        cache_server: Vec<String>,
-        #[arg(long, env = "ARBOR_TOKEN_FILE")]
-        token_file: Option<PathBuf>,
+        #[command(flatten)]
+        servers: CacheServers,
     },
     /// Verify every record, and every file byte of every branch and checkpoint.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
@@ -180,6 +178,13 @@ struct MountCmd {
     /// disk, uploaded): fewer, larger objects, or a bucket that catches up sooner.
     #[arg(long, default_value_t = disk::Size(arbor_engine::volume::SEGMENT_SIZE))]
     segment_size: disk::Size,
+    #[command(flatten)]
+    servers: CacheServers,
+}
+
+/// Where a client reads chunks before the bucket.
+#[derive(Args)]
+struct CacheServers {
     /// Cache servers (`arbor serve`) to read through, HOST:PORT,… (the same
     /// list on every node); chunks they cannot give come from the bucket.
     #[arg(long, value_delimiter = ',', env = "ARBOR_CACHE_SERVERS")]
@@ -187,6 +192,11 @@ struct MountCmd {
     /// A file holding the cache servers' token.
     #[arg(long, env = "ARBOR_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+}
+
+/// `--cache-dir none`: a cache in memory only.
+fn memory_only(cache_dir: &Option<PathBuf>) -> bool {
+    cache_dir.as_deref() == Some(std::path::Path::new("none"))
 }
 
 #[derive(Args)]
@@ -292,7 +302,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("initialized arbor disk at {} with branch main", d.url);
         }
         Command::Mount(m) => {
-            let memory = m.cache_dir.as_deref() == Some(std::path::Path::new("none"));
+            let memory = memory_only(&m.cache_dir);
             if memory && m.checkpoint.is_none() {
                 anyhow::bail!(
                     "--cache-dir none (memory only) is for checkpoint mounts; a branch mount needs a cache folder for its log"
@@ -316,8 +326,8 @@ fn run(cli: Cli) -> Result<()> {
                     peers: None,
                     memory,
                 },
-                cache_servers: m.cache_server,
-                token_file: m.token_file.map(std::path::absolute).transpose()?,
+                cache_servers: m.servers.cache_server,
+                token_file: m.servers.token_file.map(std::path::absolute).transpose()?,
             };
             if m.foreground {
                 serve::run_foreground(&args)?;
@@ -365,19 +375,17 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
         Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
         Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
-        Command::Warm { disk, checkpoint, paths, cache_server, token_file } => {
-            cache_server::warm(&disk, &checkpoint, &paths, &cache_server, token_file.as_deref())?
+        Command::Warm { disk, checkpoint, paths, servers } => {
+            cache_server::warm(&disk, &checkpoint, &paths, &servers.cache_server, servers.token_file.as_deref())?
         }
         Command::Serve(c) => {
+            let memory = memory_only(&c.cache_dir);
             let args = cache_server::ServeArgs {
                 disk: c.disk,
                 listen: c.listen,
-                cache_size: if c.cache_dir.as_deref() == Some(std::path::Path::new("none")) {
-                    c.cache_memory.0
-                } else {
-                    c.cache_size.0
-                },
-                cache_dir: c.cache_dir,
+                cache_size: if memory { c.cache_memory.0 } else { c.cache_size.0 },
+                cache_dir: if memory { None } else { c.cache_dir },
+                memory,
                 token_file: c.token_file,
                 fault: c.fault,
                 keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),

@@ -362,37 +362,47 @@ impl ControlState {
 /// Starts `arbor mount … --foreground` in the background, logging to a
 /// file, and returns once the file system answers.
 pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
-    use std::os::unix::process::CommandExt;
     let p = prepare(args)?;
     let log_path = p.disk.log_path(args.root_name());
     let mountpoint = p.mountpoint.clone();
     // The server opens the disk (and its cache directory) itself.
     drop(p);
+    spawn_detached(&log_path, "mount", || {
+        disk::is_mountpoint(&mountpoint) && control::request(&mountpoint, json!({"op": "status"})).is_ok()
+    })?;
+    Ok(log_path)
+}
+
+/// Runs this command again with `--foreground` as a process of its own
+/// session, logging to `log_path`, and returns its pid once `ready` says
+/// so (within 60 s); a child that exits first fails with its last log line.
+pub fn spawn_detached(log_path: &Path, what: &str, mut ready: impl FnMut() -> bool) -> Result<u32> {
+    use std::os::unix::process::CommandExt;
     arbor_engine::private::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
-    let log = arbor_engine::private::options().create(true).append(true).open(&log_path)?;
+    let log = arbor_engine::private::options().create(true).append(true).open(log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1)).arg("--foreground");
     cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone()?).stderr(log);
-    // SAFETY: setsid is async-signal-safe; it detaches the server from our terminal.
+    // SAFETY: setsid is async-signal-safe; it detaches the child from our terminal.
     unsafe {
         cmd.pre_exec(|| {
             libc::setsid();
             Ok(())
         });
     }
-    let mut child = cmd.spawn().context("cannot start the mount process")?;
+    let mut child = cmd.spawn().with_context(|| format!("cannot start the {what} process"))?;
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
         if let Some(status) = child.try_wait()? {
-            bail!("mount failed ({status}): {}", last_line(&log_path));
+            bail!("{what} failed ({status}): {}", last_line(log_path));
         }
-        if disk::is_mountpoint(&mountpoint) && control::request(&mountpoint, json!({"op": "status"})).is_ok() {
-            return Ok(log_path);
+        if ready() {
+            return Ok(child.id());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = child.kill();
-    bail!("mount did not answer within 60 s; see {}", log_path.display())
+    bail!("{what} did not answer within 60 s; see {}", log_path.display())
 }
 
 /// While an unmount waits for the bucket, shows what is left to upload.
@@ -433,7 +443,7 @@ fn show_upload_progress<T>(mountpoint: &Path, req: &std::thread::ScopedJoinHandl
     }
 }
 
-pub fn last_line(log: &Path) -> String {
+fn last_line(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let line = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no log output");
     line.split_once("arbor: ").map_or(line, |(_, msg)| msg).to_string()

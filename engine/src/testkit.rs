@@ -1,6 +1,7 @@
 //! Support for tests and benchmarks: a real S3-compatible server
 //! (`s3s-fs` 0.14.1) on a free 127.0.0.1 port, with its own data folder,
-//! stopped when dropped.
+//! stopped when dropped; a TCP proxy that counts what a server sends and
+//! can hold it back like a network path; a plain HTTP GET; disk usage.
 
 use crate::bucket::S3Config;
 use std::net::TcpStream;
@@ -87,4 +88,137 @@ impl S3Server {
             credentials: Some((S3_KEY.into(), S3_SECRET.into())),
         }
     }
+}
+
+/// A TCP proxy on 127.0.0.1 in front of `upstream`: it counts the bytes the
+/// upstream sends back (what a bucket served, counted outside arbor) and
+/// holds each direction back by `one_way` (half a round trip), so a path
+/// on this machine has the latency of a network path (this kernel has no
+/// netem). Stops accepting when dropped.
+pub struct Proxy {
+    pub port: u16,
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    pub fn start(upstream: std::net::SocketAddr, one_way: Duration) -> Proxy {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let sent = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sent2, stop2) = (sent.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                let Ok(client) = conn else { continue };
+                let Ok(server) = TcpStream::connect(upstream) else { continue };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else { continue };
+                relay(client, server, one_way, None);
+                relay(s2, c2, one_way, Some(sent2.clone()));
+            }
+        });
+        Proxy { port, sent, stop }
+    }
+
+    /// Bytes the upstream has sent so far.
+    pub fn sent(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr())
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Copies `from` to `to` until `from` closes; with a `delay`, each piece
+/// goes `delay` after it arrived (a reader thread stamps pieces, a writer
+/// thread sends each when its time comes).
+fn relay(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    delay: Duration,
+    count: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+) {
+    use std::io::{Read, Write};
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.send((Instant::now() + delay, buf[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        for (due, piece) in rx {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            if let Some(c) = &count {
+                c.fetch_add(piece.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+            if to.write_all(&piece).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
+}
+
+/// One HTTP/1.1 GET by hand, with an optional `Authorization` header:
+/// (status line, body).
+pub fn http_get(addr: &str, path: &str, auth: Option<&str>) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let auth = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text.lines().next().unwrap_or("").to_string();
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+/// Bytes of data blocks of every file under `dir` (holes not counted).
+pub fn bytes_under(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&p) else { continue };
+        for e in rd.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => n += m.blocks() * 512,
+                Err(_) => {}
+            }
+        }
+    }
+    n
 }

@@ -28,7 +28,7 @@ pub use metrics::sample as metric_sample;
 pub mod server;
 
 pub use client::{CacheClient, ClientOptions, ServerStats};
-pub use server::{CacheServer, Fault, ServerOptions};
+pub use server::{CacheServer, Fault, Running, ServerOptions};
 
 use std::path::Path;
 

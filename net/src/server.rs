@@ -231,3 +231,46 @@ impl CacheServer {
         })
     }
 }
+
+/// A server running on its own runtime thread (tests, benchmarks, and
+/// anything that embeds one); stopped and joined when dropped.
+pub struct Running {
+    pub addr: std::net::SocketAddr,
+    pub server: Arc<CacheServer>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl CacheServer {
+    /// Serves on `listen` (e.g. `127.0.0.1:0`) from a thread of its own.
+    pub fn spawn(self: Arc<Self>, listen: &str) -> std::io::Result<Running> {
+        let listener = std::net::TcpListener::bind(listen)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = self.clone();
+        let thread = std::thread::spawn(move || {
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                server
+                    .run(listener, async move {
+                        let _ = rx.await;
+                    })
+                    .await
+            })
+        });
+        Ok(Running { addr, server: self, stop: Some(tx), thread: Some(thread) })
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -5,11 +5,11 @@
 use arbor_engine::bucket::{MemObjectStore, ObjectStore};
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::testkit::{bytes_under, http_get};
 use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_engine::Result;
-use arbor_net::{metric_sample, CacheClient, CacheServer, ClientOptions, Fault, ServerOptions, ServerStats};
-use std::io::{Read, Write};
+use arbor_net::{metric_sample, CacheClient, CacheServer, ClientOptions, Fault, Running, ServerOptions, ServerStats};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,9 +89,8 @@ fn bucket_with_file(dir: &Path, mib: usize) -> (Arc<Counting>, Vec<u8>) {
 /// A server on 127.0.0.1 with its own runtime; stops when dropped.
 struct Server {
     addr: String,
-    server: Arc<CacheServer>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// `None`: an address nobody answers on.
+    running: Option<Running>,
 }
 
 impl Server {
@@ -104,38 +103,13 @@ impl Server {
     }
 
     fn start_with(server: Arc<CacheServer>) -> Server {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("addr").to_string();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let s = server.clone();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-                s.run(listener, async move {
-                    let _ = rx.await;
-                })
-                .await
-                .expect("serve");
-            });
-        });
-        Server { addr, server, stop: Some(tx), thread: Some(thread) }
+        let running = server.spawn("127.0.0.1:0").expect("serve");
+        Server { addr: running.addr.to_string(), running: Some(running) }
     }
 
     fn metric(&self, name: &str) -> u64 {
-        metric_sample(&self.server.metrics_text(), name).unwrap_or_else(|| panic!("no {name}")) as u64
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        let server = &self.running.as_ref().expect("a running server").server;
+        metric_sample(&server.metrics_text(), name).unwrap_or_else(|| panic!("no {name}")) as u64
     }
 }
 
@@ -268,27 +242,7 @@ fn two_servers_share_the_chunks_and_one_stopped_costs_only_its_share() {
 /// A server address nobody answers on.
 fn dummy_down() -> Server {
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
-    Server { addr: format!("127.0.0.1:{port}"), server: dummy_server(), stop: None, thread: None }
-}
-
-fn dummy_server() -> Arc<CacheServer> {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cache = SegmentCache::open(Arc::new(MemObjectStore::new()), dir.path(), 1).expect("cache");
-    CacheServer::new(cache, ServerOptions::default())
-}
-
-/// One HTTP/1.1 request by hand: (status line, body).
-fn raw_get(addr: &str, path: &str, auth: Option<&str>) -> (String, String) {
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    let auth = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("send");
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read");
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let status = text.lines().next().unwrap_or("").to_string();
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
+    Server { addr: format!("127.0.0.1:{port}"), running: None }
 }
 
 #[test]
@@ -301,38 +255,18 @@ fn a_request_without_the_token_gets_nothing() {
     let missing = "/v1/chunks/seg-00000000000000ff-00000001/0";
     for path in [real.as_str(), missing, "/metrics"] {
         for auth in [None, Some("Bearer wrong"), Some("a-shared-secret"), Some("Bearer a-shared-secre")] {
-            let (status, body) = raw_get(&server.addr, path, auth);
+            let (status, body) = http_get(&server.addr, path, auth);
             assert!(status.contains(" 401 "), "{path} with {auth:?}: {status}");
             assert!(body.trim_end_matches(['0', '\r', '\n']).is_empty(), "no body for {path}: {body:?}");
         }
     }
     assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "nothing was fetched for them");
-    let (status, _) = raw_get(&server.addr, &real, Some("Bearer a-shared-secret"));
+    let (status, _) = http_get(&server.addr, &real, Some("Bearer a-shared-secret"));
     assert!(status.contains(" 200 "), "{status}");
-    let (status, _) = raw_get(&server.addr, missing, Some("Bearer a-shared-secret"));
+    let (status, _) = http_get(&server.addr, missing, Some("Bearer a-shared-secret"));
     assert!(status.contains(" 404 "), "{status}");
-    let (status, body) = raw_get(&server.addr, "/metrics", Some("Bearer a-shared-secret"));
+    let (status, body) = http_get(&server.addr, "/metrics", Some("Bearer a-shared-secret"));
     assert!(status.contains(" 200 ") && body.contains("arbor_cache_unauthorized_total 12"), "{status}\n{body}");
-}
-
-/// Bytes of every file under `dir`.
-fn bytes_under(dir: &Path) -> u64 {
-    let mut n = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&p) else { continue };
-        for e in rd.flatten() {
-            match e.metadata() {
-                Ok(m) if m.is_dir() => stack.push(e.path()),
-                Ok(m) => {
-                    use std::os::unix::fs::MetadataExt;
-                    n += m.blocks() * 512;
-                }
-                Err(_) => {}
-            }
-        }
-    }
-    n
 }
 
 #[test]

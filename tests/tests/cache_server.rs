@@ -4,7 +4,7 @@
 
 use arbor_engine::testkit::S3_BUCKET;
 use arbor_tests::*;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -84,20 +84,6 @@ fn token_file(w: &S3World) -> PathBuf {
     p
 }
 
-/// One HTTP/1.1 GET by hand: (status line, body).
-fn http_get(addr: &str, path: &str, auth: Option<&str>) -> (String, String) {
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    let auth = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("send");
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read");
-    let text = String::from_utf8_lossy(&raw).to_string();
-    let status = text.lines().next().unwrap_or("").to_string();
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
-}
-
 fn expected(i: usize) -> Vec<u8> {
     pattern(FILE_LEN, 100 + i as u32)
 }
@@ -130,24 +116,6 @@ fn client_with(w: &S3World, env: &[(&str, String)], disk: &str, name: &str, serv
     m
 }
 
-/// Bytes of data blocks of every file under `dir`.
-fn bytes_under(dir: &Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    let mut n = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&p) else { continue };
-        for e in rd.flatten() {
-            match e.metadata() {
-                Ok(m) if m.is_dir() => stack.push(e.path()),
-                Ok(m) => n += m.blocks() * 512,
-                Err(_) => {}
-            }
-        }
-    }
-    n
-}
-
 fn status_json(mnt: &Path, env: &[(&str, String)]) -> String {
     arbor_env_ok(&["status", mnt.to_str().expect("utf8"), "--json"], env)
 }
@@ -167,7 +135,7 @@ fn one_warm_dataset_for_every_node_and_job() {
     let dataset = (FILES * FILE_LEN) as u64;
 
     // Every process reaches the bucket through a proxy that counts.
-    let proxy = CountingProxy::start(w.s3_addr());
+    let proxy = Proxy::start(w.s3_addr(), Duration::ZERO);
     let mut env = w.env_via(&proxy.endpoint());
     // A busy CI machine must not turn a slow answer into a bucket read here:
     // this test counts bucket bytes. (A killed server refuses at once.)

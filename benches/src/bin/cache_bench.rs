@@ -9,13 +9,13 @@
 //! (`ARBOR_BENCH_MIB`, default 512: the dataset; `ARBOR_BENCH_RANDOM`,
 //! default 300: random reads per path). Prints a markdown table.
 
-use arbor_benches::{percentile_us, print_table, DelayProxy, Rng, Row};
+use arbor_benches::{percentile_us, print_table, Rng, Row};
 use arbor_engine::bucket::{ObjectStore, S3Store};
 use arbor_engine::disk::HeadDevice;
-use arbor_engine::testkit::S3Server;
+use arbor_engine::testkit::{Proxy, S3Server};
 use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_net::{CacheClient, CacheServer, ClientOptions, ServerOptions};
+use arbor_net::{CacheClient, CacheServer, ClientOptions, Running, ServerOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,46 +88,11 @@ fn random_reads(vol: &Volume, len: u64, n: usize, seed: u64) -> Vec<Duration> {
     lat
 }
 
-struct Served {
-    server: Arc<CacheServer>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    addr: std::net::SocketAddr,
-}
-
-impl Served {
-    fn start(store: Arc<dyn ObjectStore>, dir: &Path) -> Served {
-        let cache = SegmentCache::open(store, dir, 64 << 30).expect("cache");
-        let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), ..ServerOptions::default() });
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("addr");
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let s = server.clone();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("rt");
-            rt.block_on(async move {
-                let l = tokio::net::TcpListener::from_std(listener).expect("listener");
-                s.run(l, async move {
-                    let _ = rx.await;
-                })
-                .await
-                .expect("serve");
-            });
-        });
-        Served { server, stop: Some(tx), thread: Some(thread), addr }
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// A server on its own runtime thread, over `store`, cache in `dir`.
+fn serve(store: Arc<dyn ObjectStore>, dir: &Path) -> Running {
+    let cache = SegmentCache::open(store, dir, 64 << 30).expect("cache");
+    let server = CacheServer::new(cache, ServerOptions { token: TOKEN.into(), ..ServerOptions::default() });
+    server.spawn("127.0.0.1:0").expect("serve")
 }
 
 fn client(addrs: &[String]) -> Arc<CacheClient> {
@@ -150,10 +115,9 @@ fn main() {
         eprintln!("cache_bench needs s3s-fs");
         std::process::exit(2);
     };
-    let bucket_proxy =
-        DelayProxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], s3.port)), Duration::from_millis(10));
+    let bucket_proxy = Proxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], s3.port)), Duration::from_millis(10));
     let direct = store_at(&s3, s3.endpoint());
-    let far = store_at(&s3, format!("http://{}", bucket_proxy.addr()));
+    let far = store_at(&s3, bucket_proxy.endpoint());
     eprintln!("writing {mib} MiB");
     {
         let dev = BucketDevice::open(direct.clone(), &fresh(&base, "writer"), TierConfig::default()).expect("dev");
@@ -167,10 +131,10 @@ fn main() {
     }
 
     // The server, 0.2 ms round trip from its clients, warmed by one reader.
-    let served = Served::start(far.clone(), &fresh(&base, "server"));
+    let served = serve(far.clone(), &fresh(&base, "server"));
     // ARBOR_BENCH_SERVER_US=0: no proxy in front of the server at all.
     let server_us = env_usize("ARBOR_BENCH_SERVER_US", 100) as u64;
-    let server_proxy = DelayProxy::start(served.addr, Duration::from_micros(server_us));
+    let server_proxy = Proxy::start(served.addr, Duration::from_micros(server_us));
     let near = if server_us == 0 { vec![served.addr.to_string()] } else { vec![server_proxy.addr()] };
     eprintln!("warming the server");
     read_seq(&reader(&far, &fresh(&base, "warm"), Some(client(&near)), 4 << 20), len);
@@ -234,8 +198,8 @@ fn main() {
     let counts: Vec<usize> = if env_usize("ARBOR_BENCH_SKIP_N", 0) == 1 { vec![] } else { vec![1, 2, 4, 8] };
     for n in counts {
         eprintln!("{n} clients on a cold server");
-        let served = Served::start(far.clone(), &fresh(&base, &format!("server-{n}")));
-        let proxy = DelayProxy::start(served.addr, Duration::from_micros(100));
+        let served = serve(far.clone(), &fresh(&base, &format!("server-{n}")));
+        let proxy = Proxy::start(served.addr, Duration::from_micros(100));
         let before = bucket_proxy.sent();
         std::thread::scope(|s| {
             for c in 0..n {

@@ -195,8 +195,8 @@ impl BucketDevice {
             cfg.read_ahead,
             cfg.parallel_gets,
             cfg.memory_cache,
+            cfg.peers.clone(),
         )?;
-        remote.set_peers(cfg.peers.clone());
         let mut up = Uploads::default();
         for id in local.list_segments()? {
             let path = local.path_of(id);

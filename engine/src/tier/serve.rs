@@ -28,13 +28,13 @@ impl SegmentCache {
     /// Opens the cache in `dir` (its only user while open) in front of
     /// `store`, keeping at most `capacity` bytes of chunks.
     pub fn open(store: Arc<dyn ObjectStore>, dir: &Path, capacity: u64) -> Result<SegmentCache> {
-        Ok(SegmentCache { remote: Remote::new(store, dir.to_path_buf(), capacity, 0, 1, false)? })
+        Ok(SegmentCache { remote: Remote::new(store, dir.to_path_buf(), capacity, 0, 1, false, None)? })
     }
 
     /// A cache in memory alone (nothing on disk, nothing kept across a
     /// restart), of at most `capacity` bytes of chunks.
     pub fn in_memory(store: Arc<dyn ObjectStore>, capacity: u64) -> Result<SegmentCache> {
-        Ok(SegmentCache { remote: Remote::new(store, std::path::PathBuf::new(), capacity, 0, 1, true)? })
+        Ok(SegmentCache { remote: Remote::new(store, std::path::PathBuf::new(), capacity, 0, 1, true, None)? })
     }
 
     /// Chunk `index` of sealed segment `seg`; `None` when the segment has

@@ -120,8 +120,8 @@ pub(crate) struct Remote {
     retries: AtomicU64,
     /// WAL pieces fetched to read segments their writers never sealed.
     wal_pieces: AtomicU64,
-    /// Cache servers asked before the bucket (set once, before first use).
-    peers: RwLock<Option<Arc<dyn ChunkSource>>>,
+    /// Cache servers asked before the bucket.
+    peers: Option<Arc<dyn ChunkSource>>,
     /// Chunks and bytes cache servers gave that passed their check.
     peer_chunks: AtomicU64,
     peer_bytes: AtomicU64,
@@ -135,6 +135,7 @@ impl Remote {
         read_ahead: u64,
         parallel: usize,
         memory: bool,
+        peers: Option<Arc<dyn ChunkSource>>,
     ) -> Result<Arc<Remote>> {
         if !memory {
             crate::private::create_dir_all(&dir)?;
@@ -160,20 +161,16 @@ impl Remote {
             hits: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             wal_pieces: AtomicU64::new(0),
-            peers: RwLock::new(None),
+            peers,
             peer_chunks: AtomicU64::new(0),
             peer_bytes: AtomicU64::new(0),
         }))
     }
 
-    pub(crate) fn set_peers(&self, peers: Option<Arc<dyn ChunkSource>>) {
-        *self.peers.write() = peers;
-    }
-
     /// Asks the cache servers for chunks `wanted` of segment `seg` (with
     /// `footer`) and keeps those that pass their check: (index, bytes).
     fn ask_peers(&self, seg: SegId, footer: &Footer, wanted: &[usize]) -> Vec<(usize, Vec<u8>)> {
-        let Some(peers) = self.peers.read().clone() else { return Vec::new() };
+        let Some(peers) = &self.peers else { return Vec::new() };
         let asks: Vec<ChunkRequest> = wanted
             .iter()
             .map(|&i| {
