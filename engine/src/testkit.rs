@@ -102,11 +102,17 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// On a free 127.0.0.1 port.
     pub fn start(upstream: std::net::SocketAddr, one_way: Duration) -> Proxy {
+        Self::start_on("127.0.0.1:0", upstream, one_way).expect("proxy on 127.0.0.1")
+    }
+
+    /// On `listen` (e.g. an address in a network namespace).
+    pub fn start_on(listen: &str, upstream: std::net::SocketAddr, one_way: Duration) -> std::io::Result<Proxy> {
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         use std::sync::Arc;
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = listener.local_addr().expect("addr").port();
+        let listener = std::net::TcpListener::bind(listen)?;
+        let port = listener.local_addr()?.port();
         let sent = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let (sent2, stop2) = (sent.clone(), stop.clone());
@@ -123,7 +129,7 @@ impl Proxy {
                 relay(s2, c2, one_way, Some(sent2.clone()));
             }
         });
-        Proxy { port, sent, stop }
+        Ok(Proxy { port, sent, stop })
     }
 
     /// Bytes the upstream has sent so far.
@@ -150,7 +156,8 @@ impl Drop for Proxy {
 
 /// Copies `from` to `to` until `from` closes; with a `delay`, each piece
 /// goes `delay` after it arrived (a reader thread stamps pieces, a writer
-/// thread sends each when its time comes).
+/// thread sends each when its time comes). At most 8 pieces wait in
+/// between, so the proxy holds no more than a network path would.
 fn relay(
     mut from: TcpStream,
     mut to: TcpStream,
@@ -158,7 +165,8 @@ fn relay(
     count: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
 ) {
     use std::io::{Read, Write};
-    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    // Bounded, like a real path: a sender that outruns it waits.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Instant, Vec<u8>)>(8);
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 1 << 20];
         loop {

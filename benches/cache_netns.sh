@@ -1,0 +1,145 @@
+#!/bin/bash
+# arbor serve with every party on a host of its own: network namespaces
+# joined by a bridge (veth pairs), the bucket (s3s-fs) 20 ms away behind a
+# delaying proxy that counts what it sends, a cache server 0.2 ms away, and
+# client nodes mounting a checkpoint through FUSE. Kills the server with -9
+# in the middle of a client's reads. Prints a markdown table of the bytes
+# the bucket served and the time each phase took.
+#
+#   benches/cache_netns.sh [MIB]     (root; s3s-fs; arbor and delay_proxy built)
+#
+# ARBOR / PROXY point at the binaries (default: target/release). Everything
+# it starts it stops, and it removes its namespaces, bridge and folders.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+arbor=${ARBOR:-$here/target/release/arbor}
+proxy=${PROXY:-$here/target/release/delay_proxy}
+mib=${1:-256}
+files=4
+work=$(mktemp -d /var/tmp/arbor-netns.XXXXXX)
+hosts=(bucket cache writer c1 c2)
+pids=()
+mounts=()
+
+cleanup() {
+  for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  for h in "${hosts[@]}"; do ip link del "arb-$h" 2>/dev/null || true; ip netns del "arb-$h" 2>/dev/null || true; done
+  ip link del arbbr 2>/dev/null || true
+  [ -n "${KEEP_LOGS:-}" ] && { mkdir -p "$KEEP_LOGS"; find "$work" -name "*.log" -exec cp --backup=numbered {} "$KEEP_LOGS/" \; 2>/dev/null; }
+  rm -rf "$work" 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+ip link add arbbr type bridge
+ip addr add 10.77.0.1/24 dev arbbr
+ip link set arbbr up
+i=2
+for h in "${hosts[@]}"; do
+  ip netns add "arb-$h"
+  ip link add "arb-$h" type veth peer name eth0 netns "arb-$h"
+  ip link set "arb-$h" master arbbr up
+  ip -n "arb-$h" addr add "10.77.0.$i/24" dev eth0
+  ip -n "arb-$h" link set eth0 up
+  ip -n "arb-$h" link set lo up
+  i=$((i + 1))
+done
+# Only the network namespace changes: a FUSE mount made "on" a host is
+# visible to this script.
+on() { local h=$1; shift; nsenter --net="/run/netns/arb-$h" "$@"; }
+bucket_ip=10.77.0.2 cache_ip=10.77.0.3
+
+wait_port() { # host ip port
+  for _ in $(seq 200); do on "$1" bash -c "exec 3<>/dev/tcp/$2/$3" 2>/dev/null && return 0; sleep 0.1; done
+  echo "nothing listens on $2:$3" >&2; return 1
+}
+
+mkdir -p "$work/s3/arbor-test"
+on bucket s3s-fs --host 127.0.0.1 --port 9000 --access-key k --secret-key s "$work/s3" >/dev/null 2>&1 & pids+=($!)
+wait_port bucket 127.0.0.1 9000
+on bucket "$proxy" "$bucket_ip:9100" 127.0.0.1:9000 10000 "$work/bucket-bytes" & pids+=($!)
+wait_port writer "$bucket_ip" 9100
+export AWS_ACCESS_KEY_ID=k AWS_SECRET_ACCESS_KEY=s AWS_REGION=us-east-1 AWS_ENDPOINT_URL="http://$bucket_ip:9100"
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
+disk=s3://arbor-test/netns
+node() { echo "$work/node-$1"; } # each host's XDG_CACHE_HOME
+bucket_bytes() { cat "$work/bucket-bytes"; }
+
+# The writer: a dataset, checkpoint v1, unmount (uploads everything).
+XDG_CACHE_HOME=$(node writer) on writer "$arbor" init "$disk" >/dev/null
+mkdir -p "$work/mnt-writer"
+XDG_CACHE_HOME=$(node writer) on writer "$arbor" mount "$disk" "$work/mnt-writer" >/dev/null; mounts+=("$work/mnt-writer")
+for f in $(seq "$files"); do head -c "$((mib / files))M" /dev/urandom > "$work/mnt-writer/shard-$f.bin"; done
+sync
+(cd "$work/mnt-writer" && sha256sum shard-*.bin) > "$work/sums"
+XDG_CACHE_HOME=$(node writer) "$arbor" checkpoints create "$work/mnt-writer" v1 >/dev/null
+XDG_CACHE_HOME=$(node writer) "$arbor" unmount "$work/mnt-writer" >/dev/null
+dataset=$(( mib * 1048576 ))
+
+mount_client() { # host name [extra args…]: mounts checkpoint v1 on a fresh cache
+  local h=$1 name=$2; shift 2
+  mkdir -p "$work/mnt-$name"
+  XDG_CACHE_HOME=$(node "$name") on "$h" "$arbor" mount "$disk" "$work/mnt-$name" --checkpoint v1 "$@" >/dev/null
+  mounts+=("$work/mnt-$name")
+}
+check() { (cd "$work/mnt-$1" && sha256sum -c --quiet "$work/sums") || { echo "client $1 read wrong bytes" >&2; exit 1; }; }
+unmount_client() { XDG_CACHE_HOME=$(node "$1") "$arbor" unmount "$work/mnt-$1" >/dev/null; }
+now() { date +%s.%N; }
+rows=()
+row() { rows+=("| $1 | $(echo "scale=3; $2 / $dataset" | bc)× the dataset ($2 B) | $(printf %.1f "$3") s | $4 |"); }
+
+start_server() {
+  # nsenter itself, not the `on` function (a subshell): $! must be the server.
+  XDG_CACHE_HOME=$(node cache) nsenter --net=/run/netns/arb-cache "$arbor" serve "$disk" --listen "$cache_ip:7070" --cache-dir "$work/server-cache" \
+    --token-file "$work/token" --foreground 2>>"$work/serve.log" & server_pid=$!; pids+=($server_pid)
+  wait_port c1 "$cache_ip" 7070
+}
+servers="--cache-server=$cache_ip:7071"
+on cache "$proxy" "$cache_ip:7071" "$cache_ip:7070" 100 "$work/served-bytes" & pids+=($!)
+
+# A: two clients, no server.
+b0=$(bucket_bytes); t0=$(now)
+mount_client c1 a1; mount_client c2 a2
+check a1 & r1=$!; check a2 & r2=$!; wait "$r1"; wait "$r2"
+row "2 clients, no cache server" $(( $(bucket_bytes) - b0 )) "$(echo "$(now) - $t0" | bc)" "each pulls the whole dataset"
+unmount_client a1; unmount_client a2
+
+# B: two clients through one cold server.
+start_server
+b0=$(bucket_bytes); t0=$(now)
+mount_client c1 b1 "$servers" --token-file "$work/token"; mount_client c2 b2 "$servers" --token-file "$work/token"
+check b1 & r1=$!; check b2 & r2=$!; wait "$r1"; wait "$r2"
+row "2 clients through a cold server" $(( $(bucket_bytes) - b0 )) "$(echo "$(now) - $t0" | bc)" "each chunk from the bucket once"
+unmount_client b1; unmount_client b2
+
+# C: a new client, the server warm, then killed -9 in the middle of its
+# reads (once it has sent a quarter of the dataset to this client).
+b0=$(bucket_bytes); t0=$(now); s0=$(cat "$work/served-bytes")
+mount_client c1 c1 "$servers" --token-file "$work/token" --read-ahead 0
+check c1 & reader=$!
+for _ in $(seq 3000); do
+  [ $(( $(cat "$work/served-bytes") - s0 )) -ge $(( dataset / 4 )) ] && break
+  sleep 0.01
+done
+kill -9 "$server_pid"
+served_before_kill=$(( $(cat "$work/served-bytes") - s0 ))
+wait "$reader"
+fallbacks=$(XDG_CACHE_HOME=$(node c1) "$arbor" status "$work/mnt-c1" | grep "cache server" || true)
+row "1 client, server killed -9 after sending it $(( served_before_kill >> 20 )) MiB" $(( $(bucket_bytes) - b0 )) "$(echo "$(now) - $t0" | bc)" "read on from the bucket, every byte checked: ${fallbacks#*: }"
+unmount_client c1
+
+# D: the server restarted on its cache folder; a new client.
+start_server
+b0=$(bucket_bytes); t0=$(now)
+mount_client c2 d2 "$servers" --token-file "$work/token"
+check d2
+row "1 new client, the server restarted on its cache" $(( $(bucket_bytes) - b0 )) "$(echo "$(now) - $t0" | bc)" "the restarted server serves its own disk"
+unmount_client d2
+
+echo
+echo "### arbor serve across network namespaces ($mib MiB dataset; bucket 20 ms away, server 0.2 ms)"
+echo
+echo "| phase | bytes the bucket served (counted by its proxy) | time | note |"
+echo "| --- | ---: | ---: | --- |"
+printf '%s\n' "${rows[@]}"
