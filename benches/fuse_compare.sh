@@ -18,35 +18,11 @@ rm -rf "$work" && mkdir -p "$work/local" "$work/mnt"
 "$arbor" mount "$work/disk" "$work/mnt" >/dev/null
 trap '"$arbor" unmount "$work/mnt" >/dev/null 2>&1 || true' EXIT
 
-drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
-
-# fio's JSON -> one number: MiB/s of a job, or a completion-latency percentile in µs.
-bw() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; r=j[sys.argv[2]]; print(r["bw_bytes"]/1048576)' "$@"; }
-lat() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; print(j["read"]["clat_ns"]["percentile"][sys.argv[2]]/1000)' "$@"; }
-median() { python3 -c 'import statistics,sys; print(statistics.median(float(x) for x in sys.argv[1:]))' "$@"; }
+. "$here/benches/common.sh"
 
 seqwrite() { fio --name=w --directory="$1" --filename=big --rw=write --bs=1M --size="$size" --end_fsync=1 --output-format=json --output="$2" >/dev/null; }
 seqread() { drop_caches; fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
 randread() { drop_caches; fio --name=rr --directory="$1" --filename=big --rw=randread --bs=4k --size="$size" --runtime=15 --time_based --output-format=json --output="$2" >/dev/null; }
-smallfiles() {
-  python3 - "$1" "$files" <<'PY'
-import os, sys, time
-d, n = sys.argv[1], int(sys.argv[2])
-sub = os.path.join(d, "small")
-os.makedirs(sub, exist_ok=True)
-t = time.perf_counter()
-for i in range(n):
-    with open(os.path.join(sub, f"f{i}"), "wb") as f:
-        f.write(b"x" * 4096)
-for i in range(n):
-    os.stat(os.path.join(sub, f"f{i}"))
-assert len(os.listdir(sub)) == n
-for i in range(n):
-    os.unlink(os.path.join(sub, f"f{i}"))
-print(n / (time.perf_counter() - t))
-PY
-}
-
 declare -A L A
 for r in $(seq "$runs"); do
   echo "run $r/$runs" >&2
@@ -55,16 +31,13 @@ for r in $(seq "$runs"); do
     seqwrite "$dir" "$work/w.json"; w=$(bw "$work/w.json" write)
     seqread "$dir" "$work/r.json"; rd=$(bw "$work/r.json" read)
     randread "$dir" "$work/rr.json"; p50=$(lat "$work/rr.json" 50.000000); p99=$(lat "$work/rr.json" 99.000000)
-    sf=$(smallfiles "$dir")
+    sf=$(smallfiles "$dir" "$files")
     rm -f "$dir/big"
     if [ "$side" = local ]; then L[w]+=" $w"; L[r]+=" $rd"; L[p50]+=" $p50"; L[p99]+=" $p99"; L[sf]+=" $sf"
     else A[w]+=" $w"; A[r]+=" $rd"; A[p50]+=" $p50"; A[p99]+=" $p99"; A[sf]+=" $sf"; fi
   done
 done
 
-row() {  # name unit local arbor target
-  python3 -c 'import sys; n,u,l,a,t=sys.argv[1:]; l=float(l); a=float(a); print(f"| {n} | {l:.1f} {u} | {a:.1f} {u} | {a/l:.2f}× | {t} |")' "$@"
-}
 echo
 echo "### arbor mount vs local disk (medians of $runs runs, $size file)"
 echo

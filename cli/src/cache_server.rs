@@ -21,6 +21,8 @@ pub struct ServeArgs {
     pub fault: Option<Fault>,
     /// Evict what nobody read for this long (`None`: by size alone).
     pub keep_for: Option<Duration>,
+    /// The branches to own and serve.
+    pub owner: crate::shared::OwnerArgs,
 }
 
 /// The lock that keeps a second server off a cache folder.
@@ -51,24 +53,41 @@ fn cache_dir(args: &ServeArgs, d: &disk::Disk) -> Result<PathBuf> {
 pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     let token = arbor_net::read_token(&args.token_file)?;
     let d = disk::open(&args.disk)?;
-    if !d.is_s3() {
-        bail!("{} is a local folder: every reader already has its bytes; arbor serve is for s3:// disks", d.url);
+    let branches = &args.owner.branches;
+    if !d.is_s3() && branches.is_empty() {
+        bail!("{} is a local folder: every reader already has its bytes; arbor serve is for s3:// disks (or --branch, to share a branch)", d.url);
     }
-    let (cache, _lock, place) = if args.memory {
+    let (cache, _lock, place) = if !d.is_s3() {
+        (None, None, "none (a local-folder disk)".to_string())
+    } else if args.memory {
         let cache = arbor_engine::tier::SegmentCache::in_memory(d.store().clone(), args.cache_size)?;
-        (cache, None, "memory".to_string())
+        (Some(cache), None, "memory".to_string())
     } else {
         let dir = cache_dir(args, &d)?;
         let lock = lock_cache_dir(&dir)?;
         let cache = arbor_engine::tier::SegmentCache::open(d.store().clone(), &dir.join("chunks"), args.cache_size)
             .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
-        (cache, Some(lock), dir.display().to_string())
+        (Some(cache), Some(lock), dir.display().to_string())
     };
     let listener =
         std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let server = CacheServer::new(cache, ServerOptions { token, fault: args.fault, keep_for: args.keep_for });
+    let advertised = crate::shared::advertised(addr, args.owner.advertise.as_deref());
+    let mut owned = Vec::new();
+    for b in branches {
+        match crate::shared::own(&args.disk, b, &advertised, &args.owner) {
+            Ok(o) => owned.push(o),
+            Err(e) => {
+                for o in owned {
+                    let _ = o.close();
+                }
+                return Err(e);
+            }
+        }
+    }
+    let shared = owned.iter().map(|o| o.shared.clone()).collect();
+    let server = CacheServer::owner(cache, shared, ServerOptions { token, fault: args.fault, keep_for: args.keep_for });
     if let Some(f) = args.fault {
         tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");
     }
@@ -77,10 +96,11 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         listen = %addr,
         cache = %place,
         size = %disk::Size(args.cache_size),
-        "serving chunks"
+        branches = ?branches,
+        "serving"
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("arbor-serve").build()?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let stop = async {
             let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -93,7 +113,17 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
             }
         };
         server.run(listener, stop).await
-    })?;
+    });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    let mut closed = Ok(());
+    for o in owned {
+        if let Err(e) = o.close() {
+            tracing::error!(error = %format!("{e:#}"), "closing a branch failed");
+            closed = Err(e);
+        }
+    }
+    served?;
+    closed?;
     tracing::info!("stopped");
     Ok(())
 }
@@ -104,6 +134,9 @@ pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
     // Refuse what the child would refuse, here, with the message on the terminal.
     arbor_net::read_token(&args.token_file)?;
     let log_path = disk::open(&args.disk)?.log_path("serve");
+    for b in &args.owner.branches {
+        arbor_snapshot::check_name(b)?;
+    }
     let pid =
         crate::serve::spawn_detached(&log_path, "arbor serve", || std::net::TcpStream::connect(&args.listen).is_ok())?;
     Ok((pid, log_path))

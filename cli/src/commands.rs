@@ -22,6 +22,20 @@ pub struct Target {
     /// When TARGET is a mountpoint served here: the branch mounted there
     /// (none for a checkpoint mount).
     pub branch: Option<String>,
+    /// That mountpoint.
+    pub mount: Option<PathBuf>,
+}
+
+impl Target {
+    /// Where `branch` is mounted and can be asked: TARGET itself when it is
+    /// a mount of `branch` (a local one, or a client of the branch's owner,
+    /// which forwards the request), else a mount of it on this node.
+    fn mount_of(&self, catalog: &Catalog, branch: &str) -> Option<PathBuf> {
+        match (&self.mount, &self.branch) {
+            (Some(m), Some(b)) if b == branch => Some(m.clone()),
+            _ => catalog.holder_of(branch).filter(|h| h.starts_with('/')).map(PathBuf::from),
+        }
+    }
 }
 
 pub fn resolve(arg: &str) -> Result<Target> {
@@ -36,10 +50,14 @@ pub fn resolve(arg: &str) -> Result<Target> {
     if path.is_dir() {
         if let Ok(s) = control::request(path, json!({"op": "status"})) {
             let disk = s["disk"].as_str().ok_or_else(|| anyhow!("bad status reply"))?;
-            return Ok(Target { disk: disk::open(disk)?, branch: s["branch"].as_str().map(str::to_string) });
+            return Ok(Target {
+                disk: disk::open(disk)?,
+                branch: s["branch"].as_str().map(str::to_string),
+                mount: Some(path.to_path_buf()),
+            });
         }
     }
-    Ok(Target { disk: disk::open(arg)?, branch: None })
+    Ok(Target { disk: disk::open(arg)?, branch: None, mount: None })
 }
 
 fn friendly(e: CatalogError) -> anyhow::Error {
@@ -58,23 +76,18 @@ fn addr_from(v: &Value) -> Result<Addr> {
     })
 }
 
-/// Where `branch` is mounted on this node, if it is.
-fn mount_of(catalog: &Catalog, branch: &str) -> Option<PathBuf> {
-    catalog.holder_of(branch).filter(|h| !h.is_empty()).map(PathBuf::from)
-}
-
 /// The current commit of `branch`: its mount (anywhere on this node) is
 /// asked to commit first; an unmounted branch is settled from the disk.
-fn branch_commit(catalog: &Catalog, branch: &str) -> Result<Addr> {
-    if let Some(mp) = mount_of(catalog, branch) {
+fn branch_commit(t: &Target, catalog: &Catalog, branch: &str) -> Result<Addr> {
+    if let Some(mp) = t.mount_of(catalog, branch) {
         return addr_from(&control::request(&mp, json!({"op": "commit"}))?);
     }
     catalog.settled_commit(branch).map_err(friendly)
 }
 
-fn root_commit(catalog: &Catalog, root: &Root) -> Result<Addr> {
+fn root_commit(t: &Target, catalog: &Catalog, root: &Root) -> Result<Addr> {
     match root {
-        Root::Branch(b) => branch_commit(catalog, b),
+        Root::Branch(b) => branch_commit(t, catalog, b),
         Root::Checkpoint(_) => Ok(catalog.commit_of(root)?),
     }
 }
@@ -89,7 +102,7 @@ pub fn checkpoint_create(target: &str, name: &str, branch: Option<&str>) -> Resu
     let started = Instant::now();
     let catalog = t.disk.catalog()?;
     let branch = branch.map(str::to_string).or(t.branch.clone()).unwrap_or_else(|| "main".into());
-    match mount_of(&catalog, &branch) {
+    match t.mount_of(&catalog, &branch) {
         // The mount checkpoints its live volume, unsynced writes included.
         Some(mp) => drop(control::request(&mp, json!({"op": "checkpoint", "name": name}))?),
         None => {
@@ -131,7 +144,7 @@ pub fn branch_create(target: &str, name: &str, from_checkpoint: Option<&str>, fr
     let catalog = t.disk.catalog()?;
     let (commit, from) = match (from_checkpoint, from_branch) {
         (Some(c), None) => (catalog.checkpoint(c)?.commit, format!("checkpoint {c}")),
-        (None, Some(b)) => (branch_commit(&catalog, b)?, format!("branch {b}")),
+        (None, Some(b)) => (branch_commit(&t, &catalog, b)?, format!("branch {b}")),
         _ => bail!("give exactly one of --from-checkpoint and --from-branch"),
     };
     catalog.create_branch(name, commit)?;
@@ -202,7 +215,7 @@ pub fn diff(target: &str, from: &str, to: &str, json_out: bool) -> Result<()> {
     let catalog = t.disk.catalog()?;
     let (a, b) = (parse_root(&catalog, from)?, parse_root(&catalog, to)?);
     // A mounted branch's newest state is in memory: its mount commits it first.
-    let (ca, cb) = (root_commit(&catalog, &a)?, root_commit(&catalog, &b)?);
+    let (ca, cb) = (root_commit(&t, &catalog, &a)?, root_commit(&t, &catalog, &b)?);
     let started = Instant::now();
     let changes = catalog.diff_between(ca, cb)?;
     let took = started.elapsed();
@@ -261,7 +274,7 @@ pub fn compact(target: &str, branch: Option<&str>, max_live: f64) -> Result<()> 
     let t = resolve(target)?;
     let catalog = t.disk.catalog()?;
     let branch = branch.map(str::to_string).or(t.branch.clone()).unwrap_or_else(|| "main".into());
-    let report = match mount_of(&catalog, &branch) {
+    let report = match t.mount_of(&catalog, &branch) {
         Some(mp) => control::request(&mp, json!({"op": "compact", "max_live": max_live}))?,
         None => {
             let (vol, _lock) = catalog.open_branch(&branch, quiet_config()).map_err(friendly)?;
@@ -304,8 +317,8 @@ pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
     let catalog = d.catalog()?;
     // A record being written would look torn to a reader running beside it.
     for b in catalog.list_branches()? {
-        if let Some(mp) = mount_of(&catalog, &b.name) {
-            bail!("branch {} is mounted at {}; unmount it before fsck", b.name, mp.display());
+        if let Some(at) = catalog.holder_of(&b.name).filter(|h| !h.is_empty()) {
+            bail!("branch {} is open at {at}; unmount it (or stop its server) before fsck", b.name);
         }
     }
     let bar = ProgressBar::new_spinner().with_style(ProgressStyle::with_template("{spinner} fsck {msg}")?);

@@ -36,6 +36,16 @@ pub fn open_for_mount(arg: &str, name: &str, cache: CacheOptions) -> Result<Disk
     Ok(Disk::open(arg, options(Some(name), cache)?)?)
 }
 
+/// Opens the disk for the process that owns branch `name` and serves it
+/// (`take_over`: even from a live lease whose holder is known dead).
+pub fn open_for_owner(arg: &str, name: &str, cache: CacheOptions, take_over: bool) -> Result<Disk> {
+    let mut o = options(Some(name), cache)?;
+    if let Some(l) = o.lease.as_mut() {
+        l.take_over = take_over;
+    }
+    Ok(Disk::open(arg, o)?)
+}
+
 /// A byte count as a person writes it: parsed from `10G`, shown as `10G`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Size(pub u64);

@@ -7,6 +7,7 @@ mod disk;
 mod node;
 mod prefetch;
 mod serve;
+mod shared;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -180,6 +181,14 @@ struct MountCmd {
     segment_size: disk::Size,
     #[command(flatten)]
     servers: CacheServers,
+    /// Mount the branch through the `arbor serve --branch` at HOST:PORT
+    /// (default: the owner the bucket names, if the branch is served).
+    #[arg(long, conflicts_with = "checkpoint")]
+    server: Option<String>,
+    /// Through an owner: an operation fails with EIO after this long
+    /// without an answer, e.g. 30s (default: wait for the owner).
+    #[arg(long)]
+    timeout: Option<disk::Span>,
 }
 
 /// Where a client reads chunks before the bucket.
@@ -229,6 +238,21 @@ struct ServeCmd {
     /// Misbehave on purpose (tests of the clients' checks): corrupt or short.
     #[arg(long, hide = true)]
     fault: Option<arbor_net::Fault>,
+    /// Own these branches (comma-separated) and serve their files to
+    /// `arbor mount --branch` on other nodes, which then write through here.
+    #[arg(long, value_delimiter = ',')]
+    branch: Vec<String>,
+    /// The HOST:PORT other nodes reach this server at (default: --listen,
+    /// or this host's name when listening on every interface).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Take the branches even while another process's lease on them runs
+    /// (its node is known to be dead; if it is not, it is fenced).
+    #[arg(long)]
+    take_over: bool,
+    /// For --branch: local (fsync durable on this node) or bucket.
+    #[arg(long, default_value = "local")]
+    durability: arbor_engine::tier::Durability,
 }
 
 #[derive(Subcommand)]
@@ -328,6 +352,8 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 cache_servers: m.servers.cache_server,
                 token_file: m.servers.token_file.map(std::path::absolute).transpose()?,
+                server: m.server,
+                timeout: m.timeout.map(|t| t.0),
             };
             if m.foreground {
                 serve::run_foreground(&args)?;
@@ -389,6 +415,12 @@ fn run(cli: Cli) -> Result<()> {
                 token_file: c.token_file,
                 fault: c.fault,
                 keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),
+                owner: shared::OwnerArgs {
+                    branches: c.branch,
+                    advertise: c.advertise,
+                    take_over: c.take_over,
+                    durability: c.durability,
+                },
             };
             if c.foreground {
                 cache_server::run_foreground(&args)?;
@@ -410,6 +442,16 @@ fn print_status(s: &serde_json::Value) {
         None => println!("branch       {}", get("branch")),
     }
     println!("server pid   {}", get("pid"));
+    if !s["owner"].is_null() {
+        println!("owner        {} (every operation goes there)", get("owner"));
+        println!(
+            "owner links  {} sessions, {} retried requests, {} files open",
+            get("owner_sessions"),
+            get("owner_retries"),
+            get("open_files")
+        );
+        return;
+    }
     println!("io           {}", get("io_backend"));
     println!(
         "log          record {} written, {} durable, {} since last commit",

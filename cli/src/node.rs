@@ -13,7 +13,13 @@ pub const LEASE_TTL: Duration = Duration::from_secs(60);
 /// This process's claim: this host, this pid, a one-minute lease, and a
 /// holder on this host judged by whether its process is alive.
 pub fn lease() -> LeaseConfig {
-    LeaseConfig { host: hostname(), pid: std::process::id(), ttl: LEASE_TTL, alive: Some(Arc::new(pid_alive)) }
+    LeaseConfig {
+        host: hostname(),
+        pid: std::process::id(),
+        ttl: LEASE_TTL,
+        alive: Some(Arc::new(pid_alive)),
+        take_over: false,
+    }
 }
 
 pub fn hostname() -> String {

@@ -29,6 +29,11 @@ pub struct MountArgs {
     pub cache: disk::CacheOptions,
     pub cache_servers: Vec<String>,
     pub token_file: Option<PathBuf>,
+    /// The owner of the branch to mount through (else found in the bucket).
+    pub server: Option<String>,
+    /// Through an owner: fail with EIO after this long without an answer
+    /// (`None`: wait for it).
+    pub timeout: Option<Duration>,
 }
 
 impl MountArgs {
@@ -37,7 +42,7 @@ impl MountArgs {
     }
 }
 
-enum Event {
+pub enum Event {
     Stop(&'static str),
     /// Unmount, then report how closing the volume went.
     Unmount(mpsc::Sender<Result<(), String>>),
@@ -194,10 +199,35 @@ fn reply<T>(r: Result<T, impl std::fmt::Display>, ok: impl FnOnce(T) -> Value) -
     }
 }
 
+/// Opens branch `name` for writing in this process, noting `holder`
+/// (a mountpoint, or where it is served) for other commands on this node.
+pub fn open_branch(
+    catalog: &arbor_snapshot::Catalog,
+    name: &str,
+    cfg: Config,
+    holder: &str,
+) -> Result<(Arc<Volume>, arbor_snapshot::BranchLock)> {
+    let (v, mut l) = catalog.open_branch(name, cfg).map_err(|e| match e {
+        CatalogError::Open(_) => match catalog.holder_of(name) {
+            Some(mp) if mp.starts_with('/') => anyhow::anyhow!("branch {name} is already mounted read-write at {mp}"),
+            Some(by) if !by.is_empty() => anyhow::anyhow!("branch {name} is already open read-write by {by}"),
+            _ => anyhow::anyhow!("branch {name} is already mounted read-write"),
+        },
+        e => anyhow::Error::from(e).context(format!("cannot open branch {name}")),
+    })?;
+    l.record_holder(holder)?;
+    Ok((v, l))
+}
+
 /// Mounts and serves until unmounted, signalled, or asked to stop.
 pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let p = prepare(args)?;
     let catalog = p.disk.catalog()?;
+    if args.checkpoint.is_none() {
+        if let Some(owner) = crate::shared::owner_to_mount_through(&p.disk, args)? {
+            return crate::shared::mount_remote(&p.disk, &p.mountpoint, args, owner);
+        }
+    }
     if args.checkpoint.is_none() {
         p.disk.make_private()?;
     }
@@ -206,17 +236,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let (vol, _lock) = match &args.checkpoint {
         Some(c) => (catalog.open_checkpoint(c, cfg)?, None),
         None => {
-            let name = args.root_name();
-            let (v, mut l) = catalog.open_branch(name, cfg).map_err(|e| match e {
-                CatalogError::Open(_) => match catalog.holder_of(name) {
-                    Some(mp) if !mp.is_empty() => {
-                        anyhow::anyhow!("branch {name} is already mounted read-write at {mp}")
-                    }
-                    _ => anyhow::anyhow!("branch {name} is already mounted read-write"),
-                },
-                e => anyhow::Error::from(e).context(format!("cannot open branch {name}")),
-            })?;
-            l.record_holder(&p.mountpoint.display().to_string())?;
+            let (v, l) = open_branch(&catalog, args.root_name(), cfg, &p.mountpoint.display().to_string())?;
             (v, Some(l))
         }
     };
@@ -253,6 +273,44 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         _ => (None, None),
     };
 
+    let ctl = ControlState { p: p.clone(), vol: vol.clone() };
+    let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
+    let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
+    drop(maintain_stop);
+    if let Some(t) = maintainer {
+        let _ = t.join();
+    }
+    let closed = vol.close();
+    drop(vol);
+    stopped.report(closed.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")));
+    closed.context("final commit failed")?;
+    tracing::info!("unmounted cleanly");
+    Ok(())
+}
+
+/// How a mount was stopped: who waits to hear how closing went.
+pub struct Stopped {
+    ack: Option<mpsc::Sender<Result<(), String>>>,
+    replied: mpsc::Receiver<()>,
+}
+
+impl Stopped {
+    /// Tells an `arbor unmount` waiting on the control socket how closing went.
+    pub fn report(self, closed: Result<(), String>) {
+        if let Some(a) = self.ack {
+            let _ = a.send(closed);
+            let _ = self.replied.recv_timeout(Duration::from_secs(5));
+        }
+    }
+}
+
+/// Answers control requests with `handle` until a signal, an unmount
+/// request, or an unmount from outside, then unmounts.
+pub fn serve_until_stopped(
+    handle: arbor_fs::MountHandle,
+    control: control::Server,
+    handle_req: impl Fn(&Value, &mpsc::Sender<Event>) -> (Value, bool) + Send + Sync + 'static,
+) -> Result<Stopped> {
     let (tx, rx) = mpsc::channel();
     let sig_tx = tx.clone();
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
@@ -262,13 +320,10 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         }
     });
     let (replied_tx, replied_rx) = mpsc::channel::<()>();
-    let ctl = ControlState { p: p.clone(), vol: vol.clone() };
-    let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
     std::thread::spawn(move || {
-        control.serve(|req| ctl.handle(&args_view, req, &tx));
+        control.serve(|req| handle_req(req, &tx));
         let _ = replied_tx.send(());
     });
-
     let mut ack = None;
     let unmount = loop {
         match rx.recv_timeout(Duration::from_millis(200)) {
@@ -289,19 +344,24 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     if let Err(e) = ended {
         tracing::warn!(error = %e, "session ended with an error");
     }
-    drop(maintain_stop);
-    if let Some(t) = maintainer {
-        let _ = t.join();
+    Ok(Stopped { ack, replied: replied_rx })
+}
+
+/// The `unmount` control request: unmounts, and answers once closing is done.
+pub fn unmount_request(tx: &mpsc::Sender<Event>) -> (Value, bool) {
+    let (ack_tx, ack_rx) = mpsc::channel();
+    let _ = tx.send(Event::Unmount(ack_tx));
+    match ack_rx.recv_timeout(Duration::from_secs(600)) {
+        Ok(Ok(())) => (json!({"ok": true, "result": null}), true),
+        Ok(Err(e)) => (json!({"ok": false, "error": format!("unmounted, but closing failed: {e}")}), true),
+        Err(_) => (
+            json!({"ok": false, "error": format!(
+                "unmounted, but still uploading after 10 minutes; the server (pid {}) keeps trying: see its log",
+                std::process::id()
+            )}),
+            true,
+        ),
     }
-    let closed = vol.close();
-    drop(vol);
-    if let Some(a) = ack {
-        let _ = a.send(closed.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")));
-        let _ = replied_rx.recv_timeout(Duration::from_secs(5));
-    }
-    closed.context("final commit failed")?;
-    tracing::info!("unmounted cleanly");
-    Ok(())
 }
 
 struct ControlState {
@@ -339,21 +399,7 @@ impl ControlState {
                 let max_live = req["max_live"].as_f64().unwrap_or(MAX_LIVE);
                 reply(self.vol.compact(max_live), compact_json)
             }
-            Some("unmount") => {
-                let (ack_tx, ack_rx) = mpsc::channel();
-                let _ = tx.send(Event::Unmount(ack_tx));
-                match ack_rx.recv_timeout(Duration::from_secs(600)) {
-                    Ok(Ok(())) => (json!({"ok": true, "result": null}), true),
-                    Ok(Err(e)) => (json!({"ok": false, "error": format!("unmounted, but closing failed: {e}")}), true),
-                    Err(_) => (
-                        json!({"ok": false, "error": format!(
-                            "unmounted, but still uploading after 10 minutes; the server (pid {}) keeps trying: see its log",
-                            std::process::id()
-                        )}),
-                        true,
-                    ),
-                }
-            }
+            Some("unmount") => unmount_request(tx),
             other => (json!({"ok": false, "error": format!("unknown request {other:?}")}), false),
         }
     }

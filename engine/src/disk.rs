@@ -43,12 +43,16 @@ pub struct LeaseConfig {
     pub ttl: std::time::Duration,
     /// `None`: a holder on this host is judged by its lease's expiry too.
     pub alive: Option<ProcessAlive>,
+    /// Take the branch even from a live lease: the operator knows its
+    /// holder is dead (its node is gone). A holder that was not dead after
+    /// all is fenced at its next head write.
+    pub take_over: bool,
 }
 
 impl LeaseConfig {
     /// A claim by `host` lasting `ttl`, judged by expiry alone.
     pub fn new(host: &str, ttl: std::time::Duration) -> LeaseConfig {
-        LeaseConfig { host: host.into(), pid: 0, ttl, alive: None }
+        LeaseConfig { host: host.into(), pid: 0, ttl, alive: None, take_over: false }
     }
 }
 
@@ -312,7 +316,7 @@ impl Device for HeadDevice {
         if !self.claimed.load(std::sync::atomic::Ordering::Acquire) {
             // The claim: synchronous, so a second writer learns at open.
             if let (Some(cfg), Some(held)) = (&self.lease, self.found.lock().as_ref()) {
-                if held.writer != commit.seg.writer && held.is_live(Some(cfg)) {
+                if held.writer != commit.seg.writer && held.is_live(Some(cfg)) && !cfg.take_over {
                     return Err(Error::Busy(format!(
                         "{} is open read-write by pid {} on host {} (its lease runs {} s more without renewal); \
                          a second writer is refused",

@@ -10,6 +10,7 @@
 //!   wal/<xx>/seg-…/<offset>      log tails of writers with bucket durability
 //!   branches/<name>              branch heads (superblock + writer lease)
 //!   checkpoints/<name>           checkpoints (created once, never replaced)
+//!   owners/<name>                where `arbor serve --branch` serves a branch
 //!
 //! <node folder>/                 a local disk's own folder, or
 //!                                $XDG_CACHE_HOME/arbor/<disk-id>/ for s3
@@ -35,6 +36,7 @@ pub const BRANCHES: &str = "branches/";
 pub const CHECKPOINTS: &str = "checkpoints/";
 pub const SEGMENTS: &str = "segments/";
 pub const WAL: &str = "wal/";
+pub const OWNERS: &str = "owners/";
 
 /// A local disk's segment folder (inside the disk's folder).
 pub const SEGMENT_DIR: &str = "segments";
@@ -49,6 +51,10 @@ pub fn branch_key(name: &str) -> String {
 
 pub fn checkpoint_key(name: &str) -> String {
     format!("{CHECKPOINTS}{name}")
+}
+
+pub fn owner_key(name: &str) -> String {
+    format!("{OWNERS}{name}")
 }
 
 fn spread(id: SegId) -> String {

@@ -1,10 +1,12 @@
-use arbor_engine::volume::{Attr, FileKind, RenameMode, SetAttr, TimeSet, Volume, XattrFlags};
+use crate::files::{Files, Lock};
+use arbor_engine::volume::{Attr, FileKind, RenameMode, SetAttr, TimeSet, XattrFlags};
 use arbor_engine::{env::Timestamp, Error};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
-    ReplyEntry, ReplyIoctl, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyEntry, ReplyIoctl, ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -28,18 +30,52 @@ pub fn to_errno(e: &Error) -> Errno {
 /// round trips (a third of the small-file benchmark's time at 1 s).
 const TTL: Duration = Duration::from_secs(3600);
 
-pub struct ArborFs {
-    vol: Arc<Volume>,
+/// The same for a tree other nodes change too ([`Files::is_shared`]): the
+/// owner's invalidations usually arrive first; this bounds how stale a
+/// name or an attribute can be if one is lost.
+const SHARED_TTL: Duration = Duration::from_secs(1);
+
+pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
+    vol: Arc<F>,
     read_ahead: u32,
+    ttl: Duration,
+    /// Shared trees: each open file's (mtime, size) when this node last
+    /// opened it. An open that finds them unchanged keeps the kernel's
+    /// cached pages; any other open drops them (close-to-open).
+    opened: parking_lot::Mutex<HashMap<u64, (Timestamp, u64)>>,
+    /// Shared trees: files this node ever took a lock on, whose closes must
+    /// drop the closer's locks at the owner.
+    locked: parking_lot::Mutex<std::collections::HashSet<u64>>,
 }
 
-impl ArborFs {
-    pub fn new(vol: Arc<Volume>, read_ahead: u32) -> Self {
-        ArborFs { vol, read_ahead }
+impl<F: Files + ?Sized> ArborFs<F> {
+    pub fn new(vol: Arc<F>, read_ahead: u32) -> Self {
+        let ttl = if vol.is_shared() { SHARED_TTL } else { TTL };
+        ArborFs {
+            vol,
+            read_ahead,
+            ttl,
+            opened: parking_lot::Mutex::new(HashMap::new()),
+            locked: parking_lot::Mutex::new(Default::default()),
+        }
     }
 
-    pub fn volume(&self) -> &Arc<Volume> {
+    pub fn volume(&self) -> &Arc<F> {
         &self.vol
+    }
+
+    /// How an open of a file with attributes `a` may use the kernel's cache.
+    fn open_flags(&self, a: &Attr) -> FopenFlags {
+        if !self.vol.is_shared() {
+            // Every change to this tree goes through this mount, so cached
+            // pages stay valid across opens.
+            return FopenFlags::FOPEN_KEEP_CACHE;
+        }
+        let now = (a.mtime, a.size);
+        match self.opened.lock().insert(a.ino, now) {
+            Some(before) if before == now => FopenFlags::FOPEN_KEEP_CACHE,
+            _ => FopenFlags::empty(),
+        }
     }
 }
 
@@ -103,11 +139,19 @@ fn time_set(t: Option<TimeOrNow>) -> Option<TimeSet> {
     })
 }
 
-fn entry(reply: ReplyEntry, r: Result<Attr, Error>) {
+fn entry(reply: ReplyEntry, ttl: Duration, r: Result<Attr, Error>) {
     match r {
-        Ok(a) => reply.entry(&TTL, &file_attr(&a), Generation(0)),
+        Ok(a) => reply.entry(&ttl, &file_attr(&a), Generation(0)),
         Err(e) => reply.error(to_errno(&e)),
     }
+}
+
+/// The kernel's `fcntl` lock, checked.
+fn lock(start: u64, end: u64, typ: i32, pid: u32) -> Result<Lock, Errno> {
+    if ![libc::F_RDLCK, libc::F_WRLCK, libc::F_UNLCK].contains(&typ) || end < start {
+        return Err(Errno::from_i32(libc::EINVAL));
+    }
+    Ok(Lock { start, end, typ, pid })
 }
 
 fn empty(reply: ReplyEmpty, r: Result<(), Error>) {
@@ -127,7 +171,7 @@ fn xattr_reply(reply: ReplyXattr, bytes: &[u8], size: u32) {
     }
 }
 
-impl Filesystem for ArborFs {
+impl<F: Files + ?Sized> Filesystem for ArborFs<F> {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // 1 MiB writes: one engine record per kernel write request.
         let _ = config.set_max_write(1 << 20);
@@ -136,6 +180,14 @@ impl Filesystem for ArborFs {
         }
         // Lookups and creates in different directories need not queue.
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_CACHE_SYMLINKS);
+        if self.vol.is_shared() {
+            // Locks go to the owner so that they exclude other nodes; cached
+            // pages are dropped when a refreshed mtime or size says another
+            // node changed the file.
+            let _ = config.add_capabilities(
+                InitFlags::FUSE_POSIX_LOCKS | InitFlags::FUSE_FLOCK_LOCKS | InitFlags::FUSE_AUTO_INVAL_DATA,
+            );
+        }
         Ok(())
     }
 
@@ -152,14 +204,23 @@ impl Filesystem for ArborFs {
             // name is created through it), so a program probing for files
             // that are not there (module search paths, "exists?" checks)
             // asks us once.
-            Err(Error::NotFound) => reply.entry(&TTL, &negative_attr(), Generation(0)),
-            r => entry(reply, r),
+            Err(Error::NotFound) => reply.entry(&self.ttl, &negative_attr(), Generation(0)),
+            r => entry(reply, self.ttl, r),
+        }
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, _nlookup: u64) {
+        // The kernel forgets an inode (with all its lookups) when it evicts
+        // it, and its cached pages with it.
+        if self.vol.is_shared() {
+            self.opened.lock().remove(&ino.0);
+            self.locked.lock().remove(&ino.0);
         }
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match self.vol.getattr(ino.0) {
-            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
+            Ok(a) => reply.attr(&self.ttl, &file_attr(&a)),
             Err(e) => reply.error(to_errno(&e)),
         }
     }
@@ -191,7 +252,7 @@ impl Filesystem for ArborFs {
             mtime: time_set(mtime),
         };
         match self.vol.setattr(ino.0, change) {
-            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
+            Ok(a) => reply.attr(&self.ttl, &file_attr(&a)),
             Err(e) => reply.error(to_errno(&e)),
         }
     }
@@ -205,12 +266,12 @@ impl Filesystem for ArborFs {
 
     fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
         let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
-        entry(reply, self.vol.create(parent.0, name.as_bytes(), mode, req.uid(), req.gid(), rdev));
+        entry(reply, self.ttl, self.vol.create(parent.0, name.as_bytes(), mode, req.uid(), req.gid(), rdev));
     }
 
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
         let perm = (mode & 0o7777 & !umask) as u16;
-        entry(reply, self.vol.mkdir(parent.0, name.as_bytes(), perm, req.uid(), req.gid()));
+        entry(reply, self.ttl, self.vol.mkdir(parent.0, name.as_bytes(), perm, req.uid(), req.gid()));
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -224,6 +285,7 @@ impl Filesystem for ArborFs {
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
         entry(
             reply,
+            self.ttl,
             self.vol.symlink(parent.0, link_name.as_bytes(), target.as_os_str().as_bytes(), req.uid(), req.gid()),
         );
     }
@@ -251,14 +313,12 @@ impl Filesystem for ArborFs {
     }
 
     fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
-        entry(reply, self.vol.link(ino.0, newparent.0, newname.as_bytes()));
+        entry(reply, self.ttl, self.vol.link(ino.0, newparent.0, newname.as_bytes()));
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        // Every change to this branch goes through this mount, so cached
-        // pages stay valid across opens.
-        match self.vol.acquire(ino.0) {
-            Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+        match self.vol.open(ino.0) {
+            Ok(a) => reply.opened(FileHandle(0), self.open_flags(&a)),
             Err(e) => reply.error(to_errno(&e)),
         }
     }
@@ -298,7 +358,16 @@ impl Filesystem for ArborFs {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, lock_owner: LockOwner, reply: ReplyEmpty) {
+        if self.vol.is_shared() {
+            // Closing a descriptor drops its process's fcntl locks on the
+            // file, which the owner holds; a file never locked here costs
+            // no round trip.
+            if self.locked.lock().contains(&ino.0) {
+                return empty(reply, self.vol.unlock_all(ino.0, lock_owner.0));
+            }
+            return reply.ok();
+        }
         // Nothing is buffered per handle. ENOSYS tells the kernel to stop
         // sending FLUSH on every close (it then reports success itself):
         // one round trip fewer per file.
@@ -311,10 +380,16 @@ impl Filesystem for ArborFs {
         ino: INodeNo,
         _fh: FileHandle,
         _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
+        lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        // The last close of an open file drops its flock.
+        if let Some(owner) = lock_owner.filter(|_| self.locked.lock().contains(&ino.0)) {
+            if let Err(e) = self.vol.unlock_all(ino.0, owner.0) {
+                tracing::warn!(ino = ino.0, error = %e, "dropping a closed file's locks failed");
+            }
+        }
         empty(reply, self.vol.release(ino.0));
     }
 
@@ -323,7 +398,7 @@ impl Filesystem for ArborFs {
     }
 
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
-        let r = self.vol.readdir(ino.0, offset, |e| {
+        let r = self.vol.readdir(ino.0, offset, &mut |e| {
             !reply.add(INodeNo(e.ino), e.offset, file_type(e.kind), OsStr::from_bytes(&e.name))
         });
         match r {
@@ -337,8 +412,10 @@ impl Filesystem for ArborFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let s = self.vol.statfs();
-        reply.statfs(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize);
+        match self.vol.statfs() {
+            Ok(s) => reply.statfs(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize),
+            Err(e) => reply.error(to_errno(&e)),
+        }
     }
 
     fn setxattr(
@@ -396,12 +473,11 @@ impl Filesystem for ArborFs {
         reply: ReplyCreate,
     ) {
         let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
-        let made = self
-            .vol
-            .create(parent.0, name.as_bytes(), mode, req.uid(), req.gid(), 0)
-            .and_then(|a| self.vol.acquire(a.ino));
-        match made {
-            Ok(a) => reply.created(&TTL, &file_attr(&a), Generation(0), FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+        match self.vol.create_open(parent.0, name.as_bytes(), mode, req.uid(), req.gid()) {
+            Ok(a) => {
+                let flags = self.open_flags(&a);
+                reply.created(&self.ttl, &file_attr(&a), Generation(0), FileHandle(0), flags)
+            }
             Err(e) => reply.error(to_errno(&e)),
         }
     }
@@ -429,6 +505,53 @@ impl Filesystem for ArborFs {
             Ok(())
         });
         empty(reply, r);
+    }
+
+    fn getlk(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        pid: u32,
+        reply: ReplyLock,
+    ) {
+        let asked = match lock(start, end, typ, pid) {
+            Ok(l) => l,
+            Err(e) => return reply.error(e),
+        };
+        match self.vol.getlk(ino.0, lock_owner.0, asked) {
+            Ok(Some(l)) => reply.locked(l.start, l.end, l.typ, l.pid),
+            Ok(None) => reply.locked(start, end, libc::F_UNLCK, 0),
+            Err(e) => reply.error(to_errno(&e)),
+        }
+    }
+
+    fn setlk(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        lock_owner: LockOwner,
+        start: u64,
+        end: u64,
+        typ: i32,
+        pid: u32,
+        sleep: bool,
+        reply: ReplyEmpty,
+    ) {
+        match lock(start, end, typ, pid) {
+            Ok(l) => {
+                if typ != libc::F_UNLCK {
+                    self.locked.lock().insert(ino.0);
+                }
+                empty(reply, self.vol.setlk(ino.0, lock_owner.0, l, sleep))
+            }
+            Err(e) => reply.error(e),
+        }
     }
 
     /// No ioctl is supported. ENOTTY is what a file system without the

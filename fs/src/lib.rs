@@ -1,9 +1,12 @@
-//! arbor's FUSE adapter: one kernel request in, one [`Volume`] call, an
-//! errno or a reply out. No storage logic lives here; kernel options and
-//! the mount itself are in [`mount`].
+//! arbor's FUSE adapter: one kernel request in, one [`Files`] call (a
+//! `Volume` on this node, or the node that owns a shared branch), an errno
+//! or a reply out. No storage logic lives here; kernel options and the
+//! mount itself are in [`mount`].
 
 mod adapter;
+pub mod files;
 pub mod mount;
 
 pub use adapter::{to_errno, ArborFs};
+pub use files::{Files, Lock};
 pub use mount::{mount, recover_stale_mount, server_is_gone, MountHandle, MountOptions};

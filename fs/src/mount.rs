@@ -1,8 +1,7 @@
 //! Mounting a volume: kernel options chosen for speed, a request pool, and
 //! recovery of a stale mount left by a killed process.
 
-use crate::ArborFs;
-use arbor_engine::volume::Volume;
+use crate::{ArborFs, Files};
 use fuser::{Config, MountOption, SessionACL};
 use std::io;
 use std::path::Path;
@@ -54,6 +53,12 @@ impl MountHandle {
         }
     }
 
+    /// What pushes invalidations of names and inodes into the kernel's
+    /// caches (a shared tree's owner says what other nodes changed).
+    pub fn notifier(&self) -> Option<fuser::Notifier> {
+        self.session.as_ref().map(|s| s.notifier())
+    }
+
     /// Whether the session thread has ended.
     pub fn is_finished(&self) -> bool {
         self.session.as_ref().is_none_or(|s| s.guard.is_finished())
@@ -84,7 +89,7 @@ fn config(opts: &MountOptions, read_only: bool) -> Config {
 }
 
 /// Mounts `vol` at `mountpoint` and returns once the kernel answers.
-pub fn mount(vol: Arc<Volume>, mountpoint: &Path, opts: &MountOptions) -> io::Result<MountHandle> {
+pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOptions) -> io::Result<MountHandle> {
     recover_stale_mount(mountpoint)?;
     let read_only = vol.is_read_only();
     let fs = ArborFs::new(vol, opts.read_ahead);

@@ -135,13 +135,8 @@ impl CacheClient {
                 n: Counters::default(),
             });
         }
-        let auth = HeaderValue::from_str(&format!("Bearer {}", opts.token))
-            .map_err(|_| crate::Error::Config("the token must be printable ASCII".into()))?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("arbor-cache-client")
-            .enable_all()
-            .build()?;
+        let auth = crate::bearer(&opts.token)?;
+        let rt = crate::client_runtime("arbor-cache-client")?;
         Ok(CacheClient { inner: Arc::new(Inner { peers, auth, timeout: opts.timeout }), rt })
     }
 
@@ -264,24 +259,7 @@ impl Peer {
                 return Ok(s.clone());
             }
         }
-        let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&self.addr))
-            .await
-            .map_err(|_| "connect timed out".to_string())?
-            .map_err(|e| e.to_string())?;
-        let _ = stream.set_nodelay(true);
-        let (send, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .max_frame_size(MAX_FRAME)
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| e.to_string())?;
-        let addr = self.addr.clone();
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(server = %addr, error = %e, "connection to a cache server ended");
-            }
-        });
+        let send = connect(&self.addr, timeout).await?;
         *conn = Some(send.clone());
         Ok(send)
     }
@@ -291,6 +269,35 @@ impl Peer {
         *self.down_until.lock() = Some(Instant::now() + DOWN_FOR);
         *self.conn.lock().await = None;
     }
+}
+
+/// An HTTP/2 connection to `addr`, with windows sized for 1 MiB bodies
+/// and pings that notice a peer gone silent (a partition, a dead host),
+/// driven by a task of its own.
+pub(crate) async fn connect(addr: &str, timeout: Duration) -> Result<SendRequest<Full<Bytes>>, String> {
+    let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let (send, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = addr.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(server = %addr, error = %e, "a connection ended");
+        }
+    });
+    Ok(send)
 }
 
 impl ChunkSource for CacheClient {

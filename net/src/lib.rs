@@ -21,13 +21,18 @@
 //! | `GET /v1/chunks/<segment file name>/<index>` | `200` the chunk's bytes, `x-arbor-cache: hit\|miss`; `404` no such sealed segment or chunk; `502` the bucket failed |
 //! | `GET /metrics` | Prometheus text: hits, misses, bucket bytes, bytes served, evictions, resident bytes, request latency |
 //! | `GET /v1/health` | `200 ok` |
+//! | `/v1/files/<branch>/…` | file operations on a branch this process owns: see [`files`] |
 
 pub mod client;
+pub mod files;
 mod metrics;
 pub use metrics::sample as metric_sample;
+pub mod remote;
 pub mod server;
 
 pub use client::{CacheClient, ClientOptions, ServerStats};
+pub use files::SharedBranch;
+pub use remote::{RemoteFiles, RemoteOptions, RemoteStats};
 pub use server::{CacheServer, Fault, Running, ServerOptions};
 
 use std::path::Path;
@@ -61,6 +66,17 @@ pub fn read_token(path: &Path) -> Result<String, Error> {
         }
     }
     Ok(token)
+}
+
+/// The `Authorization` header a client sends with `token`.
+pub(crate) fn bearer(token: &str) -> Result<hyper::header::HeaderValue, Error> {
+    hyper::header::HeaderValue::from_str(&format!("Bearer {token}"))
+        .map_err(|_| Error::Config("the token must be printable ASCII".into()))
+}
+
+/// A client's own runtime: two threads named `name`.
+pub(crate) fn client_runtime(name: &str) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name(name).enable_all().build()
 }
 
 /// Whether `got` is the `Authorization` header for `token`, compared in

@@ -1,9 +1,10 @@
 //! `arbor serve`: answers chunk requests from a [`SegmentCache`] over
 //! HTTP/2 (and HTTP/1.1), behind a shared token.
 
+use crate::files::{Op, SharedBranch, EVENT_WAIT, SESSION_HEADER};
 use crate::metrics::{CacheGauges, Metrics};
 use crate::{authorized, CACHE_HEADER};
-use arbor_engine::format::SegId;
+use arbor_engine::format::{decode_value, encode_value, SegId};
 use arbor_engine::tier::SegmentCache;
 use bytes::Bytes;
 use http_body_util::Full;
@@ -11,6 +12,7 @@ use hyper::body::Incoming;
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -47,10 +49,17 @@ pub struct ServerOptions {
 }
 
 pub struct CacheServer {
-    cache: Arc<SegmentCache>,
+    /// `None`: a server of shared branches on a local-folder disk, which
+    /// has no bucket to cache.
+    cache: Option<Arc<SegmentCache>>,
+    /// The branches this process owns, by name.
+    branches: HashMap<String, Arc<SharedBranch>>,
     opts: ServerOptions,
     metrics: Metrics,
 }
+
+/// The largest request body (a 1 MiB write and its header fit many times).
+const MAX_BODY: usize = 8 << 20;
 
 /// HTTP/2 flow-control windows: a 1 MiB chunk must not wait for window
 /// updates (the protocol's default stream window is 64 KiB).
@@ -94,7 +103,22 @@ fn reply(status: StatusCode, body: impl Into<Bytes>) -> Reply {
 
 impl CacheServer {
     pub fn new(cache: SegmentCache, opts: ServerOptions) -> Arc<CacheServer> {
-        Arc::new(CacheServer { cache: Arc::new(cache), opts, metrics: Metrics::default() })
+        CacheServer::owner(Some(cache), Vec::new(), opts)
+    }
+
+    /// A server that also owns `branches` and serves their files.
+    pub fn owner(
+        cache: Option<SegmentCache>,
+        branches: Vec<Arc<SharedBranch>>,
+        opts: ServerOptions,
+    ) -> Arc<CacheServer> {
+        let branches = branches.into_iter().map(|b| (b.name().to_string(), b)).collect();
+        Arc::new(CacheServer { cache: cache.map(Arc::new), branches, opts, metrics: Metrics::default() })
+    }
+
+    /// A branch this server owns.
+    pub fn branch(&self, name: &str) -> Option<&Arc<SharedBranch>> {
+        self.branches.get(name)
     }
 
     /// Serves connections from `listener` until `shutdown` completes.
@@ -111,9 +135,13 @@ impl CacheServer {
             .max_frame_size(MAX_FRAME)
             .max_concurrent_streams(1024);
         let builder = Arc::new(builder);
-        if let Some(keep_for) = self.opts.keep_for {
-            tokio::spawn(keep_only_recent(self.cache.clone(), keep_for));
+        if let (Some(keep_for), Some(cache)) = (self.opts.keep_for, &self.cache) {
+            tokio::spawn(keep_only_recent(cache.clone(), keep_for));
         }
+        for b in self.branches.values() {
+            tokio::spawn(reap_sessions(b.clone()));
+        }
+        let mut next_conn = 0u64;
         tokio::pin!(shutdown);
         loop {
             let (stream, peer) = tokio::select! {
@@ -130,28 +158,46 @@ impl CacheServer {
             };
             let _ = stream.set_nodelay(true);
             let (me, builder) = (self.clone(), builder.clone());
+            next_conn += 1;
+            let conn = next_conn;
             tokio::spawn(async move {
+                let server = me.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
-                    async move { Ok::<_, Infallible>(me.handle(req).await) }
+                    async move { Ok::<_, Infallible>(me.handle(req, conn).await) }
                 });
                 if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
                     tracing::debug!(%peer, error = %e, "connection ended");
+                }
+                for b in server.branches.values() {
+                    b.connection_closed(conn);
                 }
             });
         }
     }
 
-    async fn handle(&self, req: Request<Incoming>) -> Reply {
+    async fn handle(&self, req: Request<Incoming>, conn: u64) -> Reply {
         let auth = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
         if !authorized(auth, &self.opts.token) {
             self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
             return reply(StatusCode::UNAUTHORIZED, Bytes::new());
         }
+        let path = req.uri().path().to_string();
+        let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        if let ["v1", "files", branch, rest @ ..] = parts.as_slice() {
+            let Some(b) = self.branches.get(*branch).cloned() else {
+                return reply(StatusCode::NOT_FOUND, format!("branch {branch} is not served here\n"));
+            };
+            return match (req.method(), rest) {
+                (&Method::POST, []) => file_op(b, req, conn).await,
+                (&Method::POST, ["session"]) => reply(StatusCode::OK, encode_value(&b.open_session(conn))),
+                (&Method::GET, ["events"]) => events(b, &req, conn).await,
+                _ => reply(StatusCode::NOT_FOUND, Bytes::new()),
+            };
+        }
         if req.method() != Method::GET {
             return reply(StatusCode::METHOD_NOT_ALLOWED, Bytes::new());
         }
-        let parts: Vec<&str> = req.uri().path().trim_start_matches('/').split('/').collect();
         match parts.as_slice() {
             ["metrics"] => {
                 let mut r = reply(StatusCode::OK, self.metrics_text());
@@ -169,7 +215,7 @@ impl CacheServer {
 
     async fn chunk(&self, seg: SegId, index: u32) -> Reply {
         let started = Instant::now();
-        let cache = self.cache.clone();
+        let Some(cache) = self.cache.clone() else { return reply(StatusCode::NOT_FOUND, Bytes::new()) };
         let got = tokio::task::spawn_blocking(move || cache.chunk(seg, index)).await;
         let m = &self.metrics;
         let r = match got {
@@ -216,12 +262,14 @@ impl CacheServer {
 
     /// Evicts, now, every chunk not read since the cache's clock read `tick`.
     pub fn evict_unused_since(&self, tick: u64) {
-        self.cache.evict_unused_since(tick);
+        if let Some(c) = &self.cache {
+            c.evict_unused_since(tick);
+        }
     }
 
     /// The server's counters in the Prometheus text format.
     pub fn metrics_text(&self) -> String {
-        let s = self.cache.stats();
+        let s = self.cache.as_ref().map(|c| c.stats()).unwrap_or_default();
         self.metrics.render(&CacheGauges {
             bucket_bytes: s.fetched_bytes,
             bucket_gets: s.gets,
@@ -230,6 +278,65 @@ impl CacheServer {
             evicted_bytes: s.evicted_bytes,
         })
     }
+}
+
+/// Drops the sessions of clients that went away, every second.
+async fn reap_sessions(b: Arc<SharedBranch>) {
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let b = b.clone();
+        let _ = tokio::task::spawn_blocking(move || b.reap()).await;
+    }
+}
+
+fn session_of(req: &Request<Incoming>) -> Option<u64> {
+    let v = req.headers().get(SESSION_HEADER)?.to_str().ok()?;
+    u64::from_str_radix(v, 16).ok()
+}
+
+async fn file_op(b: Arc<SharedBranch>, req: Request<Incoming>, conn: u64) -> Reply {
+    use http_body_util::BodyExt;
+    let Some(session) = session_of(&req) else { return reply(StatusCode::BAD_REQUEST, "no session\n") };
+    if !b.touch(session, conn) {
+        return reply(StatusCode::CONFLICT, "unknown session\n");
+    }
+    let body = match http_body_util::Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return reply(StatusCode::PAYLOAD_TOO_LARGE, format!("{e}\n")),
+    };
+    let op: Op = match decode_value(&body, "file operation") {
+        Ok(op) => op,
+        Err(_) => return reply(StatusCode::BAD_REQUEST, "not a file operation\n"),
+    };
+    let r = match op {
+        Op::SetLk { ino, owner, lock, wait: true } if lock.typ != libc::F_UNLCK => {
+            b.set_lock(session, ino, owner, lock).await
+        }
+        op => match tokio::task::spawn_blocking(move || b.apply(session, op)).await {
+            Ok(r) => r,
+            Err(_) => Err(libc::EIO),
+        },
+    };
+    reply(StatusCode::OK, encode_value(&r))
+}
+
+async fn events(b: Arc<SharedBranch>, req: &Request<Incoming>, conn: u64) -> Reply {
+    let mut session = None;
+    let mut after = None;
+    for kv in req.uri().query().unwrap_or("").split('&') {
+        match kv.split_once('=') {
+            Some(("session", v)) => session = u64::from_str_radix(v, 16).ok(),
+            Some(("after", v)) => after = v.parse::<u64>().ok(),
+            _ => {}
+        }
+    }
+    let (Some(session), Some(after)) = (session, after) else {
+        return reply(StatusCode::BAD_REQUEST, "events?session=<hex>&after=<n>\n");
+    };
+    if !b.touch(session, conn) {
+        return reply(StatusCode::CONFLICT, "unknown session\n");
+    }
+    reply(StatusCode::OK, encode_value(&b.events(session, after, EVENT_WAIT).await))
 }
 
 /// A server running on its own runtime thread (tests, benchmarks, and

@@ -54,6 +54,33 @@ pub struct BranchInfo {
     pub commit: Addr,
 }
 
+/// Where a branch is served to other nodes: the owner's `HOST:PORT`, and
+/// which process it is. Stored as text, one field a line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub addr: String,
+    pub host: String,
+    pub pid: u32,
+}
+
+impl Owner {
+    const MAGIC: &'static str = "arbor-owner v1";
+
+    fn encode(&self) -> Vec<u8> {
+        format!("{}\n{}\n{}\n{}\n", Owner::MAGIC, self.addr, self.host, self.pid).into_bytes()
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Owner> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut lines = text.lines();
+        if lines.next()? != Owner::MAGIC {
+            return None;
+        }
+        let (addr, host, pid) = (lines.next()?, lines.next()?, lines.next()?.parse().ok()?);
+        Some(Owner { addr: addr.into(), host: host.into(), pid })
+    }
+}
+
 /// A root to diff or mount: a branch's newest commit, or a checkpoint.
 #[derive(Clone, Debug)]
 pub enum Root {
@@ -291,6 +318,33 @@ impl Catalog {
             e => e.into(),
         })?;
         Ok((vol, lock))
+    }
+
+    /// Records that `name` is served to other nodes at `addr` by this
+    /// process (`arbor serve --branch`), for their mounts to find.
+    pub fn record_owner(&self, name: &str, owner: &Owner) -> Result<()> {
+        check_name(name)?;
+        self.store.put(&arbor_engine::layout::owner_key(name), &owner.encode())?;
+        Ok(())
+    }
+
+    /// Where `name` was last served from, if a serving process recorded it
+    /// (it may be gone: its lease says whether it is alive).
+    pub fn owner_of(&self, name: &str) -> Result<Option<Owner>> {
+        check_name(name)?;
+        match self.store.get(&arbor_engine::layout::owner_key(name)) {
+            Ok((body, _)) => Ok(Owner::decode(&body)),
+            Err(EngineError::NoSuchObject(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Removes the owner record of `name` if it is `owner`'s.
+    pub fn clear_owner(&self, name: &str, owner: &Owner) -> Result<()> {
+        if self.owner_of(name)?.as_ref() == Some(owner) {
+            self.store.delete(&arbor_engine::layout::owner_key(name))?;
+        }
+        Ok(())
     }
 
     /// Opens a checkpoint read-only.

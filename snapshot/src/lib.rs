@@ -12,7 +12,7 @@ pub mod disk;
 mod error;
 mod gc;
 
-pub use catalog::{check_name, BranchInfo, BranchLock, Catalog, CheckpointInfo, Root};
+pub use catalog::{check_name, BranchInfo, BranchLock, Catalog, CheckpointInfo, Owner, Root};
 pub use disk::{Disk, DiskOptions};
 pub use error::{Error, Result};
 pub use gc::{GcPlan, GcReport, GC_GRACE};

@@ -299,3 +299,86 @@ pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
 }
 
 pub use arbor_engine::testkit::{bytes_under, http_get, Proxy};
+
+/// A free TCP port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// `arbor serve --foreground` as a child process on 127.0.0.1; killed on drop.
+pub struct Serve {
+    pub child: Child,
+    pub addr: String,
+    pub log: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+impl Serve {
+    /// `arbor serve DISK --listen 127.0.0.1:<port> ARGS… --foreground`,
+    /// logging to `log`; returns once it accepts connections.
+    pub fn start(disk: &str, port: u16, args: &[&str], env: &[(&str, String)], log: &Path) -> Serve {
+        let addr = format!("127.0.0.1:{port}");
+        let mut all: Vec<String> = vec!["serve".into(), disk.into(), "--listen".into(), addr.clone()];
+        all.extend(args.iter().map(|s| s.to_string()));
+        all.push("--foreground".into());
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        let child = Self::spawn(&all, &env, log);
+        let mut s = Serve { child, addr, log: log.to_path_buf(), args: all, env };
+        s.wait_listening();
+        s
+    }
+
+    fn spawn(args: &[String], env: &[(String, String)], log: &Path) -> Child {
+        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log");
+        Command::new(arbor_bin())
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().expect("log"))
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn arbor serve")
+    }
+
+    fn wait_listening(&mut self) {
+        wait_until("arbor serve to listen", Duration::from_secs(30), || {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("arbor serve exited with {status}: {}", std::fs::read_to_string(&self.log).unwrap_or_default());
+            }
+            std::net::TcpStream::connect(&self.addr).is_ok()
+        });
+    }
+
+    /// kill -9, then the same command again on the same port.
+    pub fn kill9_and_restart(&mut self) {
+        self.kill9_only();
+        self.child = Self::spawn(&self.args, &self.env, &self.log);
+        self.wait_listening();
+    }
+
+    /// kill -9, and nothing else.
+    pub fn kill9_only(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, and the server must exit cleanly.
+    pub fn stop(mut self) {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let status = self.child.wait().expect("wait");
+        assert!(
+            status.success(),
+            "arbor serve exit: {status}; log: {}",
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        );
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -182,7 +182,7 @@ impl Extent {
 }
 
 /// What `getattr` returns.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
 pub struct Attr {
     pub ino: u64,
     pub kind: FileKind,
@@ -227,14 +227,14 @@ impl Attr {
 }
 
 /// A time to set: the volume's clock, or a given time.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, bincode::Encode, bincode::Decode)]
 pub enum TimeSet {
     Now,
     At(Timestamp),
 }
 
 /// `setattr` arguments; `None` leaves a field alone.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, bincode::Encode, bincode::Decode)]
 pub struct SetAttr {
     pub perm: Option<u16>,
     pub uid: Option<u32>,
@@ -255,7 +255,7 @@ pub enum RenameMode {
 }
 
 /// One listed directory entry; `offset` resumes the listing after it.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
 pub struct DirEntryOut {
     pub ino: u64,
     pub kind: FileKind,
@@ -263,7 +263,7 @@ pub struct DirEntryOut {
     pub offset: u64,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
 pub struct StatFs {
     pub blocks: u64,
     pub bfree: u64,
@@ -275,7 +275,7 @@ pub struct StatFs {
 }
 
 /// How `setxattr` treats an existing attribute.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, bincode::Encode, bincode::Decode)]
 pub enum XattrFlags {
     #[default]
     Any,

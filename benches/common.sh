@@ -1,0 +1,33 @@
+# Helpers the comparison scripts share; sourced, not run.
+
+drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
+
+# fio's JSON -> one number: MiB/s of a job, or a completion-latency percentile in µs.
+bw() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; r=j[sys.argv[2]]; print(r["bw_bytes"]/1048576)' "$@"; }
+lat() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; print(j["read"]["clat_ns"]["percentile"][sys.argv[2]]/1000)' "$@"; }
+median() { python3 -c 'import statistics,sys; print(statistics.median(float(x) for x in sys.argv[1:]))' "$@"; }
+
+# smallfiles DIR N: create N files of 4 KiB, stat each, list, unlink each; files/s.
+smallfiles() {
+  python3 - "$1" "$2" <<'PY'
+import os, sys, time
+d, n = sys.argv[1], int(sys.argv[2])
+sub = os.path.join(d, "small")
+os.makedirs(sub, exist_ok=True)
+t = time.perf_counter()
+for i in range(n):
+    with open(os.path.join(sub, f"f{i}"), "wb") as f:
+        f.write(b"x" * 4096)
+for i in range(n):
+    os.stat(os.path.join(sub, f"f{i}"))
+assert len(os.listdir(sub)) == n
+for i in range(n):
+    os.unlink(os.path.join(sub, f"f{i}"))
+print(n / (time.perf_counter() - t))
+PY
+}
+
+# row NAME UNIT BASELINE MEASURED TARGET: one markdown table row with the ratio.
+row() {
+  python3 -c 'import sys; n,u,l,a,t=sys.argv[1:]; l=float(l); a=float(a); print(f"| {n} | {l:.2f} {u} | {a:.2f} {u} | {a/l:.2f}× | {t} |")' "$@"
+}

@@ -1,0 +1,176 @@
+//! Shared branches: `arbor serve --branch` owns a branch and applies what
+//! mounts on other nodes send it; `arbor mount` of a branch another
+//! process owns mounts it through that owner (see `arbor_net::files`).
+
+use crate::control;
+use crate::disk::{self, Disk};
+use crate::serve::{addr_json, open_branch, serve_until_stopped, unmount_request, MountArgs};
+use anyhow::{bail, Context, Result};
+use arbor_engine::volume::{Config, Volume};
+use arbor_fs::{Files, MountOptions};
+use arbor_net::remote::Locate;
+use arbor_net::{RemoteFiles, RemoteOptions, SharedBranch};
+use arbor_snapshot::{BranchLock, Catalog, Owner};
+use serde_json::json;
+use std::path::Path;
+use std::sync::Arc;
+
+/// What `arbor serve --branch` owns besides its chunk cache.
+#[derive(Clone, Debug)]
+pub struct OwnerArgs {
+    pub branches: Vec<String>,
+    /// The `HOST:PORT` clients are told to connect to (default: the
+    /// listening address, or this host's name and the port when listening
+    /// on every interface).
+    pub advertise: Option<String>,
+    /// Take the branches even from a live lease (their holder is known dead).
+    pub take_over: bool,
+    pub durability: arbor_engine::tier::Durability,
+}
+
+/// One branch this process owns.
+pub struct Owned {
+    pub shared: Arc<SharedBranch>,
+    catalog: Arc<Catalog>,
+    owner: Owner,
+    _disk: Disk,
+    _lock: BranchLock,
+}
+
+/// The address clients are told: `advertise`, else `addr` unless it is a
+/// wildcard, else this host's name with `addr`'s port.
+pub fn advertised(addr: std::net::SocketAddr, advertise: Option<&str>) -> String {
+    match advertise {
+        Some(a) => a.to_string(),
+        None if addr.ip().is_unspecified() => format!("{}:{}", crate::node::hostname(), addr.port()),
+        None => addr.to_string(),
+    }
+}
+
+/// Opens branch `name` of `disk_arg` for writing and records `addr` as
+/// where it is served.
+pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owned> {
+    arbor_snapshot::check_name(name)?;
+    let cache = disk::CacheOptions { durability: a.durability, ..disk::CacheOptions::default() };
+    let d = disk::open_for_owner(disk_arg, name, cache, a.take_over)?;
+    d.make_private()?;
+    let catalog = d.catalog()?;
+    if name != "main" {
+        catalog.branch_head(name)?;
+    }
+    let (vol, lock) = open_branch(&catalog, name, Config::default(), &format!("arbor serve at {addr}"))?;
+    let owner = Owner { addr: addr.to_string(), host: crate::node::hostname(), pid: std::process::id() };
+    catalog.record_owner(name, &owner).with_context(|| format!("cannot record where branch {name} is served"))?;
+    tracing::info!(branch = name, addr, "owning branch");
+    let (cp_catalog, cp_vol, branch) = (catalog.clone(), vol.clone(), name.to_string());
+    let checkpoint: arbor_net::files::Checkpointer = Arc::new(move |cp: &str| {
+        cp_catalog
+            .checkpoint_volume(cp, &branch, &cp_vol)
+            .map(|c| json!({"name": c.name, "commit": addr_json(c.commit)}).to_string())
+            .map_err(|e| e.to_string())
+    });
+    Ok(Owned { shared: SharedBranch::new(name, vol, Some(checkpoint)), catalog, owner, _disk: d, _lock: lock })
+}
+
+impl Owned {
+    /// Forgets the owner record (if still ours) and makes the last commit.
+    pub fn close(self) -> Result<()> {
+        let name = self.shared.name().to_string();
+        if let Err(e) = self.catalog.clear_owner(&name, &self.owner) {
+            tracing::warn!(branch = %name, error = %e, "cannot remove the owner record");
+        }
+        let vol: &Arc<Volume> = self.shared.volume();
+        vol.close().with_context(|| format!("final commit of branch {name} failed"))
+    }
+}
+
+/// For a branch mount: the owner to mount through, if the branch is served
+/// by another process (`--server`, or an owner record beside a live lease).
+pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locate>> {
+    let name = args.branch.clone().unwrap_or_else(|| "main".into());
+    let catalog = d.catalog()?;
+    let recorded = match &args.server {
+        Some(_) => None,
+        None => {
+            if catalog.lease_of(&name)?.is_none() {
+                return Ok(None);
+            }
+            match catalog.owner_of(&name)? {
+                Some(o) => Some(o),
+                None => return Ok(None),
+            }
+        }
+    };
+    if args.token_file.is_none() {
+        let at = args.server.clone().or(recorded.map(|o| o.addr)).unwrap_or_default();
+        bail!("branch {name} is served by arbor serve at {at}: give its token with --token-file (or ARBOR_TOKEN_FILE) to mount it through the owner");
+    }
+    Ok(Some(match args.server.clone() {
+        Some(addr) => Arc::new(move || Some(addr.clone())),
+        None => Arc::new(move || catalog.owner_of(&name).ok().flatten().map(|o| o.addr)),
+    }))
+}
+
+/// Mounts branch `args.branch` at `mountpoint` through its owner, and
+/// serves until unmounted or signalled.
+pub fn mount_remote(d: &Disk, mountpoint: &Path, args: &MountArgs, locate: Locate) -> Result<()> {
+    let name = args.branch.clone().unwrap_or_else(|| "main".into());
+    let token_file = args.token_file.as_deref().context("--token-file is needed to mount through the owner")?;
+    let token = arbor_net::read_token(token_file)?;
+    let files =
+        Arc::new(RemoteFiles::connect(RemoteOptions { branch: name.clone(), token, locate, timeout: args.timeout })?);
+    let control = control::Server::bind(mountpoint)?;
+    let opts = MountOptions { allow_other: args.allow_other, read_ahead: args.read_ahead, ..MountOptions::default() };
+    let handle = arbor_fs::mount(files.clone(), mountpoint, &opts)
+        .with_context(|| format!("cannot mount at {}", mountpoint.display()))?;
+    if let Some(n) = handle.notifier() {
+        files.follow(n)?;
+    }
+    let owner = files.stats().owner.unwrap_or_default();
+    tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, "mounted through the owner");
+    let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
+    let stopped = serve_until_stopped(handle, control, move |req, tx| match req["op"].as_str() {
+        Some("status") => {
+            let s = view.stats();
+            let result = json!({
+                "mountpoint": mp,
+                "disk": url,
+                "branch": name,
+                "pid": std::process::id(),
+                "read_only": false,
+                "owner": s.owner,
+                "owner_retries": s.retries,
+                "owner_sessions": s.sessions,
+                "open_files": s.open_files,
+            });
+            (json!({"ok": true, "result": result}), false)
+        }
+        Some("unmount") => unmount_request(tx),
+        Some("commit") => match view.commit() {
+            Ok(a) => (json!({"ok": true, "result": addr_json(a)}), false),
+            Err(e) => (json!({"ok": false, "error": e.to_string()}), false),
+        },
+        Some("checkpoint") => {
+            let Some(cp) = req["name"].as_str() else { return (json!({"ok": false, "error": "no name"}), false) };
+            match view.checkpoint(cp) {
+                Ok(made) => {
+                    (json!({"ok": true, "result": serde_json::from_str::<serde_json::Value>(&made).ok()}), false)
+                }
+                Err(e) => (json!({"ok": false, "error": e}), false),
+            }
+        }
+        Some(op) => (
+            json!({"ok": false, "error": format!(
+                "this mount writes through the owner at {}; run {op} against the disk on the owner's node",
+                view.stats().owner.unwrap_or_default()
+            )}),
+            false,
+        ),
+        None => (json!({"ok": false, "error": "no op"}), false),
+    })?;
+    let closed = Files::close(&*files);
+    stopped.report(closed.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+    closed?;
+    tracing::info!("unmounted cleanly");
+    Ok(())
+}

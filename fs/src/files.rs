@@ -1,0 +1,157 @@
+//! What the FUSE adapter serves: the file operations of one branch or
+//! checkpoint. A [`Volume`] on this node is one; a client of the node that
+//! owns a branch (`arbor_net::RemoteFiles`) is another.
+
+use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
+use arbor_engine::{Error, Result};
+
+/// A POSIX byte-range lock (`fcntl`), or a whole-file `flock` (the range
+/// 0..=u64::MAX), as the kernel gives it: `typ` is `F_RDLCK`, `F_WRLCK` or
+/// `F_UNLCK`, `end` is inclusive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Lock {
+    pub start: u64,
+    pub end: u64,
+    pub typ: i32,
+    pub pid: u32,
+}
+
+/// The file operations of one mounted tree, in the engine's terms (inode
+/// numbers, byte names, engine errors whose `errno()` the adapter returns).
+pub trait Files: Send + Sync + 'static {
+    fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr>;
+    fn getattr(&self, ino: u64) -> Result<Attr>;
+    fn setattr(&self, ino: u64, change: SetAttr) -> Result<Attr>;
+    fn readlink(&self, ino: u64) -> Result<Vec<u8>>;
+    fn create(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32, rdev: u32) -> Result<Attr>;
+    /// `create` then `open`, in one step where that saves a round trip.
+    fn create_open(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32) -> Result<Attr> {
+        let a = self.create(parent, name, mode, uid, gid, 0)?;
+        self.open(a.ino)
+    }
+    fn mkdir(&self, parent: u64, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr>;
+    fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Result<Attr>;
+    fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Result<Attr>;
+    fn unlink(&self, parent: u64, name: &[u8]) -> Result<()>;
+    fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()>;
+    fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], mode: RenameMode) -> Result<()>;
+    /// Keeps the inode alive (even once unlinked) until the matching
+    /// [`release`](Files::release); returns its attributes now.
+    fn open(&self, ino: u64) -> Result<Attr>;
+    fn release(&self, ino: u64) -> Result<()>;
+    fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>>;
+    fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize>;
+    fn fsync(&self, ino: u64) -> Result<()>;
+    /// Entries from `offset` on, until `f` returns false.
+    fn readdir(&self, ino: u64, offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()>;
+    fn statfs(&self) -> Result<StatFs>;
+    fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()>;
+    fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>>;
+    fn listxattr(&self, ino: u64) -> Result<Vec<Vec<u8>>>;
+    fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()>;
+    /// The last commit, at unmount.
+    fn close(&self) -> Result<()>;
+    fn is_read_only(&self) -> bool;
+
+    /// Whether other nodes change these files too. A shared tree is served
+    /// with short kernel cache timeouts and cached pages checked at every
+    /// open (close-to-open), and its locks are taken through
+    /// [`getlk`](Files::getlk) / [`setlk`](Files::setlk) so that they
+    /// exclude other nodes; an unshared one is cached for long and the
+    /// kernel keeps its locks itself.
+    fn is_shared(&self) -> bool {
+        false
+    }
+
+    /// The first lock held by someone other than `owner` that conflicts
+    /// with `lock`, if any.
+    fn getlk(&self, _ino: u64, _owner: u64, _lock: Lock) -> Result<Option<Lock>> {
+        Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSYS)))
+    }
+
+    /// Takes (or with `F_UNLCK` drops) `lock` for `owner`; with `wait`,
+    /// until it can be had, else EAGAIN at once.
+    fn setlk(&self, _ino: u64, _owner: u64, _lock: Lock, _wait: bool) -> Result<()> {
+        Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSYS)))
+    }
+
+    /// Drops every lock `owner` holds on `ino` (its descriptor was closed).
+    fn unlock_all(&self, _ino: u64, _owner: u64) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl Files for Volume {
+    fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
+        Volume::lookup(self, parent, name)
+    }
+    fn getattr(&self, ino: u64) -> Result<Attr> {
+        Volume::getattr(self, ino)
+    }
+    fn setattr(&self, ino: u64, change: SetAttr) -> Result<Attr> {
+        Volume::setattr(self, ino, change)
+    }
+    fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
+        Volume::readlink(self, ino)
+    }
+    fn create(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32, rdev: u32) -> Result<Attr> {
+        Volume::create(self, parent, name, mode, uid, gid, rdev)
+    }
+    fn mkdir(&self, parent: u64, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
+        Volume::mkdir(self, parent, name, perm, uid, gid)
+    }
+    fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Result<Attr> {
+        Volume::symlink(self, parent, name, target, uid, gid)
+    }
+    fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Result<Attr> {
+        Volume::link(self, ino, new_parent, new_name)
+    }
+    fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+        Volume::unlink(self, parent, name)
+    }
+    fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
+        Volume::rmdir(self, parent, name)
+    }
+    fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], mode: RenameMode) -> Result<()> {
+        Volume::rename(self, parent, name, new_parent, new_name, mode)
+    }
+    fn open(&self, ino: u64) -> Result<Attr> {
+        Volume::acquire(self, ino)
+    }
+    fn release(&self, ino: u64) -> Result<()> {
+        Volume::release(self, ino)
+    }
+    fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        Volume::read(self, ino, off, len)
+    }
+    fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
+        Volume::write(self, ino, off, data)
+    }
+    fn fsync(&self, ino: u64) -> Result<()> {
+        Volume::fsync(self, ino)
+    }
+    fn readdir(&self, ino: u64, offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()> {
+        Volume::readdir(self, ino, offset, f)
+    }
+    fn statfs(&self) -> Result<StatFs> {
+        Ok(Volume::statfs(self))
+    }
+    fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+        Volume::setxattr(self, ino, name, value, flags)
+    }
+    fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
+        Volume::getxattr(self, ino, name)
+    }
+    fn listxattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
+        Volume::listxattr(self, ino)
+    }
+    fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
+        Volume::removexattr(self, ino, name)
+    }
+    fn close(&self) -> Result<()> {
+        Volume::close(self)
+    }
+    fn is_read_only(&self) -> bool {
+        Volume::is_read_only(self)
+    }
+}

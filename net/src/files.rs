@@ -1,0 +1,726 @@
+//! Shared branches: the owner's side. `arbor serve --branch` holds a
+//! branch's writer lease like a mount does, and applies the file
+//! operations that client mounts on other nodes send it, so a branch keeps
+//! one writer (one log, one lease) however many nodes write to it.
+//!
+//! # Protocol
+//!
+//! On the cache server's HTTP/2 connection, behind the same token:
+//!
+//! | request | answer |
+//! | --- | --- |
+//! | `POST /v1/files/<branch>/session` | a [`SessionInfo`]: this client's session and the owner's epoch |
+//! | `POST /v1/files/<branch>` + `x-arbor-session` + an [`Op`] | a [`Reply`]; `409` unknown session (open a new one); `404` branch not served here |
+//! | `GET /v1/files/<branch>/events?session=S&after=N` | [`Events`] after sequence N, waiting up to [`EVENT_WAIT`] for one |
+//!
+//! Bodies are bincode (standard configuration). A reply is the result the
+//! owner's `Volume` gave, an errno in place of an error, so a client
+//! returns the same errno for the same bad input as a local mount.
+//!
+//! # Sessions
+//!
+//! A session is one client mount. The owner remembers what each session
+//! holds open (an unlinked file lives while a client has it open) and its
+//! locks. A session whose connection closed and did not come back within
+//! [`ORPHAN_GRACE`], or that sent nothing (its event poll included) for
+//! [`SESSION_IDLE`], is dropped with everything it held: a client killed
+//! with -9 leaves no lock and no open file behind. The epoch changes when
+//! the owner restarts; a client that sees a new one opens a new session and
+//! opens its open files again.
+//!
+//! # Events
+//!
+//! Every change is recorded as the inodes and names it touched, in a ring
+//! of the newest [`EVENT_RING`]; clients poll it and drop those inodes and
+//! names from their kernel's caches, so a file made on one node shows on
+//! the others at once. A client that fell behind the ring is told so (it
+//! relies on its short cache timeouts for what it missed).
+
+use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
+use arbor_engine::Error;
+use arbor_fs::Lock;
+use parking_lot::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long an event poll waits for something to happen.
+pub const EVENT_WAIT: Duration = Duration::from_secs(5);
+/// How long a session may be silent before it is dropped.
+pub const SESSION_IDLE: Duration = Duration::from_secs(30);
+/// How long a session's connection may stay closed before it is dropped.
+pub const ORPHAN_GRACE: Duration = Duration::from_secs(3);
+/// Events kept for clients that poll late.
+pub const EVENT_RING: usize = 8192;
+/// The header that names a request's session.
+pub const SESSION_HEADER: &str = "x-arbor-session";
+/// Entries one `ReadDir` answers at most.
+pub const READDIR_BATCH: u32 = 1024;
+
+/// One file operation, in the engine's terms.
+#[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
+pub enum Op {
+    Lookup {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    GetAttr {
+        ino: u64,
+    },
+    SetAttr {
+        ino: u64,
+        change: SetAttr,
+    },
+    ReadLink {
+        ino: u64,
+    },
+    Create {
+        parent: u64,
+        name: Vec<u8>,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+        rdev: u32,
+    },
+    CreateOpen {
+        parent: u64,
+        name: Vec<u8>,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    },
+    Mkdir {
+        parent: u64,
+        name: Vec<u8>,
+        perm: u16,
+        uid: u32,
+        gid: u32,
+    },
+    Symlink {
+        parent: u64,
+        name: Vec<u8>,
+        target: Vec<u8>,
+        uid: u32,
+        gid: u32,
+    },
+    Link {
+        ino: u64,
+        new_parent: u64,
+        new_name: Vec<u8>,
+    },
+    Unlink {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Rmdir {
+        parent: u64,
+        name: Vec<u8>,
+    },
+    Rename {
+        parent: u64,
+        name: Vec<u8>,
+        new_parent: u64,
+        new_name: Vec<u8>,
+        mode: RenameMode,
+    },
+    /// Opens `ino` `count` times (a client opening its files again after
+    /// the owner restarted sends its counts).
+    Open {
+        ino: u64,
+        count: u32,
+    },
+    Release {
+        ino: u64,
+    },
+    Read {
+        ino: u64,
+        off: u64,
+        len: u32,
+    },
+    Write {
+        ino: u64,
+        off: u64,
+        data: Vec<u8>,
+    },
+    Fsync {
+        ino: u64,
+    },
+    ReadDir {
+        ino: u64,
+        offset: u64,
+        max: u32,
+    },
+    StatFs,
+    SetXattr {
+        ino: u64,
+        name: Vec<u8>,
+        value: Vec<u8>,
+        flags: XattrFlags,
+    },
+    GetXattr {
+        ino: u64,
+        name: Vec<u8>,
+    },
+    ListXattr {
+        ino: u64,
+    },
+    RemoveXattr {
+        ino: u64,
+        name: Vec<u8>,
+    },
+    GetLk {
+        ino: u64,
+        owner: u64,
+        lock: Lock,
+    },
+    SetLk {
+        ino: u64,
+        owner: u64,
+        lock: Lock,
+        wait: bool,
+    },
+    /// Drops every lock `owner` holds on `ino`.
+    UnlockAll {
+        ino: u64,
+        owner: u64,
+    },
+    /// Commits now: the branch's current state, for `arbor diff` and the like.
+    Commit,
+    /// Freezes the branch as checkpoint `name`, unsynced writes included.
+    Checkpoint {
+        name: String,
+    },
+}
+
+/// What an operation gave.
+#[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
+pub enum Out {
+    Unit,
+    Attr(Attr),
+    Bytes(Vec<u8>),
+    Written(u64),
+    Entries(Vec<DirEntryOut>),
+    StatFs(StatFs),
+    Names(Vec<Vec<u8>>),
+    Lock(Option<Lock>),
+    Commit {
+        writer: u64,
+        seq: u32,
+        off: u32,
+        len: u32,
+    },
+    /// A checkpoint's description (JSON), or why it was refused.
+    Message(Result<String, String>),
+}
+
+/// Makes a checkpoint of the owned branch's volume: the owner's process
+/// knows its catalog; the network code does not.
+pub type Checkpointer = Arc<dyn Fn(&str) -> Result<String, String> + Send + Sync>;
+
+/// An operation's result: what it gave, or an errno.
+pub type Reply = Result<Out, i32>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct SessionInfo {
+    pub session: u64,
+    /// Changes when the owner restarts.
+    pub epoch: u64,
+    /// The newest event now: the session polls for what comes after it.
+    pub seq: u64,
+}
+
+/// Something another node changed.
+#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub enum Event {
+    /// An inode's attributes or bytes.
+    Inode(u64),
+    /// What a name in a directory points at.
+    Entry(u64, Vec<u8>),
+}
+
+#[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
+pub struct Events {
+    /// The sequence to ask after next time.
+    pub next: u64,
+    pub epoch: u64,
+    /// Some events after the asked sequence were already dropped.
+    pub gap: bool,
+    pub items: Vec<Event>,
+}
+
+struct Held {
+    session: u64,
+    owner: u64,
+    lock: Lock,
+}
+
+struct Session {
+    last_seen: Instant,
+    /// The connection it last spoke on, and since when that is closed.
+    conn: u64,
+    orphaned_at: Option<Instant>,
+    open: HashMap<u64, u32>,
+}
+
+#[derive(Default)]
+struct State {
+    sessions: HashMap<u64, Session>,
+    /// Locks by inode.
+    locks: HashMap<u64, Vec<Held>>,
+    /// (sequence, session it came from, event), oldest first.
+    events: VecDeque<(u64, u64, Event)>,
+    next_seq: u64,
+}
+
+/// One branch this process owns.
+pub struct SharedBranch {
+    name: String,
+    vol: Arc<Volume>,
+    checkpoint: Option<Checkpointer>,
+    epoch: u64,
+    state: Mutex<State>,
+    /// Woken when an event is recorded or a lock is dropped.
+    changed: tokio::sync::Notify,
+}
+
+fn errno(e: &Error) -> i32 {
+    if let Error::Corrupted { what, addr } = e {
+        tracing::error!(what, addr, "returning EIO for corrupt data");
+    }
+    e.errno()
+}
+
+fn overlaps(a: &Lock, b: &Lock) -> bool {
+    a.start <= b.end && b.start <= a.end
+}
+
+fn conflicts(a: &Lock, b: &Lock) -> bool {
+    overlaps(a, b) && (a.typ == libc::F_WRLCK || b.typ == libc::F_WRLCK)
+}
+
+/// `held` (one owner's locks on one file) with `range` taken out.
+fn cut(held: Vec<Held>, session: u64, owner: u64, range: &Lock) -> Vec<Held> {
+    let mut out = Vec::with_capacity(held.len() + 1);
+    for h in held {
+        if h.session != session || h.owner != owner || !overlaps(&h.lock, range) {
+            out.push(h);
+            continue;
+        }
+        if h.lock.start < range.start {
+            out.push(Held { lock: Lock { end: range.start - 1, ..h.lock }, ..h });
+        }
+        if h.lock.end > range.end {
+            out.push(Held { session, owner, lock: Lock { start: range.end + 1, ..h.lock } });
+        }
+    }
+    out
+}
+
+impl SharedBranch {
+    pub fn new(name: &str, vol: Arc<Volume>, checkpoint: Option<Checkpointer>) -> Arc<SharedBranch> {
+        let epoch =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+                ^ ((std::process::id() as u64) << 40);
+        Arc::new(SharedBranch {
+            name: name.into(),
+            vol,
+            checkpoint,
+            epoch,
+            state: Mutex::new(State { next_seq: 1, ..State::default() }),
+            changed: tokio::sync::Notify::new(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn volume(&self) -> &Arc<Volume> {
+        &self.vol
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Client sessions now.
+    pub fn sessions(&self) -> usize {
+        self.state.lock().sessions.len()
+    }
+
+    /// Locks held now, over all files.
+    pub fn locks(&self) -> usize {
+        self.state.lock().locks.values().map(Vec::len).sum()
+    }
+
+    pub fn open_session(&self, conn: u64) -> SessionInfo {
+        let mut st = self.state.lock();
+        let mut id = splitmix(self.epoch ^ st.next_seq ^ ((st.sessions.len() as u64) << 32));
+        while id == 0 || st.sessions.contains_key(&id) {
+            id = splitmix(id);
+        }
+        st.sessions.insert(id, Session { last_seen: Instant::now(), conn, orphaned_at: None, open: HashMap::new() });
+        SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1 }
+    }
+
+    /// Marks `session` as heard from on `conn`; false if it is unknown.
+    pub fn touch(&self, session: u64, conn: u64) -> bool {
+        let mut st = self.state.lock();
+        match st.sessions.get_mut(&session) {
+            Some(s) => {
+                s.last_seen = Instant::now();
+                s.conn = conn;
+                s.orphaned_at = None;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Connection `conn` closed: its sessions have [`ORPHAN_GRACE`] to come back.
+    pub fn connection_closed(&self, conn: u64) {
+        let now = Instant::now();
+        for s in self.state.lock().sessions.values_mut().filter(|s| s.conn == conn) {
+            s.orphaned_at.get_or_insert(now);
+        }
+    }
+
+    /// Drops sessions that went away, with their open files and locks.
+    pub fn reap(&self) {
+        let now = Instant::now();
+        let gone: Vec<(u64, Session)> = {
+            let mut st = self.state.lock();
+            let dead: Vec<u64> = st
+                .sessions
+                .iter()
+                .filter(|(_, s)| {
+                    now.duration_since(s.last_seen) > SESSION_IDLE
+                        || s.orphaned_at.is_some_and(|t| now.duration_since(t) > ORPHAN_GRACE)
+                })
+                .map(|(id, _)| *id)
+                .collect();
+            let mut gone = Vec::new();
+            for id in dead {
+                if let Some(s) = st.sessions.remove(&id) {
+                    gone.push((id, s));
+                }
+            }
+            for held in st.locks.values_mut() {
+                held.retain(|h| !gone.iter().any(|(id, _)| *id == h.session));
+            }
+            st.locks.retain(|_, v| !v.is_empty());
+            gone
+        };
+        if gone.is_empty() {
+            return;
+        }
+        for (id, s) in &gone {
+            tracing::info!(branch = %self.name, session = format!("{id:016x}"), open_files = s.open.len(), "a client went away; dropping its open files and locks");
+            for (&ino, &n) in &s.open {
+                for _ in 0..n {
+                    if let Err(e) = self.vol.release(ino) {
+                        tracing::warn!(ino, error = %e, "releasing a departed client's file failed");
+                    }
+                }
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    fn record(&self, from: u64, events: impl IntoIterator<Item = Event>) {
+        let mut st = self.state.lock();
+        for e in events {
+            // A run of writes to one file is one event.
+            if st.events.back().is_some_and(|(_, s, last)| *s == from && *last == e) {
+                continue;
+            }
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            st.events.push_back((seq, from, e));
+            if st.events.len() > EVENT_RING {
+                st.events.pop_front();
+            }
+        }
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// Events after `after` that other sessions caused, waiting up to
+    /// `wait` for one.
+    pub async fn events(&self, session: u64, mut after: u64, wait: Duration) -> Events {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = self.state.lock();
+                let next = st.next_seq - 1;
+                let first = st.events.front().map_or(st.next_seq, |e| e.0);
+                let gap = after + 1 < first;
+                let items: Vec<Event> =
+                    st.events.iter().filter(|(seq, s, _)| *seq > after && *s != session).map(|e| e.2.clone()).collect();
+                if !items.is_empty() || gap || tokio::time::Instant::now() >= deadline {
+                    return Events { next, epoch: self.epoch, gap, items };
+                }
+                // Only this session's own changes so far.
+                after = next.max(after);
+            }
+            let _ = tokio::time::timeout_at(deadline, notified).await;
+        }
+    }
+
+    fn lookup_ino(&self, parent: u64, name: &[u8]) -> Option<u64> {
+        self.vol.lookup(parent, name).ok().map(|a| a.ino)
+    }
+
+    /// Applies `op` for `session` (blocking: call it off the async threads;
+    /// lock waits are [`SharedBranch::set_lock`]).
+    pub fn apply(&self, session: u64, op: Op) -> Reply {
+        use Event::{Entry, Inode};
+        let v = &self.vol;
+        let out = match op {
+            Op::Lookup { parent, name } => v.lookup(parent, &name).map(Out::Attr),
+            Op::GetAttr { ino } => v.getattr(ino).map(Out::Attr),
+            Op::ReadLink { ino } => v.readlink(ino).map(Out::Bytes),
+            Op::Read { ino, off, len } => v.read(ino, off, len as usize).map(Out::Bytes),
+            Op::StatFs => Ok(Out::StatFs(v.statfs())),
+            Op::GetXattr { ino, name } => v.getxattr(ino, &name).map(Out::Bytes),
+            Op::ListXattr { ino } => v.listxattr(ino).map(Out::Names),
+            Op::ReadDir { ino, offset, max } => {
+                let mut entries = Vec::new();
+                let max = max.clamp(1, READDIR_BATCH) as usize;
+                v.readdir(ino, offset, |e| {
+                    entries.push(e);
+                    entries.len() < max
+                })
+                .map(|()| Out::Entries(entries))
+            }
+            Op::SetAttr { ino, change } => {
+                let r = v.setattr(ino, change).map(Out::Attr);
+                self.record(session, [Inode(ino)]);
+                r
+            }
+            Op::Write { ino, off, data } => {
+                let r = v.write(ino, off, &data).map(|n| Out::Written(n as u64));
+                self.record(session, [Inode(ino)]);
+                r
+            }
+            Op::Fsync { ino } => v.fsync(ino).map(|()| Out::Unit),
+            Op::Create { parent, name, mode, uid, gid, rdev } => {
+                let r = v.create(parent, &name, mode, uid, gid, rdev).map(Out::Attr);
+                self.record(session, [Entry(parent, name), Inode(parent)]);
+                r
+            }
+            Op::CreateOpen { parent, name, mode, uid, gid } => {
+                let r = v.create(parent, &name, mode, uid, gid, 0).and_then(|a| self.open(session, a.ino, 1));
+                self.record(session, [Entry(parent, name), Inode(parent)]);
+                r.map(Out::Attr)
+            }
+            Op::Mkdir { parent, name, perm, uid, gid } => {
+                let r = v.mkdir(parent, &name, perm, uid, gid).map(Out::Attr);
+                self.record(session, [Entry(parent, name), Inode(parent)]);
+                r
+            }
+            Op::Symlink { parent, name, target, uid, gid } => {
+                let r = v.symlink(parent, &name, &target, uid, gid).map(Out::Attr);
+                self.record(session, [Entry(parent, name), Inode(parent)]);
+                r
+            }
+            Op::Link { ino, new_parent, new_name } => {
+                let r = v.link(ino, new_parent, &new_name).map(Out::Attr);
+                self.record(session, [Entry(new_parent, new_name), Inode(new_parent), Inode(ino)]);
+                r
+            }
+            Op::Unlink { parent, name } => {
+                let child = self.lookup_ino(parent, &name);
+                let r = v.unlink(parent, &name).map(|()| Out::Unit);
+                self.record(session, [Entry(parent, name), Inode(parent)].into_iter().chain(child.map(Inode)));
+                r
+            }
+            Op::Rmdir { parent, name } => {
+                let child = self.lookup_ino(parent, &name);
+                let r = v.rmdir(parent, &name).map(|()| Out::Unit);
+                self.record(session, [Entry(parent, name), Inode(parent)].into_iter().chain(child.map(Inode)));
+                r
+            }
+            Op::Rename { parent, name, new_parent, new_name, mode } => {
+                let moved = self.lookup_ino(parent, &name);
+                let replaced = self.lookup_ino(new_parent, &new_name);
+                let r = v.rename(parent, &name, new_parent, &new_name, mode).map(|()| Out::Unit);
+                let touched = [Entry(parent, name), Entry(new_parent, new_name), Inode(parent), Inode(new_parent)];
+                self.record(session, touched.into_iter().chain(moved.map(Inode)).chain(replaced.map(Inode)));
+                r
+            }
+            Op::Open { ino, count } => self.open(session, ino, count).map(Out::Attr),
+            Op::Release { ino } => self.release(session, ino).map(|()| Out::Unit),
+            Op::SetXattr { ino, name, value, flags } => {
+                let r = v.setxattr(ino, &name, &value, flags).map(|()| Out::Unit);
+                self.record(session, [Inode(ino)]);
+                r
+            }
+            Op::RemoveXattr { ino, name } => {
+                let r = v.removexattr(ino, &name).map(|()| Out::Unit);
+                self.record(session, [Inode(ino)]);
+                r
+            }
+            Op::GetLk { ino, owner, lock } => return Ok(Out::Lock(self.get_lock(session, ino, owner, &lock))),
+            Op::SetLk { ino, owner, lock, .. } => {
+                return self.try_lock(session, ino, owner, lock);
+            }
+            Op::Commit => v.commit().and_then(|()| v.last_commit().ok_or(Error::ReadOnly)).map(|a| Out::Commit {
+                writer: a.seg.writer,
+                seq: a.seg.seq,
+                off: a.off,
+                len: a.len,
+            }),
+            Op::Checkpoint { name } => match &self.checkpoint {
+                Some(f) => Ok(Out::Message(f(&name))),
+                None => Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSYS))),
+            },
+            Op::UnlockAll { ino, owner } => {
+                let all = Lock { start: 0, end: u64::MAX, typ: libc::F_UNLCK, pid: 0 };
+                return self.try_lock(session, ino, owner, all);
+            }
+        };
+        out.map_err(|e| errno(&e))
+    }
+
+    fn open(&self, session: u64, ino: u64, count: u32) -> Result<Attr, Error> {
+        let mut attr = None;
+        let mut taken = 0;
+        for _ in 0..count.max(1) {
+            match self.vol.acquire(ino) {
+                Ok(a) => {
+                    attr = Some(a);
+                    taken += 1;
+                }
+                Err(e) => {
+                    for _ in 0..taken {
+                        let _ = self.vol.release(ino);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let mut st = self.state.lock();
+        match st.sessions.get_mut(&session) {
+            Some(s) => *s.open.entry(ino).or_default() += taken,
+            None => {
+                // The session was dropped meanwhile: nobody will release these.
+                drop(st);
+                for _ in 0..taken {
+                    let _ = self.vol.release(ino);
+                }
+                return Err(Error::Io(std::io::Error::from_raw_os_error(libc::ESTALE)));
+            }
+        }
+        attr.ok_or(Error::NotFound)
+    }
+
+    fn release(&self, session: u64, ino: u64) -> Result<(), Error> {
+        {
+            let mut st = self.state.lock();
+            let Some(s) = st.sessions.get_mut(&session) else { return Ok(()) };
+            match s.open.get_mut(&ino) {
+                Some(n) if *n > 1 => *n -= 1,
+                Some(_) => {
+                    s.open.remove(&ino);
+                }
+                // Opened before the owner restarted and not opened again.
+                None => return Ok(()),
+            }
+            // POSIX: closing any descriptor of a file drops the process's
+            // fcntl locks on it; the kernel sends an unlock for those
+            // itself, so nothing more is done here.
+        }
+        self.vol.release(ino)
+    }
+
+    fn get_lock(&self, session: u64, ino: u64, owner: u64, lock: &Lock) -> Option<Lock> {
+        let st = self.state.lock();
+        st.locks
+            .get(&ino)?
+            .iter()
+            .find(|h| !(h.session == session && h.owner == owner) && conflicts(&h.lock, lock))
+            .map(|h| {
+                // The pid is only meaningful on the holder's node.
+                h.lock
+            })
+    }
+
+    /// Takes or drops `lock` now, or EAGAIN.
+    pub fn try_lock(&self, session: u64, ino: u64, owner: u64, lock: Lock) -> Reply {
+        let mut st = self.state.lock();
+        if !st.sessions.contains_key(&session) {
+            return Err(libc::ESTALE);
+        }
+        let held = st.locks.remove(&ino).unwrap_or_default();
+        if lock.typ != libc::F_UNLCK
+            && held.iter().any(|h| !(h.session == session && h.owner == owner) && conflicts(&h.lock, &lock))
+        {
+            st.locks.insert(ino, held);
+            return Err(libc::EAGAIN);
+        }
+        let mut held = cut(held, session, owner, &lock);
+        if lock.typ != libc::F_UNLCK {
+            held.push(Held { session, owner, lock });
+        }
+        if !held.is_empty() {
+            st.locks.insert(ino, held);
+        }
+        drop(st);
+        if lock.typ == libc::F_UNLCK {
+            self.changed.notify_waiters();
+        }
+        Ok(Out::Unit)
+    }
+
+    /// Takes `lock`, waiting while others hold a conflicting one (or until
+    /// the session is dropped).
+    pub async fn set_lock(&self, session: u64, ino: u64, owner: u64, lock: Lock) -> Reply {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.try_lock(session, ino, owner, lock) {
+                Err(libc::EAGAIN) => {}
+                r => return r,
+            }
+            // A lock is dropped with a notification; the timeout covers a
+            // holder that went away between the try and the wait.
+            let _ = tokio::time::timeout(Duration::from_millis(500), notified).await;
+        }
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn l(start: u64, end: u64, typ: i32) -> Lock {
+        Lock { start, end, typ, pid: 1 }
+    }
+
+    #[test]
+    fn unlocking_the_middle_of_a_range_leaves_both_ends() {
+        let held = vec![Held { session: 1, owner: 7, lock: l(0, 99, libc::F_WRLCK) }];
+        let left = cut(held, 1, 7, &l(10, 19, libc::F_UNLCK));
+        let ranges: Vec<(u64, u64)> = left.iter().map(|h| (h.lock.start, h.lock.end)).collect();
+        assert_eq!(ranges, vec![(0, 9), (20, 99)]);
+    }
+
+    #[test]
+    fn read_locks_share_and_write_locks_exclude() {
+        assert!(!conflicts(&l(0, 10, libc::F_RDLCK), &l(5, 20, libc::F_RDLCK)));
+        assert!(conflicts(&l(0, 10, libc::F_RDLCK), &l(5, 20, libc::F_WRLCK)));
+        assert!(!conflicts(&l(0, 10, libc::F_WRLCK), &l(11, 20, libc::F_WRLCK)));
+    }
+}

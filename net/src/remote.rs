@@ -1,0 +1,665 @@
+//! Shared branches: the client's side. A mount of a branch another process
+//! owns serves the kernel through [`RemoteFiles`]: every operation is sent
+//! to the owner (see [`crate::files`]) and its answer, errno included,
+//! returned as the owner's volume gave it.
+//!
+//! The mount is "hard": when the owner cannot be reached, an operation
+//! waits and tries again (backoff from 50 ms to 2 s, the owner's address
+//! looked up again each time, so a new owner is followed), unless a
+//! timeout was given, after which it fails with EIO. When the owner comes
+//! back with a new epoch (it restarted), the client opens a new session
+//! and opens again the files it holds open.
+//!
+//! # Writes the owner lost
+//!
+//! An owner killed with -9 loses what it had not made durable, and a
+//! client's later `fsync` must not report those writes durable. So a
+//! client keeps every write the owner acknowledged until an `fsync` (the
+//! owner's, which covers its whole log) returns, and when the owner comes
+//! back with a new epoch it sends them again, in order, before anything
+//! else — the "unstable write" and verifier of NFS. A file is recognised by
+//! its inode number and birth time (a file made anew after the restart may
+//! get the same number); a file that did not survive the restart is lost,
+//! and its next `fsync` fails with EIO. At most [`UNSYNCED_MAX`] bytes are
+//! kept; past that the client asks the owner for an `fsync` itself.
+
+use crate::client::connect;
+use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH, SESSION_HEADER};
+use arbor_engine::env::Timestamp;
+use arbor_engine::format::{decode_value, encode_value};
+use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
+use arbor_engine::{Error, Result};
+use arbor_fs::{Files, Lock};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http2::SendRequest;
+use hyper::header::{HeaderValue, AUTHORIZATION};
+use hyper::{Method, Request, StatusCode};
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Finds the owner's `HOST:PORT`: the address given on the command line,
+/// or the owner record in the bucket, read again after every failure.
+pub type Locate = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Unsynced bytes a client keeps for resending before it syncs on its own.
+pub const UNSYNCED_MAX: u64 = 128 << 20;
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+#[derive(Clone)]
+pub struct RemoteOptions {
+    pub branch: String,
+    pub token: String,
+    pub locate: Locate,
+    /// `None`: wait for the owner for as long as it takes (a hard mount);
+    /// `Some(t)`: an operation fails with EIO after `t` without an answer.
+    pub timeout: Option<Duration>,
+}
+
+/// What went wrong with one attempt.
+enum Failed {
+    /// The owner could not be reached or the connection broke: try again.
+    Transport(String),
+    /// The owner does not know our session (it restarted, or dropped us).
+    Session,
+    /// The owner refused our token.
+    Refused,
+}
+
+/// A file this mount holds open: how many times, and its birth time,
+/// which tells it from a later file given the same inode number.
+#[derive(Clone, Copy)]
+struct OpenFile {
+    count: u32,
+    crtime: Timestamp,
+}
+
+struct UnsyncedWrite {
+    seq: u64,
+    ino: u64,
+    crtime: Timestamp,
+    off: u64,
+    data: Bytes,
+}
+
+/// Writes acknowledged but not yet covered by an fsync.
+#[derive(Default)]
+struct Unsynced {
+    writes: Vec<UnsyncedWrite>,
+    bytes: u64,
+    next_seq: u64,
+    /// Files whose unsynced writes the owner lost: their next fsync fails.
+    lost: HashSet<u64>,
+}
+
+struct Inner {
+    opts: RemoteOptions,
+    auth: HeaderValue,
+    conn: tokio::sync::Mutex<Option<(String, SendRequest<Full<Bytes>>)>>,
+    session: Mutex<Option<SessionInfo>>,
+    /// The owner's epoch when we last had a session.
+    epoch: Mutex<Option<u64>>,
+    /// Files this mount holds open.
+    open: Mutex<HashMap<u64, OpenFile>>,
+    unsynced: Mutex<Unsynced>,
+    /// Held while a new session is set up (writes are resent under it).
+    opening: tokio::sync::Mutex<()>,
+    retries: AtomicU64,
+    sessions: AtomicU64,
+    /// Whether the current outage was already logged.
+    outage: AtomicBool,
+}
+
+pub struct RemoteFiles {
+    inner: Arc<Inner>,
+    rt: tokio::runtime::Runtime,
+    events: Mutex<Option<(tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<()>)>>,
+}
+
+/// What a client mount has seen of its owner.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RemoteStats {
+    pub owner: Option<String>,
+    /// Attempts that failed and were tried again.
+    pub retries: u64,
+    /// Sessions opened (more than one: the owner restarted or dropped us).
+    pub sessions: u64,
+    pub open_files: usize,
+}
+
+fn errno_error(errno: i32) -> Error {
+    match errno {
+        libc::ENOENT => Error::NotFound,
+        _ => Error::Io(std::io::Error::from_raw_os_error(errno)),
+    }
+}
+
+impl Inner {
+    async fn sender(&self) -> std::result::Result<(String, SendRequest<Full<Bytes>>), Failed> {
+        let mut conn = self.conn.lock().await;
+        if let Some((addr, s)) = conn.as_ref() {
+            if !s.is_closed() {
+                return Ok((addr.clone(), s.clone()));
+            }
+        }
+        let locate = self.opts.locate.clone();
+        let addr = tokio::task::spawn_blocking(move || locate())
+            .await
+            .ok()
+            .flatten()
+            .ok_or_else(|| Failed::Transport("no owner is recorded for the branch".into()))?;
+        let send = connect(&addr, CONNECT_TIMEOUT).await.map_err(|e| Failed::Transport(format!("{addr}: {e}")))?;
+        *conn = Some((addr.clone(), send.clone()));
+        Ok((addr, send))
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        path_and_query: &str,
+        session: Option<u64>,
+        body: Bytes,
+    ) -> std::result::Result<Bytes, Failed> {
+        let (addr, mut send) = self.sender().await?;
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}/v1/files/{}{path_and_query}", self.opts.branch))
+            .header(AUTHORIZATION, self.auth.clone());
+        if let Some(s) = session {
+            req = req.header(SESSION_HEADER, format!("{s:016x}"));
+        }
+        let req = req.body(Full::new(body)).map_err(|e| Failed::Transport(e.to_string()))?;
+        let broke = |e: String| Failed::Transport(format!("{addr}: {e}"));
+        let resp = match send.send_request(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                *self.conn.lock().await = None;
+                return Err(broke(e.to_string()));
+            }
+        };
+        let status = resp.status();
+        let body = resp.into_body().collect().await.map_err(|e| broke(e.to_string()))?.to_bytes();
+        match status {
+            StatusCode::OK => Ok(body),
+            StatusCode::CONFLICT => Err(Failed::Session),
+            StatusCode::UNAUTHORIZED => Err(Failed::Refused),
+            s => {
+                // 404: the branch is not (or no longer) served there; the
+                // owner's record may name another process soon.
+                *self.conn.lock().await = None;
+                Err(broke(format!("{s} {}", String::from_utf8_lossy(&body).trim())))
+            }
+        }
+    }
+
+    /// Our session, opened (and our open files opened again, our unsynced
+    /// writes sent again if the owner restarted) if there is none.
+    async fn session(&self) -> std::result::Result<SessionInfo, Failed> {
+        if let Some(s) = *self.session.lock() {
+            return Ok(s);
+        }
+        let _one = self.opening.lock().await;
+        if let Some(s) = *self.session.lock() {
+            return Ok(s);
+        }
+        let body = self.request(Method::POST, "/session", None, Bytes::new()).await?;
+        let info: SessionInfo =
+            decode_value(&body, "session").map_err(|_| Failed::Transport("a garbled session answer".into()))?;
+        let restarted = self.epoch.lock().is_some_and(|e| e != info.epoch);
+        if restarted {
+            tracing::warn!("the owner restarted; sending again the writes it had not made durable");
+            self.resend(info.session).await?;
+        }
+        let reopen: Vec<(u64, OpenFile)> = self.open.lock().iter().map(|(&i, &f)| (i, f)).collect();
+        for (ino, f) in reopen {
+            let r = self.send(info.session, &Op::Open { ino, count: f.count }).await?;
+            match r {
+                Ok(Out::Attr(a)) if a.crtime == f.crtime => {}
+                Ok(_) => {
+                    // Another file got the number: ours is gone.
+                    let _ = self.send(info.session, &Op::Release { ino }).await?;
+                    self.lose(ino);
+                }
+                Err(errno) => {
+                    tracing::warn!(ino, errno, "a file this mount had open is gone on the owner");
+                    self.lose(ino);
+                }
+            }
+        }
+        if self.sessions.fetch_add(1, Ordering::Relaxed) > 0 {
+            tracing::info!(session = format!("{:016x}", info.session), "a new session with the owner");
+        }
+        *self.epoch.lock() = Some(info.epoch);
+        *self.session.lock() = Some(info);
+        Ok(info)
+    }
+
+    /// One operation under `session`, not retried.
+    async fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
+        let r = self.request(Method::POST, "", Some(session), Bytes::from(encode_value(op))).await?;
+        decode_value(&r, "reply").map_err(|_| Failed::Transport("a garbled reply".into()))
+    }
+
+    /// Forgets open file `ino`: the owner no longer has it.
+    fn lose(&self, ino: u64) {
+        self.open.lock().remove(&ino);
+        let mut u = self.unsynced.lock();
+        u.lost.insert(ino);
+        u.writes.retain(|w| w.ino != ino);
+        u.bytes = u.writes.iter().map(|w| w.data.len() as u64).sum();
+    }
+
+    /// Sends the unsynced writes again, in order, to files that are still
+    /// the same files.
+    async fn resend(&self, session: u64) -> std::result::Result<(), Failed> {
+        let writes: Vec<(u64, Timestamp, u64, Bytes)> =
+            self.unsynced.lock().writes.iter().map(|w| (w.ino, w.crtime, w.off, w.data.clone())).collect();
+        let mut same: HashMap<u64, bool> = HashMap::new();
+        for (ino, crtime, off, data) in writes {
+            if let std::collections::hash_map::Entry::Vacant(e) = same.entry(ino) {
+                let now = self.send(session, &Op::GetAttr { ino }).await?;
+                e.insert(matches!(now, Ok(Out::Attr(a)) if a.crtime == crtime));
+            }
+            if !same[&ino] {
+                continue;
+            }
+            if let Err(errno) = self.send(session, &Op::Write { ino, off, data: data.to_vec() }).await? {
+                tracing::warn!(ino, errno, "a write could not be sent again");
+                same.insert(ino, false);
+            }
+        }
+        for (ino, ok) in same {
+            if !ok {
+                tracing::warn!(ino, "a file's unsynced writes were lost with the owner");
+                self.lose(ino);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `op` until the owner answers it (or the timeout passes).
+    async fn call(&self, op: &Op) -> Result<Out> {
+        let body = Bytes::from(encode_value(op));
+        let started = Instant::now();
+        let mut backoff = BACKOFF_MIN;
+        loop {
+            let attempt = async {
+                let s = self.session().await?;
+                self.request(Method::POST, "", Some(s.session), body.clone()).await
+            };
+            match attempt.await {
+                Ok(bytes) => {
+                    if self.outage.swap(false, Ordering::Relaxed) {
+                        tracing::info!("the owner answers again");
+                    }
+                    let reply: Reply = decode_value(&bytes, "reply")?;
+                    return reply.map_err(errno_error);
+                }
+                Err(Failed::Refused) => {
+                    tracing::warn!("the owner refused our token (check --token-file)");
+                    return Err(errno_error(libc::EACCES));
+                }
+                Err(Failed::Session) => {
+                    *self.session.lock() = None;
+                }
+                Err(Failed::Transport(e)) => {
+                    if !self.outage.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(error = %e, "the owner cannot be reached; retrying");
+                    }
+                }
+            }
+            self.retries.fetch_add(1, Ordering::Relaxed);
+            if self.opts.timeout.is_some_and(|t| started.elapsed() >= t) {
+                return Err(errno_error(libc::EIO));
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    /// One poll for what other nodes changed since `after`.
+    async fn poll(&self, after: u64) -> std::result::Result<(SessionInfo, Events), Failed> {
+        let s = self.session().await?;
+        let after = if after == 0 { s.seq } else { after };
+        let q = format!("/events?session={:016x}&after={after}", s.session);
+        let body = self.request(Method::GET, &q, None, Bytes::new()).await?;
+        let ev = decode_value(&body, "events").map_err(|_| Failed::Transport("garbled events".into()))?;
+        Ok((s, ev))
+    }
+}
+
+impl RemoteFiles {
+    /// A client of `opts.branch`'s owner; it checks at once that the owner
+    /// answers and takes the token, so a mount fails with a clear message
+    /// instead of hanging.
+    pub fn connect(opts: RemoteOptions) -> std::result::Result<RemoteFiles, crate::Error> {
+        let auth = crate::bearer(&opts.token)?;
+        let rt = crate::client_runtime("arbor-remote")?;
+        let inner = Arc::new(Inner {
+            opts,
+            auth,
+            conn: tokio::sync::Mutex::new(None),
+            session: Mutex::new(None),
+            epoch: Mutex::new(None),
+            open: Mutex::new(HashMap::new()),
+            unsynced: Mutex::new(Unsynced::default()),
+            opening: tokio::sync::Mutex::new(()),
+            retries: AtomicU64::new(0),
+            sessions: AtomicU64::new(0),
+            outage: AtomicBool::new(false),
+        });
+        let first = rt.block_on(inner.session());
+        match first {
+            Ok(_) => {}
+            Err(Failed::Refused) => {
+                return Err(crate::Error::Config("the owner refused our token (check --token-file)".into()))
+            }
+            Err(Failed::Session) => return Err(crate::Error::Config("the owner refused a session".into())),
+            Err(Failed::Transport(e)) => {
+                return Err(crate::Error::Config(format!("cannot reach the owner of the branch: {e}")))
+            }
+        }
+        Ok(RemoteFiles { inner, rt, events: Mutex::new(None) })
+    }
+
+    fn call(&self, op: Op) -> Result<Out> {
+        self.rt.block_on(self.inner.call(&op))
+    }
+
+    pub fn stats(&self) -> RemoteStats {
+        let owner = self.rt.block_on(async { self.inner.conn.lock().await.as_ref().map(|c| c.0.clone()) });
+        RemoteStats {
+            owner,
+            retries: self.inner.retries.load(Ordering::Relaxed),
+            sessions: self.inner.sessions.load(Ordering::Relaxed),
+            open_files: self.inner.open.lock().len(),
+        }
+    }
+
+    /// Polls the owner for what other nodes change and drops it from the
+    /// kernel's caches through `notifier`, until [`RemoteFiles::close`].
+    /// The poll also tells the owner this mount is alive.
+    pub fn follow(&self, notifier: fuser::Notifier) -> std::io::Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let inner = self.inner.clone();
+        let handle = self.rt.handle().clone();
+        let t = std::thread::Builder::new().name("arbor-follow".into()).spawn(move || {
+            handle.block_on(async move {
+                let (mut session, mut after) = (0u64, 0u64);
+                let mut backoff = BACKOFF_MIN;
+                loop {
+                    let polled = tokio::select! {
+                        _ = &mut stop_rx => return,
+                        p = inner.poll(after) => p,
+                    };
+                    match polled {
+                        Ok((s, ev)) => {
+                            backoff = BACKOFF_MIN;
+                            if s.session != session {
+                                session = s.session;
+                            }
+                            if ev.gap {
+                                tracing::debug!(
+                                    "missed some changes of other nodes; the kernel's short timeouts cover them"
+                                );
+                            }
+                            after = ev.next;
+                            for e in ev.items {
+                                // ENOENT: the kernel does not hold that inode or name.
+                                let _ = match e {
+                                    Event::Inode(ino) => notifier.inval_inode(fuser::INodeNo(ino), 0, 0),
+                                    Event::Entry(parent, name) => {
+                                        notifier.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(&name))
+                                    }
+                                };
+                            }
+                        }
+                        Err(Failed::Session) => {
+                            *inner.session.lock() = None;
+                            after = 0;
+                        }
+                        Err(_) => {
+                            after = 0;
+                            tokio::select! {
+                                _ = &mut stop_rx => return,
+                                _ = tokio::time::sleep(backoff) => {}
+                            }
+                            backoff = (backoff * 2).min(BACKOFF_MAX);
+                        }
+                    }
+                }
+            })
+        })?;
+        *self.events.lock() = Some((stop_tx, t));
+        Ok(())
+    }
+
+    fn opened(&self, a: &Attr) {
+        let mut open = self.inner.open.lock();
+        let f = open.entry(a.ino).or_insert(OpenFile { count: 0, crtime: a.crtime });
+        f.count += 1;
+        f.crtime = a.crtime;
+    }
+
+    /// Commits the branch at the owner: its current commit.
+    pub fn commit(&self) -> Result<arbor_engine::format::Addr> {
+        match self.call(Op::Commit)? {
+            Out::Commit { writer, seq, off, len } => {
+                Ok(arbor_engine::format::Addr { seg: arbor_engine::format::SegId { writer, seq }, off, len })
+            }
+            _ => Err(errno_error(libc::EPROTO)),
+        }
+    }
+
+    /// Has the owner freeze the branch as checkpoint `name`: its
+    /// description (JSON), or why it was refused.
+    pub fn checkpoint(&self, name: &str) -> std::result::Result<String, String> {
+        match self.call(Op::Checkpoint { name: name.into() }) {
+            Ok(Out::Message(m)) => m,
+            Ok(_) => Err("a garbled answer from the owner".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Bytes written but not yet made durable by an fsync.
+    pub fn unsynced_bytes(&self) -> u64 {
+        self.inner.unsynced.lock().bytes
+    }
+}
+
+fn attr(r: Result<Out>) -> Result<Attr> {
+    match r? {
+        Out::Attr(a) => Ok(a),
+        _ => Err(errno_error(libc::EPROTO)),
+    }
+}
+
+fn unit(r: Result<Out>) -> Result<()> {
+    match r? {
+        Out::Unit => Ok(()),
+        _ => Err(errno_error(libc::EPROTO)),
+    }
+}
+
+fn bytes(r: Result<Out>) -> Result<Vec<u8>> {
+    match r? {
+        Out::Bytes(b) => Ok(b),
+        _ => Err(errno_error(libc::EPROTO)),
+    }
+}
+
+impl Files for RemoteFiles {
+    fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
+        attr(self.call(Op::Lookup { parent, name: name.to_vec() }))
+    }
+    fn getattr(&self, ino: u64) -> Result<Attr> {
+        attr(self.call(Op::GetAttr { ino }))
+    }
+    fn setattr(&self, ino: u64, change: SetAttr) -> Result<Attr> {
+        attr(self.call(Op::SetAttr { ino, change }))
+    }
+    fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
+        bytes(self.call(Op::ReadLink { ino }))
+    }
+    fn create(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32, rdev: u32) -> Result<Attr> {
+        attr(self.call(Op::Create { parent, name: name.to_vec(), mode, uid, gid, rdev }))
+    }
+    fn create_open(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32) -> Result<Attr> {
+        let a = attr(self.call(Op::CreateOpen { parent, name: name.to_vec(), mode, uid, gid }))?;
+        self.opened(&a);
+        Ok(a)
+    }
+    fn mkdir(&self, parent: u64, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
+        attr(self.call(Op::Mkdir { parent, name: name.to_vec(), perm, uid, gid }))
+    }
+    fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Result<Attr> {
+        attr(self.call(Op::Symlink { parent, name: name.to_vec(), target: target.to_vec(), uid, gid }))
+    }
+    fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Result<Attr> {
+        attr(self.call(Op::Link { ino, new_parent, new_name: new_name.to_vec() }))
+    }
+    fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
+        unit(self.call(Op::Unlink { parent, name: name.to_vec() }))
+    }
+    fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
+        unit(self.call(Op::Rmdir { parent, name: name.to_vec() }))
+    }
+    fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], mode: RenameMode) -> Result<()> {
+        unit(self.call(Op::Rename { parent, name: name.to_vec(), new_parent, new_name: new_name.to_vec(), mode }))
+    }
+    fn open(&self, ino: u64) -> Result<Attr> {
+        let a = attr(self.call(Op::Open { ino, count: 1 }))?;
+        self.inner.unsynced.lock().lost.remove(&ino);
+        self.opened(&a);
+        Ok(a)
+    }
+    fn release(&self, ino: u64) -> Result<()> {
+        {
+            let mut open = self.inner.open.lock();
+            match open.get_mut(&ino) {
+                Some(f) if f.count > 1 => f.count -= 1,
+                _ => {
+                    open.remove(&ino);
+                }
+            }
+        }
+        unit(self.call(Op::Release { ino }))
+    }
+    fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        bytes(self.call(Op::Read { ino, off, len: len.min(u32::MAX as usize) as u32 }))
+    }
+    fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
+        let n = match self.call(Op::Write { ino, off, data: data.to_vec() })? {
+            Out::Written(n) => n as usize,
+            _ => return Err(errno_error(libc::EPROTO)),
+        };
+        let crtime = self.inner.open.lock().get(&ino).map(|f| f.crtime);
+        let over = match crtime {
+            Some(crtime) => {
+                let mut u = self.inner.unsynced.lock();
+                let seq = u.next_seq;
+                u.next_seq += 1;
+                u.bytes += n as u64;
+                u.writes.push(UnsyncedWrite { seq, ino, crtime, off, data: Bytes::copy_from_slice(&data[..n]) });
+                u.bytes > UNSYNCED_MAX
+            }
+            // Written through no open file of ours (the kernel always
+            // writes through one): nothing to resend it from.
+            None => false,
+        };
+        if over {
+            self.fsync(ino)?;
+        }
+        Ok(n)
+    }
+    fn fsync(&self, ino: u64) -> Result<()> {
+        let upto = self.inner.unsynced.lock().next_seq;
+        unit(self.call(Op::Fsync { ino }))?;
+        // The owner's fsync covers its whole log: every write acknowledged
+        // before it is durable now.
+        let mut u = self.inner.unsynced.lock();
+        u.writes.retain(|w| w.seq >= upto);
+        u.bytes = u.writes.iter().map(|w| w.data.len() as u64).sum();
+        if u.lost.remove(&ino) {
+            return Err(errno_error(libc::EIO));
+        }
+        Ok(())
+    }
+    fn readdir(&self, ino: u64, mut offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()> {
+        // Bounded by the directory: each batch moves the offset forward.
+        loop {
+            let Out::Entries(batch) = self.call(Op::ReadDir { ino, offset, max: READDIR_BATCH })? else {
+                return Err(errno_error(libc::EPROTO));
+            };
+            let full = batch.len() as u32 >= READDIR_BATCH;
+            for e in batch {
+                offset = e.offset;
+                if !f(e) {
+                    return Ok(());
+                }
+            }
+            if !full {
+                return Ok(());
+            }
+        }
+    }
+    fn statfs(&self) -> Result<StatFs> {
+        match self.call(Op::StatFs)? {
+            Out::StatFs(s) => Ok(s),
+            _ => Err(errno_error(libc::EPROTO)),
+        }
+    }
+    fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+        unit(self.call(Op::SetXattr { ino, name: name.to_vec(), value: value.to_vec(), flags }))
+    }
+    fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
+        bytes(self.call(Op::GetXattr { ino, name: name.to_vec() }))
+    }
+    fn listxattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
+        match self.call(Op::ListXattr { ino })? {
+            Out::Names(n) => Ok(n),
+            _ => Err(errno_error(libc::EPROTO)),
+        }
+    }
+    fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
+        unit(self.call(Op::RemoveXattr { ino, name: name.to_vec() }))
+    }
+    /// Stops following the owner. The owner commits; nothing is buffered here.
+    fn close(&self) -> Result<()> {
+        if let Some((stop, t)) = self.events.lock().take() {
+            let _ = stop.send(());
+            let _ = t.join();
+        }
+        Ok(())
+    }
+    fn is_read_only(&self) -> bool {
+        false
+    }
+    fn is_shared(&self) -> bool {
+        true
+    }
+    fn getlk(&self, ino: u64, owner: u64, lock: Lock) -> Result<Option<Lock>> {
+        match self.call(Op::GetLk { ino, owner, lock })? {
+            Out::Lock(l) => Ok(l),
+            _ => Err(errno_error(libc::EPROTO)),
+        }
+    }
+    fn setlk(&self, ino: u64, owner: u64, lock: Lock, wait: bool) -> Result<()> {
+        unit(self.call(Op::SetLk { ino, owner, lock, wait }))
+    }
+    fn unlock_all(&self, ino: u64, owner: u64) -> Result<()> {
+        unit(self.call(Op::UnlockAll { ino, owner }))
+    }
+}
+
+impl Drop for RemoteFiles {
+    fn drop(&mut self) {
+        let _ = Files::close(self);
+    }
+}

@@ -1,0 +1,438 @@
+//! One branch, many writers: `arbor serve --branch` owns it and client
+//! mounts (separate processes, real FUSE) write through it. Names,
+//! errnos, close-to-open, locks across clients, the distributed-checkpoint
+//! pattern, and the owner killed with -9 in the middle of writes.
+
+use arbor_tests::*;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "shared-branch-token";
+
+struct World {
+    s: Scratch,
+    token: PathBuf,
+    owner: Serve,
+}
+
+impl World {
+    fn start() -> Option<World> {
+        if !fuse_available() {
+            return None;
+        }
+        let s = Scratch::new();
+        let token = s.dir.path().join("token");
+        std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
+        let owner = Self::owner(&s, &token, free_port(), &[]);
+        Some(World { s, token, owner })
+    }
+
+    fn owner(s: &Scratch, token: &Path, port: u16, extra: &[&str]) -> Serve {
+        let log = s.dir.path().join(format!("owner-{port}.log"));
+        let mut args = vec!["--branch", "main", "--token-file", token.to_str().expect("utf8")];
+        args.extend_from_slice(extra);
+        Serve::start(s.disk_str(), port, &args, &[], &log)
+    }
+
+    /// A client mount at `<scratch>/<name>`, finding the owner through the disk.
+    fn client(&self, name: &str) -> Mount {
+        self.client_with(name, &[])
+    }
+
+    fn client_with(&self, name: &str, extra: &[&str]) -> Mount {
+        let mnt = self.s.dir.path().join(name);
+        std::fs::create_dir_all(&mnt).expect("mkdir");
+        let mut args = vec!["--token-file", self.token.to_str().expect("utf8")];
+        args.extend_from_slice(extra);
+        Mount::start(self.s.disk_str(), &mnt, &args)
+    }
+}
+
+fn errno_of<T>(r: std::io::Result<T>) -> i32 {
+    r.err().and_then(|e| e.raw_os_error()).unwrap_or(0)
+}
+
+/// Polls `f` every millisecond for up to `limit`; how long it took.
+fn time_until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return Some(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    None
+}
+
+#[test]
+fn clients_write_through_the_owner_and_see_each_other() {
+    let Some(w) = World::start() else { return };
+    let a = w.client("a");
+    let b = w.client_with("b", &["--server", &w.owner.addr]);
+    let (pa, pb) = (a.mnt.clone(), b.mnt.clone());
+
+    // A name made on one node shows on the other, even where the other
+    // had just been told it was not there (a cached negative entry).
+    std::fs::create_dir(pa.join("d")).expect("mkdir");
+    assert!(!pb.join("d/new").exists());
+    std::fs::write(pa.join("d/new"), b"made on a").expect("write");
+    let seen = time_until(Duration::from_secs(5), || pb.join("d/new").exists()).expect("b sees a's file");
+    println!("a file made on client a showed on client b after {seen:?}");
+    // The kernel keeps names for 1 s on a shared mount: seeing it sooner
+    // means the owner's invalidation did it.
+    assert!(seen < Duration::from_millis(900), "seen after {seen:?}: not pushed");
+    let listed = time_until(Duration::from_secs(5), || {
+        std::fs::read_dir(pb.join("d")).expect("ls").any(|e| e.expect("entry").file_name() == "new")
+    });
+    assert!(listed.is_some());
+
+    // Close-to-open: b reads (and caches) a file, a rewrites it in place,
+    // and b's next open sees a's bytes.
+    let v1 = pattern(300_000, 1);
+    let v2 = pattern(300_000, 2);
+    std::fs::write(pa.join("f"), &v1).expect("write v1");
+    assert_eq!(std::fs::read(pb.join("f")).expect("read"), v1);
+    {
+        let mut f = std::fs::OpenOptions::new().write(true).open(pa.join("f")).expect("open");
+        f.write_all(&v2).expect("write v2");
+    }
+    assert_eq!(std::fs::read(pb.join("f")).expect("read after a's close"), v2, "close-to-open");
+    // And appends change the size b sees.
+    std::fs::OpenOptions::new().append(true).open(pa.join("f")).expect("open").write_all(b"tail").expect("append");
+    let mut got = Vec::new();
+    std::fs::File::open(pb.join("f")).expect("open").read_to_end(&mut got).expect("read");
+    assert_eq!(got.len(), v2.len() + 4);
+    assert_eq!(&got[v2.len()..], b"tail");
+
+    // The same errno for the same bad input as a local mount.
+    assert_eq!(errno_of(std::fs::create_dir(pb.join("d"))), libc::EEXIST);
+    assert_eq!(errno_of(std::fs::remove_dir(pb.join("d"))), libc::ENOTEMPTY);
+    assert_eq!(errno_of(std::fs::remove_file(pb.join("missing"))), libc::ENOENT);
+    assert_eq!(errno_of(std::fs::rename(pb.join("d"), pb.join("d/inside"))), libc::EINVAL);
+    assert_eq!(errno_of(std::fs::read_dir(pb.join("f"))), libc::ENOTDIR);
+    assert_eq!(errno_of(std::fs::write(pb.join("x".repeat(300)), b"")), libc::ENAMETOOLONG);
+    // rename is atomic for every client: b never sees neither name.
+    std::fs::write(pa.join("r1"), b"one").expect("write");
+    std::fs::rename(pa.join("r1"), pa.join("r2")).expect("rename");
+    assert_eq!(std::fs::read(pb.join("r2")).expect("read renamed"), b"one");
+    assert!(!pb.join("r1").exists());
+
+    // Unlinked while open on another node: still readable there.
+    let mut held = std::fs::File::open(pb.join("r2")).expect("open");
+    std::fs::remove_file(pa.join("r2")).expect("unlink");
+    let mut s = String::new();
+    held.seek(SeekFrom::Start(0)).expect("seek");
+    held.read_to_string(&mut s).expect("read an unlinked open file");
+    assert_eq!(s, "one");
+    drop(held);
+
+    let status = arbor_ok(&["status", pb.to_str().expect("utf8")]);
+    assert!(status.contains(&w.owner.addr), "{status}");
+    a.unmount();
+    b.unmount();
+    w.owner.stop();
+    let fsck = arbor_ok(&["fsck", w.s.disk_str()]);
+    assert!(fsck.contains("verified"), "{fsck}");
+}
+
+/// torch.distributed.checkpoint's layout: every rank writes its shard and
+/// fsyncs, rank 0 writes the metadata and renames the folder into place;
+/// then another node reads every byte back.
+#[test]
+fn four_ranks_save_a_distributed_checkpoint_and_a_fifth_reads_it() {
+    let Some(w) = World::start() else { return };
+    const RANKS: usize = 4;
+    const SHARD: usize = 6 << 20;
+    let ranks: Vec<Mount> = (0..RANKS).map(|r| w.client(&format!("rank{r}"))).collect();
+    for step in [100, 200] {
+        let tmp = format!("step-{step}.tmp");
+        std::fs::create_dir(ranks[0].mnt.join(&tmp)).expect("mkdir");
+        std::thread::scope(|sc| {
+            for (r, m) in ranks.iter().enumerate() {
+                let dir = m.mnt.join(&tmp);
+                sc.spawn(move || {
+                    // The folder rank 0 made may take a moment to show here.
+                    wait_until("the step folder", Duration::from_secs(5), || dir.is_dir());
+                    let mut f = std::fs::File::create(dir.join(format!("__{r}_0.distcp"))).expect("create shard");
+                    let data = pattern(SHARD, (step * 10 + r) as u32);
+                    for piece in data.chunks(1 << 20) {
+                        f.write_all(piece).expect("write shard");
+                    }
+                    f.sync_all().expect("fsync shard");
+                });
+            }
+        });
+        write_synced(&ranks[0].mnt.join(&tmp).join(".metadata"), format!("step {step}").as_bytes());
+        std::fs::rename(ranks[0].mnt.join(&tmp), ranks[0].mnt.join(format!("step-{step}"))).expect("rename");
+        // Rank 0 freezes the disk through its own mount (the owner does it).
+        arbor_ok(&["checkpoints", "create", ranks[0].mnt.to_str().expect("utf8"), &format!("ckpt-{step}")]);
+    }
+    let reader = w.client("reader");
+    for step in [100, 200] {
+        let dir = reader.mnt.join(format!("step-{step}"));
+        assert_eq!(std::fs::read(dir.join(".metadata")).expect("metadata"), format!("step {step}").as_bytes());
+        for r in 0..RANKS {
+            let got = std::fs::read(dir.join(format!("__{r}_0.distcp"))).expect("shard");
+            assert!(got == pattern(SHARD, (step * 10 + r) as u32), "step {step} rank {r}: wrong bytes");
+        }
+        assert!(!reader.mnt.join(format!("step-{step}.tmp")).exists());
+    }
+    reader.unmount();
+    for m in ranks {
+        m.unmount();
+    }
+    w.owner.stop();
+    // A plain mount of the branch (no owner now) has it all too, and the
+    // first checkpoint has the first step only.
+    let m = Mount::start(w.s.disk_str(), &w.s.mnt, &[]);
+    assert_eq!(std::fs::read_dir(m.mnt.join("step-200")).expect("ls").count(), RANKS + 1);
+    m.unmount();
+    let m = Mount::start(w.s.disk_str(), &w.s.mnt, &["--checkpoint", "ckpt-100"]);
+    assert!(m.mnt.join("step-100/.metadata").exists());
+    assert!(!m.mnt.join("step-200").exists());
+    assert!(std::fs::read(m.mnt.join("step-100/__3_0.distcp")).expect("shard") == pattern(SHARD, 1003));
+    m.unmount();
+}
+
+/// Two clients create, rename and unlink in one folder at once; every name
+/// ends where the operations say.
+#[test]
+fn two_clients_change_one_folder_at_once() {
+    let Some(w) = World::start() else { return };
+    let (a, b) = (w.client("a"), w.client("b"));
+    std::fs::create_dir(a.mnt.join("shared")).expect("mkdir");
+    wait_until("the folder on b", Duration::from_secs(5), || b.mnt.join("shared").is_dir());
+    const N: usize = 150;
+    std::thread::scope(|sc| {
+        for (who, m) in [("a", &a), ("b", &b)] {
+            let dir = m.mnt.join("shared");
+            sc.spawn(move || {
+                for i in 0..N {
+                    let (made, moved) = (dir.join(format!("{who}-new-{i}")), dir.join(format!("{who}-{i}")));
+                    std::fs::write(&made, format!("{who} {i}")).expect("create");
+                    std::fs::rename(&made, &moved).expect("rename");
+                    if i % 3 == 0 {
+                        std::fs::remove_file(&moved).expect("unlink");
+                    }
+                }
+            });
+        }
+    });
+    let mut want: Vec<String> =
+        ["a", "b"].iter().flat_map(|w| (0..N).filter(|i| i % 3 != 0).map(move |i| format!("{w}-{i}"))).collect();
+    want.sort();
+    for m in [&a, &b] {
+        let mut got: Vec<String> = std::fs::read_dir(m.mnt.join("shared"))
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name().into_string().expect("utf8"))
+            .collect();
+        got.sort();
+        assert_eq!(got, want, "names on {}", m.mnt.display());
+        for name in &want {
+            let (who, i) = name.split_once('-').expect("name");
+            assert_eq!(std::fs::read_to_string(m.mnt.join("shared").join(name)).expect("read"), format!("{who} {i}"));
+        }
+    }
+    a.unmount();
+    b.unmount();
+    w.owner.stop();
+    let fsck = arbor(&["fsck", w.s.disk_str()]);
+    assert!(fsck.status.success(), "fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+}
+
+fn flock(f: &std::fs::File, how: i32) -> i32 {
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), how) } == 0 {
+        0
+    } else {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+}
+
+fn fcntl_lock(f: &std::fs::File, typ: i32, start: i64, len: i64) -> i32 {
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = typ as i16;
+    l.l_whence = libc::SEEK_SET as i16;
+    l.l_start = start;
+    l.l_len = len;
+    // SAFETY: F_SETLK with a filled struct flock on a descriptor we own.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLK, &l) } == 0 {
+        0
+    } else {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+}
+
+#[test]
+fn locks_exclude_across_clients_and_die_with_their_client() {
+    let Some(w) = World::start() else { return };
+    let (a, b) = (w.client("a"), w.client("b"));
+    std::fs::write(a.mnt.join("lockfile"), b"x").expect("create");
+    let fa = std::fs::File::open(a.mnt.join("lockfile")).expect("open a");
+    let fb = std::fs::OpenOptions::new().read(true).write(true).open(b.mnt.join("lockfile")).expect("open b");
+
+    // flock: held on a, refused on b, and a blocked locker on b gets it
+    // once a lets go.
+    assert_eq!(flock(&fa, libc::LOCK_EX), 0);
+    assert_eq!(flock(&fb, libc::LOCK_EX | libc::LOCK_NB), libc::EWOULDBLOCK);
+    let waited = std::thread::scope(|sc| {
+        let t = sc.spawn(|| {
+            let t0 = Instant::now();
+            assert_eq!(flock(&fb, libc::LOCK_EX), 0);
+            t0.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!t.is_finished(), "b's blocking flock must wait while a holds it");
+        assert_eq!(flock(&fa, libc::LOCK_UN), 0);
+        t.join().expect("join")
+    });
+    assert!(waited >= Duration::from_millis(250), "{waited:?}");
+    assert_eq!(flock(&fa, libc::LOCK_EX | libc::LOCK_NB), libc::EWOULDBLOCK, "b holds it now");
+    assert_eq!(flock(&fb, libc::LOCK_UN), 0);
+
+    // fcntl byte ranges: overlapping write locks conflict, disjoint ones do not.
+    let fa_rw = std::fs::OpenOptions::new().read(true).write(true).open(a.mnt.join("lockfile")).expect("open");
+    assert_eq!(fcntl_lock(&fa_rw, libc::F_WRLCK, 0, 100), 0);
+    assert_eq!(fcntl_lock(&fb, libc::F_WRLCK, 50, 10), libc::EAGAIN);
+    assert_eq!(fcntl_lock(&fb, libc::F_WRLCK, 100, 100), 0);
+    assert_eq!(fcntl_lock(&fa_rw, libc::F_UNLCK, 0, 100), 0);
+    assert_eq!(fcntl_lock(&fb, libc::F_WRLCK, 50, 10), 0);
+    drop((fa, fa_rw, fb));
+
+    // A client killed with -9 while a process on it holds a lock: the
+    // owner drops the lock once the client's connection is gone.
+    let holder =
+        Command::new("flock").arg(a.mnt.join("lockfile")).args(["-c", "sleep 600"]).spawn().expect("flock holder");
+    let fb = std::fs::File::open(b.mnt.join("lockfile")).expect("open b");
+    wait_until("a's holder to take the lock", Duration::from_secs(10), || {
+        // Got it first: let go, so that the holder can have it.
+        let r = flock(&fb, libc::LOCK_EX | libc::LOCK_NB);
+        if r == 0 {
+            flock(&fb, libc::LOCK_UN);
+        }
+        r == libc::EWOULDBLOCK
+    });
+    let mnt_a = a.mnt.clone();
+    a.kill9();
+    let freed = time_until(Duration::from_secs(30), || {
+        let r = flock(&fb, libc::LOCK_EX | libc::LOCK_NB);
+        r == 0
+    });
+    println!("a dead client's lock was dropped after {freed:?}");
+    assert!(freed.is_some(), "the dead client's lock was never dropped");
+    let mut holder = holder;
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let _ = arbor(&["unmount", mnt_a.to_str().expect("utf8")]);
+    drop(fb);
+    b.unmount();
+}
+
+#[test]
+fn fsynced_writes_survive_the_owner_killed_and_restarted() {
+    let Some(mut w) = World::start() else { return };
+    let a = w.client("a");
+    let b = w.client("b");
+    const FILES: usize = 24;
+    const LEN: usize = 3 << 20;
+    // The writer runs on; the owner is killed and restarted under it.
+    let done = std::thread::scope(|sc| {
+        let dir = a.mnt.clone();
+        let writer = sc.spawn(move || {
+            let mut synced = Vec::new();
+            for i in 0..FILES {
+                let data = pattern(LEN, i as u32);
+                let mut f = std::fs::File::create(dir.join(format!("f{i}"))).expect("create");
+                for piece in data.chunks(256 << 10) {
+                    f.write_all(piece).expect("write");
+                }
+                f.sync_all().expect("fsync");
+                synced.push(i);
+            }
+            synced
+        });
+        // Kill the owner twice in the middle of the writes.
+        for at in [4, 12] {
+            let marker = a.mnt.join(format!("f{at}"));
+            wait_until("the writer to get that far", Duration::from_secs(120), || {
+                writer.is_finished() || marker.exists()
+            });
+            assert!(!writer.is_finished(), "the writer finished before the owner was killed");
+            w.owner.kill9_and_restart();
+        }
+        writer.join().expect("writer")
+    });
+    assert_eq!(done.len(), FILES, "every write and fsync returned");
+    // Every fsynced file is whole, on the writer and on the other client,
+    // and neither was remounted.
+    for m in [&a, &b] {
+        for i in &done {
+            let got = std::fs::read(m.mnt.join(format!("f{i}"))).expect("read");
+            assert!(got == pattern(LEN, *i as u32), "f{i} on {} is not what was fsynced", m.mnt.display());
+        }
+    }
+    let status = arbor_ok(&["status", a.mnt.to_str().expect("utf8"), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&status).expect("json");
+    assert!(v["owner_sessions"].as_u64().unwrap_or(0) >= 2, "a new session after the restart: {status}");
+    a.unmount();
+    b.unmount();
+    w.owner.stop();
+    let fsck = arbor(&["fsck", w.s.disk_str()]);
+    assert!(fsck.status.success(), "fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+}
+
+#[test]
+fn a_new_owner_takes_over_and_clients_follow_it() {
+    let Some(mut w) = World::start() else { return };
+    let a = w.client("a");
+    write_synced(&a.mnt.join("before"), b"written through the first owner");
+    // A second owner while the first lives is refused.
+    let out = Command::new(arbor_bin())
+        .args(["serve", w.s.disk_str(), "--branch", "main", "--listen", "127.0.0.1:0", "--foreground"])
+        .args(["--token-file", w.token.to_str().expect("utf8")])
+        .output()
+        .expect("second owner");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("already open") || err.contains("read-write"), "{err}");
+    // The first dies; a new one starts on another port; the client finds
+    // it through the owner record and carries on.
+    w.owner.kill9_only();
+    let second = World::owner(&w.s, &w.token, free_port(), &[]);
+    write_synced(&a.mnt.join("after"), b"written through the second owner");
+    assert_eq!(std::fs::read(a.mnt.join("before")).expect("read"), b"written through the first owner");
+    let status = arbor_ok(&["status", a.mnt.to_str().expect("utf8"), "--json"]);
+    assert!(status.contains(&second.addr), "{status}");
+    a.unmount();
+    second.stop();
+    let m = Mount::start(w.s.disk_str(), &w.s.mnt, &[]);
+    assert_eq!(std::fs::read(m.mnt.join("after")).expect("read"), b"written through the second owner");
+    m.unmount();
+}
+
+#[test]
+fn without_the_token_nothing_is_listed_read_or_written() {
+    let Some(w) = World::start() else { return };
+    let a = w.client("a");
+    std::fs::write(a.mnt.join("secret"), b"s").expect("write");
+    // A mount with the wrong token fails, with a message, and mounts nothing.
+    let wrong = w.s.dir.path().join("wrong");
+    std::fs::write(&wrong, "not-the-token\n").expect("token");
+    let mnt = w.s.dir.path().join("intruder");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    let out =
+        arbor(&["mount", w.s.disk_str(), mnt.to_str().expect("utf8"), "--token-file", wrong.to_str().expect("utf8")]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("token"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!is_mounted(&mnt));
+    // The wire: without the token every file request is 401 and empty.
+    for path in ["/v1/files/main/session", "/v1/files/main", "/v1/files/main/events?session=1&after=0"] {
+        let (status, body) = http_get(&w.owner.addr, path, None);
+        assert!(status.contains(" 401 "), "{path}: {status}");
+        assert!(body.is_empty(), "{path}: {body}");
+    }
+    a.unmount();
+}
