@@ -95,6 +95,11 @@ struct Unsynced {
     next_seq: u64,
     /// Files whose unsynced writes the owner lost: their next fsync fails.
     lost: HashSet<u64>,
+    /// Files this mount had open that did not survive an owner restart:
+    /// reads and writes through those open files fail with EIO (their
+    /// inode number may name another file now) until the file is opened
+    /// anew.
+    gone: HashSet<u64>,
 }
 
 struct Inner {
@@ -250,6 +255,7 @@ impl Inner {
         self.open.lock().remove(&ino);
         let mut u = self.unsynced.lock();
         u.lost.insert(ino);
+        u.gone.insert(ino);
         u.writes.retain(|w| w.ino != ino);
         u.bytes = u.writes.iter().map(|w| w.data.len() as u64).sum();
     }
@@ -440,7 +446,14 @@ impl RemoteFiles {
         Ok(())
     }
 
+    /// Notes an open of `a`'s file (a file with that number that was lost
+    /// before is another file now).
     fn opened(&self, a: &Attr) {
+        {
+            let mut u = self.inner.unsynced.lock();
+            u.lost.remove(&a.ino);
+            u.gone.remove(&a.ino);
+        }
         let mut open = self.inner.open.lock();
         let f = open.entry(a.ino).or_insert(OpenFile { count: 0, crtime: a.crtime });
         f.count += 1;
@@ -465,6 +478,14 @@ impl RemoteFiles {
             Ok(_) => Err("a garbled answer from the owner".into()),
             Err(e) => Err(e.to_string()),
         }
+    }
+
+    /// EIO for a file that did not survive an owner restart.
+    fn check_alive(&self, ino: u64) -> Result<()> {
+        if self.inner.unsynced.lock().gone.contains(&ino) {
+            return Err(errno_error(libc::EIO));
+        }
+        Ok(())
     }
 
     /// Bytes written but not yet made durable by an fsync.
@@ -535,7 +556,6 @@ impl Files for RemoteFiles {
     }
     fn open(&self, ino: u64) -> Result<Attr> {
         let a = attr(self.call(Op::Open { ino, count: 1 }))?;
-        self.inner.unsynced.lock().lost.remove(&ino);
         self.opened(&a);
         Ok(a)
     }
@@ -552,9 +572,11 @@ impl Files for RemoteFiles {
         unit(self.call(Op::Release { ino }))
     }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        self.check_alive(ino)?;
         bytes(self.call(Op::Read { ino, off, len: len.min(u32::MAX as usize) as u32 }))
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
+        self.check_alive(ino)?;
         let n = match self.call(Op::Write { ino, off, data: data.to_vec() })? {
             Out::Written(n) => n as usize,
             _ => return Err(errno_error(libc::EPROTO)),

@@ -310,7 +310,8 @@ pub struct Serve {
     pub child: Child,
     pub addr: String,
     pub log: PathBuf,
-    args: Vec<String>,
+    /// The program and its arguments, to start it again.
+    argv: Vec<String>,
     env: Vec<(String, String)>,
 }
 
@@ -318,21 +319,43 @@ impl Serve {
     /// `arbor serve DISK --listen 127.0.0.1:<port> ARGS… --foreground`,
     /// logging to `log`; returns once it accepts connections.
     pub fn start(disk: &str, port: u16, args: &[&str], env: &[(&str, String)], log: &Path) -> Serve {
+        Self::start_as(None, disk, port, args, env, log)
+    }
+
+    /// The same as a process of another host: in a UTS namespace of its
+    /// own named `host` (`unshare -u`), so that a lease it takes is judged
+    /// by its expiry, as one taken on another node is.
+    pub fn start_as(
+        host: Option<&str>,
+        disk: &str,
+        port: u16,
+        args: &[&str],
+        env: &[(&str, String)],
+        log: &Path,
+    ) -> Serve {
         let addr = format!("127.0.0.1:{port}");
-        let mut all: Vec<String> = vec!["serve".into(), disk.into(), "--listen".into(), addr.clone()];
-        all.extend(args.iter().map(|s| s.to_string()));
-        all.push("--foreground".into());
+        let mut argv: Vec<String> = match host {
+            Some(h) => ["unshare", "-u", "sh", "-c", &format!("hostname {h} && exec \"$0\" \"$@\"")]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            None => Vec::new(),
+        };
+        argv.push(arbor_bin().to_str().expect("utf8").into());
+        argv.extend(["serve", disk, "--listen", &addr].iter().map(|s| s.to_string()));
+        argv.extend(args.iter().map(|s| s.to_string()));
+        argv.push("--foreground".into());
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-        let child = Self::spawn(&all, &env, log);
-        let mut s = Serve { child, addr, log: log.to_path_buf(), args: all, env };
+        let child = Self::spawn(&argv, &env, log);
+        let mut s = Serve { child, addr, log: log.to_path_buf(), argv, env };
         s.wait_listening();
         s
     }
 
-    fn spawn(args: &[String], env: &[(String, String)], log: &Path) -> Child {
+    fn spawn(argv: &[String], env: &[(String, String)], log: &Path) -> Child {
         let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log");
-        Command::new(arbor_bin())
-            .args(args)
+        Command::new(&argv[0])
+            .args(&argv[1..])
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().expect("log"))
@@ -353,7 +376,7 @@ impl Serve {
     /// kill -9, then the same command again on the same port.
     pub fn kill9_and_restart(&mut self) {
         self.kill9_only();
-        self.child = Self::spawn(&self.args, &self.env, &self.log);
+        self.child = Self::spawn(&self.argv, &self.env, &self.log);
         self.wait_listening();
     }
 

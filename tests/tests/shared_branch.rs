@@ -342,15 +342,28 @@ fn fsynced_writes_survive_the_owner_killed_and_restarted() {
     let done = std::thread::scope(|sc| {
         let dir = a.mnt.clone();
         let writer = sc.spawn(move || {
+            // A file is saved as a training job saves a checkpoint: write
+            // it all, fsync, and start it again if that fails (a file the
+            // owner lost with its restart gives EIO).
+            let save = |i: usize| -> std::io::Result<()> {
+                let data = pattern(LEN, i as u32);
+                let mut f = std::fs::File::create(dir.join(format!("f{i}")))?;
+                for piece in data.chunks(256 << 10) {
+                    f.write_all(piece)?;
+                }
+                f.sync_all()
+            };
             let mut synced = Vec::new();
             for i in 0..FILES {
-                let data = pattern(LEN, i as u32);
-                let mut f = std::fs::File::create(dir.join(format!("f{i}"))).expect("create");
-                for piece in data.chunks(256 << 10) {
-                    f.write_all(piece).expect("write");
+                for attempt in 1..=3 {
+                    match save(i) {
+                        Ok(()) => {
+                            synced.push(i);
+                            break;
+                        }
+                        Err(e) => println!("f{i}, attempt {attempt}: {e}; saving it again"),
+                    }
                 }
-                f.sync_all().expect("fsync");
-                synced.push(i);
             }
             synced
         });
@@ -410,6 +423,55 @@ fn a_new_owner_takes_over_and_clients_follow_it() {
     second.stop();
     let m = Mount::start(w.s.disk_str(), &w.s.mnt, &[]);
     assert_eq!(std::fs::read(m.mnt.join("after")).expect("read"), b"written through the second owner");
+    m.unmount();
+}
+
+/// The first owner runs as another host (its lease is judged by expiry,
+/// not by whether its process lives here): after it is killed, a second
+/// owner is refused while the lease runs, and `--take-over` takes the
+/// branch at once; the client follows.
+#[test]
+fn take_over_from_an_owner_on_another_node() {
+    if !fuse_available() || !Command::new("unshare").args(["-u", "true"]).status().is_ok_and(|s| s.success()) {
+        return;
+    }
+    let s = Scratch::new();
+    let token = s.dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
+    let tok = token.to_str().expect("utf8");
+    let owner_args = ["--branch", "main", "--token-file", tok];
+    let mut first =
+        Serve::start_as(Some("node-a"), s.disk_str(), free_port(), &owner_args, &[], &s.dir.path().join("a.log"));
+    let mnt = s.dir.path().join("client");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    let client = Mount::start(s.disk_str(), &mnt, &["--token-file", tok]);
+    write_synced(&mnt.join("before"), b"through node-a");
+    first.kill9_only();
+
+    // Refused while node-a's lease runs (its process cannot be checked from here).
+    let out = Command::new(arbor_bin())
+        .args(["serve", s.disk_str(), "--listen", "127.0.0.1:0", "--foreground"])
+        .args(owner_args)
+        .output()
+        .expect("second owner");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("node-a"), "refused, naming the holder: {err}");
+
+    let second = Serve::start(
+        s.disk_str(),
+        free_port(),
+        &[&owner_args[..], &["--take-over"]].concat(),
+        &[],
+        &s.dir.path().join("b.log"),
+    );
+    write_synced(&mnt.join("after"), b"through this node");
+    assert_eq!(std::fs::read(mnt.join("before")).expect("read"), b"through node-a");
+    let status = arbor_ok(&["status", mnt.to_str().expect("utf8"), "--json"]);
+    assert!(status.contains(&second.addr), "the client follows the new owner: {status}");
+    client.unmount();
+    second.stop();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert_eq!(std::fs::read(m.mnt.join("after")).expect("read"), b"through this node");
     m.unmount();
 }
 

@@ -1,0 +1,152 @@
+//! Shared branches in one process: an owner (`SharedBranch` behind a
+//! `CacheServer` on 127.0.0.1) over a volume on a device that can lose
+//! its unsynced bytes, and `RemoteFiles` clients. What the end-to-end tests
+//! cannot force: an owner that loses acknowledged writes in a crash.
+
+use arbor_engine::device::{CrashMode, SimDevice};
+use arbor_engine::env::TestEnv;
+use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_fs::Files;
+use arbor_net::files::{Event, Op, Out};
+use arbor_net::{CacheServer, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
+use parking_lot::Mutex;
+use std::sync::Arc;
+use std::time::Duration;
+
+const TOKEN: &str = "t0k";
+
+fn cfg() -> Config {
+    Config { commit_interval: None, segment_size: 1 << 20, env: TestEnv::new(3), ..Config::default() }
+}
+
+/// An owner of branch `main` over `dev`, on a port of its own.
+fn owner(dev: &SimDevice) -> (Arc<Volume>, Running) {
+    let vol = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
+    let branch = SharedBranch::new("main", vol.clone(), None);
+    let server = CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() });
+    (vol, server.spawn("127.0.0.1:0").expect("serve"))
+}
+
+/// A client finding the owner at whatever `at` holds.
+fn client(at: &Arc<Mutex<String>>) -> RemoteFiles {
+    let at = at.clone();
+    RemoteFiles::connect(RemoteOptions {
+        branch: "main".into(),
+        token: TOKEN.into(),
+        locate: Arc::new(move || Some(at.lock().clone())),
+        timeout: Some(Duration::from_secs(20)),
+    })
+    .expect("connect")
+}
+
+/// Power loss under the owner, and a new owner process on the same device.
+fn crash_and_restart(dev: &SimDevice, old: (Arc<Volume>, Running), at: &Arc<Mutex<String>>) -> (Arc<Volume>, Running) {
+    dev.crash(CrashMode::DropUnsynced);
+    drop(old);
+    let new = owner(dev);
+    *at.lock() = new.1.addr.to_string();
+    new
+}
+
+#[test]
+fn writes_the_owner_lost_are_sent_again_before_the_next_fsync() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = Arc::new(Mutex::new(first.1.addr.to_string()));
+    let c = client(&at);
+    let f = c.create_open(ROOT_INO, b"ckpt", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(f.ino, 0, b"durable|").expect("write");
+    c.fsync(f.ino).expect("fsync");
+    // Acknowledged by the owner, not yet synced: the crash takes it.
+    c.write(f.ino, 8, b"acknowledged").expect("write");
+    assert_eq!(c.unsynced_bytes(), 12);
+
+    let (vol, _server) = crash_and_restart(&dev, first, &at);
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"durable|", "the crash lost the unsynced write");
+    // The client's next fsync reaches the new owner after it has sent the
+    // lost write again.
+    c.fsync(f.ino).expect("fsync after the restart");
+    assert_eq!(c.unsynced_bytes(), 0);
+    assert_eq!(c.read(f.ino, 0, 100).expect("read"), b"durable|acknowledged");
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"durable|acknowledged");
+    assert!(c.stats().sessions >= 2);
+}
+
+#[test]
+fn a_file_the_owner_lost_fails_its_fsync_and_its_reads() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = Arc::new(Mutex::new(first.1.addr.to_string()));
+    let c = client(&at);
+    let kept = c.create_open(ROOT_INO, b"kept", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.fsync(kept.ino).expect("fsync");
+    // Made and written, never synced: gone with the crash.
+    let lost = c.create_open(ROOT_INO, b"lost", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(lost.ino, 0, b"never synced").expect("write");
+
+    let (_vol, _server) = crash_and_restart(&dev, first, &at);
+    assert_eq!(c.fsync(lost.ino).map_err(|e| e.errno()), Err(libc::EIO), "its fsync must not say durable");
+    assert_eq!(c.read(lost.ino, 0, 10).map_err(|e| e.errno()), Err(libc::EIO));
+    assert_eq!(c.lookup(ROOT_INO, b"lost").map_err(|e| e.errno()), Err(libc::ENOENT));
+    // A file made anew may get the lost one's number; it is a new file.
+    let again = c.create_open(ROOT_INO, b"again", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(again.ino, 0, b"new").expect("write");
+    c.fsync(again.ino).expect("fsync");
+    assert_eq!(c.read(again.ino, 0, 10).expect("read"), b"new");
+    c.fsync(kept.ino).expect("the kept file syncs");
+}
+
+#[test]
+fn other_sessions_hear_of_changes_and_not_of_their_own() {
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let b = SharedBranch::new("main", vol, None);
+    let (s1, s2) = (b.open_session(1), b.open_session(2));
+    let made = b.apply(s1.session, Op::Mkdir { parent: ROOT_INO, name: b"d".to_vec(), perm: 0o755, uid: 0, gid: 0 });
+    let Ok(Out::Attr(d)) = made else { panic!("mkdir: {made:?}") };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
+    let heard = rt.block_on(b.events(s2.session, s2.seq, Duration::from_millis(10)));
+    assert_eq!(heard.items, vec![Event::Entry(ROOT_INO, b"d".to_vec()), Event::Inode(ROOT_INO)]);
+    let own = rt.block_on(b.events(s1.session, s1.seq, Duration::from_millis(10)));
+    assert!(own.items.is_empty(), "{own:?}");
+    // A rename names both places and the inode moved.
+    let _ = b.apply(
+        s2.session,
+        Op::Rename {
+            parent: ROOT_INO,
+            name: b"d".to_vec(),
+            new_parent: ROOT_INO,
+            new_name: b"e".to_vec(),
+            mode: arbor_engine::RenameMode::Plain,
+        },
+    );
+    let heard = rt.block_on(b.events(s1.session, heard.next, Duration::from_millis(10)));
+    for e in [Event::Entry(ROOT_INO, b"d".to_vec()), Event::Entry(ROOT_INO, b"e".to_vec()), Event::Inode(d.ino)] {
+        assert!(heard.items.contains(&e), "{e:?} missing from {:?}", heard.items);
+    }
+}
+
+#[test]
+fn a_dropped_session_gives_back_its_open_files_and_locks() {
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let b = SharedBranch::new("main", vol.clone(), None);
+    let (s1, s2) = (b.open_session(1), b.open_session(2));
+    let Ok(Out::Attr(f)) =
+        b.apply(s1.session, Op::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })
+    else {
+        panic!("create")
+    };
+    let all = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    assert!(b.try_lock(s1.session, f.ino, 7, all).is_ok());
+    assert_eq!(b.try_lock(s2.session, f.ino, 9, all).err(), Some(libc::EAGAIN));
+    // Unlinked while s1 has it open: still there for s1.
+    assert!(b.apply(s2.session, Op::Unlink { parent: ROOT_INO, name: b"f".to_vec() }).is_ok());
+    assert!(vol.getattr(f.ino).is_ok());
+    // s1's connection closes and does not come back.
+    b.connection_closed(1);
+    std::thread::sleep(arbor_net::files::ORPHAN_GRACE + Duration::from_millis(200));
+    b.reap();
+    assert_eq!(b.sessions(), 1);
+    assert_eq!(b.locks(), 0);
+    assert!(b.try_lock(s2.session, f.ino, 9, all).is_ok(), "the lock went with its session");
+    assert!(vol.getattr(f.ino).is_err(), "the unlinked file went with its last opener");
+}
