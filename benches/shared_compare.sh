@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A client mount of a branch owned by `arbor serve --branch`, 0.2 ms round
-# trip away (delay_proxy adds 100 µs each way), beside a local mount of the
+# trip away (delay_proxy adds ONE_WAY_US, 100 µs, each way), beside a local mount of the
 # same branch, in the same run: a markdown table of medians and ratios.
 #
 #   benches/shared_compare.sh [WORKDIR]   (root; fio from Debian; release build)
@@ -18,6 +18,7 @@ runs=${RUNS:-3}
 files=${FILES:-10000}
 ckpt_mib=${CKPT_MIB:-256}
 clients=${CLIENTS:-8}
+one_way_us=${ONE_WAY_US:-100}
 work=${1:-$here/target/shared-bench}
 command -v fio >/dev/null || { apt-get update -qq && apt-get install -y -qq fio; }
 [ -x "$arbor" ] && [ -x "$proxy" ] || (cd "$here" && cargo build --release -p arbor-cli -p arbor-benches)
@@ -43,7 +44,7 @@ trap cleanup EXIT INT TERM
 local_side() { "$arbor" mount "$work/disk" "$work/mnt0" >/dev/null; }
 remote_side() {
   "$arbor" serve "$work/disk" --branch main --listen "127.0.0.1:$port" --token-file "$work/token" >/dev/null
-  "$proxy" "127.0.0.1:$pport" "127.0.0.1:$port" 100 "$work/proxy.count" &
+  "$proxy" "127.0.0.1:$pport" "127.0.0.1:$port" "$one_way_us" "$work/proxy.count" &
   proxy_pid=$!
   for _ in $(seq 100); do (echo >/dev/tcp/127.0.0.1/$pport) 2>/dev/null && break; sleep 0.1; done
   for i in $(seq 0 $((clients - 1))); do
@@ -98,7 +99,7 @@ for r in $(seq "$runs"); do
 done
 
 echo
-echo "### client mount through the owner (0.2 ms away) vs local mount (medians of $runs runs)"
+echo "### client mount through the owner ($one_way_us µs each way) vs local mount (medians of $runs runs)"
 echo
 echo "| workload | local mount | client mount | ratio | target |"
 echo "| --- | ---: | ---: | ---: | --- |"

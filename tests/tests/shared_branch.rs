@@ -498,3 +498,21 @@ fn without_the_token_nothing_is_listed_read_or_written() {
     }
     a.unmount();
 }
+
+#[test]
+fn with_a_timeout_an_operation_fails_with_eio_while_the_owner_is_away() {
+    let Some(mut w) = World::start() else { return };
+    let a = w.client_with("a", &["--timeout", "2s"]);
+    write_synced(&a.mnt.join("f"), b"before");
+    w.owner.kill9_only();
+    let t = Instant::now();
+    let r = std::fs::metadata(a.mnt.join("never-looked-up"));
+    let took = t.elapsed();
+    assert_eq!(errno_of(r), libc::EIO, "after the timeout, EIO");
+    assert!(took >= Duration::from_millis(1500) && took < Duration::from_secs(20), "{took:?}");
+    // The owner back: the same mount carries on.
+    w.owner.kill9_and_restart();
+    assert_eq!(std::fs::read(a.mnt.join("f")).expect("read"), b"before");
+    write_synced(&a.mnt.join("g"), b"after");
+    a.unmount();
+}
