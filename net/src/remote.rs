@@ -374,7 +374,11 @@ impl RemoteFiles {
     }
 
     fn call(&self, op: Op) -> Result<Out> {
-        self.rt.block_on(self.inner.call(&op))
+        self.call_ref(&op)
+    }
+
+    fn call_ref(&self, op: &Op) -> Result<Out> {
+        self.rt.block_on(self.inner.call(op))
     }
 
     pub fn stats(&self) -> RemoteStats {
@@ -577,23 +581,26 @@ impl Files for RemoteFiles {
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
         self.check_alive(ino)?;
-        let n = match self.call(Op::Write { ino, off, data: data.to_vec() })? {
-            Out::Written(n) => n as usize,
+        let op = Op::Write { ino, off, data: data.to_vec() };
+        let n = match self.call_ref(&op)? {
+            Out::Written(n) => (n as usize).min(data.len()),
             _ => return Err(errno_error(libc::EPROTO)),
         };
         let crtime = self.inner.open.lock().get(&ino).map(|f| f.crtime);
-        let over = match crtime {
-            Some(crtime) => {
+        let over = match (crtime, op) {
+            (Some(crtime), Op::Write { mut data, .. }) => {
+                // The operation's own buffer is kept for resending: no copy.
+                data.truncate(n);
                 let mut u = self.inner.unsynced.lock();
                 let seq = u.next_seq;
                 u.next_seq += 1;
                 u.bytes += n as u64;
-                u.writes.push(UnsyncedWrite { seq, ino, crtime, off, data: Bytes::copy_from_slice(&data[..n]) });
+                u.writes.push(UnsyncedWrite { seq, ino, crtime, off, data: Bytes::from(data) });
                 u.bytes > UNSYNCED_MAX
             }
             // Written through no open file of ours (the kernel always
             // writes through one): nothing to resend it from.
-            None => false,
+            _ => false,
         };
         if over {
             self.fsync(ino)?;
