@@ -20,40 +20,20 @@ work=$(mktemp -d /var/tmp/arbor-netns.XXXXXX)
 hosts=(bucket cache writer c1 c2)
 pids=()
 mounts=()
+. "$here/benches/netns.sh"
 
 cleanup() {
   for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  for h in "${hosts[@]}"; do ip link del "arb-$h" 2>/dev/null || true; ip netns del "arb-$h" 2>/dev/null || true; done
-  ip link del arbbr 2>/dev/null || true
+  netns_down
   [ -n "${KEEP_LOGS:-}" ] && { mkdir -p "$KEEP_LOGS"; find "$work" -name "*.log" -exec cp --backup=numbered {} "$KEEP_LOGS/" \; 2>/dev/null; }
   rm -rf "$work" 2>/dev/null || true
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-ip link add arbbr type bridge
-ip addr add 10.77.0.1/24 dev arbbr
-ip link set arbbr up
-i=2
-for h in "${hosts[@]}"; do
-  ip netns add "arb-$h"
-  ip link add "arb-$h" type veth peer name eth0 netns "arb-$h"
-  ip link set "arb-$h" master arbbr up
-  ip -n "arb-$h" addr add "10.77.0.$i/24" dev eth0
-  ip -n "arb-$h" link set eth0 up
-  ip -n "arb-$h" link set lo up
-  i=$((i + 1))
-done
-# Only the network namespace changes: a FUSE mount made "on" a host is
-# visible to this script.
-on() { local h=$1; shift; nsenter --net="/run/netns/arb-$h" "$@"; }
+netns_up "${hosts[@]}"
 bucket_ip=10.77.0.2 cache_ip=10.77.0.3
-
-wait_port() { # host ip port
-  for _ in $(seq 200); do on "$1" bash -c "exec 3<>/dev/tcp/$2/$3" 2>/dev/null && return 0; sleep 0.1; done
-  echo "nothing listens on $2:$3" >&2; return 1
-}
 
 mkdir -p "$work/s3/arbor-test"
 on bucket s3s-fs --host 127.0.0.1 --port 9000 --access-key k --secret-key s "$work/s3" >/dev/null 2>&1 & pids+=($!)

@@ -105,8 +105,10 @@ enum Command {
     /// Serve a shared cache of DISK's data to every node that mounts it
     /// (`arbor mount … --cache-server HOST:PORT`): each chunk is fetched from
     /// the bucket once, checked, kept on this node, and served from here.
+    /// With --branch, also own those branches: `arbor mount DISK MNT
+    /// --branch B --token-file F` on any node then writes through here.
     #[command(
-        after_help = "Example:\n  arbor serve s3://my-bucket/disk1 --listen 0.0.0.0:7070 --cache-dir /nvme/arbor-cache --cache-size 2T --token-file /etc/arbor/token\n  arbor mount s3://my-bucket/disk1 /mnt/data --checkpoint v1 --cache-server cache1:7070,cache2:7070 --token-file /etc/arbor/token"
+        after_help = "Example:\n  arbor serve s3://my-bucket/disk1 --listen 0.0.0.0:7070 --cache-dir /nvme/arbor-cache --cache-size 2T --token-file /etc/arbor/token\n  arbor mount s3://my-bucket/disk1 /mnt/data --checkpoint v1 --cache-server cache1:7070,cache2:7070 --token-file /etc/arbor/token\n  arbor serve s3://my-bucket/disk1 --listen 0.0.0.0:7070 --branch main --token-file /etc/arbor/token\n  arbor mount s3://my-bucket/disk1 /mnt/disk --branch main --token-file /etc/arbor/token   # on every node"
     )]
     Serve(ServeCmd),
     /// Read PATHs of a checkpoint through the cache servers, without a mount,
@@ -210,7 +212,7 @@ fn memory_only(cache_dir: &Option<PathBuf>) -> bool {
 
 #[derive(Args)]
 struct ServeCmd {
-    /// An s3:// disk.
+    /// An s3:// disk (any disk, with --branch).
     disk: String,
     /// The address to listen on, HOST:PORT.
     #[arg(long)]

@@ -1,0 +1,41 @@
+# Hosts of their own for the benchmarks: one network namespace per host,
+# joined by a bridge (veth pairs), 10.77.0.2, .3, … in the order given.
+# Sourced, not run. Only the network namespace changes: a FUSE mount made
+# "on" a host is visible to the script.
+#
+#   netns_up HOST…     make the bridge and the hosts
+#   on HOST CMD…       run CMD on HOST
+#   wait_port HOST IP PORT
+#   netns_down         remove them (call it from the script's EXIT trap)
+
+netns_hosts=()
+
+netns_up() {
+  netns_hosts=("$@")
+  ip link add arbbr type bridge
+  ip addr add 10.77.0.1/24 dev arbbr
+  ip link set arbbr up
+  local i=2 h
+  for h in "${netns_hosts[@]}"; do
+    ip netns add "arb-$h"
+    ip link add "arb-$h" type veth peer name eth0 netns "arb-$h"
+    ip link set "arb-$h" master arbbr up
+    ip -n "arb-$h" addr add "10.77.0.$i/24" dev eth0
+    ip -n "arb-$h" link set eth0 up
+    ip -n "arb-$h" link set lo up
+    i=$((i + 1))
+  done
+}
+
+netns_down() {
+  local h
+  for h in "${netns_hosts[@]}"; do ip link del "arb-$h" 2>/dev/null || true; ip netns del "arb-$h" 2>/dev/null || true; done
+  ip link del arbbr 2>/dev/null || true
+}
+
+on() { local h=$1; shift; nsenter --net="/run/netns/arb-$h" "$@"; }
+
+wait_port() { # host ip port
+  for _ in $(seq 200); do on "$1" bash -c "exec 3<>/dev/tcp/$2/$3" 2>/dev/null && return 0; sleep 0.1; done
+  echo "nothing listens on $2:$3" >&2; return 1
+}

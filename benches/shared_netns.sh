@@ -1,0 +1,138 @@
+#!/bin/bash
+# arbor serve --branch with the owner and two client nodes on hosts of their
+# own (network namespaces joined by a bridge), the owner 0.2 ms away from
+# the clients (delay_proxy, 100 µs each way). Measures a write on one node
+# read cold on the other, how soon a name made on one shows on the other, a
+# distributed checkpoint save from both, and kills the owner with -9 under
+# a stream of fsynced files. Prints a markdown table.
+#
+#   benches/shared_netns.sh [MIB]     (root; arbor and delay_proxy built)
+#
+# ARBOR / PROXY point at the binaries (default: target/release). Everything
+# it starts it stops, and it removes its namespaces, bridge and folders.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+arbor=${ARBOR:-$here/target/release/arbor}
+proxy=${PROXY:-$here/target/release/delay_proxy}
+mib=${1:-256}
+work=$(mktemp -d /var/tmp/arbor-shared-netns.XXXXXX)
+pids=()
+mounts=()
+. "$here/benches/netns.sh"
+. "$here/benches/common.sh"
+
+cleanup() {
+  for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  netns_down
+  rm -rf "$work" 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+netns_up owner c1 c2
+owner_ip=10.77.0.2
+"$arbor" init "$work/disk" >/dev/null
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
+on owner "$proxy" "$owner_ip:7071" "$owner_ip:7070" 100 "$work/proxied" & pids+=($!)
+start_owner() {
+  # nsenter itself, not the `on` function (a subshell): $! must be the owner.
+  nsenter --net=/run/netns/arb-owner "$arbor" serve "$work/disk" --branch main --listen "$owner_ip:7070" \
+    --advertise "$owner_ip:7071" --token-file "$work/token" --foreground 2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
+  wait_port c1 "$owner_ip" 7070
+}
+start_owner
+for h in c1 c2; do
+  mkdir -p "$work/mnt-$h"
+  on "$h" "$arbor" mount "$work/disk" "$work/mnt-$h" --token-file "$work/token" >/dev/null; mounts+=("$work/mnt-$h")
+done
+a=$work/mnt-c1 b=$work/mnt-c2
+now() { date +%s.%N; }
+rate() { python3 -c "import sys; print(f'{float(sys.argv[1]) / (float(sys.argv[3]) - float(sys.argv[2])):.1f}')" "$@"; }
+rows=()
+
+# One node writes, the other reads it cold.
+head -c "${mib}M" /dev/urandom > "$work/src"
+sum=$(sha256sum < "$work/src")
+t0=$(now); dd if="$work/src" of="$a/big" bs=1M conv=fsync status=none; t1=$(now)
+rows+=("| c1 writes $mib MiB + fsync | $(rate "$mib" "$t0" "$t1") MiB/s |")
+drop_caches
+t0=$(now); got=$(sha256sum < "$b/big"); t1=$(now)
+[ "$got" = "$sum" ] || { echo "c2 read other bytes than c1 wrote" >&2; exit 1; }
+rows+=("| c2 reads it, cold | $(rate "$mib" "$t0" "$t1") MiB/s |")
+
+# A name made on c1, polled for on c2 (which was told it is not there).
+seen=$(python3 - "$a" "$b" <<'PY'
+import os, sys, time, statistics
+a, b = sys.argv[1], sys.argv[2]
+os.makedirs(os.path.join(a, "names"), exist_ok=True)
+ms = []
+for i in range(20):
+    name = f"names/n{i}"
+    assert not os.path.exists(os.path.join(b, name))
+    t = time.perf_counter()
+    open(os.path.join(a, name), "w").close()
+    while not os.path.exists(os.path.join(b, name)):
+        if time.perf_counter() - t > 5:
+            sys.exit("never showed")
+        time.sleep(0.0005)
+    ms.append((time.perf_counter() - t) * 1000)
+print(f"{statistics.median(ms):.1f} ms (max {max(ms):.1f} ms)")
+PY
+)
+rows+=("| a file made on c1 shows on c2, median of 20 | $seen |")
+
+# A distributed checkpoint: 4 ranks on each node, one shard each, fsync;
+# rank 0 writes the metadata and renames the folder into place.
+shard=$((mib / 8))
+mkdir "$a/step.tmp"
+t0=$(now)
+ranks=()
+for r in 0 1 2 3 4 5 6 7; do
+  m=$a; [ "$r" -ge 4 ] && m=$b
+  (for _ in $(seq 100); do [ -d "$m/step.tmp" ] && break; sleep 0.01; done
+   dd if="$work/src" of="$m/step.tmp/__${r}_0.distcp" bs=1M count="$shard" conv=fsync status=none) & ranks+=($!)
+done
+for p in "${ranks[@]}"; do wait "$p"; done
+echo "step" > "$a/step.tmp/.metadata"; sync "$a/step.tmp/.metadata"
+mv "$a/step.tmp" "$a/step"
+t1=$(now)
+rows+=("| checkpoint save: 8 ranks × $shard MiB (4 per node) + fsync + rename | $(rate "$((8 * shard))" "$t0" "$t1") MiB/s |")
+
+# The owner killed -9 under a stream of fsynced files, and started again.
+python3 - "$a" > "$work/saved" <<'PY' & writer=$!
+import os, sys
+d = os.path.join(sys.argv[1], "stream")
+os.makedirs(d, exist_ok=True)
+for i in range(40):
+    for attempt in range(3):
+        try:
+            with open(os.path.join(d, f"f{i}"), "wb") as f:
+                for _ in range(4):
+                    f.write(bytes([i]) * (1 << 20))
+                f.flush(); os.fsync(f.fileno())
+            print(i, flush=True)
+            break
+        except OSError as e:
+            print(f"f{i}: {e}, saving again", file=sys.stderr)
+PY
+for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
+kill -9 "$owner_pid"; t0=$(now)
+sleep 1
+start_owner
+wait "$writer"; t1=$(now)
+bad=$(python3 - "$b/stream" "$work/saved" <<'PY'
+import os, sys
+d, saved = sys.argv[1], [int(x) for x in open(sys.argv[2]).read().split()]
+bad = [i for i in saved if open(os.path.join(d, f"f{i}"), "rb").read() != bytes([i]) * (4 << 20)]
+print(f"{len(saved)} fsynced, {len(bad)} not whole on c2")
+PY
+)
+rows+=("| owner killed -9 at file 8 of 40 (4 MiB, fsync each), restarted 1 s later | $bad; the writer finished $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t0" "$t1") s after the kill, no remount |")
+
+echo
+echo "### arbor serve --branch across network namespaces (owner 0.2 ms from two client nodes, $mib MiB)"
+echo
+echo "| what | result |"
+echo "| --- | --- |"
+printf '%s\n' "${rows[@]}"
