@@ -5,13 +5,16 @@
 //!
 //! # Protocol
 //!
-//! On the cache server's HTTP/2 connection, behind the same token:
+//! On the cache server's port, behind the same token. File operations go
+//! on framed connections ([`crate::frames`]): a session is opened with
+//! `Request::Session` (a [`SessionInfo`]: the session and the owner's
+//! epoch), and each [`Op`] is answered with a [`Reply`], or "unknown
+//! session" (open a new one). Changes other nodes made are long-polled
+//! over HTTP/2, where waiting costs nothing:
 //!
 //! | request | answer |
 //! | --- | --- |
-//! | `POST /v1/files/<branch>/session` | a [`SessionInfo`]: this client's session and the owner's epoch |
-//! | `POST /v1/files/<branch>` + `x-arbor-session` + an [`Op`] | a [`Reply`]; `409` unknown session (open a new one); `404` branch not served here |
-//! | `GET /v1/files/<branch>/events?session=S&after=N` | [`Events`] after sequence N, waiting up to [`EVENT_WAIT`] for one |
+//! | `GET /v1/files/<branch>/events?session=S&after=N` | [`Events`] after sequence N, waiting up to [`EVENT_WAIT`] for one; `409` unknown session; `404` branch not served here |
 //!
 //! Bodies are bincode (standard configuration). A reply is the result the
 //! owner's `Volume` gave, an errno in place of an error, so a client
@@ -52,8 +55,6 @@ pub const SESSION_IDLE: Duration = Duration::from_secs(30);
 pub const ORPHAN_GRACE: Duration = Duration::from_secs(3);
 /// Events kept for clients that poll late.
 pub const EVENT_RING: usize = 8192;
-/// The header that names a request's session.
-pub const SESSION_HEADER: &str = "x-arbor-session";
 /// Entries one `ReadDir` answers at most.
 pub const READDIR_BATCH: u32 = 1024;
 
@@ -679,7 +680,23 @@ impl SharedBranch {
     /// Takes `lock`, waiting while others hold a conflicting one (or until
     /// the session is dropped).
     pub async fn set_lock(&self, session: u64, ino: u64, owner: u64, lock: Lock) -> Reply {
+        self.set_lock_while(session, ino, owner, lock, || true).await
+    }
+
+    /// [`SharedBranch::set_lock`], giving up with `EINTR` once `go_on`
+    /// says so (checked at least every half second).
+    pub async fn set_lock_while(
+        &self,
+        session: u64,
+        ino: u64,
+        owner: u64,
+        lock: Lock,
+        go_on: impl Fn() -> bool,
+    ) -> Reply {
         loop {
+            if !go_on() {
+                return Err(libc::EINTR);
+            }
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();

@@ -21,10 +21,15 @@
 //! | `GET /v1/chunks/<segment file name>/<index>` | `200` the chunk's bytes, `x-arbor-cache: hit\|miss`; `404` no such sealed segment or chunk; `502` the bucket failed |
 //! | `GET /metrics` | Prometheus text: hits, misses, bucket bytes, bytes served, evictions, resident bytes, request latency |
 //! | `GET /v1/health` | `200 ok` |
-//! | `/v1/files/<branch>/…` | file operations on a branch this process owns: see [`files`] |
+//! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`files`] |
+//!
+//! File operations on a branch this process owns use framed connections
+//! to the same port instead (see [`frames`]): a connection that starts
+//! with `ARBF` is one of those, anything else is HTTP.
 
 pub mod client;
 pub mod files;
+pub mod frames;
 mod metrics;
 pub use metrics::sample as metric_sample;
 pub mod remote;
@@ -88,6 +93,12 @@ pub(crate) fn authorized(got: Option<&[u8]>, token: &str) -> bool {
         Some(got) => bool::from(got.ct_eq(want.as_bytes())),
         None => false,
     }
+}
+
+/// Whether `got` is `token`, compared in constant time.
+pub(crate) fn token_matches(got: &[u8], token: &str) -> bool {
+    use subtle::ConstantTimeEq;
+    bool::from(got.ct_eq(token.as_bytes()))
 }
 
 #[cfg(test)]

@@ -24,9 +24,9 @@
 //! kept; past that the client asks the owner for an `fsync` itself.
 
 use crate::client::connect;
-use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH, SESSION_HEADER};
+use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH};
 use arbor_engine::env::Timestamp;
-use arbor_engine::format::{decode_value, encode_value};
+use arbor_engine::format::decode_value;
 use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
 use arbor_engine::{Error, Result};
 use arbor_fs::{Files, Lock};
@@ -37,6 +37,7 @@ use hyper::header::{HeaderValue, AUTHORIZATION};
 use hyper::{Method, Request, StatusCode};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -102,10 +103,31 @@ struct Unsynced {
     gone: HashSet<u64>,
 }
 
+/// A framed connection to the owner (see [`crate::frames`]) and its
+/// buffers, reused from operation to operation.
+struct Conn {
+    stream: TcpStream,
+    rbuf: Vec<u8>,
+    wbuf: Vec<u8>,
+}
+
+/// Idle connections to the owner at `addr`; a FUSE thread takes one for an
+/// operation and puts it back after.
+#[derive(Default)]
+struct Pool {
+    addr: Option<String>,
+    idle: Vec<Conn>,
+}
+
+/// Idle connections kept (one per FUSE thread is what a mount needs).
+const POOL_MAX: usize = 16;
+
 struct Inner {
     opts: RemoteOptions,
     auth: HeaderValue,
+    /// The connection the event poll uses (HTTP/2, long-polling).
     conn: tokio::sync::Mutex<Option<(String, SendRequest<Full<Bytes>>)>>,
+    pool: Mutex<Pool>,
     session: Mutex<Option<SessionInfo>>,
     /// The owner's epoch when we last had a session.
     epoch: Mutex<Option<u64>>,
@@ -113,7 +135,7 @@ struct Inner {
     open: Mutex<HashMap<u64, OpenFile>>,
     unsynced: Mutex<Unsynced>,
     /// Held while a new session is set up (writes are resent under it).
-    opening: tokio::sync::Mutex<()>,
+    opening: Mutex<()>,
     retries: AtomicU64,
     sessions: AtomicU64,
     /// Whether the current outage was already logged.
@@ -163,22 +185,15 @@ impl Inner {
         Ok((addr, send))
     }
 
-    async fn request(
-        &self,
-        method: Method,
-        path_and_query: &str,
-        session: Option<u64>,
-        body: Bytes,
-    ) -> std::result::Result<Bytes, Failed> {
+    /// An HTTP GET of `/v1/files/<branch><path_and_query>` (the event poll).
+    async fn get(&self, path_and_query: &str) -> std::result::Result<Bytes, Failed> {
         let (addr, mut send) = self.sender().await?;
-        let mut req = Request::builder()
-            .method(method)
+        let req = Request::builder()
+            .method(Method::GET)
             .uri(format!("http://{addr}/v1/files/{}{path_and_query}", self.opts.branch))
-            .header(AUTHORIZATION, self.auth.clone());
-        if let Some(s) = session {
-            req = req.header(SESSION_HEADER, format!("{s:016x}"));
-        }
-        let req = req.body(Full::new(body)).map_err(|e| Failed::Transport(e.to_string()))?;
+            .header(AUTHORIZATION, self.auth.clone())
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| Failed::Transport(e.to_string()))?;
         let broke = |e: String| Failed::Transport(format!("{addr}: {e}"));
         let resp = match send.send_request(req).await {
             Ok(r) => r,
@@ -202,32 +217,138 @@ impl Inner {
         }
     }
 
+    /// A connection to the owner: an idle one, or a new one to the owner
+    /// the pool knows, or to the owner found again.
+    fn take_conn(&self) -> std::result::Result<(String, Conn), Failed> {
+        let known = {
+            let mut pool = self.pool.lock();
+            if let (Some(addr), Some(c)) = (pool.addr.clone(), pool.idle.pop()) {
+                return Ok((addr, c));
+            }
+            pool.addr.clone()
+        };
+        let addr = match known {
+            Some(a) => a,
+            None => {
+                (self.opts.locate)().ok_or_else(|| Failed::Transport("no owner is recorded for the branch".into()))?
+            }
+        };
+        let conn = self.dial(&addr)?;
+        self.pool.lock().addr = Some(addr.clone());
+        Ok((addr, conn))
+    }
+
+    /// A new framed connection to `addr`, past the hello.
+    fn dial(&self, addr: &str) -> std::result::Result<Conn, Failed> {
+        use crate::frames::{read_frame, write_frame, Hello, Welcome, MAGIC, VERSION};
+        use std::io::Write;
+        let broke = |e: std::io::Error| Failed::Transport(format!("{addr}: {e}"));
+        let mut last = None;
+        let addrs = addr.to_socket_addrs().map_err(broke)?;
+        let mut stream = None;
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let Some(stream) = stream else {
+            return Err(broke(last.unwrap_or_else(|| std::io::Error::other("no address"))));
+        };
+        stream.set_nodelay(true).map_err(broke)?;
+        crate::frames::keep_alive(&stream);
+        stream.set_read_timeout(self.opts.timeout.or(Some(CONNECT_TIMEOUT))).map_err(broke)?;
+        let mut c = Conn { stream, rbuf: Vec::new(), wbuf: Vec::new() };
+        let hello =
+            Hello { version: VERSION, token: self.opts.token.as_bytes().to_vec(), branch: self.opts.branch.clone() };
+        c.stream.write_all(&MAGIC).map_err(broke)?;
+        write_frame(&mut c.stream, &mut c.wbuf, &hello).map_err(broke)?;
+        match read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(broke)? {
+            Welcome::Ok => {}
+            Welcome::Refused => return Err(Failed::Refused),
+            Welcome::NoBranch => {
+                // The owner's record may name another process soon.
+                self.forget_owner();
+                return Err(Failed::Transport(format!("{addr}: the branch is not served there")));
+            }
+            Welcome::Version(v) => {
+                return Err(Failed::Transport(format!("{addr}: the owner speaks protocol version {v}")))
+            }
+        }
+        c.stream.set_read_timeout(self.opts.timeout).map_err(broke)?;
+        Ok(c)
+    }
+
+    /// Drops every idle connection and the owner's address: the next
+    /// operation looks for the owner again.
+    fn forget_owner(&self) {
+        let mut pool = self.pool.lock();
+        pool.addr = None;
+        pool.idle.clear();
+    }
+
+    /// One request and its answer, on a connection of the pool.
+    fn exchange(&self, req: &crate::frames::Request) -> std::result::Result<crate::frames::Answer, Failed> {
+        use crate::frames::{read_frame, write_frame, Answer, Request};
+        let (addr, mut c) = self.take_conn()?;
+        // A lock wait may take as long as the holder keeps the lock.
+        let waits = matches!(req, Request::Op { op: Op::SetLk { wait: true, .. }, .. });
+        let result = (|| {
+            if waits {
+                c.stream.set_read_timeout(None)?;
+            }
+            write_frame(&mut c.stream, &mut c.wbuf, req)?;
+            let a = read_frame::<Answer>(&mut c.stream, &mut c.rbuf)?;
+            if waits {
+                c.stream.set_read_timeout(self.opts.timeout)?;
+            }
+            Ok::<_, std::io::Error>(a)
+        })();
+        match result {
+            Ok(a) => {
+                let mut pool = self.pool.lock();
+                if pool.addr.as_deref() == Some(addr.as_str()) && pool.idle.len() < POOL_MAX {
+                    pool.idle.push(c);
+                }
+                Ok(a)
+            }
+            Err(e) => {
+                self.forget_owner();
+                Err(Failed::Transport(format!("{addr}: {e}")))
+            }
+        }
+    }
+
     /// Our session, opened (and our open files opened again, our unsynced
     /// writes sent again if the owner restarted) if there is none.
-    async fn session(&self) -> std::result::Result<SessionInfo, Failed> {
+    fn session(&self) -> std::result::Result<SessionInfo, Failed> {
         if let Some(s) = *self.session.lock() {
             return Ok(s);
         }
-        let _one = self.opening.lock().await;
+        let _one = self.opening.lock();
         if let Some(s) = *self.session.lock() {
             return Ok(s);
         }
-        let body = self.request(Method::POST, "/session", None, Bytes::new()).await?;
-        let info: SessionInfo =
-            decode_value(&body, "session").map_err(|_| Failed::Transport("a garbled session answer".into()))?;
+        let info = match self.exchange(&crate::frames::Request::Session)? {
+            crate::frames::Answer::Session(info) => info,
+            _ => return Err(Failed::Transport("a garbled session answer".into())),
+        };
         let restarted = self.epoch.lock().is_some_and(|e| e != info.epoch);
         if restarted {
             tracing::warn!("the owner restarted; sending again the writes it had not made durable");
-            self.resend(info.session).await?;
+            self.resend(info.session)?;
         }
         let reopen: Vec<(u64, OpenFile)> = self.open.lock().iter().map(|(&i, &f)| (i, f)).collect();
         for (ino, f) in reopen {
-            let r = self.send(info.session, &Op::Open { ino, count: f.count }).await?;
+            let r = self.send(info.session, &Op::Open { ino, count: f.count })?;
             match r {
                 Ok(Out::Attr(a)) if a.crtime == f.crtime => {}
                 Ok(_) => {
                     // Another file got the number: ours is gone.
-                    let _ = self.send(info.session, &Op::Release { ino }).await?;
+                    let _ = self.send(info.session, &Op::Release { ino })?;
                     self.lose(ino);
                 }
                 Err(errno) => {
@@ -245,9 +366,14 @@ impl Inner {
     }
 
     /// One operation under `session`, not retried.
-    async fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
-        let r = self.request(Method::POST, "", Some(session), Bytes::from(encode_value(op))).await?;
-        decode_value(&r, "reply").map_err(|_| Failed::Transport("a garbled reply".into()))
+    fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
+        // The request owns its operation; the caller keeps its own.
+        let req = crate::frames::Request::Op { session, op: op.clone() };
+        match self.exchange(&req)? {
+            crate::frames::Answer::Reply(r) => Ok(r),
+            crate::frames::Answer::UnknownSession => Err(Failed::Session),
+            crate::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
+        }
     }
 
     /// Forgets open file `ino`: the owner no longer has it.
@@ -262,19 +388,19 @@ impl Inner {
 
     /// Sends the unsynced writes again, in order, to files that are still
     /// the same files.
-    async fn resend(&self, session: u64) -> std::result::Result<(), Failed> {
+    fn resend(&self, session: u64) -> std::result::Result<(), Failed> {
         let writes: Vec<(u64, Timestamp, u64, Bytes)> =
             self.unsynced.lock().writes.iter().map(|w| (w.ino, w.crtime, w.off, w.data.clone())).collect();
         let mut same: HashMap<u64, bool> = HashMap::new();
         for (ino, crtime, off, data) in writes {
             if let std::collections::hash_map::Entry::Vacant(e) = same.entry(ino) {
-                let now = self.send(session, &Op::GetAttr { ino }).await?;
+                let now = self.send(session, &Op::GetAttr { ino })?;
                 e.insert(matches!(now, Ok(Out::Attr(a)) if a.crtime == crtime));
             }
             if !same[&ino] {
                 continue;
             }
-            if let Err(errno) = self.send(session, &Op::Write { ino, off, data: data.to_vec() }).await? {
+            if let Err(errno) = self.send(session, &Op::Write { ino, off, data: data.to_vec() })? {
                 tracing::warn!(ino, errno, "a write could not be sent again");
                 same.insert(ino, false);
             }
@@ -289,23 +415,41 @@ impl Inner {
     }
 
     /// Sends `op` until the owner answers it (or the timeout passes).
-    async fn call(&self, op: &Op) -> Result<Out> {
-        let body = Bytes::from(encode_value(op));
+    fn call(&self, op: Op) -> Result<Out> {
+        self.call_back(op).0
+    }
+
+    /// [`Inner::call`], giving the operation back (a write keeps its buffer).
+    fn call_back(&self, op: Op) -> (Result<Out>, Op) {
+        let mut req = crate::frames::Request::Op { session: 0, op };
+        let out = self.call_req(&mut req);
+        match req {
+            crate::frames::Request::Op { op, .. } => (out, op),
+            crate::frames::Request::Session => (out, Op::StatFs),
+        }
+    }
+
+    fn call_req(&self, req: &mut crate::frames::Request) -> Result<Out> {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
-            let attempt = async {
-                let s = self.session().await?;
-                self.request(Method::POST, "", Some(s.session), body.clone()).await
-            };
-            match attempt.await {
-                Ok(bytes) => {
+            let attempt = self.session().and_then(|s| {
+                if let crate::frames::Request::Op { session, .. } = req {
+                    *session = s.session;
+                }
+                self.exchange(req)
+            });
+            match attempt {
+                Ok(crate::frames::Answer::Reply(reply)) => {
                     if self.outage.swap(false, Ordering::Relaxed) {
                         tracing::info!("the owner answers again");
                     }
-                    let reply: Reply = decode_value(&bytes, "reply")?;
                     return reply.map_err(errno_error);
                 }
+                Ok(crate::frames::Answer::UnknownSession) => {
+                    *self.session.lock() = None;
+                }
+                Ok(crate::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
                 Err(Failed::Refused) => {
                     tracing::warn!("the owner refused our token (check --token-file)");
                     return Err(errno_error(libc::EACCES));
@@ -323,17 +467,17 @@ impl Inner {
             if self.opts.timeout.is_some_and(|t| started.elapsed() >= t) {
                 return Err(errno_error(libc::EIO));
             }
-            tokio::time::sleep(backoff).await;
+            std::thread::sleep(backoff);
             backoff = (backoff * 2).min(BACKOFF_MAX);
         }
     }
 
     /// One poll for what other nodes changed since `after`.
     async fn poll(&self, after: u64) -> std::result::Result<(SessionInfo, Events), Failed> {
-        let s = self.session().await?;
+        let s = self.session()?;
         let after = if after == 0 { s.seq } else { after };
         let q = format!("/events?session={:016x}&after={after}", s.session);
-        let body = self.request(Method::GET, &q, None, Bytes::new()).await?;
+        let body = self.get(&q).await?;
         let ev = decode_value(&body, "events").map_err(|_| Failed::Transport("garbled events".into()))?;
         Ok((s, ev))
     }
@@ -350,16 +494,17 @@ impl RemoteFiles {
             opts,
             auth,
             conn: tokio::sync::Mutex::new(None),
+            pool: Mutex::new(Pool::default()),
             session: Mutex::new(None),
             epoch: Mutex::new(None),
             open: Mutex::new(HashMap::new()),
             unsynced: Mutex::new(Unsynced::default()),
-            opening: tokio::sync::Mutex::new(()),
+            opening: Mutex::new(()),
             retries: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
             outage: AtomicBool::new(false),
         });
-        let first = rt.block_on(inner.session());
+        let first = inner.session();
         match first {
             Ok(_) => {}
             Err(Failed::Refused) => {
@@ -374,15 +519,11 @@ impl RemoteFiles {
     }
 
     fn call(&self, op: Op) -> Result<Out> {
-        self.call_ref(&op)
-    }
-
-    fn call_ref(&self, op: &Op) -> Result<Out> {
-        self.rt.block_on(self.inner.call(op))
+        self.inner.call(op)
     }
 
     pub fn stats(&self) -> RemoteStats {
-        let owner = self.rt.block_on(async { self.inner.conn.lock().await.as_ref().map(|c| c.0.clone()) });
+        let owner = self.inner.pool.lock().addr.clone();
         RemoteStats {
             owner,
             retries: self.inner.retries.load(Ordering::Relaxed),
@@ -581,8 +722,8 @@ impl Files for RemoteFiles {
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
         self.check_alive(ino)?;
-        let op = Op::Write { ino, off, data: data.to_vec() };
-        let n = match self.call_ref(&op)? {
+        let (out, op) = self.inner.call_back(Op::Write { ino, off, data: data.to_vec() });
+        let n = match out? {
             Out::Written(n) => (n as usize).min(data.len()),
             _ => return Err(errno_error(libc::EPROTO)),
         };

@@ -1,10 +1,10 @@
 //! `arbor serve`: answers chunk requests from a [`SegmentCache`] over
 //! HTTP/2 (and HTTP/1.1), behind a shared token.
 
-use crate::files::{Op, SharedBranch, EVENT_WAIT, SESSION_HEADER};
+use crate::files::{Op, SharedBranch, EVENT_WAIT};
 use crate::metrics::{CacheGauges, Metrics};
 use crate::{authorized, CACHE_HEADER};
-use arbor_engine::format::{decode_value, encode_value, SegId};
+use arbor_engine::format::{encode_value, SegId};
 use arbor_engine::tier::SegmentCache;
 use bytes::Bytes;
 use http_body_util::Full;
@@ -56,10 +56,18 @@ pub struct CacheServer {
     branches: HashMap<String, Arc<SharedBranch>>,
     opts: ServerOptions,
     metrics: Metrics,
+    /// The framed connections being served, each on a thread of its own.
+    framed: parking_lot::Mutex<FramedConns>,
 }
 
-/// The largest request body (a 1 MiB write and its header fit many times).
-const MAX_BODY: usize = 8 << 20;
+#[derive(Default)]
+struct FramedConns {
+    /// Set when the server stops: lock waits give up, no new connection is taken.
+    stopping: bool,
+    /// A handle on each open connection, to shut it when the server stops.
+    open: HashMap<u64, std::net::TcpStream>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
 
 /// HTTP/2 flow-control windows: a 1 MiB chunk must not wait for window
 /// updates (the protocol's default stream window is 64 KiB).
@@ -113,7 +121,13 @@ impl CacheServer {
         opts: ServerOptions,
     ) -> Arc<CacheServer> {
         let branches = branches.into_iter().map(|b| (b.name().to_string(), b)).collect();
-        Arc::new(CacheServer { cache: cache.map(Arc::new), branches, opts, metrics: Metrics::default() })
+        Arc::new(CacheServer {
+            cache: cache.map(Arc::new),
+            branches,
+            opts,
+            metrics: Metrics::default(),
+            framed: parking_lot::Mutex::new(FramedConns::default()),
+        })
     }
 
     /// A branch this server owns.
@@ -154,13 +168,20 @@ impl CacheServer {
                         continue;
                     }
                 },
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => {
+                    self.stop_framed().await;
+                    return Ok(());
+                }
             };
             let _ = stream.set_nodelay(true);
             let (me, builder) = (self.clone(), builder.clone());
             next_conn += 1;
             let conn = next_conn;
             tokio::spawn(async move {
+                if is_framed(&stream).await {
+                    me.serve_framed(stream, conn);
+                    return;
+                }
                 let server = me.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
@@ -176,6 +197,111 @@ impl CacheServer {
         }
     }
 
+    /// Hands a framed connection to a thread of its own (see [`crate::frames`]).
+    fn serve_framed(self: Arc<Self>, stream: tokio::net::TcpStream, conn: u64) {
+        let stream = match stream.into_std().and_then(|s| s.set_nonblocking(false).map(|()| s)) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot take a framed connection");
+                return;
+            }
+        };
+        crate::frames::keep_alive(&stream);
+        let rt = tokio::runtime::Handle::current();
+        let mut framed = self.framed.lock();
+        framed.threads.retain(|t| !t.is_finished());
+        let Ok(handle) = stream.try_clone() else { return };
+        if framed.stopping {
+            return;
+        }
+        framed.open.insert(conn, handle);
+        let me = self.clone();
+        let spawned = std::thread::Builder::new().name("arbor-files".into()).spawn(move || {
+            if let Err(e) = me.framed_connection(stream, conn, &rt) {
+                tracing::debug!(conn, error = %e, "a framed connection ended");
+            }
+            for b in me.branches.values() {
+                b.connection_closed(conn);
+            }
+            me.framed.lock().open.remove(&conn);
+        });
+        match spawned {
+            Ok(t) => framed.threads.push(t),
+            Err(e) => {
+                framed.open.remove(&conn);
+                tracing::warn!(error = %e, "cannot start a thread for a framed connection");
+            }
+        }
+    }
+
+    /// Answers one framed connection until it closes.
+    fn framed_connection(
+        &self,
+        mut stream: std::net::TcpStream,
+        conn: u64,
+        rt: &tokio::runtime::Handle,
+    ) -> std::io::Result<()> {
+        use crate::frames::{read_frame, write_frame, Answer, Hello, Request, Welcome, MAGIC, VERSION};
+        use std::io::Read;
+        let mut magic = [0u8; 4];
+        stream.read_exact(&mut magic)?;
+        let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
+        let hello: Hello = read_frame(&mut stream, &mut rbuf)?;
+        let welcome = if !crate::token_matches(&hello.token, &self.opts.token) {
+            self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
+            Welcome::Refused
+        } else if hello.version != VERSION {
+            Welcome::Version(VERSION)
+        } else if !self.branches.contains_key(&hello.branch) {
+            Welcome::NoBranch
+        } else {
+            Welcome::Ok
+        };
+        write_frame(&mut stream, &mut wbuf, &welcome)?;
+        let Some(b) = self.branches.get(&hello.branch).filter(|_| welcome == Welcome::Ok) else {
+            return Ok(());
+        };
+        debug_assert_eq!(magic, MAGIC);
+        loop {
+            let req: Request = match read_frame(&mut stream, &mut rbuf) {
+                Ok(r) => r,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            let answer = match req {
+                Request::Session => Answer::Session(b.open_session(conn)),
+                Request::Op { session, .. } if !b.touch(session, conn) => Answer::UnknownSession,
+                Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true } }
+                    if lock.typ != libc::F_UNLCK =>
+                {
+                    let go_on = || !self.framed.lock().stopping;
+                    Answer::Reply(rt.block_on(b.set_lock_while(session, ino, owner, lock, go_on)))
+                }
+                Request::Op { session, op } => Answer::Reply(b.apply(session, op)),
+            };
+            write_frame(&mut stream, &mut wbuf, &answer)?;
+        }
+    }
+
+    /// Stops serving framed connections: each is shut, and its thread
+    /// joined once it has answered what it was doing.
+    async fn stop_framed(&self) {
+        let threads = {
+            let mut framed = self.framed.lock();
+            framed.stopping = true;
+            for s in framed.open.values() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            std::mem::take(&mut framed.threads)
+        };
+        let _ = tokio::task::spawn_blocking(move || {
+            for t in threads {
+                let _ = t.join();
+            }
+        })
+        .await;
+    }
+
     async fn handle(&self, req: Request<Incoming>, conn: u64) -> Reply {
         let auth = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
         if !authorized(auth, &self.opts.token) {
@@ -189,8 +315,6 @@ impl CacheServer {
                 return reply(StatusCode::NOT_FOUND, format!("branch {branch} is not served here\n"));
             };
             return match (req.method(), rest) {
-                (&Method::POST, []) => file_op(b, req, conn).await,
-                (&Method::POST, ["session"]) => reply(StatusCode::OK, encode_value(&b.open_session(conn))),
                 (&Method::GET, ["events"]) => events(b, &req, conn).await,
                 _ => reply(StatusCode::NOT_FOUND, Bytes::new()),
             };
@@ -280,6 +404,30 @@ impl CacheServer {
     }
 }
 
+/// Whether `stream` starts with [`crate::frames::MAGIC`] (a framed
+/// connection) rather than an HTTP request. Waits up to 10 s for the first
+/// four bytes; a connection that sends nothing is left to HTTP.
+async fn is_framed(stream: &tokio::net::TcpStream) -> bool {
+    use crate::frames::MAGIC;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut first = [0u8; 4];
+    // Bounded: each round waits for more bytes or gives up at the deadline.
+    for _ in 0..100 {
+        let n = match tokio::time::timeout_at(deadline, stream.peek(&mut first)).await {
+            Ok(Ok(n)) => n,
+            _ => return false,
+        };
+        if n == 0 || first[..n] != MAGIC[..n] {
+            return false;
+        }
+        if n == MAGIC.len() {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    false
+}
+
 /// Drops the sessions of clients that went away, every second.
 async fn reap_sessions(b: Arc<SharedBranch>) {
     loop {
@@ -287,37 +435,6 @@ async fn reap_sessions(b: Arc<SharedBranch>) {
         let b = b.clone();
         let _ = tokio::task::spawn_blocking(move || b.reap()).await;
     }
-}
-
-fn session_of(req: &Request<Incoming>) -> Option<u64> {
-    let v = req.headers().get(SESSION_HEADER)?.to_str().ok()?;
-    u64::from_str_radix(v, 16).ok()
-}
-
-async fn file_op(b: Arc<SharedBranch>, req: Request<Incoming>, conn: u64) -> Reply {
-    use http_body_util::BodyExt;
-    let Some(session) = session_of(&req) else { return reply(StatusCode::BAD_REQUEST, "no session\n") };
-    if !b.touch(session, conn) {
-        return reply(StatusCode::CONFLICT, "unknown session\n");
-    }
-    let body = match http_body_util::Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => return reply(StatusCode::PAYLOAD_TOO_LARGE, format!("{e}\n")),
-    };
-    let op: Op = match decode_value(&body, "file operation") {
-        Ok(op) => op,
-        Err(_) => return reply(StatusCode::BAD_REQUEST, "not a file operation\n"),
-    };
-    let r = match op {
-        Op::SetLk { ino, owner, lock, wait: true } if lock.typ != libc::F_UNLCK => {
-            b.set_lock(session, ino, owner, lock).await
-        }
-        op => match tokio::task::spawn_blocking(move || b.apply(session, op)).await {
-            Ok(r) => r,
-            Err(_) => Err(libc::EIO),
-        },
-    };
-    reply(StatusCode::OK, encode_value(&r))
 }
 
 async fn events(b: Arc<SharedBranch>, req: &Request<Incoming>, conn: u64) -> Reply {

@@ -150,3 +150,71 @@ fn a_dropped_session_gives_back_its_open_files_and_locks() {
     assert!(b.try_lock(s2.session, f.ino, 9, all).is_ok(), "the lock went with its session");
     assert!(vol.getattr(f.ino).is_err(), "the unlinked file went with its last opener");
 }
+
+/// Opens a framed connection and says hello with `token` for `branch`.
+fn hello(addr: std::net::SocketAddr, token: &str, branch: &str) -> (std::net::TcpStream, arbor_net::frames::Welcome) {
+    use arbor_net::frames::{read_frame, write_frame, Hello, MAGIC, VERSION};
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    s.write_all(&MAGIC).expect("magic");
+    let h = Hello { version: VERSION, token: token.as_bytes().to_vec(), branch: branch.into() };
+    write_frame(&mut s, &mut Vec::new(), &h).expect("hello");
+    let w = read_frame(&mut s, &mut Vec::new()).expect("welcome");
+    (s, w)
+}
+
+#[test]
+fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
+    use arbor_net::frames::{read_frame, write_frame, Answer, Request, Welcome};
+    let dev = SimDevice::new();
+    let (vol, server) = owner(&dev);
+    vol.create(ROOT_INO, b"secret", libc::S_IFREG | 0o600, 0, 0, 0).expect("create");
+
+    // A wrong token: refused, and the connection answers nothing more.
+    let (mut s, w) = hello(server.addr, "t0j", "main");
+    assert_eq!(w, Welcome::Refused);
+    let _ = write_frame(&mut s, &mut Vec::new(), &Request::Session);
+    assert!(read_frame::<Answer>(&mut s, &mut Vec::new()).is_err(), "closed after a refusal");
+    // The right token for a branch not served here.
+    assert_eq!(hello(server.addr, TOKEN, "other").1, Welcome::NoBranch);
+
+    // The right token: a session, and operations under it; an operation
+    // under a session the owner never gave is refused.
+    let (mut s, w) = hello(server.addr, TOKEN, "main");
+    assert_eq!(w, Welcome::Ok);
+    let (mut r, mut b) = (Vec::new(), Vec::new());
+    write_frame(
+        &mut s,
+        &mut b,
+        &Request::Op { session: 42, op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() } },
+    )
+    .expect("send");
+    assert!(matches!(read_frame::<Answer>(&mut s, &mut r).expect("answer"), Answer::UnknownSession));
+    write_frame(&mut s, &mut b, &Request::Session).expect("send");
+    let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
+    write_frame(
+        &mut s,
+        &mut b,
+        &Request::Op { session: info.session, op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() } },
+    )
+    .expect("send");
+    assert!(matches!(read_frame::<Answer>(&mut s, &mut r).expect("answer"), Answer::Reply(Ok(Out::Attr(_)))));
+    write_frame(
+        &mut s,
+        &mut b,
+        &Request::Op { session: info.session, op: Op::Lookup { parent: ROOT_INO, name: b"missing".to_vec() } },
+    )
+    .expect("send");
+    assert!(matches!(read_frame::<Answer>(&mut s, &mut r).expect("answer"), Answer::Reply(Err(libc::ENOENT))));
+
+    // A garbled frame ends the connection; the server serves on.
+    use std::io::Write;
+    s.write_all(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).expect("send");
+    assert!(read_frame::<Answer>(&mut s, &mut r).is_err());
+    assert_eq!(hello(server.addr, TOKEN, "main").1, Welcome::Ok);
+    // Stopping the server closes the connections it serves.
+    let (mut idle, _) = hello(server.addr, TOKEN, "main");
+    drop(server);
+    assert!(read_frame::<Answer>(&mut idle, &mut r).is_err());
+}
