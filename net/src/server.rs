@@ -325,7 +325,8 @@ impl CacheServer {
         match parts.as_slice() {
             ["metrics"] => {
                 let mut r = reply(StatusCode::OK, self.metrics_text());
-                r.headers_mut().insert(CONTENT_TYPE, "text/plain; version=0.0.4".parse().expect("header"));
+                r.headers_mut()
+                    .insert(CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"));
                 r
             }
             ["v1", "health"] => reply(StatusCode::OK, "ok\n"),
@@ -363,7 +364,7 @@ impl CacheServer {
                 m.served_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
                 let mut r = reply(StatusCode::OK, bytes);
                 let state = if chunk.hit { "hit" } else { "miss" };
-                r.headers_mut().insert(CACHE_HEADER, state.parse().expect("header"));
+                r.headers_mut().insert(CACHE_HEADER, hyper::header::HeaderValue::from_static(state));
                 r
             }
             Ok(Ok(None)) => {
