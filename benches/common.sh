@@ -31,3 +31,41 @@ PY
 row() {
   python3 -c 'import sys; n,u,l,a,t=sys.argv[1:]; l=float(l); a=float(a); print(f"| {n} | {l:.2f} {u} | {a:.2f} {u} | {a/l:.2f}× | {t} |")' "$@"
 }
+
+# metadata DIR N: stat/s over N files the kernel has seen, readdir entries/s
+# (scandir + stat, as `ls -l` does), and create + 4 KiB write + fsync files/s.
+metadata() {
+  python3 - "$1" "$2" <<'PY'
+import os, sys, time
+d, n = sys.argv[1], int(sys.argv[2])
+sub = os.path.join(d, "meta")
+os.makedirs(sub, exist_ok=True)
+names = [os.path.join(sub, f"f{i}") for i in range(n)]
+t = time.perf_counter()
+for p in names:
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"x" * 4096)
+    os.fsync(fd)
+    os.close(fd)
+cw = n / (time.perf_counter() - t)
+for p in names:
+    os.stat(p)
+best_stat = 0.0
+for _ in range(3):
+    t = time.perf_counter()
+    for p in names:
+        os.stat(p)
+    best_stat = max(best_stat, n / (time.perf_counter() - t))
+t = time.perf_counter()
+seen = 0
+for e in os.scandir(sub):
+    e.stat()
+    seen += 1
+assert seen == n
+rd = n / (time.perf_counter() - t)
+for p in names:
+    os.unlink(p)
+os.rmdir(sub)
+print(best_stat, rd, cw)
+PY
+}

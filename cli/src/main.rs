@@ -360,12 +360,17 @@ fn run(cli: Cli) -> Result<()> {
             if m.foreground {
                 serve::run_foreground(&args)?;
             } else {
-                let log = serve::spawn_background(&args)?;
+                let (log, fuse) = serve::spawn_background(&args)?;
                 let what = match &args.checkpoint {
                     Some(c) => format!("checkpoint {c}, read-only"),
                     None => format!("branch {}", args.branch.as_deref().unwrap_or("main")),
                 };
-                println!("mounted {} at {} ({what}); log: {}", args.disk, args.mountpoint.display(), log.display());
+                println!(
+                    "mounted {} at {} ({what}); FUSE: {fuse}; log: {}",
+                    args.disk,
+                    args.mountpoint.display(),
+                    log.display()
+                );
             }
         }
         Command::Unmount { mountpoint } => {
@@ -444,6 +449,7 @@ fn print_status(s: &serde_json::Value) {
         None => println!("branch       {}", get("branch")),
     }
     println!("server pid   {}", get("pid"));
+    println!("fuse         {}, {} requests on the ring", get("fuse_transport"), get("fuse_ring_requests"));
     if !s["owner"].is_null() {
         println!("owner        {} (every operation goes there)", get("owner"));
         println!(

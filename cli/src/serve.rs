@@ -102,7 +102,7 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     Ok(Prepared { disk: Arc::new(disk), mountpoint, cache_client })
 }
 
-fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
+fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
     let s = vol.stats();
     let tier = p.disk.tier_stats();
     let r = vol.recovery();
@@ -124,6 +124,9 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume) -> Value {
         "read_only": s.read_only,
         "poisoned": s.poisoned,
         "io_backend": s.io_backend,
+        "fuse_transport": fuse.0.describe(),
+        "fuse_ring_requests": fuse.0.ring_requests(),
+        "fuse_read_requests": fuse.1.reads.load(std::sync::atomic::Ordering::Relaxed),
         "writer": format!("{:016x}", s.writer),
         "last_seq": s.last_seq,
         "durable_seq": s.durable_seq,
@@ -245,7 +248,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let opts = MountOptions { allow_other: args.allow_other, read_ahead: args.read_ahead, ..MountOptions::default() };
     let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?;
-    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.url, root = args.root_name(), "mounted");
+    let fuse = handle.transport().describe();
+    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.url, root = args.root_name(), %fuse, "mounted");
     if !args.pre_fetch.is_empty() {
         let paths: Vec<PathBuf> = args.pre_fetch.iter().map(|r| p.mountpoint.join(r)).collect();
         std::thread::spawn(move || {
@@ -273,7 +277,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         _ => (None, None),
     };
 
-    let ctl = ControlState { p: p.clone(), vol: vol.clone() };
+    let ctl =
+        ControlState { p: p.clone(), vol: vol.clone(), fuse: (handle.transport().clone(), handle.counters().clone()) };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
     let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
     drop(maintain_stop);
@@ -367,12 +372,16 @@ pub fn unmount_request(tx: &mpsc::Sender<Event>) -> (Value, bool) {
 struct ControlState {
     p: Prepared,
     vol: Arc<Volume>,
+    fuse: Fuse,
 }
+
+/// A mount's transport and what reached it.
+type Fuse = (Arc<arbor_fs::Transport>, Arc<arbor_fs::Counters>);
 
 impl ControlState {
     fn handle(&self, args: &MountArgs, req: &Value, tx: &mpsc::Sender<Event>) -> (Value, bool) {
         match req["op"].as_str() {
-            Some("status") => (json!({"ok": true, "result": status(&self.p, args, &self.vol)}), false),
+            Some("status") => (json!({"ok": true, "result": status(&self.p, args, &self.vol, &self.fuse)}), false),
             Some("sync") => reply(self.vol.sync_all().and_then(|_| self.vol.commit()), |_| Value::Null),
             // Commits now and returns the commit: a branch's current state.
             Some("commit") => reply(
@@ -407,7 +416,8 @@ impl ControlState {
 
 /// Starts `arbor mount … --foreground` in the background, logging to a
 /// file, and returns once the file system answers.
-pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
+/// Starts the mount process; returns its log and the FUSE transport it uses.
+pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
     let p = prepare(args)?;
     let log_path = p.disk.log_path(args.root_name());
     let mountpoint = p.mountpoint.clone();
@@ -416,7 +426,11 @@ pub fn spawn_background(args: &MountArgs) -> Result<PathBuf> {
     spawn_detached(&log_path, "mount", || {
         disk::is_mountpoint(&mountpoint) && control::request(&mountpoint, json!({"op": "status"})).is_ok()
     })?;
-    Ok(log_path)
+    let fuse = control::request(&mountpoint, json!({"op": "status"}))
+        .ok()
+        .and_then(|s| s["fuse_transport"].as_str().map(String::from))
+        .unwrap_or_else(|| "unknown".into());
+    Ok((log_path, fuse))
 }
 
 /// Runs this command again with `--foreground` as a process of its own

@@ -127,7 +127,8 @@ pub fn mount_remote(d: &Disk, mountpoint: &Path, args: &MountArgs, locate: Locat
         files.follow(n)?;
     }
     let owner = files.stats().owner.unwrap_or_default();
-    tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, "mounted through the owner");
+    let fuse = handle.transport().clone();
+    tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.describe(), "mounted through the owner");
     let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
     let stopped = serve_until_stopped(handle, control, move |req, tx| match req["op"].as_str() {
         Some("status") => {
@@ -142,6 +143,8 @@ pub fn mount_remote(d: &Disk, mountpoint: &Path, args: &MountArgs, locate: Locat
                 "owner_retries": s.retries,
                 "owner_sessions": s.sessions,
                 "open_files": s.open_files,
+                "fuse_transport": fuse.describe(),
+                "fuse_ring_requests": fuse.ring_requests(),
             });
             (json!({"ok": true, "result": result}), false)
         }

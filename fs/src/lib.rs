@@ -4,9 +4,12 @@
 //! mount itself are in [`mount`].
 
 mod adapter;
+mod classic;
 pub mod files;
 pub mod mount;
+pub mod ring;
 
-pub use adapter::{to_errno, ArborFs};
+pub use adapter::{to_errno, ArborFs, Counters};
 pub use files::{Files, Lock};
 pub use mount::{mount, recover_stale_mount, server_is_gone, MountHandle, MountOptions};
+pub use ring::{RingChoice, Transport};

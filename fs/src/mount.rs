@@ -1,9 +1,13 @@
 //! Mounting a volume: kernel options chosen for speed, a request pool, and
 //! recovery of a stale mount left by a killed process.
 
+use crate::adapter::Counters;
+use crate::classic::Classic;
+use crate::ring::{RingChoice, Transport};
 use crate::{ArborFs, Files};
 use fuser::{Config, MountOption, SessionACL};
 use std::io;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,6 +22,8 @@ pub struct MountOptions {
     /// Kernel read-ahead for sequential readers.
     pub read_ahead: u32,
     pub fs_name: String,
+    /// How requests reach arbor; `None` reads `ARBOR_FUSE`.
+    pub transport: Option<RingChoice>,
 }
 
 impl Default for MountOptions {
@@ -27,12 +33,15 @@ impl Default for MountOptions {
             threads: 4,
             read_ahead: arbor_engine::tier::READ_AHEAD as u32,
             fs_name: "arbor".into(),
+            transport: None,
         }
     }
 }
 
 pub struct MountHandle {
     session: Option<fuser::BackgroundSession>,
+    transport: Arc<Transport>,
+    counters: Arc<Counters>,
 }
 
 impl MountHandle {
@@ -57,6 +66,16 @@ impl MountHandle {
     /// caches (a shared tree's owner says what other nodes changed).
     pub fn notifier(&self) -> Option<fuser::Notifier> {
         self.session.as_ref().map(|s| s.notifier())
+    }
+
+    /// The transport requests travel on.
+    pub fn transport(&self) -> &Arc<Transport> {
+        &self.transport
+    }
+
+    /// What reached arbor through this mount.
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
     }
 
     /// Whether the session thread has ended.
@@ -88,13 +107,34 @@ fn config(opts: &MountOptions, read_only: bool) -> Config {
     cfg
 }
 
-/// Mounts `vol` at `mountpoint` and returns once the kernel answers.
+/// Mounts `vol` at `mountpoint` and returns once the kernel answers, with
+/// FUSE over io_uring when the kernel offers it (see [`RingChoice`]).
 pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOptions) -> io::Result<MountHandle> {
     recover_stale_mount(mountpoint)?;
+    let choice = match opts.transport {
+        Some(c) => c,
+        None => RingChoice::from_env()?,
+    };
     let read_only = vol.is_read_only();
-    let fs = ArborFs::new(vol, opts.read_ahead);
-    let session = fuser::spawn_mount(fs, mountpoint, &config(opts, read_only))?;
-    Ok(MountHandle { session: Some(session) })
+    let fs = Arc::new(ArborFs::new(vol, opts.read_ahead));
+    let transport = Arc::new(Transport::new(choice));
+    let classic = Classic { fs: fs.clone(), transport: transport.clone() };
+    // INIT is answered before this returns, so the transport is known.
+    let session = fuser::Session::new(classic, mountpoint, &config(opts, read_only))?;
+    if transport.negotiated() {
+        let dev = session.as_fd().try_clone_to_owned()?;
+        if let Err(e) = transport.start(&fs, dev, opts.threads) {
+            if choice == RingChoice::Ring {
+                return Err(io::Error::other(format!("ARBOR_FUSE=ring: {}", transport.describe())));
+            }
+            tracing::warn!(error = %e, "FUSE over io_uring did not start; using /dev/fuse");
+        }
+    } else if choice == RingChoice::Ring {
+        return Err(io::Error::other(format!("ARBOR_FUSE=ring, but {}", transport.describe())));
+    }
+    let session = session.spawn()?;
+    let counters = fs.counters().clone();
+    Ok(MountHandle { session: Some(session), transport, counters })
 }
 
 /// If `mountpoint` is a FUSE mount whose server died (ENOTCONN), detach it
@@ -115,7 +155,9 @@ pub fn server_is_gone(mountpoint: &Path) -> bool {
     let mut buf = std::mem::MaybeUninit::<libc::statfs>::uninit();
     // SAFETY: a valid path and a buffer statfs fills.
     let rc = unsafe { libc::statfs(c.as_ptr(), buf.as_mut_ptr()) };
-    rc != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOTCONN)
+    // ECONNABORTED: a server on FUSE over io_uring was killed and the
+    // kernel is still tearing its ring down.
+    rc != 0 && matches!(io::Error::last_os_error().raw_os_error(), Some(libc::ENOTCONN) | Some(libc::ECONNABORTED))
 }
 
 fn detach(mountpoint: &Path) -> io::Result<()> {

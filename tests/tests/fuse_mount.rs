@@ -175,3 +175,75 @@ fn ioctls_get_enotty_and_leave_the_log_quiet() {
     let log = std::fs::read_to_string(log).expect("mount log");
     assert!(!log.contains("Not Implemented") && !log.contains("ioctl"), "the log speaks of ioctls:\n{log}");
 }
+
+/// One number from `arbor status --json` of a mount.
+fn status_number(mnt: &std::path::Path, key: &str) -> u64 {
+    let out = arbor_ok(&["status", mnt.to_str().expect("utf8"), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("status json");
+    v[key].as_u64().unwrap_or_else(|| panic!("status has no {key}: {out}"))
+}
+
+#[test]
+fn a_file_read_twice_is_served_from_the_page_cache_the_second_time() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let path = s.mnt.join("shard.bin");
+    let want = pattern(8 << 20, 5);
+    write_synced(&path, &want);
+    // Drop what the write left cached, so the first pass must ask arbor.
+    let f = std::fs::File::open(&path).expect("open");
+    // SAFETY: advice on a valid descriptor.
+    unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    drop(f);
+    let before = status_number(&s.mnt, "fuse_read_requests");
+    assert!(std::fs::read(&path).expect("first read") == want, "first pass");
+    let first = status_number(&s.mnt, "fuse_read_requests");
+    assert!(first > before, "the first pass must reach arbor ({before} -> {first})");
+    for pass in 0..2 {
+        assert!(std::fs::read(&path).expect("warm read") == want, "warm pass {pass}");
+    }
+    assert_eq!(status_number(&s.mnt, "fuse_read_requests"), first, "warm passes must not reach arbor");
+    // A change through the mount is seen at once by the next read.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|mut f| {
+            use std::io::{Seek, Write};
+            f.seek(std::io::SeekFrom::Start(100))?;
+            f.write_all(b"changed")
+        })
+        .expect("overwrite");
+    let back = std::fs::read(&path).expect("read after change");
+    assert_eq!(&back[100..107], b"changed");
+    m.unmount();
+}
+
+#[test]
+fn the_mount_says_which_transport_answers_it() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let ring = std::env::var("ARBOR_FUSE").as_deref() == Ok("ring");
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let before = status_number(&s.mnt, "fuse_ring_requests");
+    for i in 0..50 {
+        std::fs::write(s.mnt.join(format!("f{i}")), b"x").expect("write");
+    }
+    assert_eq!(std::fs::read_dir(&s.mnt).expect("list").count(), 50);
+    let after = status_number(&s.mnt, "fuse_ring_requests");
+    let out = arbor_ok(&["status", s.mnt.to_str().expect("utf8"), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let transport = v["fuse_transport"].as_str().expect("fuse_transport").to_string();
+    assert!(!ring || transport.starts_with("io_uring"), "ARBOR_FUSE=ring, but {transport}");
+    if transport.starts_with("io_uring") {
+        // Each file costs several requests (LOOKUP, CREATE, WRITE, RELEASE…).
+        assert!(after >= before + 150, "the ring answered {} requests", after - before);
+    } else {
+        assert_eq!(after, before, "no ring, no ring requests ({transport})");
+    }
+    m.unmount();
+}
