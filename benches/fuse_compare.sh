@@ -39,7 +39,7 @@ ARBOR_FUSE=classic "$arbor" mount "$work/disk-classic" "$work/classic" >&2
 
 seqwrite() { fio --name=w --directory="$1" --filename=big --rw=write --bs=1M --size="$size" --end_fsync=1 --output-format=json --output="$2" >/dev/null; }
 seqread() { drop_caches; fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
-warmread() { fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
+warmread() { fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --invalidate=0 --output-format=json --output="$2" >/dev/null; }
 randread() { drop_caches; fio --name=rr --directory="$1" --filename=big --rw=randread --bs=4k --size="$size" --runtime=15 --time_based --output-format=json --output="$2" >/dev/null; }
 declare -A R
 for r in $(seq "$runs"); do
@@ -48,7 +48,8 @@ for r in $(seq "$runs"); do
     dir=$work/$side
     seqwrite "$dir" "$work/w.json"; R[$side.w]+=" $(bw "$work/w.json" write)"
     seqread "$dir" "$work/r.json"; R[$side.r]+=" $(bw "$work/r.json" read)"
-    # The cold read above left the file in the page cache.
+    # The cold read above left the file in the page cache (fio drops a
+    # file's cached pages before a job unless told not to).
     warmread "$dir" "$work/r.json"; R[$side.warm]+=" $(bw "$work/r.json" read)"
     randread "$dir" "$work/rr.json"; R[$side.p50]+=" $(lat "$work/rr.json" 50.000000)"
     rm -f "$dir/big"

@@ -73,6 +73,7 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
 #[derive(Default, Debug)]
 pub struct Counters {
     pub reads: std::sync::atomic::AtomicU64,
+    pub lookups: std::sync::atomic::AtomicU64,
 }
 
 impl<F: Files + ?Sized> ArborFs<F> {
@@ -127,6 +128,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Answer<Entry> {
+        self.counters.lookups.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match self.vol.lookup(parent, name) {
             // Node 0 is "no such name, and remember that for TTL": the
             // kernel keeps a negative entry (and drops it itself when the
@@ -258,6 +260,47 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// true (the reply is full).
     pub fn readdir(&self, ino: u64, offset: u64, add: &mut dyn FnMut(DirEntryOut) -> bool) -> Answer<()> {
         answer(self.vol.readdir(ino, offset, &mut |e| !add(e)))
+    }
+
+    /// Whether READDIRPLUS is worth offering: it costs a `getattr` per
+    /// entry, free on this node and a round trip per entry to an owner.
+    pub fn wants_readdirplus(&self) -> bool {
+        !self.vol.is_shared()
+    }
+
+    /// READDIRPLUS: the entries from `offset` that fit in `size` bytes of
+    /// the kernel's encoding (`entry_size` of each name), each with its
+    /// attributes, so `ls -l` and `os.scandir` + `stat` need no LOOKUP
+    /// each. An entry removed between the listing and its `getattr` is
+    /// left out, as if listed a moment later.
+    pub fn readdirplus(
+        &self,
+        ino: u64,
+        offset: u64,
+        size: usize,
+        entry_size: fn(&[u8]) -> usize,
+        add: &mut dyn FnMut(&DirEntryOut, &Entry) -> bool,
+    ) -> Answer<()> {
+        // The listing first, then the attributes: no volume call runs
+        // inside another's callback.
+        let mut listed = Vec::new();
+        let mut used = 0;
+        answer(self.vol.readdir(ino, offset, &mut |e| {
+            used += entry_size(&e.name);
+            listed.push(e);
+            used < size
+        }))?;
+        for e in listed {
+            let attr = match self.vol.getattr(e.ino) {
+                Ok(a) => a,
+                Err(Error::NotFound) => continue,
+                Err(err) => return Err(to_errno(&err)),
+            };
+            if add(&e, &Entry { attr: file_attr(&attr), ttl: self.ttl }) {
+                break;
+            }
+        }
+        Ok(())
     }
 
     pub fn statfs(&self) -> Answer<StatFs> {

@@ -9,8 +9,8 @@ use crate::ring::Transport;
 use arbor_engine::volume::SetAttr;
 use fuser::{
     Errno, FileHandle, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner,
-    OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyIoctl,
-    ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty,
+    ReplyEntry, ReplyIoctl, ReplyLock, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -63,6 +63,11 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         }
         // Lookups and creates in different directories need not queue.
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_CACHE_SYMLINKS);
+        if self.fs.wants_readdirplus() {
+            // Listings carry attributes when the kernel sees them used
+            // (`ls -l`, `os.scandir` + `stat`), plain names otherwise.
+            let _ = config.add_capabilities(InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO);
+        }
         if self.fs.is_shared() {
             // Locks go to the owner so that they exclude other nodes; cached
             // pages are dropped when a refreshed mtime or size says another
@@ -243,6 +248,18 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
             reply.add(INodeNo(e.ino), e.offset, crate::adapter::file_type(e.kind), OsStr::from_bytes(&e.name))
         });
         empty_dir(reply, r)
+    }
+
+    fn readdirplus(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectoryPlus) {
+        // fuser does not say how large the kernel's buffer is; it fills at
+        // most the 4 KiB the kernel asks for a directory page.
+        let r = self.fs.readdirplus(ino.0, offset, 4096, crate::ring::direntplus_size, &mut |e, entry| {
+            reply.add(INodeNo(e.ino), e.offset, OsStr::from_bytes(&e.name), &entry.ttl, &entry.attr, Generation(0))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
     }
 
     fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {

@@ -247,3 +247,37 @@ fn the_mount_says_which_transport_answers_it() {
     }
     m.unmount();
 }
+
+#[test]
+fn a_fresh_listing_with_stat_needs_no_lookup_per_entry() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let dir = s.mnt.join("shards");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let n = 400;
+    for i in 0..n {
+        std::fs::write(dir.join(format!("s{i:04}")), vec![7u8; i % 50]).expect("write");
+    }
+    m.unmount();
+    // A new mount: the kernel knows none of these names.
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let before = status_number(&s.mnt, "fuse_lookup_requests");
+    let mut seen = 0;
+    for e in std::fs::read_dir(&dir).expect("list") {
+        let e = e.expect("entry");
+        let i: usize = e.file_name().to_str().expect("utf8")[1..].parse().expect("index");
+        let md = std::fs::symlink_metadata(e.path()).expect("stat");
+        assert_eq!(md.len() as usize, i % 50, "size of {:?}", e.file_name());
+        assert!(md.is_file());
+        seen += 1;
+    }
+    assert_eq!(seen, n);
+    let lookups = status_number(&s.mnt, "fuse_lookup_requests") - before;
+    // READDIRPLUS hands the kernel each entry's attributes with its name;
+    // the kernel may still list the first page plainly before it switches.
+    assert!(lookups < n as u64 / 4, "{lookups} LOOKUPs for {n} entries listed and stat'ed");
+    m.unmount();
+}
