@@ -66,6 +66,8 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     /// drop the closer's locks at the owner.
     locked: parking_lot::Mutex<std::collections::HashSet<u64>>,
     counters: Arc<Counters>,
+    /// Where a change the kernel cannot know of is pushed into its caches.
+    notifier: std::sync::OnceLock<fuser::Notifier>,
 }
 
 /// What reached the file system, for `arbor status` and the tests: a READ
@@ -86,7 +88,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
             opened: parking_lot::Mutex::new(HashMap::new()),
             locked: parking_lot::Mutex::new(Default::default()),
             counters: Arc::default(),
+            notifier: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Set once the session runs.
+    pub fn set_notifier(&self, n: fuser::Notifier) {
+        let _ = self.notifier.set(n);
     }
 
     pub fn counters(&self) -> &Arc<Counters> {
@@ -153,8 +161,54 @@ impl<F: Files + ?Sized> ArborFs<F> {
         answer(self.vol.getattr(ino)).map(|a| file_attr(&a))
     }
 
-    pub fn setattr(&self, ino: u64, change: SetAttr) -> Answer<FileAttr> {
-        answer(self.vol.setattr(ino, change)).map(|a| file_attr(&a))
+    /// Whether this mount clears set-user-ID and set-group-ID bits itself
+    /// (`FUSE_HANDLE_KILLPRIV_V2`). The kernel then marks a file it found
+    /// without `security.capability` as needing no check, instead of
+    /// asking for that attribute before every write (one GETXATTR round
+    /// trip per `write` call otherwise). It costs a `getattr` per write by
+    /// a caller without CAP_FSETID: free on this node, a round trip to an
+    /// owner, so shared trees leave the clearing to the kernel.
+    pub fn handles_killpriv(&self) -> bool {
+        !self.vol.is_shared()
+    }
+
+    /// `kill_suidgid`: the kernel's FATTR_KILL_SUIDGID (a truncate by a
+    /// caller without CAP_FSETID). A change of owner clears the bits of a
+    /// file whoever makes it, as the VFS does.
+    pub fn setattr(&self, ino: u64, change: SetAttr, kill_suidgid: bool) -> Answer<FileAttr> {
+        let chown = change.uid.is_some() || change.gid.is_some();
+        let mut a = answer(self.vol.setattr(ino, change))?;
+        if self.handles_killpriv() && (kill_suidgid || chown) && a.kind != FileKind::Directory {
+            a = answer(self.kill_suidgid(a))?;
+        }
+        Ok(file_attr(&a))
+    }
+
+    /// Clears set-user-ID, set-group-ID (when group-executable, as the VFS
+    /// does) and file capabilities of a file being written or given away.
+    fn kill_suidgid(&self, a: Attr) -> Result<Attr, Error> {
+        let mut perm = a.perm & !(libc::S_ISUID as u16);
+        if perm & libc::S_IXGRP as u16 != 0 {
+            perm &= !(libc::S_ISGID as u16);
+        }
+        let a = if perm != a.perm {
+            let changed = self.vol.setattr(a.ino, SetAttr { perm: Some(perm), ..Default::default() })?;
+            // A WRITE's answer carries no attributes and the kernel keeps
+            // the mode it cached: drop it, or `stat` (and exec) would
+            // still see the bits.
+            if let Some(n) = self.notifier.get() {
+                if let Err(e) = n.inval_inode(fuser::INodeNo(a.ino), -1, 0) {
+                    tracing::warn!(ino = a.ino, error = %e, "dropping the kernel's cached mode failed");
+                }
+            }
+            changed
+        } else {
+            a
+        };
+        match self.vol.removexattr(a.ino, b"security.capability") {
+            Ok(()) | Err(Error::NoAttr) => Ok(a),
+            Err(e) => Err(e),
+        }
     }
 
     pub fn readlink(&self, ino: u64) -> Answer<Vec<u8>> {
@@ -209,7 +263,16 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn open(&self, ino: u64) -> Answer<FopenFlags> {
-        answer(self.vol.open(ino)).map(|a| self.open_flags(&a))
+        match self.vol.open(ino) {
+            Ok(a) => Ok(self.open_flags(&a)),
+            // In a shared tree a name the kernel still caches can point at
+            // a file the owner no longer has (another node removed it, or
+            // the owner restarted without it). ESTALE makes the kernel
+            // look the name up again and retry the open once, as for NFS;
+            // ENOENT would fail `open(O_CREAT)` of a name that is free.
+            Err(Error::NotFound) if self.vol.is_shared() => Err(Errno::from_i32(libc::ESTALE)),
+            Err(e) => Err(to_errno(&e)),
+        }
     }
 
     /// Directories need no per-open state.
@@ -222,7 +285,12 @@ impl<F: Files + ?Sized> ArborFs<F> {
         answer(self.vol.read(ino, offset, size as usize))
     }
 
-    pub fn write(&self, ino: u64, offset: u64, data: &[u8]) -> Answer<u32> {
+    /// `kill_suidgid`: the kernel's FUSE_WRITE_KILL_SUIDGID (a write by a
+    /// caller without CAP_FSETID, with [`Self::handles_killpriv`]).
+    pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool) -> Answer<u32> {
+        if kill_suidgid && self.handles_killpriv() {
+            answer(self.vol.getattr(ino).and_then(|a| self.kill_suidgid(a)))?;
+        }
         answer(self.vol.write(ino, offset, data)).map(|n| n as u32)
     }
 

@@ -63,6 +63,9 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         }
         // Lookups and creates in different directories need not queue.
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_CACHE_SYMLINKS);
+        if self.fs.handles_killpriv() {
+            let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
+        }
         if self.fs.wants_readdirplus() {
             // Listings carry attributes when the kernel sees them used
             // (`ls -l`, `os.scandir` + `stat`), plain names otherwise.
@@ -104,7 +107,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
 
     fn setattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         mode: Option<u32>,
         uid: Option<u32>,
@@ -128,7 +131,11 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
             atime: time_set(atime),
             mtime: time_set(mtime),
         };
-        match self.fs.setattr(ino.0, change) {
+        // fuser does not pass FATTR_KILL_SUIDGID on; the kernel sets it
+        // for a truncate by a caller without CAP_FSETID, which for this
+        // transport means: not root.
+        let kill = size.is_some() && req.uid() != 0;
+        match self.fs.setattr(ino.0, change, kill) {
             Ok(a) => reply.attr(&self.fs.attr_ttl(), &a),
             Err(e) => reply.error(e),
         }
@@ -211,12 +218,13 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        match self.fs.write(ino.0, offset, data) {
+        let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
+        match self.fs.write(ino.0, offset, data, kill) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
         }

@@ -133,6 +133,7 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
         return Err(io::Error::other(format!("ARBOR_FUSE=ring, but {}", transport.describe())));
     }
     let session = session.spawn()?;
+    fs.set_notifier(session.notifier());
     let counters = fs.counters().clone();
     Ok(MountHandle { session: Some(session), transport, counters })
 }

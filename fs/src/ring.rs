@@ -487,7 +487,9 @@ const FATTR_ATIME: u32 = 1 << 4;
 const FATTR_MTIME: u32 = 1 << 5;
 const FATTR_ATIME_NOW: u32 = 1 << 7;
 const FATTR_MTIME_NOW: u32 = 1 << 8;
+const FATTR_KILL_SUIDGID: u32 = 1 << 11;
 const RELEASE_FLOCK_UNLOCK: u32 = 1 << 1;
+const WRITE_KILL_SUIDGID: u32 = 1 << 2;
 
 // ---- Decoding a request, encoding its answer. ----
 
@@ -701,7 +703,10 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
     match h.opcode {
         op::LOOKUP => entry(fs.lookup(ino, name(p)?.0)),
         op::GETATTR => attr(fs.attr_ttl(), fs.getattr(ino)),
-        op::SETATTR => attr(fs.attr_ttl(), fs.setattr(ino, set_attr(&arg(r.op)?))),
+        op::SETATTR => {
+            let a: SetattrIn = arg(r.op)?;
+            attr(fs.attr_ttl(), fs.setattr(ino, set_attr(&a), a.valid & FATTR_KILL_SUIDGID != 0))
+        }
         op::READLINK => fs.readlink(ino),
         op::SYMLINK => {
             let (link, rest) = name(p)?;
@@ -733,7 +738,8 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
         op::WRITE => {
             let a: IoIn = arg(r.op)?;
             let data = p.get(..a.size as usize).ok_or(Errno::EINVAL)?;
-            fs.write(ino, a.offset, data).map(|n| WriteOut { size: n, padding: 0 }.as_bytes().to_vec())
+            let kill = a.io_flags & WRITE_KILL_SUIDGID != 0;
+            fs.write(ino, a.offset, data, kill).map(|n| WriteOut { size: n, padding: 0 }.as_bytes().to_vec())
         }
         op::STATFS => fs.statfs().map(|s| {
             let out = StatfsOut {
