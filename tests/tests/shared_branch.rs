@@ -6,6 +6,7 @@
 use arbor_tests::*;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -304,8 +305,14 @@ fn locks_exclude_across_clients_and_die_with_their_client() {
 
     // A client killed with -9 while a process on it holds a lock: the
     // owner drops the lock once the client's connection is gone.
-    let holder =
-        Command::new("flock").arg(a.mnt.join("lockfile")).args(["-c", "sleep 600"]).spawn().expect("flock holder");
+    // Its own process group, so that the `sleep` under `flock` is stopped
+    // with it at the end.
+    let holder = Command::new("flock")
+        .arg(a.mnt.join("lockfile"))
+        .args(["-c", "sleep 600"])
+        .process_group(0)
+        .spawn()
+        .expect("flock holder");
     let fb = std::fs::File::open(b.mnt.join("lockfile")).expect("open b");
     wait_until("a's holder to take the lock", Duration::from_secs(10), || {
         // Got it first: let go, so that the holder can have it.
@@ -324,7 +331,8 @@ fn locks_exclude_across_clients_and_die_with_their_client() {
     println!("a dead client's lock was dropped after {freed:?}");
     assert!(freed.is_some(), "the dead client's lock was never dropped");
     let mut holder = holder;
-    let _ = holder.kill();
+    // SAFETY: signals the holder's own process group.
+    unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) };
     let _ = holder.wait();
     let _ = arbor(&["unmount", mnt_a.to_str().expect("utf8")]);
     drop(fb);
