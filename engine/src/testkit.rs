@@ -103,8 +103,8 @@ pub struct Proxy {
 
 impl Proxy {
     /// On a free 127.0.0.1 port.
-    pub fn start(upstream: std::net::SocketAddr, one_way: Duration) -> Proxy {
-        Self::start_on("127.0.0.1:0", upstream, one_way).expect("proxy on 127.0.0.1")
+    pub fn start(upstream: std::net::SocketAddr, one_way: Duration) -> std::io::Result<Proxy> {
+        Self::start_on("127.0.0.1:0", upstream, one_way)
     }
 
     /// On `listen` (e.g. an address in a network namespace).
@@ -199,18 +199,18 @@ fn relay(
 
 /// One HTTP/1.1 GET by hand, with an optional `Authorization` header:
 /// (status line, body).
-pub fn http_get(addr: &str, path: &str, auth: Option<&str>) -> (String, String) {
+pub fn http_get(addr: &str, path: &str, auth: Option<&str>) -> std::io::Result<(String, String)> {
     use std::io::{Read, Write};
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let auth = auth.map(|a| format!("Authorization: {a}\r\n")).unwrap_or_default();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").expect("send");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n")?;
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read");
+    s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw).to_string();
     let status = text.lines().next().unwrap_or("").to_string();
     let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
+    Ok((status, body))
 }
 
 /// Bytes of data blocks of every file under `dir` (holes not counted).

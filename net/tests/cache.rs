@@ -255,17 +255,17 @@ fn a_request_without_the_token_gets_nothing() {
     let missing = "/v1/chunks/seg-00000000000000ff-00000001/0";
     for path in [real.as_str(), missing, "/metrics"] {
         for auth in [None, Some("Bearer wrong"), Some("a-shared-secret"), Some("Bearer a-shared-secre")] {
-            let (status, body) = http_get(&server.addr, path, auth);
+            let (status, body) = http_get(&server.addr, path, auth).expect("GET");
             assert!(status.contains(" 401 "), "{path} with {auth:?}: {status}");
             assert!(body.trim_end_matches(['0', '\r', '\n']).is_empty(), "no body for {path}: {body:?}");
         }
     }
     assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "nothing was fetched for them");
-    let (status, _) = http_get(&server.addr, &real, Some("Bearer a-shared-secret"));
+    let (status, _) = http_get(&server.addr, &real, Some("Bearer a-shared-secret")).expect("GET");
     assert!(status.contains(" 200 "), "{status}");
-    let (status, _) = http_get(&server.addr, missing, Some("Bearer a-shared-secret"));
+    let (status, _) = http_get(&server.addr, missing, Some("Bearer a-shared-secret")).expect("GET");
     assert!(status.contains(" 404 "), "{status}");
-    let (status, body) = http_get(&server.addr, "/metrics", Some("Bearer a-shared-secret"));
+    let (status, body) = http_get(&server.addr, "/metrics", Some("Bearer a-shared-secret")).expect("GET");
     assert!(status.contains(" 200 ") && body.contains("arbor_cache_unauthorized_total 12"), "{status}\n{body}");
 }
 

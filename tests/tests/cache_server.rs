@@ -56,7 +56,7 @@ impl Serve {
 
     /// A sample of the server's /metrics.
     fn metric(&self, name: &str) -> u64 {
-        let (status, body) = http_get(&self.addr, "/metrics", Some(&format!("Bearer {TOKEN}")));
+        let (status, body) = http_get(&self.addr, "/metrics", Some(&format!("Bearer {TOKEN}"))).expect("GET");
         assert!(status.contains(" 200 "), "{status}");
         arbor_net::metric_sample(&body, name).unwrap_or_else(|| panic!("no {name} in {body}")) as u64
     }
@@ -135,7 +135,7 @@ fn one_warm_dataset_for_every_node_and_job() {
     let dataset = (FILES * FILE_LEN) as u64;
 
     // Every process reaches the bucket through a proxy that counts.
-    let proxy = Proxy::start(w.s3_addr(), Duration::ZERO);
+    let proxy = Proxy::start(w.s3_addr(), Duration::ZERO).expect("proxy");
     let mut env = w.env_via(&proxy.endpoint());
     // A busy CI machine must not turn a slow answer into a bucket read here:
     // this test counts bucket bytes. (A killed server refuses at once.)
@@ -184,10 +184,10 @@ fn one_warm_dataset_for_every_node_and_job() {
 
     // A request without the token gets nothing, not even whether a chunk exists.
     for auth in [None, Some("Bearer wrong")] {
-        let (status, body) = http_get(&server.addr, "/metrics", auth);
+        let (status, body) = http_get(&server.addr, "/metrics", auth).expect("GET");
         assert!(status.contains(" 401 ") && !body.contains("arbor"), "{status}: {body}");
     }
-    let (status, _) = http_get(&server.addr, "/v1/chunks/seg-0000000000000001-00000001/0", None);
+    let (status, _) = http_get(&server.addr, "/v1/chunks/seg-0000000000000001-00000001/0", None).expect("GET");
     assert!(status.contains(" 401 "), "{status}");
 
     // kill -9 the server in the middle of a client's reads: the client
@@ -284,7 +284,7 @@ fn one_warm_dataset_for_every_node_and_job() {
         .and_then(|r| r.split(')').next())
         .and_then(|p| p.parse().ok())
         .unwrap_or_else(|| panic!("no pid in {out:?}"));
-    let (status, body) = http_get(&listen, "/v1/health", Some(&format!("Bearer {TOKEN}")));
+    let (status, body) = http_get(&listen, "/v1/health", Some(&format!("Bearer {TOKEN}"))).expect("GET");
     // SAFETY: a signal to the server this test started.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     assert!(status.contains(" 200 ") && body.contains("ok"), "{status} {body}");

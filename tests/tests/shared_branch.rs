@@ -500,7 +500,7 @@ fn without_the_token_nothing_is_listed_read_or_written() {
     assert!(!is_mounted(&mnt));
     // The wire: without the token every file request is 401 and empty.
     for path in ["/v1/files/main/session", "/v1/files/main", "/v1/files/main/events?session=1&after=0"] {
-        let (status, body) = http_get(&w.owner.addr, path, None);
+        let (status, body) = http_get(&w.owner.addr, path, None).expect("GET");
         assert!(status.contains(" 401 "), "{path}: {status}");
         assert!(body.is_empty(), "{path}: {body}");
     }

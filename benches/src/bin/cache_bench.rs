@@ -115,7 +115,8 @@ fn main() {
         eprintln!("cache_bench needs s3s-fs");
         std::process::exit(2);
     };
-    let bucket_proxy = Proxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], s3.port)), Duration::from_millis(10));
+    let bucket_proxy =
+        Proxy::start(std::net::SocketAddr::from(([127, 0, 0, 1], s3.port)), Duration::from_millis(10)).expect("proxy");
     let direct = store_at(&s3, s3.endpoint());
     let far = store_at(&s3, bucket_proxy.endpoint());
     eprintln!("writing {mib} MiB");
@@ -134,7 +135,7 @@ fn main() {
     let served = serve(far.clone(), &fresh(&base, "server"));
     // ARBOR_BENCH_SERVER_US=0: no proxy in front of the server at all.
     let server_us = env_usize("ARBOR_BENCH_SERVER_US", 100) as u64;
-    let server_proxy = Proxy::start(served.addr, Duration::from_micros(server_us));
+    let server_proxy = Proxy::start(served.addr, Duration::from_micros(server_us)).expect("proxy");
     let near = if server_us == 0 { vec![served.addr.to_string()] } else { vec![server_proxy.addr()] };
     eprintln!("warming the server");
     read_seq(&reader(&far, &fresh(&base, "warm"), Some(client(&near)), 4 << 20), len);
@@ -199,7 +200,7 @@ fn main() {
     for n in counts {
         eprintln!("{n} clients on a cold server");
         let served = serve(far.clone(), &fresh(&base, &format!("server-{n}")));
-        let proxy = Proxy::start(served.addr, Duration::from_micros(100));
+        let proxy = Proxy::start(served.addr, Duration::from_micros(100)).expect("proxy");
         let before = bucket_proxy.sent();
         std::thread::scope(|s| {
             for c in 0..n {
