@@ -22,7 +22,7 @@
 
 use crate::adapter::{time_set, ArborFs, Entry, Xattr};
 use crate::files::{Files, Lock};
-use arbor_engine::volume::SetAttr;
+use arbor_engine::volume::{DirEntryOut, SetAttr};
 use fuser::{Errno, FileAttr, FileType, InitFlags, KernelConfig, TimeOrNow};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use std::io;
@@ -104,10 +104,6 @@ impl Transport {
 
     fn classic_because(&self, why: &str) {
         *self.why_classic.lock() = Some(why.to_string());
-    }
-
-    pub fn choice(&self) -> RingChoice {
-        self.choice
     }
 
     pub(crate) fn negotiated(&self) -> bool {
@@ -638,53 +634,52 @@ fn set_attr(a: &SetattrIn) -> SetAttr {
     }
 }
 
-/// The directory entries from `offset` that fit in `size` bytes.
-fn readdir<F: Files + ?Sized>(fs: &ArborFs<F>, ino: u64, offset: u64, size: usize) -> Reply {
-    let mut buf = Vec::with_capacity(size.min(64 << 10));
-    fs.readdir(ino, offset, &mut |e| {
-        let len = std::mem::size_of::<DirentHead>() + e.name.len();
-        let padded = len.div_ceil(8) * 8;
-        if buf.len() + padded > size {
-            return true;
-        }
-        let head = DirentHead {
-            ino: e.ino,
-            off: e.offset,
-            namelen: e.name.len() as u32,
-            typ: mode_bits(crate::adapter::file_type(e.kind)) >> 12,
-        };
-        buf.extend_from_slice(head.as_bytes());
-        buf.extend_from_slice(&e.name);
-        buf.resize(buf.len() + padded - len, 0);
-        false
-    })?;
-    Ok(buf)
+/// The bytes one READDIR entry takes: its head and name, padded to 8.
+fn dirent_size(name: &[u8]) -> usize {
+    (std::mem::size_of::<DirentHead>() + name.len()).div_ceil(8) * 8
 }
 
 /// The bytes one entry of a READDIRPLUS answer takes.
 pub(crate) fn direntplus_size(name: &[u8]) -> usize {
-    (std::mem::size_of::<EntryOut>() + std::mem::size_of::<DirentHead>() + name.len()).div_ceil(8) * 8
+    std::mem::size_of::<EntryOut>() + dirent_size(name)
+}
+
+/// Appends one directory entry (head, name, padding) to `buf`.
+fn push_dirent(buf: &mut Vec<u8>, e: &DirEntryOut) {
+    let end = buf.len() + dirent_size(&e.name);
+    let head = DirentHead {
+        ino: e.ino,
+        off: e.offset,
+        namelen: e.name.len() as u32,
+        typ: mode_bits(crate::adapter::file_type(e.kind)) >> 12,
+    };
+    buf.extend_from_slice(head.as_bytes());
+    buf.extend_from_slice(&e.name);
+    buf.resize(end, 0);
+}
+
+/// The directory entries from `offset` that fit in `size` bytes.
+fn readdir<F: Files + ?Sized>(fs: &ArborFs<F>, ino: u64, offset: u64, size: usize) -> Reply {
+    let mut buf = Vec::with_capacity(size.min(64 << 10));
+    fs.readdir(ino, offset, &mut |e| {
+        if buf.len() + dirent_size(&e.name) > size {
+            return true;
+        }
+        push_dirent(&mut buf, &e);
+        false
+    })?;
+    Ok(buf)
 }
 
 /// The entries from `offset` with their attributes, in `size` bytes.
 fn readdirplus<F: Files + ?Sized>(fs: &ArborFs<F>, ino: u64, offset: u64, size: usize) -> Reply {
     let mut buf = Vec::with_capacity(size.min(64 << 10));
     fs.readdirplus(ino, offset, size, direntplus_size, &mut |e, entry| {
-        let len = direntplus_size(&e.name);
-        if buf.len() + len > size {
+        if buf.len() + direntplus_size(&e.name) > size {
             return true;
         }
-        let start = buf.len();
         buf.extend_from_slice(entry_out(entry).as_bytes());
-        let head = DirentHead {
-            ino: e.ino,
-            off: e.offset,
-            namelen: e.name.len() as u32,
-            typ: mode_bits(crate::adapter::file_type(e.kind)) >> 12,
-        };
-        buf.extend_from_slice(head.as_bytes());
-        buf.extend_from_slice(&e.name);
-        buf.resize(start + len, 0);
+        push_dirent(&mut buf, e);
         false
     })?;
     Ok(buf)
