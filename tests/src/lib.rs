@@ -346,7 +346,7 @@ impl Serve {
         argv.extend(args.iter().map(|s| s.to_string()));
         argv.push("--foreground".into());
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
-        let before = std::fs::read_to_string(log).unwrap_or_default().matches(" serving disk=").count();
+        let before = Self::ready_lines(log);
         let child = Self::spawn(&argv, &env, log);
         let mut s = Serve { child, addr, log: log.to_path_buf(), argv, env };
         s.wait_ready(before);
@@ -367,8 +367,8 @@ impl Serve {
 
     /// Times the log says `arbor serve` is ready (it listens before it has
     /// taken and recorded its branches, then logs this line).
-    fn ready_lines(&self) -> usize {
-        std::fs::read_to_string(&self.log).unwrap_or_default().matches(" serving disk=").count()
+    fn ready_lines(log: &Path) -> usize {
+        std::fs::read_to_string(log).unwrap_or_default().matches(" serving disk=").count()
     }
 
     /// Waits until the process started `before` ready lines ago logs one
@@ -378,14 +378,14 @@ impl Serve {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("arbor serve exited with {status}: {}", std::fs::read_to_string(&self.log).unwrap_or_default());
             }
-            self.ready_lines() > before && std::net::TcpStream::connect(&self.addr).is_ok()
+            Self::ready_lines(&self.log) > before && std::net::TcpStream::connect(&self.addr).is_ok()
         });
     }
 
     /// kill -9, then the same command again on the same port.
     pub fn kill9_and_restart(&mut self) {
         self.kill9_only();
-        let before = self.ready_lines();
+        let before = Self::ready_lines(&self.log);
         self.child = Self::spawn(&self.argv, &self.env, &self.log);
         self.wait_ready(before);
     }
