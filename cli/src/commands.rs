@@ -312,6 +312,63 @@ pub fn prefetch(mountpoint: &Path, paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
+pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, json_out: bool) -> Result<()> {
+    let (bucket, prefix) = crate::import::parse_source(source)?;
+    if !at.starts_with('/') {
+        bail!("--at must be an absolute path inside the branch, like /datasets (got {at})");
+    }
+    let t = resolve(target)?;
+    let catalog = t.disk.catalog()?;
+    let branch = branch.map(str::to_string).or(t.branch.clone()).unwrap_or_else(|| "main".into());
+    // SAFETY: plain syscalls without arguments.
+    let owner = unsafe { (libc::getuid(), libc::getgid()) };
+    let started = Instant::now();
+    let report = match t.mount_of(&catalog, &branch) {
+        Some(mp) => {
+            control::request(&mp, json!({"op": "import", "source": source, "at": at, "uid": owner.0, "gid": owner.1}))?
+        }
+        None => {
+            let spinner = ProgressBar::new_spinner().with_message(format!("listing {source}"));
+            spinner.enable_steady_tick(Duration::from_millis(200));
+            let objects = crate::import::open_bucket(&bucket)?
+                .list_objects(&prefix)
+                .with_context(|| format!("cannot list {source}"))?;
+            spinner.finish_and_clear();
+            let plan = crate::import::plan(&prefix, objects);
+            let bar = ProgressBar::new(plan.files.len() as u64)
+                .with_style(ProgressStyle::with_template("import {bar:40} {pos}/{len} files {per_sec} eta {eta}")?);
+            let (vol, _lock) = catalog.open_branch(&branch, quiet_config()).map_err(friendly)?;
+            let report = crate::import::apply(&vol, at, &bucket, &plan, owner, &mut |_| bar.inc(1));
+            bar.finish_and_clear();
+            let report = report?;
+            vol.close()?;
+            report.json(&plan)
+        }
+    };
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    for s in report["skipped"].as_array().into_iter().flatten() {
+        eprintln!("skipped {}: {}", s["key"].as_str().unwrap_or("?"), s["why"].as_str().unwrap_or("?"));
+    }
+    for c in report["conflicts"].as_array().into_iter().flatten() {
+        eprintln!("left alone: {}", c.as_str().unwrap_or("?"));
+    }
+    let n = |k: &str| report[k].as_u64().unwrap_or(0);
+    println!(
+        "branch {branch}: imported {} files ({}) and {} folders from {source} under {at} in {}; {} already there, {} skipped, {} conflicts",
+        n("added"),
+        HumanBytes(n("bytes")),
+        n("dirs"),
+        HumanDuration(started.elapsed()),
+        n("already"),
+        report["skipped"].as_array().map_or(0, Vec::len),
+        report["conflicts"].as_array().map_or(0, Vec::len),
+    );
+    Ok(())
+}
+
 pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
     let d = disk::open(disk_arg)?;
     let catalog = d.catalog()?;

@@ -4,6 +4,7 @@ mod cache_server;
 mod commands;
 mod control;
 mod disk;
+mod import;
 mod node;
 mod prefetch;
 mod serve;
@@ -126,6 +127,25 @@ enum Command {
         paths: Vec<String>,
         #[command(flatten)]
         servers: CacheServers,
+    },
+    /// Add the objects under an S3 prefix to a branch as files, copying no
+    /// data: each file reads its object (while it keeps the ETag it had).
+    #[command(
+        after_help = "Example:\n  arbor import /mnt/data s3://corpus/raw/v3 --at /datasets/raw\n  arbor import s3://my-bucket/disk1 s3://corpus/tokens --branch run-a"
+    )]
+    Import {
+        /// A disk or a mountpoint.
+        target: String,
+        /// s3://bucket/prefix: every object under it becomes a file.
+        source: String,
+        /// The folder of the branch the objects go under (made if missing).
+        #[arg(long, default_value = "/")]
+        at: String,
+        /// The branch (default: the mounted one, else main).
+        #[arg(long)]
+        branch: Option<String>,
+        #[arg(long)]
+        json: bool,
     },
     /// Verify every record, and every file byte of every branch and checkpoint.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
@@ -408,6 +428,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
         Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
         Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
+        Command::Import { target, source, at, branch, json } => {
+            commands::import(&target, &source, &at, branch.as_deref(), json)?
+        }
         Command::Warm { disk, checkpoint, paths, servers } => {
             cache_server::warm(&disk, &checkpoint, &paths, &servers.cache_server, servers.token_file.as_deref())?
         }

@@ -409,6 +409,24 @@ impl ControlState {
                 let max_live = req["max_live"].as_f64().unwrap_or(MAX_LIVE);
                 reply(self.vol.compact(max_live), compact_json)
             }
+            Some("import") => {
+                if args.checkpoint.is_some() {
+                    return reply(Err("a checkpoint mount is read-only; import into its branch instead"), |()| {
+                        Value::Null
+                    });
+                }
+                let (source, at) = (req["source"].as_str().unwrap_or(""), req["at"].as_str().unwrap_or("/"));
+                let owner = (req["uid"].as_u64().unwrap_or(0) as u32, req["gid"].as_u64().unwrap_or(0) as u32);
+                let done = (|| {
+                    let (bucket, prefix) = crate::import::parse_source(source)?;
+                    let objects = crate::import::open_bucket(&bucket)?.list_objects(&prefix)?;
+                    let plan = crate::import::plan(&prefix, objects);
+                    let report = crate::import::apply(&self.vol, at, &bucket, &plan, owner, &mut |_| {})?;
+                    self.vol.commit()?;
+                    Ok::<_, anyhow::Error>(report.json(&plan))
+                })();
+                reply(done.map_err(|e| format!("{e:#}")), |v| v)
+            }
             Some("unmount") => unmount_request(tx),
             other => (json!({"ok": false, "error": format!("unknown request {other:?}")}), false),
         }

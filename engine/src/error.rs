@@ -49,6 +49,12 @@ pub enum Error {
     /// Another writer took this one's branch; it refuses further writes.
     #[error("fenced off: {0}")]
     Fenced(String),
+    /// An imported file's object is not the one its extents name.
+    #[error("source object changed: {0}")]
+    SourceChanged(String),
+    /// The tree needs features this build does not have.
+    #[error("this disk needs a newer arbor: {0}")]
+    NeedsNewer(String),
     #[error("I/O error: {0}")]
     Io(#[from] io::Error),
 }
@@ -83,7 +89,7 @@ impl Error {
         match self {
             Error::NotFound | Error::NoSuchObject(_) => ErrorKind::NotFound,
             Error::NotPermitted => ErrorKind::Permission,
-            Error::Corrupted { .. } => ErrorKind::Corrupt,
+            Error::Corrupted { .. } | Error::SourceChanged(_) => ErrorKind::Corrupt,
             Error::Poisoned | Error::Crashed(_) => ErrorKind::Poisoned,
             Error::Fenced(_) => ErrorKind::Fenced,
             Error::Busy(_) | Error::PreconditionFailed(_) => ErrorKind::Transient,
@@ -126,7 +132,8 @@ impl Error {
             Error::NotPermitted => libc::EPERM,
             Error::ReadOnly => libc::EROFS,
             Error::PreconditionFailed(_) => libc::EAGAIN,
-            Error::Corrupted { .. } | Error::Poisoned | Error::Crashed(_) => libc::EIO,
+            Error::Corrupted { .. } | Error::SourceChanged(_) | Error::Poisoned | Error::Crashed(_) => libc::EIO,
+            Error::NeedsNewer(_) => libc::EOPNOTSUPP,
             Error::Busy(_) | Error::Fenced(_) => libc::EBUSY,
             Error::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
         }
@@ -156,6 +163,8 @@ mod tests {
             (Error::ReadOnly, libc::EROFS),
             (Error::Poisoned, libc::EIO),
             (Error::corrupted("node", "w1-2@3"), libc::EIO),
+            (Error::SourceChanged("s3://b/k".into()), libc::EIO),
+            (Error::NeedsNewer("x".into()), libc::EOPNOTSUPP),
             (Error::Io(io::Error::from_raw_os_error(libc::ENOSPC)), libc::ENOSPC),
             (Error::Io(io::Error::other("no errno")), libc::EIO),
         ];

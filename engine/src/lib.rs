@@ -17,6 +17,7 @@ pub mod io;
 pub mod layout;
 pub mod log;
 pub mod private;
+pub mod source;
 pub mod testkit;
 pub mod tier;
 pub mod tree;

@@ -63,6 +63,18 @@ fn conformance(store: &dyn ObjectStore) {
     for bad in ["", "/abs", "a//b", "../x", "a/./b", "dir/", ".arbor-locks/x"] {
         assert!(store.put(bad, b"x").is_err(), "{bad:?}");
     }
+    // Reads conditional on a tag, and listings with sizes and tags.
+    let old = store.put("src/nested/a", b"hello world").expect("put");
+    let new = store.put("src/nested/a", b"HELLO WORLD").expect("put");
+    store.put("src/b", b"xyz").expect("put");
+    assert_ne!(old, new, "a new body has a new tag");
+    assert_eq!(store.get_range_if("src/nested/a", 6..11, &new).expect("current tag"), b"WORLD");
+    assert!(matches!(store.get_range_if("src/nested/a", 0..5, &old), Err(Error::PreconditionFailed(_))));
+    assert!(matches!(store.get_range_if("src/gone", 0..5, &old), Err(Error::NoSuchObject(_))));
+    let listed = store.list_objects("src/").expect("list objects");
+    let got: Vec<(&str, u64, &str)> = listed.iter().map(|o| (o.key.as_str(), o.size, o.etag.as_str())).collect();
+    let b_tag = store.get("src/b").expect("get").1;
+    assert_eq!(got, [("src/b", 3, b_tag.as_str()), ("src/nested/a", 11, new.as_str())]);
 }
 
 #[test]

@@ -156,27 +156,9 @@ pub fn parse(arg: &str) -> Result<(String, Location)> {
     Ok((path.display().to_string(), Location::Local(path)))
 }
 
-/// S3 settings from the environment: the standard AWS chain for
-/// credentials and region, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` for
-/// an S3-compatible server (which then gets path-style addressing unless
-/// `ARBOR_S3_PATH_STYLE=0`).
+/// S3 settings from the environment (see [`S3Config::from_env`]).
 pub fn s3_config_from_env(bucket: &str, prefix: &str) -> S3Config {
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let endpoint = env("AWS_ENDPOINT_URL_S3").or_else(|| env("AWS_ENDPOINT_URL"));
-    let path_style = match env("ARBOR_S3_PATH_STYLE").as_deref() {
-        Some("0") | Some("false") => false,
-        Some(_) => true,
-        None => endpoint.is_some(),
-    };
-    S3Config {
-        bucket: bucket.into(),
-        prefix: prefix.into(),
-        endpoint,
-        // Resolved by the store (environment, profile, else us-east-1).
-        region: None,
-        path_style,
-        credentials: None,
-    }
+    S3Config::from_env(bucket, prefix)
 }
 
 /// Where this node keeps its state of s3 disks.

@@ -256,6 +256,12 @@ impl S3World {
         n
     }
 
+    /// The test bucket, reached directly (objects a team put there
+    /// without arbor).
+    pub fn bucket(&self) -> arbor_engine::bucket::S3Store {
+        arbor_engine::bucket::S3Store::open(&self._server.config("")).expect("open the test bucket")
+    }
+
     /// Where the S3 server listens.
     pub fn s3_addr(&self) -> std::net::SocketAddr {
         std::net::SocketAddr::from(([127, 0, 0, 1], self._server.port))

@@ -21,6 +21,16 @@ use std::ops::Range;
 /// An opaque version tag of one object's content.
 pub type ETag = String;
 
+/// One object of a listing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub key: String,
+    pub size: u64,
+    pub etag: ETag,
+    /// When it was last written, where the store says.
+    pub modified: Option<std::time::SystemTime>,
+}
+
 pub trait ObjectStore: Send + Sync {
     /// Creates or replaces `key`.
     fn put(&self, key: &str, body: &[u8]) -> Result<ETag>;
@@ -32,8 +42,37 @@ pub trait ObjectStore: Send + Sync {
     fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)>;
     /// Bytes `range` of `key`, clipped at its end.
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>>;
+    /// Bytes `range` of `key`, clipped at its end, only while the object's
+    /// tag is still `etag` ([`Error::PreconditionFailed`] otherwise,
+    /// [`Error::NoSuchObject`] if gone). Stores without conditional reads
+    /// read the whole object to compare its tag.
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
+        let (body, tag) = self.get(key)?;
+        if tag != etag {
+            return Err(Error::PreconditionFailed(key.into()));
+        }
+        let end = range.end.min(body.len() as u64);
+        if range.start >= end {
+            return Err(Error::Invalid("range outside the object"));
+        }
+        Ok(body[range.start as usize..end as usize].to_vec())
+    }
     /// Every key starting with `prefix`, in order.
     fn list(&self, prefix: &str) -> Result<Vec<String>>;
+    /// Every object starting with `prefix` with its size and tag, in key
+    /// order. Stores without such a listing read each object once.
+    fn list_objects(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let mut out = Vec::new();
+        for key in self.list(prefix)? {
+            match self.get(&key) {
+                Ok((body, etag)) => out.push(ObjectInfo { key, size: body.len() as u64, etag, modified: None }),
+                // Deleted since it was listed.
+                Err(Error::NoSuchObject(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
     /// The length of `key` in bytes.
     fn size(&self, key: &str) -> Result<u64>;
     /// Creates or replaces `key` with a body too large for one request;

@@ -7,7 +7,7 @@
 //! recognised on the retry (the object already holds our bytes) and
 //! reported as the success it was.
 
-use super::{ETag, ObjectStore};
+use super::{ETag, ObjectInfo, ObjectStore};
 use crate::error::{Error, Result};
 use std::io::ErrorKind::{InvalidInput, PermissionDenied};
 use std::ops::Range;
@@ -126,8 +126,16 @@ impl ObjectStore for RetryStore {
         self.run("ranged get", key, |_| self.inner.get_range(key, range.clone()))
     }
 
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
+        self.run("ranged get", key, |_| self.inner.get_range_if(key, range.clone(), etag))
+    }
+
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
         self.run("list", prefix, |_| self.inner.list(prefix))
+    }
+
+    fn list_objects(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        self.run("list", prefix, |_| self.inner.list_objects(prefix))
     }
 
     fn size(&self, key: &str) -> Result<u64> {

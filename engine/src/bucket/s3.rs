@@ -4,7 +4,7 @@
 //! blocks on each request. Conditional writes use `If-None-Match: *` and
 //! `If-Match: <etag>`; a server answering 412 refused the write.
 
-use super::{check_key, ETag, ObjectStore};
+use super::{check_key, ETag, ObjectInfo, ObjectStore};
 use crate::error::{Error, Result};
 use aws_sdk_s3::error::SdkError;
 use aws_sdk_s3::primitives::ByteStream;
@@ -27,6 +27,31 @@ pub struct S3Config {
     pub path_style: bool,
     /// Static credentials: (access key, secret key).
     pub credentials: Option<(String, String)>,
+}
+
+impl S3Config {
+    /// Settings from the environment: the standard AWS chain for
+    /// credentials and region, `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`
+    /// for an S3-compatible server (which then gets path-style addressing
+    /// unless `ARBOR_S3_PATH_STYLE=0`).
+    pub fn from_env(bucket: &str, prefix: &str) -> S3Config {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let endpoint = env("AWS_ENDPOINT_URL_S3").or_else(|| env("AWS_ENDPOINT_URL"));
+        let path_style = match env("ARBOR_S3_PATH_STYLE").as_deref() {
+            Some("0") | Some("false") => false,
+            Some(_) => true,
+            None => endpoint.is_some(),
+        };
+        S3Config {
+            bucket: bucket.into(),
+            prefix: prefix.into(),
+            endpoint,
+            // Resolved by the store (environment, profile, else us-east-1).
+            region: None,
+            path_style,
+            credentials: None,
+        }
+    }
 }
 
 pub struct S3Store {
@@ -150,6 +175,92 @@ impl S3Store {
     }
 }
 
+impl S3Store {
+    fn ranged_get(&self, key: &str, range: Range<u64>, if_match: Option<&str>) -> Result<Vec<u8>> {
+        if range.start >= range.end {
+            return Err(Error::Invalid("range outside the object"));
+        }
+        let full = self.key(key)?;
+        let mut req = self.client.get_object().bucket(&self.bucket).key(&full).range(format!(
+            "bytes={}-{}",
+            range.start,
+            range.end - 1
+        ));
+        if let Some(tag) = if_match {
+            req = req.if_match(tag);
+        }
+        // The request and its body run as one task on the store's runtime:
+        // the caller's thread only waits, so many concurrent readers do not
+        // each poll sockets of their own.
+        let task = self.rt.spawn(async move {
+            let out = req.send().await?;
+            let tag = out.e_tag().map(str::to_string);
+            Ok::<_, SdkError<_, _>>(out.body.collect().await.map(|b| (b.into_bytes(), tag)))
+        });
+        let joined = self.rt.block_on(task).map_err(|e| Error::Io(std::io::Error::other(format!("S3 task: {e}"))))?;
+        match joined {
+            // A server that ignores If-Match still names what it sent.
+            Ok(Ok((_, Some(tag)))) if if_match.is_some_and(|want| want != tag) => {
+                Err(Error::PreconditionFailed(key.into()))
+            }
+            Ok(Ok((bytes, _))) => Ok(Vec::from(bytes)),
+            Ok(Err(e)) => Err(Error::Io(std::io::Error::other(format!("S3 ranged get body: {e}")))),
+            Err(e) if status(&e) == Some(404) => Err(Error::NoSuchObject(key.into())),
+            Err(e) if status(&e) == Some(412) => Err(Error::PreconditionFailed(key.into())),
+            Err(e) if status(&e) == Some(416) => Err(Error::Invalid("range outside the object")),
+            Err(e) => Err(io_error("ranged get", e)),
+        }
+    }
+
+    /// One folder level of a listing: its objects and its sub-prefixes.
+    async fn list_level(
+        client: Client,
+        bucket: String,
+        prefix: String,
+        strip: usize,
+    ) -> Result<(Vec<ObjectInfo>, Vec<String>)> {
+        let (mut objects, mut folders) = (Vec::new(), Vec::new());
+        let mut token: Option<String> = None;
+        // Bounded: a folder of more than a billion keys is not listed here.
+        for _ in 0..1_000_000 {
+            let mut req = client.list_objects_v2().bucket(&bucket).prefix(&prefix).delimiter("/");
+            if let Some(t) = &token {
+                req = req.continuation_token(t);
+            }
+            let page = req.send().await.map_err(|e| io_error("list", e))?;
+            for o in page.contents() {
+                let Some(key) = o.key().and_then(|k| k.get(strip..)) else { continue };
+                let modified = o.last_modified().and_then(|t| std::time::SystemTime::try_from(*t).ok());
+                objects.push(ObjectInfo {
+                    key: key.to_string(),
+                    size: o.size().unwrap_or(0).max(0) as u64,
+                    etag: o.e_tag().unwrap_or_default().to_string(),
+                    modified,
+                });
+            }
+            folders.extend(page.common_prefixes().iter().filter_map(|p| p.prefix()).map(str::to_string));
+            // Servers that list no ETags (some S3-compatible ones) are asked per object.
+            for o in objects.iter_mut().filter(|o| o.etag.is_empty()) {
+                let full = if strip == 0 { o.key.clone() } else { format!("{}{}", &prefix[..strip], o.key) };
+                let head = client.head_object().bucket(&bucket).key(&full).send().await;
+                match head {
+                    Ok(h) => o.etag = h.e_tag().unwrap_or_default().to_string(),
+                    Err(e) if status(&e) == Some(404) => {}
+                    Err(e) => return Err(io_error("head", e)),
+                }
+            }
+            match page.next_continuation_token() {
+                Some(t) if page.is_truncated() == Some(true) => token = Some(t.to_string()),
+                _ => break,
+            }
+        }
+        Ok((objects, folders))
+    }
+}
+
+/// Folder listings in flight at once in [`ObjectStore::list_objects`].
+const LISTINGS_IN_FLIGHT: usize = 32;
+
 /// Bodies larger than this go up in parts of [`PART_SIZE`], in parallel.
 const MULTIPART_OVER: usize = 16 << 20;
 const PART_SIZE: usize = 8 << 20;
@@ -254,30 +365,11 @@ impl ObjectStore for S3Store {
     }
 
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
-        if range.start >= range.end {
-            return Err(Error::Invalid("range outside the object"));
-        }
-        let full = self.key(key)?;
-        let req = self.client.get_object().bucket(&self.bucket).key(&full).range(format!(
-            "bytes={}-{}",
-            range.start,
-            range.end - 1
-        ));
-        // The request and its body run as one task on the store's runtime:
-        // the caller's thread only waits, so many concurrent readers do not
-        // each poll sockets of their own.
-        let task = self.rt.spawn(async move {
-            let out = req.send().await?;
-            Ok::<_, SdkError<_, _>>(out.body.collect().await.map(|b| b.into_bytes()))
-        });
-        let joined = self.rt.block_on(task).map_err(|e| Error::Io(std::io::Error::other(format!("S3 task: {e}"))))?;
-        match joined {
-            Ok(Ok(bytes)) => Ok(Vec::from(bytes)),
-            Ok(Err(e)) => Err(Error::Io(std::io::Error::other(format!("S3 ranged get body: {e}")))),
-            Err(e) if status(&e) == Some(404) => Err(Error::NoSuchObject(key.into())),
-            Err(e) if status(&e) == Some(416) => Err(Error::Invalid("range outside the object")),
-            Err(e) => Err(io_error("ranged get", e)),
-        }
+        self.ranged_get(key, range, None)
+    }
+
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
+        self.ranged_get(key, range, Some(etag))
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
@@ -301,6 +393,33 @@ impl ObjectStore for S3Store {
             }
         }
         out.sort();
+        Ok(out)
+    }
+
+    /// Lists folder by folder (`/` as the delimiter), many folders at once,
+    /// so a wide tree lists in parallel.
+    fn list_objects(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let full = if self.prefix.is_empty() { prefix.to_string() } else { format!("{}/{prefix}", self.prefix) };
+        let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
+        let (client, bucket) = (self.client.clone(), self.bucket.clone());
+        let mut out = self.rt.block_on(async move {
+            let mut out = Vec::new();
+            let mut waiting = vec![full];
+            let mut running = tokio::task::JoinSet::new();
+            loop {
+                while running.len() < LISTINGS_IN_FLIGHT {
+                    let Some(p) = waiting.pop() else { break };
+                    running.spawn(S3Store::list_level(client.clone(), bucket.clone(), p, strip));
+                }
+                let Some(done) = running.join_next().await else { break };
+                let (objects, folders) =
+                    done.map_err(|e| Error::Io(std::io::Error::other(format!("S3 list task: {e}"))))??;
+                out.extend(objects);
+                waiting.extend(folders);
+            }
+            Ok::<_, Error>(out)
+        })?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
     }
 

@@ -5,7 +5,7 @@ use super::commit::{features, read_commit};
 use super::keys;
 use super::nodes::Nodes;
 use super::txn::{Reads, View};
-use super::types::{DirEntry, Extent, FileKind, Inode, ROOT_INO};
+use super::types::{DirEntry, Extent, FileKind, Inode, Piece, ROOT_INO};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::format::{decode_value, Addr, SegId};
@@ -222,12 +222,17 @@ fn diff_with(store: &Nodes, from: Addr, to: Addr) -> Result<Vec<Change>> {
     Ok(out.into_values().collect())
 }
 
-/// The extents a leaf holds, with their keys: they sit together, every
-/// extent key starting with the same tag.
+/// The log extents a leaf holds, with their keys: they sit together, every
+/// extent key starting with the same tag. External extents (imported
+/// files' objects) are in no segment and left out.
 pub(super) fn leaf_extents(l: &Leaf) -> impl Iterator<Item = Result<(&[u8], Extent)>> + '_ {
-    l.entries_from(l.lower_bound(&[keys::EXTENT]))
-        .take_while(|(k, _)| k.first() == Some(&keys::EXTENT))
-        .map(|(k, v)| Ok((k, Extent::decode(v)?)))
+    l.entries_from(l.lower_bound(&[keys::EXTENT])).take_while(|(k, _)| k.first() == Some(&keys::EXTENT)).filter_map(
+        |(k, v)| match Piece::decode(v) {
+            Ok(Piece::Log(e)) => Some(Ok((k, e))),
+            Ok(Piece::Object(_)) => None,
+            Err(e) => Some(Err(e)),
+        },
+    )
 }
 
 /// Adds to `segments` every segment the commit `commit` needs: its own, its

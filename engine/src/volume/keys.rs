@@ -8,6 +8,7 @@ pub const EXTENT: u8 = b'E';
 pub const XATTR: u8 = b'X';
 pub const ORPHAN: u8 = b'O';
 pub const LINK: u8 = b'L';
+pub const SOURCE: u8 = b'S';
 
 fn tagged(tag: u8, a: u64, rest: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(9 + rest.len());
@@ -73,6 +74,11 @@ pub fn link(ino: u64, parent: u64, name: &[u8]) -> Vec<u8> {
 
 pub fn link_prefix(ino: u64) -> Vec<u8> {
     tagged(LINK, ino, &[])
+}
+
+/// The object an imported file reads from.
+pub fn source(ino: u64) -> Vec<u8> {
+    tagged(SOURCE, ino, &[])
 }
 
 /// The big-endian u64 at bytes 9..17 of a key (a cookie or an extent end).

@@ -83,6 +83,8 @@ pub struct Config {
     pub root_uid: u32,
     pub root_gid: u32,
     pub env: Arc<dyn Env>,
+    /// Where imported files' objects are read from.
+    pub sources: Arc<dyn crate::source::Sources>,
 }
 
 impl Default for Config {
@@ -97,6 +99,7 @@ impl Default for Config {
             root_uid: 0,
             root_gid: 0,
             env: Arc::new(SystemEnv),
+            sources: Arc::new(crate::source::EnvSources::default()),
         }
     }
 }
@@ -137,6 +140,8 @@ pub struct Volume {
     /// What recovery found and did when this volume was opened.
     recovery: Mutex<open::Recovery>,
     room: Mutex<Room>,
+    /// Reads imported files' objects.
+    sources: crate::source::SourceReader,
 }
 
 fn check_name(name: &[u8]) -> Result<()> {
@@ -296,7 +301,7 @@ impl Volume {
             log.append(crate::format::RecordKind::Intent, &meta, data, crate::device::failpoints::INTENT_APPEND)?;
         let d = ops::Data { addr: app.data, crcs: &app.crcs, bytes: data };
         let mut tx = txn::Txn { tree: &mut st.tree, store: &self.nodes };
-        if let Err(e) = ops::apply(&mut tx, &op, &d, &mut st.next_ino) {
+        if let Err(e) = ops::apply(&mut tx, &op, &d, &mut st.next_ino, &mut st.features) {
             return Err(self.poison(e));
         }
         st.ops_since_commit += 1;

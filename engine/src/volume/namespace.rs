@@ -62,6 +62,55 @@ impl Volume {
         Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
     }
 
+    /// Creates a regular file whose bytes are the object `source`, copying
+    /// none of them: reads fetch them from the object while it keeps the
+    /// recorded ETag. `mtime` is the object's.
+    pub fn import(
+        &self,
+        parent: u64,
+        name: &[u8],
+        perm: u16,
+        owner: (u32, u32),
+        source: crate::source::Source,
+        mtime: Timestamp,
+    ) -> Result<Attr> {
+        check_name(name)?;
+        if source.size > MAX_FILE_SIZE {
+            return Err(Error::TooBig);
+        }
+        if source.bucket.is_empty() || source.key.is_empty() {
+            return Err(Error::Invalid("source object"));
+        }
+        self.log()?;
+        let mut st = self.state.write();
+        let v = self.view(&st);
+        let p = v.dir_inode(parent)?;
+        if is_dot(name) || v.entry(parent, name)?.is_some() {
+            return Err(Error::Exists);
+        }
+        let gid = if p.perm & libc::S_ISGID as u16 != 0 { p.gid } else { owner.1 };
+        let ino = st.next_ino;
+        let op = ops::Op::Import {
+            parent,
+            name: name.to_vec(),
+            ino,
+            perm: perm & 0o7777,
+            uid: owner.0,
+            gid,
+            source,
+            mtime,
+            time: self.now(),
+        };
+        self.run(&mut st, op, &[])?;
+        Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
+    }
+
+    /// The object an imported file reads from, if it is one.
+    pub fn source(&self, ino: u64) -> Result<Option<crate::source::Source>> {
+        let st = self.state.read();
+        self.view(&st).source(ino)
+    }
+
     pub fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Result<Attr> {
         check_name(new_name)?;
         self.log()?;

@@ -43,7 +43,7 @@ impl Volume {
             next_ino: ROOT_INO + 1,
             ops_since_commit: 0,
             last_commit: None,
-            features: features::KNOWN,
+            features: features::PROMISES,
         };
         let mut report = Recovery::default();
         let superblock = device.read_superblock()?.map(|b| Superblock::decode(&b)).transpose()?;
@@ -56,6 +56,7 @@ impl Volume {
         let vol = Volume {
             state: RwLock::new(st),
             nodes,
+            sources: crate::source::SourceReader::new(cfg.sources.clone()),
             cfg,
             opens: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
@@ -151,7 +152,7 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
                 for (op, r) in parts.drain(..).chain([(op, r)]) {
                     let data = ops::Data { addr: r.data_addr, crcs: &r.crcs, bytes: &r.data };
                     let mut tx = Txn { tree: &mut st.tree, store: nodes };
-                    ops::apply(&mut tx, &op, &data, &mut st.next_ino)?;
+                    ops::apply(&mut tx, &op, &data, &mut st.next_ino, &mut st.features)?;
                     st.ops_since_commit += 1;
                     report.replayed += 1;
                 }

@@ -108,6 +108,19 @@ pub enum Op {
         off: u64,
         time: Timestamp,
     },
+    /// Creates a regular file whose bytes are the object `source` (one
+    /// external extent): an import. `mtime` is the object's.
+    Import {
+        parent: u64,
+        name: Vec<u8>,
+        ino: u64,
+        perm: u16,
+        uid: u32,
+        gid: u32,
+        source: crate::source::Source,
+        mtime: Timestamp,
+        time: Timestamp,
+    },
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -122,8 +135,9 @@ fn touch(i: &mut Inode, t: Timestamp) {
     i.ctime = t;
 }
 
-/// Applies one validated intent. `next_ino` tracks the highest inode used.
-pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<()> {
+/// Applies one validated intent. `next_ino` tracks the highest inode used,
+/// `features` the tree's feature bits.
+pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64, features: &mut u64) -> Result<()> {
     match op {
         Op::InitRoot { perm, uid, gid, time } => {
             let root = new_inode(FileKind::Directory, *perm, *uid, *gid, 0, ROOT_INO, None, *time);
@@ -141,6 +155,27 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
             tx.put_inode(*parent, &p)?;
             tx.put_inode(*ino, &node)?;
             *next_ino = (*next_ino).max(ino + 1);
+            Ok(())
+        }
+        Op::Import { parent, name, ino, perm, uid, gid, source, mtime, time } => {
+            let mut p = tx.inode(*parent)?;
+            let mut node = new_inode(FileKind::Regular, *perm, *uid, *gid, 0, *parent, None, *time);
+            node.name = name.clone();
+            node.mtime = *mtime;
+            tx.add_entry(&mut p, *parent, name, *ino, FileKind::Regular)?;
+            touch(&mut p, *time);
+            tx.put_inode(*parent, &p)?;
+            tx.put(keys::source(*ino), crate::format::encode_value(source))?;
+            if source.size > 0 {
+                node.inline = None;
+                let e = Piece::Object(ObjectExtent { off: 0, len: source.size });
+                tx.put(keys::extent(*ino, source.size), e.encode())?;
+                node.size = source.size;
+                node.allocated = source.size;
+            }
+            tx.put_inode(*ino, &node)?;
+            *next_ino = (*next_ino).max(ino + 1);
+            *features |= super::commit::features::EXTERNAL_EXTENTS;
             Ok(())
         }
         Op::Link { ino, parent, name, time } => {
@@ -247,7 +282,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64) -> Result<(
         Op::Relocate { ino, end, from, rec_off, len } => {
             let key = keys::extent(*ino, *end);
             let Some(v) = tx.tree.get(tx.store, &key)? else { return Ok(()) };
-            let e = Extent::decode(&v)?;
+            let Piece::Log(e) = Piece::decode(&v)? else { return Ok(()) };
             if (e.data, e.rec_off, e.len) != (*from, *rec_off, *len) || data.bytes.len() != *len as usize {
                 return Ok(());
             }

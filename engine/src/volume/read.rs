@@ -2,14 +2,15 @@
 //! verify their blocks without it.
 
 use super::txn::Reads;
-use super::types::{Extent, FileKind};
+use super::types::{Extent, FileKind, Piece};
 use super::Volume;
 use crate::error::{Error, Result};
 use crate::format::BLOCK_SIZE;
+use crate::source::Source;
 
 enum Plan {
     Bytes(Vec<u8>),
-    Extents { start: u64, len: usize, extents: Vec<(u64, Extent)> },
+    Extents { start: u64, len: usize, extents: Vec<(u64, Piece)>, source: Option<Source> },
 }
 
 impl Volume {
@@ -31,18 +32,29 @@ impl Volume {
             let n = (len as u64).min(i.size - off) as usize;
             match &i.inline {
                 Some(b) => Plan::Bytes(b[off as usize..off as usize + n].to_vec()),
-                None => Plan::Extents { start: off, len: n, extents: v.extent_parts(ino, off, off + n as u64)? },
+                None => {
+                    let extents = v.extent_parts(ino, off, off + n as u64)?;
+                    let external = extents.iter().any(|(_, p)| matches!(p, Piece::Object(_)));
+                    let source = if external { v.source(ino)? } else { None };
+                    Plan::Extents { start: off, len: n, extents, source }
+                }
             }
         };
         match plan {
             Plan::Bytes(b) => Ok(b),
-            Plan::Extents { start, len, extents } => {
+            Plan::Extents { start, len, extents, source } => {
                 let mut out = vec![0u8; len];
                 let end = start + len as u64;
                 for (from, part) in extents {
-                    let to = (from + part.len as u64).min(end);
+                    let to = (from + part.len()).min(end);
                     let dst = &mut out[(from - start) as usize..(to - start) as usize];
-                    self.read_extent(&part, 0, dst)?;
+                    match &part {
+                        Piece::Log(e) => self.read_extent(e, 0, dst)?,
+                        Piece::Object(e) => {
+                            let src = source.as_ref().ok_or_else(|| Error::corrupted("source of inode", ino))?;
+                            self.sources.read(src, e.off, dst)?;
+                        }
+                    }
                 }
                 Ok(out)
             }

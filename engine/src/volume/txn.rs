@@ -65,7 +65,7 @@ pub trait Reads {
                 return Ok(false);
             }
             let ext_end = keys::trailing_u64(k);
-            let ext_start = ext_end.saturating_sub(Extent::encoded_len(v) as u64);
+            let ext_start = ext_end.saturating_sub(Piece::encoded_len(v));
             if ext_start >= end {
                 return Ok(false);
             }
@@ -75,10 +75,10 @@ pub trait Reads {
     }
 
     /// Extents of `ino` overlapping `[start, end)`, as `(file offset, extent)`.
-    fn extents(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
+    fn extents(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Piece)>> {
         let mut out = Vec::new();
         self.scan_extents(ino, start, end, &mut |s, _, v| {
-            out.push((s, Extent::decode(v)?));
+            out.push((s, Piece::decode(v)?));
             Ok(())
         })?;
         Ok(out)
@@ -86,14 +86,22 @@ pub trait Reads {
 
     /// The parts of extents of `ino` inside `[start, end)`, as
     /// `(file offset, extent part)`: what a read of that range needs.
-    fn extent_parts(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Extent)>> {
+    fn extent_parts(&self, ino: u64, start: u64, end: u64) -> Result<Vec<(u64, Piece)>> {
         let mut out = Vec::new();
         self.scan_extents(ino, start, end, &mut |s, e, v| {
             let (from, to) = (start.max(s), end.min(e));
-            out.push((from, Extent::decode_slice(v, (from - s) as u32, (to - s) as u32)?));
+            out.push((from, Piece::decode_slice(v, from - s, to - s)?));
             Ok(())
         })?;
         Ok(out)
+    }
+
+    /// The source object of an imported file, if it is one.
+    fn source(&self, ino: u64) -> Result<Option<crate::source::Source>> {
+        match self.tree().get(self.store(), &keys::source(ino))? {
+            Some(v) => Ok(Some(decode_value(&v, "source object")?)),
+            None => Ok(None),
+        }
     }
 
     /// Keys of `prefix`, in order.
@@ -172,25 +180,33 @@ impl Txn<'_> {
     pub fn punch(&mut self, ino: u64, start: u64, end: u64) -> Result<u64> {
         let mut dropped = 0;
         for (ext_start, e) in self.extents(ino, start, end)? {
-            let ext_end = ext_start + e.len as u64;
+            let ext_end = ext_start + e.len();
             self.del(&keys::extent(ino, ext_end))?;
-            self.store.account_data(e.data.seg, -(e.len as i64));
+            self.account(&e, -1);
             let mut kept = 0;
             if ext_start < start {
-                let left = e.slice(0, (start - ext_start) as u32);
-                kept += left.len as u64;
-                self.store.account_data(e.data.seg, left.len as i64);
+                let left = e.slice(0, start - ext_start);
+                kept += left.len();
+                self.account(&left, 1);
                 self.put(keys::extent(ino, start), left.encode())?;
             }
             if ext_end > end {
-                let right = e.slice((end - ext_start) as u32, e.len);
-                kept += right.len as u64;
-                self.store.account_data(e.data.seg, right.len as i64);
+                let right = e.slice(end - ext_start, e.len());
+                kept += right.len();
+                self.account(&right, 1);
                 self.put(keys::extent(ino, ext_end), right.encode())?;
             }
-            dropped += e.len as u64 - kept;
+            dropped += e.len() - kept;
         }
         Ok(dropped)
+    }
+
+    /// Counts a log extent's bytes as live in its segment (`sign` 1) or
+    /// no longer (-1); source bytes live in no segment.
+    fn account(&self, e: &Piece, sign: i64) {
+        if let Piece::Log(e) = e {
+            self.store.account_data(e.data.seg, sign * e.len as i64);
+        }
     }
 
     /// Adds an extent ending at `end`.
@@ -208,6 +224,7 @@ impl Txn<'_> {
             }
         }
         self.del(&keys::orphan(ino))?;
+        self.del(&keys::source(ino))?;
         self.del(&keys::inode(ino)).map(drop)
     }
 }

@@ -181,6 +181,104 @@ impl Extent {
     }
 }
 
+/// `E ino end` of an imported file: `len` bytes of the file's source
+/// object (`'S' ino`, a [`crate::source::Source`]) from byte `off` of it.
+/// Encoded in [`ObjectExtent::ENCODED`] bytes, a length no log extent has
+/// (those are 28 bytes and more).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ObjectExtent {
+    pub off: u64,
+    pub len: u64,
+}
+
+impl ObjectExtent {
+    pub const ENCODED: usize = 16;
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = crate::format::Writer::new();
+        w.u64(self.off);
+        w.u64(self.len);
+        w.buf
+    }
+
+    fn decode(bytes: &[u8]) -> crate::error::Result<ObjectExtent> {
+        let mut r = crate::format::Reader::new(bytes, "external extent");
+        let e = ObjectExtent { off: r.u64()?, len: r.u64()? };
+        r.finish()?;
+        if e.len == 0 || e.off.checked_add(e.len).is_none() {
+            return Err(crate::error::Error::corrupted("external extent", format!("{e:?}")));
+        }
+        Ok(e)
+    }
+}
+
+/// An extent of either kind.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    /// Bytes in the log.
+    Log(Extent),
+    /// Bytes of the file's source object.
+    Object(ObjectExtent),
+}
+
+impl Piece {
+    /// The length of an encoded extent of either kind (0 if it holds none).
+    pub fn encoded_len(bytes: &[u8]) -> u64 {
+        if bytes.len() == ObjectExtent::ENCODED {
+            bytes.get(8..16).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes)
+        } else {
+            Extent::encoded_len(bytes) as u64
+        }
+    }
+
+    pub fn decode(bytes: &[u8]) -> crate::error::Result<Piece> {
+        if bytes.len() == ObjectExtent::ENCODED {
+            ObjectExtent::decode(bytes).map(Piece::Object)
+        } else {
+            Extent::decode(bytes).map(Piece::Log)
+        }
+    }
+
+    /// The part `[from, to)` of an encoded extent (see [`Extent::decode_slice`]).
+    pub fn decode_slice(bytes: &[u8], from: u64, to: u64) -> crate::error::Result<Piece> {
+        if bytes.len() == ObjectExtent::ENCODED {
+            let e = ObjectExtent::decode(bytes)?;
+            if from > to || to > e.len {
+                return Err(crate::error::Error::corrupted("external extent", format!("{e:?}")));
+            }
+            Ok(Piece::Object(ObjectExtent { off: e.off + from, len: to - from }))
+        } else {
+            Extent::decode_slice(bytes, from as u32, to as u32).map(Piece::Log)
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        match self {
+            Piece::Log(e) => e.len as u64,
+            Piece::Object(e) => e.len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The part from `from` to `to` (offsets within it).
+    pub fn slice(&self, from: u64, to: u64) -> Piece {
+        match self {
+            Piece::Log(e) => Piece::Log(e.slice(from as u32, to as u32)),
+            Piece::Object(e) => Piece::Object(ObjectExtent { off: e.off + from, len: to - from }),
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Piece::Log(e) => e.encode(),
+            Piece::Object(e) => e.encode(),
+        }
+    }
+}
+
 /// What `getattr` returns.
 #[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
 pub struct Attr {

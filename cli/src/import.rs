@@ -1,0 +1,251 @@
+//! `arbor import`: the objects under an S3 prefix become files of a branch,
+//! copying no data. Each file is one external extent naming its object
+//! (bucket, key, size, ETag); reads are conditional ranged GETs of it.
+//!
+//! Keys map to paths by their `/`-separated parts. A key that cannot be a
+//! path (an empty, `.` or `..` part, a part longer than 255 bytes, a key
+//! that is also the prefix of other keys) is reported and skipped, never
+//! renamed. A zero-byte key ending in `/` is a folder marker: its folder is
+//! made. A path that already exists is left alone: skipped quietly when it
+//! is the same object (a second run, or one after a crash, completes the
+//! first), reported as a conflict otherwise.
+
+use anyhow::{anyhow, bail, Result};
+use arbor_engine::bucket::{ObjectInfo, ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
+use arbor_engine::env::Timestamp;
+use arbor_engine::source::Source;
+use arbor_engine::volume::{FileKind, Volume, NAME_MAX, ROOT_INO};
+use serde_json::{json, Value};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// An `s3://bucket[/prefix]` source: the bucket and the key prefix its
+/// objects are listed under (empty, or ending in `/`).
+pub fn parse_source(url: &str) -> Result<(String, String)> {
+    let rest = url.strip_prefix("s3://").ok_or_else(|| anyhow!("the source must be s3://bucket/prefix (got {url})"))?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    let ok_bucket = (3..=63).contains(&bucket.len())
+        && bucket.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+    if !ok_bucket {
+        bail!("{url}: {bucket:?} is not a valid bucket name");
+    }
+    let prefix = prefix.trim_start_matches('/');
+    let prefix = if prefix.is_empty() || prefix.ends_with('/') { prefix.to_string() } else { format!("{prefix}/") };
+    Ok((bucket.to_string(), prefix))
+}
+
+/// The bucket of a source, reached with the environment's S3 settings.
+pub fn open_bucket(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    let s3: Arc<dyn ObjectStore> = Arc::new(S3Store::open(&S3Config::from_env(bucket, ""))?);
+    Ok(RetryStore::new(s3, RetryPolicy::default()))
+}
+
+/// What an import will add.
+#[derive(Debug, Default)]
+pub struct Plan {
+    /// Folders to make (folder markers and every file's parents), parents first.
+    pub dirs: Vec<Vec<String>>,
+    /// (path parts, object).
+    pub files: Vec<(Vec<String>, ObjectInfo)>,
+    /// (key, why it is not a file).
+    pub skipped: Vec<(String, &'static str)>,
+}
+
+/// Maps a listing of `prefix` to paths.
+pub fn plan(prefix: &str, objects: Vec<ObjectInfo>) -> Plan {
+    let mut plan = Plan::default();
+    let mut keys: Vec<(Vec<String>, ObjectInfo)> = Vec::new();
+    let mut markers: Vec<Vec<String>> = Vec::new();
+    for o in objects {
+        let Some(rel) = o.key.strip_prefix(prefix) else { continue };
+        if rel.is_empty() {
+            plan.skipped.push((o.key.clone(), "the prefix itself"));
+            continue;
+        }
+        let (rel, marker) = match rel.strip_suffix('/') {
+            Some(r) if o.size == 0 => (r, true),
+            _ => (rel, false),
+        };
+        let parts: Vec<String> = rel.split('/').map(str::to_string).collect();
+        let why = if parts.iter().any(|p| p.is_empty()) {
+            Some("an empty path part")
+        } else if parts.iter().any(|p| p == "." || p == "..") {
+            Some("a . or .. path part")
+        } else if parts.iter().any(|p| p.len() > NAME_MAX) {
+            Some("a path part longer than 255 bytes")
+        } else if parts.iter().any(|p| p.contains('\0')) {
+            Some("a NUL byte")
+        } else {
+            None
+        };
+        match why {
+            Some(why) => plan.skipped.push((o.key.clone(), why)),
+            None if marker => markers.push(parts),
+            None => keys.push((parts, o)),
+        }
+    }
+    // Every folder some file or marker needs.
+    let mut folders: HashSet<Vec<String>> = HashSet::new();
+    for parts in keys.iter().map(|(p, _)| &p[..p.len() - 1]).chain(markers.iter().map(|m| &m[..])) {
+        for n in 1..=parts.len() {
+            folders.insert(parts[..n].to_vec());
+        }
+    }
+    for (parts, o) in keys {
+        if folders.contains(&parts) {
+            plan.skipped.push((o.key.clone(), "both an object and the prefix of others"));
+        } else {
+            plan.files.push((parts, o));
+        }
+    }
+    plan.dirs = folders.into_iter().collect();
+    plan.dirs.sort_by(|a, b| a.len().cmp(&b.len()).then_with(|| a.cmp(b)));
+    plan
+}
+
+/// What an import did.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub added: u64,
+    pub bytes: u64,
+    pub already: u64,
+    pub dirs: u64,
+    /// Paths that exist as something else, left alone.
+    pub conflicts: Vec<String>,
+}
+
+impl Report {
+    pub fn json(&self, plan: &Plan) -> Value {
+        json!({
+            "added": self.added,
+            "bytes": self.bytes,
+            "already": self.already,
+            "dirs": self.dirs,
+            "conflicts": self.conflicts,
+            "skipped": plan.skipped.iter().map(|(k, why)| json!({"key": k, "why": why})).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// The folder `at` (`/a/b`) of `vol`, made where missing.
+fn folder(vol: &Volume, at: &str, owner: (u32, u32), report: &mut Report) -> Result<u64> {
+    let mut ino = ROOT_INO;
+    for part in at.split('/').filter(|p| !p.is_empty()) {
+        ino = child_dir(vol, ino, part, owner, report)?;
+    }
+    Ok(ino)
+}
+
+fn child_dir(vol: &Volume, parent: u64, name: &str, owner: (u32, u32), report: &mut Report) -> Result<u64> {
+    match vol.lookup(parent, name.as_bytes()) {
+        Ok(a) if a.kind == FileKind::Directory => Ok(a.ino),
+        Ok(_) => bail!("{name} exists and is not a folder"),
+        Err(arbor_engine::Error::NotFound) => {
+            report.dirs += 1;
+            Ok(vol.mkdir(parent, name.as_bytes(), 0o755, owner.0, owner.1)?.ino)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn timestamp(t: Option<std::time::SystemTime>) -> Timestamp {
+    let d = t.unwrap_or_else(std::time::SystemTime::now).duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    Timestamp { secs: d.as_secs() as i64, nanos: d.subsec_nanos() }
+}
+
+/// Adds `plan` under folder `at` of `vol`; `progress` is called with each
+/// file's size.
+pub fn apply(
+    vol: &Volume,
+    at: &str,
+    bucket: &str,
+    plan: &Plan,
+    owner: (u32, u32),
+    progress: &mut dyn FnMut(u64),
+) -> Result<Report> {
+    let mut report = Report::default();
+    let base = folder(vol, at, owner, &mut report)?;
+    let mut dirs: HashMap<&[String], u64> = HashMap::new();
+    let path = |parts: &[String]| format!("{}/{}", at.trim_end_matches('/'), parts.join("/"));
+    for d in &plan.dirs {
+        let parent = if d.len() == 1 { Some(base) } else { dirs.get(&d[..d.len() - 1]).copied() };
+        // A parent that is a file here already was reported as a conflict.
+        let Some(parent) = parent else { continue };
+        match child_dir(vol, parent, &d[d.len() - 1], owner, &mut report) {
+            Ok(ino) => drop(dirs.insert(&d[..], ino)),
+            Err(_) => report.conflicts.push(format!("{} (exists and is not a folder)", path(d))),
+        }
+    }
+    for (parts, o) in &plan.files {
+        let (name, folder) = parts.split_last().ok_or_else(|| anyhow!("empty path"))?;
+        let parent = if folder.is_empty() { Some(base) } else { dirs.get(folder).copied() };
+        let Some(parent) = parent else { continue };
+        let source = Source {
+            bucket: bucket.to_string(),
+            key: o.key.clone(),
+            size: o.size,
+            etag: o.etag.clone(),
+            version: None,
+        };
+        match vol.lookup(parent, name.as_bytes()) {
+            Ok(a) => {
+                if vol.source(a.ino)?.is_some_and(|s| s.key == source.key && s.etag == source.etag) {
+                    report.already += 1;
+                } else {
+                    report.conflicts.push(format!("{} (exists)", path(parts)));
+                }
+            }
+            Err(arbor_engine::Error::NotFound) => {
+                vol.import(parent, name.as_bytes(), 0o644, owner, source, timestamp(o.modified))?;
+                report.added += 1;
+                report.bytes += o.size;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        progress(o.size);
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(key: &str, size: u64) -> ObjectInfo {
+        ObjectInfo { key: key.into(), size, etag: "\"e\"".into(), modified: None }
+    }
+
+    #[test]
+    fn sources_parse_or_say_why_not() {
+        assert_eq!(parse_source("s3://corpus/raw/v1").expect("ok"), ("corpus".into(), "raw/v1/".into()));
+        assert_eq!(parse_source("s3://corpus").expect("ok"), ("corpus".into(), String::new()));
+        assert_eq!(parse_source("s3://corpus/raw/").expect("ok"), ("corpus".into(), "raw/".into()));
+        for bad in ["corpus/raw", "s3://", "s3://UP/x", "gs://corpus/x"] {
+            assert!(parse_source(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn keys_that_cannot_be_paths_are_skipped_with_a_reason() {
+        let p = plan(
+            "raw/",
+            vec![
+                obj("raw/a/b.bin", 10),
+                obj("raw/a/c/d.bin", 20),
+                obj("raw/top", 1),
+                obj("raw/empty-marker/", 0),
+                obj("raw/x//y", 3),
+                obj("raw/./z", 3),
+                obj("raw/a/c", 5),
+                obj("raw/", 0),
+                obj("raw/trailing/", 4),
+            ],
+        );
+        let files: Vec<String> = p.files.iter().map(|(parts, _)| parts.join("/")).collect();
+        assert_eq!(files, ["a/b.bin", "a/c/d.bin", "top"]);
+        let dirs: Vec<String> = p.dirs.iter().map(|d| d.join("/")).collect();
+        assert_eq!(dirs, ["a", "empty-marker", "a/c"]);
+        let skipped: Vec<&str> = p.skipped.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(skipped, ["raw/x//y", "raw/./z", "raw/", "raw/trailing/", "raw/a/c"]);
+    }
+}

@@ -1,0 +1,158 @@
+//! Imported files: extents that name ranges of a plain object. Reads,
+//! writes on top, truncate, links, unlink, replay, commit, and objects
+//! changed or deleted behind the volume's back (model store; the S3 path
+//! is tested end to end in `tests/tests/import.rs`).
+
+use arbor_engine::bucket::{MemObjectStore, ObjectStore};
+use arbor_engine::device::SimDevice;
+use arbor_engine::env::{TestEnv, Timestamp};
+use arbor_engine::source::{FixedSources, Source};
+use arbor_engine::volume::*;
+use std::sync::Arc;
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8).collect()
+}
+
+struct World {
+    dev: SimDevice,
+    bucket: Arc<MemObjectStore>,
+}
+
+impl World {
+    fn new() -> World {
+        World { dev: SimDevice::new(), bucket: Arc::new(MemObjectStore::new()) }
+    }
+
+    fn cfg(&self) -> Config {
+        Config {
+            commit_interval: None,
+            segment_size: 1 << 20,
+            env: TestEnv::new(7),
+            sources: FixedSources::with("corpus", self.bucket.clone()),
+            ..Config::default()
+        }
+    }
+
+    fn open(&self) -> Arc<Volume> {
+        Volume::open(Arc::new(self.dev.clone()), self.cfg()).expect("open")
+    }
+
+    /// Puts an object and imports it as `name` in the root.
+    fn import(&self, vol: &Volume, name: &str, body: &[u8]) -> u64 {
+        let etag = self.bucket.put(name, body).expect("put");
+        let source = Source { bucket: "corpus".into(), key: name.into(), size: body.len() as u64, etag, version: None };
+        vol.import(ROOT_INO, name.as_bytes(), 0o644, (1000, 1000), source, Timestamp { secs: 1_700_000_000, nanos: 0 })
+            .expect("import")
+            .ino
+    }
+}
+
+#[test]
+fn imported_files_read_their_objects_at_every_offset() {
+    let w = World::new();
+    let vol = w.open();
+    let body = pattern((3 << 20) + 12_345, 1);
+    let ino = w.import(&vol, "big.bin", &body);
+    let empty = w.import(&vol, "empty", b"");
+    let tiny = w.import(&vol, "tiny", b"x");
+    let a = vol.getattr(ino).expect("attr");
+    assert_eq!((a.size, a.kind, a.perm, a.uid), (body.len() as u64, FileKind::Regular, 0o644, 1000));
+    assert_eq!(a.mtime.secs, 1_700_000_000, "mtime is the object's");
+    assert_eq!(vol.getattr(empty).expect("attr").size, 0);
+    assert_eq!(vol.read(empty, 0, 10).expect("read"), b"");
+    assert_eq!(vol.read(tiny, 0, 10).expect("read"), b"x");
+    // Whole, across chunk edges, sequentially in kernel-sized requests, and past the end.
+    assert_eq!(vol.read(ino, 0, body.len() + 10).expect("read"), body);
+    for (off, len) in [(0, 1), ((1 << 20) - 3, 10), ((2 << 20) + 7, 1 << 20), (body.len() as u64 - 5, 100)] {
+        let want = &body[off as usize..(off as usize + len).min(body.len())];
+        assert_eq!(vol.read(ino, off, len).expect("read"), want, "at {off}");
+    }
+    let mut off = 0;
+    while off < body.len() {
+        let got = vol.read(ino, off as u64, 128 << 10).expect("read");
+        assert_eq!(got, &body[off..off + got.len()], "at {off}");
+        off += got.len();
+    }
+    assert_ne!(vol.features() & features::EXTERNAL_EXTENTS, 0, "the tree says it holds external extents");
+}
+
+#[test]
+fn writes_on_top_keep_the_rest_reading_from_the_object() {
+    let w = World::new();
+    let vol = w.open();
+    let body = pattern(5 << 20, 2);
+    let ino = w.import(&vol, "f", &body);
+    let mut model = body.clone();
+    for (off, len, seed) in [(100u64, 5000usize, 9u8), ((2 << 20) - 10, 20, 8), ((5 << 20) - 4, 10, 7)] {
+        let data = pattern(len, seed);
+        vol.write(ino, off, &data).expect("write");
+        let end = off as usize + len;
+        if model.len() < end {
+            model.resize(end, 0);
+        }
+        model[off as usize..end].copy_from_slice(&data);
+    }
+    assert_eq!(vol.read(ino, 0, model.len()).expect("read"), model);
+    vol.setattr(ino, SetAttr { size: Some(3 << 20), ..SetAttr::default() }).expect("truncate");
+    model.truncate(3 << 20);
+    vol.setattr(ino, SetAttr { size: Some(4 << 20), ..SetAttr::default() }).expect("extend");
+    model.resize(4 << 20, 0);
+    assert_eq!(vol.read(ino, 0, model.len()).expect("read"), model);
+    // A hard link and a rename read the same bytes; reopening replays them.
+    vol.link(ino, ROOT_INO, b"g").expect("link");
+    vol.rename(ROOT_INO, b"f", ROOT_INO, b"h", RenameMode::Plain).expect("rename");
+    vol.fsync(ino).expect("fsync");
+    drop(vol);
+    let vol = w.open();
+    let ino = vol.lookup(ROOT_INO, b"h").expect("lookup").ino;
+    assert_eq!(vol.read(ino, 0, model.len()).expect("read after replay"), model);
+    assert_ne!(vol.features() & features::EXTERNAL_EXTENTS, 0, "replay sets the bit too");
+    vol.commit().expect("commit");
+    drop(vol);
+    let vol = w.open();
+    assert_ne!(vol.features() & features::EXTERNAL_EXTENTS, 0, "the commit keeps the bit");
+    assert_eq!(vol.read(ino, 0, model.len()).expect("read after commit"), model);
+    // Unlinking both names drops the file with its source record.
+    vol.unlink(ROOT_INO, b"g").expect("unlink");
+    vol.unlink(ROOT_INO, b"h").expect("unlink");
+    assert_eq!(vol.source(ino).expect("source"), None);
+}
+
+#[test]
+fn a_changed_or_deleted_object_fails_the_read_and_never_returns_other_bytes() {
+    let w = World::new();
+    let vol = w.open();
+    let a = w.import(&vol, "a", &pattern(2 << 20, 3));
+    let b = w.import(&vol, "b", &pattern(2 << 20, 4));
+    w.bucket.put("a", &pattern(2 << 20, 5)).expect("overwrite outside");
+    w.bucket.delete("b").expect("delete outside");
+    for ino in [a, b] {
+        let err = vol.read(ino, 0, 4096).expect_err("must fail");
+        assert_eq!(err.errno(), libc::EIO, "{err}");
+        assert!(matches!(err, arbor_engine::Error::SourceChanged(_)), "{err}");
+    }
+    // Bytes written on top still read; the object's part still fails.
+    vol.write(a, 0, b"mine").expect("write");
+    assert_eq!(vol.read(a, 0, 4).expect("read"), b"mine");
+    assert_eq!(vol.read(a, 4096, 10).expect_err("object part").errno(), libc::EIO);
+}
+
+#[test]
+fn bad_imports_are_refused_and_change_nothing() {
+    let w = World::new();
+    let vol = w.open();
+    w.import(&vol, "x", b"abc");
+    let source = vol.source(vol.lookup(ROOT_INO, b"x").expect("x").ino).expect("source").expect("imported");
+    let t = Timestamp { secs: 1, nanos: 0 };
+    let errno = |name: &[u8], parent: u64, s: Source| {
+        vol.import(parent, name, 0o644, (0, 0), s, t).expect_err("must fail").errno()
+    };
+    assert_eq!(errno(b"x", ROOT_INO, source.clone()), libc::EEXIST);
+    assert_eq!(errno(b"a/b", ROOT_INO, source.clone()), libc::EINVAL);
+    assert_eq!(errno(b"..", ROOT_INO, source.clone()), libc::EEXIST);
+    assert_eq!(errno(b"y", 999, source.clone()), libc::ENOENT);
+    assert_eq!(errno(b"y", ROOT_INO, Source { size: 1 << 50, ..source.clone() }), libc::EFBIG);
+    assert_eq!(errno(b"y", ROOT_INO, Source { key: String::new(), ..source }), libc::EINVAL);
+    assert_eq!(vol.list_dir(ROOT_INO).expect("list").len(), 1);
+}

@@ -1,0 +1,173 @@
+//! `arbor import`: a prefix of plain objects in a real S3 server (s3s-fs)
+//! becomes files of a branch without copying; reads go to the objects,
+//! writes land on top, changed objects fail loudly, gc and compaction
+//! never touch them.
+
+use arbor_engine::bucket::ObjectStore;
+use arbor_engine::testkit::S3_BUCKET;
+use arbor_tests::*;
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::Path;
+
+/// Objects under `corpus/raw/`: nested folders, sizes 0 B – 9 MiB. (A
+/// small GET from s3s-fs often takes ~40 ms, a Nagle/delayed-ACK stall on
+/// its side, so the count stays modest.)
+fn corpus() -> BTreeMap<String, Vec<u8>> {
+    let mut objects = BTreeMap::new();
+    for i in 0..120u32 {
+        let size = match i % 10 {
+            0 => 0,
+            1 => 1,
+            2 => 4096,
+            3 => (1 << 20) + 17,
+            _ => (i as usize * 7919) % 300_000,
+        };
+        let key = format!("corpus/raw/shard-{:02}/part-{}/item-{i:04}.bin", i % 7, i % 3);
+        objects.insert(key, pattern(size, i));
+    }
+    objects.insert("corpus/raw/big/tokens.bin".into(), pattern(9 << 20, 99));
+    objects.insert("corpus/raw/README".into(), b"a corpus\n".to_vec());
+    // Changed and deleted behind arbor's back before anything reads them.
+    objects.insert("corpus/raw/later/changed.bin".into(), pattern(3 << 20, 5));
+    objects.insert("corpus/raw/later/deleted.bin".into(), pattern(100_000, 6));
+    objects
+}
+
+fn read_all(p: &Path) -> std::io::Result<Vec<u8>> {
+    std::fs::read(p)
+}
+
+#[test]
+fn an_s3_prefix_becomes_files_read_in_place_with_writes_on_top() {
+    let Some(w) = S3World::start() else { return };
+    let bucket = w.bucket();
+    let mut objects = corpus();
+    for (k, v) in &objects {
+        bucket.put(k, v).expect("put");
+    }
+    // Keys that cannot be paths (`a//b`, `./c`, a key that is also a
+    // prefix) cannot be stored by s3s-fs, which keeps objects as files;
+    // the unit tests of `arbor_cli::import::plan` cover them.
+    let disk = format!("s3://{S3_BUCKET}/disks/imp");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let source = format!("s3://{S3_BUCKET}/corpus/raw");
+    let out = arbor_env(&["import", &disk, &source, "--at", "/data"], &w.env);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains(&format!("imported {} files", objects.len())), "{stdout}");
+    assert!(stdout.contains("0 skipped, 0 conflicts"), "{stdout}");
+    // Nothing was copied: the disk's own prefix holds only heads and small segments.
+    let store = w.bucket();
+    let disk_bytes: u64 = store.list("disks/imp/").expect("list").iter().map(|k| store.size(k).expect("size")).sum();
+    let corpus_bytes: u64 = objects.values().map(|v| v.len() as u64).sum();
+    assert!(disk_bytes < corpus_bytes / 10, "disk {disk_bytes} B for a {corpus_bytes} B corpus");
+
+    // A second run adds nothing.
+    let again = arbor_env_ok(&["import", &disk, &source, "--at", "/data"], &w.env);
+    assert!(again.contains("imported 0 files"), "{again}");
+    assert!(again.contains(&format!("{} already there", objects.len())), "{again}");
+
+    let mnt = w.mnt("m");
+    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    let data = mnt.join("data");
+    let mut files = 0;
+    let mut stack = vec![data.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("readdir").flatten() {
+            if e.file_type().expect("type").is_dir() {
+                stack.push(e.path());
+            } else {
+                files += 1;
+            }
+        }
+    }
+    assert_eq!(files, objects.len(), "one file per object");
+    for (k, v) in &objects {
+        let p = data.join(k.strip_prefix("corpus/raw/").expect("prefix"));
+        assert_eq!(std::fs::metadata(&p).expect("stat").len(), v.len() as u64, "{k}");
+        if !k.contains("/later/") {
+            assert!(read_all(&p).expect("read") == *v, "{k} reads its object");
+        }
+    }
+    // Windows of a token file, as numpy.memmap reads it.
+    let tokens = &objects["corpus/raw/big/tokens.bin"];
+    {
+        let mut f = std::fs::File::open(data.join("big/tokens.bin")).expect("open");
+        for off in [0u64, 4093, (5 << 20) + 1, (9 << 20) - 8] {
+            let mut buf = [0u8; 8];
+            f.seek(SeekFrom::Start(off)).expect("seek");
+            f.read_exact(&mut buf).expect("read");
+            assert_eq!(&buf[..], &tokens[off as usize..off as usize + 8], "at {off}");
+        }
+    }
+
+    // Writes on top: only the written range changes.
+    let target = data.join("big/tokens.bin");
+    let mut expect = tokens.clone();
+    {
+        let mut f = std::fs::OpenOptions::new().write(true).open(&target).expect("open rw");
+        f.seek(SeekFrom::Start(3 << 20)).expect("seek");
+        f.write_all(b"written by arbor").expect("write");
+        f.sync_all().expect("fsync");
+    }
+    expect[3 << 20..(3 << 20) + 16].copy_from_slice(b"written by arbor");
+    assert!(read_all(&target).expect("read") == expect);
+    let mp = mnt.to_str().expect("utf8");
+    arbor_env_ok(&["checkpoints", "create", mp, "v1"], &w.env);
+
+    // Changed and deleted outside arbor: their reads fail, never other
+    // bytes (of the new object, or zeros).
+    let changed = "corpus/raw/later/changed.bin";
+    let deleted = "corpus/raw/later/deleted.bin";
+    bucket.put(changed, &pattern(3 << 20, 12345)).expect("overwrite");
+    bucket.delete(deleted).expect("delete");
+    for k in [changed, deleted] {
+        let p = data.join(k.strip_prefix("corpus/raw/").expect("prefix"));
+        match read_all(&p) {
+            Ok(b) => panic!("{k}: read {} bytes of an object changed since import", b.len()),
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO), "{k}: {e}"),
+        }
+    }
+    m.unmount();
+
+    // Files deleted in the branch, then compaction and gc: every source
+    // object is still there, byte for byte.
+    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    std::fs::remove_dir_all(data.join("shard-00")).expect("rm");
+    std::fs::remove_file(data.join("README")).expect("rm");
+    m.unmount();
+    arbor_env_ok(&["checkpoints", "delete", &disk, "v1"], &w.env);
+    arbor_env_ok(&["compact", &disk, "--max-live", "1"], &w.env);
+    arbor_env_ok(&["gc", &disk, "--grace", "0"], &w.env);
+    objects.insert(changed.into(), pattern(3 << 20, 12345));
+    objects.remove(deleted);
+    for (k, v) in &objects {
+        assert!(bucket.get(k).expect("source object kept").0 == *v, "{k} unchanged");
+    }
+}
+
+#[test]
+fn an_import_into_a_mounted_branch_shows_in_the_mount() {
+    let Some(w) = S3World::start() else { return };
+    let bucket = w.bucket();
+    for i in 0..20u32 {
+        bucket.put(&format!("eval/set-{}/q{i}.json", i % 2), &pattern(1000 + i as usize, i)).expect("put");
+    }
+    let disk = w.dir.path().join("local-disk").display().to_string();
+    arbor_env_ok(&["init", &disk], &w.env);
+    let mnt = w.mnt("m");
+    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    let mp = mnt.to_str().expect("utf8");
+    let out = arbor_env_ok(&["import", mp, &format!("s3://{S3_BUCKET}/eval"), "--at", "/evals/v1"], &w.env);
+    assert!(out.contains("imported 20 files"), "{out}");
+    for i in 0..20u32 {
+        let p = mnt.join(format!("evals/v1/set-{}/q{i}.json", i % 2));
+        assert_eq!(std::fs::read(&p).expect("read"), pattern(1000 + i as usize, i), "{}", p.display());
+    }
+    // A bad source is one line and changes nothing.
+    let out = arbor_env(&["import", mp, "gs://x/y"], &w.env);
+    assert!(!out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stderr).trim_end().lines().count(), 1);
+    m.unmount();
+}
