@@ -312,7 +312,8 @@ pub fn prefetch(mountpoint: &Path, paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
-pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, json_out: bool) -> Result<()> {
+pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, refresh: bool, json_out: bool) -> Result<()> {
+    let mode = if refresh { crate::import::Mode::Refresh } else { crate::import::Mode::Import };
     let (bucket, prefix) = crate::import::parse_source(source)?;
     if !at.starts_with('/') {
         bail!("--at must be an absolute path inside the branch, like /datasets (got {at})");
@@ -324,9 +325,10 @@ pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, json_o
     let owner = unsafe { (libc::getuid(), libc::getgid()) };
     let started = Instant::now();
     let report = match t.mount_of(&catalog, &branch) {
-        Some(mp) => {
-            control::request(&mp, json!({"op": "import", "source": source, "at": at, "uid": owner.0, "gid": owner.1}))?
-        }
+        Some(mp) => control::request(
+            &mp,
+            json!({"op": "import", "source": source, "at": at, "uid": owner.0, "gid": owner.1, "refresh": refresh}),
+        )?,
         None => {
             let spinner = ProgressBar::new_spinner().with_message(format!("listing {source}"));
             spinner.enable_steady_tick(Duration::from_millis(200));
@@ -338,7 +340,7 @@ pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, json_o
             let bar = ProgressBar::new(plan.files.len() as u64)
                 .with_style(ProgressStyle::with_template("import {bar:40} {pos}/{len} files {per_sec} eta {eta}")?);
             let (vol, _lock) = catalog.open_branch(&branch, quiet_config()).map_err(friendly)?;
-            let report = crate::import::apply(&vol, at, &bucket, &plan, owner, &mut |_| bar.inc(1));
+            let report = crate::import::apply(&vol, at, &bucket, &prefix, &plan, owner, mode, &mut |_| bar.inc(1));
             bar.finish_and_clear();
             let report = report?;
             vol.close()?;
@@ -356,8 +358,10 @@ pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, json_o
         eprintln!("left alone: {}", c.as_str().unwrap_or("?"));
     }
     let n = |k: &str| report[k].as_u64().unwrap_or(0);
+    let refreshed =
+        if refresh { format!(", {} changed, {} deleted", n("changed"), n("deleted")) } else { String::new() };
     println!(
-        "branch {branch}: imported {} files ({}) and {} folders from {source} under {at} in {}; {} already there, {} skipped, {} conflicts",
+        "branch {branch}: imported {} files ({}) and {} folders from {source} under {at} in {}{refreshed}; {} already there, {} skipped, {} conflicts",
         n("added"),
         HumanBytes(n("bytes")),
         n("dirs"),

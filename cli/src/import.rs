@@ -9,6 +9,13 @@
 //! made. A path that already exists is left alone: skipped quietly when it
 //! is the same object (a second run, or one after a crash, completes the
 //! first), reported as a conflict otherwise.
+//!
+//! A refresh (`--refresh`) lists again and applies what changed in the
+//! bucket as ordinary operations: new objects are imported, a file whose
+//! object has a new ETag is pointed at it (one intent), a file whose object
+//! is gone is unlinked. Only files that still read exactly their object
+//! are touched; one the branch wrote on, truncated or replaced is left
+//! alone and reported as a conflict.
 
 use anyhow::{anyhow, bail, Result};
 use arbor_engine::bucket::{ObjectInfo, ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
@@ -109,9 +116,18 @@ pub struct Report {
     pub added: u64,
     pub bytes: u64,
     pub already: u64,
+    /// Refresh: files pointed at a new version of their object.
+    pub changed: u64,
+    /// Refresh: files whose object is gone, unlinked.
+    pub deleted: u64,
     pub dirs: u64,
     /// Paths that exist as something else, left alone.
     pub conflicts: Vec<String>,
+    /// Names added or removed: (folder inode, name), for a mount to drop
+    /// from the kernel's caches.
+    pub names: Vec<(u64, Vec<u8>)>,
+    /// Files whose bytes changed (refreshed), likewise.
+    pub rewritten: Vec<u64>,
 }
 
 impl Report {
@@ -120,6 +136,8 @@ impl Report {
             "added": self.added,
             "bytes": self.bytes,
             "already": self.already,
+            "changed": self.changed,
+            "deleted": self.deleted,
             "dirs": self.dirs,
             "conflicts": self.conflicts,
             "skipped": plan.skipped.iter().map(|(k, why)| json!({"key": k, "why": why})).collect::<Vec<_>>(),
@@ -142,6 +160,7 @@ fn child_dir(vol: &Volume, parent: u64, name: &str, owner: (u32, u32), report: &
         Ok(_) => bail!("{name} exists and is not a folder"),
         Err(arbor_engine::Error::NotFound) => {
             report.dirs += 1;
+            report.names.push((parent, name.as_bytes().to_vec()));
             Ok(vol.mkdir(parent, name.as_bytes(), 0o755, owner.0, owner.1)?.ino)
         }
         Err(e) => Err(e.into()),
@@ -153,14 +172,26 @@ fn timestamp(t: Option<std::time::SystemTime>) -> Timestamp {
     Timestamp { secs: d.as_secs() as i64, nanos: d.subsec_nanos() }
 }
 
+/// How [`apply`] treats what is already in the branch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Add what is missing.
+    Import,
+    /// Also follow changed and deleted objects (of keys under `prefix`).
+    Refresh,
+}
+
 /// Adds `plan` under folder `at` of `vol`; `progress` is called with each
 /// file's size.
+#[allow(clippy::too_many_arguments)]
 pub fn apply(
     vol: &Volume,
     at: &str,
     bucket: &str,
+    prefix: &str,
     plan: &Plan,
     owner: (u32, u32),
+    mode: Mode,
     progress: &mut dyn FnMut(u64),
 ) -> Result<Report> {
     let mut report = Report::default();
@@ -189,14 +220,24 @@ pub fn apply(
         };
         match vol.lookup(parent, name.as_bytes()) {
             Ok(a) => {
-                if vol.source(a.ino)?.is_some_and(|s| s.key == source.key && s.etag == source.etag) {
-                    report.already += 1;
-                } else {
-                    report.conflicts.push(format!("{} (exists)", path(parts)));
+                let recorded = vol.source(a.ino)?.filter(|s| s.bucket == source.bucket && s.key == source.key);
+                match recorded {
+                    Some(s) if s.etag == source.etag => report.already += 1,
+                    Some(_) if mode == Mode::Refresh && vol.pristine_source(a.ino)?.is_some() => {
+                        vol.reimport(a.ino, source, timestamp(o.modified))?;
+                        report.rewritten.push(a.ino);
+                        report.changed += 1;
+                        report.bytes += o.size;
+                    }
+                    Some(_) if mode == Mode::Refresh => {
+                        report.conflicts.push(format!("{} (changed in the branch and in the bucket)", path(parts)))
+                    }
+                    _ => report.conflicts.push(format!("{} (exists)", path(parts))),
                 }
             }
             Err(arbor_engine::Error::NotFound) => {
                 vol.import(parent, name.as_bytes(), 0o644, owner, source, timestamp(o.modified))?;
+                report.names.push((parent, name.as_bytes().to_vec()));
                 report.added += 1;
                 report.bytes += o.size;
             }
@@ -204,7 +245,44 @@ pub fn apply(
         }
         progress(o.size);
     }
+    if mode == Mode::Refresh {
+        let listed: HashSet<&str> = plan.files.iter().map(|(_, o)| o.key.as_str()).collect();
+        unlink_gone(vol, base, &format!("{}/", at.trim_end_matches('/')), bucket, prefix, &listed, &mut report)?;
+    }
     Ok(report)
+}
+
+/// Refresh: unlinks the files under folder `dir` (path `path`) whose
+/// object, a key under `prefix`, is no longer listed, if they still read
+/// exactly it.
+fn unlink_gone(
+    vol: &Volume,
+    dir: u64,
+    path: &str,
+    bucket: &str,
+    prefix: &str,
+    listed: &HashSet<&str>,
+    report: &mut Report,
+) -> Result<()> {
+    for e in vol.list_dir(dir)? {
+        let name = String::from_utf8_lossy(&e.name).into_owned();
+        if e.kind == FileKind::Directory {
+            unlink_gone(vol, e.ino, &format!("{path}{name}/"), bucket, prefix, listed, report)?;
+            continue;
+        }
+        let Some(src) = vol.source(e.ino)? else { continue };
+        if src.bucket != bucket || !src.key.starts_with(prefix) || listed.contains(src.key.as_str()) {
+            continue;
+        }
+        if vol.pristine_source(e.ino)?.is_some() {
+            vol.unlink(dir, &e.name)?;
+            report.names.push((dir, e.name));
+            report.deleted += 1;
+        } else {
+            report.conflicts.push(format!("{path}{name} (changed in the branch, deleted in the bucket)"));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

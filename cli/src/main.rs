@@ -131,7 +131,7 @@ enum Command {
     /// Add the objects under an S3 prefix to a branch as files, copying no
     /// data: each file reads its object (while it keeps the ETag it had).
     #[command(
-        after_help = "Example:\n  arbor import /mnt/data s3://corpus/raw/v3 --at /datasets/raw\n  arbor import s3://my-bucket/disk1 s3://corpus/tokens --branch run-a"
+        after_help = "Example:\n  arbor import /mnt/data s3://corpus/raw/v3 --at /datasets/raw\n  arbor import s3://my-bucket/disk1 s3://corpus/tokens --branch run-a\n  arbor import /mnt/data s3://corpus/raw/v3 --at /datasets/raw --refresh"
     )]
     Import {
         /// A disk or a mountpoint.
@@ -144,6 +144,10 @@ enum Command {
         /// The branch (default: the mounted one, else main).
         #[arg(long)]
         branch: Option<String>,
+        /// Also follow objects changed or deleted since the last import
+        /// (files the branch changed are left alone and reported).
+        #[arg(long)]
+        refresh: bool,
         #[arg(long)]
         json: bool,
     },
@@ -428,8 +432,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
         Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
         Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
-        Command::Import { target, source, at, branch, json } => {
-            commands::import(&target, &source, &at, branch.as_deref(), json)?
+        Command::Import { target, source, at, branch, refresh, json } => {
+            commands::import(&target, &source, &at, branch.as_deref(), refresh, json)?
         }
         Command::Warm { disk, checkpoint, paths, servers } => {
             cache_server::warm(&disk, &checkpoint, &paths, &servers.cache_server, servers.token_file.as_deref())?

@@ -278,8 +278,12 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         _ => (None, None),
     };
 
-    let ctl =
-        ControlState { p: p.clone(), vol: vol.clone(), fuse: (handle.transport().clone(), handle.counters().clone()) };
+    let ctl = ControlState {
+        p: p.clone(),
+        vol: vol.clone(),
+        fuse: (handle.transport().clone(), handle.counters().clone()),
+        invalidate: handle.invalidator(),
+    };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
     let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
     drop(maintain_stop);
@@ -374,6 +378,7 @@ struct ControlState {
     p: Prepared,
     vol: Arc<Volume>,
     fuse: Fuse,
+    invalidate: arbor_fs::Invalidator,
 }
 
 /// A mount's transport and what reached it.
@@ -421,8 +426,20 @@ impl ControlState {
                     let (bucket, prefix) = crate::import::parse_source(source)?;
                     let objects = crate::import::open_bucket(&bucket)?.list_objects(&prefix)?;
                     let plan = crate::import::plan(&prefix, objects);
-                    let report = crate::import::apply(&self.vol, at, &bucket, &plan, owner, &mut |_| {})?;
+                    let mode = match req["refresh"].as_bool() {
+                        Some(true) => crate::import::Mode::Refresh,
+                        _ => crate::import::Mode::Import,
+                    };
+                    let report =
+                        crate::import::apply(&self.vol, at, &bucket, &prefix, &plan, owner, mode, &mut |_| {})?;
                     self.vol.commit()?;
+                    // The kernel learns of these changes from here alone.
+                    for (parent, name) in &report.names {
+                        self.invalidate.entry(*parent, name);
+                    }
+                    for ino in &report.rewritten {
+                        self.invalidate.inode(*ino);
+                    }
                     Ok::<_, anyhow::Error>(report.json(&plan))
                 })();
                 reply(done.map_err(|e| format!("{e:#}")), |v| v)

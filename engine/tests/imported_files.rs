@@ -156,3 +156,38 @@ fn bad_imports_are_refused_and_change_nothing() {
     assert_eq!(errno(b"y", ROOT_INO, Source { key: String::new(), ..source }), libc::EINVAL);
     assert_eq!(vol.list_dir(ROOT_INO).expect("list").len(), 1);
 }
+
+#[test]
+fn a_refresh_replaces_a_pristine_file_in_one_step_and_sees_writes_on_top() {
+    let w = World::new();
+    let vol = w.open();
+    let a = w.import(&vol, "a", &pattern(3 << 20, 1));
+    let b = w.import(&vol, "b", &pattern(100, 2));
+    let empty = w.import(&vol, "e", b"");
+    assert!(vol.pristine_source(a).expect("a").is_some());
+    assert!(vol.pristine_source(empty).expect("e").is_some());
+    vol.write(b, 10, b"mine").expect("write");
+    assert_eq!(vol.pristine_source(b).expect("b"), None, "written on top");
+    let c = vol.create(ROOT_INO, b"c", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+    assert_eq!(vol.pristine_source(c).expect("c"), None, "not imported");
+    // The object changes; the refresh points the file at the new one.
+    let new = pattern(5 << 20, 9);
+    let etag = w.bucket.put("a", &new).expect("put");
+    let src = Source { bucket: "corpus".into(), key: "a".into(), size: new.len() as u64, etag, version: None };
+    let t = Timestamp { secs: 1_800_000_000, nanos: 0 };
+    let attr = vol.reimport(a, src.clone(), t).expect("reimport");
+    assert_eq!((attr.size, attr.mtime.secs), (new.len() as u64, 1_800_000_000));
+    assert_eq!(vol.read(a, 0, new.len()).expect("read"), new);
+    assert_eq!(vol.pristine_source(a).expect("a"), Some(src.clone()));
+    // Replayed the same way.
+    vol.fsync(a).expect("fsync");
+    drop(vol);
+    let vol = w.open();
+    assert_eq!(vol.read(a, 0, new.len()).expect("read after replay"), new);
+    // A shrinking object, and a refused target.
+    let small = pattern(10, 3);
+    let etag = w.bucket.put("a", &small).expect("put");
+    vol.reimport(a, Source { size: 10, etag, ..src.clone() }, t).expect("reimport smaller");
+    assert_eq!(vol.read(a, 0, 100).expect("read"), small);
+    assert_eq!(vol.reimport(ROOT_INO, src, t).expect_err("a directory").errno(), libc::EISDIR);
+}

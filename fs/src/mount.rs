@@ -68,6 +68,13 @@ impl MountHandle {
         self.session.as_ref().map(|s| s.notifier())
     }
 
+    /// Drops what the kernel caches of names and inodes changed by
+    /// something other than this mount's requests (an import or refresh run
+    /// through the control socket).
+    pub fn invalidator(&self) -> Invalidator {
+        Invalidator(self.notifier())
+    }
+
     /// The transport requests travel on.
     pub fn transport(&self) -> &Arc<Transport> {
         &self.transport
@@ -105,6 +112,32 @@ fn config(opts: &MountOptions, read_only: bool) -> Config {
     cfg.n_threads = Some(opts.threads.max(1));
     cfg.clone_fd = true;
     cfg
+}
+
+/// See [`MountHandle::invalidator`]. Failures are logged, not returned: the
+/// kernel answers ENOENT for what it does not hold, and an unmounted file
+/// system has nothing cached.
+pub struct Invalidator(Option<fuser::Notifier>);
+
+impl Invalidator {
+    /// The name `name` in directory `parent` (added, removed or replaced).
+    pub fn entry(&self, parent: u64, name: &[u8]) {
+        use std::os::unix::ffi::OsStrExt;
+        if let Some(n) = &self.0 {
+            if let Err(e) = n.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(name)) {
+                tracing::debug!(parent, error = %e, "cannot invalidate a kernel name");
+            }
+        }
+    }
+
+    /// Inode `ino`'s attributes and cached pages (its bytes changed).
+    pub fn inode(&self, ino: u64) {
+        if let Some(n) = &self.0 {
+            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), 0, 0) {
+                tracing::debug!(ino, error = %e, "cannot invalidate a kernel inode");
+            }
+        }
+    }
 }
 
 /// Mounts `vol` at `mountpoint` and returns once the kernel answers, with

@@ -129,6 +129,29 @@ fn an_s3_prefix_becomes_files_read_in_place_with_writes_on_top() {
             Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO), "{k}: {e}"),
         }
     }
+
+    // A refresh follows the bucket, as ordinary operations on the branch;
+    // the file the branch wrote on is left alone and reported.
+    bucket.put("corpus/raw/big/tokens.bin", &pattern(1000, 1)).expect("overwrite");
+    bucket.put("corpus/raw/later/new.bin", &pattern(5000, 7)).expect("put");
+    // README was read through the mount above: the kernel holds its pages.
+    bucket.put("corpus/raw/README", b"A CORPUS\n").expect("overwrite");
+    let out = arbor_env(&["import", mp, &source, "--at", "/data", "--refresh"], &w.env);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("imported 1 files") && stdout.contains("2 changed, 1 deleted"), "{stdout}{stderr}");
+    assert!(stdout.contains("1 conflicts"), "{stdout}");
+    assert!(stderr.contains("/data/big/tokens.bin (changed in the branch and in the bucket)"), "{stderr}");
+    assert!(read_all(&data.join("later/changed.bin")).expect("changed") == pattern(3 << 20, 12345));
+    assert!(read_all(&data.join("later/new.bin")).expect("new") == pattern(5000, 7));
+    assert!(!data.join("later/deleted.bin").exists());
+    assert_eq!(read_all(&data.join("README")).expect("README"), b"A CORPUS\n", "not the cached pages");
+    assert!(read_all(&target).expect("kept") == expect, "the branch's file is left alone");
+    let diff = arbor_env_ok(&["diff", mp, "v1", "branch:main"], &w.env);
+    for line in ["M data/later/changed.bin", "D data/later/deleted.bin", "A data/later/new.bin"] {
+        assert!(diff.contains(line), "{line} in diff: {diff}");
+    }
+    assert!(!diff.contains("tokens.bin"), "{diff}");
     m.unmount();
 
     // Files deleted in the branch, then compaction and gc: every source
@@ -141,6 +164,9 @@ fn an_s3_prefix_becomes_files_read_in_place_with_writes_on_top() {
     arbor_env_ok(&["compact", &disk, "--max-live", "1"], &w.env);
     arbor_env_ok(&["gc", &disk, "--grace", "0"], &w.env);
     objects.insert(changed.into(), pattern(3 << 20, 12345));
+    objects.insert("corpus/raw/big/tokens.bin".into(), pattern(1000, 1));
+    objects.insert("corpus/raw/later/new.bin".into(), pattern(5000, 7));
+    objects.insert("corpus/raw/README".into(), b"A CORPUS\n".to_vec());
     objects.remove(deleted);
     for (k, v) in &objects {
         assert!(bucket.get(k).expect("source object kept").0 == *v, "{k} unchanged");

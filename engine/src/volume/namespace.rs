@@ -105,10 +105,50 @@ impl Volume {
         Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
     }
 
+    /// Makes regular file `ino` the object `source` (its bytes, size and
+    /// `mtime`), whatever it held: one intent, so readers see the old file
+    /// or the new one.
+    pub fn reimport(&self, ino: u64, source: crate::source::Source, mtime: Timestamp) -> Result<Attr> {
+        if source.size > MAX_FILE_SIZE {
+            return Err(Error::TooBig);
+        }
+        if source.bucket.is_empty() || source.key.is_empty() {
+            return Err(Error::Invalid("source object"));
+        }
+        self.log()?;
+        let mut st = self.state.write();
+        match self.view(&st).inode(ino)?.kind {
+            FileKind::Regular => {}
+            FileKind::Directory => return Err(Error::IsDir),
+            _ => return Err(Error::Invalid("not a regular file")),
+        }
+        self.run(&mut st, ops::Op::Reimport { ino, source, mtime, time: self.now() }, &[])?;
+        Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
+    }
+
     /// The object an imported file reads from, if it is one.
     pub fn source(&self, ino: u64) -> Result<Option<crate::source::Source>> {
         let st = self.state.read();
         self.view(&st).source(ino)
+    }
+
+    /// The object of an imported file that still reads exactly it (nothing
+    /// written on top, not truncated); `None` for any other file.
+    pub fn pristine_source(&self, ino: u64) -> Result<Option<crate::source::Source>> {
+        let st = self.state.read();
+        let v = self.view(&st);
+        let Some(src) = v.source(ino)? else { return Ok(None) };
+        let i = v.inode(ino)?;
+        if i.kind != FileKind::Regular || i.size != src.size {
+            return Ok(None);
+        }
+        let extents = v.extents(ino, 0, u64::MAX)?;
+        let whole = match extents.as_slice() {
+            [] => src.size == 0,
+            [(0, Piece::Object(e))] => e.off == 0 && e.len == src.size,
+            _ => false,
+        };
+        Ok(whole.then_some(src))
     }
 
     pub fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Result<Attr> {

@@ -121,6 +121,14 @@ pub enum Op {
         mtime: Timestamp,
         time: Timestamp,
     },
+    /// Makes regular file `ino` the object `source`, whatever it held: a
+    /// refresh of an imported file whose object changed.
+    Reimport {
+        ino: u64,
+        source: crate::source::Source,
+        mtime: Timestamp,
+        time: Timestamp,
+    },
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -161,20 +169,18 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64, features: &
             let mut p = tx.inode(*parent)?;
             let mut node = new_inode(FileKind::Regular, *perm, *uid, *gid, 0, *parent, None, *time);
             node.name = name.clone();
-            node.mtime = *mtime;
             tx.add_entry(&mut p, *parent, name, *ino, FileKind::Regular)?;
             touch(&mut p, *time);
             tx.put_inode(*parent, &p)?;
-            tx.put(keys::source(*ino), crate::format::encode_value(source))?;
-            if source.size > 0 {
-                node.inline = None;
-                let e = Piece::Object(ObjectExtent { off: 0, len: source.size });
-                tx.put(keys::extent(*ino, source.size), e.encode())?;
-                node.size = source.size;
-                node.allocated = source.size;
-            }
-            tx.put_inode(*ino, &node)?;
+            attach(tx, *ino, &mut node, source, *mtime)?;
             *next_ino = (*next_ino).max(ino + 1);
+            *features |= super::commit::features::EXTERNAL_EXTENTS;
+            Ok(())
+        }
+        Op::Reimport { ino, source, mtime, time } => {
+            let mut node = tx.inode(*ino)?;
+            node.ctime = *time;
+            attach(tx, *ino, &mut node, source, *mtime)?;
             *features |= super::commit::features::EXTERNAL_EXTENTS;
             Ok(())
         }
@@ -294,6 +300,24 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64, features: &
             _ => tx.del(&keys::orphan(*ino)).map(drop),
         },
     }
+}
+
+/// Makes `node` (inode `ino`, a regular file) hold exactly the bytes of
+/// `source`: one external extent, its source record, its size.
+fn attach(tx: &mut Txn, ino: u64, node: &mut Inode, source: &crate::source::Source, mtime: Timestamp) -> Result<()> {
+    node.allocated -= tx.punch(ino, 0, u64::MAX)?;
+    tx.put(keys::source(ino), crate::format::encode_value(source))?;
+    node.inline = Some(Vec::new());
+    node.size = 0;
+    if source.size > 0 {
+        node.inline = None;
+        let e = Piece::Object(ObjectExtent { off: 0, len: source.size });
+        tx.put(keys::extent(ino, source.size), e.encode())?;
+        node.size = source.size;
+        node.allocated += source.size;
+    }
+    node.mtime = mtime;
+    tx.put_inode(ino, node)
 }
 
 #[allow(clippy::too_many_arguments)]
