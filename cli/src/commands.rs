@@ -373,6 +373,59 @@ pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, refres
     Ok(())
 }
 
+pub fn export(
+    target: &str,
+    branch: Option<&str>,
+    checkpoint: Option<&str>,
+    dest_url: &str,
+    since: Option<&str>,
+    json_out: bool,
+) -> Result<()> {
+    let dest = crate::export::open_dest(dest_url)?;
+    let t = resolve(target)?;
+    let catalog = t.disk.catalog()?;
+    let root = match checkpoint {
+        Some(c) => Root::Checkpoint(c.into()),
+        None => Root::Branch(branch.map(str::to_string).or(t.branch.clone()).unwrap_or_else(|| "main".into())),
+    };
+    // A mounted branch's newest state is in memory: its mount commits it first.
+    let commit = root_commit(&t, &catalog, &root)?;
+    let changed = match since {
+        Some(cp) => {
+            let from = catalog.checkpoint(cp)?.commit;
+            Some(catalog.diff_between(from, commit)?.into_iter().map(|c| (c.path, c.kind)).collect())
+        }
+        None => None,
+    };
+    let vol = Volume::open(FixedRootDevice::new(catalog.segments().clone(), commit), quiet_read_only())?;
+    let started = Instant::now();
+    let bar = ProgressBar::new_spinner()
+        .with_style(ProgressStyle::with_template("export {spinner} {bytes} {bytes_per_sec} {elapsed}")?);
+    let report = crate::export::run(&vol, dest.as_ref(), t.disk.store(), dest_url, changed, &mut |n| bar.inc(n));
+    bar.finish_and_clear();
+    let r = report?;
+    if json_out {
+        let v = json!({"uploaded": r.uploaded, "bytes": r.bytes, "deleted": r.deleted, "unchanged": r.unchanged, "skipped": r.skipped});
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "exported {} files ({}) to {dest_url} in {}; {} deleted, {} unchanged, {} not regular files skipped",
+        r.uploaded,
+        HumanBytes(r.bytes),
+        HumanDuration(started.elapsed()),
+        r.deleted,
+        r.unchanged,
+        r.skipped
+    );
+    Ok(())
+}
+
+/// A read-only open of a committed root by a command.
+fn quiet_read_only() -> Config {
+    Config { read_only: true, ..quiet_config() }
+}
+
 pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
     let d = disk::open(disk_arg)?;
     let catalog = d.catalog()?;

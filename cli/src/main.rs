@@ -4,6 +4,7 @@ mod cache_server;
 mod commands;
 mod control;
 mod disk;
+mod export;
 mod import;
 mod node;
 mod prefetch;
@@ -148,6 +149,29 @@ enum Command {
         /// (files the branch changed are left alone and reported).
         #[arg(long)]
         refresh: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write every file of a branch or checkpoint as one plain object under
+    /// an S3 prefix; a second run uploads only what changed since the first.
+    #[command(
+        after_help = "Example:\n  arbor export /mnt/data --checkpoint step-9000 s3://team-results/run-a\n  arbor export s3://my-bucket/disk1 --branch run-a s3://team-results/run-a --since step-8000"
+    )]
+    Export {
+        /// A disk or a mountpoint.
+        target: String,
+        /// The branch to export (default: the mounted one, else main).
+        #[arg(long, conflicts_with = "checkpoint")]
+        branch: Option<String>,
+        /// A checkpoint to export.
+        #[arg(long)]
+        checkpoint: Option<String>,
+        /// s3://bucket/prefix: each file becomes prefix/PATH.
+        dest: String,
+        /// Upload what changed since this checkpoint (from the tree diff)
+        /// instead of comparing every file.
+        #[arg(long)]
+        since: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -432,6 +456,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
         Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
         Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
+        Command::Export { target, branch, checkpoint, dest, since, json } => {
+            commands::export(&target, branch.as_deref(), checkpoint.as_deref(), &dest, since.as_deref(), json)?
+        }
         Command::Import { target, source, at, branch, refresh, json } => {
             commands::import(&target, &source, &at, branch.as_deref(), refresh, json)?
         }

@@ -197,3 +197,93 @@ fn an_import_into_a_mounted_branch_shows_in_the_mount() {
     assert_eq!(String::from_utf8_lossy(&out.stderr).trim_end().lines().count(), 1);
     m.unmount();
 }
+
+/// Every object under `prefix` of the test bucket, by path below it.
+fn objects_below(bucket: &dyn ObjectStore, prefix: &str) -> BTreeMap<String, Vec<u8>> {
+    let keys = bucket.list(prefix).expect("list");
+    keys.into_iter().map(|k| (k[prefix.len()..].to_string(), bucket.get(&k).expect("get").0)).collect()
+}
+
+/// Every regular file under `root`, by path below it.
+fn files_below(root: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("readdir").flatten() {
+            let t = e.file_type().expect("type");
+            let rel = e.path().strip_prefix(root).expect("below").display().to_string();
+            if t.is_dir() {
+                stack.push(e.path());
+            } else if t.is_file() {
+                out.insert(rel, std::fs::read(e.path()).expect("read"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn export_writes_plain_objects_once_and_then_only_what_changed() {
+    let Some(w) = S3World::start() else { return };
+    let bucket = w.bucket();
+    bucket.put("in/tokens.bin", &pattern(3 << 20, 4)).expect("put");
+    let disk = w.dir.path().join("disk").display().to_string();
+    arbor_env_ok(&["init", &disk], &w.env);
+    let mnt = w.mnt("m");
+    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    let mp = mnt.to_str().expect("utf8");
+    arbor_env_ok(&["import", mp, &format!("s3://{S3_BUCKET}/in"), "--at", "/imported"], &w.env);
+    // Written on top of an imported file: the export has both parts.
+    let mut f = std::fs::OpenOptions::new().write(true).open(mnt.join("imported/tokens.bin")).expect("open");
+    f.seek(SeekFrom::Start(1 << 20)).expect("seek");
+    f.write_all(b"patched").expect("write");
+    drop(f);
+    for i in 0..150u32 {
+        std::fs::create_dir_all(mnt.join(format!("ckpt/shard-{}", i % 5))).expect("mkdir");
+        write_synced(&mnt.join(format!("ckpt/shard-{}/r{i}.bin", i % 5)), &pattern(1000 + i as usize * 37, i));
+    }
+    write_synced(&mnt.join("ckpt/big.bin"), &pattern(21 << 20, 77));
+    std::os::unix::fs::symlink("big.bin", mnt.join("ckpt/latest")).expect("symlink");
+    arbor_env_ok(&["checkpoints", "create", mp, "c1"], &w.env);
+    let dest = format!("s3://{S3_BUCKET}/out/run-a");
+
+    // Killed once its first manifest is saved; the next run finishes the job.
+    let mut child = std::process::Command::new(arbor_bin())
+        .args(["export", mp, "--checkpoint", "c1", &dest])
+        .envs(w.env.iter().map(|(k, v)| (*k, v)))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn export");
+    let manifests = std::path::Path::new(&disk).join("exports");
+    wait_until("a saved export manifest", std::time::Duration::from_secs(60), || {
+        manifests.read_dir().is_ok_and(|mut d| d.next().is_some()) || child.try_wait().ok().flatten().is_some()
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let out = arbor_env_ok(&["export", mp, "--checkpoint", "c1", &dest], &w.env);
+    assert!(out.contains("not regular files skipped") && out.contains("1 not regular"), "{out}");
+    let exported = objects_below(&bucket, "out/run-a/");
+    assert_eq!(exported.len(), 152, "every regular file, no symlink");
+    assert!(exported == files_below(&mnt), "objects equal files");
+
+    let again = arbor_env_ok(&["export", mp, "--checkpoint", "c1", &dest], &w.env);
+    assert!(again.contains("exported 0 files") && again.contains("152 unchanged"), "{again}");
+
+    // Change, add and remove; export with --since uploads only those.
+    write_synced(&mnt.join("ckpt/shard-0/r0.bin"), b"changed");
+    write_synced(&mnt.join("ckpt/new.bin"), b"new");
+    std::fs::remove_file(mnt.join("ckpt/shard-1/r1.bin")).expect("rm");
+    std::fs::remove_dir_all(mnt.join("ckpt/shard-2")).expect("rm dir");
+    arbor_env_ok(&["checkpoints", "create", mp, "c2"], &w.env);
+    let out = arbor_env_ok(&["export", mp, "--checkpoint", "c2", &dest, "--since", "c1"], &w.env);
+    assert!(out.contains("exported 2 files") && out.contains("31 deleted"), "{out}");
+    assert!(objects_below(&bucket, "out/run-a/") == files_below(&mnt), "objects equal files after --since");
+    let again = arbor_env_ok(&["export", mp, "--checkpoint", "c2", &dest], &w.env);
+    assert!(again.contains("exported 0 files"), "{again}");
+    // A bad destination is one line and uploads nothing.
+    let out = arbor_env(&["export", mp, &format!("s3://{S3_BUCKET}")], &w.env);
+    assert!(!out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stderr).trim_end().lines().count(), 1);
+    m.unmount();
+}

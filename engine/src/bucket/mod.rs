@@ -81,6 +81,15 @@ pub trait ObjectStore: Send + Sync {
     fn put_large(&self, key: &str, body: &[u8]) -> Result<ETag> {
         self.put(key, body)
     }
+    /// Creates or replaces `key` with `len` bytes that `fill(offset, buf)`
+    /// provides, in order, without holding them all where the store can
+    /// take them in parts (S3 multipart); the object appears whole or not
+    /// at all. Others read the whole body first.
+    fn put_from(&self, key: &str, len: u64, fill: &mut dyn FnMut(u64, &mut [u8]) -> Result<()>) -> Result<ETag> {
+        let mut body = vec![0u8; usize::try_from(len).map_err(|_| Error::Invalid("object too large"))?];
+        fill(0, &mut body)?;
+        self.put_large(key, &body)
+    }
     /// Removes `key`; removing a missing key succeeds.
     fn delete(&self, key: &str) -> Result<()>;
 }

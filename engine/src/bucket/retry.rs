@@ -118,6 +118,12 @@ impl ObjectStore for RetryStore {
         self.run("multipart put", key, |_| self.inner.put_large(key, body))
     }
 
+    /// Not retried as a whole (its source is read once); the parts are
+    /// retried by the store.
+    fn put_from(&self, key: &str, len: u64, fill: &mut dyn FnMut(u64, &mut [u8]) -> Result<()>) -> Result<ETag> {
+        self.inner.put_from(key, len, fill)
+    }
+
     fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
         self.run("get", key, |_| self.inner.get(key))
     }

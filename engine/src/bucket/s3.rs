@@ -258,6 +258,12 @@ impl S3Store {
     }
 }
 
+impl S3Store {
+    fn join_part(&self, h: tokio::task::JoinHandle<Result<CompletedPart>>) -> Result<CompletedPart> {
+        self.rt.block_on(h).map_err(|e| Error::Io(std::io::Error::other(format!("upload task: {e}"))))?
+    }
+}
+
 /// Folder listings in flight at once in [`ObjectStore::list_objects`].
 const LISTINGS_IN_FLIGHT: usize = 32;
 
@@ -438,6 +444,78 @@ impl ObjectStore for S3Store {
         }
         let full = self.key(key)?;
         self.rt.block_on(self.multipart(&full, body))
+    }
+
+    fn put_from(&self, key: &str, len: u64, fill: &mut dyn FnMut(u64, &mut [u8]) -> Result<()>) -> Result<ETag> {
+        if len <= MULTIPART_OVER as u64 {
+            let mut body = vec![0u8; len as usize];
+            fill(0, &mut body)?;
+            return self.put(key, &body);
+        }
+        let full = self.key(key)?;
+        let created = self
+            .rt
+            .block_on(self.client.create_multipart_upload().bucket(&self.bucket).key(&full).send())
+            .map_err(|e| io_error("create multipart upload", e))?;
+        let id = created.upload_id().ok_or(Error::Invalid("S3 returned no upload id"))?.to_string();
+        let done = (|| {
+            let mut in_flight = std::collections::VecDeque::new();
+            let mut completed = Vec::new();
+            let mut off = 0u64;
+            let mut part = 1i32;
+            while off < len {
+                let n = (len - off).min(PART_SIZE as u64) as usize;
+                let mut buf = vec![0u8; n];
+                fill(off, &mut buf)?;
+                let req = self
+                    .client
+                    .upload_part()
+                    .bucket(&self.bucket)
+                    .key(&full)
+                    .upload_id(&id)
+                    .part_number(part)
+                    .body(ByteStream::from(buf));
+                let number = part;
+                in_flight.push_back(self.rt.spawn(async move {
+                    let out = req.send().await.map_err(|e| io_error("upload part", e))?;
+                    Ok::<_, Error>(
+                        CompletedPart::builder().part_number(number).e_tag(out.e_tag().unwrap_or_default()).build(),
+                    )
+                }));
+                // Four parts in flight; the next one is read meanwhile.
+                if in_flight.len() >= 4 {
+                    if let Some(h) = in_flight.pop_front() {
+                        completed.push(self.join_part(h)?);
+                    }
+                }
+                off += n as u64;
+                part += 1;
+            }
+            while let Some(h) = in_flight.pop_front() {
+                completed.push(self.join_part(h)?);
+            }
+            let upload = CompletedMultipartUpload::builder().set_parts(Some(completed)).build();
+            let out = self
+                .rt
+                .block_on(
+                    self.client
+                        .complete_multipart_upload()
+                        .bucket(&self.bucket)
+                        .key(&full)
+                        .upload_id(&id)
+                        .multipart_upload(upload)
+                        .send(),
+                )
+                .map_err(|e| io_error("complete multipart upload", e))?;
+            Ok(out.e_tag().unwrap_or_default().to_string())
+        })();
+        if done.is_err() {
+            let abort = self.client.abort_multipart_upload().bucket(&self.bucket).key(&full).upload_id(&id);
+            if let Err(e) = self.rt.block_on(abort.send()) {
+                tracing::warn!(error = %aws_sdk_s3::error::DisplayErrorContext(&e), "aborting a multipart upload failed");
+            }
+        }
+        done
     }
 
     fn delete(&self, key: &str) -> Result<()> {
