@@ -426,7 +426,7 @@ fn quiet_read_only() -> Config {
     Config { read_only: true, ..quiet_config() }
 }
 
-pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
+pub fn fsck(disk_arg: &str, json_out: bool, offline: bool) -> Result<()> {
     let d = disk::open(disk_arg)?;
     let catalog = d.catalog()?;
     // A record being written would look torn to a reader running beside it.
@@ -446,7 +446,7 @@ pub fn fsck(disk_arg: &str, json_out: bool) -> Result<()> {
         bar.set_message(what.clone());
         let ro = Config { read_only: true, ..quiet_config() };
         match Volume::open(FixedRootDevice::new(catalog.segments().clone(), *commit), ro) {
-            Ok(vol) => arbor_engine::fsck::check_files(&vol, &mut report)?,
+            Ok(vol) => arbor_engine::fsck::check_files_with(&vol, &mut report, !offline)?,
             Err(e) => report.problems.push(format!("{what}: {e}")),
         }
     }

@@ -175,12 +175,17 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Verify every record, and every file byte of every branch and checkpoint.
+    /// Verify every record, every file byte the disk holds in every branch
+    /// and checkpoint, and that imported files' objects are unchanged.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
     Fsck {
         disk: String,
         #[arg(long)]
         json: bool,
+        /// Do not ask the bucket whether imported files' objects still have
+        /// the ETags the files recorded.
+        #[arg(long)]
+        offline: bool,
     },
 }
 
@@ -455,7 +460,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Prefetch { mountpoint, paths } => commands::prefetch(&mountpoint, &paths)?,
         Command::Gc { target, grace } => commands::gc(&target, grace)?,
         Command::Compact { target, branch, max_live } => commands::compact(&target, branch.as_deref(), max_live)?,
-        Command::Fsck { disk, json } => commands::fsck(&disk, json)?,
+        Command::Fsck { disk, json, offline } => commands::fsck(&disk, json, offline)?,
         Command::Export { target, branch, checkpoint, dest, since, json } => {
             commands::export(&target, branch.as_deref(), checkpoint.as_deref(), &dest, since.as_deref(), json)?
         }

@@ -66,8 +66,15 @@ pub fn check_segments(device: Arc<dyn Device>, progress: &mut dyn FnMut(&str)) -
 
 /// Reads every file of `vol`, which verifies every data block it holds; on
 /// a tree that promises exact names, checks that each file's recorded name
-/// is one of its links.
+/// is one of its links. Imported files' objects are checked for their
+/// recorded ETag (not read).
 pub fn check_files(vol: &Volume, report: &mut FsckReport) -> Result<()> {
+    check_files_with(vol, report, true)
+}
+
+/// [`check_files`]; without `online`, imported files' objects are not
+/// asked for (`arbor fsck --offline`).
+pub fn check_files_with(vol: &Volume, report: &mut FsckReport, online: bool) -> Result<()> {
     let check_names = vol.features() & features::NAMES_EXACT != 0;
     // Files by inode: whether one of their links is the recorded name.
     let mut named: HashMap<u64, bool> = HashMap::new();
@@ -85,20 +92,9 @@ pub fn check_files(vol: &Volume, report: &mut FsckReport) -> Result<()> {
                 FileKind::Directory => stack.push(e.ino),
                 FileKind::Regular => {
                     report.files += 1;
-                    let size = vol.getattr(e.ino)?.size;
-                    let mut off = 0;
-                    while off < size {
-                        match vol.read(e.ino, off, 4 << 20) {
-                            Ok(b) if !b.is_empty() => {
-                                report.bytes_verified += b.len() as u64;
-                                off += b.len() as u64;
-                            }
-                            Ok(_) => break,
-                            Err(err) => {
-                                report.problems.push(format!("file inode {} at {off}: {err}", e.ino));
-                                off = (off / (1 << 20) + 1) << 20;
-                            }
-                        }
+                    match vol.verify_file(e.ino, online) {
+                        Ok(n) => report.bytes_verified += n,
+                        Err(err) => report.problems.push(format!("file inode {}: {err}", e.ino)),
                     }
                 }
                 _ => report.files += 1,
