@@ -85,6 +85,66 @@ pub fn resident_bytes() -> Option<u64> {
     Some(kb << 10)
 }
 
+/// A plain parallel download of whole objects with aws-sdk-s3 by ranged
+/// GETs (`ARBOR_BENCH_RANGE_MIB`, default 8 MiB), 8 in flight, from an
+/// S3-compatible server with the test credentials: the baseline of the
+/// bucket benchmarks. Returns MiB/s of bytes received.
+pub fn parallel_download(endpoint: &str, bucket: &str, keys: &[(String, u64)]) -> f64 {
+    use std::sync::Arc;
+    const MIB: u64 = 1 << 20;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let client = rt.block_on(async {
+        let conf = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .region(aws_config::Region::new("us-east-1"))
+            .endpoint_url(endpoint)
+            .credentials_provider(aws_sdk_s3::config::Credentials::new(
+                arbor_engine::testkit::S3_KEY,
+                arbor_engine::testkit::S3_SECRET,
+                None,
+                None,
+                "bench",
+            ))
+            .load()
+            .await;
+        aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&conf).force_path_style(true).build())
+    });
+    let mut ranges = Vec::new();
+    for (key, size) in keys {
+        let mut off = 0;
+        while off < *size {
+            let end = (off + env_usize("ARBOR_BENCH_RANGE_MIB", 8) as u64 * MIB).min(*size);
+            ranges.push((key.clone(), off, end));
+            off = end;
+        }
+    }
+    let t = Instant::now();
+    let bytes = rt.block_on(async {
+        let sem = Arc::new(tokio::sync::Semaphore::new(8));
+        let mut tasks = Vec::new();
+        for (key, start, end) in ranges {
+            let (client, sem, bucket) = (client.clone(), sem.clone(), bucket.to_string());
+            tasks.push(tokio::spawn(async move {
+                let _permit = sem.acquire().await.expect("semaphore");
+                let out = client
+                    .get_object()
+                    .bucket(bucket)
+                    .key(key)
+                    .range(format!("bytes={start}-{}", end - 1))
+                    .send()
+                    .await
+                    .expect("ranged get");
+                out.body.collect().await.expect("body").into_bytes().len()
+            }));
+        }
+        let mut n = 0;
+        for t in tasks {
+            n += t.await.expect("task");
+        }
+        n
+    });
+    bytes as f64 / MIB as f64 / t.elapsed().as_secs_f64()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -83,18 +83,42 @@ impl Sources for FixedSources {
 pub const CHUNK: u64 = 1 << 20;
 /// Chunks a volume keeps in memory (64 MiB).
 const CACHED_CHUNKS: usize = 64;
-/// Chunks fetched ahead of a sequential reader, in the same batch.
-const AHEAD: u64 = 8;
-/// Ranged GETs in flight for one batch.
-const PARALLEL: usize = 16;
+/// Chunks fetched ahead of a sequential reader, in the background.
+const AHEAD: u64 = 16;
+/// Chunk fetches in flight at most, read-ahead included (a reader's own
+/// misses always go).
+const IN_FLIGHT: usize = 32;
 
 /// (bucket, key, etag, chunk index).
 type ChunkId = (String, String, String, u64);
 
+/// A chunk's fetch: its waiters sleep on `cv` until `done` holds the result.
+#[derive(Default)]
+struct Pending {
+    done: Mutex<Option<std::result::Result<Arc<Vec<u8>>, Failed>>>,
+    cv: parking_lot::Condvar,
+}
+
+/// A failed fetch, for every waiter.
+#[derive(Clone)]
+enum Failed {
+    Changed(String),
+    Other(String),
+}
+
+impl From<Failed> for Error {
+    fn from(f: Failed) -> Error {
+        match f {
+            Failed::Changed(m) => Error::SourceChanged(m),
+            Failed::Other(m) => Error::Io(std::io::Error::other(m)),
+        }
+    }
+}
+
 /// A volume's reader of source objects.
 pub struct SourceReader {
     sources: Arc<dyn Sources>,
-    cache: Mutex<ChunkCache>,
+    cache: Arc<Mutex<ChunkCache>>,
 }
 
 #[derive(Default)]
@@ -103,13 +127,27 @@ struct ChunkCache {
     /// Oldest first; a hit moves nothing (a clock would be fairer, this
     /// is enough for streaming readers).
     order: VecDeque<ChunkId>,
+    /// Fetches in flight.
+    pending: HashMap<ChunkId, Arc<Pending>>,
     /// Where the last read of each object ended, to see sequential readers.
     ends: HashMap<(String, String), u64>,
 }
 
+impl ChunkCache {
+    fn insert(&mut self, id: ChunkId, bytes: Arc<Vec<u8>>) {
+        if self.chunks.insert(id.clone(), bytes).is_none() {
+            self.order.push_back(id);
+        }
+        while self.chunks.len() > CACHED_CHUNKS {
+            let Some(old) = self.order.pop_front() else { break };
+            self.chunks.remove(&old);
+        }
+    }
+}
+
 impl SourceReader {
     pub fn new(sources: Arc<dyn Sources>) -> SourceReader {
-        SourceReader { sources, cache: Mutex::new(ChunkCache::default()) }
+        SourceReader { sources, cache: Arc::new(Mutex::new(ChunkCache::default())) }
     }
 
     /// Fills `dst` with the object's bytes from `off`. The range must lie
@@ -124,84 +162,119 @@ impl SourceReader {
         }
         let (first, last) = (off / CHUNK, (end - 1) / CHUNK);
         let chunks = src.size.div_ceil(CHUNK);
-        let mut want: Vec<u64> = Vec::new();
-        let mut have: HashMap<u64, Arc<Vec<u8>>> = HashMap::new();
+        let mut have: Vec<(u64, Arc<Vec<u8>>)> = Vec::new();
+        let mut wait: Vec<(u64, Arc<Pending>)> = Vec::new();
+        let mut start: Vec<(u64, Arc<Pending>)> = Vec::new();
         {
             let mut c = self.cache.lock();
             let object = (src.bucket.clone(), src.key.clone());
-            let sequential = c.ends.get(&object) == Some(&off) && off > 0;
+            let sequential = off > 0 && c.ends.get(&object) == Some(&off);
             if c.ends.len() > 4096 {
                 c.ends.clear();
             }
             c.ends.insert(object, end);
             let ahead = if sequential { AHEAD } else { 0 };
             for i in first..=(last + ahead).min(chunks - 1) {
-                match c.chunks.get(&chunk_id(src, i)) {
-                    Some(b) if i <= last => drop(have.insert(i, b.clone())),
-                    Some(_) => {}
-                    None => want.push(i),
+                let id = chunk_id(src, i);
+                if let Some(b) = c.chunks.get(&id) {
+                    if i <= last {
+                        have.push((i, b.clone()));
+                    }
+                } else if let Some(p) = c.pending.get(&id) {
+                    if i <= last {
+                        wait.push((i, p.clone()));
+                    }
+                } else if i <= last || c.pending.len() < IN_FLIGHT {
+                    let p = Arc::new(Pending::default());
+                    c.pending.insert(id, p.clone());
+                    if i <= last {
+                        wait.push((i, p.clone()));
+                    }
+                    start.push((i, p));
                 }
             }
         }
-        // Read-ahead only once the reader needs a chunk it does not have:
-        // a batch then fetches what it needs and what follows, in parallel.
-        if want.iter().any(|&i| i <= last) {
-            for (i, bytes) in self.fetch(src, &want)? {
-                if i <= last {
-                    have.insert(i, bytes);
+        if !start.is_empty() {
+            let store = self.sources.store(&src.bucket);
+            for (i, p) in start {
+                match &store {
+                    Ok(store) => self.spawn_fetch(store.clone(), src.clone(), i, p),
+                    Err(e) => self.finish(src, i, &p, Err(Failed::Other(e.to_string()))),
                 }
             }
         }
-        for i in first..=last {
-            let chunk = have.get(&i).ok_or_else(|| Error::corrupted("source chunk", src.url()))?;
+        for (i, p) in wait {
+            let mut done = p.done.lock();
+            while done.is_none() {
+                p.cv.wait(&mut done);
+            }
+            match done.as_ref() {
+                Some(Ok(b)) => have.push((i, b.clone())),
+                Some(Err(f)) => return Err(f.clone().into()),
+                None => {}
+            }
+        }
+        for (i, chunk) in have {
             let base = i * CHUNK;
             let (from, to) = (off.max(base), end.min(base + chunk.len() as u64));
-            dst[(from - off) as usize..(to - off) as usize]
-                .copy_from_slice(&chunk[(from - base) as usize..(to - base) as usize]);
+            if from < to {
+                dst[(from - off) as usize..(to - off) as usize]
+                    .copy_from_slice(&chunk[(from - base) as usize..(to - base) as usize]);
+            }
         }
         Ok(())
     }
 
-    /// Fetches chunks `which` of the object, [`PARALLEL`] at a time, and
-    /// caches them.
-    fn fetch(&self, src: &Source, which: &[u64]) -> Result<Vec<(u64, Arc<Vec<u8>>)>> {
-        let store = self.sources.store(&src.bucket)?;
-        let mut out = Vec::with_capacity(which.len());
-        for batch in which.chunks(PARALLEL) {
-            let results: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
-                let handles: Vec<_> = batch
-                    .iter()
-                    .map(|&i| {
-                        let store = &store;
-                        s.spawn(move || {
-                            let range = i * CHUNK..((i + 1) * CHUNK).min(src.size);
-                            let want = range.end - range.start;
-                            let bytes = store.get_range_if(&src.key, range, &src.etag)?;
-                            if bytes.len() as u64 != want {
-                                return Err(Error::PreconditionFailed(src.key.clone()));
-                            }
-                            Ok(bytes)
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap_or(Err(Error::Invalid("source fetch")))).collect()
-            });
-            for (&i, r) in batch.iter().zip(results) {
-                let bytes = Arc::new(r.map_err(|e| changed(src, e))?);
-                out.push((i, bytes.clone()));
-                let mut c = self.cache.lock();
-                let id = chunk_id(src, i);
-                if c.chunks.insert(id.clone(), bytes).is_none() {
-                    c.order.push_back(id);
-                }
-                while c.chunks.len() > CACHED_CHUNKS {
-                    let Some(old) = c.order.pop_front() else { break };
-                    c.chunks.remove(&old);
-                }
+    /// Fetches chunk `i` on a thread of its own; its waiters wake when it
+    /// is cached (or failed).
+    fn spawn_fetch(&self, store: Arc<dyn ObjectStore>, src: Source, i: u64, p: Arc<Pending>) {
+        let cache = self.cache.clone();
+        let spawned = std::thread::Builder::new().name("arbor-source".into()).spawn({
+            let p = p.clone();
+            let src = src.clone();
+            move || {
+                let range = i * CHUNK..((i + 1) * CHUNK).min(src.size);
+                let want = range.end - range.start;
+                let got = match store.get_range_if(&src.key, range, &src.etag) {
+                    Ok(b) if b.len() as u64 == want => Ok(Arc::new(b)),
+                    Ok(_) => Err(changed(&src, Error::PreconditionFailed(src.key.clone()))),
+                    Err(e) => Err(changed(&src, e)),
+                };
+                let got = got.map_err(|e| match e {
+                    Error::SourceChanged(m) => Failed::Changed(m),
+                    e => Failed::Other(format!("{}: {e}", src.url())),
+                });
+                finish(&cache, &src, i, &p, got);
             }
+        });
+        if let Err(e) = spawned {
+            self.finish(&src, i, &p, Err(Failed::Other(format!("cannot start a fetch: {e}"))));
         }
-        Ok(out)
     }
+
+    fn finish(&self, src: &Source, i: u64, p: &Pending, got: std::result::Result<Arc<Vec<u8>>, Failed>) {
+        finish(&self.cache, src, i, p, got)
+    }
+}
+
+/// Records a fetch's result: cached if it worked, then its waiters woken.
+fn finish(
+    cache: &Mutex<ChunkCache>,
+    src: &Source,
+    i: u64,
+    p: &Pending,
+    got: std::result::Result<Arc<Vec<u8>>, Failed>,
+) {
+    {
+        let mut c = cache.lock();
+        let id = chunk_id(src, i);
+        c.pending.remove(&id);
+        if let Ok(b) = &got {
+            c.insert(id, b.clone());
+        }
+    }
+    *p.done.lock() = Some(got);
+    p.cv.notify_all();
 }
 
 fn chunk_id(src: &Source, i: u64) -> ChunkId {

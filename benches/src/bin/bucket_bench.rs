@@ -19,7 +19,6 @@ use arbor_engine::testkit::{S3Server, S3_BUCKET};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_snapshot::disk::{CacheOptions, Disk, DiskOptions, S3Overrides};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 const MIB: usize = 1 << 20;
@@ -56,57 +55,8 @@ fn read_all(vol: &Volume, ino: u64, mib: usize) -> f64 {
 /// The baseline: every segment object downloaded by ranged GETs, 8 in
 /// flight; MiB/s of bytes received.
 fn parallel_download(server: &S3Server, prefix: &str, keys: &[(String, u64)]) -> f64 {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let client = rt.block_on(async {
-        let conf = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(aws_config::Region::new("us-east-1"))
-            .endpoint_url(server.endpoint())
-            .credentials_provider(aws_sdk_s3::config::Credentials::new(
-                arbor_engine::testkit::S3_KEY,
-                arbor_engine::testkit::S3_SECRET,
-                None,
-                None,
-                "bench",
-            ))
-            .load()
-            .await;
-        aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&conf).force_path_style(true).build())
-    });
-    let mut ranges = Vec::new();
-    for (key, size) in keys {
-        let mut off = 0;
-        while off < *size {
-            let end = (off + env_usize("ARBOR_BENCH_RANGE_MIB", 8) as u64 * MIB as u64).min(*size);
-            ranges.push((format!("{prefix}/{key}"), off, end));
-            off = end;
-        }
-    }
-    let t = Instant::now();
-    let bytes = rt.block_on(async {
-        let sem = Arc::new(tokio::sync::Semaphore::new(8));
-        let mut tasks = Vec::new();
-        for (key, start, end) in ranges {
-            let (client, sem) = (client.clone(), sem.clone());
-            tasks.push(tokio::spawn(async move {
-                let _permit = sem.acquire().await.expect("semaphore");
-                let out = client
-                    .get_object()
-                    .bucket(S3_BUCKET)
-                    .key(key)
-                    .range(format!("bytes={start}-{}", end - 1))
-                    .send()
-                    .await
-                    .expect("ranged get");
-                out.body.collect().await.expect("body").into_bytes().len()
-            }));
-        }
-        let mut n = 0;
-        for t in tasks {
-            n += t.await.expect("task");
-        }
-        n
-    });
-    bytes as f64 / MIB as f64 / t.elapsed().as_secs_f64()
+    let full: Vec<(String, u64)> = keys.iter().map(|(k, n)| (format!("{prefix}/{k}"), *n)).collect();
+    arbor_benches::parallel_download(&server.endpoint(), S3_BUCKET, &full)
 }
 
 fn fresh(base: &Path, name: &str) -> PathBuf {

@@ -1,0 +1,139 @@
+//! Imported files against plain S3 on the same machine, in the same run,
+//! from a real S3-compatible server (`s3s-fs` on 127.0.0.1):
+//!
+//! - **cold read**: a 1 GiB object imported as a file and read
+//!   sequentially (1 MiB reads) through a fresh volume, against the
+//!   baseline: the same object fetched by a plain parallel ranged download
+//!   with aws-sdk-s3 (8 MiB ranges, 8 in flight);
+//! - **import rate**: objects per second listed (with their ETags) and
+//!   added as files, for a prefix of many small objects in nested folders.
+//!   The objects are written as s3s-fs keeps them (one file each under its
+//!   data folder), which is how a team's existing bucket looks to arbor.
+//!
+//! Usage: `import_bench [DIR]` (default `target/bench-data`); env
+//! `ARBOR_BENCH_MIB` (1024), `ARBOR_BENCH_OBJECTS` (20000),
+//! `ARBOR_BENCH_RUNS` (3). Medians are printed.
+
+use arbor_benches::{env_usize, median, print_table, Row};
+use arbor_engine::bucket::{ObjectStore, S3Store};
+use arbor_engine::device::FileDevice;
+use arbor_engine::env::Timestamp;
+use arbor_engine::io::IoMode;
+use arbor_engine::source::{FixedSources, Source};
+use arbor_engine::testkit::{S3Server, S3_BUCKET};
+use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+const MIB: usize = 1 << 20;
+
+fn fresh(base: &Path, name: &str) -> PathBuf {
+    let p = base.join(name);
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).expect("mkdir");
+    p
+}
+
+fn volume(dir: &Path, store: &Arc<S3Store>) -> Arc<Volume> {
+    let cfg =
+        Config { commit_interval: None, sources: FixedSources::with(S3_BUCKET, store.clone()), ..Config::default() };
+    Volume::open(FileDevice::open(dir, IoMode::Auto).expect("dev"), cfg).expect("vol")
+}
+
+fn source(info: &arbor_engine::bucket::ObjectInfo) -> Source {
+    Source { bucket: S3_BUCKET.into(), key: info.key.clone(), size: info.size, etag: info.etag.clone(), version: None }
+}
+
+/// Lists `prefix` and adds every object as a file, one folder level per
+/// key part (what `arbor import` does); objects per second.
+fn import_all(vol: &Volume, store: &S3Store, prefix: &str) -> (usize, f64) {
+    let t = Instant::now();
+    let objects = store.list_objects(prefix).expect("list");
+    let mut dirs: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    for o in &objects {
+        let rel = &o.key[prefix.len()..];
+        let (folder, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+        let mut parent = ROOT_INO;
+        let mut path = String::new();
+        for part in folder.split('/').filter(|p| !p.is_empty()) {
+            path.push_str(part);
+            path.push('/');
+            parent = *dirs
+                .entry(path.clone())
+                .or_insert_with(|| vol.mkdir(parent, part.as_bytes(), 0o755, 0, 0).expect("mkdir").ino);
+        }
+        vol.import(parent, name.as_bytes(), 0o644, (0, 0), source(o), Timestamp { secs: 0, nanos: 0 }).expect("import");
+    }
+    vol.commit().expect("commit");
+    (objects.len(), objects.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+fn main() {
+    let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-data"));
+    let (mib, runs) = (env_usize("ARBOR_BENCH_MIB", 1024), env_usize("ARBOR_BENCH_RUNS", 3));
+    let count = env_usize("ARBOR_BENCH_OBJECTS", 20_000);
+    println!("import_bench: dir {}, {mib} MiB, {count} objects, {runs} runs (medians)", base.display());
+    let data = fresh(&base, "s3");
+    let Some(server) = S3Server::start(&data).expect("s3s-fs") else {
+        eprintln!("import_bench needs s3s-fs");
+        std::process::exit(2);
+    };
+    let store = Arc::new(S3Store::open(&server.config("")).expect("store"));
+    // The large object, and many small ones in nested folders.
+    let big: Vec<u8> = (0..mib * MIB).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    store.put_large("corpus/big.bin", &big).expect("put");
+    drop(big);
+    for i in 0..count {
+        let p = data.join(S3_BUCKET).join(format!("many/d{:02}/e{:02}/o{i}.bin", i % 37, i % 11));
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&p, format!("object {i}\n")).expect("write");
+    }
+    let (mut cold, mut baseline, mut rate) = (Vec::new(), Vec::new(), Vec::new());
+    let mut imported = 0;
+    for run in 0..runs {
+        eprintln!("run {}/{runs}", run + 1);
+        arbor_benches::drop_page_cache();
+        baseline.push(arbor_benches::parallel_download(
+            &server.endpoint(),
+            S3_BUCKET,
+            &[("corpus/big.bin".into(), (mib * MIB) as u64)],
+        ));
+        arbor_benches::drop_page_cache();
+        let vol = volume(&fresh(&base, "vol"), &store);
+        let info = store.list_objects("corpus/").expect("list").remove(0);
+        let ino = vol.import(ROOT_INO, b"big.bin", 0o644, (0, 0), source(&info), Timestamp { secs: 0, nanos: 0 });
+        let ino = ino.expect("import").ino;
+        let t = Instant::now();
+        for i in 0..mib {
+            let got = vol.read(ino, (i * MIB) as u64, MIB).expect("read");
+            assert_eq!(got.len(), MIB, "short read");
+        }
+        cold.push(mib as f64 / t.elapsed().as_secs_f64());
+        drop(vol);
+        let vol = volume(&fresh(&base, "vol"), &store);
+        let (n, r) = import_all(&vol, &store, "many/");
+        imported = n;
+        rate.push(r);
+    }
+    assert_eq!(imported, count, "every object imported");
+    let rows = vec![
+        Row {
+            name: format!("cold sequential read of an imported {mib} MiB object"),
+            baseline: format!("{:.0} MiB/s (parallel ranged GETs)", median(baseline.clone())),
+            arbor: format!("{:.0} MiB/s", median(cold.clone())),
+            ratio: median(cold) / median(baseline),
+            target: "≥ 0.8".into(),
+        },
+        Row {
+            name: format!("import of {count} objects (list with ETags + one file each)"),
+            baseline: "—".into(),
+            arbor: format!("{:.0} objects/s", median(rate.clone())),
+            ratio: f64::NAN,
+            target: "report".into(),
+        },
+    ];
+    print_table("imported files (s3s-fs on 127.0.0.1)", &rows);
+    let _ = std::fs::remove_dir_all(base.join("vol"));
+    let _ = std::fs::remove_dir_all(&data);
+}
