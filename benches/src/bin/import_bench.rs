@@ -110,11 +110,13 @@ fn main() {
             assert_eq!(got.len(), MIB, "short read");
         }
         cold.push(mib as f64 / t.elapsed().as_secs_f64());
+        eprintln!("  cold read {:.0} MiB/s, download {:.0} MiB/s", cold[run], baseline[run]);
         drop(vol);
         let vol = volume(&fresh(&base, "vol"), &store);
         let (n, r) = import_all(&vol, &store, "many/");
         imported = n;
         rate.push(r);
+        eprintln!("  import {r:.0} objects/s");
     }
     assert_eq!(imported, count, "every object imported");
     let rows = vec![
