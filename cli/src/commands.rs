@@ -347,6 +347,8 @@ pub fn import(target: &str, source: &str, at: &str, branch: Option<&str>, refres
             report.json(&plan)
         }
     };
+    // A mount of this branch started with --refresh-source repeats it.
+    crate::import::record(t.disk.store().as_ref(), &branch, source, at, owner)?;
     if json_out {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());

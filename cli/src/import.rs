@@ -285,6 +285,65 @@ fn unlink_gone(
     Ok(())
 }
 
+/// An import a mount of `branch` can repeat on its own
+/// (`--refresh-source`): kept in the disk's store as
+/// `imports/<branch>/<crc32c of the folder>`, JSON.
+pub struct Recorded {
+    pub source: String,
+    pub at: String,
+    pub owner: (u32, u32),
+}
+
+fn record_key(branch: &str, at: &str) -> String {
+    format!("imports/{branch}/{:08x}", crc32c::crc32c(at.as_bytes()))
+}
+
+/// Remembers that `source` was imported under `at` of `branch`.
+pub fn record(store: &dyn ObjectStore, branch: &str, source: &str, at: &str, owner: (u32, u32)) -> Result<()> {
+    let body = json!({"source": source, "at": at, "uid": owner.0, "gid": owner.1});
+    store.put(&record_key(branch, at), body.to_string().as_bytes())?;
+    Ok(())
+}
+
+/// The imports recorded for `branch`.
+pub fn recorded(store: &dyn ObjectStore, branch: &str) -> Result<Vec<Recorded>> {
+    let mut out = Vec::new();
+    for key in store.list(&format!("imports/{branch}/"))? {
+        let Ok((body, _)) = store.get(&key) else { continue };
+        let Ok(v) = serde_json::from_slice::<Value>(&body) else { continue };
+        let (Some(source), Some(at)) = (v["source"].as_str(), v["at"].as_str()) else { continue };
+        let owner = (v["uid"].as_u64().unwrap_or(0) as u32, v["gid"].as_u64().unwrap_or(0) as u32);
+        out.push(Recorded { source: source.into(), at: at.into(), owner });
+    }
+    Ok(out)
+}
+
+/// Runs an import (or refresh) of `source` under `at` on a mount's own
+/// volume, commits, and drops what it changed from the kernel's caches
+/// (the kernel keeps a file's pages across opens of a tree only this mount
+/// writes, so it must be told). The report as JSON.
+pub fn into_mount(
+    vol: &Volume,
+    invalidate: &arbor_fs::Invalidator,
+    source: &str,
+    at: &str,
+    owner: (u32, u32),
+    mode: Mode,
+) -> Result<Value> {
+    let (bucket, prefix) = parse_source(source)?;
+    let objects = open_bucket(&bucket)?.list_objects(&prefix)?;
+    let plan = plan(&prefix, objects);
+    let report = apply(vol, at, &bucket, &prefix, &plan, owner, mode, &mut |_| {})?;
+    vol.commit()?;
+    for (parent, name) in &report.names {
+        invalidate.entry(*parent, name);
+    }
+    for ino in &report.rewritten {
+        invalidate.inode(*ino);
+    }
+    Ok(report.json(&plan))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -213,6 +213,11 @@ struct MountCmd {
     /// and `arbor gc` do it by hand).
     #[arg(long, default_value_t = 0)]
     maintain_every: u64,
+    /// Every this many seconds, refresh what `arbor import` brought into the
+    /// mounted branch from its buckets (new, changed and deleted objects;
+    /// 0: never, `arbor import --refresh` does it by hand).
+    #[arg(long, default_value_t = 0)]
+    refresh_source: u64,
     /// Stay attached and log to stderr (for systemd and containers).
     #[arg(long)]
     foreground: bool,
@@ -396,6 +401,7 @@ fn run(cli: Cli) -> Result<()> {
                 allow_other: m.allow_other,
                 pre_fetch: m.pre_fetch,
                 maintain_every: m.maintain_every,
+                refresh_source: m.refresh_source,
                 segment_size: m.segment_size.0,
                 cache: disk::CacheOptions {
                     dir: if memory { None } else { m.cache_dir.map(std::path::absolute).transpose()? },

@@ -25,6 +25,8 @@ pub struct MountArgs {
     pub pre_fetch: Vec<PathBuf>,
     /// Seconds between background compaction + gc runs (0: none).
     pub maintain_every: u64,
+    /// Seconds between refreshes of the branch's recorded imports (0: none).
+    pub refresh_source: u64,
     pub segment_size: u64,
     pub cache: disk::CacheOptions,
     pub cache_servers: Vec<String>,
@@ -278,16 +280,51 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         _ => (None, None),
     };
 
+    // Imports recorded for this branch, refreshed on a timer.
+    let invalidate = Arc::new(handle.invalidator());
+    let (refresh_stop, refresher) = match (args.refresh_source, &args.checkpoint) {
+        (secs, None) if secs > 0 => {
+            let (stop_tx, stop_rx) = mpsc::channel::<()>();
+            let (vol, store, branch) = (vol.clone(), p.disk.store().clone(), args.root_name().to_string());
+            let invalidate = invalidate.clone();
+            let every = Duration::from_secs(secs);
+            let t = std::thread::Builder::new().name("arbor-refresh".into()).spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(every) {
+                    let imports = match crate::import::recorded(store.as_ref(), &branch) {
+                        Ok(i) => i,
+                        Err(e) => {
+                            tracing::warn!(error = %format!("{e:#}"), "cannot read the recorded imports");
+                            continue;
+                        }
+                    };
+                    for i in imports {
+                        let mode = crate::import::Mode::Refresh;
+                        match crate::import::into_mount(&vol, &invalidate, &i.source, &i.at, i.owner, mode) {
+                            Ok(r) => tracing::info!(source = %i.source, at = %i.at, report = %r, "refreshed"),
+                            Err(e) => tracing::warn!(source = %i.source, error = %format!("{e:#}"), "refresh failed"),
+                        }
+                    }
+                }
+            })?;
+            (Some(stop_tx), Some(t))
+        }
+        _ => (None, None),
+    };
+
     let ctl = ControlState {
         p: p.clone(),
         vol: vol.clone(),
         fuse: (handle.transport().clone(), handle.counters().clone()),
-        invalidate: handle.invalidator(),
+        invalidate: invalidate.clone(),
     };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
     let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
     drop(maintain_stop);
     if let Some(t) = maintainer {
+        let _ = t.join();
+    }
+    drop(refresh_stop);
+    if let Some(t) = refresher {
         let _ = t.join();
     }
     let closed = vol.close();
@@ -378,7 +415,7 @@ struct ControlState {
     p: Prepared,
     vol: Arc<Volume>,
     fuse: Fuse,
-    invalidate: arbor_fs::Invalidator,
+    invalidate: Arc<arbor_fs::Invalidator>,
 }
 
 /// A mount's transport and what reached it.
@@ -422,26 +459,11 @@ impl ControlState {
                 }
                 let (source, at) = (req["source"].as_str().unwrap_or(""), req["at"].as_str().unwrap_or("/"));
                 let owner = (req["uid"].as_u64().unwrap_or(0) as u32, req["gid"].as_u64().unwrap_or(0) as u32);
-                let done = (|| {
-                    let (bucket, prefix) = crate::import::parse_source(source)?;
-                    let objects = crate::import::open_bucket(&bucket)?.list_objects(&prefix)?;
-                    let plan = crate::import::plan(&prefix, objects);
-                    let mode = match req["refresh"].as_bool() {
-                        Some(true) => crate::import::Mode::Refresh,
-                        _ => crate::import::Mode::Import,
-                    };
-                    let report =
-                        crate::import::apply(&self.vol, at, &bucket, &prefix, &plan, owner, mode, &mut |_| {})?;
-                    self.vol.commit()?;
-                    // The kernel learns of these changes from here alone.
-                    for (parent, name) in &report.names {
-                        self.invalidate.entry(*parent, name);
-                    }
-                    for ino in &report.rewritten {
-                        self.invalidate.inode(*ino);
-                    }
-                    Ok::<_, anyhow::Error>(report.json(&plan))
-                })();
+                let mode = match req["refresh"].as_bool() {
+                    Some(true) => crate::import::Mode::Refresh,
+                    _ => crate::import::Mode::Import,
+                };
+                let done = crate::import::into_mount(&self.vol, &self.invalidate, source, at, owner, mode);
                 reply(done.map_err(|e| format!("{e:#}")), |v| v)
             }
             Some("unmount") => unmount_request(tx),

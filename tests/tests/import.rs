@@ -194,7 +194,7 @@ fn an_import_into_a_mounted_branch_shows_in_the_mount() {
     let disk = w.dir.path().join("local-disk").display().to_string();
     arbor_env_ok(&["init", &disk], &w.env);
     let mnt = w.mnt("m");
-    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    let m = Mount::start_env(&disk, &mnt, &["--refresh-source", "1"], &w.env);
     let mp = mnt.to_str().expect("utf8");
     let out = arbor_env_ok(&["import", mp, &format!("s3://{S3_BUCKET}/eval"), "--at", "/evals/v1"], &w.env);
     assert!(out.contains("imported 20 files"), "{out}");
@@ -202,6 +202,18 @@ fn an_import_into_a_mounted_branch_shows_in_the_mount() {
         let p = mnt.join(format!("evals/v1/set-{}/q{i}.json", i % 2));
         assert_eq!(std::fs::read(&p).expect("read"), pattern(1000 + i as usize, i), "{}", p.display());
     }
+    // The mount refreshes the recorded import on its own: a new object
+    // appears, a changed one (same size, pages cached) reads anew, a
+    // deleted one goes.
+    bucket.put("eval/set-0/q20.json", b"new question").expect("put");
+    bucket.put("eval/set-1/q1.json", &pattern(1001, 99)).expect("overwrite");
+    bucket.delete("eval/set-0/q0.json").expect("delete");
+    let dir = mnt.join("evals/v1");
+    wait_until("the refresh", std::time::Duration::from_secs(30), || {
+        std::fs::read(dir.join("set-0/q20.json")).is_ok_and(|b| b == b"new question")
+            && std::fs::read(dir.join("set-1/q1.json")).is_ok_and(|b| b == pattern(1001, 99))
+            && !dir.join("set-0/q0.json").exists()
+    });
     // A bad source is one line and changes nothing.
     let out = arbor_env(&["import", mp, "gs://x/y"], &w.env);
     assert!(!out.status.success());
