@@ -267,10 +267,16 @@ impl SourceReader {
         let spawned = std::thread::Builder::new().name("arbor-source".into()).spawn({
             let (src, run) = (src.clone(), shared.clone());
             move || {
-                let (first, last) = (run[0].0, run[run.len() - 1].0);
+                let (Some((first, _)), Some((last, _))) = (run.first(), run.last()) else { return };
                 let range = first * CHUNK..((last + 1) * CHUNK).min(src.size);
                 let want = range.end - range.start;
-                let got = match store.get_range_if(&src.key, range, &src.etag) {
+                // Waiters sleep until every chunk is finished: a panic in
+                // the store must finish them too.
+                let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    store.get_range_if(&src.key, range, &src.etag)
+                }))
+                .unwrap_or_else(|_| Err(Error::Io(std::io::Error::other("a source fetch panicked"))));
+                let got = match fetched {
                     Ok(b) if b.len() as u64 == want => Ok(b),
                     Ok(_) => Err(changed(&src, Error::PreconditionFailed(src.key.clone()))),
                     Err(e) => Err(changed(&src, e)),

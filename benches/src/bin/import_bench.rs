@@ -5,6 +5,11 @@
 //!   sequentially (1 MiB reads) through a fresh volume, against the
 //!   baseline: the same object fetched by a plain parallel ranged download
 //!   with aws-sdk-s3 (8 MiB ranges, 8 in flight);
+//! - **export**: 16 files of 64 MiB written to a volume, then uploaded as
+//!   one object each the way `arbor export` does (one file at a time,
+//!   streamed into multipart uploads of 8 MiB parts, four in flight),
+//!   against a plain parallel upload of the same bytes with aws-sdk-s3
+//!   (whole-object PUTs, four in flight);
 //! - **import rate**: objects per second listed (with their ETags) and
 //!   added as files, for a prefix of many small objects in nested folders.
 //!   The objects are written as s3s-fs keeps them (one file each under its
@@ -69,6 +74,68 @@ fn import_all(vol: &Volume, store: &S3Store, prefix: &str) -> (usize, f64) {
     (objects.len(), objects.len() as f64 / t.elapsed().as_secs_f64())
 }
 
+/// The baseline of export: the same bodies PUT whole, four in flight; MiB/s.
+fn parallel_upload(endpoint: &str, bodies: &[(String, Vec<u8>)]) -> f64 {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let client = rt.block_on(async {
+        let conf = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .region(aws_config::Region::new("us-east-1"))
+            .endpoint_url(endpoint)
+            .credentials_provider(aws_sdk_s3::config::Credentials::new(
+                arbor_engine::testkit::S3_KEY,
+                arbor_engine::testkit::S3_SECRET,
+                None,
+                None,
+                "bench",
+            ))
+            .load()
+            .await;
+        aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&conf).force_path_style(true).build())
+    });
+    let total: usize = bodies.iter().map(|(_, b)| b.len()).sum();
+    let t = Instant::now();
+    rt.block_on(async {
+        let sem = Arc::new(tokio::sync::Semaphore::new(4));
+        let mut tasks = Vec::new();
+        for (key, body) in bodies {
+            let (client, sem, key, body) = (client.clone(), sem.clone(), key.clone(), body.clone());
+            tasks.push(tokio::spawn(async move {
+                let _permit = sem.acquire().await.expect("semaphore");
+                client
+                    .put_object()
+                    .bucket(S3_BUCKET)
+                    .key(key)
+                    .body(aws_sdk_s3::primitives::ByteStream::from(body))
+                    .send()
+                    .await
+                    .expect("put");
+            }));
+        }
+        for t in tasks {
+            t.await.expect("task");
+        }
+    });
+    total as f64 / MIB as f64 / t.elapsed().as_secs_f64()
+}
+
+/// What `arbor export` does per file: stream it from the volume into the
+/// store; MiB/s.
+fn export_files(vol: &Volume, files: &[(String, u64, u64)], store: &S3Store) -> f64 {
+    let t = Instant::now();
+    let mut total = 0;
+    for (key, ino, size) in files {
+        store
+            .put_from(key, *size, &mut |off, buf| {
+                let got = vol.read(*ino, off, buf.len())?;
+                buf.copy_from_slice(&got);
+                Ok(())
+            })
+            .expect("export");
+        total += size;
+    }
+    total as f64 / MIB as f64 / t.elapsed().as_secs_f64()
+}
+
 fn main() {
     let base = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("target/bench-data"));
     let (mib, runs) = (env_usize("ARBOR_BENCH_MIB", 1024), env_usize("ARBOR_BENCH_RUNS", 3));
@@ -90,6 +157,23 @@ fn main() {
         std::fs::write(&p, format!("object {i}\n")).expect("write");
     }
     let (mut cold, mut baseline, mut rate) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut exported, mut uploaded) = (Vec::new(), Vec::new());
+    // The files to export, in a volume, and the same bytes for the baseline.
+    let files_at = fresh(&base, "export-vol");
+    let export_vol = volume(&files_at, &store);
+    let mut files = Vec::new();
+    let mut bodies = Vec::new();
+    for f in 0..16u64 {
+        let body: Vec<u8> = (0..64 * MIB).map(|i| ((i as u64).wrapping_mul(2_654_435_761 + f) >> 17) as u8).collect();
+        let name = format!("part-{f:02}.bin");
+        let ino = export_vol.create(ROOT_INO, name.as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+        for (i, piece) in body.chunks(MIB).enumerate() {
+            export_vol.write(ino, (i * MIB) as u64, piece).expect("write");
+        }
+        files.push((format!("out/{name}"), ino, body.len() as u64));
+        bodies.push((format!("plain/{name}"), body));
+    }
+    export_vol.sync_all().expect("sync");
     let mut imported = 0;
     for run in 0..runs {
         eprintln!("run {}/{runs}", run + 1);
@@ -112,6 +196,11 @@ fn main() {
         cold.push(mib as f64 / t.elapsed().as_secs_f64());
         eprintln!("  cold read {:.0} MiB/s, download {:.0} MiB/s", cold[run], baseline[run]);
         drop(vol);
+        arbor_benches::drop_page_cache();
+        uploaded.push(parallel_upload(&server.endpoint(), &bodies));
+        arbor_benches::drop_page_cache();
+        exported.push(export_files(&export_vol, &files, &store));
+        eprintln!("  export {:.0} MiB/s, upload {:.0} MiB/s", exported[run], uploaded[run]);
         let vol = volume(&fresh(&base, "vol"), &store);
         let (n, r) = import_all(&vol, &store, "many/");
         imported = n;
@@ -128,6 +217,13 @@ fn main() {
             target: "≥ 0.8".into(),
         },
         Row {
+            name: "export of 16 × 64 MiB files".into(),
+            baseline: format!("{:.0} MiB/s (parallel PUTs)", median(uploaded.clone())),
+            arbor: format!("{:.0} MiB/s", median(exported.clone())),
+            ratio: median(exported) / median(uploaded),
+            target: "report".into(),
+        },
+        Row {
             name: format!("import of {count} objects (list with ETags + one file each)"),
             baseline: "—".into(),
             arbor: format!("{:.0} objects/s", median(rate.clone())),
@@ -136,6 +232,8 @@ fn main() {
         },
     ];
     print_table("imported files (s3s-fs on 127.0.0.1)", &rows);
+    drop(export_vol);
     let _ = std::fs::remove_dir_all(base.join("vol"));
+    let _ = std::fs::remove_dir_all(&files_at);
     let _ = std::fs::remove_dir_all(&data);
 }
