@@ -18,6 +18,9 @@ use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+/// Files uploaded at once.
+const FILES_AT_ONCE: usize = 4;
+
 /// What a path was when it was exported: size, mtime (s, ns), ctime (s, ns), inode.
 type Stamp = (u64, i64, u32, i64, u32, u64);
 
@@ -131,7 +134,7 @@ pub fn run(
     disk: &Arc<dyn ObjectStore>,
     dest_url: &str,
     changed: Option<Vec<(String, ChangeKind)>>,
-    progress: &mut dyn FnMut(u64),
+    progress: &mut (dyn FnMut(u64) + Send),
 ) -> Result<Report> {
     let mut manifest = Manifest::load(disk.as_ref(), dest_url)?;
     let mut report = Report::default();
@@ -161,24 +164,71 @@ pub fn run(
             (todo, gone)
         }
     };
-    let mut since_save = 0u64;
+    // Files go up FILES_AT_ONCE at a time (each in parts, four in flight);
+    // the manifest is saved every 64 files or 4 GiB.
+    let mut upload_list = Vec::new();
     for (path, ino) in todo {
         let now = stamp(vol, ino)?;
         if manifest.files.get(&path) == Some(&now) {
             report.unchanged += 1;
             progress(now.0);
-            continue;
+        } else {
+            upload_list.push((path, ino, now));
         }
-        upload(vol, ino, now.0, dest, &path).with_context(|| format!("cannot export /{path}"))?;
-        manifest.files.insert(path, now);
-        report.uploaded += 1;
-        report.bytes += now.0;
-        progress(now.0);
-        since_save += 1 + now.0 / (64 << 20);
-        if since_save >= 64 {
-            manifest.save(disk.as_ref(), dest_url)?;
-            since_save = 0;
+    }
+    struct Shared<'a> {
+        next: usize,
+        manifest: &'a mut Manifest,
+        report: &'a mut Report,
+        progress: &'a mut (dyn FnMut(u64) + Send),
+        since_save: u64,
+        failed: Option<anyhow::Error>,
+    }
+    let shared = parking_lot::Mutex::new(Shared {
+        next: 0,
+        manifest: &mut manifest,
+        report: &mut report,
+        progress,
+        since_save: 0,
+        failed: None,
+    });
+    std::thread::scope(|scope| {
+        for _ in 0..FILES_AT_ONCE.min(upload_list.len()) {
+            scope.spawn(|| loop {
+                let (path, ino, now) = {
+                    let mut sh = shared.lock();
+                    if sh.failed.is_some() || sh.next >= upload_list.len() {
+                        return;
+                    }
+                    sh.next += 1;
+                    &upload_list[sh.next - 1]
+                };
+                let done = upload(vol, *ino, now.0, dest, path).with_context(|| format!("cannot export /{path}"));
+                let mut sh = shared.lock();
+                if let Err(e) = done {
+                    sh.failed.get_or_insert(e);
+                    return;
+                }
+                sh.manifest.files.insert(path.clone(), *now);
+                sh.report.uploaded += 1;
+                sh.report.bytes += now.0;
+                (sh.progress)(now.0);
+                sh.since_save += 1 + now.0 / (64 << 20);
+                if sh.since_save >= 64 {
+                    sh.since_save = 0;
+                    if let Err(e) = sh.manifest.save(disk.as_ref(), dest_url) {
+                        sh.failed.get_or_insert(e);
+                        return;
+                    }
+                }
+            });
         }
+    });
+    let failed = shared.into_inner().failed;
+    if let Some(e) = failed {
+        // What went up is recorded, so the next run does not send it again.
+        manifest.save(disk.as_ref(), dest_url)?;
+        return Err(e);
     }
     for path in gone {
         if manifest.files.remove(&path).is_some() {

@@ -5,11 +5,12 @@
 //!   sequentially (1 MiB reads) through a fresh volume, against the
 //!   baseline: the same object fetched by a plain parallel ranged download
 //!   with aws-sdk-s3 (8 MiB ranges, 8 in flight);
-//! - **export**: 16 files of 64 MiB written to a volume, then uploaded as
-//!   one object each the way `arbor export` does (one file at a time,
-//!   streamed into multipart uploads of 8 MiB parts, four in flight),
-//!   against a plain parallel upload of the same bytes with aws-sdk-s3
-//!   (whole-object PUTs, four in flight);
+//! - **export**: 16 files of 64 MiB on a local-folder disk, exported by the
+//!   `arbor` release binary beside this bench (`cargo build --release -p
+//!   arbor-cli` first; four files at once, each streamed into multipart
+//!   uploads of 8 MiB parts, four in flight), against a plain parallel
+//!   upload of the same bytes with aws-sdk-s3 (whole-object PUTs, four in
+//!   flight);
 //! - **import rate**: objects per second listed (with their ETags) and
 //!   added as files, for a prefix of many small objects in nested folders.
 //!   The objects are written as s3s-fs keeps them (one file each under its
@@ -27,6 +28,7 @@ use arbor_engine::io::IoMode;
 use arbor_engine::source::{FixedSources, Source};
 use arbor_engine::testkit::{S3Server, S3_BUCKET};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_snapshot::disk::{Disk, DiskOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -118,22 +120,21 @@ fn parallel_upload(endpoint: &str, bodies: &[(String, Vec<u8>)]) -> f64 {
     total as f64 / MIB as f64 / t.elapsed().as_secs_f64()
 }
 
-/// What `arbor export` does per file: stream it from the volume into the
-/// store; MiB/s.
-fn export_files(vol: &Volume, files: &[(String, u64, u64)], store: &S3Store) -> f64 {
+/// `arbor export` (the release binary beside this bench) of branch main
+/// of `disk` to `dest`; MiB/s of `bytes`.
+fn export_files(server: &S3Server, disk: &Path, dest: &str, bytes: u64) -> f64 {
+    let bin = std::env::current_exe().expect("exe").with_file_name("arbor");
     let t = Instant::now();
-    let mut total = 0;
-    for (key, ino, size) in files {
-        store
-            .put_from(key, *size, &mut |off, buf| {
-                let got = vol.read(*ino, off, buf.len())?;
-                buf.copy_from_slice(&got);
-                Ok(())
-            })
-            .expect("export");
-        total += size;
-    }
-    total as f64 / MIB as f64 / t.elapsed().as_secs_f64()
+    let out = std::process::Command::new(&bin)
+        .args(["export", &disk.display().to_string(), "--branch", "main", dest])
+        .env("AWS_ACCESS_KEY_ID", arbor_engine::testkit::S3_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", arbor_engine::testkit::S3_SECRET)
+        .env("AWS_ENDPOINT_URL", server.endpoint())
+        .env("AWS_REGION", "us-east-1")
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e} (cargo build --release -p arbor-cli)", bin.display()));
+    assert!(out.status.success(), "export: {}", String::from_utf8_lossy(&out.stderr));
+    bytes as f64 / MIB as f64 / t.elapsed().as_secs_f64()
 }
 
 fn main() {
@@ -158,22 +159,28 @@ fn main() {
     }
     let (mut cold, mut baseline, mut rate) = (Vec::new(), Vec::new(), Vec::new());
     let (mut exported, mut uploaded) = (Vec::new(), Vec::new());
-    // The files to export, in a volume, and the same bytes for the baseline.
-    let files_at = fresh(&base, "export-vol");
-    let export_vol = volume(&files_at, &store);
-    let mut files = Vec::new();
+    // The files to export, in a local-folder disk, and the same bytes for
+    // the baseline.
+    let export_disk = base.join("export-disk");
+    let _ = std::fs::remove_dir_all(&export_disk);
     let mut bodies = Vec::new();
-    for f in 0..16u64 {
-        let body: Vec<u8> = (0..64 * MIB).map(|i| ((i as u64).wrapping_mul(2_654_435_761 + f) >> 17) as u8).collect();
-        let name = format!("part-{f:02}.bin");
-        let ino = export_vol.create(ROOT_INO, name.as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
-        for (i, piece) in body.chunks(MIB).enumerate() {
-            export_vol.write(ino, (i * MIB) as u64, piece).expect("write");
+    {
+        let disk = Disk::init(&export_disk.display().to_string(), DiskOptions::default()).expect("disk");
+        let cfg = Config { commit_interval: None, ..Config::default() };
+        let (vol, _lock) = disk.catalog().expect("catalog").open_branch("main", cfg).expect("branch");
+        for f in 0..16u64 {
+            let body: Vec<u8> =
+                (0..64 * MIB).map(|i| ((i as u64).wrapping_mul(2_654_435_761 + f) >> 17) as u8).collect();
+            let name = format!("part-{f:02}.bin");
+            let ino = vol.create(ROOT_INO, name.as_bytes(), libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+            for (i, piece) in body.chunks(MIB).enumerate() {
+                vol.write(ino, (i * MIB) as u64, piece).expect("write");
+            }
+            bodies.push((format!("plain/{name}"), body));
         }
-        files.push((format!("out/{name}"), ino, body.len() as u64));
-        bodies.push((format!("plain/{name}"), body));
+        vol.close().expect("close");
     }
-    export_vol.sync_all().expect("sync");
+    let export_bytes: u64 = bodies.iter().map(|(_, b)| b.len() as u64).sum();
     let mut imported = 0;
     for run in 0..runs {
         eprintln!("run {}/{runs}", run + 1);
@@ -199,7 +206,8 @@ fn main() {
         arbor_benches::drop_page_cache();
         uploaded.push(parallel_upload(&server.endpoint(), &bodies));
         arbor_benches::drop_page_cache();
-        exported.push(export_files(&export_vol, &files, &store));
+        let dest = format!("s3://{S3_BUCKET}/out{run}");
+        exported.push(export_files(&server, &export_disk, &dest, export_bytes));
         eprintln!("  export {:.0} MiB/s, upload {:.0} MiB/s", exported[run], uploaded[run]);
         let vol = volume(&fresh(&base, "vol"), &store);
         let (n, r) = import_all(&vol, &store, "many/");
@@ -232,8 +240,7 @@ fn main() {
         },
     ];
     print_table("imported files (s3s-fs on 127.0.0.1)", &rows);
-    drop(export_vol);
     let _ = std::fs::remove_dir_all(base.join("vol"));
-    let _ = std::fs::remove_dir_all(&files_at);
+    let _ = std::fs::remove_dir_all(&export_disk);
     let _ = std::fs::remove_dir_all(&data);
 }
