@@ -85,13 +85,9 @@ pub fn resident_bytes() -> Option<u64> {
     Some(kb << 10)
 }
 
-/// A plain parallel download of whole objects with aws-sdk-s3 by ranged
-/// GETs (`ARBOR_BENCH_RANGE_MIB`, default 8 MiB), 8 in flight, from an
-/// S3-compatible server with the test credentials: the baseline of the
-/// bucket benchmarks. Returns MiB/s of bytes received.
-pub fn parallel_download(endpoint: &str, bucket: &str, keys: &[(String, u64)]) -> f64 {
-    use std::sync::Arc;
-    const MIB: u64 = 1 << 20;
+/// A runtime and a plain aws-sdk-s3 client of an S3-compatible server with
+/// the test credentials: what the baselines use.
+pub fn s3_client(endpoint: &str) -> (tokio::runtime::Runtime, aws_sdk_s3::Client) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let client = rt.block_on(async {
         let conf = aws_config::defaults(aws_config::BehaviorVersion::latest())
@@ -108,6 +104,17 @@ pub fn parallel_download(endpoint: &str, bucket: &str, keys: &[(String, u64)]) -
             .await;
         aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&conf).force_path_style(true).build())
     });
+    (rt, client)
+}
+
+/// A plain parallel download of whole objects with aws-sdk-s3 by ranged
+/// GETs (`ARBOR_BENCH_RANGE_MIB`, default 8 MiB), 8 in flight, from an
+/// S3-compatible server with the test credentials: the baseline of the
+/// bucket benchmarks. Returns MiB/s of bytes received.
+pub fn parallel_download(endpoint: &str, bucket: &str, keys: &[(String, u64)]) -> f64 {
+    use std::sync::Arc;
+    const MIB: u64 = 1 << 20;
+    let (rt, client) = s3_client(endpoint);
     let mut ranges = Vec::new();
     for (key, size) in keys {
         let mut off = 0;

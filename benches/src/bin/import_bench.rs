@@ -78,22 +78,7 @@ fn import_all(vol: &Volume, store: &S3Store, prefix: &str) -> (usize, f64) {
 
 /// The baseline of export: the same bodies PUT whole, four in flight; MiB/s.
 fn parallel_upload(endpoint: &str, bodies: &[(String, Vec<u8>)]) -> f64 {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    let client = rt.block_on(async {
-        let conf = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(aws_config::Region::new("us-east-1"))
-            .endpoint_url(endpoint)
-            .credentials_provider(aws_sdk_s3::config::Credentials::new(
-                arbor_engine::testkit::S3_KEY,
-                arbor_engine::testkit::S3_SECRET,
-                None,
-                None,
-                "bench",
-            ))
-            .load()
-            .await;
-        aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&conf).force_path_style(true).build())
-    });
+    let (rt, client) = arbor_benches::s3_client(endpoint);
     let total: usize = bodies.iter().map(|(_, b)| b.len()).sum();
     let t = Instant::now();
     rt.block_on(async {

@@ -40,11 +40,7 @@ impl Volume {
         check_name(name)?;
         self.log()?;
         let mut st = self.state.write();
-        let v = self.view(&st);
-        let p = v.dir_inode(parent)?;
-        if is_dot(name) || v.entry(parent, name)?.is_some() {
-            return Err(Error::Exists);
-        }
+        let p = free_name(&self.view(&st), parent, name)?;
         if kind == FileKind::Directory && p.nlink >= LINK_MAX {
             return Err(Error::TooManyLinks);
         }
@@ -75,19 +71,10 @@ impl Volume {
         mtime: Timestamp,
     ) -> Result<Attr> {
         check_name(name)?;
-        if source.size > MAX_FILE_SIZE {
-            return Err(Error::TooBig);
-        }
-        if source.bucket.is_empty() || source.key.is_empty() {
-            return Err(Error::Invalid("source object"));
-        }
+        check_source(&source)?;
         self.log()?;
         let mut st = self.state.write();
-        let v = self.view(&st);
-        let p = v.dir_inode(parent)?;
-        if is_dot(name) || v.entry(parent, name)?.is_some() {
-            return Err(Error::Exists);
-        }
+        let p = free_name(&self.view(&st), parent, name)?;
         let gid = if p.perm & libc::S_ISGID as u16 != 0 { p.gid } else { owner.1 };
         let ino = st.next_ino;
         let op = ops::Op::Import {
@@ -109,12 +96,7 @@ impl Volume {
     /// `mtime`), whatever it held: one intent, so readers see the old file
     /// or the new one.
     pub fn reimport(&self, ino: u64, source: crate::source::Source, mtime: Timestamp) -> Result<Attr> {
-        if source.size > MAX_FILE_SIZE {
-            return Err(Error::TooBig);
-        }
-        if source.bucket.is_empty() || source.key.is_empty() {
-            return Err(Error::Invalid("source object"));
-        }
+        check_source(&source)?;
         self.log()?;
         let mut st = self.state.write();
         match self.view(&st).inode(ino)?.kind {
@@ -282,4 +264,24 @@ impl Volume {
         }
         Err(Error::corrupted("directory parent chain", target))
     }
+}
+
+/// A source object a file can be: a bucket and key, and no larger than a file.
+fn check_source(source: &crate::source::Source) -> Result<()> {
+    if source.size > MAX_FILE_SIZE {
+        return Err(Error::TooBig);
+    }
+    if source.bucket.is_empty() || source.key.is_empty() {
+        return Err(Error::Invalid("source object"));
+    }
+    Ok(())
+}
+
+/// Directory `parent`, where `name` is free for a new entry.
+fn free_name(v: &View, parent: u64, name: &[u8]) -> Result<Inode> {
+    let p = v.dir_inode(parent)?;
+    if is_dot(name) || v.entry(parent, name)?.is_some() {
+        return Err(Error::Exists);
+    }
+    Ok(p)
 }
