@@ -559,6 +559,19 @@ fn print_status(s: &serde_json::Value) {
             c["gets"].as_u64().unwrap_or(0)
         );
     }
+    let i = &s["imported"];
+    if i["gets"].as_u64().unwrap_or(0) > 0 {
+        let n = |k: &str| i[k].as_u64().unwrap_or(0);
+        println!(
+            "imported     {} fetched in {} GETs, {} chunk hits, {} misses; {} refused (object changed or gone), {} errors",
+            HumanBytes(n("fetched_bytes")),
+            n("gets"),
+            n("hits"),
+            n("misses"),
+            n("changed"),
+            n("errors"),
+        );
+    }
     for c in s["cache_servers"].as_array().into_iter().flatten() {
         let n = |k: &str| c[k].as_u64().unwrap_or(0);
         println!(

@@ -167,6 +167,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "fallback_not_found": s.fallback_not_found,
             "rejected": s.rejected,
         })).collect::<Vec<_>>()),
+        "imported": imported_json(vol.source_stats()),
         "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
         "segments_referenced": vol.live_bytes().len(),
         // What `arbor compact` (default --max-live) would move and free.
@@ -175,6 +176,11 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "live_bytes": c.iter().map(|(_, n)| n).sum::<u64>(),
         })),
     })
+}
+
+fn imported_json(i: arbor_engine::source::SourceStats) -> Value {
+    json!({"gets": i.gets, "fetched_bytes": i.fetched_bytes, "hits": i.hits, "misses": i.misses,
+           "changed": i.changed, "errors": i.errors})
 }
 
 pub fn compact_json(r: arbor_engine::volume::CompactReport) -> Value {

@@ -12,6 +12,7 @@ use crate::bucket::{ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// `'S' ino` → the object an imported file's external extents read from.
@@ -135,10 +136,37 @@ impl From<Failed> for Error {
     }
 }
 
+/// What a volume's reads of source objects did, for status.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SourceStats {
+    /// Ranged GETs sent, and the bytes they brought.
+    pub gets: u64,
+    pub fetched_bytes: u64,
+    /// Chunks a read found in memory or already on their way.
+    pub hits: u64,
+    /// Chunks a read had to fetch.
+    pub misses: u64,
+    /// GETs refused because the object changed or is gone.
+    pub changed: u64,
+    /// GETs that failed otherwise (after the store's retries).
+    pub errors: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    gets: AtomicU64,
+    fetched_bytes: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    changed: AtomicU64,
+    errors: AtomicU64,
+}
+
 /// A volume's reader of source objects.
 pub struct SourceReader {
     sources: Arc<dyn Sources>,
     cache: Arc<Mutex<ChunkCache>>,
+    counters: Arc<Counters>,
 }
 
 #[derive(Default)]
@@ -167,7 +195,20 @@ impl ChunkCache {
 
 impl SourceReader {
     pub fn new(sources: Arc<dyn Sources>) -> SourceReader {
-        SourceReader { sources, cache: Arc::new(Mutex::new(ChunkCache::default())) }
+        SourceReader { sources, cache: Arc::new(Mutex::new(ChunkCache::default())), counters: Arc::default() }
+    }
+
+    pub fn stats(&self) -> SourceStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SourceStats {
+            gets: get(&c.gets),
+            fetched_bytes: get(&c.fetched_bytes),
+            hits: get(&c.hits),
+            misses: get(&c.misses),
+            changed: get(&c.changed),
+            errors: get(&c.errors),
+        }
     }
 
     /// Fills `dst` with the object's bytes from `off`. The range must lie
@@ -196,21 +237,27 @@ impl SourceReader {
             let ahead = if sequential { AHEAD } else { 0 };
             for i in first..=(last + ahead).min(chunks - 1) {
                 let id = chunk_id(src, i);
+                let needed = i <= last;
                 if let Some(b) = c.chunks.get(&id) {
-                    if i <= last {
+                    if needed {
                         have.push((i, b.clone()));
                     }
                 } else if let Some(p) = c.pending.get(&id) {
-                    if i <= last {
+                    if needed {
                         wait.push((i, p.clone()));
                     }
-                } else if i <= last || c.pending.len() < IN_FLIGHT {
+                } else if needed || c.pending.len() < IN_FLIGHT {
                     let p = Arc::new(Pending::default());
                     c.pending.insert(id, p.clone());
-                    if i <= last {
+                    if needed {
                         wait.push((i, p.clone()));
+                        self.counters.misses.fetch_add(1, Ordering::Relaxed);
                     }
                     start.push((i, p));
+                    continue;
+                }
+                if needed {
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -263,6 +310,7 @@ impl SourceReader {
     /// its own; their waiters wake when they are cached (or failed).
     fn spawn_fetch(&self, store: Arc<dyn ObjectStore>, src: Source, run: Vec<(u64, Arc<Pending>)>) {
         let cache = self.cache.clone();
+        let counters = self.counters.clone();
         let shared = Arc::new(run);
         let spawned = std::thread::Builder::new().name("arbor-source".into()).spawn({
             let (src, run) = (src.clone(), shared.clone());
@@ -276,6 +324,13 @@ impl SourceReader {
                     store.get_range_if(&src.key, range, &src.etag)
                 }))
                 .unwrap_or_else(|_| Err(Error::Io(std::io::Error::other("a source fetch panicked"))));
+                counters.gets.fetch_add(1, Ordering::Relaxed);
+                let (counter, n) = match &fetched {
+                    Ok(b) => (&counters.fetched_bytes, b.len() as u64),
+                    Err(Error::PreconditionFailed(_) | Error::NoSuchObject(_)) => (&counters.changed, 1),
+                    Err(_) => (&counters.errors, 1),
+                };
+                counter.fetch_add(n, Ordering::Relaxed);
                 let got = match fetched {
                     Ok(b) if b.len() as u64 == want => Ok(b),
                     Ok(_) => Err(changed(&src, Error::PreconditionFailed(src.key.clone()))),

@@ -132,6 +132,8 @@ fn a_changed_or_deleted_object_fails_the_read_and_never_returns_other_bytes() {
         assert_eq!(err.errno(), libc::EIO, "{err}");
         assert!(matches!(err, arbor_engine::Error::SourceChanged(_)), "{err}");
     }
+    let stats = vol.source_stats();
+    assert_eq!((stats.gets, stats.changed, stats.fetched_bytes, stats.misses), (2, 2, 0, 2), "{stats:?}");
     // Bytes written on top still read; the object's part still fails.
     vol.write(a, 0, b"mine").expect("write");
     assert_eq!(vol.read(a, 0, 4).expect("read"), b"mine");

@@ -147,6 +147,14 @@ fn an_s3_prefix_becomes_files_read_in_place_with_writes_on_top() {
         }
     }
 
+    // Status counts the GETs, the bytes, and the refused reads.
+    let status: serde_json::Value =
+        serde_json::from_str(&arbor_env_ok(&["status", mp, "--json"], &w.env)).expect("status json");
+    let imported = &status["imported"];
+    assert!(imported["fetched_bytes"].as_u64().unwrap_or(0) >= corpus_bytes, "{imported}");
+    assert!(imported["changed"].as_u64().unwrap_or(0) >= 2, "{imported}");
+    let human = arbor_env_ok(&["status", mp], &w.env);
+    assert!(human.contains("imported ") && human.contains("refused (object changed or gone)"), "{human}");
     // A refresh follows the bucket, as ordinary operations on the branch;
     // the file the branch wrote on is left alone and reported.
     bucket.put("corpus/raw/big/tokens.bin", &pattern(1000, 1)).expect("overwrite");

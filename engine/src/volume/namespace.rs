@@ -108,6 +108,11 @@ impl Volume {
         Ok(Attr::from_inode(ino, &self.view(&st).inode(ino)?))
     }
 
+    /// What reads of imported files' objects did so far.
+    pub fn source_stats(&self) -> crate::source::SourceStats {
+        self.sources.stats()
+    }
+
     /// The object an imported file reads from, if it is one.
     pub fn source(&self, ino: u64) -> Result<Option<crate::source::Source>> {
         let st = self.state.read();
