@@ -149,19 +149,21 @@ impl Report {
 fn folder(vol: &Volume, at: &str, owner: (u32, u32), report: &mut Report) -> Result<u64> {
     let mut ino = ROOT_INO;
     for part in at.split('/').filter(|p| !p.is_empty()) {
-        ino = child_dir(vol, ino, part, owner, report)?;
+        ino = child_dir(vol, ino, part, owner, report)?.ok_or_else(|| anyhow!("{at}: {part} is not a folder"))?;
     }
     Ok(ino)
 }
 
-fn child_dir(vol: &Volume, parent: u64, name: &str, owner: (u32, u32), report: &mut Report) -> Result<u64> {
+/// Folder `name` in `parent`, made if missing; `None` if something else
+/// has that name.
+fn child_dir(vol: &Volume, parent: u64, name: &str, owner: (u32, u32), report: &mut Report) -> Result<Option<u64>> {
     match vol.lookup(parent, name.as_bytes()) {
-        Ok(a) if a.kind == FileKind::Directory => Ok(a.ino),
-        Ok(_) => bail!("{name} exists and is not a folder"),
+        Ok(a) if a.kind == FileKind::Directory => Ok(Some(a.ino)),
+        Ok(_) => Ok(None),
         Err(arbor_engine::Error::NotFound) => {
             report.dirs += 1;
             report.names.push((parent, name.as_bytes().to_vec()));
-            Ok(vol.mkdir(parent, name.as_bytes(), 0o755, owner.0, owner.1)?.ino)
+            Ok(Some(vol.mkdir(parent, name.as_bytes(), 0o755, owner.0, owner.1)?.ino))
         }
         Err(e) => Err(e.into()),
     }
@@ -199,12 +201,13 @@ pub fn apply(
     let mut dirs: HashMap<&[String], u64> = HashMap::new();
     let path = |parts: &[String]| format!("{}/{}", at.trim_end_matches('/'), parts.join("/"));
     for d in &plan.dirs {
-        let parent = if d.len() == 1 { Some(base) } else { dirs.get(&d[..d.len() - 1]).copied() };
+        let Some((name, up)) = d.split_last() else { continue };
+        let parent = if up.is_empty() { Some(base) } else { dirs.get(up).copied() };
         // A parent that is a file here already was reported as a conflict.
         let Some(parent) = parent else { continue };
-        match child_dir(vol, parent, &d[d.len() - 1], owner, &mut report) {
-            Ok(ino) => drop(dirs.insert(&d[..], ino)),
-            Err(_) => report.conflicts.push(format!("{} (exists and is not a folder)", path(d))),
+        match child_dir(vol, parent, name, owner, &mut report)? {
+            Some(ino) => drop(dirs.insert(&d[..], ino)),
+            None => report.conflicts.push(format!("{} (exists and is not a folder)", path(d))),
         }
     }
     for (parts, o) in &plan.files {

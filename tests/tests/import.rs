@@ -242,6 +242,20 @@ fn an_import_into_a_mounted_branch_shows_in_the_mount() {
             && std::fs::read(dir.join("set-1/q1.json")).is_ok_and(|b| b == pattern(1001, 99))
             && !dir.join("set-0/q0.json").exists()
     });
+    // A folder where the import needs one is a file: the import says so
+    // (one line, non-zero) or, below its folder, leaves it and reports it.
+    std::fs::write(mnt.join("evals/v2"), b"a file").expect("write");
+    let out = arbor_env(&["import", mp, &format!("s3://{S3_BUCKET}/eval"), "--at", "/evals/v2"], &w.env);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("is not a folder"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    std::fs::create_dir(mnt.join("evals/v3")).expect("mkdir");
+    std::fs::write(mnt.join("evals/v3/set-0"), b"a file").expect("write");
+    let out = arbor_env(&["import", mp, &format!("s3://{S3_BUCKET}/eval"), "--at", "/evals/v3"], &w.env);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("imported 10 files") && stdout.contains("1 conflicts"), "{stdout}");
+    assert!(stderr.contains("/evals/v3/set-0 (exists and is not a folder)"), "{stderr}");
     // A bad source is one line and changes nothing.
     let out = arbor_env(&["import", mp, "gs://x/y"], &w.env);
     assert!(!out.status.success());
