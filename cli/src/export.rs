@@ -248,6 +248,5 @@ pub fn open_dest(url: &str) -> Result<Arc<dyn ObjectStore>> {
         bail!("{url}: export to a prefix of a bucket (s3://bucket/prefix), not the whole bucket");
     }
     let cfg = arbor_engine::bucket::S3Config::from_env(&bucket, prefix.trim_end_matches('/'));
-    let s3: Arc<dyn ObjectStore> = Arc::new(arbor_engine::bucket::S3Store::open(&cfg)?);
-    Ok(arbor_engine::bucket::RetryStore::new(s3, arbor_engine::bucket::RetryPolicy::default()))
+    Ok(arbor_engine::bucket::open_s3(&cfg, arbor_engine::bucket::RetryPolicy::from_env())?)
 }

@@ -18,10 +18,11 @@
 //! alone and reported as a conflict.
 
 use anyhow::{anyhow, bail, Result};
-use arbor_engine::bucket::{ObjectInfo, ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
+use arbor_engine::bucket::{open_s3, ObjectInfo, ObjectStore, RetryPolicy, S3Config};
 use arbor_engine::env::Timestamp;
 use arbor_engine::source::Source;
 use arbor_engine::volume::{FileKind, Volume, NAME_MAX, ROOT_INO};
+use arbor_snapshot::disk::Location;
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -29,22 +30,20 @@ use std::sync::Arc;
 /// An `s3://bucket[/prefix]` source: the bucket and the key prefix its
 /// objects are listed under (empty, or ending in `/`).
 pub fn parse_source(url: &str) -> Result<(String, String)> {
-    let rest = url.strip_prefix("s3://").ok_or_else(|| anyhow!("the source must be s3://bucket/prefix (got {url})"))?;
-    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-    let ok_bucket = (3..=63).contains(&bucket.len())
-        && bucket.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
-    if !ok_bucket {
-        bail!("{url}: {bucket:?} is not a valid bucket name");
+    if !url.starts_with("s3://") {
+        bail!("the source must be s3://bucket/prefix (got {url})");
     }
-    let prefix = prefix.trim_start_matches('/');
-    let prefix = if prefix.is_empty() || prefix.ends_with('/') { prefix.to_string() } else { format!("{prefix}/") };
+    // The same rules as an s3:// disk's URL.
+    let Location::S3 { bucket, prefix } = arbor_snapshot::disk::parse(url)?.1 else {
+        bail!("the source must be s3://bucket/prefix (got {url})");
+    };
+    let prefix = if prefix.is_empty() { prefix } else { format!("{prefix}/") };
     Ok((bucket.to_string(), prefix))
 }
 
 /// The bucket of a source, reached with the environment's S3 settings.
 pub fn open_bucket(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
-    let s3: Arc<dyn ObjectStore> = Arc::new(S3Store::open(&S3Config::from_env(bucket, ""))?);
-    Ok(RetryStore::new(s3, RetryPolicy::default()))
+    Ok(open_s3(&S3Config::from_env(bucket, ""), RetryPolicy::from_env())?)
 }
 
 /// What an import will add.
@@ -170,8 +169,7 @@ fn child_dir(vol: &Volume, parent: u64, name: &str, owner: (u32, u32), report: &
 }
 
 fn timestamp(t: Option<std::time::SystemTime>) -> Timestamp {
-    let d = t.unwrap_or_else(std::time::SystemTime::now).duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    Timestamp { secs: d.as_secs() as i64, nanos: d.subsec_nanos() }
+    Timestamp::from_system(t.unwrap_or_else(std::time::SystemTime::now))
 }
 
 /// How [`apply`] treats what is already in the branch.

@@ -8,7 +8,7 @@
 //! [`Error::SourceChanged`] (EIO, and a log line naming the object): never
 //! other bytes.
 
-use crate::bucket::{ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
+use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
@@ -53,8 +53,7 @@ impl Sources for EnvSources {
         if let Some(s) = stores.get(bucket) {
             return Ok(s.clone());
         }
-        let s3: Arc<dyn ObjectStore> = Arc::new(S3Store::open(&S3Config::from_env(bucket, ""))?);
-        let store: Arc<dyn ObjectStore> = RetryStore::new(s3, RetryPolicy::default());
+        let store = crate::bucket::open_s3(&S3Config::from_env(bucket, ""), RetryPolicy::from_env())?;
         stores.insert(bucket.to_string(), store.clone());
         Ok(store)
     }

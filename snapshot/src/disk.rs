@@ -229,11 +229,9 @@ impl Disk {
                     .node_dir
                     .clone()
                     .unwrap_or_else(|| node_base().join(format!("{:08x}", crc32c::crc32c(url.as_bytes()))));
-                let default = RetryPolicy::default();
-                let attempts = opts.retries.unwrap_or_else(|| {
-                    std::env::var("ARBOR_S3_RETRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(default.attempts)
-                });
-                (RetryStore::new(Arc::new(s3), RetryPolicy { attempts, ..default }), node)
+                let env = RetryPolicy::from_env();
+                let policy = RetryPolicy { attempts: opts.retries.unwrap_or(env.attempts), ..env };
+                (RetryStore::new(Arc::new(s3), policy), node)
             }
         };
         Ok(Disk { url, location, store, node_dir, opts, catalog: OnceLock::new(), tier: OnceLock::new() })

@@ -15,6 +15,12 @@ pub use mem::MemObjectStore;
 pub use retry::{RetryPolicy, RetryStore};
 pub use s3::{S3Config, S3Store};
 
+/// An S3 bucket (or prefix of one) as a store with retries (`policy`).
+pub fn open_s3(cfg: &S3Config, policy: RetryPolicy) -> Result<std::sync::Arc<dyn ObjectStore>> {
+    let s3: std::sync::Arc<dyn ObjectStore> = std::sync::Arc::new(S3Store::open(cfg)?);
+    Ok(RetryStore::new(s3, policy))
+}
+
 use crate::error::{Error, Result};
 use std::ops::Range;
 

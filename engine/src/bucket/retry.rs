@@ -27,6 +27,15 @@ pub struct RetryPolicy {
     pub max_backoff: Duration,
 }
 
+impl RetryPolicy {
+    /// The default policy, with `ARBOR_S3_RETRIES` tries per call where set.
+    pub fn from_env() -> RetryPolicy {
+        let default = RetryPolicy::default();
+        let attempts = std::env::var("ARBOR_S3_RETRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(default.attempts);
+        RetryPolicy { attempts, ..default }
+    }
+}
+
 impl Default for RetryPolicy {
     fn default() -> Self {
         RetryPolicy { attempts: ATTEMPTS, base: Duration::from_millis(50), max_backoff: Duration::from_secs(5) }
