@@ -167,7 +167,7 @@ pub fn warm(
     servers: &[String],
     token_file: Option<&Path>,
 ) -> Result<()> {
-    use arbor_engine::volume::{FileKind, ROOT_INO};
+    use arbor_engine::volume::FileKind;
     use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
     let Some(client) = client(servers, token_file)? else {
         bail!("arbor warm needs --cache-server HOST:PORT,… (or ARBOR_CACHE_SERVERS)");
@@ -186,10 +186,7 @@ pub fn warm(
     let mut files: Vec<(String, u64, u64)> = Vec::new();
     let mut stack: Vec<(String, u64)> = Vec::new();
     for p in paths {
-        let mut ino = ROOT_INO;
-        for part in p.split('/').filter(|s| !s.is_empty() && *s != ".") {
-            ino = vol.lookup(ino, part.as_bytes()).with_context(|| format!("{p}: not in checkpoint {checkpoint}"))?.ino;
-        }
+        let ino = vol.lookup_path(p).with_context(|| format!("{p}: not in checkpoint {checkpoint}"))?.ino;
         stack.push((p.clone(), ino));
     }
     // Bounded by the checkpoint's own tree: every inode is visited once per path.

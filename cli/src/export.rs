@@ -94,15 +94,6 @@ fn walk(vol: &Volume) -> Result<(Vec<(String, u64)>, u64)> {
     Ok((files, other))
 }
 
-/// The attributes of `path` (no leading `/`) in `vol`.
-fn lookup_path(vol: &Volume, path: &str) -> arbor_engine::Result<arbor_engine::Attr> {
-    let mut a = vol.getattr(ROOT_INO)?;
-    for part in path.split('/').filter(|p| !p.is_empty()) {
-        a = vol.lookup(a.ino, part.as_bytes())?;
-    }
-    Ok(a)
-}
-
 fn stamp(vol: &Volume, ino: u64) -> Result<Stamp> {
     let a = vol.getattr(ino)?;
     Ok((a.size, a.mtime.secs, a.mtime.nanos, a.ctime.secs, a.ctime.nanos, ino))
@@ -153,7 +144,7 @@ pub fn run(
                 let path = path.trim_start_matches('/').to_string();
                 match kind {
                     ChangeKind::Removed => gone.push(path),
-                    _ => match lookup_path(vol, &path) {
+                    _ => match vol.lookup_path(&path) {
                         Ok(a) if a.kind == FileKind::Regular => todo.push((path, a.ino)),
                         Ok(_) => {}
                         Err(arbor_engine::Error::NotFound) => gone.push(path),

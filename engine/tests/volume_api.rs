@@ -493,3 +493,17 @@ fn a_full_disk_refuses_new_changes_with_enospc_changes_nothing_and_recovers_when
     let b = vol.lookup(ROOT_INO, b"b").expect("b").ino;
     assert!(vol.read(b, 0, 1 << 20).expect("read") == pattern(1 << 20, 3));
 }
+
+#[test]
+fn paths_resolve_from_the_root() {
+    let (_, vol) = sim();
+    let a = vol.mkdir(ROOT_INO, b"a", 0o755, 0, 0).expect("mkdir").ino;
+    let b = vol.mkdir(a, b"b", 0o755, 0, 0).expect("mkdir").ino;
+    let f = file(&vol, b, "f");
+    for p in ["a/b/f", "/a/./b//f"] {
+        assert_eq!(vol.lookup_path(p).expect(p).ino, f, "{p}");
+    }
+    assert_eq!(vol.lookup_path("").expect("root").ino, ROOT_INO);
+    assert_eq!(errno(vol.lookup_path("a/nope")), libc::ENOENT);
+    assert_eq!(errno(vol.lookup_path("a/b/f/x")), libc::ENOTDIR);
+}

@@ -334,6 +334,16 @@ impl Volume {
         Ok(Attr::from_inode(ino, &v.inode(ino)?))
     }
 
+    /// The attributes of `path` (`/`-separated, from the root; empty and
+    /// `.` parts are skipped; symlinks are not followed).
+    pub fn lookup_path(&self, path: &str) -> Result<Attr> {
+        let mut a = self.getattr(ROOT_INO)?;
+        for part in path.split('/').filter(|p| !p.is_empty() && *p != ".") {
+            a = self.lookup(a.ino, part.as_bytes())?;
+        }
+        Ok(a)
+    }
+
     pub fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
         let st = self.state.read();
         let i = self.view(&st).inode(ino)?;
