@@ -95,8 +95,16 @@ const RUN: usize = 8;
 /// misses always go).
 const IN_FLIGHT: usize = 64;
 
-/// (bucket, key, etag, chunk index).
-type ChunkId = (String, String, String, u64);
+/// One version of one object: bucket, key and ETag, NUL-separated. Built
+/// once per read and shared by the ids of its chunks.
+type ObjectId = Arc<str>;
+
+/// (object, chunk index).
+type ChunkId = (ObjectId, u64);
+
+fn object_id(src: &Source) -> ObjectId {
+    format!("{}\0{}\0{}", src.bucket, src.key, src.etag).into()
+}
 
 /// A chunk's bytes: a range of one GET's body, shared by the chunks it held.
 #[derive(Clone)]
@@ -177,7 +185,7 @@ struct ChunkCache {
     /// Fetches in flight.
     pending: HashMap<ChunkId, Arc<Pending>>,
     /// Where the last read of each object ended, to see sequential readers.
-    ends: HashMap<(String, String), u64>,
+    ends: HashMap<ObjectId, u64>,
 }
 
 impl ChunkCache {
@@ -225,17 +233,17 @@ impl SourceReader {
         let mut have: Vec<(u64, Chunk)> = Vec::new();
         let mut wait: Vec<(u64, Arc<Pending>)> = Vec::new();
         let mut start: Vec<(u64, Arc<Pending>)> = Vec::new();
+        let object = object_id(src);
         {
             let mut c = self.cache.lock();
-            let object = (src.bucket.clone(), src.key.clone());
             let sequential = off > 0 && c.ends.get(&object) == Some(&off);
             if c.ends.len() > 4096 {
                 c.ends.clear();
             }
-            c.ends.insert(object, end);
+            c.ends.insert(object.clone(), end);
             let ahead = if sequential { AHEAD } else { 0 };
             for i in first..=(last + ahead).min(chunks - 1) {
-                let id = chunk_id(src, i);
+                let id = (object.clone(), i);
                 let needed = i <= last;
                 if let Some(b) = c.chunks.get(&id) {
                     if needed {
@@ -273,10 +281,10 @@ impl SourceReader {
             }
             for run in runs {
                 match &store {
-                    Ok(store) => self.spawn_fetch(store.clone(), src.clone(), run),
+                    Ok(store) => self.spawn_fetch(store.clone(), src.clone(), object.clone(), run),
                     Err(e) => {
                         for (i, p) in run {
-                            finish(&self.cache, src, i, &p, Err(Failed::Other(e.to_string())));
+                            finish(&self.cache, &object, i, &p, Err(Failed::Other(e.to_string())));
                         }
                     }
                 }
@@ -307,12 +315,12 @@ impl SourceReader {
 
     /// Fetches the consecutive chunks of `run` with one GET on a thread of
     /// its own; their waiters wake when they are cached (or failed).
-    fn spawn_fetch(&self, store: Arc<dyn ObjectStore>, src: Source, run: Vec<(u64, Arc<Pending>)>) {
+    fn spawn_fetch(&self, store: Arc<dyn ObjectStore>, src: Source, object: ObjectId, run: Vec<(u64, Arc<Pending>)>) {
         let cache = self.cache.clone();
         let counters = self.counters.clone();
         let shared = Arc::new(run);
         let spawned = std::thread::Builder::new().name("arbor-source".into()).spawn({
-            let (src, run) = (src.clone(), shared.clone());
+            let (src, object, run) = (src.clone(), object.clone(), shared.clone());
             move || {
                 let (Some((first, _)), Some((last, _))) = (run.first(), run.last()) else { return };
                 let range = first * CHUNK..((last + 1) * CHUNK).min(src.size);
@@ -341,7 +349,7 @@ impl SourceReader {
                         for (n, (i, p)) in run.iter().enumerate() {
                             let start = n * CHUNK as usize;
                             let len = (body.len() - start).min(CHUNK as usize);
-                            finish(&cache, &src, *i, p, Ok(Chunk { body: body.clone(), start, len }));
+                            finish(&cache, &object, *i, p, Ok(Chunk { body: body.clone(), start, len }));
                         }
                     }
                     Err(e) => {
@@ -350,7 +358,7 @@ impl SourceReader {
                             e => Failed::Other(format!("{}: {e}", src.url())),
                         };
                         for (i, p) in run.iter() {
-                            finish(&cache, &src, *i, p, Err(f.clone()));
+                            finish(&cache, &object, *i, p, Err(f.clone()));
                         }
                     }
                 }
@@ -358,17 +366,17 @@ impl SourceReader {
         });
         if let Err(e) = spawned {
             for (i, p) in shared.iter() {
-                finish(&self.cache, &src, *i, p, Err(Failed::Other(format!("cannot start a fetch: {e}"))));
+                finish(&self.cache, &object, *i, p, Err(Failed::Other(format!("cannot start a fetch: {e}"))));
             }
         }
     }
 }
 
 /// Records a fetch's result: cached if it worked, then its waiters woken.
-fn finish(cache: &Mutex<ChunkCache>, src: &Source, i: u64, p: &Pending, got: std::result::Result<Chunk, Failed>) {
+fn finish(cache: &Mutex<ChunkCache>, object: &ObjectId, i: u64, p: &Pending, got: std::result::Result<Chunk, Failed>) {
     {
         let mut c = cache.lock();
-        let id = chunk_id(src, i);
+        let id = (object.clone(), i);
         c.pending.remove(&id);
         if let Ok(b) = &got {
             c.insert(id, b.clone());
@@ -376,10 +384,6 @@ fn finish(cache: &Mutex<ChunkCache>, src: &Source, i: u64, p: &Pending, got: std
     }
     *p.done.lock() = Some(got);
     p.cv.notify_all();
-}
-
-fn chunk_id(src: &Source, i: u64) -> ChunkId {
-    (src.bucket.clone(), src.key.clone(), src.etag.clone(), i)
 }
 
 /// A failed conditional read: the object is not what was imported.
