@@ -17,6 +17,8 @@ pub struct ServeArgs {
     /// The cache lives in memory only.
     pub memory: bool,
     pub cache_size: u64,
+    /// Memory for chunks of imported files' source objects (0: not served).
+    pub object_memory: u64,
     pub token_file: PathBuf,
     pub fault: Option<Fault>,
     /// Evict what nobody read for this long (`None`: by size alone).
@@ -87,7 +89,12 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         }
     }
     let shared = owned.iter().map(|o| o.shared.clone()).collect();
-    let server = CacheServer::owner(cache, shared, ServerOptions { token, fault: args.fault, keep_for: args.keep_for });
+    let objects = (args.object_memory > 0).then(|| {
+        let sources = Arc::new(arbor_engine::source::EnvSources::default());
+        Arc::new(arbor_engine::source::SourceReader::serving(sources, args.object_memory))
+    });
+    let opts = ServerOptions { token, fault: args.fault, keep_for: args.keep_for, objects };
+    let server = CacheServer::owner(cache, shared, opts);
     if let Some(f) = args.fault {
         tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");
     }
@@ -96,6 +103,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         listen = %addr,
         cache = %place,
         size = %disk::Size(args.cache_size),
+        objects = %disk::Size(args.object_memory),
         branches = ?branches,
         "serving"
     );
@@ -182,7 +190,11 @@ pub fn warm(
     if !d.is_s3() {
         bail!("{} is a local folder: there is no bucket to warm a cache from", d.url);
     }
-    let vol = d.catalog()?.open_checkpoint(checkpoint, disk::quiet_config())?;
+    let cfg = arbor_engine::Config {
+        source_servers: Some(client.clone() as Arc<dyn arbor_engine::tier::ChunkSource>),
+        ..disk::quiet_config()
+    };
+    let vol = d.catalog()?.open_checkpoint(checkpoint, cfg)?;
     let mut files: Vec<(String, u64, u64)> = Vec::new();
     let mut stack: Vec<(String, u64)> = Vec::new();
     for p in paths {

@@ -285,6 +285,10 @@ struct ServeCmd {
     /// How much chunk data the cache keeps, e.g. 2T.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
     cache_size: disk::Size,
+    /// How much of imported files' source objects to keep, in memory
+    /// (0: do not serve them; their clients read their buckets).
+    #[arg(long, default_value = "1G")]
+    object_memory: disk::Size,
     /// A file holding the token every client must present.
     #[arg(long, env = "ARBOR_TOKEN_FILE")]
     token_file: PathBuf,
@@ -484,6 +488,7 @@ fn run(cli: Cli) -> Result<()> {
                 cache_size: if memory { c.cache_memory.0 } else { c.cache_size.0 },
                 cache_dir: if memory { None } else { c.cache_dir },
                 memory,
+                object_memory: c.object_memory.0,
                 token_file: c.token_file,
                 fault: c.fault,
                 keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),

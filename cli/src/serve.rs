@@ -180,7 +180,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
 
 fn imported_json(i: arbor_engine::source::SourceStats) -> Value {
     json!({"gets": i.gets, "fetched_bytes": i.fetched_bytes, "hits": i.hits, "misses": i.misses,
-           "changed": i.changed, "errors": i.errors})
+           "changed": i.changed, "errors": i.errors, "from_servers": i.from_servers})
 }
 
 pub fn compact_json(r: arbor_engine::volume::CompactReport) -> Value {
@@ -243,7 +243,11 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     if args.checkpoint.is_none() {
         p.disk.make_private()?;
     }
-    let cfg = Config { segment_size: args.segment_size, ..Config::default() };
+    let cfg = Config {
+        segment_size: args.segment_size,
+        source_servers: p.cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>),
+        ..Config::default()
+    };
     let opening = Instant::now();
     let (vol, _lock) = match &args.checkpoint {
         Some(c) => (catalog.open_checkpoint(c, cfg)?, None),

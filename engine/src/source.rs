@@ -7,9 +7,16 @@
 //! object changed or deleted since import fails the read with
 //! [`Error::SourceChanged`] (EIO, and a log line naming the object): never
 //! other bytes.
+//!
+//! With cache servers (`arbor serve`), a chunk is asked of its server
+//! before the bucket: the server keeps it keyed by (bucket, key, ETag,
+//! index), which names one version's bytes forever, so it needs no
+//! invalidation either. A chunk the server does not give, or gives with
+//! the wrong length, is read from the bucket.
 
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
 use crate::error::{Error, Result};
+use crate::tier::ChunkSource;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -157,6 +164,8 @@ pub struct SourceStats {
     pub changed: u64,
     /// GETs that failed otherwise (after the store's retries).
     pub errors: u64,
+    /// Chunks cache servers gave (and so were not read from the bucket).
+    pub from_servers: u64,
 }
 
 #[derive(Default)]
@@ -167,17 +176,29 @@ struct Counters {
     misses: AtomicU64,
     changed: AtomicU64,
     errors: AtomicU64,
+    from_servers: AtomicU64,
 }
 
-/// A volume's reader of source objects.
+/// A reader of source objects: a volume's, or a cache server's.
 pub struct SourceReader {
     sources: Arc<dyn Sources>,
     cache: Arc<Mutex<ChunkCache>>,
     counters: Arc<Counters>,
+    /// Chunks fetched ahead of a sequential reader.
+    ahead: u64,
+    /// Cache servers asked for a chunk before the bucket.
+    servers: Option<Arc<dyn ChunkSource>>,
 }
 
-#[derive(Default)]
+impl std::fmt::Debug for SourceReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceReader").field("ahead", &self.ahead).field("stats", &self.stats()).finish()
+    }
+}
+
 struct ChunkCache {
+    /// Chunks kept at most.
+    capacity: usize,
     chunks: HashMap<ChunkId, Chunk>,
     /// Oldest first; a hit moves nothing (a clock would be fairer, this
     /// is enough for streaming readers).
@@ -189,11 +210,21 @@ struct ChunkCache {
 }
 
 impl ChunkCache {
+    fn new(capacity: usize) -> ChunkCache {
+        ChunkCache {
+            capacity,
+            chunks: HashMap::new(),
+            order: VecDeque::new(),
+            pending: HashMap::new(),
+            ends: HashMap::new(),
+        }
+    }
+
     fn insert(&mut self, id: ChunkId, bytes: Chunk) {
         if self.chunks.insert(id.clone(), bytes).is_none() {
             self.order.push_back(id);
         }
-        while self.chunks.len() > CACHED_CHUNKS {
+        while self.chunks.len() > self.capacity {
             let Some(old) = self.order.pop_front() else { break };
             self.chunks.remove(&old);
         }
@@ -201,8 +232,29 @@ impl ChunkCache {
 }
 
 impl SourceReader {
-    pub fn new(sources: Arc<dyn Sources>) -> SourceReader {
-        SourceReader { sources, cache: Arc::new(Mutex::new(ChunkCache::default())), counters: Arc::default() }
+    /// A volume's reader: a small cache, read-ahead for sequential
+    /// readers, and `servers` (if any) asked before the bucket.
+    pub fn new(sources: Arc<dyn Sources>, servers: Option<Arc<dyn ChunkSource>>) -> SourceReader {
+        SourceReader {
+            sources,
+            cache: Arc::new(Mutex::new(ChunkCache::new(CACHED_CHUNKS))),
+            counters: Arc::default(),
+            ahead: AHEAD,
+            servers,
+        }
+    }
+
+    /// A cache server's reader: `capacity` bytes of chunks in memory and
+    /// no read-ahead (its clients read ahead, and each server is asked
+    /// only for its own share of the chunks).
+    pub fn serving(sources: Arc<dyn Sources>, capacity: u64) -> SourceReader {
+        SourceReader {
+            sources,
+            cache: Arc::new(Mutex::new(ChunkCache::new((capacity / CHUNK).max(1) as usize))),
+            counters: Arc::default(),
+            ahead: 0,
+            servers: None,
+        }
     }
 
     pub fn stats(&self) -> SourceStats {
@@ -215,7 +267,20 @@ impl SourceReader {
             misses: get(&c.misses),
             changed: get(&c.changed),
             errors: get(&c.errors),
+            from_servers: get(&c.from_servers),
         }
+    }
+
+    /// Chunk `index` of `src` (the last one may be short) and whether it
+    /// was cached already: what a cache server answers.
+    pub fn chunk(&self, src: &Source, index: u64) -> Result<(Vec<u8>, bool)> {
+        let start = index.checked_mul(CHUNK).filter(|&s| s < src.size);
+        let Some(start) = start else {
+            return Err(Error::NoSuchObject(format!("{} has no chunk {index}", src.url())));
+        };
+        let (mut have, missed) = self.gather(src, start, (start + CHUNK).min(src.size))?;
+        let (_, chunk) = have.pop().ok_or_else(|| Error::corrupted("a chunk went missing", src.url()))?;
+        Ok((chunk.bytes().to_vec(), !missed))
     }
 
     /// Fills `dst` with the object's bytes from `off`. The range must lie
@@ -228,12 +293,30 @@ impl SourceReader {
         if dst.is_empty() {
             return Ok(());
         }
+        let (have, _) = self.gather(src, off, end)?;
+        for (i, chunk) in have {
+            let chunk = chunk.bytes();
+            let base = i * CHUNK;
+            let (from, to) = (off.max(base), end.min(base + chunk.len() as u64));
+            if from < to {
+                dst[(from - off) as usize..(to - off) as usize]
+                    .copy_from_slice(&chunk[(from - base) as usize..(to - base) as usize]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The chunks holding `off..end` (not empty, inside the object), and
+    /// whether any of them had to be fetched; starts the read-ahead of a
+    /// sequential reader.
+    fn gather(&self, src: &Source, off: u64, end: u64) -> Result<(Vec<(u64, Chunk)>, bool)> {
         let (first, last) = (off / CHUNK, (end - 1) / CHUNK);
         let chunks = src.size.div_ceil(CHUNK);
         let mut have: Vec<(u64, Chunk)> = Vec::new();
         let mut wait: Vec<(u64, Arc<Pending>)> = Vec::new();
         let mut start: Vec<(u64, Arc<Pending>)> = Vec::new();
         let object = object_id(src);
+        let mut missed = false;
         {
             let mut c = self.cache.lock();
             let sequential = off > 0 && c.ends.get(&object) == Some(&off);
@@ -241,7 +324,7 @@ impl SourceReader {
                 c.ends.clear();
             }
             c.ends.insert(object.clone(), end);
-            let ahead = if sequential { AHEAD } else { 0 };
+            let ahead = if sequential { self.ahead } else { 0 };
             for i in first..=(last + ahead).min(chunks - 1) {
                 let id = (object.clone(), i);
                 let needed = i <= last;
@@ -259,6 +342,7 @@ impl SourceReader {
                     if needed {
                         wait.push((i, p.clone()));
                         self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                        missed = true;
                     }
                     start.push((i, p));
                     continue;
@@ -301,32 +385,32 @@ impl SourceReader {
                 None => {}
             }
         }
-        for (i, chunk) in have {
-            let chunk = chunk.bytes();
-            let base = i * CHUNK;
-            let (from, to) = (off.max(base), end.min(base + chunk.len() as u64));
-            if from < to {
-                dst[(from - off) as usize..(to - off) as usize]
-                    .copy_from_slice(&chunk[(from - base) as usize..(to - base) as usize]);
-            }
-        }
-        Ok(())
+        Ok((have, missed))
     }
 
-    /// Fetches the consecutive chunks of `run` with one GET on a thread of
-    /// its own; their waiters wake when they are cached (or failed).
+    /// Fetches the consecutive chunks of `run` on a thread of its own:
+    /// asks the cache servers (if any), then the bucket, with one GET, for
+    /// the rest. Their waiters wake when they are cached (or failed).
     fn spawn_fetch(&self, store: Arc<dyn ObjectStore>, src: Source, object: ObjectId, run: Vec<(u64, Arc<Pending>)>) {
         let cache = self.cache.clone();
         let counters = self.counters.clone();
+        let servers = self.servers.clone();
         let shared = Arc::new(run);
         let spawned = std::thread::Builder::new().name("arbor-source".into()).spawn({
             let (src, object, run) = (src.clone(), object.clone(), shared.clone());
             move || {
-                let (Some((first, _)), Some((last, _))) = (run.first(), run.last()) else { return };
+                // Waiters sleep until every chunk is finished: a panic in
+                // a server client or the store must finish them too.
+                let rest = match &servers {
+                    Some(servers) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        from_servers(&**servers, &src, &object, &run, &cache, &counters)
+                    }))
+                    .unwrap_or_else(|_| run.iter().collect()),
+                    None => run.iter().collect(),
+                };
+                let (Some((first, _)), Some((last, _))) = (rest.first(), rest.last()) else { return };
                 let range = first * CHUNK..((last + 1) * CHUNK).min(src.size);
                 let want = range.end - range.start;
-                // Waiters sleep until every chunk is finished: a panic in
-                // the store must finish them too.
                 let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     store.get_range_if(&src.key, range, &src.etag)
                 }))
@@ -346,8 +430,8 @@ impl SourceReader {
                 match got {
                     Ok(bytes) => {
                         let body = Arc::new(bytes);
-                        for (n, (i, p)) in run.iter().enumerate() {
-                            let start = n * CHUNK as usize;
+                        for (i, p) in rest {
+                            let start = ((i - first) * CHUNK) as usize;
                             let len = (body.len() - start).min(CHUNK as usize);
                             finish(&cache, &object, *i, p, Ok(Chunk { body: body.clone(), start, len }));
                         }
@@ -357,7 +441,7 @@ impl SourceReader {
                             Error::SourceChanged(m) => Failed::Changed(m),
                             e => Failed::Other(format!("{}: {e}", src.url())),
                         };
-                        for (i, p) in run.iter() {
+                        for (i, p) in rest {
                             finish(&cache, &object, *i, p, Err(f.clone()));
                         }
                     }
@@ -370,6 +454,42 @@ impl SourceReader {
             }
         }
     }
+}
+
+/// The length of chunk `i` of an object of `size` bytes.
+fn chunk_len(size: u64, i: u64) -> u64 {
+    size.saturating_sub(i * CHUNK).min(CHUNK)
+}
+
+/// Asks `servers` for the chunks of `run` and finishes those given whole;
+/// the rest, still to be read from the bucket.
+fn from_servers<'a>(
+    servers: &dyn ChunkSource,
+    src: &Source,
+    object: &ObjectId,
+    run: &'a [(u64, Arc<Pending>)],
+    cache: &Mutex<ChunkCache>,
+    counters: &Counters,
+) -> Vec<&'a (u64, Arc<Pending>)> {
+    let wanted: Vec<u64> = run.iter().map(|(i, _)| *i).collect();
+    let mut given = servers.fetch_object(src, &wanted).into_iter();
+    let mut rest = Vec::new();
+    for entry in run {
+        let (i, p) = entry;
+        match given.next().flatten() {
+            Some(bytes) if bytes.len() as u64 == chunk_len(src.size, *i) => {
+                counters.from_servers.fetch_add(1, Ordering::Relaxed);
+                let len = bytes.len();
+                finish(cache, object, *i, p, Ok(Chunk { body: Arc::new(bytes), start: 0, len }));
+            }
+            Some(_) => {
+                servers.object_rejected(src, *i);
+                rest.push(entry);
+            }
+            None => rest.push(entry),
+        }
+    }
+    rest
 }
 
 /// Records a fetch's result: cached if it worked, then its waiters woken.

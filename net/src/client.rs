@@ -1,5 +1,6 @@
 //! The client side of the shared cache: a [`ChunkSource`] a mount's
-//! bucket tier asks before the bucket.
+//! bucket tier (segment chunks) and its imported files (source object
+//! chunks) ask before the bucket.
 //!
 //! Each chunk has one owner among the servers, by rendezvous (highest
 //! random weight) hashing of (server address, segment, chunk): every
@@ -12,8 +13,9 @@
 //! Its chunks are never handed to another server.
 
 use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};
-use crate::CACHE_HEADER;
+use crate::{CACHE_HEADER, CRC_HEADER};
 use arbor_engine::format::SegId;
+use arbor_engine::source::Source;
 use arbor_engine::tier::{ChunkRequest, ChunkSource};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -113,6 +115,13 @@ fn score(seed: u64, seg: SegId, index: u32) -> u64 {
     splitmix(seed ^ splitmix(seg.writer ^ splitmix(((seg.seq as u64) << 32) | index as u64)))
 }
 
+/// The weight of server `seed` for chunk `index` of source object `src`
+/// (that version of it).
+fn object_score(seed: u64, src: &Source, index: u64) -> u64 {
+    let id = fnv1a(format!("{}\0{}\0{}", src.bucket, src.key, src.etag).as_bytes());
+    splitmix(seed ^ splitmix(id ^ splitmix(index)))
+}
+
 impl CacheClient {
     pub fn new(opts: ClientOptions) -> Result<CacheClient, crate::Error> {
         if opts.servers.is_empty() {
@@ -167,10 +176,11 @@ impl CacheClient {
 }
 
 impl Inner {
-    fn owner(&self, seg: SegId, index: u32) -> usize {
+    /// The server with the highest `score`.
+    fn highest(&self, score: impl Fn(u64) -> u64) -> usize {
         let mut best = (0, 0);
         for (i, p) in self.peers.iter().enumerate() {
-            let s = score(p.seed, seg, index);
+            let s = score(p.seed);
             if i == 0 || s > best.1 {
                 best = (i, s);
             }
@@ -178,13 +188,23 @@ impl Inner {
         best.0
     }
 
-    async fn get(self: Arc<Self>, seg: SegId, index: u32) -> Option<Vec<u8>> {
-        let peer = &self.peers[self.owner(seg, index)];
+    fn owner(&self, seg: SegId, index: u32) -> usize {
+        self.highest(|seed| score(seed, seg, index))
+    }
+
+    fn object_owner(&self, src: &Source, index: u64) -> usize {
+        self.highest(|seed| object_score(seed, src, index))
+    }
+
+    /// Asks server `owner` for the chunk at `path`: its bytes, if it gave
+    /// them and they match the checksum it sent.
+    async fn get(self: Arc<Self>, owner: usize, path: String) -> Option<Vec<u8>> {
+        let peer = &self.peers[owner];
         if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
             peer.n.down.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let uri = format!("http://{}/v1/chunks/{}/{index}", peer.addr, seg.file_name());
+        let uri = format!("http://{}{path}", peer.addr);
         // A server that cannot be reached is left alone for a while; one
         // that is slow or answers an error loses only this chunk.
         let mut send = match peer.sender(self.timeout).await {
@@ -204,15 +224,26 @@ impl Inner {
             let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
             let status = resp.status();
             let hit = resp.headers().get(CACHE_HEADER).is_some_and(|v| v.as_bytes() == b"hit");
+            let crc = resp
+                .headers()
+                .get(CRC_HEADER)
+                .map(|v| std::str::from_utf8(v.as_bytes()).ok().and_then(|v| u32::from_str_radix(v, 16).ok()));
             let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-            Ok::<_, String>((status, hit, body))
+            Ok::<_, String>((status, hit, crc, body))
         };
         match tokio::time::timeout(self.timeout, attempt).await {
-            Ok(Ok((StatusCode::OK, hit, body))) => {
+            Ok(Ok((StatusCode::OK, hit, crc, body))) => {
                 peer.n.chunks.fetch_add(1, Ordering::Relaxed);
                 peer.n.bytes.fetch_add(body.len() as u64, Ordering::Relaxed);
                 if hit {
                     peer.n.hits.fetch_add(1, Ordering::Relaxed);
+                }
+                // A checksum that is there must be right (a server that
+                // sends none is checked by the caller alone).
+                if crc.is_some_and(|crc| crc != Some(crc32c::crc32c(&body))) {
+                    tracing::warn!(server = %peer.addr, chunk = %path, "a cache server sent a chunk that fails its checksum; reading the bucket");
+                    peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+                    return None;
                 }
                 Some(Vec::from(body))
             }
@@ -242,7 +273,7 @@ impl Inner {
                 None
             }
             Err(_) => {
-                tracing::debug!(server = %peer.addr, chunk = index, "a cache server was too slow; reading the bucket");
+                tracing::debug!(server = %peer.addr, chunk = %path, "a cache server was too slow; reading the bucket");
                 peer.n.timeout.fetch_add(1, Ordering::Relaxed);
                 None
             }
@@ -304,18 +335,43 @@ impl ChunkSource for CacheClient {
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
         let inner = &self.inner;
         self.rt.block_on(async {
-            let tasks: Vec<_> = wanted.iter().map(|w| tokio::spawn(inner.clone().get(seg, w.index))).collect();
-            let mut out = Vec::with_capacity(tasks.len());
-            for t in tasks {
-                out.push(t.await.ok().flatten());
-            }
-            out
+            let asks = wanted.iter().map(|w| {
+                let path = format!("/v1/chunks/{}/{}", seg.file_name(), w.index);
+                (inner.owner(seg, w.index), path)
+            });
+            inner.clone().get_all(asks.collect()).await
         })
     }
 
     fn rejected(&self, seg: SegId, index: u32) {
         let peer = &self.inner.peers[self.inner.owner(seg, index)];
         peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn fetch_object(&self, src: &Source, wanted: &[u64]) -> Vec<Option<Vec<u8>>> {
+        let inner = &self.inner;
+        let query = crate::server::object_query(src);
+        self.rt.block_on(async {
+            let asks = wanted.iter().map(|&i| (inner.object_owner(src, i), format!("/v1/objects/{i}?{query}")));
+            inner.clone().get_all(asks.collect()).await
+        })
+    }
+
+    fn object_rejected(&self, src: &Source, index: u64) {
+        let peer = &self.inner.peers[self.inner.object_owner(src, index)];
+        peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Inner {
+    /// Each (server, path) of `asks` at once; the answers in order.
+    async fn get_all(self: Arc<Self>, asks: Vec<(usize, String)>) -> Vec<Option<Vec<u8>>> {
+        let tasks: Vec<_> = asks.into_iter().map(|(owner, path)| tokio::spawn(self.clone().get(owner, path))).collect();
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            out.push(t.await.ok().flatten());
+        }
+        out
     }
 }
 

@@ -19,6 +19,7 @@
 //! | request | answer |
 //! | --- | --- |
 //! | `GET /v1/chunks/<segment file name>/<index>` | `200` the chunk's bytes, `x-arbor-cache: hit\|miss`; `404` no such sealed segment or chunk; `502` the bucket failed |
+//! | `GET /v1/objects/<index>?bucket=…&key=…&etag=…&size=…` | chunk `index` of an imported file's source object (that version: the GET to the bucket is conditional on the ETag): `200` as above; `404` no such chunk; `409` the object changed or is gone; `502` the bucket failed |
 //! | `GET /metrics` | Prometheus text: hits, misses, bucket bytes, bytes served, evictions, resident bytes, request latency |
 //! | `GET /v1/health` | `200 ok` |
 //! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`files`] |
@@ -44,6 +45,11 @@ use std::path::Path;
 
 /// The header a server says whether a chunk was already cached in.
 pub const CACHE_HEADER: &str = "x-arbor-cache";
+/// The header with the crc32c (hex) of the chunk a server sends, taken
+/// before it left the server: a client gives up a chunk that does not
+/// match. A segment chunk is also checked against its object's footer;
+/// for a source object's chunk this is the only check there is.
+pub const CRC_HEADER: &str = "x-arbor-crc32c";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

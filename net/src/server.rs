@@ -3,8 +3,9 @@
 
 use crate::files::{Op, SharedBranch, EVENT_WAIT};
 use crate::metrics::{CacheGauges, Metrics};
-use crate::{authorized, CACHE_HEADER};
+use crate::{authorized, CACHE_HEADER, CRC_HEADER};
 use arbor_engine::format::{encode_value, SegId};
+use arbor_engine::source::{Source, SourceReader};
 use arbor_engine::tier::SegmentCache;
 use bytes::Bytes;
 use http_body_util::Full;
@@ -46,6 +47,9 @@ pub struct ServerOptions {
     pub fault: Option<Fault>,
     /// Evict chunks nobody read for this long, however much room is left.
     pub keep_for: Option<std::time::Duration>,
+    /// Serves chunks of imported files' source objects, from this reader
+    /// (its own buckets and cache).
+    pub objects: Option<Arc<SourceReader>>,
 }
 
 pub struct CacheServer {
@@ -331,26 +335,50 @@ impl CacheServer {
             }
             ["v1", "health"] => reply(StatusCode::OK, "ok\n"),
             ["v1", "chunks", seg, index] => match (SegId::parse_file_name(seg), index.parse::<u32>()) {
-                (Some(seg), Ok(index)) => self.chunk(seg, index).await,
+                (Some(seg), Ok(index)) => {
+                    let Some(cache) = self.cache.clone() else { return reply(StatusCode::NOT_FOUND, Bytes::new()) };
+                    let what = format!("chunk {index} of {seg}");
+                    self.chunk(what, move || cache.chunk(seg, index).map(|c| c.map(|c| (c.bytes, c.hit)))).await
+                }
                 _ => reply(StatusCode::BAD_REQUEST, "not a segment chunk\n"),
+            },
+            ["v1", "objects", index] => match (object_source(req.uri().query()), index.parse::<u64>()) {
+                (Some(src), Ok(index)) => {
+                    let Some(objects) = self.opts.objects.clone() else {
+                        return reply(StatusCode::NOT_FOUND, "this server does not serve source objects\n");
+                    };
+                    let what = format!("chunk {index} of {}", src.url());
+                    self.chunk(what, move || match objects.chunk(&src, index) {
+                        Ok(c) => Ok(Some(c)),
+                        Err(arbor_engine::Error::NoSuchObject(_)) => Ok(None),
+                        Err(e) => Err(e),
+                    })
+                    .await
+                }
+                _ => reply(StatusCode::BAD_REQUEST, "objects/<index>?bucket=…&key=…&etag=…&size=…\n"),
             },
             _ => reply(StatusCode::NOT_FOUND, Bytes::new()),
         }
     }
 
-    async fn chunk(&self, seg: SegId, index: u32) -> Reply {
+    /// Answers with the chunk `get` finds (`None`: there is no such chunk)
+    /// and whether it was cached already; counts and times it.
+    async fn chunk(
+        &self,
+        what: String,
+        get: impl FnOnce() -> arbor_engine::Result<Option<(Vec<u8>, bool)>> + Send + 'static,
+    ) -> Reply {
         let started = Instant::now();
-        let Some(cache) = self.cache.clone() else { return reply(StatusCode::NOT_FOUND, Bytes::new()) };
-        let got = tokio::task::spawn_blocking(move || cache.chunk(seg, index)).await;
+        let got = tokio::task::spawn_blocking(get).await;
         let m = &self.metrics;
         let r = match got {
-            Ok(Ok(Some(chunk))) => {
-                if chunk.hit {
+            Ok(Ok(Some((mut bytes, hit)))) => {
+                if hit {
                     m.hits.fetch_add(1, Ordering::Relaxed);
                 } else {
                     m.misses.fetch_add(1, Ordering::Relaxed);
                 }
-                let mut bytes = chunk.bytes;
+                let crc = crc32c::crc32c(&bytes);
                 match self.opts.fault {
                     Some(Fault::Corrupt) => {
                         let mid = bytes.len() / 2;
@@ -363,17 +391,24 @@ impl CacheServer {
                 }
                 m.served_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
                 let mut r = reply(StatusCode::OK, bytes);
-                let state = if chunk.hit { "hit" } else { "miss" };
+                let state = if hit { "hit" } else { "miss" };
                 r.headers_mut().insert(CACHE_HEADER, hyper::header::HeaderValue::from_static(state));
+                if let Ok(v) = hyper::header::HeaderValue::from_str(&format!("{crc:08x}")) {
+                    r.headers_mut().insert(CRC_HEADER, v);
+                }
                 r
             }
             Ok(Ok(None)) => {
                 m.not_found.fetch_add(1, Ordering::Relaxed);
                 reply(StatusCode::NOT_FOUND, Bytes::new())
             }
+            Ok(Err(arbor_engine::Error::SourceChanged(why))) => {
+                m.not_found.fetch_add(1, Ordering::Relaxed);
+                reply(StatusCode::CONFLICT, format!("{why}\n"))
+            }
             Ok(Err(e)) => {
                 m.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(seg = %seg, chunk = index, error = %e, "cannot serve a chunk");
+                tracing::warn!(chunk = %what, error = %e, "cannot serve a chunk");
                 reply(StatusCode::BAD_GATEWAY, format!("{e}\n"))
             }
             Err(e) => {
@@ -395,14 +430,41 @@ impl CacheServer {
     /// The server's counters in the Prometheus text format.
     pub fn metrics_text(&self) -> String {
         let s = self.cache.as_ref().map(|c| c.stats()).unwrap_or_default();
+        let o = self.opts.objects.as_ref().map(|o| o.stats()).unwrap_or_default();
         self.metrics.render(&CacheGauges {
-            bucket_bytes: s.fetched_bytes,
-            bucket_gets: s.gets,
+            bucket_bytes: s.fetched_bytes + o.fetched_bytes,
+            bucket_gets: s.gets + o.gets,
             resident_bytes: s.cached_bytes,
             capacity: s.capacity,
             evicted_bytes: s.evicted_bytes,
         })
     }
+}
+
+/// The source object a `/v1/objects/…` request names in its query.
+fn object_source(query: Option<&str>) -> Option<Source> {
+    let (mut bucket, mut key, mut etag, mut size) = (None, None, None, None);
+    for (k, v) in form_urlencoded::parse(query?.as_bytes()) {
+        match &*k {
+            "bucket" => bucket = Some(v.into_owned()),
+            "key" => key = Some(v.into_owned()),
+            "etag" => etag = Some(v.into_owned()),
+            "size" => size = v.parse::<u64>().ok(),
+            _ => {}
+        }
+    }
+    let src = Source { bucket: bucket?, key: key?, size: size?, etag: etag?, version: None };
+    (!src.bucket.is_empty() && !src.key.is_empty()).then_some(src)
+}
+
+/// The query of a `/v1/objects/…` request for `src`.
+pub(crate) fn object_query(src: &Source) -> String {
+    form_urlencoded::Serializer::new(String::new())
+        .append_pair("bucket", &src.bucket)
+        .append_pair("key", &src.key)
+        .append_pair("etag", &src.etag)
+        .append_pair("size", &src.size.to_string())
+        .finish()
 }
 
 /// Whether `stream` starts with [`crate::frames::MAGIC`] (a framed

@@ -5,6 +5,7 @@
 use arbor_engine::bucket::{MemObjectStore, ObjectStore};
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::{bytes_under, http_get};
 use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
@@ -19,10 +20,12 @@ use std::time::Duration;
 const TOKEN: &str = "a-shared-secret";
 const MIB: usize = 1 << 20;
 
-/// A bucket that counts the bytes of segment data it sends.
+/// A bucket that counts the bytes of segment data it sends, and of
+/// conditional GETs (source objects read by imported files).
 struct Counting {
     inner: MemObjectStore,
     segment_bytes: AtomicU64,
+    source_bytes: AtomicU64,
 }
 
 impl Counting {
@@ -43,6 +46,11 @@ impl ObjectStore for Counting {
     }
     fn get(&self, key: &str) -> Result<(Vec<u8>, String)> {
         self.inner.get(key)
+    }
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
+        let got = self.inner.get_range_if(key, range, etag)?;
+        self.source_bytes.fetch_add(got.len() as u64, Ordering::Relaxed);
+        Ok(got)
     }
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
         let got = self.inner.get_range(key, range)?;
@@ -72,7 +80,11 @@ fn vol_cfg(read_only: bool) -> Config {
 
 /// A bucket holding one file of `mib` MiB on branch main.
 fn bucket_with_file(dir: &Path, mib: usize) -> (Arc<Counting>, Vec<u8>) {
-    let store = Arc::new(Counting { inner: MemObjectStore::new(), segment_bytes: AtomicU64::new(0) });
+    let store = Arc::new(Counting {
+        inner: MemObjectStore::new(),
+        segment_bytes: AtomicU64::new(0),
+        source_bytes: AtomicU64::new(0),
+    });
     let dyn_store: Arc<dyn ObjectStore> = store.clone();
     let data = pattern(mib * MIB, 7);
     let dev = BucketDevice::open(dyn_store.clone(), &dir.join("writer"), TierConfig::default()).expect("device");
@@ -342,4 +354,95 @@ fn a_client_with_the_wrong_token_reads_the_bucket_and_stops_asking() {
     assert!(s.fallback_error >= 1 && s.fallback_down >= 1, "refused once, then left alone: {s:?}");
     assert!(s.fallback_error < 4, "not one refused round trip per chunk: {s:?}");
     assert_eq!(server.metric("arbor_cache_bucket_bytes_total"), 0, "nothing was fetched for it");
+}
+
+/// A volume of its own (a local folder) with `object` of `bucket` imported
+/// as file `data`, reading through `servers`.
+fn imported(
+    dir: &Path,
+    bucket: &Arc<Counting>,
+    object: &Source,
+    servers: Option<Arc<CacheClient>>,
+) -> (Arc<Volume>, u64) {
+    let dev = arbor_engine::device::FileDevice::open(dir, arbor_engine::io::IoMode::Auto).expect("device");
+    let cfg = Config {
+        sources: FixedSources::with("corpus", bucket.clone()),
+        source_servers: servers.map(|c| c as Arc<dyn ChunkSource>),
+        ..vol_cfg(false)
+    };
+    let vol = Volume::open(dev, cfg).expect("volume");
+    let now = arbor_engine::env::Timestamp { secs: 0, nanos: 0 };
+    let ino = vol.import(ROOT_INO, b"data", 0o644, (0, 0), object.clone(), now).expect("import").ino;
+    (vol, ino)
+}
+
+fn read_all(vol: &Volume, ino: u64, len: usize) -> arbor_engine::Result<Vec<u8>> {
+    let mut got = Vec::with_capacity(len);
+    while got.len() < len {
+        let part = vol.read(ino, got.len() as u64, MIB)?;
+        assert!(!part.is_empty(), "short file");
+        got.extend_from_slice(&part);
+    }
+    Ok(got)
+}
+
+#[test]
+fn imported_files_read_through_a_server_pull_each_object_chunk_from_the_bucket_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = bucket_with_file(dir.path(), 1);
+    let body = pattern(5 * MIB + 12_345, 11);
+    let etag = store.put("shards/train-0001.tar", &body).expect("put");
+    let object = Source {
+        bucket: "corpus".into(),
+        key: "shards/train-0001.tar".into(),
+        size: body.len() as u64,
+        etag: etag.clone(),
+        version: None,
+    };
+    let sources = FixedSources::with("corpus", store.clone());
+    let opts = |fault| ServerOptions {
+        token: TOKEN.into(),
+        fault,
+        objects: Some(Arc::new(SourceReader::serving(sources.clone(), 64 << 20))),
+        ..ServerOptions::default()
+    };
+    let cache = SegmentCache::in_memory(store.clone(), 1 << 30).expect("cache");
+    let server = Server::start_with(CacheServer::new(cache, opts(None)));
+    let chunks = body.len().div_ceil(MIB) as u64;
+
+    // Two readers in turn: the first one's chunks come from the bucket once
+    // (through the server), the second's from the server alone.
+    for reader in 0..2 {
+        let (vol, ino) =
+            imported(&dir.path().join(format!("reader{reader}")), &store, &object, Some(client(&[&server])));
+        assert!(read_all(&vol, ino, body.len()).expect("read") == body, "reader {reader}: the object's bytes");
+        let s = vol.source_stats();
+        assert_eq!((s.from_servers, s.gets), (chunks, 0), "reader {reader}: every chunk from the server: {s:?}");
+    }
+    assert_eq!(store.source_bytes.load(Ordering::Relaxed), body.len() as u64, "the bucket sent the object once");
+    assert_eq!(server.metric("arbor_cache_misses_total"), chunks);
+    assert_eq!(server.metric("arbor_cache_hits_total"), chunks);
+
+    // A server that damages what it sends: caught by the checksum it sent,
+    // every chunk read from the bucket, the bytes right.
+    for (n, fault) in [Fault::Corrupt, Fault::Short].into_iter().enumerate() {
+        let cache = SegmentCache::in_memory(store.clone(), 1 << 30).expect("cache");
+        let bad = Server::start_with(CacheServer::new(cache, opts(Some(fault))));
+        let c = client(&[&bad]);
+        let (vol, ino) = imported(&dir.path().join(format!("faulty{n}")), &store, &object, Some(c.clone()));
+        assert!(read_all(&vol, ino, body.len()).expect("read") == body, "{fault:?}: the object's bytes");
+        let s = vol.source_stats();
+        assert_eq!(s.from_servers, 0, "{fault:?}: nothing damaged was used: {s:?}");
+        assert_eq!(c.stats()[0].rejected, chunks, "{fault:?}: {:?}", c.stats());
+    }
+
+    // The object changed in the bucket: the server does not serve the old
+    // version's chunks it no longer has, and the reader gets EIO from the
+    // bucket's refusal, never the new bytes.
+    store.put("shards/train-0001.tar", &pattern(body.len(), 99)).expect("overwrite");
+    let cache = SegmentCache::in_memory(store.clone(), 1 << 30).expect("cache");
+    let fresh = Server::start_with(CacheServer::new(cache, opts(None)));
+    let (vol, ino) = imported(&dir.path().join("after-change"), &store, &object, Some(client(&[&fresh])));
+    let err = read_all(&vol, ino, body.len()).expect_err("a changed object");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
 }

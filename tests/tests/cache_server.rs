@@ -2,6 +2,7 @@
 //! bytes sent are counted by a proxy of the test's own, real FUSE mounts
 //! reading through the shared cache.
 
+use arbor_engine::bucket::ObjectStore;
 use arbor_engine::testkit::S3_BUCKET;
 use arbor_tests::*;
 use std::io::Read;
@@ -305,4 +306,45 @@ fn one_warm_dataset_for_every_node_and_job() {
     let text = arbor_env_ok(&["status", c.mnt.to_str().expect("utf8")], &env);
     assert!(text.contains("rejected (bad checksum)"), "{text}");
     c.unmount_env(&env);
+}
+
+#[test]
+fn imported_files_are_pulled_from_their_bucket_once_through_the_server() {
+    let Some(w) = S3World::start() else { return };
+    let body = pattern((10 << 20) + 4321, 77);
+    w.bucket().put("corpus/tokens.bin", &body).expect("put");
+    let disk = format!("s3://{S3_BUCKET}/disks/imported");
+    arbor_env_ok(&["init", &disk], &w.env);
+    arbor_env_ok(&["import", &disk, &format!("s3://{S3_BUCKET}/corpus")], &w.env);
+    let main = w.mnt("main");
+    let m = Mount::start_env(&disk, &main, &[], &w.env);
+    arbor_env_ok(&["checkpoints", "create", main.to_str().expect("utf8"), "v1"], &w.env);
+    m.unmount_env(&w.env);
+
+    let proxy = Proxy::start(w.s3_addr(), Duration::ZERO).expect("proxy");
+    let mut env = w.env_via(&proxy.endpoint());
+    env.push(("ARBOR_CACHE_TIMEOUT_MS", "30000".into()));
+    let server = Serve::start(&w, &env, &disk, &w.dir.path().join("server-cache"), &[]);
+    let (len, chunks) = (body.len() as u64, body.len().div_ceil(1 << 20) as u64);
+    // Two client mounts in turn, each with an empty cache: the object's
+    // bytes leave the bucket once, for the server.
+    for n in 0..2 {
+        let before = proxy.sent();
+        let c = client(&w, &env, &disk, &format!("reader-{n}"), &[&server.addr]);
+        assert!(std::fs::read(c.mnt.join("tokens.bin")).expect("read") == body, "reader {n}: the object's bytes");
+        let st: serde_json::Value = serde_json::from_str(&status_json(&c.mnt, &env)).expect("status json");
+        let imported = &st["imported"];
+        assert_eq!(imported["fetched_bytes"], 0, "reader {n} read nothing from the bucket itself: {imported}");
+        assert_eq!(imported["from_servers"], chunks, "reader {n}: every chunk from the server: {imported}");
+        c.unmount_env(&env);
+        let pulled = proxy.sent() - before;
+        eprintln!("reader {n}: the bucket sent {pulled} B for a {len} B object");
+        if n == 0 {
+            assert!(pulled >= len && pulled < len + len / 10, "the first reader's server pulled {pulled} B");
+        } else {
+            assert!(pulled < len / 20, "the second reader pulled {pulled} B from the bucket");
+        }
+    }
+    // (The disk's own metadata chunks count here too.)
+    assert!(server.metric("arbor_cache_hits_total") >= chunks, "the second reader's chunks were hits");
 }

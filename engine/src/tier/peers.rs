@@ -6,6 +6,7 @@
 //! give, or gave wrong, is read from the bucket.
 
 use crate::format::SegId;
+use crate::source::Source;
 use std::ops::Range;
 
 /// One chunk asked of a [`ChunkSource`].
@@ -24,4 +25,14 @@ pub trait ChunkSource: Send + Sync {
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>>;
     /// Chunk `index` of `seg` as given failed its checksum.
     fn rejected(&self, seg: SegId, index: u32);
+
+    /// Chunks `wanted` (1 MiB each, by index) of source object `src`, in
+    /// order: `None` for each this source cannot give now. An object
+    /// chunk has no checksum in the bucket: a source checks what it can
+    /// (its transport's) and gives only what passed.
+    fn fetch_object(&self, _src: &Source, wanted: &[u64]) -> Vec<Option<Vec<u8>>> {
+        vec![None; wanted.len()]
+    }
+    /// Chunk `index` of `src` as given had the wrong length.
+    fn object_rejected(&self, _src: &Source, _index: u64) {}
 }

@@ -85,6 +85,8 @@ pub struct Config {
     pub env: Arc<dyn Env>,
     /// Where imported files' objects are read from.
     pub sources: Arc<dyn crate::source::Sources>,
+    /// Cache servers asked for an imported file's chunks before its bucket.
+    pub source_servers: Option<Arc<dyn crate::tier::ChunkSource>>,
 }
 
 impl Default for Config {
@@ -100,6 +102,7 @@ impl Default for Config {
             root_gid: 0,
             env: Arc::new(SystemEnv),
             sources: Arc::new(crate::source::EnvSources::default()),
+            source_servers: None,
         }
     }
 }

@@ -56,7 +56,7 @@ impl Volume {
         let vol = Volume {
             state: RwLock::new(st),
             nodes,
-            sources: crate::source::SourceReader::new(cfg.sources.clone()),
+            sources: crate::source::SourceReader::new(cfg.sources.clone(), cfg.source_servers.clone()),
             cfg,
             opens: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),
