@@ -63,13 +63,26 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         (None, None, "none (a local-folder disk)".to_string())
     } else if args.memory {
         let cache = arbor_engine::tier::SegmentCache::in_memory(d.store().clone(), args.cache_size)?;
-        (Some(cache), None, "memory".to_string())
+        (Some(Arc::new(cache)), None, "memory".to_string())
     } else {
         let dir = cache_dir(args, &d)?;
         let lock = lock_cache_dir(&dir)?;
         let cache = arbor_engine::tier::SegmentCache::open(d.store().clone(), &dir.join("chunks"), args.cache_size)
             .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
-        (Some(cache), Some(lock), dir.display().to_string())
+        (Some(Arc::new(cache)), Some(lock), dir.display().to_string())
+    };
+    // Source-object chunks on disk beside the segment chunks, in the same
+    // --cache-size budget (they give way to segment chunks).
+    let object_files = match (&cache, &_lock) {
+        (Some(segments), Some(_)) if args.object_memory > 0 => {
+            let dir = cache_dir(args, &d)?.join("objects");
+            let segments = segments.clone();
+            let others: arbor_engine::source::Others = Box::new(move || segments.stats().cached_bytes);
+            let files = arbor_engine::source::ChunkFiles::open(&dir, args.cache_size, Some(others))
+                .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
+            Some(files)
+        }
+        _ => None,
     };
     let listener =
         std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -91,7 +104,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     let shared = owned.iter().map(|o| o.shared.clone()).collect();
     let objects = (args.object_memory > 0).then(|| {
         let sources = Arc::new(arbor_engine::source::EnvSources::default());
-        Arc::new(arbor_engine::source::SourceReader::serving(sources, args.object_memory))
+        Arc::new(arbor_engine::source::SourceReader::serving(sources, args.object_memory, object_files))
     });
     let opts = ServerOptions { token, fault: args.fault, keep_for: args.keep_for, objects };
     let server = CacheServer::owner(cache, shared, opts);

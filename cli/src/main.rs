@@ -285,8 +285,9 @@ struct ServeCmd {
     /// How much chunk data the cache keeps, e.g. 2T.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
     cache_size: disk::Size,
-    /// How much of imported files' source objects to keep, in memory
-    /// (0: do not serve them; their clients read their buckets).
+    /// How much of imported files' source objects to keep in memory, in
+    /// front of the cache folder (0: do not serve them; their clients read
+    /// their buckets).
     #[arg(long, default_value = "1G")]
     object_memory: disk::Size,
     /// A file holding the token every client must present.
@@ -565,16 +566,20 @@ fn print_status(s: &serde_json::Value) {
         );
     }
     let i = &s["imported"];
-    if i["gets"].as_u64().unwrap_or(0) > 0 {
-        let n = |k: &str| i[k].as_u64().unwrap_or(0);
+    let n = |k: &str| i[k].as_u64().unwrap_or(0);
+    if n("misses") + n("disk_bytes") > 0 {
         println!(
-            "imported     {} fetched in {} GETs, {} chunk hits, {} misses; {} refused (object changed or gone), {} errors",
+            "imported     {} fetched in {} GETs, {} chunk hits, {} misses ({} from disk, {} from cache servers); {} refused (object changed or gone), {} errors; {} of {} on disk",
             HumanBytes(n("fetched_bytes")),
             n("gets"),
             n("hits"),
             n("misses"),
+            n("from_disk"),
+            n("from_servers"),
             n("changed"),
             n("errors"),
+            HumanBytes(n("disk_bytes")),
+            HumanBytes(n("disk_capacity")),
         );
     }
     for c in s["cache_servers"].as_array().into_iter().flatten() {

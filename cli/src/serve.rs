@@ -180,7 +180,8 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
 
 fn imported_json(i: arbor_engine::source::SourceStats) -> Value {
     json!({"gets": i.gets, "fetched_bytes": i.fetched_bytes, "hits": i.hits, "misses": i.misses,
-           "changed": i.changed, "errors": i.errors, "from_servers": i.from_servers})
+           "changed": i.changed, "errors": i.errors, "from_servers": i.from_servers, "from_disk": i.from_disk,
+           "disk_bytes": i.disk_bytes, "disk_capacity": i.disk_capacity, "disk_damaged": i.disk_damaged})
 }
 
 pub fn compact_json(r: arbor_engine::volume::CompactReport) -> Value {
@@ -246,6 +247,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let cfg = Config {
         segment_size: args.segment_size,
         source_servers: p.cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>),
+        source_files: p.disk.source_files()?,
         ..Config::default()
     };
     let opening = Instant::now();

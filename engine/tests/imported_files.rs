@@ -248,3 +248,65 @@ fn an_import_crashed_anywhere_recovers_a_prefix_and_a_rerun_completes_it() {
     }
     assert!(crashed > 0 && prefixes.len() > 2, "crashes landed inside the import: {prefixes:?}");
 }
+
+#[test]
+fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch() {
+    use arbor_engine::source::ChunkFiles;
+    let w = World::new();
+    let files_dir = tempfile::tempdir().expect("tempdir");
+    let body = pattern((5 << 20) + 777, 3);
+    let chunks = body.len().div_ceil(1 << 20) as u64;
+    let open = || {
+        let files = ChunkFiles::open(files_dir.path(), 64 << 20, None).expect("files");
+        let cfg = Config { source_files: Some(files), ..w.cfg() };
+        Volume::open(Arc::new(w.dev.clone()), cfg).expect("open")
+    };
+    let vol = open();
+    let ino = w.import(&vol, "big.bin", &body);
+    assert_eq!(vol.read(ino, 0, body.len()).expect("read"), body);
+    // Chunks go to disk once their readers have them: wait (bounded) for that.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while vol.source_stats().disk_bytes <= body.len() as u64 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let s = vol.source_stats();
+    assert_eq!((s.fetched_bytes, s.from_disk), (body.len() as u64, 0), "{s:?}");
+    assert!(s.disk_bytes > body.len() as u64, "kept on disk: {s:?}");
+    vol.close().expect("close");
+
+    // A new process: its memory is empty, the files are not.
+    let vol = open();
+    assert_eq!(vol.read(ino, 0, body.len()).expect("read"), body);
+    let s = vol.source_stats();
+    assert_eq!((s.gets, s.from_disk), (0, chunks), "every chunk from disk: {s:?}");
+    vol.close().expect("close");
+
+    // Every chunk file damaged: each is caught, fetched again, right.
+    let mut damaged = 0;
+    for sub in std::fs::read_dir(files_dir.path()).expect("dir").flatten() {
+        for f in std::fs::read_dir(sub.path()).expect("sub").flatten() {
+            let mut raw = std::fs::read(f.path()).expect("read");
+            let mid = raw.len() - 100;
+            raw[mid] ^= 0x40;
+            std::fs::write(f.path(), &raw).expect("write");
+            damaged += 1;
+        }
+    }
+    assert_eq!(damaged, chunks);
+    let vol = open();
+    assert_eq!(vol.read(ino, 0, body.len()).expect("read"), body, "never the damaged bytes");
+    let s = vol.source_stats();
+    assert_eq!((s.from_disk, s.disk_damaged, s.fetched_bytes), (0, chunks, body.len() as u64), "{s:?}");
+
+    // The object changed: the chunks on disk are the imported version's
+    // bytes (their id names its ETag), so they are still served; a chunk
+    // that has to be fetched fails. Never the new bytes.
+    w.bucket.put("big.bin", &pattern(body.len(), 9)).expect("overwrite");
+    vol.close().expect("close");
+    let vol = open();
+    assert!(vol.read(ino, 0, body.len()).expect("cached") == body, "the imported version's bytes");
+    vol.close().expect("close");
+    let vol = Volume::open(Arc::new(w.dev.clone()), w.cfg()).expect("open without the files");
+    let err = vol.read(ino, 0, 1 << 20).expect_err("changed");
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+}

@@ -115,18 +115,18 @@ fn reply(status: StatusCode, body: impl Into<Bytes>) -> Reply {
 
 impl CacheServer {
     pub fn new(cache: SegmentCache, opts: ServerOptions) -> Arc<CacheServer> {
-        CacheServer::owner(Some(cache), Vec::new(), opts)
+        CacheServer::owner(Some(Arc::new(cache)), Vec::new(), opts)
     }
 
     /// A server that also owns `branches` and serves their files.
     pub fn owner(
-        cache: Option<SegmentCache>,
+        cache: Option<Arc<SegmentCache>>,
         branches: Vec<Arc<SharedBranch>>,
         opts: ServerOptions,
     ) -> Arc<CacheServer> {
         let branches = branches.into_iter().map(|b| (b.name().to_string(), b)).collect();
         Arc::new(CacheServer {
-            cache: cache.map(Arc::new),
+            cache,
             branches,
             opts,
             metrics: Metrics::default(),

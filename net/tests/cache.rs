@@ -403,7 +403,7 @@ fn imported_files_read_through_a_server_pull_each_object_chunk_from_the_bucket_o
     let opts = |fault| ServerOptions {
         token: TOKEN.into(),
         fault,
-        objects: Some(Arc::new(SourceReader::serving(sources.clone(), 64 << 20))),
+        objects: Some(Arc::new(SourceReader::serving(sources.clone(), 64 << 20, None))),
         ..ServerOptions::default()
     };
     let cache = SegmentCache::in_memory(store.clone(), 1 << 30).expect("cache");

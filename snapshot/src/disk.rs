@@ -26,6 +26,7 @@ use arbor_engine::device::{Device, FileDevice};
 use arbor_engine::disk::LeaseConfig;
 use arbor_engine::io::IoMode;
 use arbor_engine::layout::{self, FORMAT, IDENTITY, PROBE};
+use arbor_engine::source::{ChunkFiles, Others};
 use arbor_engine::tier::{BucketDevice, ChunkSource, Durability, TierConfig, TierStats, CACHE_SIZE, READ_AHEAD};
 use arbor_engine::Error as EngineError;
 use std::path::{Path, PathBuf};
@@ -407,6 +408,23 @@ impl Disk {
     /// Upload and cache counters, for an s3 disk opened by this process.
     pub fn tier_stats(&self) -> Option<TierStats> {
         self.tier.get().map(|t| t.stats())
+    }
+
+    /// Where a mount keeps imported files' chunks on this node: the
+    /// `objects` folder of its cache folder, in the same `--cache-size`
+    /// budget as the segment chunks (to which they give way). `None` for a
+    /// command, or a cache in memory only.
+    pub fn source_files(self: &Arc<Self>) -> Result<Option<Arc<ChunkFiles>>> {
+        if self.opts.mount.is_none() || self.opts.cache.memory {
+            return Ok(None);
+        }
+        let disk = Arc::downgrade(self);
+        let segments: Others =
+            Box::new(move || disk.upgrade().and_then(|d| d.tier_stats()).map_or(0, |t| t.cache.cached_bytes));
+        let dir = self.cache_dir().join("objects");
+        let files = ChunkFiles::open(&dir, self.opts.cache.size, Some(segments))
+            .map_err(|e| fail(e.errno(), format!("cannot open cache directory {}: {e}", dir.display())))?;
+        Ok(Some(files))
     }
 
     /// Where a background mount of `name` logs.

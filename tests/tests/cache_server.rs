@@ -347,4 +347,31 @@ fn imported_files_are_pulled_from_their_bucket_once_through_the_server() {
     }
     // (The disk's own metadata chunks count here too.)
     assert!(server.metric("arbor_cache_hits_total") >= chunks, "the second reader's chunks were hits");
+
+    // A restarted server finds the chunks in its cache folder.
+    let port = server.port();
+    drop(server);
+    let server = Serve::start_on(&w, &env, &disk, &w.dir.path().join("server-cache"), port, &[]);
+    let c = client(&w, &env, &disk, "reader-2", &[&server.addr]);
+    assert!(std::fs::read(c.mnt.join("tokens.bin")).expect("read") == body, "after a restart: the object's bytes");
+    c.unmount_env(&env);
+    let refetched = server.metric("arbor_cache_bucket_bytes_total");
+    assert!(refetched < len / 20, "the restarted server fetched {refetched} B");
+
+    // The first reader again, with no server: its cache folder kept the
+    // chunks (and checks each one before it is used).
+    drop(server);
+    let before = proxy.sent();
+    let c = client(&w, &env, &disk, "reader-0", &[]);
+    assert!(std::fs::read(c.mnt.join("tokens.bin")).expect("read") == body, "again: the object's bytes");
+    let st: serde_json::Value = serde_json::from_str(&status_json(&c.mnt, &env)).expect("status json");
+    let imported = &st["imported"];
+    assert_eq!(
+        (imported["from_disk"].as_u64(), imported["fetched_bytes"].as_u64()),
+        (Some(chunks), Some(0)),
+        "{imported}"
+    );
+    assert!(imported["disk_bytes"].as_u64() > Some(len), "{imported}");
+    c.unmount_env(&env);
+    assert!(proxy.sent() - before < len / 20, "from its own disk, not the bucket");
 }

@@ -87,6 +87,8 @@ pub struct Config {
     pub sources: Arc<dyn crate::source::Sources>,
     /// Cache servers asked for an imported file's chunks before its bucket.
     pub source_servers: Option<Arc<dyn crate::tier::ChunkSource>>,
+    /// Where an imported file's chunks are kept on local disk.
+    pub source_files: Option<Arc<crate::source::ChunkFiles>>,
 }
 
 impl Default for Config {
@@ -103,6 +105,7 @@ impl Default for Config {
             env: Arc::new(SystemEnv),
             sources: Arc::new(crate::source::EnvSources::default()),
             source_servers: None,
+            source_files: None,
         }
     }
 }

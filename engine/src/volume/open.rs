@@ -56,7 +56,11 @@ impl Volume {
         let vol = Volume {
             state: RwLock::new(st),
             nodes,
-            sources: crate::source::SourceReader::new(cfg.sources.clone(), cfg.source_servers.clone()),
+            sources: crate::source::SourceReader::new(
+                cfg.sources.clone(),
+                cfg.source_servers.clone(),
+                cfg.source_files.clone(),
+            ),
             cfg,
             opens: Mutex::new(HashMap::new()),
             poisoned: AtomicBool::new(false),

@@ -13,10 +13,17 @@
 //! index), which names one version's bytes forever, so it needs no
 //! invalidation either. A chunk the server does not give, or gives with
 //! the wrong length, is read from the bucket.
+//!
+//! A mount (and a server) also keeps the chunks it fetched on local disk
+//! ([`ChunkFiles`], in its cache folder): memory, then disk, then the
+//! servers, then the bucket.
 
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
 use crate::error::{Error, Result};
 use crate::tier::ChunkSource;
+
+mod disk;
+pub use disk::{ChunkFiles, ChunkFilesStats, Others};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -166,6 +173,13 @@ pub struct SourceStats {
     pub errors: u64,
     /// Chunks cache servers gave (and so were not read from the bucket).
     pub from_servers: u64,
+    /// Chunks found in the local chunk files.
+    pub from_disk: u64,
+    /// The local chunk files: bytes held, the most they may hold, and
+    /// files that failed their checks.
+    pub disk_bytes: u64,
+    pub disk_capacity: u64,
+    pub disk_damaged: u64,
 }
 
 #[derive(Default)]
@@ -177,6 +191,7 @@ struct Counters {
     changed: AtomicU64,
     errors: AtomicU64,
     from_servers: AtomicU64,
+    from_disk: AtomicU64,
 }
 
 /// A reader of source objects: a volume's, or a cache server's.
@@ -188,6 +203,19 @@ pub struct SourceReader {
     ahead: u64,
     /// Cache servers asked for a chunk before the bucket.
     servers: Option<Arc<dyn ChunkSource>>,
+    /// Chunks kept on local disk.
+    files: Option<Arc<ChunkFiles>>,
+    /// The fetch threads that may still run, joined when the reader goes
+    /// (so that what they fetched is on disk when its process ends).
+    fetches: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for SourceReader {
+    fn drop(&mut self) {
+        for t in std::mem::take(&mut *self.fetches.lock()) {
+            let _ = t.join();
+        }
+    }
 }
 
 impl std::fmt::Debug for SourceReader {
@@ -232,28 +260,38 @@ impl ChunkCache {
 }
 
 impl SourceReader {
-    /// A volume's reader: a small cache, read-ahead for sequential
-    /// readers, and `servers` (if any) asked before the bucket.
-    pub fn new(sources: Arc<dyn Sources>, servers: Option<Arc<dyn ChunkSource>>) -> SourceReader {
+    /// A volume's reader: a small cache in memory, read-ahead for
+    /// sequential readers, then `files` and `servers` (if any) before the
+    /// bucket.
+    pub fn new(
+        sources: Arc<dyn Sources>,
+        servers: Option<Arc<dyn ChunkSource>>,
+        files: Option<Arc<ChunkFiles>>,
+    ) -> SourceReader {
         SourceReader {
             sources,
             cache: Arc::new(Mutex::new(ChunkCache::new(CACHED_CHUNKS))),
             counters: Arc::default(),
             ahead: AHEAD,
             servers,
+            files,
+            fetches: Mutex::default(),
         }
     }
 
     /// A cache server's reader: `capacity` bytes of chunks in memory and
     /// no read-ahead (its clients read ahead, and each server is asked
     /// only for its own share of the chunks).
-    pub fn serving(sources: Arc<dyn Sources>, capacity: u64) -> SourceReader {
+    /// Behind the memory, `files` (if any).
+    pub fn serving(sources: Arc<dyn Sources>, capacity: u64, files: Option<Arc<ChunkFiles>>) -> SourceReader {
         SourceReader {
             sources,
             cache: Arc::new(Mutex::new(ChunkCache::new((capacity / CHUNK).max(1) as usize))),
             counters: Arc::default(),
             ahead: 0,
             servers: None,
+            files,
+            fetches: Mutex::default(),
         }
     }
 
@@ -268,6 +306,16 @@ impl SourceReader {
             changed: get(&c.changed),
             errors: get(&c.errors),
             from_servers: get(&c.from_servers),
+            from_disk: get(&c.from_disk),
+            ..self.files.as_ref().map_or_else(SourceStats::default, |f| {
+                let s = f.stats();
+                SourceStats {
+                    disk_bytes: s.bytes,
+                    disk_capacity: s.capacity,
+                    disk_damaged: s.damaged,
+                    ..SourceStats::default()
+                }
+            })
         }
     }
 
@@ -389,25 +437,30 @@ impl SourceReader {
     }
 
     /// Fetches the consecutive chunks of `run` on a thread of its own:
-    /// asks the cache servers (if any), then the bucket, with one GET, for
-    /// the rest. Their waiters wake when they are cached (or failed).
+    /// from the local chunk files, the cache servers, then the bucket
+    /// (one GET for the rest), each where the one before had nothing.
+    /// Their waiters wake when they are cached (or failed).
     fn spawn_fetch(&self, store: Arc<dyn ObjectStore>, src: Source, object: ObjectId, run: Vec<(u64, Arc<Pending>)>) {
         let cache = self.cache.clone();
         let counters = self.counters.clone();
-        let servers = self.servers.clone();
+        let (servers, files) = (self.servers.clone(), self.files.clone());
         let shared = Arc::new(run);
         let spawned = std::thread::Builder::new().name("arbor-source".into()).spawn({
             let (src, object, run) = (src.clone(), object.clone(), shared.clone());
             move || {
                 // Waiters sleep until every chunk is finished: a panic in
-                // a server client or the store must finish them too.
-                let rest = match &servers {
-                    Some(servers) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        from_servers(&**servers, &src, &object, &run, &cache, &counters)
-                    }))
-                    .unwrap_or_else(|_| run.iter().collect()),
-                    None => run.iter().collect(),
-                };
+                // a tier or the store must finish them too.
+                let tiers = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let mut rest: Vec<&(u64, Arc<Pending>)> = run.iter().collect();
+                    if let Some(files) = &files {
+                        rest = from_files(files, &object, rest, &cache, &counters);
+                    }
+                    if let Some(servers) = servers.as_ref().filter(|_| !rest.is_empty()) {
+                        rest = from_servers(&**servers, &src, &object, rest, &cache, &counters, files.as_deref());
+                    }
+                    rest
+                }));
+                let rest = tiers.unwrap_or_else(|_| run.iter().collect());
                 let (Some((first, _)), Some((last, _))) = (rest.first(), rest.last()) else { return };
                 let range = first * CHUNK..((last + 1) * CHUNK).min(src.size);
                 let want = range.end - range.start;
@@ -430,10 +483,22 @@ impl SourceReader {
                 match got {
                     Ok(bytes) => {
                         let body = Arc::new(bytes);
-                        for (i, p) in rest {
-                            let start = ((i - first) * CHUNK) as usize;
-                            let len = (body.len() - start).min(CHUNK as usize);
-                            finish(&cache, &object, *i, p, Ok(Chunk { body: body.clone(), start, len }));
+                        let chunks: Vec<(u64, Chunk)> = rest
+                            .iter()
+                            .map(|(i, _)| {
+                                let start = ((i - first) * CHUNK) as usize;
+                                let len = (body.len() - start).min(CHUNK as usize);
+                                (*i, Chunk { body: body.clone(), start, len })
+                            })
+                            .collect();
+                        for ((i, p), (_, chunk)) in rest.iter().zip(&chunks) {
+                            finish(&cache, &object, *i, p, Ok(chunk.clone()));
+                        }
+                        // Kept on disk once the readers have their bytes.
+                        if let Some(files) = &files {
+                            for (i, chunk) in &chunks {
+                                files.put(&object, *i, chunk.bytes());
+                            }
                         }
                     }
                     Err(e) => {
@@ -448,12 +513,42 @@ impl SourceReader {
                 }
             }
         });
-        if let Err(e) = spawned {
-            for (i, p) in shared.iter() {
-                finish(&self.cache, &object, *i, p, Err(Failed::Other(format!("cannot start a fetch: {e}"))));
+        match spawned {
+            Ok(t) => {
+                let mut fetches = self.fetches.lock();
+                fetches.retain(|t| !t.is_finished());
+                fetches.push(t);
+            }
+            Err(e) => {
+                for (i, p) in shared.iter() {
+                    finish(&self.cache, &object, *i, p, Err(Failed::Other(format!("cannot start a fetch: {e}"))));
+                }
             }
         }
     }
+}
+
+/// Finishes the chunks of `run` the local files have; the rest.
+fn from_files<'a>(
+    files: &ChunkFiles,
+    object: &ObjectId,
+    run: Vec<&'a (u64, Arc<Pending>)>,
+    cache: &Mutex<ChunkCache>,
+    counters: &Counters,
+) -> Vec<&'a (u64, Arc<Pending>)> {
+    let mut rest = Vec::new();
+    for entry in run {
+        let (i, p) = entry;
+        match files.get(object, *i) {
+            Some(bytes) => {
+                counters.from_disk.fetch_add(1, Ordering::Relaxed);
+                let len = bytes.len();
+                finish(cache, object, *i, p, Ok(Chunk { body: Arc::new(bytes), start: 0, len }));
+            }
+            None => rest.push(entry),
+        }
+    }
+    rest
 }
 
 /// The length of chunk `i` of an object of `size` bytes.
@@ -461,32 +556,40 @@ fn chunk_len(size: u64, i: u64) -> u64 {
     size.saturating_sub(i * CHUNK).min(CHUNK)
 }
 
-/// Asks `servers` for the chunks of `run` and finishes those given whole;
-/// the rest, still to be read from the bucket.
+/// Asks `servers` for the chunks of `run` and finishes those given whole
+/// (and keeps them in `files`); the rest, still to be read from the bucket.
 fn from_servers<'a>(
     servers: &dyn ChunkSource,
     src: &Source,
     object: &ObjectId,
-    run: &'a [(u64, Arc<Pending>)],
+    run: Vec<&'a (u64, Arc<Pending>)>,
     cache: &Mutex<ChunkCache>,
     counters: &Counters,
+    files: Option<&ChunkFiles>,
 ) -> Vec<&'a (u64, Arc<Pending>)> {
     let wanted: Vec<u64> = run.iter().map(|(i, _)| *i).collect();
     let mut given = servers.fetch_object(src, &wanted).into_iter();
     let mut rest = Vec::new();
+    let mut keep = Vec::new();
     for entry in run {
         let (i, p) = entry;
         match given.next().flatten() {
             Some(bytes) if bytes.len() as u64 == chunk_len(src.size, *i) => {
                 counters.from_servers.fetch_add(1, Ordering::Relaxed);
-                let len = bytes.len();
-                finish(cache, object, *i, p, Ok(Chunk { body: Arc::new(bytes), start: 0, len }));
+                let chunk = Chunk { start: 0, len: bytes.len(), body: Arc::new(bytes) };
+                finish(cache, object, *i, p, Ok(chunk.clone()));
+                keep.push((*i, chunk));
             }
             Some(_) => {
                 servers.object_rejected(src, *i);
                 rest.push(entry);
             }
             None => rest.push(entry),
+        }
+    }
+    if let Some(files) = files {
+        for (i, chunk) in keep {
+            files.put(object, i, chunk.bytes());
         }
     }
     rest

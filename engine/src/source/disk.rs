@@ -1,0 +1,327 @@
+//! Source-object chunks on local disk: a node's second cache behind the
+//! memory one, kept across restarts, bounded by bytes, least recently used
+//! out first.
+//!
+//! An object version's chunk never changes (its id names the ETag), so a
+//! cached chunk needs no invalidation; it needs only to be the bytes that
+//! were put. Each chunk is one file, `<hh>/<hash>-<index>`, written to a
+//! temporary name and renamed into place, holding a header (magic, the
+//! body's crc32c and length, the full object id) and the body. A read
+//! checks all of them: a file that fails is removed and counted, and the
+//! chunk is fetched again — a damaged cache costs a fetch, never wrong
+//! bytes. Nothing is fsynced: a file lost in a crash is only a miss.
+
+use crate::error::Result;
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+const MAGIC: [u8; 8] = *b"ARBOBJC1";
+/// magic, crc32c, body length, id length.
+const HEADER: usize = 8 + 4 + 4 + 4;
+
+/// (hash of the object id, chunk index).
+type Key = (u64, u64);
+
+/// Bytes some other cache holds in the same budget (a mount's segment
+/// chunks): these chunks give way to them.
+pub type Others = Box<dyn Fn() -> u64 + Send + Sync>;
+
+pub struct ChunkFiles {
+    dir: PathBuf,
+    capacity: u64,
+    others: Option<Others>,
+    state: Mutex<State>,
+    hits: AtomicU64,
+    damaged: AtomicU64,
+    /// Numbers temporary file names (two writers of one chunk never share one).
+    tmp: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    /// Each chunk's length and last use.
+    entries: HashMap<Key, (u64, u64)>,
+    /// Last use → chunk, oldest first.
+    by_use: BTreeMap<u64, Key>,
+    bytes: u64,
+    clock: u64,
+}
+
+impl State {
+    fn touch(&mut self, key: Key) {
+        self.clock += 1;
+        let clock = self.clock;
+        if let Some((_, used)) = self.entries.get_mut(&key) {
+            self.by_use.remove(used);
+            *used = clock;
+            self.by_use.insert(clock, key);
+        }
+    }
+
+    fn add(&mut self, key: Key, len: u64) {
+        self.forget(key);
+        self.clock += 1;
+        self.entries.insert(key, (len, self.clock));
+        self.by_use.insert(self.clock, key);
+        self.bytes += len;
+    }
+
+    fn forget(&mut self, key: Key) {
+        if let Some((len, used)) = self.entries.remove(&key) {
+            self.by_use.remove(&used);
+            self.bytes -= len;
+        }
+    }
+}
+
+/// What the files held and did, for status.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChunkFilesStats {
+    pub bytes: u64,
+    pub capacity: u64,
+    /// Chunks read from the files.
+    pub hits: u64,
+    /// Files that failed their checks (removed, fetched again).
+    pub damaged: u64,
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+impl ChunkFiles {
+    /// Opens (creating it) the folder `dir`, finds the chunks already
+    /// there, and keeps at most `capacity` bytes of them, fewer when
+    /// `others` (if given) holds some of the same budget.
+    pub fn open(dir: &Path, capacity: u64, others: Option<Others>) -> Result<Arc<ChunkFiles>> {
+        crate::private::create_dir_all(dir)?;
+        let mut found: Vec<(std::time::SystemTime, Key, u64)> = Vec::new();
+        for sub in std::fs::read_dir(dir)?.flatten() {
+            let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
+            for f in files.flatten() {
+                let name = f.file_name();
+                let Some(key) = name.to_str().and_then(parse_name) else {
+                    // A temporary file a crash left behind.
+                    let _ = std::fs::remove_file(f.path());
+                    continue;
+                };
+                if let Ok(m) = f.metadata() {
+                    found.push((m.modified().unwrap_or(std::time::UNIX_EPOCH), key, m.len()));
+                }
+            }
+        }
+        found.sort();
+        let mut state = State::default();
+        for (_, key, len) in found {
+            state.add(key, len);
+        }
+        let files = Arc::new(ChunkFiles {
+            dir: dir.to_path_buf(),
+            capacity,
+            others,
+            state: Mutex::new(state),
+            hits: AtomicU64::new(0),
+            damaged: AtomicU64::new(0),
+            tmp: AtomicU64::new(0),
+        });
+        files.trim();
+        Ok(files)
+    }
+
+    fn key(id: &str, index: u64) -> Key {
+        (fnv1a(id.as_bytes()), index)
+    }
+
+    fn path(&self, (hash, index): Key) -> PathBuf {
+        self.dir.join(format!("{:02x}", hash >> 56)).join(format!("{hash:016x}-{index}"))
+    }
+
+    /// Chunk `index` of object `id`, if it is here and passes its checks.
+    pub fn get(&self, id: &str, index: u64) -> Option<Vec<u8>> {
+        let key = Self::key(id, index);
+        if !self.state.lock().entries.contains_key(&key) {
+            return None;
+        }
+        let path = self.path(key);
+        let Ok(file) = std::fs::read(&path) else {
+            self.state.lock().forget(key);
+            return None;
+        };
+        match check(&file, id) {
+            Some(body) => {
+                self.state.lock().touch(key);
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                Some(body.to_vec())
+            }
+            None => {
+                // Another object with the same hash is a plain miss; a
+                // file of this object that fails its checks is damage.
+                if same_object(&file, id) {
+                    self.damaged.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(file = %path.display(), "a cached chunk failed its checksum; fetching it again");
+                }
+                let _ = std::fs::remove_file(&path);
+                self.state.lock().forget(key);
+                None
+            }
+        }
+    }
+
+    /// Keeps `body` as chunk `index` of object `id`. A failure to write
+    /// is logged and forgotten: the chunk is simply not cached.
+    pub fn put(&self, id: &str, index: u64, body: &[u8]) {
+        let key = Self::key(id, index);
+        let path = self.path(key);
+        let mut file = Vec::with_capacity(HEADER + id.len() + body.len());
+        file.extend_from_slice(&MAGIC);
+        file.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+        file.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        file.extend_from_slice(&(id.len() as u32).to_le_bytes());
+        file.extend_from_slice(id.as_bytes());
+        file.extend_from_slice(body);
+        let n = self.tmp.fetch_add(1, Ordering::Relaxed);
+        let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
+        let written = path
+            .parent()
+            .map_or(Ok(()), crate::private::create_dir_all)
+            .and_then(|()| std::fs::write(&tmp, &file))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        match written {
+            Ok(()) => {
+                self.state.lock().add(key, file.len() as u64);
+                self.trim();
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot cache a chunk on disk");
+            }
+        }
+    }
+
+    /// Removes the least recently used chunks until the budget holds.
+    fn trim(&self) {
+        let others = self.others.as_ref().map_or(0, |f| f());
+        let budget = self.capacity.saturating_sub(others);
+        // Bounded: each round removes one entry.
+        loop {
+            let victim = {
+                let mut s = self.state.lock();
+                if s.bytes <= budget {
+                    return;
+                }
+                let Some((_, &key)) = s.by_use.iter().next() else { return };
+                s.forget(key);
+                key
+            };
+            let _ = std::fs::remove_file(self.path(victim));
+        }
+    }
+
+    pub fn stats(&self) -> ChunkFilesStats {
+        ChunkFilesStats {
+            bytes: self.state.lock().bytes,
+            capacity: self.capacity,
+            hits: self.hits.load(Ordering::Relaxed),
+            damaged: self.damaged.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// `<hash>-<index>`, the name of a chunk's file.
+fn parse_name(name: &str) -> Option<Key> {
+    let (hash, index) = name.split_once('-')?;
+    if hash.len() != 16 {
+        return None;
+    }
+    Some((u64::from_str_radix(hash, 16).ok()?, index.parse().ok()?))
+}
+
+/// The body of a chunk file for object `id`, if the file is whole.
+fn check<'a>(file: &'a [u8], id: &str) -> Option<&'a [u8]> {
+    if file.len() < HEADER || file[..8] != MAGIC {
+        return None;
+    }
+    let word = |at: usize| u32::from_le_bytes(file[at..at + 4].try_into().expect("four bytes"));
+    let (crc, len, id_len) = (word(8), word(12) as usize, word(16) as usize);
+    if file.len() != HEADER + id_len + len || &file[HEADER..HEADER + id_len] != id.as_bytes() {
+        return None;
+    }
+    let body = &file[HEADER + id_len..];
+    (crc32c::crc32c(body) == crc).then_some(body)
+}
+
+/// Whether a chunk file names object `id` (whatever state its body is in).
+fn same_object(file: &[u8], id: &str) -> bool {
+    let Some(id_len) = file.get(16..20).map(|b| u32::from_le_bytes(b.try_into().expect("four bytes")) as usize) else {
+        return false;
+    };
+    file.get(HEADER..HEADER + id_len) == Some(id.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "corpus\0shards/a.tar\0\"etag-1\"";
+
+    #[test]
+    fn chunks_come_back_across_a_reopen_and_damage_is_a_counted_miss() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let files = ChunkFiles::open(dir.path(), 1 << 20, None).expect("open");
+        assert_eq!(files.get(ID, 0), None);
+        files.put(ID, 0, b"chunk zero");
+        files.put(ID, 7, &[7u8; 1000]);
+        assert_eq!(files.get(ID, 0).as_deref(), Some(&b"chunk zero"[..]));
+        // Another version of the object is another object.
+        assert_eq!(files.get("corpus\0shards/a.tar\0\"etag-2\"", 0), None);
+        drop(files);
+
+        let files = ChunkFiles::open(dir.path(), 1 << 20, None).expect("reopen");
+        assert_eq!(files.get(ID, 7), Some(vec![7u8; 1000]));
+        // Flip one byte of chunk 7's body on disk.
+        let path = files.path(ChunkFiles::key(ID, 7));
+        let mut raw = std::fs::read(&path).expect("read");
+        let last = raw.len() - 1;
+        raw[last] ^= 1;
+        std::fs::write(&path, &raw).expect("write");
+        assert_eq!(files.get(ID, 7), None, "a damaged chunk is not given");
+        assert_eq!(files.stats().damaged, 1);
+        assert!(!path.exists(), "and is removed");
+        // A truncated file too.
+        let path0 = files.path(ChunkFiles::key(ID, 0));
+        std::fs::write(&path0, &std::fs::read(&path0).expect("read")[..10]).expect("truncate");
+        assert_eq!(files.get(ID, 0), None);
+        assert_eq!(files.stats().bytes, 0, "both forgotten");
+    }
+
+    #[test]
+    fn the_least_recently_used_chunks_leave_first_and_others_take_their_share() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![1u8; 1000];
+        let one = (HEADER + ID.len() + body.len()) as u64;
+        let files = ChunkFiles::open(dir.path(), 3 * one, None).expect("open");
+        for i in 0..3 {
+            files.put(ID, i, &body);
+        }
+        assert!(files.get(ID, 0).is_some(), "0 is now the most recent");
+        files.put(ID, 3, &body);
+        assert!(files.get(ID, 1).is_none(), "1 was the least recently used");
+        for i in [0, 2, 3] {
+            assert!(files.get(ID, i).is_some(), "{i} stays");
+        }
+        assert_eq!(files.stats().bytes, 3 * one);
+        drop(files);
+        // Reopened with a budget another cache fills two thirds of.
+        let files = ChunkFiles::open(dir.path(), 3 * one, Some(Box::new(move || 2 * one))).expect("reopen");
+        assert_eq!(files.stats().bytes, one, "trimmed to what is left of the budget");
+        let on_disk = walk(dir.path());
+        assert_eq!(on_disk, 1, "the files follow");
+    }
+
+    fn walk(dir: &Path) -> usize {
+        std::fs::read_dir(dir).expect("dir").flatten().map(|s| std::fs::read_dir(s.path()).expect("sub").count()).sum()
+    }
+}
