@@ -202,6 +202,10 @@ struct MountCmd {
     /// Kernel read-ahead for sequential readers, in bytes.
     #[arg(long, default_value_t = arbor_engine::tier::READ_AHEAD as u32)]
     read_ahead: u32,
+    /// Threads answering the kernel: also how many reads may wait for the
+    /// bucket at once (chunks not cached yet, imported files' objects).
+    #[arg(long, default_value_t = arbor_fs::THREADS as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    threads: u16,
     /// Paths (inside the mount, comma-separated) to read in the background once mounted.
     #[arg(long, value_delimiter = ',')]
     pre_fetch: Vec<PathBuf>,
@@ -403,6 +407,7 @@ fn run(cli: Cli) -> Result<()> {
                 branch: m.branch,
                 checkpoint: m.checkpoint,
                 read_ahead: m.read_ahead,
+                threads: m.threads as usize,
                 allow_other: m.allow_other,
                 pre_fetch: m.pre_fetch,
                 maintain_every: m.maintain_every,
@@ -633,6 +638,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground)
         || matches!(&cli.command, Command::Serve(c) if c.foreground);
+    if !matches!(&cli.command, Command::Mount(_) | Command::Serve(_)) {
+        // A command whose output goes to `head` stops quietly when the
+        // reader does, as other tools do, instead of failing to print.
+        // (Sockets are written with MSG_NOSIGNAL and are not affected; the
+        // long-running commands keep the signal ignored all the same.)
+        // SAFETY: setting a signal's disposition to its default.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // The AWS SDK warns about every provider it tries (instance metadata
     // off EC2, for one); arbor reports what failed itself.
     init_logging(if foreground_mount {

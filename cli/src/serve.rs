@@ -21,6 +21,8 @@ pub struct MountArgs {
     pub branch: Option<String>,
     pub checkpoint: Option<String>,
     pub read_ahead: u32,
+    /// Threads answering FUSE requests.
+    pub threads: usize,
     pub allow_other: bool,
     pub pre_fetch: Vec<PathBuf>,
     /// Seconds between background compaction + gc runs (0: none).
@@ -260,7 +262,12 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     };
     let _ = OPEN_MS.set(opening.elapsed().as_millis() as u64);
     let control = control::Server::bind(&p.mountpoint)?;
-    let opts = MountOptions { allow_other: args.allow_other, read_ahead: args.read_ahead, ..MountOptions::default() };
+    let opts = MountOptions {
+        allow_other: args.allow_other,
+        read_ahead: args.read_ahead,
+        threads: args.threads,
+        ..MountOptions::default()
+    };
     let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?;
     let fuse = handle.transport().describe();

@@ -120,7 +120,12 @@ pub fn mount_remote(d: &Disk, mountpoint: &Path, args: &MountArgs, locate: Locat
     let files =
         Arc::new(RemoteFiles::connect(RemoteOptions { branch: name.clone(), token, locate, timeout: args.timeout })?);
     let control = control::Server::bind(mountpoint)?;
-    let opts = MountOptions { allow_other: args.allow_other, read_ahead: args.read_ahead, ..MountOptions::default() };
+    let opts = MountOptions {
+        allow_other: args.allow_other,
+        read_ahead: args.read_ahead,
+        threads: args.threads,
+        ..MountOptions::default()
+    };
     let handle = arbor_fs::mount(files.clone(), mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", mountpoint.display()))?;
     if let Some(n) = handle.notifier() {

@@ -11,13 +11,21 @@ use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::Arc;
 
+/// Threads answering FUSE requests by default: enough that many reads
+/// waiting for a bucket (~40 ms each for small objects) overlap. With 4,
+/// reading 10,000 small imported files with 8 readers went at ~100 files/s;
+/// with 16, ~190/s; 32 readers on 32 threads, ~700/s (s3s-fs on 127.0.0.1).
+pub const THREADS: usize = 32;
+
 #[derive(Clone, Debug)]
 pub struct MountOptions {
     /// Let users other than the mounting one in (needs `user_allow_other`
     /// in /etc/fuse.conf unless root).
     pub allow_other: bool,
     /// Threads answering kernel requests, so a slow read does not block
-    /// the rest.
+    /// the rest. A read that waits for a bucket (a chunk not cached yet, an
+    /// imported file's object) holds its thread for a round trip: this is
+    /// also how many such reads are in flight at once.
     pub threads: usize,
     /// Kernel read-ahead for sequential readers.
     pub read_ahead: u32,
@@ -30,7 +38,7 @@ impl Default for MountOptions {
     fn default() -> Self {
         MountOptions {
             allow_other: false,
-            threads: 4,
+            threads: THREADS,
             read_ahead: arbor_engine::tier::READ_AHEAD as u32,
             fs_name: "arbor".into(),
             transport: None,

@@ -8,6 +8,12 @@
 //! invalidation and no coherence protocol, and a client checks every byte
 //! a server gives it against the footer it read from the bucket itself.
 //!
+//! Imported files' source objects are served the same way, by (bucket,
+//! key, ETag, index): one version's bytes, never invalidated. They have no
+//! footer, so the server sends each chunk's crc32c (taken before it left
+//! the server's cache) and the client checks that and the length; past
+//! that, a client trusts the server's conditional GET as it would its own.
+//!
 //! # Wire protocol
 //!
 //! HTTP/2 over TCP without TLS (prior knowledge; the server also answers

@@ -256,6 +256,15 @@ impl S3World {
         n
     }
 
+    /// Puts `body` at `key` of the test bucket the way s3s-fs keeps
+    /// objects (one file in its data folder): many objects quickly, as a
+    /// team's own tools would have put them.
+    pub fn put_as_file(&self, key: &str, body: &[u8]) {
+        let p = self.data.path().join(arbor_engine::testkit::S3_BUCKET).join(key);
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&p, body).expect("write");
+    }
+
     /// The test bucket, reached directly (objects a team put there
     /// without arbor).
     pub fn bucket(&self) -> arbor_engine::bucket::S3Store {

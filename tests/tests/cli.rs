@@ -280,3 +280,22 @@ fn errors_name_the_real_cause_of_a_bad_path() {
     assert!(err.contains("permission denied") && !err.contains("does not exist"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
 }
+
+#[test]
+fn output_into_a_closed_pipe_ends_a_command_quietly() {
+    // `arbor … | head -1` with the reader gone before arbor prints: no
+    // panic about stdout, as with any other tool.
+    let s = Scratch::new();
+    let disk = s.dir.path().join("second");
+    let mut child = std::process::Command::new(arbor_bin())
+        .args(["init", disk.to_str().expect("utf8")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+    assert!(stderr(&out).is_empty(), "{}", stderr(&out));
+    assert!(disk.is_dir(), "the command did its work before it printed");
+}

@@ -10,9 +10,10 @@ use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
-/// Objects under `corpus/raw/`: nested folders, sizes 0 B – 9 MiB. (A
-/// small GET from s3s-fs often takes ~40 ms, a Nagle/delayed-ACK stall on
-/// its side, so the count stays modest.)
+/// Objects under `corpus/raw/`: nested folders, sizes 0 B – 9 MiB, read
+/// one at a time. (A small GET from s3s-fs often takes ~40 ms, a
+/// Nagle/delayed-ACK stall on its side; the 10,000-object test below reads
+/// many at once.)
 fn corpus() -> BTreeMap<String, Vec<u8>> {
     let mut objects = BTreeMap::new();
     for i in 0..120u32 {
@@ -353,4 +354,81 @@ fn export_writes_plain_objects_once_and_then_only_what_changed() {
     assert!(!out.status.success());
     assert_eq!(String::from_utf8_lossy(&out.stderr).trim_end().lines().count(), 1);
     m.unmount();
+}
+
+/// Object `i` of the large corpus: sizes 0 B – 64 MiB, mostly small.
+fn many_size(i: usize) -> usize {
+    match i {
+        0 => 64 << 20,
+        1 => 16 << 20,
+        2 => 0,
+        _ if i % 1000 == 3 => (1 << 20) + i,
+        _ => (i * 7919) % 20_000,
+    }
+}
+
+fn many_key(i: usize) -> String {
+    format!("corpus/many/d{:02}/e{}/o{i:05}.bin", i % 23, i % 7)
+}
+
+#[test]
+fn ten_thousand_objects_in_nested_folders_import_after_a_kill_and_read_back_whole() {
+    const N: usize = 10_000;
+    let Some(w) = S3World::start() else { return };
+    let t = std::time::Instant::now();
+    for i in 0..N {
+        w.put_as_file(&many_key(i), &pattern(many_size(i), i as u32));
+    }
+    let disk = format!("s3://{S3_BUCKET}/disks/many");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let source = format!("s3://{S3_BUCKET}/corpus/many");
+
+    // kill -9 in the middle of an import, then run it again: complete.
+    let mut child = std::process::Command::new(arbor_bin())
+        .args(["import", &disk, &source, "--at", "/data"])
+        .envs(w.env.iter().map(|(k, v)| (*k, v)))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn arbor import");
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    let _ = child.kill();
+    let _ = child.wait();
+    let out = arbor_env_ok(&["import", &disk, &source, "--at", "/data", "--json"], &w.env);
+    let report: serde_json::Value = serde_json::from_str(&out).expect("import json");
+    let (added, there) = (report["added"].as_u64(), report["already"].as_u64());
+    assert_eq!(added.unwrap_or(0) + there.unwrap_or(0), N as u64, "{report}");
+    assert_eq!(report["skipped"].as_array().map(Vec::len), Some(0), "{report}");
+    eprintln!(
+        "after a kill -9: {} added, {} already there ({:?})",
+        added.unwrap_or(0),
+        there.unwrap_or(0),
+        t.elapsed()
+    );
+
+    let mnt = w.mnt("m");
+    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    let data = mnt.join("data");
+    let found = std::process::Command::new("find").arg(&data).args(["-type", "f"]).output().expect("find");
+    assert_eq!(String::from_utf8_lossy(&found.stdout).lines().count(), N, "find | wc -l");
+    eprintln!("mounted and found ({:?})", t.elapsed());
+    // Every file read whole and compared with its object, 32 readers at
+    // once, as a data loader's workers would (a small GET from s3s-fs often
+    // waits ~40 ms, a Nagle stall on its side: reads must overlap).
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..32 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= N {
+                    break;
+                }
+                let p = data.join(many_key(i).strip_prefix("corpus/many/").expect("prefix"));
+                let got = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                assert!(got == pattern(many_size(i), i as u32), "{}: not its object's bytes", p.display());
+            });
+        }
+    });
+    eprintln!("read back ({:?})", t.elapsed());
+    m.unmount_env(&w.env);
 }

@@ -21,13 +21,13 @@
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
 use crate::error::{Error, Result};
 use crate::tier::ChunkSource;
-
-mod disk;
-pub use disk::{ChunkFiles, ChunkFilesStats, Others};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+mod disk;
+pub use disk::{ChunkFiles, ChunkFilesStats, Others};
 
 /// `'S' ino` → the object an imported file's external extents read from.
 #[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
