@@ -280,6 +280,16 @@ fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch
     let s = vol.source_stats();
     assert_eq!((s.gets, s.from_disk), (0, chunks), "every chunk from disk: {s:?}");
     vol.close().expect("close");
+    // Nor is the bucket needed then: a volume that cannot open it reads.
+    let files = ChunkFiles::open(files_dir.path(), 64 << 20, None).expect("files");
+    let no_bucket = Config {
+        source_files: Some(files),
+        sources: Arc::new(arbor_engine::source::FixedSources::default()),
+        ..w.cfg()
+    };
+    let vol = Volume::open(Arc::new(w.dev.clone()), no_bucket).expect("open");
+    assert_eq!(vol.read(ino, 0, body.len()).expect("read without the bucket"), body);
+    vol.close().expect("close");
 
     // Every chunk file damaged: each is caught, fetched again, right.
     let mut damaged = 0;

@@ -175,23 +175,32 @@ impl ChunkFiles {
     pub fn put(&self, id: &str, index: u64, body: &[u8]) {
         let key = Self::key(id, index);
         let path = self.path(key);
-        let mut file = Vec::with_capacity(HEADER + id.len() + body.len());
-        file.extend_from_slice(&MAGIC);
-        file.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
-        file.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        file.extend_from_slice(&(id.len() as u32).to_le_bytes());
-        file.extend_from_slice(id.as_bytes());
-        file.extend_from_slice(body);
+        let mut header = Vec::with_capacity(HEADER + id.len());
+        header.extend_from_slice(&MAGIC);
+        header.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+        header.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        header.extend_from_slice(&(id.len() as u32).to_le_bytes());
+        header.extend_from_slice(id.as_bytes());
         let n = self.tmp.fetch_add(1, Ordering::Relaxed);
         let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
-        let written = path
-            .parent()
-            .map_or(Ok(()), crate::private::create_dir_all)
-            .and_then(|()| std::fs::write(&tmp, &file))
-            .and_then(|()| std::fs::rename(&tmp, &path));
-        match written {
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            // Private, as everything in a cache folder is.
+            let create = || crate::private::options().write(true).create(true).truncate(true).open(&tmp);
+            let mut f = match create() {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    path.parent().map_or(Ok(()), crate::private::create_dir_all)?;
+                    create()?
+                }
+                other => other?,
+            };
+            f.write_all(&header)?;
+            f.write_all(body)?;
+            std::fs::rename(&tmp, &path)
+        };
+        match write() {
             Ok(()) => {
-                self.state.lock().add(key, file.len() as u64);
+                self.state.lock().add(key, (header.len() + body.len()) as u64);
                 self.trim();
             }
             Err(e) => {

@@ -401,7 +401,6 @@ impl SourceReader {
             }
         }
         if !start.is_empty() {
-            let store = self.sources.store(&src.bucket);
             // Consecutive chunks go in one GET, up to RUN of them: fewer,
             // larger requests for a streaming reader.
             let mut runs: Vec<Vec<(u64, Arc<Pending>)>> = Vec::new();
@@ -412,14 +411,7 @@ impl SourceReader {
                 }
             }
             for run in runs {
-                match &store {
-                    Ok(store) => self.spawn_fetch(store.clone(), src.clone(), object.clone(), run),
-                    Err(e) => {
-                        for (i, p) in run {
-                            finish(&self.cache, &object, i, &p, Err(Failed::Other(e.to_string())));
-                        }
-                    }
-                }
+                self.spawn_fetch(src.clone(), object.clone(), run);
             }
         }
         for (i, p) in wait {
@@ -440,7 +432,8 @@ impl SourceReader {
     /// from the local chunk files, the cache servers, then the bucket
     /// (one GET for the rest), each where the one before had nothing.
     /// Their waiters wake when they are cached (or failed).
-    fn spawn_fetch(&self, store: Arc<dyn ObjectStore>, src: Source, object: ObjectId, run: Vec<(u64, Arc<Pending>)>) {
+    fn spawn_fetch(&self, src: Source, object: ObjectId, run: Vec<(u64, Arc<Pending>)>) {
+        let sources = self.sources.clone();
         let cache = self.cache.clone();
         let counters = self.counters.clone();
         let (servers, files) = (self.servers.clone(), self.files.clone());
@@ -464,8 +457,10 @@ impl SourceReader {
                 let (Some((first, _)), Some((last, _))) = (rest.first(), rest.last()) else { return };
                 let range = first * CHUNK..((last + 1) * CHUNK).min(src.size);
                 let want = range.end - range.start;
+                // The bucket is opened only when it is needed: a node with
+                // every chunk on disk or on its servers reads without it.
                 let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    store.get_range_if(&src.key, range, &src.etag)
+                    sources.store(&src.bucket)?.get_range_if(&src.key, range, &src.etag)
                 }))
                 .unwrap_or_else(|_| Err(Error::Io(std::io::Error::other("a source fetch panicked"))));
                 counters.gets.fetch_add(1, Ordering::Relaxed);
