@@ -59,7 +59,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     if !d.is_s3() && branches.is_empty() {
         bail!("{} is a local folder: every reader already has its bytes; arbor serve is for s3:// disks (or --branch, to share a branch)", d.url);
     }
-    let (cache, _lock, place) = if !d.is_s3() {
+    let (cache, cache_lock, place) = if !d.is_s3() {
         (None, None, "none (a local-folder disk)".to_string())
     } else if args.memory {
         let cache = arbor_engine::tier::SegmentCache::in_memory(d.store().clone(), args.cache_size)?;
@@ -73,7 +73,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     };
     // Source-object chunks on disk beside the segment chunks, in the same
     // --cache-size budget (they give way to segment chunks).
-    let object_files = match (&cache, &_lock) {
+    let object_files = match (&cache, &cache_lock) {
         (Some(segments), Some(_)) if args.object_memory > 0 => {
             let dir = cache_dir(args, &d)?.join("objects");
             let segments = segments.clone();

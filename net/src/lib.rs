@@ -51,10 +51,10 @@ use std::path::Path;
 
 /// The header a server says whether a chunk was already cached in.
 pub const CACHE_HEADER: &str = "x-arbor-cache";
-/// The header with the crc32c (hex) of the chunk a server sends, taken
-/// before it left the server: a client gives up a chunk that does not
-/// match. A segment chunk is also checked against its object's footer;
-/// for a source object's chunk this is the only check there is.
+/// The header with the crc32c (hex) of a source object's chunk a server
+/// sends, taken before it left the server: a client gives up a chunk that
+/// does not match. (A segment chunk has none: the client checks it against
+/// its object's footer.)
 pub const CRC_HEADER: &str = "x-arbor-crc32c";
 
 #[derive(Debug, thiserror::Error)]

@@ -338,7 +338,10 @@ impl CacheServer {
                 (Some(seg), Ok(index)) => {
                     let Some(cache) = self.cache.clone() else { return reply(StatusCode::NOT_FOUND, Bytes::new()) };
                     let what = format!("chunk {index} of {seg}");
-                    self.chunk(what, move || cache.chunk(seg, index).map(|c| c.map(|c| (c.bytes, c.hit)))).await
+                    // No checksum header: the client checks a segment
+                    // chunk against its object's footer.
+                    let get = move || cache.chunk(seg, index).map(|c| c.map(|c| (c.bytes, c.hit)));
+                    self.chunk(what, false, get).await
                 }
                 _ => reply(StatusCode::BAD_REQUEST, "not a segment chunk\n"),
             },
@@ -348,7 +351,7 @@ impl CacheServer {
                         return reply(StatusCode::NOT_FOUND, "this server does not serve source objects\n");
                     };
                     let what = format!("chunk {index} of {}", src.url());
-                    self.chunk(what, move || match objects.chunk(&src, index) {
+                    self.chunk(what, true, move || match objects.chunk(&src, index) {
                         Ok(c) => Ok(Some(c)),
                         Err(arbor_engine::Error::NoSuchObject(_)) => Ok(None),
                         Err(e) => Err(e),
@@ -362,10 +365,12 @@ impl CacheServer {
     }
 
     /// Answers with the chunk `get` finds (`None`: there is no such chunk)
-    /// and whether it was cached already; counts and times it.
+    /// and whether it was cached already, and with its crc32c if `crc`;
+    /// counts and times it.
     async fn chunk(
         &self,
         what: String,
+        crc: bool,
         get: impl FnOnce() -> arbor_engine::Result<Option<(Vec<u8>, bool)>> + Send + 'static,
     ) -> Reply {
         let started = Instant::now();
@@ -378,7 +383,7 @@ impl CacheServer {
                 } else {
                     m.misses.fetch_add(1, Ordering::Relaxed);
                 }
-                let crc = crc32c::crc32c(&bytes);
+                let crc = crc.then(|| crc32c::crc32c(&bytes));
                 match self.opts.fault {
                     Some(Fault::Corrupt) => {
                         let mid = bytes.len() / 2;
@@ -393,7 +398,7 @@ impl CacheServer {
                 let mut r = reply(StatusCode::OK, bytes);
                 let state = if hit { "hit" } else { "miss" };
                 r.headers_mut().insert(CACHE_HEADER, hyper::header::HeaderValue::from_static(state));
-                if let Ok(v) = hyper::header::HeaderValue::from_str(&format!("{crc:08x}")) {
+                if let Some(Ok(v)) = crc.map(|crc| hyper::header::HeaderValue::from_str(&format!("{crc:08x}"))) {
                     r.headers_mut().insert(CRC_HEADER, v);
                 }
                 r
