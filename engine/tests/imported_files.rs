@@ -264,14 +264,19 @@ fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch
     let vol = open();
     let ino = w.import(&vol, "big.bin", &body);
     assert_eq!(vol.read(ino, 0, body.len()).expect("read"), body);
-    // Chunks go to disk once their readers have them: wait (bounded) for that.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while vol.source_stats().disk_bytes <= body.len() as u64 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    // Chunks go to disk once their readers have them: wait (bounded) for
+    // all of them (each file is its body and a header of 20 bytes and more;
+    // a missing one, the smallest 777 bytes, would leave less).
+    let settle = |vol: &Volume| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while vol.source_stats().disk_bytes < body.len() as u64 + chunks * 20 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    settle(&vol);
     let s = vol.source_stats();
     assert_eq!((s.fetched_bytes, s.from_disk), (body.len() as u64, 0), "{s:?}");
-    assert!(s.disk_bytes > body.len() as u64, "kept on disk: {s:?}");
+    assert!(s.disk_bytes >= body.len() as u64 + chunks * 20, "kept on disk: {s:?}");
     vol.close().expect("close");
 
     // A new process: its memory is empty, the files are not.
@@ -307,6 +312,7 @@ fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch
     assert_eq!(vol.read(ino, 0, body.len()).expect("read"), body, "never the damaged bytes");
     let s = vol.source_stats();
     assert_eq!((s.from_disk, s.disk_damaged, s.fetched_bytes), (0, chunks, body.len() as u64), "{s:?}");
+    settle(&vol);
 
     // The object changed: the chunks on disk are the imported version's
     // bytes (their id names its ETag), so they are still served; a chunk

@@ -212,9 +212,7 @@ pub struct SourceReader {
 
 impl Drop for SourceReader {
     fn drop(&mut self) {
-        for t in std::mem::take(&mut *self.fetches.lock()) {
-            let _ = t.join();
-        }
+        self.drain();
     }
 }
 
@@ -316,6 +314,14 @@ impl SourceReader {
                     ..SourceStats::default()
                 }
             })
+        }
+    }
+
+    /// Waits for the fetches started so far (and their chunk files).
+    pub fn drain(&self) {
+        let fetches = std::mem::take(&mut *self.fetches.lock());
+        for t in fetches {
+            let _ = t.join();
         }
     }
 

@@ -667,6 +667,8 @@ impl Volume {
     /// volume takes no more writes.
     pub fn close(&self) -> Result<()> {
         self.stop_committer.lock().take();
+        // Imported chunks being fetched land in the chunk files first.
+        self.sources.drain();
         if self.cfg.read_only {
             return Ok(());
         }
