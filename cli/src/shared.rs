@@ -33,7 +33,7 @@ pub struct Owned {
     pub shared: Arc<SharedBranch>,
     catalog: Arc<Catalog>,
     owner: Owner,
-    _disk: Disk,
+    _disk: Arc<Disk>,
     _lock: BranchLock,
 }
 
@@ -52,13 +52,16 @@ pub fn advertised(addr: std::net::SocketAddr, advertise: Option<&str>) -> String
 pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owned> {
     arbor_snapshot::check_name(name)?;
     let cache = disk::CacheOptions { durability: a.durability, ..disk::CacheOptions::default() };
-    let d = disk::open_for_owner(disk_arg, name, cache, a.take_over)?;
+    let d = Arc::new(disk::open_for_owner(disk_arg, name, cache, a.take_over)?);
     d.make_private()?;
     let catalog = d.catalog()?;
     if name != "main" {
         catalog.branch_head(name)?;
     }
-    let (vol, lock) = open_branch(&catalog, name, Config::default(), &format!("arbor serve at {addr}"))?;
+    // Imported files its clients read keep their chunks in the owner's
+    // cache folder, as a mount's do.
+    let cfg = Config { source_files: d.source_files()?, ..Config::default() };
+    let (vol, lock) = open_branch(&catalog, name, cfg, &format!("arbor serve at {addr}"))?;
     let owner = Owner { addr: addr.to_string(), host: crate::node::hostname(), pid: std::process::id() };
     catalog.record_owner(name, &owner).with_context(|| format!("cannot record where branch {name} is served"))?;
     tracing::info!(branch = name, addr, "owning branch");

@@ -524,3 +524,45 @@ fn with_a_timeout_an_operation_fails_with_eio_while_the_owner_is_away() {
     write_synced(&a.mnt.join("g"), b"after");
     a.unmount();
 }
+
+/// The bytes under every folder named `objects` below `root`.
+fn chunk_file_bytes(root: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                if e.file_name() == "objects" {
+                    total += bytes_under(&e.path());
+                } else {
+                    stack.push(e.path());
+                }
+            }
+        }
+    }
+    total
+}
+
+#[test]
+fn an_imported_file_read_through_the_owner_keeps_its_chunks_in_the_owners_cache() {
+    use arbor_engine::bucket::ObjectStore;
+    let Some(w) = S3World::start() else { return };
+    let body = pattern((3 << 20) + 99, 41);
+    w.bucket().put("corpus/shard.tar", &body).expect("put");
+    let disk = w.dir.path().join("disk");
+    let disk = disk.to_str().expect("utf8");
+    arbor_env_ok(&["init", disk], &w.env);
+    arbor_env_ok(&["import", disk, &format!("s3://{}/corpus", arbor_engine::testkit::S3_BUCKET)], &w.env);
+    let token = w.dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
+    let token = token.to_str().expect("utf8");
+    let log = w.dir.path().join("owner.log");
+    let owner = Serve::start(disk, free_port(), &["--branch", "main", "--token-file", token], &w.env, &log);
+    assert_eq!(chunk_file_bytes(w.dir.path()), 0, "nothing cached before a read");
+    let c = Mount::start_env(disk, &w.mnt("client"), &["--token-file", token], &w.env);
+    assert!(std::fs::read(c.mnt.join("shard.tar")).expect("read") == body, "the object's bytes, through the owner");
+    c.unmount_env(&w.env);
+    owner.stop();
+    let cached = chunk_file_bytes(w.dir.path());
+    assert!(cached > body.len() as u64, "the owner kept the chunks it fetched: {cached} B");
+}
