@@ -419,8 +419,9 @@ impl Disk {
             return Ok(None);
         }
         let disk = Arc::downgrade(self);
+        // Asked at every chunk kept: the cache's byte count alone.
         let segments: Others =
-            Box::new(move || disk.upgrade().and_then(|d| d.tier_stats()).map_or(0, |t| t.cache.cached_bytes));
+            Box::new(move || disk.upgrade().and_then(|d| d.tier.get().map(|t| t.cached_bytes())).unwrap_or(0));
         let dir = self.cache_dir().join("objects");
         let files = ChunkFiles::open(&dir, self.opts.cache.size, Some(segments))
             .map_err(|e| fail(e.errno(), format!("cannot open cache directory {}: {e}", dir.display())))?;

@@ -230,6 +230,12 @@ impl BucketDevice {
         self.shared.local.dir()
     }
 
+    /// Bytes of segment chunks in the cache now (cheap; `stats` also walks
+    /// the local segments).
+    pub fn cached_bytes(&self) -> u64 {
+        self.shared.remote.stats().cached_bytes
+    }
+
     pub fn stats(&self) -> TierStats {
         let pending_bytes = self.pending_upload_bytes();
         let up = self.shared.up.lock();
