@@ -15,7 +15,7 @@
 use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};
 use crate::{CACHE_HEADER, CRC_HEADER};
 use arbor_engine::format::SegId;
-use arbor_engine::source::Source;
+use arbor_engine::source::{fnv1a, Source};
 use arbor_engine::tier::{ChunkRequest, ChunkSource};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -99,10 +99,6 @@ pub struct CacheClient {
     rt: tokio::runtime::Runtime,
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
 fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -115,11 +111,10 @@ fn score(seed: u64, seg: SegId, index: u32) -> u64 {
     splitmix(seed ^ splitmix(seg.writer ^ splitmix(((seg.seq as u64) << 32) | index as u64)))
 }
 
-/// The weight of server `seed` for chunk `index` of source object `src`
-/// (that version of it).
-fn object_score(seed: u64, src: &Source, index: u64) -> u64 {
-    let id = fnv1a(format!("{}\0{}\0{}", src.bucket, src.key, src.etag).as_bytes());
-    splitmix(seed ^ splitmix(id ^ splitmix(index)))
+/// The weight of server `seed` for chunk `index` of the source object
+/// whose [`Source::id`] hashes to `object`.
+fn object_score(seed: u64, object: u64, index: u64) -> u64 {
+    splitmix(seed ^ splitmix(object ^ splitmix(index)))
 }
 
 impl CacheClient {
@@ -192,8 +187,8 @@ impl Inner {
         self.highest(|seed| score(seed, seg, index))
     }
 
-    fn object_owner(&self, src: &Source, index: u64) -> usize {
-        self.highest(|seed| object_score(seed, src, index))
+    fn object_owner(&self, object: u64, index: u64) -> usize {
+        self.highest(|seed| object_score(seed, object, index))
     }
 
     /// Asks server `owner` for the chunk at `path`: its bytes, if it gave
@@ -351,14 +346,15 @@ impl ChunkSource for CacheClient {
     fn fetch_object(&self, src: &Source, wanted: &[u64]) -> Vec<Option<Vec<u8>>> {
         let inner = &self.inner;
         let query = crate::server::object_query(src);
+        let object = fnv1a(src.id().as_bytes());
         self.rt.block_on(async {
-            let asks = wanted.iter().map(|&i| (inner.object_owner(src, i), format!("/v1/objects/{i}?{query}")));
+            let asks = wanted.iter().map(|&i| (inner.object_owner(object, i), format!("/v1/objects/{i}?{query}")));
             inner.clone().get_all(asks.collect()).await
         })
     }
 
     fn object_rejected(&self, src: &Source, index: u64) {
-        let peer = &self.inner.peers[self.inner.object_owner(src, index)];
+        let peer = &self.inner.peers[self.inner.object_owner(fnv1a(src.id().as_bytes()), index)];
         peer.n.rejected.fetch_add(1, Ordering::Relaxed);
     }
 }

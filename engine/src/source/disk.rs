@@ -11,6 +11,7 @@
 //! chunk is fetched again — a damaged cache costs a fetch, never wrong
 //! bytes. Nothing is fsynced: a file lost in a crash is only a miss.
 
+use super::fnv1a;
 use crate::error::Result;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
@@ -77,6 +78,26 @@ impl State {
     }
 }
 
+/// A chunk read from its file: the file's bytes, used in place.
+pub struct FileChunk {
+    file: Vec<u8>,
+    start: usize,
+}
+
+impl FileChunk {
+    /// The whole file and where the chunk's bytes start in it.
+    pub fn into_parts(self) -> (Vec<u8>, usize) {
+        (self.file, self.start)
+    }
+}
+
+impl std::ops::Deref for FileChunk {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.file[self.start..]
+    }
+}
+
 /// What the files held and did, for status.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ChunkFilesStats {
@@ -86,10 +107,6 @@ pub struct ChunkFilesStats {
     pub hits: u64,
     /// Files that failed their checks (removed, fetched again).
     pub damaged: u64,
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 impl ChunkFiles {
@@ -140,7 +157,7 @@ impl ChunkFiles {
     }
 
     /// Chunk `index` of object `id`, if it is here and passes its checks.
-    pub fn get(&self, id: &str, index: u64) -> Option<Vec<u8>> {
+    pub fn get(&self, id: &str, index: u64) -> Option<FileChunk> {
         let key = Self::key(id, index);
         if !self.state.lock().entries.contains_key(&key) {
             return None;
@@ -151,10 +168,10 @@ impl ChunkFiles {
             return None;
         };
         match check(&file, id) {
-            Some(body) => {
+            Some(start) => {
                 self.state.lock().touch(key);
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                Some(body.to_vec())
+                Some(FileChunk { file, start })
             }
             None => {
                 // Another object with the same hash is a plain miss; a
@@ -248,25 +265,27 @@ fn parse_name(name: &str) -> Option<Key> {
     Some((u64::from_str_radix(hash, 16).ok()?, index.parse().ok()?))
 }
 
-/// The body of a chunk file for object `id`, if the file is whole.
-fn check<'a>(file: &'a [u8], id: &str) -> Option<&'a [u8]> {
+/// The little-endian u32 at `at`, if the file is that long.
+fn word(file: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(file.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// Where the body of a chunk file for object `id` starts, if the file is
+/// whole.
+fn check(file: &[u8], id: &str) -> Option<usize> {
     if file.len() < HEADER || file[..8] != MAGIC {
         return None;
     }
-    let word = |at: usize| u32::from_le_bytes(file[at..at + 4].try_into().expect("four bytes"));
-    let (crc, len, id_len) = (word(8), word(12) as usize, word(16) as usize);
+    let (crc, len, id_len) = (word(file, 8)?, word(file, 12)? as usize, word(file, 16)? as usize);
     if file.len() != HEADER + id_len + len || &file[HEADER..HEADER + id_len] != id.as_bytes() {
         return None;
     }
-    let body = &file[HEADER + id_len..];
-    (crc32c::crc32c(body) == crc).then_some(body)
+    (crc32c::crc32c(&file[HEADER + id_len..]) == crc).then_some(HEADER + id_len)
 }
 
 /// Whether a chunk file names object `id` (whatever state its body is in).
 fn same_object(file: &[u8], id: &str) -> bool {
-    let Some(id_len) = file.get(16..20).map(|b| u32::from_le_bytes(b.try_into().expect("four bytes")) as usize) else {
-        return false;
-    };
+    let Some(id_len) = word(file, 16).map(|n| n as usize) else { return false };
     file.get(HEADER..HEADER + id_len) == Some(id.as_bytes())
 }
 
@@ -280,29 +299,29 @@ mod tests {
     fn chunks_come_back_across_a_reopen_and_damage_is_a_counted_miss() {
         let dir = tempfile::tempdir().expect("tempdir");
         let files = ChunkFiles::open(dir.path(), 1 << 20, None).expect("open");
-        assert_eq!(files.get(ID, 0), None);
+        assert!(files.get(ID, 0).is_none());
         files.put(ID, 0, b"chunk zero");
         files.put(ID, 7, &[7u8; 1000]);
         assert_eq!(files.get(ID, 0).as_deref(), Some(&b"chunk zero"[..]));
         // Another version of the object is another object.
-        assert_eq!(files.get("corpus\0shards/a.tar\0\"etag-2\"", 0), None);
+        assert!(files.get("corpus\0shards/a.tar\0\"etag-2\"", 0).is_none());
         drop(files);
 
         let files = ChunkFiles::open(dir.path(), 1 << 20, None).expect("reopen");
-        assert_eq!(files.get(ID, 7), Some(vec![7u8; 1000]));
+        assert_eq!(files.get(ID, 7).as_deref(), Some(&[7u8; 1000][..]));
         // Flip one byte of chunk 7's body on disk.
         let path = files.path(ChunkFiles::key(ID, 7));
         let mut raw = std::fs::read(&path).expect("read");
         let last = raw.len() - 1;
         raw[last] ^= 1;
         std::fs::write(&path, &raw).expect("write");
-        assert_eq!(files.get(ID, 7), None, "a damaged chunk is not given");
+        assert!(files.get(ID, 7).is_none(), "a damaged chunk is not given");
         assert_eq!(files.stats().damaged, 1);
         assert!(!path.exists(), "and is removed");
         // A truncated file too.
         let path0 = files.path(ChunkFiles::key(ID, 0));
         std::fs::write(&path0, &std::fs::read(&path0).expect("read")[..10]).expect("truncate");
-        assert_eq!(files.get(ID, 0), None);
+        assert!(files.get(ID, 0).is_none());
         assert_eq!(files.stats().bytes, 0, "both forgotten");
     }
 

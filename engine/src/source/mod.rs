@@ -27,7 +27,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 mod disk;
-pub use disk::{ChunkFiles, ChunkFilesStats, Others};
+pub use disk::{ChunkFiles, ChunkFilesStats, FileChunk, Others};
+
+/// FNV-1a, 64 bits: how chunk files are named and cache servers weighed
+/// (the same on every host and build).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
 
 /// `'S' ino` → the object an imported file's external extents read from.
 #[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
@@ -46,6 +52,12 @@ pub struct Source {
 impl Source {
     pub fn url(&self) -> String {
         format!("s3://{}/{}", self.bucket, self.key)
+    }
+
+    /// One version of one object: bucket, key and ETag, NUL-separated. Its
+    /// chunks' bytes never change, wherever they are cached.
+    pub fn id(&self) -> String {
+        format!("{}\0{}\0{}", self.bucket, self.key, self.etag)
     }
 }
 
@@ -109,15 +121,14 @@ const RUN: usize = 8;
 /// misses always go).
 const IN_FLIGHT: usize = 64;
 
-/// One version of one object: bucket, key and ETag, NUL-separated. Built
-/// once per read and shared by the ids of its chunks.
+/// [`Source::id`], built once per read and shared by the ids of its chunks.
 type ObjectId = Arc<str>;
 
 /// (object, chunk index).
 type ChunkId = (ObjectId, u64);
 
 fn object_id(src: &Source) -> ObjectId {
-    format!("{}\0{}\0{}", src.bucket, src.key, src.etag).into()
+    src.id().into()
 }
 
 /// A chunk's bytes: a range of one GET's body, shared by the chunks it held.
@@ -541,10 +552,11 @@ fn from_files<'a>(
     for entry in run {
         let (i, p) = entry;
         match files.get(object, *i) {
-            Some(bytes) => {
+            Some(found) => {
                 counters.from_disk.fetch_add(1, Ordering::Relaxed);
-                let len = bytes.len();
-                finish(cache, object, *i, p, Ok(Chunk { body: Arc::new(bytes), start: 0, len }));
+                let (file, start) = found.into_parts();
+                let len = file.len() - start;
+                finish(cache, object, *i, p, Ok(Chunk { body: Arc::new(file), start, len }));
             }
             None => rest.push(entry),
         }
