@@ -228,6 +228,7 @@ impl S3Store {
                 req = req.continuation_token(t);
             }
             let page = req.send().await.map_err(|e| io_error("list", e))?;
+            let first = objects.len();
             for o in page.contents() {
                 let Some(key) = o.key().and_then(|k| k.get(strip..)) else { continue };
                 let modified = o.last_modified().and_then(|t| std::time::SystemTime::try_from(*t).ok());
@@ -239,14 +240,24 @@ impl S3Store {
                 });
             }
             folders.extend(page.common_prefixes().iter().filter_map(|p| p.prefix()).map(str::to_string));
-            // Servers that list no ETags (some S3-compatible ones) are asked per object.
-            for o in objects.iter_mut().filter(|o| o.etag.is_empty()) {
-                let full = if strip == 0 { o.key.clone() } else { format!("{}{}", &prefix[..strip], o.key) };
-                let head = client.head_object().bucket(&bucket).key(&full).send().await;
-                match head {
-                    Ok(h) => o.etag = h.e_tag().unwrap_or_default().to_string(),
-                    Err(e) if status(&e) == Some(404) => {}
-                    Err(e) => return Err(io_error("head", e)),
+            // Servers that list no ETags (some S3-compatible ones) are asked
+            // per object of this page, many at once.
+            let missing: Vec<usize> = (first..objects.len()).filter(|&i| objects[i].etag.is_empty()).collect();
+            for batch in missing.chunks(HEADS_IN_FLIGHT) {
+                let mut heads = tokio::task::JoinSet::new();
+                for &i in batch {
+                    let key = &objects[i].key;
+                    let full = if strip == 0 { key.clone() } else { format!("{}{key}", &prefix[..strip]) };
+                    let req = client.head_object().bucket(&bucket).key(full);
+                    heads.spawn(async move { (i, req.send().await) });
+                }
+                while let Some(done) = heads.join_next().await {
+                    let (i, head) = done.map_err(|e| Error::Io(std::io::Error::other(format!("S3 head task: {e}"))))?;
+                    match head {
+                        Ok(h) => objects[i].etag = h.e_tag().unwrap_or_default().to_string(),
+                        Err(e) if status(&e) == Some(404) => {}
+                        Err(e) => return Err(io_error("head", e)),
+                    }
                 }
             }
             match page.next_continuation_token() {
@@ -266,6 +277,8 @@ impl S3Store {
 
 /// Folder listings in flight at once in [`ObjectStore::list_objects`].
 const LISTINGS_IN_FLIGHT: usize = 32;
+/// HEADs in flight at once for one listing page without ETags.
+const HEADS_IN_FLIGHT: usize = 32;
 
 /// Bodies larger than this go up in parts of [`PART_SIZE`], in parallel.
 const MULTIPART_OVER: usize = 16 << 20;
