@@ -1,6 +1,8 @@
 //! `arbor import`: the objects under an S3 prefix become files of a branch,
 //! copying no data. Each file is one external extent naming its object
-//! (bucket, key, size, ETag); reads are conditional ranged GETs of it.
+//! (bucket, key, size, ETag, and the version id where the bucket keeps
+//! versions); reads are ranged GETs of it, conditional on the ETag, of
+//! that version.
 //!
 //! Keys map to paths by their `/`-separated parts. A key that cannot be a
 //! path (an empty, `.` or `..` part, a part longer than 255 bytes, a key
@@ -12,7 +14,7 @@
 //!
 //! A refresh (`--refresh`) lists again and applies what changed in the
 //! bucket as ordinary operations: new objects are imported, a file whose
-//! object has a new ETag is pointed at it (one intent), a file whose object
+//! object has a new ETag or version is pointed at it (one intent), a file whose object
 //! is gone is unlinked. Only files that still read exactly their object
 //! are touched; one the branch wrote on, truncated or replaced is left
 //! alone and reported as a conflict.
@@ -217,13 +219,13 @@ pub fn apply(
             key: o.key.clone(),
             size: o.size,
             etag: o.etag.clone(),
-            version: None,
+            version: o.version.clone(),
         };
         match vol.lookup(parent, name.as_bytes()) {
             Ok(a) => {
                 let recorded = vol.source(a.ino)?.filter(|s| s.bucket == source.bucket && s.key == source.key);
                 match recorded {
-                    Some(s) if s.etag == source.etag => report.already += 1,
+                    Some(s) if s.is_listed(&source) => report.already += 1,
                     Some(_) if mode == Mode::Refresh && vol.pristine_source(a.ino)?.is_some() => {
                         vol.reimport(a.ino, source, timestamp(o.modified))?;
                         report.rewritten.push(a.ino);
@@ -350,7 +352,7 @@ mod tests {
     use super::*;
 
     fn obj(key: &str, size: u64) -> ObjectInfo {
-        ObjectInfo { key: key.into(), size, etag: "\"e\"".into(), modified: None }
+        ObjectInfo { key: key.into(), size, etag: "\"e\"".into(), modified: None, version: None }
     }
 
     #[test]

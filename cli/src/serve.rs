@@ -76,13 +76,12 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     let mut cache = args.cache.clone();
     cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>);
     let disk = disk::open_for_mount(&args.disk, args.root_name(), cache)?;
-    if !disk.is_s3()
-        && (args.cache.dir.is_some()
-            || args.cache.durability != arbor_engine::tier::Durability::Local
-            || cache_client.is_some())
-    {
+    if !disk.is_s3() && args.cache.durability != arbor_engine::tier::Durability::Local {
+        eprintln!("note: a local-folder disk is its own durable copy; --durability applies to s3:// disks");
+    }
+    if !disk.is_s3() && (args.cache.dir.is_some() || cache_client.is_some()) {
         eprintln!(
-            "note: a local-folder disk is its own durable copy; --cache-dir, --durability and --cache-server apply to s3:// disks"
+            "note: a local-folder disk's segments are read in place; --cache-dir and --cache-server hold only imported files' chunks"
         );
     }
     let catalog = disk.catalog()?;

@@ -448,17 +448,18 @@ impl CacheServer {
 
 /// The source object a `/v1/objects/…` request names in its query.
 fn object_source(query: Option<&str>) -> Option<Source> {
-    let (mut bucket, mut key, mut etag, mut size) = (None, None, None, None);
+    let (mut bucket, mut key, mut etag, mut size, mut version) = (None, None, None, None, None);
     for (k, v) in form_urlencoded::parse(query?.as_bytes()) {
         match &*k {
             "bucket" => bucket = Some(v.into_owned()),
             "key" => key = Some(v.into_owned()),
             "etag" => etag = Some(v.into_owned()),
             "size" => size = v.parse::<u64>().ok(),
+            "version" => version = Some(v.into_owned()),
             _ => {}
         }
     }
-    let src = Source { bucket: bucket?, key: key?, size: size?, etag: etag?, version: None };
+    let src = Source { bucket: bucket?, key: key?, size: size?, etag: etag?, version };
     (!src.bucket.is_empty() && !src.key.is_empty()).then_some(src)
 }
 
@@ -469,6 +470,7 @@ pub(crate) fn object_query(src: &Source) -> String {
         .append_pair("key", &src.key)
         .append_pair("etag", &src.etag)
         .append_pair("size", &src.size.to_string())
+        .extend_pairs(src.version.as_deref().map(|v| ("version", v)))
         .finish()
 }
 
@@ -563,6 +565,32 @@ impl Drop for Running {
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_object_query_names_its_version_when_it_has_one() {
+        let src = Source {
+            bucket: "corpus".into(),
+            key: "raw/a b&c=d.bin".into(),
+            size: 12 << 20,
+            etag: "\"5eb63bbbe01eeed093cb22bb8f5acdc3\"".into(),
+            version: None,
+        };
+        let plain = object_query(&src);
+        assert!(!plain.contains("version"), "{plain}");
+        assert_eq!(object_source(Some(&plain)), Some(src.clone()));
+        let versioned = Source { version: Some("2480dfda-651d+42a0/a493".into()), ..src };
+        assert_eq!(object_source(Some(&object_query(&versioned))), Some(versioned.clone()));
+        // Another version is another object: another id, so other chunks.
+        assert_ne!(versioned.id(), Source { version: None, ..versioned.clone() }.id());
+        for bad in ["", "bucket=corpus&key=a&etag=x", "bucket=&key=a&etag=x&size=1", "bucket=c&key=a&etag=x&size=-1"] {
+            assert_eq!(object_source(Some(bad)), None, "{bad}");
         }
     }
 }

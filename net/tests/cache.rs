@@ -26,6 +26,8 @@ struct Counting {
     inner: MemObjectStore,
     segment_bytes: AtomicU64,
     source_bytes: AtomicU64,
+    /// The version ids source reads asked for.
+    versions: parking_lot::Mutex<Vec<Option<String>>>,
 }
 
 impl Counting {
@@ -47,8 +49,9 @@ impl ObjectStore for Counting {
     fn get(&self, key: &str) -> Result<(Vec<u8>, String)> {
         self.inner.get(key)
     }
-    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
-        let got = self.inner.get_range_if(key, range, etag)?;
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str, version: Option<&str>) -> Result<Vec<u8>> {
+        self.versions.lock().push(version.map(str::to_string));
+        let got = self.inner.get_range_if(key, range, etag, version)?;
         self.source_bytes.fetch_add(got.len() as u64, Ordering::Relaxed);
         Ok(got)
     }
@@ -84,6 +87,7 @@ fn bucket_with_file(dir: &Path, mib: usize) -> (Arc<Counting>, Vec<u8>) {
         inner: MemObjectStore::new(),
         segment_bytes: AtomicU64::new(0),
         source_bytes: AtomicU64::new(0),
+        versions: Default::default(),
     });
     let dyn_store: Arc<dyn ObjectStore> = store.clone();
     let data = pattern(mib * MIB, 7);
@@ -422,6 +426,19 @@ fn imported_files_read_through_a_server_pull_each_object_chunk_from_the_bucket_o
     assert_eq!(store.source_bytes.load(Ordering::Relaxed), body.len() as u64, "the bucket sent the object once");
     assert_eq!(server.metric("arbor_cache_misses_total"), chunks);
     assert_eq!(server.metric("arbor_cache_hits_total"), chunks);
+    assert!(store.versions.lock().iter().all(Option::is_none), "no version asked for an object without one");
+    store.versions.lock().clear();
+
+    // A file that recorded a version id: the server asks the bucket for that
+    // version, and keeps it apart from the same key's other chunks.
+    let versioned = Source { version: Some("3HL4kqtJlcpXroDTDmjVBH40Nrjfkd".into()), ..object.clone() };
+    let (vol, ino) = imported(&dir.path().join("versioned"), &store, &versioned, Some(client(&[&server])));
+    assert!(read_all(&vol, ino, body.len()).expect("read") == body);
+    assert_eq!(vol.source_stats().from_servers, chunks);
+    assert_eq!(server.metric("arbor_cache_misses_total"), 2 * chunks, "another version is another object");
+    let asked = store.versions.lock().clone();
+    assert!(!asked.is_empty() && asked.iter().all(|v| *v == versioned.version), "{asked:?}");
+    store.versions.lock().clear();
 
     // A server that damages what it sends: caught by the checksum it sent,
     // every chunk read from the bucket, the bytes right.

@@ -430,3 +430,60 @@ impl Drop for Serve {
         let _ = self.child.wait();
     }
 }
+
+/// An S3 server that keeps object versions (moto, on a free 127.0.0.1
+/// port, in memory), for what s3s-fs cannot show: a bucket with
+/// versioning on. Stopped when dropped.
+pub struct VersionedS3 {
+    child: Child,
+    pub port: u16,
+}
+
+impl VersionedS3 {
+    /// `None` (the test skips, loudly) where moto is not installed outside
+    /// CI; in CI it must be (.ci/run installs it).
+    pub fn start() -> Option<VersionedS3> {
+        let found =
+            Command::new("python3").args(["-c", "import moto.server, boto3"]).status().is_ok_and(|s| s.success());
+        if !found {
+            if std::env::var_os("CI").is_some() {
+                panic!("moto must be installed in CI (python3 -m pip install 'moto[server]')");
+            }
+            eprintln!("SKIPPED: this test needs moto (python3 -m pip install 'moto[server]')");
+            return None;
+        }
+        let port = free_port();
+        let child = Command::new("python3")
+            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start moto");
+        let server = VersionedS3 { child, port };
+        wait_until("moto to listen", Duration::from_secs(30), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        Some(server)
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs `tests/clients/versioned_bucket.py` against this server; its
+    /// output, trimmed.
+    pub fn client(&self, args: &[&str]) -> String {
+        let endpoint = self.endpoint();
+        let out = python("versioned_bucket.py", &[&[endpoint.as_str()], args].concat());
+        assert!(out.status.success(), "versioned_bucket.py {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+impl Drop for VersionedS3 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

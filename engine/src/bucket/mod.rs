@@ -35,6 +35,8 @@ pub struct ObjectInfo {
     pub etag: ETag,
     /// When it was last written, where the store says.
     pub modified: Option<std::time::SystemTime>,
+    /// Its current version id, in a bucket that keeps versions.
+    pub version: Option<String>,
 }
 
 pub trait ObjectStore: Send + Sync {
@@ -50,9 +52,13 @@ pub trait ObjectStore: Send + Sync {
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>>;
     /// Bytes `range` of `key`, clipped at its end, only while the object's
     /// tag is still `etag` ([`Error::PreconditionFailed`] otherwise,
-    /// [`Error::NoSuchObject`] if gone). Stores without conditional reads
-    /// read the whole object to compare its tag.
-    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
+    /// [`Error::NoSuchObject`] if gone). With `version`, of that version of
+    /// the object, whatever the key holds now ([`Error::NoSuchObject`] once
+    /// that version is deleted); stores that keep no versions have one, and
+    /// compare its tag. Stores without conditional reads read the whole
+    /// object to compare its tag.
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str, version: Option<&str>) -> Result<Vec<u8>> {
+        let _ = version;
         let (body, tag) = self.get(key)?;
         if tag != etag {
             return Err(Error::PreconditionFailed(key.into()));
@@ -71,7 +77,9 @@ pub trait ObjectStore: Send + Sync {
         let mut out = Vec::new();
         for key in self.list(prefix)? {
             match self.get(&key) {
-                Ok((body, etag)) => out.push(ObjectInfo { key, size: body.len() as u64, etag, modified: None }),
+                Ok((body, etag)) => {
+                    out.push(ObjectInfo { key, size: body.len() as u64, etag, modified: None, version: None })
+                }
                 // Deleted since it was listed.
                 Err(Error::NoSuchObject(_)) => {}
                 Err(e) => return Err(e),

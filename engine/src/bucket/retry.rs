@@ -141,8 +141,8 @@ impl ObjectStore for RetryStore {
         self.run("ranged get", key, |_| self.inner.get_range(key, range.clone()))
     }
 
-    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
-        self.run("ranged get", key, |_| self.inner.get_range_if(key, range.clone(), etag))
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str, version: Option<&str>) -> Result<Vec<u8>> {
+        self.run("ranged get", key, |_| self.inner.get_range_if(key, range.clone(), etag, version))
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {

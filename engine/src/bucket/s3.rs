@@ -176,7 +176,13 @@ impl S3Store {
 }
 
 impl S3Store {
-    fn ranged_get(&self, key: &str, range: Range<u64>, if_match: Option<&str>) -> Result<Vec<u8>> {
+    fn ranged_get(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        version: Option<&str>,
+    ) -> Result<Vec<u8>> {
         if range.start >= range.end {
             return Err(Error::Invalid("range outside the object"));
         }
@@ -188,6 +194,9 @@ impl S3Store {
         ));
         if let Some(tag) = if_match {
             req = req.if_match(tag);
+        }
+        if let Some(v) = version {
+            req = req.version_id(v);
         }
         // The request and its body run as one task on the store's runtime:
         // the caller's thread only waits, so many concurrent readers do not
@@ -213,33 +222,67 @@ impl S3Store {
     }
 
     /// One folder level of a listing: its objects and its sub-prefixes.
+    /// With `versions` (ListObjectVersions), each key's current version
+    /// with its id; a key whose latest version is a delete marker is not
+    /// listed.
     async fn list_level(
         client: Client,
         bucket: String,
         prefix: String,
         strip: usize,
+        versions: bool,
     ) -> Result<(Vec<ObjectInfo>, Vec<String>)> {
         let (mut objects, mut folders) = (Vec::new(), Vec::new());
         let mut token: Option<String> = None;
+        let mut marker: Option<(String, Option<String>)> = None;
+        let key_of = |k: Option<&str>| k.and_then(|k| k.get(strip..)).map(str::to_string);
+        let time =
+            |t: Option<&aws_sdk_s3::primitives::DateTime>| t.and_then(|t| std::time::SystemTime::try_from(*t).ok());
         // Bounded: a folder of more than a billion keys is not listed here.
         for _ in 0..1_000_000 {
-            let mut req = client.list_objects_v2().bucket(&bucket).prefix(&prefix).delimiter("/");
-            if let Some(t) = &token {
-                req = req.continuation_token(t);
-            }
-            let page = req.send().await.map_err(|e| io_error("list", e))?;
             let first = objects.len();
-            for o in page.contents() {
-                let Some(key) = o.key().and_then(|k| k.get(strip..)) else { continue };
-                let modified = o.last_modified().and_then(|t| std::time::SystemTime::try_from(*t).ok());
-                objects.push(ObjectInfo {
-                    key: key.to_string(),
-                    size: o.size().unwrap_or(0).max(0) as u64,
-                    etag: o.e_tag().unwrap_or_default().to_string(),
-                    modified,
-                });
-            }
-            folders.extend(page.common_prefixes().iter().filter_map(|p| p.prefix()).map(str::to_string));
+            let more = if versions {
+                let mut req = client.list_object_versions().bucket(&bucket).prefix(&prefix).delimiter("/");
+                if let Some((k, v)) = &marker {
+                    req = req.key_marker(k).set_version_id_marker(v.clone());
+                }
+                let page = req.send().await.map_err(|e| io_error("list versions", e))?;
+                for o in page.versions().iter().filter(|o| o.is_latest() == Some(true)) {
+                    let Some(key) = key_of(o.key()) else { continue };
+                    objects.push(ObjectInfo {
+                        key,
+                        size: o.size().unwrap_or(0).max(0) as u64,
+                        etag: o.e_tag().unwrap_or_default().to_string(),
+                        modified: time(o.last_modified()),
+                        // `null`: written while the bucket kept no versions;
+                        // the next write replaces it, so it names nothing.
+                        version: o.version_id().filter(|v| *v != "null").map(str::to_string),
+                    });
+                }
+                folders.extend(page.common_prefixes().iter().filter_map(|p| p.prefix()).map(str::to_string));
+                marker =
+                    page.next_key_marker().map(|k| (k.to_string(), page.next_version_id_marker().map(str::to_string)));
+                page.is_truncated() == Some(true) && marker.is_some()
+            } else {
+                let mut req = client.list_objects_v2().bucket(&bucket).prefix(&prefix).delimiter("/");
+                if let Some(t) = &token {
+                    req = req.continuation_token(t);
+                }
+                let page = req.send().await.map_err(|e| io_error("list", e))?;
+                for o in page.contents() {
+                    let Some(key) = key_of(o.key()) else { continue };
+                    objects.push(ObjectInfo {
+                        key,
+                        size: o.size().unwrap_or(0).max(0) as u64,
+                        etag: o.e_tag().unwrap_or_default().to_string(),
+                        modified: time(o.last_modified()),
+                        version: None,
+                    });
+                }
+                folders.extend(page.common_prefixes().iter().filter_map(|p| p.prefix()).map(str::to_string));
+                token = page.next_continuation_token().map(str::to_string);
+                page.is_truncated() == Some(true) && token.is_some()
+            };
             // Servers that list no ETags (some S3-compatible ones) are asked
             // per object of this page, many at once.
             let missing: Vec<usize> = (first..objects.len()).filter(|&i| objects[i].etag.is_empty()).collect();
@@ -248,7 +291,7 @@ impl S3Store {
                 for &i in batch {
                     let key = &objects[i].key;
                     let full = if strip == 0 { key.clone() } else { format!("{}{key}", &prefix[..strip]) };
-                    let req = client.head_object().bucket(&bucket).key(full);
+                    let req = client.head_object().bucket(&bucket).key(full).set_version_id(objects[i].version.clone());
                     heads.spawn(async move { (i, req.send().await) });
                 }
                 while let Some(done) = heads.join_next().await {
@@ -260,12 +303,28 @@ impl S3Store {
                     }
                 }
             }
-            match page.next_continuation_token() {
-                Some(t) if page.is_truncated() == Some(true) => token = Some(t.to_string()),
-                _ => break,
+            if !more {
+                break;
             }
         }
         Ok((objects, folders))
+    }
+
+    /// Whether the server answers ListObjectVersions for `prefix` (asked
+    /// for one key). Bucket versioning is not asked: a version listing is
+    /// right for a bucket with or without versions (an object that has
+    /// none is listed with the id `null`), and some servers that keep
+    /// versions answer GetBucketVersioning in a shape the SDK refuses. One
+    /// that cannot list versions (or a caller not allowed to) is listed
+    /// plainly, without version ids.
+    async fn lists_versions(client: &Client, bucket: &str, prefix: &str) -> bool {
+        match client.list_object_versions().bucket(bucket).prefix(prefix).max_keys(1).send().await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::debug!(error = %aws_sdk_s3::error::DisplayErrorContext(&e), "no version listing; listing without version ids");
+                false
+            }
+        }
     }
 }
 
@@ -384,11 +443,11 @@ impl ObjectStore for S3Store {
     }
 
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
-        self.ranged_get(key, range, None)
+        self.ranged_get(key, range, None, None)
     }
 
-    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str) -> Result<Vec<u8>> {
-        self.ranged_get(key, range, Some(etag))
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str, version: Option<&str>) -> Result<Vec<u8>> {
+        self.ranged_get(key, range, Some(etag), version)
     }
 
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
@@ -422,13 +481,14 @@ impl ObjectStore for S3Store {
         let strip = if self.prefix.is_empty() { 0 } else { self.prefix.len() + 1 };
         let (client, bucket) = (self.client.clone(), self.bucket.clone());
         let mut out = self.rt.block_on(async move {
+            let versions = S3Store::lists_versions(&client, &bucket, &full).await;
             let mut out = Vec::new();
             let mut waiting = vec![full];
             let mut running = tokio::task::JoinSet::new();
             loop {
                 while running.len() < LISTINGS_IN_FLIGHT {
                     let Some(p) = waiting.pop() else { break };
-                    running.spawn(S3Store::list_level(client.clone(), bucket.clone(), p, strip));
+                    running.spawn(S3Store::list_level(client.clone(), bucket.clone(), p, strip, versions));
                 }
                 let Some(done) = running.join_next().await else { break };
                 let (objects, folders) =

@@ -44,8 +44,8 @@ pub struct Source {
     pub size: u64,
     /// Its ETag then; every read is conditional on it.
     pub etag: String,
-    /// Its version id, where the bucket keeps versions (reserved: imports
-    /// record none yet).
+    /// Its version id, where the bucket keeps versions: reads ask for that
+    /// version, so a checkpoint reads it while the key moves on.
     pub version: Option<String>,
 }
 
@@ -54,10 +54,25 @@ impl Source {
         format!("s3://{}/{}", self.bucket, self.key)
     }
 
-    /// One version of one object: bucket, key and ETag, NUL-separated. Its
-    /// chunks' bytes never change, wherever they are cached.
+    /// One version of one object: bucket, key, ETag and the version id if
+    /// any, NUL-separated. Its chunks' bytes never change, wherever they
+    /// are cached.
     pub fn id(&self) -> String {
-        format!("{}\0{}\0{}", self.bucket, self.key, self.etag)
+        match &self.version {
+            None => format!("{}\0{}\0{}", self.bucket, self.key, self.etag),
+            Some(v) => format!("{}\0{}\0{}\0{v}", self.bucket, self.key, self.etag),
+        }
+    }
+
+    /// Whether `listed` (a listing's entry for this key) is still the
+    /// object this names: the same ETag, and the same version where both
+    /// know one (a file imported before its bucket kept versions stays
+    /// what it was while its ETag does).
+    pub fn is_listed(&self, listed: &Source) -> bool {
+        self.bucket == listed.bucket
+            && self.key == listed.key
+            && self.etag == listed.etag
+            && (self.version.is_none() || self.version == listed.version)
     }
 }
 
@@ -477,7 +492,7 @@ impl SourceReader {
                 // The bucket is opened only when it is needed: a node with
                 // every chunk on disk or on its servers reads without it.
                 let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    sources.store(&src.bucket)?.get_range_if(&src.key, range, &src.etag)
+                    sources.store(&src.bucket)?.get_range_if(&src.key, range, &src.etag, src.version.as_deref())
                 }))
                 .unwrap_or_else(|_| Err(Error::Io(std::io::Error::other("a source fetch panicked"))));
                 counters.gets.fetch_add(1, Ordering::Relaxed);
@@ -627,7 +642,7 @@ fn changed(src: &Source, e: Error) -> Error {
     match e {
         Error::PreconditionFailed(_) | Error::NoSuchObject(_) => {
             let why = if matches!(e, Error::NoSuchObject(_)) { "deleted" } else { "changed" };
-            tracing::error!(object = %src.url(), etag = %src.etag, "source object {why} since import; its file reads fail");
+            tracing::error!(object = %src.url(), etag = %src.etag, version = src.version.as_deref().unwrap_or("-"), "source object {why} since import; its file reads fail");
             Error::SourceChanged(format!("{} ({why} since import)", src.url()))
         }
         e => e,
