@@ -42,6 +42,7 @@ seqread() { drop_caches; fio --name=r --directory="$1" --filename=big --rw=read 
 warmread() { fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --invalidate=0 --output-format=json --output="$2" >/dev/null; }
 randread() { drop_caches; fio --name=rr --directory="$1" --filename=big --rw=randread --bs=4k --size="$size" --runtime=15 --time_based --output-format=json --output="$2" >/dev/null; }
 declare -A R
+FOLIOS=""
 for r in $(seq "$runs"); do
   echo "run $r/$runs" >&2
   for side in $sides; do
@@ -52,6 +53,8 @@ for r in $(seq "$runs"); do
     # file's cached pages before a job unless told not to).
     warmread "$dir" "$work/r.json"; R[$side.warm]+=" $(bw "$work/r.json" read)"
     randread "$dir" "$work/rr.json"; R[$side.p50]+=" $(lat "$work/rr.json" 50.000000)"
+    # What the warm re-read copies from: large folios or 4 KiB pages.
+    [ "$r" != 1 ] || FOLIOS+="$(python3 "$here/benches/folios.py" "$dir/big")"$'\n'
     rm -f "$dir/big"
     R[$side.sf]+=" $(smallfiles "$dir" "$files")"
     read -r st rd cw <<<"$(metadata "$dir" "$meta")"
@@ -84,3 +87,6 @@ table sf "create $files × 4 KiB + stat + readdir + unlink" files/s "≥ 0.5×"
 table stat "stat of $meta files (attributes cached)" stats/s "≥ 0.5×"
 table readdir "readdir of $meta files" entries/s ""
 table cw "create + 4 KiB write + fsync, $meta files" files/s ""
+echo
+echo "Page-cache folios of the 1st run's file (benches/folios.py):"
+printf '%s' "$FOLIOS"
