@@ -21,14 +21,22 @@
 //!
 //! A frame is a little-endian `u32` length and that many bytes of bincode
 //! (standard configuration), at most [`MAX_FRAME`].
+//!
+//! File data travels after its frame as raw bytes, not inside it: a write
+//! is sent as [`Request::WriteData`] and the bytes, a read answered as
+//! [`Answer::Data`] and the bytes ([`write_request`], [`read_request`],
+//! [`write_answer`], [`read_answer`]). Neither side then copies a MiB into
+//! or out of an encoding buffer: the sender writes the caller's buffer to
+//! the socket and the receiver reads the socket into the buffer it hands
+//! on.
 
-use crate::files::{Op, Reply, SessionInfo};
+use crate::files::{Op, Out, Reply, SessionInfo};
 use std::io::{self, Read, Write};
 
 /// The first bytes of a framed connection.
 pub const MAGIC: [u8; 4] = *b"ARBF";
 /// The version of the requests and answers below.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The largest frame either side accepts (a 1 MiB write or read fits many
 /// times).
 pub const MAX_FRAME: usize = 16 << 20;
@@ -57,6 +65,8 @@ pub enum Request {
     Session,
     /// One file operation under `session`.
     Op { session: u64, op: Op },
+    /// `Op::Write` under `session`, its `len` bytes following the frame.
+    WriteData { session: u64, ino: u64, off: u64, len: u32 },
 }
 
 #[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
@@ -65,6 +75,8 @@ pub enum Answer {
     Reply(Reply),
     /// The owner does not know the session: open a new one.
     UnknownSession,
+    /// A reply of bytes (`Ok(Out::Bytes)`): `len` of them follow the frame.
+    Data(u32),
 }
 
 fn config() -> impl bincode::config::Config {
@@ -101,6 +113,79 @@ pub fn read_frame<T: bincode::Decode<()>>(r: &mut impl Read, buf: &mut Vec<u8>) 
     match bincode::decode_from_slice(buf, config()) {
         Ok((v, used)) if used == len => Ok(v),
         _ => Err(io::Error::new(io::ErrorKind::InvalidData, "a garbled frame")),
+    }
+}
+
+/// Reads the `len` raw bytes that follow a frame, into a buffer of their
+/// own (handed on as it is).
+fn read_payload(r: &mut impl Read, len: u32) -> io::Result<Vec<u8>> {
+    let len = len as usize;
+    if len > MAX_FRAME {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("a payload of {len} bytes is too large")));
+    }
+    let mut data = Vec::with_capacity(len);
+    r.take(len as u64).read_to_end(&mut data)?;
+    if data.len() != len {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "a payload cut short"));
+    }
+    Ok(data)
+}
+
+/// Writes `value` as a frame followed by `payload`.
+fn write_with_payload<T: bincode::Encode>(
+    w: &mut impl Write,
+    buf: &mut Vec<u8>,
+    value: &T,
+    payload: &[u8],
+) -> io::Result<()> {
+    if payload.len() > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("a payload of {} bytes is too large", payload.len()),
+        ));
+    }
+    write_frame(w, buf, value)?;
+    w.write_all(payload)
+}
+
+/// Sends `req`, a write's data after its frame.
+pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io::Result<()> {
+    match req {
+        Request::Op { session, op: Op::Write { ino, off, data } } => {
+            let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            let head = Request::WriteData { session: *session, ino: *ino, off: *off, len };
+            write_with_payload(w, buf, &head, data)
+        }
+        other => write_frame(w, buf, other),
+    }
+}
+
+/// Reads a request, a write's data included (as `Request::Op`).
+pub fn read_request(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Request> {
+    match read_frame::<Request>(r, buf)? {
+        Request::WriteData { session, ino, off, len } => {
+            Ok(Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)? } })
+        }
+        other => Ok(other),
+    }
+}
+
+/// Sends `answer`, a reply of bytes after its frame.
+pub fn write_answer(w: &mut impl Write, buf: &mut Vec<u8>, answer: &Answer) -> io::Result<()> {
+    match answer {
+        Answer::Reply(Ok(Out::Bytes(data))) => {
+            let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            write_with_payload(w, buf, &Answer::Data(len), data)
+        }
+        other => write_frame(w, buf, other),
+    }
+}
+
+/// Reads an answer, a reply of bytes included (as `Answer::Reply`).
+pub fn read_answer(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Answer> {
+    match read_frame::<Answer>(r, buf)? {
+        Answer::Data(len) => Ok(Answer::Reply(Ok(Out::Bytes(read_payload(r, len)?)))),
+        other => Ok(other),
     }
 }
 
@@ -157,6 +242,49 @@ mod tests {
         assert!(r.is_empty());
         // The end of the stream is an error, not a frame.
         assert!(read_frame::<Answer>(&mut r, &mut rbuf).is_err());
+    }
+
+    #[test]
+    fn file_data_travels_after_its_frame_and_comes_back_whole() {
+        let data: Vec<u8> = (0..1_048_576u32).map(|i| (i * 7 + 3) as u8).collect();
+        let (mut wire, mut buf) = (Vec::new(), Vec::new());
+        let write = Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: data.clone() } };
+        write_request(&mut wire, &mut buf, &write).expect("write");
+        // The frame names the write; the bytes follow it raw.
+        let frame = u32::from_le_bytes([wire[0], wire[1], wire[2], wire[3]]) as usize;
+        assert!(frame < 64, "a {frame}-byte frame");
+        assert_eq!(wire.len(), 4 + frame + data.len());
+        assert!(wire[4 + frame..] == data[..]);
+        write_answer(&mut wire, &mut buf, &Answer::Reply(Ok(Out::Bytes(data.clone())))).expect("answer");
+        write_answer(&mut wire, &mut buf, &Answer::Reply(Ok(Out::Bytes(Vec::new())))).expect("empty");
+        write_answer(&mut wire, &mut buf, &Answer::Reply(Err(libc::EIO))).expect("errno");
+        write_request(&mut wire, &mut buf, &Request::Session).expect("session");
+        let mut r = &wire[..];
+        let mut rbuf = Vec::new();
+        match read_request(&mut r, &mut rbuf).expect("read") {
+            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: got } } => assert!(got == data),
+            other => panic!("{other:?}"),
+        }
+        match read_answer(&mut r, &mut rbuf).expect("read") {
+            Answer::Reply(Ok(Out::Bytes(got))) => assert!(got == data),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            matches!(read_answer(&mut r, &mut rbuf).expect("read"), Answer::Reply(Ok(Out::Bytes(b))) if b.is_empty())
+        );
+        assert!(matches!(read_answer(&mut r, &mut rbuf).expect("read"), Answer::Reply(Err(libc::EIO))));
+        assert!(matches!(read_request(&mut r, &mut rbuf).expect("read"), Request::Session));
+        assert!(r.is_empty());
+
+        // Data cut short, or announced larger than any frame: refused.
+        let mut short = Vec::new();
+        write_answer(&mut short, &mut buf, &Answer::Reply(Ok(Out::Bytes(vec![1; 1000])))).expect("answer");
+        short.truncate(short.len() - 1);
+        assert!(read_answer(&mut &short[..], &mut rbuf).is_err());
+        let mut huge = Vec::new();
+        write_frame(&mut huge, &mut buf, &Answer::Data(MAX_FRAME as u32 + 1)).expect("frame");
+        let err = read_answer(&mut &huge[..], &mut rbuf).expect_err("too large");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
     }
 
     #[test]

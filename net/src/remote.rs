@@ -292,7 +292,7 @@ impl Inner {
 
     /// One request and its answer, on a connection of the pool.
     fn exchange(&self, req: &crate::frames::Request) -> std::result::Result<crate::frames::Answer, Failed> {
-        use crate::frames::{read_frame, write_frame, Answer, Request};
+        use crate::frames::{read_answer, write_request, Request};
         let (addr, mut c) = self.take_conn()?;
         // A lock wait may take as long as the holder keeps the lock.
         let waits = matches!(req, Request::Op { op: Op::SetLk { wait: true, .. }, .. });
@@ -300,8 +300,8 @@ impl Inner {
             if waits {
                 c.stream.set_read_timeout(None)?;
             }
-            write_frame(&mut c.stream, &mut c.wbuf, req)?;
-            let a = read_frame::<Answer>(&mut c.stream, &mut c.rbuf)?;
+            write_request(&mut c.stream, &mut c.wbuf, req)?;
+            let a = read_answer(&mut c.stream, &mut c.rbuf)?;
             if waits {
                 c.stream.set_read_timeout(self.opts.timeout)?;
             }
@@ -372,7 +372,9 @@ impl Inner {
         match self.exchange(&req)? {
             crate::frames::Answer::Reply(r) => Ok(r),
             crate::frames::Answer::UnknownSession => Err(Failed::Session),
-            crate::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
+            crate::frames::Answer::Session(_) | crate::frames::Answer::Data(_) => {
+                Err(Failed::Transport("a garbled reply".into()))
+            }
         }
     }
 
@@ -425,7 +427,7 @@ impl Inner {
         let out = self.call_req(&mut req);
         match req {
             crate::frames::Request::Op { op, .. } => (out, op),
-            crate::frames::Request::Session => (out, Op::StatFs),
+            crate::frames::Request::Session | crate::frames::Request::WriteData { .. } => (out, Op::StatFs),
         }
     }
 
@@ -449,7 +451,10 @@ impl Inner {
                 Ok(crate::frames::Answer::UnknownSession) => {
                     *self.session.lock() = None;
                 }
-                Ok(crate::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
+                // `Data` is read as a reply by `read_answer`.
+                Ok(crate::frames::Answer::Session(_) | crate::frames::Answer::Data(_)) => {
+                    return Err(errno_error(libc::EPROTO))
+                }
                 Err(Failed::Refused) => {
                     tracing::warn!("the owner refused our token (check --token-file)");
                     return Err(errno_error(libc::EACCES));

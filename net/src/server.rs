@@ -245,7 +245,8 @@ impl CacheServer {
         conn: u64,
         rt: &tokio::runtime::Handle,
     ) -> std::io::Result<()> {
-        use crate::frames::{read_frame, write_frame, Answer, Hello, Request, Welcome, MAGIC, VERSION};
+        use crate::frames::{read_frame, read_request, write_answer, write_frame, Answer, Hello, Request, Welcome};
+        use crate::frames::{MAGIC, VERSION};
         use std::io::Read;
         let mut magic = [0u8; 4];
         stream.read_exact(&mut magic)?;
@@ -267,7 +268,7 @@ impl CacheServer {
         };
         debug_assert_eq!(magic, MAGIC);
         loop {
-            let req: Request = match read_frame(&mut stream, &mut rbuf) {
+            let req: Request = match read_request(&mut stream, &mut rbuf) {
                 Ok(r) => r,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
@@ -282,8 +283,10 @@ impl CacheServer {
                     Answer::Reply(rt.block_on(b.set_lock_while(session, ino, owner, lock, go_on)))
                 }
                 Request::Op { session, op } => Answer::Reply(b.apply(session, op)),
+                // Read as `Request::Op` by `read_request`.
+                Request::WriteData { .. } => Answer::Reply(Err(libc::EPROTO)),
             };
-            write_frame(&mut stream, &mut wbuf, &answer)?;
+            write_answer(&mut stream, &mut wbuf, &answer)?;
         }
     }
 
