@@ -236,8 +236,19 @@ impl S3Store {
         let mut token: Option<String> = None;
         let mut marker: Option<(String, Option<String>)> = None;
         let key_of = |k: Option<&str>| k.and_then(|k| k.get(strip..)).map(str::to_string);
-        let time =
-            |t: Option<&aws_sdk_s3::primitives::DateTime>| t.and_then(|t| std::time::SystemTime::try_from(*t).ok());
+        let info = |key,
+                    size: Option<i64>,
+                    etag: Option<&str>,
+                    modified: Option<&aws_sdk_s3::primitives::DateTime>,
+                    version| {
+            ObjectInfo {
+                key,
+                size: size.unwrap_or(0).max(0) as u64,
+                etag: etag.unwrap_or_default().to_string(),
+                modified: modified.and_then(|t| std::time::SystemTime::try_from(*t).ok()),
+                version,
+            }
+        };
         // Bounded: a folder of more than a billion keys is not listed here.
         for _ in 0..1_000_000 {
             let first = objects.len();
@@ -249,15 +260,10 @@ impl S3Store {
                 let page = req.send().await.map_err(|e| io_error("list versions", e))?;
                 for o in page.versions().iter().filter(|o| o.is_latest() == Some(true)) {
                     let Some(key) = key_of(o.key()) else { continue };
-                    objects.push(ObjectInfo {
-                        key,
-                        size: o.size().unwrap_or(0).max(0) as u64,
-                        etag: o.e_tag().unwrap_or_default().to_string(),
-                        modified: time(o.last_modified()),
-                        // `null`: written while the bucket kept no versions;
-                        // the next write replaces it, so it names nothing.
-                        version: o.version_id().filter(|v| *v != "null").map(str::to_string),
-                    });
+                    // `null`: written while the bucket kept no versions;
+                    // the next write replaces it, so it names nothing.
+                    let version = o.version_id().filter(|v| *v != "null").map(str::to_string);
+                    objects.push(info(key, o.size(), o.e_tag(), o.last_modified(), version));
                 }
                 folders.extend(page.common_prefixes().iter().filter_map(|p| p.prefix()).map(str::to_string));
                 marker =
@@ -271,13 +277,7 @@ impl S3Store {
                 let page = req.send().await.map_err(|e| io_error("list", e))?;
                 for o in page.contents() {
                     let Some(key) = key_of(o.key()) else { continue };
-                    objects.push(ObjectInfo {
-                        key,
-                        size: o.size().unwrap_or(0).max(0) as u64,
-                        etag: o.e_tag().unwrap_or_default().to_string(),
-                        modified: time(o.last_modified()),
-                        version: None,
-                    });
+                    objects.push(info(key, o.size(), o.e_tag(), o.last_modified(), None));
                 }
                 folders.extend(page.common_prefixes().iter().filter_map(|p| p.prefix()).map(str::to_string));
                 token = page.next_continuation_token().map(str::to_string);
