@@ -68,6 +68,21 @@ pub struct Row {
     pub target: String,
 }
 
+impl Row {
+    /// A row of medians in MiB/s: `arbor` against `baseline`, which `how`
+    /// describes.
+    pub fn mib_per_s(name: impl Into<String>, how: &str, baseline: &[f64], arbor: &[f64], target: &str) -> Row {
+        let (b, a) = (median(baseline.to_vec()), median(arbor.to_vec()));
+        Row {
+            name: name.into(),
+            baseline: format!("{b:.0} MiB/s ({how})"),
+            arbor: format!("{a:.0} MiB/s"),
+            ratio: a / b,
+            target: target.into(),
+        }
+    }
+}
+
 pub fn print_table(title: &str, rows: &[Row]) {
     println!("\n### {title}\n");
     println!("| workload | baseline | arbor | ratio | target |");

@@ -255,35 +255,30 @@ fn main() {
         eprintln!("  import {r:.0} objects/s");
     }
     assert_eq!(imported, count, "every object imported");
+    let ranged = "parallel ranged GETs";
     let rows = vec![
-        Row {
-            name: format!("cold sequential read of an imported {mib} MiB object (chunk files kept, as a mount does)"),
-            baseline: format!("{:.0} MiB/s (parallel ranged GETs)", median(baseline.clone())),
-            arbor: format!("{:.0} MiB/s", median(cold.clone())),
-            ratio: median(cold) / median(baseline.clone()),
-            target: "≥ 0.8".into(),
-        },
-        Row {
-            name: format!("the same read keeping no chunk files (memory only, {mib} MiB)"),
-            baseline: format!("{:.0} MiB/s (parallel ranged GETs)", median(baseline.clone())),
-            arbor: format!("{:.0} MiB/s", median(cold_memory.clone())),
-            ratio: median(cold_memory) / median(baseline),
-            target: "≥ 0.8".into(),
-        },
-        Row {
-            name: "warm read of it from the chunk files (new volume, page cache dropped)".into(),
-            baseline: format!("{:.0} MiB/s (a local file, 1 MiB reads)", median(local.clone())),
-            arbor: format!("{:.0} MiB/s", median(warm.clone())),
-            ratio: median(warm) / median(local),
-            target: "report".into(),
-        },
-        Row {
-            name: "export of 16 × 64 MiB files".into(),
-            baseline: format!("{:.0} MiB/s (parallel PUTs)", median(uploaded.clone())),
-            arbor: format!("{:.0} MiB/s", median(exported.clone())),
-            ratio: median(exported) / median(uploaded),
-            target: "report".into(),
-        },
+        Row::mib_per_s(
+            format!("cold sequential read of an imported {mib} MiB object (chunk files kept, as a mount does)"),
+            ranged,
+            &baseline,
+            &cold,
+            "≥ 0.8",
+        ),
+        Row::mib_per_s(
+            format!("the same read keeping no chunk files (memory only, {mib} MiB)"),
+            ranged,
+            &baseline,
+            &cold_memory,
+            "≥ 0.8",
+        ),
+        Row::mib_per_s(
+            "warm read of it from the chunk files (new volume, page cache dropped)",
+            "a local file, 1 MiB reads",
+            &local,
+            &warm,
+            "report",
+        ),
+        Row::mib_per_s("export of 16 × 64 MiB files", "parallel PUTs", &uploaded, &exported, "report"),
         Row {
             name: format!("import of {count} objects (list with ETags + one file each)"),
             baseline: "—".into(),
