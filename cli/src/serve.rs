@@ -162,6 +162,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "chunks": s.chunks,
             "bytes": s.bytes,
             "hits": s.hits,
+            "parts": s.parts,
             "fallback_down": s.fallback_down,
             "fallback_timeout": s.fallback_timeout,
             "fallback_error": s.fallback_error,

@@ -219,6 +219,14 @@ fn splice(from: &impl std::os::fd::AsRawFd, to: &impl std::os::fd::AsRawFd, len:
     Ok(n as usize)
 }
 
+/// Sleeps of this thread end when they are due: a network holds a packet
+/// back by its delay, not by the delay plus the 50 µs the kernel may add
+/// to a sleeping thread's timer by default to batch wake-ups.
+fn precise_sleeps() {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument, this thread's.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+}
+
 fn relay_spliced(
     from: TcpStream,
     to: TcpStream,
@@ -245,6 +253,7 @@ fn relay_spliced(
         }
     });
     std::thread::spawn(move || {
+        precise_sleeps();
         'pieces: for (due, pipe, n) in rx {
             let now = Instant::now();
             if due > now {
@@ -291,6 +300,7 @@ fn relay_copied(
         }
     });
     std::thread::spawn(move || {
+        precise_sleeps();
         for (due, piece) in rx {
             let now = Instant::now();
             if due > now {

@@ -55,8 +55,10 @@ pub struct ServerStats {
     /// Chunks and bytes it answered (before the client's checks).
     pub chunks: u64,
     pub bytes: u64,
-    /// Of those, how many it had cached already.
+    /// Of those, how many it had cached already, and how many were parts
+    /// of chunks (for small reads).
     pub hits: u64,
+    pub parts: u64,
     /// Chunks read from the bucket instead, by reason.
     pub fallback_down: u64,
     pub fallback_timeout: u64,
@@ -71,6 +73,7 @@ struct Counters {
     chunks: AtomicU64,
     bytes: AtomicU64,
     hits: AtomicU64,
+    parts: AtomicU64,
     down: AtomicU64,
     timeout: AtomicU64,
     error: AtomicU64,
@@ -160,6 +163,7 @@ impl CacheClient {
                 chunks: get(&p.n.chunks),
                 bytes: get(&p.n.bytes),
                 hits: get(&p.n.hits),
+                parts: get(&p.n.parts),
                 fallback_down: get(&p.n.down),
                 fallback_timeout: get(&p.n.timeout),
                 fallback_error: get(&p.n.error),
@@ -341,6 +345,16 @@ impl ChunkSource for CacheClient {
     fn rejected(&self, seg: SegId, index: u32) {
         let peer = &self.inner.peers[self.inner.owner(seg, index)];
         peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn fetch_part(&self, seg: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
+        let owner = self.inner.owner(seg, index);
+        let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::server::part_query(&within));
+        let got = self.rt.block_on(self.inner.clone().get(owner, path));
+        if got.is_some() {
+            self.inner.peers[owner].n.parts.fetch_add(1, Ordering::Relaxed);
+        }
+        got
     }
 
     fn fetch_object(&self, src: &Source, wanted: &[u64]) -> Vec<Option<Vec<u8>>> {

@@ -46,6 +46,8 @@ impl Histogram {
 pub(crate) struct Metrics {
     pub hits: AtomicU64,
     pub misses: AtomicU64,
+    /// Of the hits and misses, requests for part of a chunk.
+    pub parts: AtomicU64,
     pub served_bytes: AtomicU64,
     pub not_found: AtomicU64,
     pub errors: AtomicU64,
@@ -78,6 +80,12 @@ impl Metrics {
             "arbor_cache_misses_total",
             "Chunk requests that fetched from the bucket.",
             get(&self.misses),
+        );
+        counter(
+            &mut out,
+            "arbor_cache_part_requests_total",
+            "Of those, requests for part of a chunk (small reads).",
+            get(&self.parts),
         );
         counter(&mut out, "arbor_cache_served_bytes_total", "Chunk bytes sent to clients.", get(&self.served_bytes));
         counter(

@@ -340,10 +340,17 @@ impl CacheServer {
             ["v1", "chunks", seg, index] => match (SegId::parse_file_name(seg), index.parse::<u32>()) {
                 (Some(seg), Ok(index)) => {
                     let Some(cache) = self.cache.clone() else { return reply(StatusCode::NOT_FOUND, Bytes::new()) };
+                    let Ok(within) = chunk_part(req.uri().query()) else {
+                        return reply(StatusCode::BAD_REQUEST, "?at=OFFSET&len=LENGTH inside the chunk\n");
+                    };
+                    if within.is_some() {
+                        self.metrics.parts.fetch_add(1, Ordering::Relaxed);
+                    }
                     let what = format!("chunk {index} of {seg}");
                     // No checksum header: the client checks a segment
-                    // chunk against its object's footer.
-                    let get = move || cache.chunk(seg, index).map(|c| c.map(|c| (c.bytes, c.hit)));
+                    // chunk against its object's footer, a part against
+                    // the block crcs of the records it reads.
+                    let get = move || cache.chunk_part(seg, index, within).map(|c| c.map(|c| (c.bytes, c.hit)));
                     self.chunk(what, false, get).await
                 }
                 _ => reply(StatusCode::BAD_REQUEST, "not a segment chunk\n"),
@@ -447,6 +454,30 @@ impl CacheServer {
             evicted_bytes: s.evicted_bytes,
         })
     }
+}
+
+/// The part of a chunk a `/v1/chunks/…?at=…&len=…` request asks for
+/// (offsets inside the chunk); `None` for the whole chunk.
+fn chunk_part(query: Option<&str>) -> Result<Option<std::ops::Range<u64>>, ()> {
+    let Some(query) = query else { return Ok(None) };
+    let (mut at, mut len) = (None, None);
+    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+        match &*k {
+            "at" => at = Some(v.parse::<u64>().map_err(|_| ())?),
+            "len" => len = Some(v.parse::<u64>().map_err(|_| ())?),
+            _ => return Err(()),
+        }
+    }
+    match (at, len) {
+        (None, None) => Ok(None),
+        (Some(at), Some(len)) if len > 0 => Ok(Some(at..at.checked_add(len).ok_or(())?)),
+        _ => Err(()),
+    }
+}
+
+/// The query that asks for bytes `within` of a chunk.
+pub(crate) fn part_query(within: &std::ops::Range<u64>) -> String {
+    format!("at={}&len={}", within.start, within.end - within.start)
 }
 
 /// The source object a `/v1/objects/…` request names in its query.
@@ -594,6 +625,17 @@ mod tests {
         assert_ne!(versioned.id(), Source { version: None, ..versioned.clone() }.id());
         for bad in ["", "bucket=corpus&key=a&etag=x", "bucket=&key=a&etag=x&size=1", "bucket=c&key=a&etag=x&size=-1"] {
             assert_eq!(object_source(Some(bad)), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_part_query_round_trips_and_nonsense_is_refused() {
+        assert_eq!(chunk_part(None), Ok(None));
+        assert_eq!(chunk_part(Some("")), Ok(None));
+        let within = 4096..12_288;
+        assert_eq!(chunk_part(Some(&part_query(&within))), Ok(Some(within)));
+        for bad in ["at=1", "len=4", "at=1&len=0", "at=x&len=4", "at=1&len=4&what=2", "at=18446744073709551615&len=2"] {
+            assert_eq!(chunk_part(Some(bad)), Err(()), "{bad}");
         }
     }
 }

@@ -38,11 +38,32 @@ pub(crate) fn bound_handles<V>(map: &mut std::collections::HashMap<SegId, V>, ma
     }
 }
 
+/// Who checked the bytes a [`SegmentFile::read_for_check`] gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Checked {
+    /// The file (a chunk against its object's footer, or a local file).
+    Here,
+    /// Nobody yet: the caller's own checksum is the only check.
+    Unchecked,
+}
+
 pub trait SegmentFile: Send + Sync {
     /// Writes all of `buf` at `off`; not durable until [`SegmentFile::sync`].
     fn write_at(&self, buf: &[u8], off: u64) -> Result<()>;
     /// Fills `buf` from `off`; an error if the file is shorter.
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()>;
+    /// Fills `buf` from `off` for a caller that checks every byte itself
+    /// (a record's or a data block's crc32c). The bytes may come from a
+    /// copy this file did not check — a cache server's part of a chunk,
+    /// a fraction of a millisecond instead of a whole chunk's transfer —
+    /// and then the answer is `Unchecked`: a caller whose check fails
+    /// calls [`SegmentFile::unchecked_failed`] and reads with `read_at`.
+    fn read_for_check(&self, buf: &mut [u8], off: u64) -> Result<Checked> {
+        self.read_at(buf, off).map(|()| Checked::Here)
+    }
+    /// Bytes `read_for_check` gave at `off` as `Unchecked` failed the
+    /// caller's check.
+    fn unchecked_failed(&self, _off: u64) {}
     fn sync(&self) -> Result<()>;
     fn size(&self) -> Result<u64>;
     /// Cuts a torn tail off; durable once it returns.

@@ -23,8 +23,15 @@ pub trait ChunkSource: Send + Sync {
     /// this source cannot give now (the caller reads the bucket for it).
     /// Never blocks longer than the source's own timeout.
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>>;
-    /// Chunk `index` of `seg` as given failed its checksum.
+    /// Chunk `index` of `seg` (or a part of it) as given failed its
+    /// checksum.
     fn rejected(&self, seg: SegId, index: u32);
+    /// Bytes `within` (offsets inside the chunk) of chunk `index` of
+    /// `seg`, for a small read whose reader checks them itself against
+    /// its block crcs; `None` when this source cannot give them now.
+    fn fetch_part(&self, _seg: SegId, _index: u32, _within: Range<u64>) -> Option<Vec<u8>> {
+        None
+    }
 
     /// Chunks `wanted` (1 MiB each, by index) of source object `src`, in
     /// order: `None` for each this source cannot give now. An object

@@ -10,6 +10,7 @@ use super::remote::{CacheStats, Remote};
 use crate::bucket::ObjectStore;
 use crate::error::Result;
 use crate::format::SegId;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -41,19 +42,33 @@ impl SegmentCache {
     /// no object in the bucket (never sealed, or removed) or no such chunk.
     /// Many callers asking for one chunk at once share one bucket GET.
     pub fn chunk(&self, seg: SegId, index: u32) -> Result<Option<ServedChunk>> {
+        self.chunk_part(seg, index, None)
+    }
+
+    /// Bytes `within` (offsets inside the chunk; all of it when `None`) of
+    /// chunk `index` of sealed segment `seg`, the whole chunk cached
+    /// either way; `None` when there is no such chunk or part.
+    pub fn chunk_part(&self, seg: SegId, index: u32, within: Option<Range<u64>>) -> Result<Option<ServedChunk>> {
         let Some(s) = self.remote.open_object(seg)? else { return Ok(None) };
         let i = index as usize;
         if i >= s.footer.crcs.len() {
             return Ok(None);
         }
+        let (start, end) = s.footer.chunk_range(i);
+        let within = within.unwrap_or(0..end - start);
+        if within.start >= within.end || within.end > end - start {
+            return Ok(None);
+        }
         // A miss is the one request that went to the bucket for the
         // chunk; those that waited for it meanwhile count as hits.
-        if let Some(bytes) = s.fetch(i)? {
+        if let Some(mut bytes) = s.fetch(i)? {
+            if within.end - within.start < bytes.len() as u64 {
+                bytes = bytes[within.start as usize..within.end as usize].to_vec();
+            }
             return Ok(Some(ServedChunk { bytes, hit: false }));
         }
-        let (start, end) = s.footer.chunk_range(i);
-        let mut bytes = vec![0u8; (end - start) as usize];
-        crate::device::SegmentFile::read_at(&*s, &mut bytes, start)?;
+        let mut bytes = vec![0u8; (within.end - within.start) as usize];
+        crate::device::SegmentFile::read_at(&*s, &mut bytes, start + within.start)?;
         Ok(Some(ServedChunk { bytes, hit: true }))
     }
 

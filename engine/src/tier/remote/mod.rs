@@ -56,6 +56,10 @@ const SPILL_SEGMENTS: usize = 4;
 const GET_TRIES: usize = 4;
 /// WAL pieces fetched at once when a segment is read from them.
 const PIECE_FETCHES: usize = 16;
+/// The largest read a cache server answers with part of a chunk (larger
+/// ones fetch the whole chunk): a quarter chunk, more than the kernel's
+/// read-ahead for one random read.
+const PART_MAX: u64 = 256 << 10;
 
 /// An anonymous file in memory (sparse, holes punched like any file).
 fn memory_file(name: &str) -> Result<File> {
@@ -85,6 +89,11 @@ pub struct CacheStats {
     /// Chunks and bytes cache servers gave (and that passed their check).
     pub peer_chunks: u64,
     pub peer_bytes: u64,
+    /// Parts of chunks cache servers gave for small reads, their bytes,
+    /// and how many failed the reader's check (read again whole).
+    pub peer_parts: u64,
+    pub peer_part_bytes: u64,
+    pub part_rejected: u64,
 }
 
 pub(crate) struct Remote {
@@ -125,6 +134,9 @@ pub(crate) struct Remote {
     /// Chunks and bytes cache servers gave that passed their check.
     peer_chunks: AtomicU64,
     peer_bytes: AtomicU64,
+    peer_parts: AtomicU64,
+    peer_part_bytes: AtomicU64,
+    part_rejected: AtomicU64,
 }
 
 impl Remote {
@@ -164,6 +176,9 @@ impl Remote {
             peers,
             peer_chunks: AtomicU64::new(0),
             peer_bytes: AtomicU64::new(0),
+            peer_parts: AtomicU64::new(0),
+            peer_part_bytes: AtomicU64::new(0),
+            part_rejected: AtomicU64::new(0),
         }))
     }
 
@@ -205,6 +220,9 @@ impl Remote {
             wal_pieces_read: self.wal_pieces.load(Ordering::Relaxed),
             peer_chunks: self.peer_chunks.load(Ordering::Relaxed),
             peer_bytes: self.peer_bytes.load(Ordering::Relaxed),
+            peer_parts: self.peer_parts.load(Ordering::Relaxed),
+            peer_part_bytes: self.peer_part_bytes.load(Ordering::Relaxed),
+            part_rejected: self.part_rejected.load(Ordering::Relaxed),
         }
     }
 

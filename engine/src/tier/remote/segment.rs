@@ -2,8 +2,8 @@
 //! per chunk, or the run read-ahead queued right after it), and reads
 //! through the chunk cache.
 
-use super::{Remote, GET_TRIES, MAX_READ_AHEAD, RUN_CHUNKS};
-use crate::device::SegmentFile;
+use super::{Remote, GET_TRIES, MAX_READ_AHEAD, PART_MAX, RUN_CHUNKS};
+use crate::device::{Checked, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::SegId;
 use crate::tier::object::Footer;
@@ -153,11 +153,67 @@ impl RemoteSeg {
         }
         Ok(got)
     }
+
+    /// A small read of a chunk this node does not have, by a reader that
+    /// is not streaming, asks the chunk's cache server for just those
+    /// bytes: a few KiB cross the wire instead of the whole chunk, and the
+    /// caller checks them against its block crcs. True when `buf` was
+    /// filled that way. Such a read is not cached here (a random reader
+    /// would pull whole chunks for a few KiB of each); the server keeps
+    /// the whole chunk, and a reader that goes on sequentially gets whole
+    /// chunks and read-ahead.
+    fn part_from_peers(&self, buf: &mut [u8], off: u64) -> bool {
+        let r = &self.remote;
+        let (Source::Object { .. }, Some(peers)) = (&self.source, &r.peers) else { return false };
+        let end = off + buf.len() as u64;
+        let cs = self.chunk_size();
+        if buf.is_empty() || buf.len() as u64 > PART_MAX || end > self.footer.data_len || off / cs != (end - 1) / cs {
+            return false;
+        }
+        let i = (off / cs) as usize;
+        let key = (self.id, i as u32);
+        let prev = self.last_end.load(Ordering::Relaxed);
+        if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
+            return false;
+        }
+        if r.chunks.present(key) || r.inflight.lock().contains(&key) || r.queued.lock().contains(&key) {
+            return false;
+        }
+        let cstart = self.footer.chunk_range(i).0;
+        let Some(bytes) = peers.fetch_part(self.id, i as u32, off - cstart..end - cstart) else { return false };
+        if bytes.len() != buf.len() {
+            tracing::warn!(seg = %self.id, chunk = i, got = bytes.len(), want = buf.len(), "a cache server sent a part of a chunk of the wrong length; reading the chunk");
+            peers.rejected(self.id, i as u32);
+            return false;
+        }
+        buf.copy_from_slice(&bytes);
+        self.last_end.store(end, Ordering::Relaxed);
+        self.window.store(r.read_ahead, Ordering::Relaxed);
+        r.peer_parts.fetch_add(1, Ordering::Relaxed);
+        r.peer_part_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        true
+    }
 }
 
 impl SegmentFile for RemoteSeg {
     fn write_at(&self, _buf: &[u8], _off: u64) -> Result<()> {
         Err(Error::ReadOnly)
+    }
+
+    fn read_for_check(&self, buf: &mut [u8], off: u64) -> Result<Checked> {
+        if self.part_from_peers(buf, off) {
+            return Ok(Checked::Unchecked);
+        }
+        self.read_at(buf, off).map(|()| Checked::Here)
+    }
+
+    fn unchecked_failed(&self, off: u64) {
+        let i = off / self.chunk_size();
+        tracing::warn!(seg = %self.id, chunk = i, off, "a part of a chunk from a cache server failed its checksum; reading the chunk");
+        self.remote.part_rejected.fetch_add(1, Ordering::Relaxed);
+        if let Some(peers) = &self.remote.peers {
+            peers.rejected(self.id, i as u32);
+        }
     }
 
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
