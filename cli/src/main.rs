@@ -590,12 +590,13 @@ fn print_status(s: &serde_json::Value) {
     for c in s["cache_servers"].as_array().into_iter().flatten() {
         let n = |k: &str| c[k].as_u64().unwrap_or(0);
         println!(
-            "cache server {}: {} chunks ({}), {} hits, {} parts of chunks for small reads; to the bucket instead: {} down, {} timed out, {} errors, {} not there, {} rejected (bad checksum)",
+            "cache server {}: {} chunks ({}), {} hits, {} parts of chunks for small reads, {} segment footers; to the bucket instead: {} down, {} timed out, {} errors, {} not there, {} rejected (bad checksum)",
             c["addr"].as_str().unwrap_or("?"),
             n("chunks"),
             HumanBytes(n("bytes")),
             n("hits"),
             n("parts"),
+            n("footers"),
             n("fallback_down"),
             n("fallback_timeout"),
             n("fallback_error"),

@@ -163,6 +163,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "bytes": s.bytes,
             "hits": s.hits,
             "parts": s.parts,
+            "footers": s.footers,
             "fallback_down": s.fallback_down,
             "fallback_timeout": s.fallback_timeout,
             "fallback_error": s.fallback_error,

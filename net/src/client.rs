@@ -59,6 +59,8 @@ pub struct ServerStats {
     /// of chunks (for small reads).
     pub hits: u64,
     pub parts: u64,
+    /// Segment footers it gave (each saving two trips to the bucket).
+    pub footers: u64,
     /// Chunks read from the bucket instead, by reason.
     pub fallback_down: u64,
     pub fallback_timeout: u64,
@@ -74,12 +76,21 @@ struct Counters {
     bytes: AtomicU64,
     hits: AtomicU64,
     parts: AtomicU64,
+    footers: AtomicU64,
     down: AtomicU64,
     timeout: AtomicU64,
     error: AtomicU64,
     not_found: AtomicU64,
     rejected: AtomicU64,
     unauthorized: AtomicU64,
+}
+
+/// What a request asks a server for, for its counters.
+#[derive(Clone, Copy)]
+enum Ask {
+    Chunk,
+    Part,
+    Footer,
 }
 
 struct Peer {
@@ -164,6 +175,7 @@ impl CacheClient {
                 bytes: get(&p.n.bytes),
                 hits: get(&p.n.hits),
                 parts: get(&p.n.parts),
+                footers: get(&p.n.footers),
                 fallback_down: get(&p.n.down),
                 fallback_timeout: get(&p.n.timeout),
                 fallback_error: get(&p.n.error),
@@ -191,13 +203,19 @@ impl Inner {
         self.highest(|seed| score(seed, seg, index))
     }
 
+    /// The server that owns a segment's footer: the owner of a chunk
+    /// index no segment has, so footers spread like chunks.
+    fn footer_owner(&self, seg: SegId) -> usize {
+        self.owner(seg, u32::MAX)
+    }
+
     fn object_owner(&self, object: u64, index: u64) -> usize {
         self.highest(|seed| object_score(seed, object, index))
     }
 
     /// Asks server `owner` for the chunk at `path`: its bytes, if it gave
     /// them and they match the checksum it sent.
-    async fn get(self: Arc<Self>, owner: usize, path: String) -> Option<Vec<u8>> {
+    async fn get(self: Arc<Self>, owner: usize, path: String, ask: Ask) -> Option<Vec<u8>> {
         let peer = &self.peers[owner];
         if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
             peer.n.down.fetch_add(1, Ordering::Relaxed);
@@ -232,7 +250,14 @@ impl Inner {
         };
         match tokio::time::timeout(self.timeout, attempt).await {
             Ok(Ok((StatusCode::OK, hit, crc, body))) => {
-                peer.n.chunks.fetch_add(1, Ordering::Relaxed);
+                match ask {
+                    Ask::Chunk => peer.n.chunks.fetch_add(1, Ordering::Relaxed),
+                    Ask::Part => {
+                        peer.n.parts.fetch_add(1, Ordering::Relaxed);
+                        peer.n.chunks.fetch_add(1, Ordering::Relaxed)
+                    }
+                    Ask::Footer => peer.n.footers.fetch_add(1, Ordering::Relaxed),
+                };
                 peer.n.bytes.fetch_add(body.len() as u64, Ordering::Relaxed);
                 if hit {
                     peer.n.hits.fetch_add(1, Ordering::Relaxed);
@@ -347,14 +372,19 @@ impl ChunkSource for CacheClient {
         peer.n.rejected.fetch_add(1, Ordering::Relaxed);
     }
 
+    fn fetch_footer(&self, seg: SegId) -> Option<Vec<u8>> {
+        let owner = self.inner.footer_owner(seg);
+        self.rt.block_on(self.inner.clone().get(owner, format!("/v1/footers/{}", seg.file_name()), Ask::Footer))
+    }
+
+    fn footer_rejected(&self, seg: SegId) {
+        self.inner.peers[self.inner.footer_owner(seg)].n.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn fetch_part(&self, seg: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
         let owner = self.inner.owner(seg, index);
         let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::server::part_query(&within));
-        let got = self.rt.block_on(self.inner.clone().get(owner, path));
-        if got.is_some() {
-            self.inner.peers[owner].n.parts.fetch_add(1, Ordering::Relaxed);
-        }
-        got
+        self.rt.block_on(self.inner.clone().get(owner, path, Ask::Part))
     }
 
     fn fetch_object(&self, src: &Source, wanted: &[u64]) -> Vec<Option<Vec<u8>>> {
@@ -376,7 +406,8 @@ impl ChunkSource for CacheClient {
 impl Inner {
     /// Each (server, path) of `asks` at once; the answers in order.
     async fn get_all(self: Arc<Self>, asks: Vec<(usize, String)>) -> Vec<Option<Vec<u8>>> {
-        let tasks: Vec<_> = asks.into_iter().map(|(owner, path)| tokio::spawn(self.clone().get(owner, path))).collect();
+        let tasks: Vec<_> =
+            asks.into_iter().map(|(owner, path)| tokio::spawn(self.clone().get(owner, path, Ask::Chunk))).collect();
         let mut out = Vec::with_capacity(tasks.len());
         for t in tasks {
             out.push(t.await.ok().flatten());

@@ -48,6 +48,8 @@ pub(crate) struct Metrics {
     pub misses: AtomicU64,
     /// Of the hits and misses, requests for part of a chunk.
     pub parts: AtomicU64,
+    /// Segment footers sent (not chunk requests).
+    pub footers: AtomicU64,
     pub served_bytes: AtomicU64,
     pub not_found: AtomicU64,
     pub errors: AtomicU64,
@@ -87,6 +89,7 @@ impl Metrics {
             "Of those, requests for part of a chunk (small reads).",
             get(&self.parts),
         );
+        counter(&mut out, "arbor_cache_footer_requests_total", "Segment footers sent.", get(&self.footers));
         counter(&mut out, "arbor_cache_served_bytes_total", "Chunk bytes sent to clients.", get(&self.served_bytes));
         counter(
             &mut out,

@@ -350,10 +350,19 @@ impl CacheServer {
                     // No checksum header: the client checks a segment
                     // chunk against its object's footer, a part against
                     // the block crcs of the records it reads.
-                    let get = move || cache.chunk_part(seg, index, within).map(|c| c.map(|c| (c.bytes, c.hit)));
+                    let get = move || cache.chunk_part(seg, index, within).map(|c| c.map(|c| (c.bytes, Some(c.hit))));
                     self.chunk(what, false, get).await
                 }
                 _ => reply(StatusCode::BAD_REQUEST, "not a segment chunk\n"),
+            },
+            ["v1", "footers", seg] => match SegId::parse_file_name(seg) {
+                Some(seg) => {
+                    let Some(cache) = self.cache.clone() else { return reply(StatusCode::NOT_FOUND, Bytes::new()) };
+                    // Checked by the client against its own crc32c.
+                    let get = move || cache.footer(seg).map(|f| f.map(|f| (f, None)));
+                    self.chunk(format!("footer of {seg}"), false, get).await
+                }
+                None => reply(StatusCode::BAD_REQUEST, "not a segment\n"),
             },
             ["v1", "objects", index] => match (object_source(req.uri().query()), index.parse::<u64>()) {
                 (Some(src), Ok(index)) => {
@@ -362,7 +371,7 @@ impl CacheServer {
                     };
                     let what = format!("chunk {index} of {}", src.url());
                     self.chunk(what, true, move || match objects.chunk(&src, index) {
-                        Ok(c) => Ok(Some(c)),
+                        Ok((bytes, hit)) => Ok(Some((bytes, Some(hit)))),
                         Err(arbor_engine::Error::NoSuchObject(_)) => Ok(None),
                         Err(e) => Err(e),
                     })
@@ -375,24 +384,24 @@ impl CacheServer {
     }
 
     /// Answers with the chunk `get` finds (`None`: there is no such chunk)
-    /// and whether it was cached already, and with its crc32c if `crc`;
-    /// counts and times it.
+    /// and whether it was cached already (`None`: not a chunk, a footer),
+    /// and with its crc32c if `crc`; counts and times it.
     async fn chunk(
         &self,
         what: String,
         crc: bool,
-        get: impl FnOnce() -> arbor_engine::Result<Option<(Vec<u8>, bool)>> + Send + 'static,
+        get: impl FnOnce() -> arbor_engine::Result<Option<(Vec<u8>, Option<bool>)>> + Send + 'static,
     ) -> Reply {
         let started = Instant::now();
         let got = tokio::task::spawn_blocking(get).await;
         let m = &self.metrics;
         let r = match got {
             Ok(Ok(Some((mut bytes, hit)))) => {
-                if hit {
-                    m.hits.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    m.misses.fetch_add(1, Ordering::Relaxed);
-                }
+                match hit {
+                    Some(true) => m.hits.fetch_add(1, Ordering::Relaxed),
+                    Some(false) => m.misses.fetch_add(1, Ordering::Relaxed),
+                    None => m.footers.fetch_add(1, Ordering::Relaxed),
+                };
                 let crc = crc.then(|| crc32c::crc32c(&bytes));
                 match self.opts.fault {
                     Some(Fault::Corrupt) => {
@@ -406,8 +415,10 @@ impl CacheServer {
                 }
                 m.served_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
                 let mut r = reply(StatusCode::OK, bytes);
-                let state = if hit { "hit" } else { "miss" };
-                r.headers_mut().insert(CACHE_HEADER, hyper::header::HeaderValue::from_static(state));
+                if let Some(hit) = hit {
+                    let state = if hit { "hit" } else { "miss" };
+                    r.headers_mut().insert(CACHE_HEADER, hyper::header::HeaderValue::from_static(state));
+                }
                 if let Some(Ok(v)) = crc.map(|crc| hyper::header::HeaderValue::from_str(&format!("{crc:08x}"))) {
                     r.headers_mut().insert(CRC_HEADER, v);
                 }

@@ -192,9 +192,10 @@ fn four_readers_through_one_server_pull_each_byte_from_the_bucket_once() {
     let stats: Vec<ServerStats> = readers.into_iter().flat_map(|t| t.join().expect("reader")).collect();
     let pulled = store.sent();
     let fetched = server.metric("arbor_cache_bucket_bytes_total");
-    // The segments hold the file, its metadata and footers; the readers
-    // fetch the footers (a few KiB a segment) from the bucket themselves.
+    // The segments hold the file, its metadata and footers; the server
+    // reads each footer (a few KiB a segment) and gives it to the readers.
     assert!(fetched >= len && fetched <= segments_len(&store), "the server fetched {fetched} bytes");
+    assert!(total(&stats, |s| s.footers) >= 4, "every reader took footers from the server: {stats:?}");
     assert!(pulled <= fetched + fetched / 10, "the bucket sent {pulled} bytes for a {len}-byte file read 4 times");
     assert!(total(&stats, |s| s.bytes) >= 4 * len, "every reader got the file from the server: {stats:?}");
     assert_eq!(total(&stats, |s| s.rejected + s.fallback_error + s.fallback_timeout), 0, "{stats:?}");
@@ -211,7 +212,7 @@ fn four_readers_through_one_server_pull_each_byte_from_the_bucket_once() {
     // A second job: new readers, empty caches, nothing from the bucket.
     store.segment_bytes.store(0, Ordering::Relaxed);
     read_through(&store, &dir.path().join("second-job"), Some(client(&[&server])), &data);
-    assert!(store.sent() < len / 50, "the second job pulled {} bytes", store.sent());
+    assert_eq!(store.sent(), 0, "the second job pulled nothing from the bucket, not even a footer");
 
     // A restarted server finds its chunks again and checks them first.
     drop(server);
@@ -233,7 +234,8 @@ fn corrupt_or_short_chunks_are_caught_and_read_from_the_bucket() {
         let c = client(&[&server]);
         read_through(&store, &dir.path().join(format!("reader{n}")), Some(c.clone()), &data);
         let s = &c.stats()[0];
-        assert!(s.chunks >= 6 && s.rejected == s.chunks, "{fault:?}: every chunk was rejected: {s:?}");
+        assert!(s.chunks >= 6 && s.footers >= 1, "{fault:?}: {s:?}");
+        assert_eq!(s.rejected, s.chunks + s.footers, "{fault:?}: every chunk and footer was rejected: {s:?}");
     }
 }
 
@@ -244,6 +246,11 @@ fn small_scattered_reads_take_parts_of_chunks_and_bad_parts_are_read_again() {
     let (store, data) = bucket_with_file(dir.path(), mib);
     for (n, fault) in [None, Some(Fault::Corrupt), Some(Fault::Short)].into_iter().enumerate() {
         let server = Server::start(store.clone(), &dir.path().join(format!("server{n}")), fault);
+        if fault.is_none() {
+            // A warm server: what the reader then pulls from the bucket is its own.
+            read_through(&store, &dir.path().join("warming"), Some(client(&[&server])), &data);
+        }
+        let parts_before = if fault.is_none() { server.metric("arbor_cache_part_requests_total") } else { 0 };
         let c = client(&[&server]);
         let dyn_store: Arc<dyn ObjectStore> = store.clone();
         let tier = TierConfig { peers: Some(c.clone() as Arc<dyn ChunkSource>), ..TierConfig::default() };
@@ -252,6 +259,7 @@ fn small_scattered_reads_take_parts_of_chunks_and_bad_parts_are_read_again() {
         let ino = vol.lookup(ROOT_INO, b"data").expect("lookup").ino;
         // Backwards through the file, 4 KiB (not block-aligned) in each
         // MiB: no read starts where the one before ended.
+        store.segment_bytes.store(0, Ordering::Relaxed);
         for i in (0..mib).rev() {
             let off = i * MIB + 1000 + i * 40_000;
             let got = vol.read(ino, off as u64, 4096).expect("read");
@@ -262,17 +270,19 @@ fn small_scattered_reads_take_parts_of_chunks_and_bad_parts_are_read_again() {
             None => {
                 assert!(cache.peer_parts >= mib as u64, "every read took a part: {cache:?}");
                 assert_eq!(s.parts, cache.peer_parts, "{s:?}");
-                assert_eq!(server.metric("arbor_cache_part_requests_total"), s.parts);
+                assert_eq!(server.metric("arbor_cache_part_requests_total") - parts_before, s.parts);
                 assert!(cache.peer_part_bytes <= cache.peer_parts * (64 << 10), "small parts: {cache:?}");
                 assert_eq!((cache.peer_chunks, cache.cached_bytes, cache.part_rejected), (0, 0, 0), "{cache:?}");
+                assert!(cache.peer_footers >= 1 && s.footers == cache.peer_footers, "{cache:?} {s:?}");
+                assert_eq!(store.sent(), 0, "nothing from the bucket, not even a footer");
             }
             Some(Fault::Corrupt) => {
                 assert!(cache.part_rejected >= mib as u64, "each bad part was caught: {cache:?}");
                 assert!(s.rejected >= 2 * mib as u64, "and its whole chunk too: {s:?}");
-                assert_eq!(cache.peer_chunks, 0, "{cache:?}");
+                assert_eq!((cache.peer_chunks, cache.peer_footers), (0, 0), "bad footers too: {cache:?}");
             }
             Some(Fault::Short) => {
-                assert_eq!((cache.peer_parts, cache.peer_chunks), (0, 0), "{cache:?}");
+                assert_eq!((cache.peer_parts, cache.peer_chunks, cache.peer_footers), (0, 0, 0), "{cache:?}");
                 assert!(s.rejected >= 2 * mib as u64, "{s:?}");
             }
         }

@@ -26,6 +26,15 @@ pub trait ChunkSource: Send + Sync {
     /// Chunk `index` of `seg` (or a part of it) as given failed its
     /// checksum.
     fn rejected(&self, seg: SegId, index: u32);
+    /// The footer of sealed segment `seg` as its object ends (the crc
+    /// table and the trailer, checked by its own crc32c): a reader opening
+    /// a segment asks this before two round trips to the bucket; `None`
+    /// when this source cannot give it now.
+    fn fetch_footer(&self, _seg: SegId) -> Option<Vec<u8>> {
+        None
+    }
+    /// A footer as given failed its check.
+    fn footer_rejected(&self, _seg: SegId) {}
     /// Bytes `within` (offsets inside the chunk) of chunk `index` of
     /// `seg`, for a small read whose reader checks them itself against
     /// its block crcs; `None` when this source cannot give them now.

@@ -45,6 +45,15 @@ impl SegmentCache {
         self.chunk_part(seg, index, None)
     }
 
+    /// The footer of sealed segment `seg` as its object ends (as
+    /// `Footer::encode` writes it); `None` when the segment has no object.
+    pub fn footer(&self, seg: SegId) -> Result<Option<Vec<u8>>> {
+        let Some(s) = self.remote.open_object(seg)? else { return Ok(None) };
+        let mut out = Vec::with_capacity(s.footer.encoded_len());
+        s.footer.encode(&mut out);
+        Ok(Some(out))
+    }
+
     /// Bytes `within` (offsets inside the chunk; all of it when `None`) of
     /// chunk `index` of sealed segment `seg`, the whole chunk cached
     /// either way; `None` when there is no such chunk or part.

@@ -94,6 +94,8 @@ pub struct CacheStats {
     pub peer_parts: u64,
     pub peer_part_bytes: u64,
     pub part_rejected: u64,
+    /// Segment footers cache servers gave (each saving two bucket trips).
+    pub peer_footers: u64,
 }
 
 pub(crate) struct Remote {
@@ -137,6 +139,7 @@ pub(crate) struct Remote {
     peer_parts: AtomicU64,
     peer_part_bytes: AtomicU64,
     part_rejected: AtomicU64,
+    peer_footers: AtomicU64,
 }
 
 impl Remote {
@@ -179,6 +182,7 @@ impl Remote {
             peer_parts: AtomicU64::new(0),
             peer_part_bytes: AtomicU64::new(0),
             part_rejected: AtomicU64::new(0),
+            peer_footers: AtomicU64::new(0),
         }))
     }
 
@@ -223,6 +227,7 @@ impl Remote {
             peer_parts: self.peer_parts.load(Ordering::Relaxed),
             peer_part_bytes: self.peer_part_bytes.load(Ordering::Relaxed),
             part_rejected: self.part_rejected.load(Ordering::Relaxed),
+            peer_footers: self.peer_footers.load(Ordering::Relaxed),
         }
     }
 
@@ -375,6 +380,10 @@ impl Remote {
             return Ok(Some(s.clone()));
         }
         let key = segment_key(id);
+        if let Some(footer) = self.footer_from_peers(id, &key) {
+            let file = self.cache_file(id, &footer)?;
+            return Ok(Some(self.insert_seg(id, footer, Source::Object { file })));
+        }
         let size = match self.store.size(&key) {
             Ok(size) => size,
             Err(Error::NoSuchObject(_)) if !wal => return Ok(None),
@@ -390,6 +399,32 @@ impl Remote {
             Err(e) => return Err(e),
         };
         let footer = self.read_footer(&key, size)?;
+        let file = self.cache_file(id, &footer)?;
+        Ok(Some(self.insert_seg(id, footer, Source::Object { file })))
+    }
+
+    /// The footer of sealed segment `id` from its cache server, checked
+    /// (its own crc32c, its lengths): one round trip to a server nearby
+    /// instead of two to the bucket (the object's size, then its tail).
+    fn footer_from_peers(&self, id: SegId, key: &str) -> Option<Footer> {
+        let peers = self.peers.as_ref()?;
+        let bytes = peers.fetch_footer(id)?;
+        match Footer::decode(&bytes, key) {
+            Ok(footer) => {
+                self.peer_footers.fetch_add(1, Ordering::Relaxed);
+                Some(footer)
+            }
+            Err(e) => {
+                tracing::warn!(seg = %id, error = %e, "a segment footer from a cache server failed its check; reading it from the bucket");
+                peers.footer_rejected(id);
+                None
+            }
+        }
+    }
+
+    /// The cache file of segment `id`, set up for `footer`: the chunks an
+    /// earlier process left in it are taken in (checked on first read).
+    fn cache_file(&self, id: SegId, footer: &Footer) -> Result<File> {
         let file = if self.memory {
             memory_file(&id.file_name())?
         } else {
@@ -410,7 +445,7 @@ impl Remote {
                 .collect();
             self.add(&present, true);
         }
-        Ok(Some(self.insert_seg(id, footer, Source::Object { file })))
+        Ok(file)
     }
 
     fn read_footer(&self, key: &str, size: u64) -> Result<Footer> {
