@@ -608,5 +608,8 @@ pub fn unmount(mountpoint: &Path) -> Result<()> {
     while disk::is_mountpoint(mountpoint) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
+    if disk::is_mountpoint(mountpoint) {
+        bail!("{} is still mounted a minute later (is a process using it?)", mountpoint.display());
+    }
     Ok(())
 }
