@@ -135,6 +135,7 @@ for f, mib in spots[:n]:
     t = time.perf_counter()
     got = os.pread(fds[f], 4096, off)
     lat.append(time.perf_counter() - t)
+    if lat[-1] > 0.01: print(f"slow read {len(lat)} {f} {mib} {lat[-1]*1e3:.1f} ms", file=sys.stderr)
     assert len(got) == 4096
 lat.sort()
 print(f"{lat[len(lat) // 2] * 1e6:.0f} {lat[min(len(lat) - 1, len(lat) * 99 // 100)] * 1e6:.0f}")
@@ -144,7 +145,7 @@ n_random=$(( mib < 200 ? mib : 200 ))
 # (A command substitution waits for the reader to exit, so nothing holds
 # the mount when it is unmounted.)
 mount_client c1 e1 "$servers" --token-file "$work/token"
-got=$(random_reads e1 "$n_random"); read -r p50 p99 <<< "$got"
+got=$(random_reads e1 "$n_random"); read -r p50 p99 <<< "$got"; XDG_CACHE_HOME=$(node e1) "$arbor" status "$work/mnt-e1" >&2
 unmount_client e1
 mount_client c2 e2
 got=$(random_reads e2 $(( n_random / 4 ))); read -r b50 b99 <<< "$got"

@@ -265,14 +265,25 @@ fn small_scattered_reads_take_parts_of_chunks_and_bad_parts_are_read_again() {
             let got = vol.read(ino, off as u64, 4096).expect("read");
             assert!(got == data[off..off + 4096], "{fault:?}: the bytes at {off}");
         }
+        // Reads across two 1 MiB writes (two records, one after the other
+        // in the log): the second record's part is the rest of one small
+        // read, not a reader streaming on.
+        for i in [9, 5, 2] {
+            let off = i * MIB - 2048;
+            let got = vol.read(ino, off as u64, 4096).expect("read");
+            assert!(got == data[off..off + 4096], "{fault:?}: the bytes at {off}");
+        }
         let (cache, s) = (dev.stats().cache, c.stats()[0].clone());
         match fault {
             None => {
-                assert!(cache.peer_parts >= mib as u64, "every read took a part: {cache:?}");
                 assert_eq!(s.parts, cache.peer_parts, "{s:?}");
                 assert_eq!(server.metric("arbor_cache_part_requests_total") - parts_before, s.parts);
                 assert!(cache.peer_part_bytes <= cache.peer_parts * (64 << 10), "small parts: {cache:?}");
-                assert_eq!((cache.peer_chunks, cache.cached_bytes, cache.part_rejected), (0, 0, 0), "{cache:?}");
+                // Tree nodes come in whole chunks (kept: the next read's
+                // nodes are likely there); file data only in parts.
+                assert!(cache.peer_chunks <= 2 && cache.part_rejected == 0, "{cache:?}");
+                assert!(cache.cached_bytes <= 2 * MIB as u64, "{cache:?}");
+                assert!(cache.peer_parts >= mib as u64 + 6, "every data read took parts: {cache:?}");
                 assert!(cache.peer_footers >= 1 && s.footers == cache.peer_footers, "{cache:?} {s:?}");
                 assert_eq!(store.sent(), 0, "nothing from the bucket, not even a footer");
             }

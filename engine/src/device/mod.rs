@@ -52,8 +52,14 @@ pub trait SegmentFile: Send + Sync {
     fn write_at(&self, buf: &[u8], off: u64) -> Result<()>;
     /// Fills `buf` from `off`; an error if the file is shorter.
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()>;
+    /// Fills `buf` from `off` for a reader of metadata (a tree node, a
+    /// commit record): not part of a stream, so it starts no read-ahead
+    /// and does not make the file's next read look sequential.
+    fn read_unstreamed(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        self.read_at(buf, off)
+    }
     /// Fills `buf` from `off` for a caller that checks every byte itself
-    /// (a record's or a data block's crc32c). The bytes may come from a
+    /// (file data against its blocks' crc32c). The bytes may come from a
     /// copy this file did not check — a cache server's part of a chunk,
     /// a fraction of a millisecond instead of a whole chunk's transfer —
     /// and then the answer is `Unchecked`: a caller whose check fails

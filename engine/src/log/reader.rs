@@ -1,4 +1,4 @@
-use crate::device::{Checked, Device, SegmentFile};
+use crate::device::{Device, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{Addr, RecordHeader, RecordKind, SegId, BLOCK_SIZE, HEADER_LEN};
 use std::sync::Arc;
@@ -47,23 +47,10 @@ pub fn read_record_at_addr(file: &dyn SegmentFile, addr: Addr) -> Result<Record>
         return Err(torn("record length", seg, off));
     }
     let mut buf = vec![0u8; addr.len as usize];
-    if file.read_for_check(&mut buf, off)? == Checked::Unchecked {
-        // Bytes nobody checked yet (a cache server's part of a chunk):
-        // this record's checksum is their check, and a failure reads
-        // them again the way that checks them.
-        if let Ok(rec) = record_from(buf.clone(), seg, off, addr.len) {
-            return Ok(rec);
-        }
-        file.unchecked_failed(off);
-        file.read_at(&mut buf, off)?;
-    }
-    record_from(buf, seg, off, addr.len)
-}
-
-/// The record `buf` holds (read at `off` of `seg`, `len` bytes), verified.
-fn record_from(mut buf: Vec<u8>, seg: SegId, off: u64, len: u32) -> Result<Record> {
+    // Records read by address are metadata (tree nodes, commits).
+    file.read_unstreamed(&mut buf, off)?;
     let h = RecordHeader::parse(&buf[..HEADER_LEN]).ok_or_else(|| torn("record header", seg, off))?;
-    if h.total_len() != len as u64 {
+    if h.total_len() != addr.len as u64 {
         return Err(torn("record length", seg, off));
     }
     buf.drain(..HEADER_LEN);

@@ -349,6 +349,7 @@ impl Remote {
             footer,
             source,
             last_end: AtomicU64::new(u64::MAX),
+            part_run: AtomicU64::new(u64::MAX),
             window: AtomicU64::new(self.read_ahead),
             me: me.clone(),
         });

@@ -30,6 +30,10 @@ pub(crate) struct RemoteSeg {
     pub(super) source: Source,
     /// End of the last read, to spot sequential readers.
     pub(super) last_end: AtomicU64,
+    /// Where the reads answered with parts of chunks since the last other
+    /// read began (`u64::MAX`: none), to tell the rest of a small read (the
+    /// next record's blocks) from a reader going on.
+    pub(super) part_run: AtomicU64,
     /// The read-ahead window: the configured size after a random read,
     /// growing fourfold with each sequential one up to [`MAX_READ_AHEAD`].
     pub(super) window: AtomicU64,
@@ -172,10 +176,24 @@ impl RemoteSeg {
         }
         let i = (off / cs) as usize;
         let key = (self.id, i as u32);
+        // A read that goes on from about where the last one ended is the
+        // rest of a small read (its next record, a header further on) while
+        // the run of parts stays small, and a streaming reader after that:
+        // whole chunks and read-ahead serve it better. (This is stricter
+        // than `read_at`'s test, which takes a read up to a chunk further
+        // on as streaming: for random readers of files that share a
+        // segment, one read in 64 would start read-ahead.)
         let prev = self.last_end.load(Ordering::Relaxed);
-        if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
-            return false;
-        }
+        let run = self.part_run.load(Ordering::Relaxed);
+        let run = if prev != u64::MAX && off >= prev && off <= prev + PART_MAX {
+            if run == u64::MAX || end - run.min(off) > PART_MAX {
+                self.part_run.store(u64::MAX, Ordering::Relaxed);
+                return false;
+            }
+            run
+        } else {
+            off
+        };
         if r.chunks.present(key) || r.inflight.lock().contains(&key) || r.queued.lock().contains(&key) {
             return false;
         }
@@ -187,36 +205,17 @@ impl RemoteSeg {
             return false;
         }
         buf.copy_from_slice(&bytes);
+        self.part_run.store(run, Ordering::Relaxed);
         self.last_end.store(end, Ordering::Relaxed);
         self.window.store(r.read_ahead, Ordering::Relaxed);
         r.peer_parts.fetch_add(1, Ordering::Relaxed);
         r.peer_part_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         true
     }
-}
 
-impl SegmentFile for RemoteSeg {
-    fn write_at(&self, _buf: &[u8], _off: u64) -> Result<()> {
-        Err(Error::ReadOnly)
-    }
-
-    fn read_for_check(&self, buf: &mut [u8], off: u64) -> Result<Checked> {
-        if self.part_from_peers(buf, off) {
-            return Ok(Checked::Unchecked);
-        }
-        self.read_at(buf, off).map(|()| Checked::Here)
-    }
-
-    fn unchecked_failed(&self, off: u64) {
-        let i = off / self.chunk_size();
-        tracing::warn!(seg = %self.id, chunk = i, off, "a part of a chunk from a cache server failed its checksum; reading the chunk");
-        self.remote.part_rejected.fetch_add(1, Ordering::Relaxed);
-        if let Some(peers) = &self.remote.peers {
-            peers.rejected(self.id, i as u32);
-        }
-    }
-
-    fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+    /// Fills `buf` from `off` through the chunk cache; a `streaming` read
+    /// also feeds the detection of sequential readers and read-ahead.
+    fn read(&self, buf: &mut [u8], off: u64, streaming: bool) -> Result<()> {
         let end = off + buf.len() as u64;
         if end > self.footer.data_len {
             if matches!(self.source, Source::Wal(_)) {
@@ -224,7 +223,7 @@ impl SegmentFile for RemoteSeg {
                 // asked for came later. Look again, once.
                 if let Some(fresh) = self.remote.reopen(self)? {
                     if end <= fresh.footer.data_len {
-                        return fresh.read_at(buf, off);
+                        return fresh.read(buf, off, streaming);
                     }
                 }
             }
@@ -242,36 +241,39 @@ impl SegmentFile for RemoteSeg {
         };
         let cs = self.chunk_size();
         let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
-        let prev = self.last_end.swap(end, Ordering::Relaxed);
-        // A reader that streamed to the end of the previous segment goes on
-        // at the start of this one with the window it had there.
-        let carried = if prev == u64::MAX && off < cs {
-            let mut stream = self.remote.stream.lock();
-            match *stream {
-                Some((id, w)) if id == self.id => {
-                    *stream = None;
-                    Some(w)
+        if streaming {
+            let prev = self.last_end.swap(end, Ordering::Relaxed);
+            self.part_run.store(u64::MAX, Ordering::Relaxed);
+            // A reader that streamed to the end of the previous segment goes on
+            // at the start of this one with the window it had there.
+            let carried = if prev == u64::MAX && off < cs {
+                let mut stream = self.remote.stream.lock();
+                match *stream {
+                    Some((id, w)) if id == self.id => {
+                        *stream = None;
+                        Some(w)
+                    }
+                    _ => None,
                 }
-                _ => None,
+            } else {
+                None
+            };
+            let base = self.remote.read_ahead;
+            if let Some(w) = carried {
+                self.window.store(w, Ordering::Relaxed);
+                self.read_ahead(end, w);
+            } else if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
+                // Sequential: the window grows fast (x4 a read) to its largest.
+                let w = self.window.load(Ordering::Relaxed);
+                let grown = if base == 0 { 0 } else { (w * 4).clamp(base, MAX_READ_AHEAD.max(base)) };
+                self.window.store(grown, Ordering::Relaxed);
+                self.read_ahead(end, grown);
+                if end + cs >= self.footer.data_len {
+                    *self.remote.stream.lock() = Some((self.id.next(), grown));
+                }
+            } else {
+                self.window.store(base, Ordering::Relaxed);
             }
-        } else {
-            None
-        };
-        let base = self.remote.read_ahead;
-        if let Some(w) = carried {
-            self.window.store(w, Ordering::Relaxed);
-            self.read_ahead(end, w);
-        } else if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
-            // Sequential: the window grows fast (x4 a read) to its largest.
-            let w = self.window.load(Ordering::Relaxed);
-            let grown = if base == 0 { 0 } else { (w * 4).clamp(base, MAX_READ_AHEAD.max(base)) };
-            self.window.store(grown, Ordering::Relaxed);
-            self.read_ahead(end, grown);
-            if end + cs >= self.footer.data_len {
-                *self.remote.stream.lock() = Some((self.id.next(), grown));
-            }
-        } else {
-            self.window.store(base, Ordering::Relaxed);
         }
         let mut fetched = self.fetch_all(&chunks)?;
         for &i in &chunks {
@@ -328,6 +330,36 @@ impl SegmentFile for RemoteSeg {
             }
         }
         Ok(())
+    }
+}
+
+impl SegmentFile for RemoteSeg {
+    fn write_at(&self, _buf: &[u8], _off: u64) -> Result<()> {
+        Err(Error::ReadOnly)
+    }
+
+    fn read_for_check(&self, buf: &mut [u8], off: u64) -> Result<Checked> {
+        if self.part_from_peers(buf, off) {
+            return Ok(Checked::Unchecked);
+        }
+        self.read_at(buf, off).map(|()| Checked::Here)
+    }
+
+    fn unchecked_failed(&self, off: u64) {
+        let i = off / self.chunk_size();
+        tracing::warn!(seg = %self.id, chunk = i, off, "a part of a chunk from a cache server failed its checksum; reading the chunk");
+        self.remote.part_rejected.fetch_add(1, Ordering::Relaxed);
+        if let Some(peers) = &self.remote.peers {
+            peers.rejected(self.id, i as u32);
+        }
+    }
+
+    fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        self.read(buf, off, true)
+    }
+
+    fn read_unstreamed(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        self.read(buf, off, false)
     }
 
     fn sync(&self) -> Result<()> {
