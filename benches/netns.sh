@@ -6,7 +6,8 @@
 #   netns_up HOST…     make the bridge and the hosts
 #   on HOST CMD…       run CMD on HOST
 #   wait_port HOST IP PORT
-#   netns_down         remove them (call it from the script's EXIT trap)
+#   netns_down         stop what runs on them and remove them (call it from
+#                      the script's EXIT trap)
 
 netns_hosts=()
 
@@ -28,7 +29,12 @@ netns_up() {
 }
 
 netns_down() {
-  local h
+  local h p
+  # Whatever still runs on a host goes with it: a command started in the
+  # background through `on` is a child of the subshell whose pid `$!` gave.
+  for h in "${netns_hosts[@]}"; do
+    for p in $(ip netns pids "arb-$h" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
+  done
   for h in "${netns_hosts[@]}"; do ip link del "arb-$h" 2>/dev/null || true; ip netns del "arb-$h" 2>/dev/null || true; done
   ip link del arbbr 2>/dev/null || true
 }

@@ -77,7 +77,8 @@ impl SegmentCache {
             return Ok(Some(ServedChunk { bytes, hit: false }));
         }
         let mut bytes = vec![0u8; (within.end - within.start) as usize];
-        crate::device::SegmentFile::read_at(&*s, &mut bytes, start + within.start)?;
+        // Many clients' requests interleave here: none of them streams.
+        crate::device::SegmentFile::read_unstreamed(&*s, &mut bytes, start + within.start)?;
         Ok(Some(ServedChunk { bytes, hit: true }))
     }
 

@@ -114,13 +114,16 @@ impl Volume {
         let bad_block = |buf: &[u8]| {
             buf.chunks(BLOCK_SIZE).enumerate().position(|(i, b)| e.crc_of(b0 + i) != Some(crc32c::crc32c(b)))
         };
+        let checked = file.read_for_check(&mut buf, at)?;
+        let mut bad = bad_block(&buf);
         // Bytes nobody checked yet (a cache server's part of a chunk) that
         // fail here are read again the way that checks them.
-        if file.read_for_check(&mut buf, at)? == Checked::Unchecked && bad_block(&buf).is_some() {
+        if bad.is_some() && checked == Checked::Unchecked {
             file.unchecked_failed(at);
             file.read_at(&mut buf, at)?;
+            bad = bad_block(&buf);
         }
-        if let Some(i) = bad_block(&buf) {
+        if let Some(i) = bad {
             return Err(Error::corrupted("data block checksum", format!("{data} block {}", b0 + i)));
         }
         let skip = r0 - b0 * BLOCK_SIZE;
