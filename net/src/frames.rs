@@ -23,12 +23,12 @@
 //! (standard configuration), at most [`MAX_FRAME`].
 //!
 //! File data travels after its frame as raw bytes, not inside it: a write
-//! is sent as [`Request::WriteData`] and the bytes, a read answered as
-//! [`Answer::Data`] and the bytes ([`write_request`], [`read_request`],
-//! [`write_answer`], [`read_answer`]). Neither side then copies a MiB into
-//! or out of an encoding buffer: the sender writes the caller's buffer to
-//! the socket and the receiver reads the socket into the buffer it hands
-//! on.
+//! goes as a frame naming it and its length, then the bytes, and a reply of
+//! bytes the same way ([`write_request`], [`read_request`],
+//! [`write_answer`], [`read_answer`]; the frames' own types are private).
+//! Neither side then copies a MiB into or out of an encoding buffer: the
+//! sender writes the caller's buffer to the socket and the receiver reads
+//! the socket into the buffer it hands on.
 
 use crate::files::{Op, Out, Reply, SessionInfo};
 use std::io::{self, Read, Write};
@@ -65,8 +65,6 @@ pub enum Request {
     Session,
     /// One file operation under `session`.
     Op { session: u64, op: Op },
-    /// `Op::Write` under `session`, its `len` bytes following the frame.
-    WriteData { session: u64, ino: u64, off: u64, len: u32 },
 }
 
 #[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
@@ -75,7 +73,48 @@ pub enum Answer {
     Reply(Reply),
     /// The owner does not know the session: open a new one.
     UnknownSession,
+}
+
+/// A request as its frame carries it (the same variants in the same order
+/// as [`RequestFrame`], which reads it).
+#[derive(bincode::Encode)]
+enum RequestHead<'a> {
+    Session,
+    Op {
+        session: u64,
+        op: &'a Op,
+    },
+    /// `Op::Write` under `session`, its `len` bytes following the frame.
+    WriteData {
+        session: u64,
+        ino: u64,
+        off: u64,
+        len: u32,
+    },
+}
+
+#[derive(bincode::Decode)]
+enum RequestFrame {
+    Session,
+    Op { session: u64, op: Op },
+    WriteData { session: u64, ino: u64, off: u64, len: u32 },
+}
+
+/// An answer as its frame carries it (as [`AnswerFrame`] reads it).
+#[derive(bincode::Encode)]
+enum AnswerHead<'a> {
+    Session(&'a SessionInfo),
+    Reply(&'a Reply),
+    UnknownSession,
     /// A reply of bytes (`Ok(Out::Bytes)`): `len` of them follow the frame.
+    Data(u32),
+}
+
+#[derive(bincode::Decode)]
+enum AnswerFrame {
+    Session(SessionInfo),
+    Reply(Reply),
+    UnknownSession,
     Data(u32),
 }
 
@@ -153,21 +192,23 @@ pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io
     match req {
         Request::Op { session, op: Op::Write { ino, off, data } } => {
             let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-            let head = Request::WriteData { session: *session, ino: *ino, off: *off, len };
+            let head = RequestHead::WriteData { session: *session, ino: *ino, off: *off, len };
             write_with_payload(w, buf, &head, data)
         }
-        other => write_frame(w, buf, other),
+        Request::Op { session, op } => write_frame(w, buf, &RequestHead::Op { session: *session, op }),
+        Request::Session => write_frame(w, buf, &RequestHead::Session),
     }
 }
 
-/// Reads a request, a write's data included (as `Request::Op`).
+/// Reads a request, a write's data included.
 pub fn read_request(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Request> {
-    match read_frame::<Request>(r, buf)? {
-        Request::WriteData { session, ino, off, len } => {
-            Ok(Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)? } })
+    Ok(match read_frame::<RequestFrame>(r, buf)? {
+        RequestFrame::WriteData { session, ino, off, len } => {
+            Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)? } }
         }
-        other => Ok(other),
-    }
+        RequestFrame::Op { session, op } => Request::Op { session, op },
+        RequestFrame::Session => Request::Session,
+    })
 }
 
 /// Sends `answer`, a reply of bytes after its frame.
@@ -175,18 +216,22 @@ pub fn write_answer(w: &mut impl Write, buf: &mut Vec<u8>, answer: &Answer) -> i
     match answer {
         Answer::Reply(Ok(Out::Bytes(data))) => {
             let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-            write_with_payload(w, buf, &Answer::Data(len), data)
+            write_with_payload(w, buf, &AnswerHead::Data(len), data)
         }
-        other => write_frame(w, buf, other),
+        Answer::Reply(reply) => write_frame(w, buf, &AnswerHead::Reply(reply)),
+        Answer::Session(info) => write_frame(w, buf, &AnswerHead::Session(info)),
+        Answer::UnknownSession => write_frame(w, buf, &AnswerHead::UnknownSession),
     }
 }
 
-/// Reads an answer, a reply of bytes included (as `Answer::Reply`).
+/// Reads an answer, a reply of bytes included.
 pub fn read_answer(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Answer> {
-    match read_frame::<Answer>(r, buf)? {
-        Answer::Data(len) => Ok(Answer::Reply(Ok(Out::Bytes(read_payload(r, len)?)))),
-        other => Ok(other),
-    }
+    Ok(match read_frame::<AnswerFrame>(r, buf)? {
+        AnswerFrame::Data(len) => Answer::Reply(Ok(Out::Bytes(read_payload(r, len)?))),
+        AnswerFrame::Reply(reply) => Answer::Reply(reply),
+        AnswerFrame::Session(info) => Answer::Session(info),
+        AnswerFrame::UnknownSession => Answer::UnknownSession,
+    })
 }
 
 fn set_int(stream: &std::net::TcpStream, level: i32, name: i32, v: i32) {
@@ -282,7 +327,7 @@ mod tests {
         short.truncate(short.len() - 1);
         assert!(read_answer(&mut &short[..], &mut rbuf).is_err());
         let mut huge = Vec::new();
-        write_frame(&mut huge, &mut buf, &Answer::Data(MAX_FRAME as u32 + 1)).expect("frame");
+        write_frame(&mut huge, &mut buf, &AnswerHead::Data(MAX_FRAME as u32 + 1)).expect("frame");
         let err = read_answer(&mut &huge[..], &mut rbuf).expect_err("too large");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
     }

@@ -372,9 +372,7 @@ impl Inner {
         match self.exchange(&req)? {
             crate::frames::Answer::Reply(r) => Ok(r),
             crate::frames::Answer::UnknownSession => Err(Failed::Session),
-            crate::frames::Answer::Session(_) | crate::frames::Answer::Data(_) => {
-                Err(Failed::Transport("a garbled reply".into()))
-            }
+            crate::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
         }
     }
 
@@ -427,7 +425,7 @@ impl Inner {
         let out = self.call_req(&mut req);
         match req {
             crate::frames::Request::Op { op, .. } => (out, op),
-            crate::frames::Request::Session | crate::frames::Request::WriteData { .. } => (out, Op::StatFs),
+            crate::frames::Request::Session => (out, Op::StatFs),
         }
     }
 
@@ -451,10 +449,7 @@ impl Inner {
                 Ok(crate::frames::Answer::UnknownSession) => {
                     *self.session.lock() = None;
                 }
-                // `Data` is read as a reply by `read_answer`.
-                Ok(crate::frames::Answer::Session(_) | crate::frames::Answer::Data(_)) => {
-                    return Err(errno_error(libc::EPROTO))
-                }
+                Ok(crate::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
                 Err(Failed::Refused) => {
                     tracing::warn!("the owner refused our token (check --token-file)");
                     return Err(errno_error(libc::EACCES));

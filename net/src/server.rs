@@ -283,8 +283,6 @@ impl CacheServer {
                     Answer::Reply(rt.block_on(b.set_lock_while(session, ino, owner, lock, go_on)))
                 }
                 Request::Op { session, op } => Answer::Reply(b.apply(session, op)),
-                // Read as `Request::Op` by `read_request`.
-                Request::WriteData { .. } => Answer::Reply(Err(libc::EPROTO)),
             };
             write_answer(&mut stream, &mut wbuf, &answer)?;
         }
