@@ -1,7 +1,8 @@
 //! `delay_proxy LISTEN UPSTREAM ONE_WAY_US COUNT_FILE`: the testkit's
 //! delaying, counting TCP proxy as a process of its own (for network
 //! namespaces, where the bucket and its clients are different hosts).
-//! Writes the bytes the upstream sent so far to COUNT_FILE every 100 ms;
+//! Writes the bytes the upstream sent so far to COUNT_FILE every 100 ms
+//! (atomically: a new file renamed over it);
 //! runs until killed.
 
 use arbor_engine::testkit::Proxy;
@@ -24,8 +25,13 @@ fn main() {
             std::process::exit(1);
         }
     };
+    // Written aside and renamed over: a reader never sees the file empty
+    // or half written.
+    let aside = format!("{count_file}.new");
     loop {
-        let _ = std::fs::write(count_file, format!("{}\n", proxy.sent()));
+        if std::fs::write(&aside, format!("{}\n", proxy.sent())).is_ok() {
+            let _ = std::fs::rename(&aside, count_file);
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
