@@ -322,6 +322,11 @@ struct ServeCmd {
     /// For --branch: local (fsync durable on this node) or bucket.
     #[arg(long, default_value = "local")]
     durability: arbor_engine::tier::Durability,
+    /// For --branch: how large a log segment grows before it is sealed (and,
+    /// on an s3:// disk, uploaded, after which clients read its bytes from
+    /// the bucket and the cache servers rather than through here).
+    #[arg(long, default_value_t = disk::Size(arbor_engine::volume::SEGMENT_SIZE))]
+    segment_size: disk::Size,
 }
 
 #[derive(Subcommand)]
@@ -388,6 +393,8 @@ fn init_logging(default: &str) {
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
+const MEMORY_ONLY_BRANCH: &str = "--cache-dir none (memory only) is for checkpoint mounts and mounts through a branch's owner (arbor serve --branch); a branch mount of its own needs a cache folder for its log";
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Init { disk } => {
@@ -396,10 +403,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Mount(m) => {
             let memory = memory_only(&m.cache_dir);
-            if memory && m.checkpoint.is_none() {
-                anyhow::bail!(
-                    "--cache-dir none (memory only) is for checkpoint mounts; a branch mount needs a cache folder for its log"
-                );
+            // Through an owner (a token given) a branch mount keeps no log
+            // here; that is known for sure once the disk is open.
+            if memory && m.checkpoint.is_none() && m.servers.token_file.is_none() {
+                anyhow::bail!(MEMORY_ONLY_BRANCH);
             }
             let args = serve::MountArgs {
                 disk: m.disk,
@@ -488,6 +495,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve(c) => {
             let memory = memory_only(&c.cache_dir);
+            serve::check_segment_size(c.segment_size.0)?;
             let args = cache_server::ServeArgs {
                 disk: c.disk,
                 listen: c.listen,
@@ -503,6 +511,7 @@ fn run(cli: Cli) -> Result<()> {
                     advertise: c.advertise,
                     take_over: c.take_over,
                     durability: c.durability,
+                    segment_size: c.segment_size.0,
                 },
             };
             if c.foreground {
@@ -516,6 +525,26 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+fn print_cache_servers(s: &serde_json::Value) {
+    for c in s["cache_servers"].as_array().into_iter().flatten() {
+        let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        println!(
+            "cache server {}: {} chunks ({}), {} hits, {} parts of chunks for small reads, {} segment footers; to the bucket instead: {} down, {} timed out, {} errors, {} not there, {} rejected (bad checksum)",
+            c["addr"].as_str().unwrap_or("?"),
+            n("chunks"),
+            HumanBytes(n("bytes")),
+            n("hits"),
+            n("parts"),
+            n("footers"),
+            n("fallback_down"),
+            n("fallback_timeout"),
+            n("fallback_error"),
+            n("fallback_not_found"),
+            n("rejected"),
+        );
+    }
+}
+
 fn print_status(s: &serde_json::Value) {
     let get = |k: &str| s[k].as_str().map(str::to_string).unwrap_or_else(|| s[k].to_string());
     println!("mountpoint   {}", get("mountpoint"));
@@ -527,13 +556,25 @@ fn print_status(s: &serde_json::Value) {
     println!("server pid   {}", get("pid"));
     println!("fuse         {}, {} requests on the ring", get("fuse_transport"), get("fuse_ring_requests"));
     if !s["owner"].is_null() {
-        println!("owner        {} (every operation goes there)", get("owner"));
+        println!("owner        {} (metadata and writes go there)", get("owner"));
         println!(
             "owner links  {} sessions, {} retried requests, {} files open",
             get("owner_sessions"),
             get("owner_retries"),
             get("open_files")
         );
+        let r = &s["reads"];
+        let n = |k: &str| r[k].as_u64().unwrap_or(0);
+        println!(
+            "reads        {} ({}) from the disk's segments here, {} ({}) from the owner; {} locates, {} failed here",
+            n("from_segments"),
+            HumanBytes(n("from_segments_bytes")),
+            n("from_owner"),
+            HumanBytes(n("from_owner_bytes")),
+            n("locates"),
+            n("segment_reads_failed")
+        );
+        print_cache_servers(s);
         return;
     }
     println!("io           {}", get("io_backend"));
@@ -587,23 +628,7 @@ fn print_status(s: &serde_json::Value) {
             HumanBytes(n("disk_capacity")),
         );
     }
-    for c in s["cache_servers"].as_array().into_iter().flatten() {
-        let n = |k: &str| c[k].as_u64().unwrap_or(0);
-        println!(
-            "cache server {}: {} chunks ({}), {} hits, {} parts of chunks for small reads, {} segment footers; to the bucket instead: {} down, {} timed out, {} errors, {} not there, {} rejected (bad checksum)",
-            c["addr"].as_str().unwrap_or("?"),
-            n("chunks"),
-            HumanBytes(n("bytes")),
-            n("hits"),
-            n("parts"),
-            n("footers"),
-            n("fallback_down"),
-            n("fallback_timeout"),
-            n("fallback_error"),
-            n("fallback_not_found"),
-            n("rejected"),
-        );
-    }
+    print_cache_servers(s);
     let r = &s["recovery"];
     if r["replayed"].as_u64().unwrap_or(0) > 0 || r["torn_at"].is_string() || r["sealed"].as_u64().unwrap_or(0) > 0 {
         println!(

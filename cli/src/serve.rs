@@ -63,15 +63,43 @@ struct Prepared {
 /// segment much smaller than a FUSE write would be mostly headers.
 const SEGMENT_SIZES: std::ops::RangeInclusive<u64> = (1 << 20)..=(1 << 31);
 
-fn prepare(args: &MountArgs) -> Result<Prepared> {
-    check_name(args.root_name())?;
-    if !SEGMENT_SIZES.contains(&args.segment_size) {
+/// What `status` says of each cache server a mount reads through.
+pub fn cache_servers_json(client: Option<&arbor_net::CacheClient>) -> serde_json::Value {
+    let Some(c) = client else { return serde_json::Value::Null };
+    c.stats()
+        .into_iter()
+        .map(|s| {
+            json!({
+                "addr": s.addr,
+                "chunks": s.chunks,
+                "bytes": s.bytes,
+                "hits": s.hits,
+                "parts": s.parts,
+                "footers": s.footers,
+                "fallback_down": s.fallback_down,
+                "fallback_timeout": s.fallback_timeout,
+                "fallback_error": s.fallback_error,
+                "fallback_not_found": s.fallback_not_found,
+                "rejected": s.rejected,
+            })
+        })
+        .collect()
+}
+
+pub fn check_segment_size(size: u64) -> Result<()> {
+    if !SEGMENT_SIZES.contains(&size) {
         bail!(
             "--segment-size must be between {} and {}",
             disk::Size(*SEGMENT_SIZES.start()),
             disk::Size(*SEGMENT_SIZES.end())
         );
     }
+    Ok(())
+}
+
+fn prepare(args: &MountArgs) -> Result<Prepared> {
+    check_name(args.root_name())?;
+    check_segment_size(args.segment_size)?;
     let cache_client = crate::cache_server::client(&args.cache_servers, args.token_file.as_deref())?;
     let mut cache = args.cache.clone();
     cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>);
@@ -157,19 +185,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "checksum_retries": t.cache.checksum_retries,
         })),
         "recovery": recovery,
-        "cache_servers": p.cache_client.as_ref().map(|c| c.stats().into_iter().map(|s| json!({
-            "addr": s.addr,
-            "chunks": s.chunks,
-            "bytes": s.bytes,
-            "hits": s.hits,
-            "parts": s.parts,
-            "footers": s.footers,
-            "fallback_down": s.fallback_down,
-            "fallback_timeout": s.fallback_timeout,
-            "fallback_error": s.fallback_error,
-            "fallback_not_found": s.fallback_not_found,
-            "rejected": s.rejected,
-        })).collect::<Vec<_>>()),
+        "cache_servers": cache_servers_json(p.cache_client.as_deref()),
         "imported": imported_json(vol.source_stats()),
         "live_bytes": vol.live_bytes().iter().map(|(_, n)| n).sum::<u64>(),
         "segments_referenced": vol.live_bytes().len(),
@@ -241,7 +257,10 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let catalog = p.disk.catalog()?;
     if args.checkpoint.is_none() {
         if let Some(owner) = crate::shared::owner_to_mount_through(&p.disk, args)? {
-            return crate::shared::mount_remote(&p.disk, &p.mountpoint, args, owner);
+            return crate::shared::mount_remote(&p.disk, &p.mountpoint, args, owner, p.cache_client.clone());
+        }
+        if args.cache.memory {
+            bail!(crate::MEMORY_ONLY_BRANCH);
         }
     }
     if args.checkpoint.is_none() {

@@ -26,6 +26,7 @@ pub struct OwnerArgs {
     /// Take the branches even from a live lease (their holder is known dead).
     pub take_over: bool,
     pub durability: arbor_engine::tier::Durability,
+    pub segment_size: u64,
 }
 
 /// One branch this process owns.
@@ -51,6 +52,7 @@ pub fn advertised(addr: std::net::SocketAddr, advertise: Option<&str>) -> String
 /// where it is served.
 pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owned> {
     arbor_snapshot::check_name(name)?;
+    crate::serve::check_segment_size(a.segment_size)?;
     let cache = disk::CacheOptions { durability: a.durability, ..disk::CacheOptions::default() };
     let d = Arc::new(disk::open_for_owner(disk_arg, name, cache, a.take_over)?);
     d.make_private()?;
@@ -60,7 +62,7 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
     }
     // Imported files its clients read keep their chunks in the owner's
     // cache folder, as a mount's do.
-    let cfg = Config { source_files: d.source_files()?, ..Config::default() };
+    let cfg = Config { source_files: d.source_files()?, segment_size: a.segment_size, ..Config::default() };
     let (vol, lock) = open_branch(&catalog, name, cfg, &format!("arbor serve at {addr}"))?;
     let owner = Owner { addr: addr.to_string(), host: crate::node::hostname(), pid: std::process::id() };
     catalog.record_owner(name, &owner).with_context(|| format!("cannot record where branch {name} is served"))?;
@@ -116,12 +118,28 @@ pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locat
 
 /// Mounts branch `args.branch` at `mountpoint` through its owner, and
 /// serves until unmounted or signalled.
-pub fn mount_remote(d: &Disk, mountpoint: &Path, args: &MountArgs, locate: Locate) -> Result<()> {
+pub fn mount_remote(
+    d: &Disk,
+    mountpoint: &Path,
+    args: &MountArgs,
+    locate: Locate,
+    cache_client: Option<Arc<arbor_net::CacheClient>>,
+) -> Result<()> {
     let name = args.branch.clone().unwrap_or_else(|| "main".into());
     let token_file = args.token_file.as_deref().context("--token-file is needed to mount through the owner")?;
     let token = arbor_net::read_token(token_file)?;
-    let files =
-        Arc::new(RemoteFiles::connect(RemoteOptions { branch: name.clone(), token, locate, timeout: args.timeout })?);
+    // File bytes already in the bucket (or the disk's folder) are read
+    // from there, through this node's chunk cache and cache servers;
+    // ARBOR_READ_THROUGH_OWNER=1 sends every read to the owner instead.
+    let through_owner = std::env::var("ARBOR_READ_THROUGH_OWNER").is_ok_and(|v| v == "1");
+    let segments = if through_owner { None } else { Some(d.catalog()?.segments().clone()) };
+    let files = Arc::new(RemoteFiles::connect(RemoteOptions {
+        branch: name.clone(),
+        token,
+        locate,
+        timeout: args.timeout,
+        segments,
+    })?);
     let control = control::Server::bind(mountpoint)?;
     let opts = MountOptions {
         allow_other: args.allow_other,
@@ -151,6 +169,15 @@ pub fn mount_remote(d: &Disk, mountpoint: &Path, args: &MountArgs, locate: Locat
                 "owner_retries": s.retries,
                 "owner_sessions": s.sessions,
                 "open_files": s.open_files,
+                "reads": {
+                    "from_segments": s.direct_reads,
+                    "from_segments_bytes": s.direct_bytes,
+                    "from_owner": s.owner_reads,
+                    "from_owner_bytes": s.owner_bytes,
+                    "locates": s.locates,
+                    "segment_reads_failed": s.direct_failed,
+                },
+                "cache_servers": crate::serve::cache_servers_json(cache_client.as_deref()),
                 "fuse_transport": fuse.describe(),
                 "fuse_ring_requests": fuse.ring_requests(),
             });

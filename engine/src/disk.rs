@@ -369,6 +369,9 @@ impl Replica for HeadDevice {
     fn pending_upload_bytes(&self) -> u64 {
         self.segments.replica().map_or(0, |r| r.pending_upload_bytes())
     }
+    fn segment_shared(&self, id: SegId) -> bool {
+        self.segments.replica().is_none_or(|r| r.segment_shared(id))
+    }
 
     /// Waits for the uploads, then gives the lease back.
     fn drain(&self) -> Result<()> {

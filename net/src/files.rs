@@ -39,7 +39,7 @@
 //! the others at once. A client that fell behind the ring is told so (it
 //! relies on its short cache timeouts for what it missed).
 
-use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
+use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
 use arbor_engine::Error;
 use arbor_fs::Lock;
 use parking_lot::Mutex;
@@ -191,6 +191,13 @@ pub enum Op {
     Checkpoint {
         name: String,
     },
+    /// Where the bytes of a range are, for a client that reads the
+    /// disk's segments itself: [`Out::Located`].
+    Locate {
+        ino: u64,
+        off: u64,
+        len: u64,
+    },
 }
 
 /// What an operation gave.
@@ -212,7 +219,33 @@ pub enum Out {
     },
     /// A checkpoint's description (JSON), or why it was refused.
     Message(Result<String, String>),
+    Located(Located),
 }
+
+/// Where a range of a file's bytes is ([`Op::Locate`]).
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub struct Located {
+    /// The file's size when located.
+    pub size: u64,
+    /// How far `spans` reach (holes between them read as zeros).
+    pub end: u64,
+    pub spans: Vec<Span>,
+}
+
+#[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
+pub struct Span {
+    /// The file offset it starts at.
+    pub at: u64,
+    pub len: u64,
+    /// The extent (`arbor_engine::volume::Extent::encode`) in a segment the
+    /// client can read itself; `None`: only the owner has these bytes (not
+    /// uploaded yet, inline, or an imported file's object).
+    pub extent: Option<Vec<u8>>,
+}
+
+/// Spans one [`Op::Locate`] answers at most: a large file written in small
+/// pieces is located a window at a time.
+pub const LOCATE_MAX_SPANS: usize = 1024;
 
 /// Makes a checkpoint of the owned branch's volume: the owner's process
 /// knows its catalog; the network code does not.
@@ -485,6 +518,17 @@ impl SharedBranch {
             Op::GetAttr { ino } => v.getattr(ino).map(Out::Attr),
             Op::ReadLink { ino } => v.readlink(ino).map(Out::Bytes),
             Op::Read { ino, off, len } => v.read(ino, off, len as usize).map(Out::Bytes),
+            Op::Locate { ino, off, len } => v.locate(ino, off, len, LOCATE_MAX_SPANS).map(|l| {
+                let spans = l
+                    .places
+                    .into_iter()
+                    .map(|(at, place)| match place {
+                        Place::Log(e) => Span { at, len: e.len as u64, extent: Some(e.encode()) },
+                        Place::Here(len) => Span { at, len, extent: None },
+                    })
+                    .collect();
+                Out::Located(Located { size: l.size, end: l.end, spans })
+            }),
             Op::StatFs => Ok(Out::StatFs(v.statfs())),
             Op::GetXattr { ino, name } => v.getxattr(ino, &name).map(Out::Bytes),
             Op::ListXattr { ino } => v.listxattr(ino).map(Out::Names),

@@ -38,6 +38,7 @@ pub mod client;
 pub mod files;
 pub mod frames;
 mod metrics;
+pub mod reads;
 pub use metrics::sample as metric_sample;
 pub mod remote;
 pub mod server;

@@ -25,6 +25,7 @@
 
 use crate::client::connect;
 use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH};
+use crate::reads::DirectReads;
 use arbor_engine::env::Timestamp;
 use arbor_engine::format::decode_value;
 use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
@@ -60,6 +61,11 @@ pub struct RemoteOptions {
     /// `None`: wait for the owner for as long as it takes (a hard mount);
     /// `Some(t)`: an operation fails with EIO after `t` without an answer.
     pub timeout: Option<Duration>,
+    /// The disk's segments as this node reads them (the bucket through
+    /// its chunk cache, or the disk's folder): file bytes already there are
+    /// read from them, not through the owner ([`crate::reads`]). `None`:
+    /// every read goes to the owner.
+    pub segments: Option<Arc<dyn arbor_engine::device::Device>>,
 }
 
 /// What went wrong with one attempt.
@@ -140,6 +146,9 @@ struct Inner {
     sessions: AtomicU64,
     /// Whether the current outage was already logged.
     outage: AtomicBool,
+    direct: Option<DirectReads>,
+    owner_reads: AtomicU64,
+    owner_bytes: AtomicU64,
 }
 
 pub struct RemoteFiles {
@@ -157,6 +166,16 @@ pub struct RemoteStats {
     /// Sessions opened (more than one: the owner restarted or dropped us).
     pub sessions: u64,
     pub open_files: usize,
+    /// Reads this mount made from the disk's segments itself, and their bytes.
+    pub direct_reads: u64,
+    pub direct_bytes: u64,
+    /// Reads the owner answered (bytes not in the bucket yet, or no segments here).
+    pub owner_reads: u64,
+    pub owner_bytes: u64,
+    /// Locates asked of the owner.
+    pub locates: u64,
+    /// Reads from the segments that failed and went to the owner.
+    pub direct_failed: u64,
 }
 
 fn errno_error(errno: i32) -> Error {
@@ -337,6 +356,9 @@ impl Inner {
             _ => return Err(Failed::Transport("a garbled session answer".into())),
         };
         let restarted = self.epoch.lock().is_some_and(|e| e != info.epoch);
+        if let Some(d) = &self.direct {
+            d.forget_all();
+        }
         if restarted {
             tracing::warn!("the owner restarted; sending again the writes it had not made durable");
             self.resend(info.session)?;
@@ -490,7 +512,9 @@ impl RemoteFiles {
     pub fn connect(opts: RemoteOptions) -> std::result::Result<RemoteFiles, crate::Error> {
         let auth = crate::bearer(&opts.token)?;
         let rt = crate::client_runtime("arbor-remote")?;
+        let direct = opts.segments.clone().map(DirectReads::new);
         let inner = Arc::new(Inner {
+            direct,
             opts,
             auth,
             conn: tokio::sync::Mutex::new(None),
@@ -503,6 +527,8 @@ impl RemoteFiles {
             retries: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
             outage: AtomicBool::new(false),
+            owner_reads: AtomicU64::new(0),
+            owner_bytes: AtomicU64::new(0),
         });
         let first = inner.session();
         match first {
@@ -529,6 +555,12 @@ impl RemoteFiles {
             retries: self.inner.retries.load(Ordering::Relaxed),
             sessions: self.inner.sessions.load(Ordering::Relaxed),
             open_files: self.inner.open.lock().len(),
+            direct_reads: self.inner.direct.as_ref().map_or(0, |d| d.counters.direct_reads.load(Ordering::Relaxed)),
+            direct_bytes: self.inner.direct.as_ref().map_or(0, |d| d.counters.direct_bytes.load(Ordering::Relaxed)),
+            owner_reads: self.inner.owner_reads.load(Ordering::Relaxed),
+            owner_bytes: self.inner.owner_bytes.load(Ordering::Relaxed),
+            locates: self.inner.direct.as_ref().map_or(0, |d| d.counters.locates.load(Ordering::Relaxed)),
+            direct_failed: self.inner.direct.as_ref().map_or(0, |d| d.counters.failed.load(Ordering::Relaxed)),
         }
     }
 
@@ -564,7 +596,12 @@ impl RemoteFiles {
                             for e in ev.items {
                                 // ENOENT: the kernel does not hold that inode or name.
                                 let _ = match e {
-                                    Event::Inode(ino) => notifier.inval_inode(fuser::INodeNo(ino), 0, 0),
+                                    Event::Inode(ino) => {
+                                        if let Some(d) = &inner.direct {
+                                            d.forget(ino);
+                                        }
+                                        notifier.inval_inode(fuser::INodeNo(ino), 0, 0)
+                                    }
                                     Event::Entry(parent, name) => {
                                         notifier.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(&name))
                                     }
@@ -591,9 +628,18 @@ impl RemoteFiles {
         Ok(())
     }
 
+    /// Forgets where `ino`'s bytes were: it changes, or is opened anew.
+    fn forget(&self, ino: u64) {
+        if let Some(d) = &self.inner.direct {
+            d.forget(ino);
+        }
+    }
+
     /// Notes an open of `a`'s file (a file with that number that was lost
-    /// before is another file now).
+    /// before is another file now). Close-to-open: its bytes are located
+    /// anew.
     fn opened(&self, a: &Attr) {
+        self.forget(a.ino);
         {
             let mut u = self.inner.unsynced.lock();
             u.lost.remove(&a.ino);
@@ -668,6 +714,7 @@ impl Files for RemoteFiles {
         attr(self.call(Op::GetAttr { ino }))
     }
     fn setattr(&self, ino: u64, change: SetAttr) -> Result<Attr> {
+        self.forget(ino);
         attr(self.call(Op::SetAttr { ino, change }))
     }
     fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
@@ -718,10 +765,30 @@ impl Files for RemoteFiles {
     }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
         self.check_alive(ino)?;
-        bytes(self.call(Op::Read { ino, off, len: len.min(u32::MAX as usize) as u32 }))
+        if let Some(d) = &self.inner.direct {
+            let locate = |ino, off, len| match self.call(Op::Locate { ino, off, len })? {
+                Out::Located(l) => Ok(l),
+                _ => Err(errno_error(libc::EPROTO)),
+            };
+            match d.read(ino, off, len, locate) {
+                Ok(Some(b)) => return Ok(b),
+                Ok(None) => {}
+                Err(crate::reads::Failed::Owner(e)) => return Err(e),
+                Err(crate::reads::Failed::Here(e)) => {
+                    d.forget(ino);
+                    d.counters.failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(ino, off, error = %e, "a read from the segments failed; the owner reads it");
+                }
+            }
+        }
+        let b = bytes(self.call(Op::Read { ino, off, len: len.min(u32::MAX as usize) as u32 }))?;
+        self.inner.owner_reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.owner_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+        Ok(b)
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
         self.check_alive(ino)?;
+        self.forget(ino);
         let (out, op) = self.inner.call_back(Op::Write { ino, off, data: data.to_vec() });
         let n = match out? {
             Out::Written(n) => (n as usize).min(data.len()),

@@ -5,7 +5,7 @@
 
 use arbor_engine::device::{CrashMode, SimDevice};
 use arbor_engine::env::TestEnv;
-use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_engine::volume::{Config, Place, Volume, ROOT_INO};
 use arbor_fs::Files;
 use arbor_net::files::{Event, Op, Out};
 use arbor_net::{CacheServer, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
@@ -35,6 +35,7 @@ fn client(at: &Arc<Mutex<String>>) -> RemoteFiles {
         token: TOKEN.into(),
         locate: Arc::new(move || Some(at.lock().clone())),
         timeout: Some(Duration::from_secs(20)),
+        segments: None,
     })
     .expect("connect")
 }
@@ -217,4 +218,117 @@ fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
     let (mut idle, _) = hello(server.addr, TOKEN, "main");
     drop(server);
     assert!(read_frame::<Answer>(&mut idle, &mut r).is_err());
+}
+
+/// A client reading the owner's segments itself.
+fn reading_client(at: &Arc<Mutex<String>>, segments: SimDevice) -> RemoteFiles {
+    let at = at.clone();
+    RemoteFiles::connect(RemoteOptions {
+        branch: "main".into(),
+        token: TOKEN.into(),
+        locate: Arc::new(move || Some(at.lock().clone())),
+        timeout: Some(Duration::from_secs(20)),
+        segments: Some(Arc::new(segments)),
+    })
+    .expect("connect")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3] ^ seed).collect()
+}
+
+fn read_all(c: &RemoteFiles, ino: u64, len: usize, piece: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    while out.len() < len {
+        let got = c.read(ino, out.len() as u64, piece).expect("read");
+        if got.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&got);
+    }
+    out
+}
+
+#[test]
+fn a_client_reads_located_bytes_itself_and_locates_again_after_every_change() {
+    let dev = SimDevice::new();
+    let (_vol, server) = owner(&dev);
+    let at = Arc::new(Mutex::new(server.addr.to_string()));
+    let writer = client(&at);
+    let reader = reading_client(&at, dev.clone());
+
+    // 3 MiB in 1 MiB segments, with a hole in the middle of it.
+    let want = pattern(3 << 20, 1);
+    let f = writer.create_open(ROOT_INO, b"data", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    for (i, piece) in want.chunks(256 << 10).enumerate() {
+        if i != 5 {
+            writer.write(f.ino, (i * (256 << 10)) as u64, piece).expect("write");
+        }
+    }
+    writer.fsync(f.ino).expect("fsync");
+    let mut want = want;
+    want[5 * (256 << 10)..6 * (256 << 10)].fill(0);
+
+    reader.open(f.ino).expect("open");
+    // Reads not on block boundaries, across extents and the hole.
+    assert!(read_all(&reader, f.ino, want.len(), 100_000) == want, "bytes read from the segments");
+    let s = reader.stats();
+    assert_eq!((s.owner_reads, s.direct_failed, s.locates), (0, 0, 1), "{s:?}");
+    assert_eq!(s.direct_bytes, want.len() as u64);
+    // Past the end: nothing, and still no trip to the owner for bytes.
+    assert!(reader.read(f.ino, want.len() as u64 + 10, 4096).expect("read past the end").is_empty());
+
+    // Another node changes the file; this one's next open locates anew.
+    writer.write(f.ino, 4096, b"changed by the writer").expect("write");
+    reader.open(f.ino).expect("open again");
+    want[4096..4096 + 21].copy_from_slice(b"changed by the writer");
+    assert!(read_all(&reader, f.ino, want.len(), 1 << 20) == want, "close-to-open");
+    assert_eq!(reader.stats().locates, 2);
+
+    // Its own write and its own truncation are seen at once.
+    reader.write(f.ino, 0, b"own").expect("write");
+    want[..3].copy_from_slice(b"own");
+    assert_eq!(reader.read(f.ino, 0, 8).expect("read"), &want[..8]);
+    let change = arbor_engine::SetAttr { size: Some(5000), ..Default::default() };
+    reader.setattr(f.ino, change).expect("truncate");
+    assert!(read_all(&reader, f.ino, 1 << 20, 1 << 20) == want[..5000]);
+
+    // Bytes only the owner holds (a small file lives inline in the tree).
+    let small = writer.create_open(ROOT_INO, b"small", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    writer.write(small.ino, 0, b"inline").expect("write");
+    let before = reader.stats().owner_reads;
+    assert_eq!(reader.read(small.ino, 0, 100).expect("read"), b"inline");
+    assert_eq!(reader.stats().owner_reads, before + 1);
+    assert_eq!(reader.stats().direct_failed, 0);
+}
+
+#[test]
+fn segments_this_client_cannot_read_are_read_from_the_owner() {
+    let dev = SimDevice::new();
+    let (vol, server) = owner(&dev);
+    let at = Arc::new(Mutex::new(server.addr.to_string()));
+    let writer = client(&at);
+    let want = pattern(2 << 20, 7);
+    let f = writer.create_open(ROOT_INO, b"data", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    writer.write(f.ino, 0, &want).expect("write");
+    writer.fsync(f.ino).expect("fsync");
+
+    // A device without the owner's segments: as if compaction had deleted them.
+    let elsewhere = reading_client(&at, SimDevice::new());
+    elsewhere.open(f.ino).expect("open");
+    assert!(read_all(&elsewhere, f.ino, want.len(), 1 << 20) == want);
+    let s = elsewhere.stats();
+    assert!(s.direct_failed > 0 && s.owner_bytes == want.len() as u64 && s.direct_bytes == 0, "{s:?}");
+
+    // A block that fails its crc on the disk: an error, never other bytes.
+    let located = vol.locate(f.ino, 0, 4096, 1).expect("locate");
+    let Some((0, Place::Log(e))) = located.places.first().cloned() else { panic!("{located:?}") };
+    dev.corrupt(e.data.seg, (e.data.off + e.rec_off) as usize + 100);
+    let reader = reading_client(&at, dev.clone());
+    reader.open(f.ino).expect("open");
+    assert_eq!(reader.read(f.ino, 0, 4096).map_err(|e| e.errno()), Err(libc::EIO));
+    assert_eq!(reader.stats().direct_failed, 1);
+    // The blocks after it are whole, and still read from the segments.
+    assert_eq!(reader.read(f.ino, 4096, 4096).expect("read"), &want[4096..8192]);
+    assert!(reader.stats().direct_bytes >= 4096);
 }

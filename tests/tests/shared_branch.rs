@@ -181,6 +181,15 @@ fn four_ranks_save_a_distributed_checkpoint_and_a_fifth_reads_it() {
         }
         assert!(!reader.mnt.join(format!("step-{step}.tmp")).exists());
     }
+    // The shards' bytes came from the disk's segments, not through the owner.
+    let status: serde_json::Value =
+        serde_json::from_str(&arbor_ok(&["status", reader.mnt.to_str().expect("utf8"), "--json"])).expect("json");
+    let reads = &status["reads"];
+    let shards = (2 * RANKS * SHARD) as u64;
+    println!("reader: {reads}");
+    assert!(reads["from_segments_bytes"].as_u64().expect("bytes") >= shards, "{reads}");
+    assert!(reads["from_owner_bytes"].as_u64().expect("bytes") < 4096, "{reads}");
+    assert_eq!(reads["segment_reads_failed"], 0, "{reads}");
     reader.unmount();
     for m in ranks {
         m.unmount();
@@ -565,4 +574,57 @@ fn an_imported_file_read_through_the_owner_keeps_its_chunks_in_the_owners_cache(
     owner.stop();
     let cached = chunk_file_bytes(w.dir.path());
     assert!(cached > body.len() as u64, "the owner kept the chunks it fetched: {cached} B");
+}
+
+/// On an s3 disk a client reads the bytes the bucket already holds from
+/// the bucket itself, through a cache server (here the owner's own port)
+/// and its memory cache, and only the bytes not uploaded yet through the
+/// owner; every byte is the one written.
+#[test]
+fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
+    let Some(w) = S3World::start() else { return };
+    let disk = format!("s3://{}/disks/rwx", arbor_engine::testkit::S3_BUCKET);
+    arbor_env_ok(&["init", &disk], &w.env);
+    let token = w.dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
+    let tok = token.to_str().expect("utf8");
+    let log = w.dir.path().join("owner.log");
+    let owner = Serve::start(
+        &disk,
+        free_port(),
+        &["--branch", "main", "--token-file", tok, "--segment-size", "1M"],
+        &w.env,
+        &log,
+    );
+
+    let mnt_a = w.mnt("a");
+    let a =
+        Mount::start_env(&disk, &mnt_a, &["--token-file", tok, "--cache-dir", "none", "--cache-memory", "64M"], &w.env);
+    let data = pattern(6 << 20, 41);
+    write_synced(&mnt_a.join("data"), &data);
+    // Sealed 1 MiB segments go up in the background.
+    wait_until("five segments in the bucket", Duration::from_secs(30), || w.objects_under("disks/rwx/segments") >= 5);
+
+    let mnt_b = w.mnt("b");
+    let b = Mount::start_env(
+        &disk,
+        &mnt_b,
+        &["--token-file", tok, "--cache-server", &owner.addr, "--cache-dir", "none", "--cache-memory", "64M"],
+        &w.env,
+    );
+    assert!(std::fs::read(mnt_b.join("data")).expect("read") == data, "the bytes a wrote");
+    let status: serde_json::Value =
+        serde_json::from_str(&arbor_env_ok(&["status", mnt_b.to_str().expect("utf8"), "--json"], &w.env))
+            .expect("json");
+    let (reads, servers) = (&status["reads"], &status["cache_servers"]);
+    println!("b: {reads} {servers}");
+    let direct = reads["from_segments_bytes"].as_u64().expect("bytes");
+    let via_owner = reads["from_owner_bytes"].as_u64().expect("bytes");
+    assert!(direct >= 4 << 20, "uploaded bytes read from the bucket's segments: {reads}");
+    assert!(direct + via_owner >= data.len() as u64, "{reads}");
+    assert_eq!(reads["segment_reads_failed"], 0, "{reads}");
+    assert!(servers[0]["chunks"].as_u64().expect("chunks") >= 4, "chunks came through the cache server: {servers}");
+    b.unmount_env(&w.env);
+    a.unmount_env(&w.env);
+    owner.stop();
 }

@@ -105,6 +105,7 @@ fn main() {
         token: TOKEN.into(),
         locate: Arc::new(move || Some(addr.clone())),
         timeout: Some(Duration::from_secs(30)),
+        segments: None,
     })
     .expect("connect");
 

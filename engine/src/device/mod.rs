@@ -159,6 +159,12 @@ pub trait Replica: Send + Sync {
     fn pending_upload_bytes(&self) -> u64 {
         0
     }
+    /// Whether another node can read segment `id` where the disk keeps its
+    /// segments (the bucket, or the folder that is the disk): not while it
+    /// is only in this node's cache, waiting for its upload.
+    fn segment_shared(&self, _id: SegId) -> bool {
+        true
+    }
 }
 
 /// A durable step named `name` on `dev`: refused if the device may not

@@ -652,6 +652,13 @@ impl Replica for BucketDevice {
         self.wait_for("waiting for uploads", |up| up.queue.is_empty() && up.publish.is_none() && !up.publishing, false)
     }
 
+    /// In the bucket as an object: uploaded by this device, or never
+    /// written here (another writer's, or an earlier process's that
+    /// recovery stored). A segment written here waits for its upload.
+    fn segment_shared(&self, id: SegId) -> bool {
+        self.shared.up.lock().in_bucket.contains(&id) || !self.shared.local.path_of(id).exists()
+    }
+
     fn pending_upload_bytes(&self) -> u64 {
         let shipped: HashMap<SegId, u64> = self.shared.up.lock().shipped.clone();
         let ids = self.shared.local.list_segments().unwrap_or_default();

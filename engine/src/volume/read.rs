@@ -4,7 +4,7 @@
 use super::txn::Reads;
 use super::types::{Extent, FileKind, Piece};
 use super::Volume;
-use crate::device::Checked;
+use crate::device::{Checked, Device};
 use crate::error::{Error, Result};
 use crate::format::BLOCK_SIZE;
 use crate::source::Source;
@@ -97,37 +97,117 @@ impl Volume {
         Ok(verified)
     }
 
+    /// Where the bytes of `[off, off + len)` of `ino` are, for a reader on
+    /// another node that reads the disk's segments itself: extents in
+    /// segments every node can read (the bucket, or the folder that is the
+    /// disk), and the ranges only this volume can give (bytes not uploaded
+    /// yet, inline bytes, imported files' objects). Gaps are holes. At most
+    /// `max_places` places: `Located::end` says how far they reach.
+    pub fn locate(&self, ino: u64, off: u64, len: u64, max_places: usize) -> Result<Located> {
+        let (size, inline, extents) = {
+            let st = self.state.read();
+            let v = self.view(&st);
+            let i = v.inode(ino)?;
+            match i.kind {
+                FileKind::Regular => {}
+                FileKind::Directory => return Err(Error::IsDir),
+                _ => return Err(Error::Invalid("read of a special file")),
+            }
+            if off >= i.size || len == 0 {
+                return Ok(Located { size: i.size, end: off, places: Vec::new() });
+            }
+            let end = off + len.min(i.size - off);
+            let extents = if i.inline.is_some() { Vec::new() } else { v.extent_parts(ino, off, end)? };
+            (i.size, i.inline.is_some(), extents)
+        };
+        let mut end = off + len.min(size - off);
+        if inline {
+            return Ok(Located { size, end, places: vec![(off, Place::Here(end - off))] });
+        }
+        let replica = self.device().replica();
+        let mut places: Vec<(u64, Place)> = Vec::new();
+        for (from, part) in extents {
+            if from >= end {
+                break;
+            }
+            if places.len() >= max_places.max(1) {
+                end = from;
+                break;
+            }
+            let to = (from + part.len()).min(end);
+            let place = match part {
+                Piece::Log(e) if replica.is_none_or(|r| r.segment_shared(e.data.seg)) => {
+                    // Bytes still in the write-behind queue are not in the
+                    // segment file yet.
+                    if let Some(log) = self.nodes.log.get() {
+                        log.wait_written(e.data.seg, e.data.end())?;
+                    }
+                    Place::Log(if to - from < e.len as u64 { e.slice(0, (to - from) as u32) } else { e })
+                }
+                _ => Place::Here(to - from),
+            };
+            places.push((from, place));
+        }
+        Ok(Located { size, end, places })
+    }
+
     /// Fills `dst` from extent `e` starting `at` bytes into it, verifying
     /// every data block it touches.
     pub(super) fn read_extent(&self, e: &Extent, at: u32, dst: &mut [u8]) -> Result<()> {
-        let data = e.data;
-        let r0 = (e.rec_off + at) as usize;
-        let r1 = r0 + dst.len();
-        let b0 = r0 / BLOCK_SIZE;
-        let span_end = (r1.div_ceil(BLOCK_SIZE) * BLOCK_SIZE).min(data.len as usize);
-        let mut buf = vec![0u8; span_end - b0 * BLOCK_SIZE];
         if let Some(log) = self.nodes.log.get() {
-            log.wait_written(data.seg, data.end())?;
+            log.wait_written(e.data.seg, e.data.end())?;
         }
-        let file = self.device().open_segment(data.seg)?.ok_or_else(|| Error::corrupted("missing segment", data))?;
-        let at = data.off as u64 + (b0 * BLOCK_SIZE) as u64;
-        let bad_block = |buf: &[u8]| {
-            buf.chunks(BLOCK_SIZE).enumerate().position(|(i, b)| e.crc_of(b0 + i) != Some(crc32c::crc32c(b)))
-        };
-        let checked = file.read_for_check(&mut buf, at)?;
-        let mut bad = bad_block(&buf);
-        // Bytes nobody checked yet (a cache server's part of a chunk) that
-        // fail here are read again the way that checks them.
-        if bad.is_some() && checked == Checked::Unchecked {
-            file.unchecked_failed(at);
-            file.read_at(&mut buf, at)?;
-            bad = bad_block(&buf);
-        }
-        if let Some(i) = bad {
-            return Err(Error::corrupted("data block checksum", format!("{data} block {}", b0 + i)));
-        }
-        let skip = r0 - b0 * BLOCK_SIZE;
-        dst.copy_from_slice(&buf[skip..skip + dst.len()]);
-        Ok(())
+        read_extent(self.device().as_ref(), e, at, dst)
     }
+}
+
+/// What [`Volume::locate`] found: the file's size, how far the places
+/// reach, and each place with the file offset it starts at.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Located {
+    pub size: u64,
+    pub end: u64,
+    pub places: Vec<(u64, Place)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Place {
+    /// In a segment every node can read: read it with [`read_extent`].
+    Log(Extent),
+    /// This many bytes only the volume that located them can give.
+    Here(u64),
+}
+
+/// Fills `dst` from extent `e` of a segment of `dev`, starting `at` bytes
+/// into the extent, verifying every data block it touches against the
+/// extent's crc32c: an error, never other bytes.
+pub fn read_extent(dev: &dyn Device, e: &Extent, at: u32, dst: &mut [u8]) -> Result<()> {
+    let data = e.data;
+    if at as u64 + dst.len() as u64 > e.len as u64 {
+        return Err(Error::Invalid("a read past the end of its extent"));
+    }
+    let r0 = (e.rec_off + at) as usize;
+    let r1 = r0 + dst.len();
+    let b0 = r0 / BLOCK_SIZE;
+    let span_end = (r1.div_ceil(BLOCK_SIZE) * BLOCK_SIZE).min(data.len as usize);
+    let mut buf = vec![0u8; span_end - b0 * BLOCK_SIZE];
+    let file = dev.open_segment(data.seg)?.ok_or_else(|| Error::corrupted("missing segment", data))?;
+    let at = data.off as u64 + (b0 * BLOCK_SIZE) as u64;
+    let bad_block =
+        |buf: &[u8]| buf.chunks(BLOCK_SIZE).enumerate().position(|(i, b)| e.crc_of(b0 + i) != Some(crc32c::crc32c(b)));
+    let checked = file.read_for_check(&mut buf, at)?;
+    let mut bad = bad_block(&buf);
+    // Bytes nobody checked yet (a cache server's part of a chunk) that
+    // fail here are read again the way that checks them.
+    if bad.is_some() && checked == Checked::Unchecked {
+        file.unchecked_failed(at);
+        file.read_at(&mut buf, at)?;
+        bad = bad_block(&buf);
+    }
+    if let Some(i) = bad {
+        return Err(Error::corrupted("data block checksum", format!("{data} block {}", b0 + i)));
+    }
+    let skip = r0 - b0 * BLOCK_SIZE;
+    dst.copy_from_slice(&buf[skip..skip + dst.len()]);
+    Ok(())
 }
