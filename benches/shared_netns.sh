@@ -36,10 +36,18 @@ owner_ip=10.77.0.2
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
 on owner "$proxy" "$owner_ip:7071" "$owner_ip:7070" 100 "$work/proxied" & pids+=($!)
 start_owner() {
+  # The port opens before the branch is taken and its owner recorded; the
+  # log's "serving" line comes after both.
+  local ready; ready=$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)
   # nsenter itself, not the `on` function (a subshell): $! must be the owner.
   nsenter --net=/run/netns/arb-owner "$arbor" serve "$work/disk" --branch main --listen "$owner_ip:7070" \
     --advertise "$owner_ip:7071" --token-file "$work/token" --foreground 2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
   wait_port c1 "$owner_ip" 7070
+  for _ in $(seq 300); do
+    [ "$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)" -gt "${ready:-0}" ] && return 0
+    sleep 0.1
+  done
+  echo "the owner did not start serving; its log:" >&2; cat "$work/owner.log" >&2; return 1
 }
 start_owner
 for h in c1 c2; do
@@ -60,6 +68,11 @@ drop_caches
 t0=$(now); got=$(sha256sum < "$b/big"); t1=$(now)
 [ "$got" = "$sum" ] || { echo "c2 read other bytes than c1 wrote" >&2; exit 1; }
 rows+=("| c2 reads it, cold | $(rate "$mib" "$t0" "$t1") MiB/s |")
+split=$(on c2 "$arbor" status "$b" --json | python3 -c '
+import json, sys
+r = json.load(sys.stdin)["reads"]
+print("{:.1f} MiB from the disk itself, {:.1f} MiB through the owner, {} locates".format(r["from_segments_bytes"] / 2**20, r["from_owner_bytes"] / 2**20, r["locates"]))')
+rows+=("| where c2's bytes came from | $split |")
 
 # A name made on c1, polled for on c2 (which was told it is not there).
 seen=$(python3 - "$a" "$b" <<'PY'
