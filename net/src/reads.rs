@@ -93,7 +93,9 @@ pub enum Failed {
 
 /// The segments a client reads itself, and the locations it keeps.
 pub struct DirectReads {
-    segments: Arc<dyn Device>,
+    /// `None` once the mount is closed: the device (and a cache folder
+    /// that goes with it) is not kept alive by threads still winding down.
+    segments: parking_lot::RwLock<Option<Arc<dyn Device>>>,
     maps: Mutex<HashMap<u64, Arc<Map>>>,
     /// Changes at every forgetting: a locate that was under way then is
     /// not kept (it may predate the change).
@@ -104,7 +106,7 @@ pub struct DirectReads {
 impl DirectReads {
     pub fn new(segments: Arc<dyn Device>) -> DirectReads {
         DirectReads {
-            segments,
+            segments: parking_lot::RwLock::new(Some(segments)),
             maps: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
             counters: ReadCounters::default(),
@@ -115,6 +117,12 @@ impl DirectReads {
     pub fn forget(&self, ino: u64) {
         self.generation.fetch_add(1, Ordering::AcqRel);
         self.maps.lock().remove(&ino);
+    }
+
+    /// Lets go of the segments: every later read goes to the owner.
+    pub fn close(&self) {
+        self.segments.write().take();
+        self.forget_all();
     }
 
     pub fn forget_all(&self) {
@@ -132,6 +140,7 @@ impl DirectReads {
         len: usize,
         locate: impl FnOnce(u64, u64, u64) -> Result<Located>,
     ) -> std::result::Result<Option<Vec<u8>>, Failed> {
+        let Some(segments) = self.segments.read().clone() else { return Ok(None) };
         let len64 = len as u64;
         let known = self.maps.lock().get(&ino).filter(|m| m.covers(off, len64)).cloned();
         let map = match known {
@@ -168,7 +177,7 @@ impl DirectReads {
             let Some(e) = extent else { return Ok(None) };
             let (from, to) = ((*at).max(off), (at + slen).min(end));
             let dst = &mut out[(from - off) as usize..(to - off) as usize];
-            read_extent(self.segments.as_ref(), e, (from - at) as u32, dst).map_err(Failed::Here)?;
+            read_extent(segments.as_ref(), e, (from - at) as u32, dst).map_err(Failed::Here)?;
         }
         self.counters.direct_reads.fetch_add(1, Ordering::Relaxed);
         self.counters.direct_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);

@@ -873,6 +873,9 @@ impl Files for RemoteFiles {
             let _ = stop.send(());
             let _ = t.join();
         }
+        if let Some(d) = &self.inner.direct {
+            d.close();
+        }
         Ok(())
     }
     fn is_read_only(&self) -> bool {

@@ -121,6 +121,48 @@ pub struct Disk {
     opts: DiskOptions,
     catalog: OnceLock<Arc<Catalog>>,
     tier: OnceLock<Arc<BucketDevice>>,
+    /// Set when the mount's cache folder was in use and this process took
+    /// a folder of its own.
+    own_cache: OnceLock<PathBuf>,
+}
+
+/// Removes the cache folders of commands and mounts that are gone. Each
+/// process's own folder (`cmd-<pid>`) goes when the process ends cleanly;
+/// one killed, or ending before its last handle on the cache was dropped,
+/// leaves it behind. A folder is another's while its process is alive on
+/// this host or its cache lock is held (a process in another pid
+/// namespace sharing the node folder).
+fn sweep_command_caches(node_dir: &Path) {
+    use std::os::fd::AsRawFd;
+    let Ok(entries) = std::fs::read_dir(node_dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("cmd-")).and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: signal 0 only asks whether the process exists.
+        let alive = pid == std::process::id() as i32
+            || unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        if alive {
+            continue;
+        }
+        let lock = std::fs::OpenOptions::new().read(true).open(e.path().join(layout::SEGMENT_DIR).join("lock"));
+        if let Ok(f) = &lock {
+            // SAFETY: plain syscall on a descriptor we own.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                continue;
+            }
+        }
+        match std::fs::remove_dir_all(e.path()) {
+            Ok(()) => {
+                tracing::info!(folder = %e.path().display(), "removed the cache folder of an arbor process that is gone")
+            }
+            Err(err) => {
+                tracing::debug!(folder = %e.path().display(), error = %err, "cannot remove a stale cache folder")
+            }
+        }
+    }
 }
 
 /// A setup error with a person's explanation and the errno it stands for.
@@ -235,7 +277,16 @@ impl Disk {
                 (RetryStore::new(Arc::new(s3), policy), node)
             }
         };
-        Ok(Disk { url, location, store, node_dir, opts, catalog: OnceLock::new(), tier: OnceLock::new() })
+        Ok(Disk {
+            url,
+            location,
+            store,
+            node_dir,
+            opts,
+            catalog: OnceLock::new(),
+            tier: OnceLock::new(),
+            own_cache: OnceLock::new(),
+        })
     }
 
     pub fn is_s3(&self) -> bool {
@@ -331,6 +382,9 @@ impl Disk {
 
     /// The cache folder this process uses for an s3 disk.
     pub fn cache_dir(&self) -> PathBuf {
+        if let Some(d) = self.own_cache.get() {
+            return d.clone();
+        }
         self.opts.cache.dir.clone().unwrap_or_else(|| self.node_dir.join(self.cache_name()))
     }
 
@@ -340,9 +394,10 @@ impl Disk {
         match &self.location {
             Location::Local(root) => Ok(FileDevice::open(root.join(layout::SEGMENT_DIR), self.opts.io)?),
             Location::S3 { .. } => {
+                sweep_command_caches(&self.node_dir);
                 let dir = self.cache_dir();
                 let cache = &self.opts.cache;
-                let tier = TierConfig {
+                let mut tier = TierConfig {
                     // A command's own cache goes when its last user does.
                     ephemeral: cache.dir.is_none() && (self.opts.mount.is_none() || cache.memory),
                     memory_cache: cache.memory,
@@ -353,7 +408,26 @@ impl Disk {
                     peers: cache.peers.clone(),
                     ..TierConfig::default()
                 };
-                let dev = BucketDevice::open(self.store.clone(), &dir, tier).map_err(|e| match e {
+                let opened = match BucketDevice::open(self.store.clone(), &dir, tier.clone()) {
+                    // The branch's cache folder is taken on this node: by
+                    // the process that owns the branch, or another mount
+                    // through it. A mount through the owner only reads, so
+                    // it caches in a folder of its own, gone when it exits;
+                    // a mount of its own is refused at the branch's lock.
+                    Err(EngineError::Busy(_)) if cache.dir.is_none() && self.opts.mount.is_some() => {
+                        let own = self.node_dir.join(layout::command_cache(std::process::id()));
+                        tracing::info!(
+                            busy = %dir.display(),
+                            folder = %own.display(),
+                            "the branch's cache folder on this node is in use; this process caches in a folder of its own"
+                        );
+                        tier.ephemeral = true;
+                        let _ = self.own_cache.set(own.clone());
+                        BucketDevice::open(self.store.clone(), &own, tier).map_err(|e| (own, e))
+                    }
+                    other => other.map_err(|e| (dir, e)),
+                };
+                let dev = opened.map_err(|(dir, e)| match e {
                     EngineError::Busy(_) => fail(
                         libc::EBUSY,
                         format!(

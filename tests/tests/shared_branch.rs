@@ -598,12 +598,16 @@ fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
     );
 
     let mnt_a = w.mnt("a");
-    let a =
-        Mount::start_env(&disk, &mnt_a, &["--token-file", tok, "--cache-dir", "none", "--cache-memory", "64M"], &w.env);
+    // On the owner's node, where the branch's cache folder is the owner's:
+    // this mount caches in a folder of its own.
+    let a = Mount::start_env(&disk, &mnt_a, &["--token-file", tok], &w.env);
     let data = pattern(6 << 20, 41);
+    let before = w.objects_under("disks/rwx/segments");
     write_synced(&mnt_a.join("data"), &data);
     // Sealed 1 MiB segments go up in the background.
-    wait_until("five segments in the bucket", Duration::from_secs(30), || w.objects_under("disks/rwx/segments") >= 5);
+    wait_until("five segments in the bucket", Duration::from_secs(30), || {
+        w.objects_under("disks/rwx/segments") >= before + 5
+    });
 
     let mnt_b = w.mnt("b");
     let b = Mount::start_env(
@@ -627,4 +631,20 @@ fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
     b.unmount_env(&w.env);
     a.unmount_env(&w.env);
     owner.stop();
+    // a's own cache folder, and b's memory-only one, went with them, or
+    // with the next arbor process on this node.
+    arbor_env_ok(&["branches", "list", &disk], &w.env);
+    let mut left = Vec::new();
+    let mut stack = vec![w.dir.path().join("cache")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                if e.file_name().to_string_lossy().starts_with("cmd-") {
+                    left.push(e.path());
+                }
+                stack.push(e.path());
+            }
+        }
+    }
+    assert!(left.is_empty(), "cache folders left behind: {left:?}");
 }
