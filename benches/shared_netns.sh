@@ -30,7 +30,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-netns_up owner c1 c2
+netns_up owner c1 c2 owner2
 owner_ip=10.77.0.2
 "$arbor" init "$work/disk" >/dev/null
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
@@ -113,9 +113,12 @@ t1=$(now)
 rows+=("| checkpoint save: 8 ranks × $shard MiB (4 per node) + fsync + rename | $(rate "$((8 * shard))" "$t0" "$t1") MiB/s |")
 
 # The owner killed -9 under a stream of fsynced files, and started again.
-python3 - "$a" > "$work/saved" <<'PY' & writer=$!
+# stream NAME OUT: 40 files of 4 MiB under $a/NAME, fsync each, the number
+# of each one fsynced to OUT (in the background; $writer is its pid).
+stream() {
+  python3 - "$a" "$1" > "$2" <<'PY' & writer=$!
 import os, sys
-d = os.path.join(sys.argv[1], "stream")
+d = os.path.join(sys.argv[1], sys.argv[2])
 os.makedirs(d, exist_ok=True)
 for i in range(40):
     for attempt in range(3):
@@ -129,19 +132,42 @@ for i in range(40):
         except OSError as e:
             print(f"f{i}: {e}, saving again", file=sys.stderr)
 PY
-for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
-kill -9 "$owner_pid"; t0=$(now)
-sleep 1
-start_owner
-wait "$writer"; t1=$(now)
-bad=$(python3 - "$b/stream" "$work/saved" <<'PY'
+}
+# whole DIR SAVED: how many fsynced files are whole when read on c2.
+whole() {
+  python3 - "$1" "$2" <<'PY'
 import os, sys
 d, saved = sys.argv[1], [int(x) for x in open(sys.argv[2]).read().split()]
 bad = [i for i in saved if open(os.path.join(d, f"f{i}"), "rb").read() != bytes([i]) * (4 << 20)]
 print(f"{len(saved)} fsynced, {len(bad)} not whole on c2")
 PY
-)
-rows+=("| owner killed -9 at file 8 of 40 (4 MiB, fsync each), restarted 1 s later | $bad; the writer finished $(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t0" "$t1") s after the kill, no remount |")
+}
+secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$@"; }
+stream stream "$work/saved"
+for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
+kill -9 "$owner_pid"; t0=$(now)
+sleep 1
+start_owner
+wait "$writer"; t1=$(now)
+bad=$(whole "$b/stream" "$work/saved")
+rows+=("| owner killed -9 at file 8 of 40 (4 MiB, fsync each), restarted 1 s later | $bad; the writer finished $(secs "$t0" "$t1") s after the kill, no remount |")
+
+# Take-over: the owner killed -9 again, and a new owner started on another
+# host (its own network namespace and address) with --take-over; the
+# clients find it through the owner record in the disk.
+owner2_ip=10.77.0.5
+stream stream2 "$work/saved2"
+for _ in $(seq 300); do [ "$(wc -l < "$work/saved2")" -ge 8 ] && break; sleep 0.05; done
+kill -9 "$owner_pid"; t0=$(now)
+ready=$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)
+nsenter --net=/run/netns/arb-owner2 "$arbor" serve "$work/disk" --branch main --listen "$owner2_ip:7070" \
+  --token-file "$work/token" --take-over --foreground 2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
+for _ in $(seq 300); do [ "$(grep -c ' serving disk=' "$work/owner.log")" -gt "$ready" ] && break; sleep 0.1; done
+wait "$writer"; t1=$(now)
+bad=$(whole "$b/stream2" "$work/saved2")
+owner_now=$(on c2 "$arbor" status "$b" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["owner"])')
+[ "$owner_now" = "$owner2_ip:7070" ] || { echo "c2 did not follow the new owner (it names $owner_now)" >&2; exit 1; }
+rows+=("| owner killed -9 at file 8 of 40, a new owner on another host with --take-over | $bad; the writer finished $(secs "$t0" "$t1") s after the kill; both clients on $owner_now, no remount |")
 
 echo
 echo "### arbor serve --branch across network namespaces (owner 0.2 ms from two client nodes, $mib MiB)"
