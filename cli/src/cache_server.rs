@@ -4,6 +4,7 @@
 
 use crate::disk;
 use anyhow::{bail, Context, Result};
+use arbor_engine::tier::SegmentCache;
 use arbor_net::{CacheClient, CacheServer, ClientOptions, Fault, ServerOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -59,15 +60,19 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     if !d.is_s3() && branches.is_empty() {
         bail!("{} is a local folder: every reader already has its bytes; arbor serve is for s3:// disks (or --branch, to share a branch)", d.url);
     }
+    // The branches this process owns cache the segments they write: a
+    // client's chunk of one of those comes from there, not the bucket.
+    let own_chunks = Arc::new(arbor_engine::tier::LateSources::default());
+    let sources = (!branches.is_empty()).then(|| own_chunks.clone() as Arc<dyn arbor_engine::tier::ChunkSource>);
     let (cache, cache_lock, place) = if !d.is_s3() {
         (None, None, "none (a local-folder disk)".to_string())
     } else if args.memory {
-        let cache = arbor_engine::tier::SegmentCache::in_memory(d.store().clone(), args.cache_size)?;
+        let cache = SegmentCache::with_sources(d.store().clone(), None, args.cache_size, sources)?;
         (Some(Arc::new(cache)), None, "memory".to_string())
     } else {
         let dir = cache_dir(args, &d)?;
         let lock = lock_cache_dir(&dir)?;
-        let cache = arbor_engine::tier::SegmentCache::open(d.store().clone(), &dir.join("chunks"), args.cache_size)
+        let cache = SegmentCache::with_sources(d.store().clone(), Some(&dir.join("chunks")), args.cache_size, sources)
             .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
         (Some(Arc::new(cache)), Some(lock), dir.display().to_string())
     };
@@ -92,7 +97,12 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     let mut owned = Vec::new();
     for b in branches {
         match crate::shared::own(&args.disk, b, &advertised, &args.owner) {
-            Ok(o) => owned.push(o),
+            Ok(o) => {
+                if let Some(c) = o.cached_chunks() {
+                    own_chunks.add(c);
+                }
+                owned.push(o)
+            }
             Err(e) => {
                 for o in owned {
                     let _ = o.close();

@@ -78,6 +78,12 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
 }
 
 impl Owned {
+    /// The chunks the branch's device holds (on an s3 disk): what this
+    /// process's cache server gives clients before asking the bucket.
+    pub fn cached_chunks(&self) -> Option<Arc<dyn arbor_engine::tier::ChunkSource>> {
+        self._disk.bucket_device().map(|d| d.cached_chunks())
+    }
+
     /// Forgets the owner record (if still ours) and makes the last commit.
     pub fn close(self) -> Result<()> {
         let name = self.shared.name().to_string();

@@ -479,6 +479,11 @@ impl Disk {
         Ok(())
     }
 
+    /// The bucket tier this process opened for an s3 disk, if it did.
+    pub fn bucket_device(&self) -> Option<Arc<BucketDevice>> {
+        self.tier.get().cloned()
+    }
+
     /// Upload and cache counters, for an s3 disk opened by this process.
     pub fn tier_stats(&self) -> Option<TierStats> {
         self.tier.get().map(|t| t.stats())

@@ -576,10 +576,11 @@ fn an_imported_file_read_through_the_owner_keeps_its_chunks_in_the_owners_cache(
     assert!(cached > body.len() as u64, "the owner kept the chunks it fetched: {cached} B");
 }
 
-/// On an s3 disk a client reads the bytes the bucket already holds from
-/// the bucket itself, through a cache server (here the owner's own port)
-/// and its memory cache, and only the bytes not uploaded yet through the
-/// owner; every byte is the one written.
+/// On an s3 disk a client reads the bytes the bucket already holds as
+/// chunks, through a cache server (here the owner's own port, which gives
+/// the chunks its branch wrote from its own cache, not the bucket) and its
+/// memory cache, and only the bytes not uploaded yet through the owner's
+/// file operations; every byte is the one written.
 #[test]
 fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
     let Some(w) = S3World::start() else { return };
@@ -588,19 +589,22 @@ fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
     let token = w.dir.path().join("token");
     std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
     let tok = token.to_str().expect("utf8");
+    // Every process reaches the bucket through a proxy that counts.
+    let proxy = arbor_engine::testkit::Proxy::start(w.s3_addr(), Duration::ZERO).expect("proxy");
+    let env = w.env_via(&proxy.endpoint());
     let log = w.dir.path().join("owner.log");
     let owner = Serve::start(
         &disk,
         free_port(),
         &["--branch", "main", "--token-file", tok, "--segment-size", "1M"],
-        &w.env,
+        &env,
         &log,
     );
 
     let mnt_a = w.mnt("a");
     // On the owner's node, where the branch's cache folder is the owner's:
     // this mount caches in a folder of its own.
-    let a = Mount::start_env(&disk, &mnt_a, &["--token-file", tok], &w.env);
+    let a = Mount::start_env(&disk, &mnt_a, &["--token-file", tok], &env);
     let data = pattern(6 << 20, 41);
     let before = w.objects_under("disks/rwx/segments");
     write_synced(&mnt_a.join("data"), &data);
@@ -614,12 +618,15 @@ fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
         &disk,
         &mnt_b,
         &["--token-file", tok, "--cache-server", &owner.addr, "--cache-dir", "none", "--cache-memory", "64M"],
-        &w.env,
+        &env,
     );
+    let from_bucket = proxy.sent();
     assert!(std::fs::read(mnt_b.join("data")).expect("read") == data, "the bytes a wrote");
+    let from_bucket = proxy.sent() - from_bucket;
+    println!("the bucket sent {from_bucket} bytes for b's read");
+    assert!(from_bucket < 256 << 10, "the owner's own chunks, not the bucket's: {from_bucket} bytes from the bucket");
     let status: serde_json::Value =
-        serde_json::from_str(&arbor_env_ok(&["status", mnt_b.to_str().expect("utf8"), "--json"], &w.env))
-            .expect("json");
+        serde_json::from_str(&arbor_env_ok(&["status", mnt_b.to_str().expect("utf8"), "--json"], &env)).expect("json");
     let (reads, servers) = (&status["reads"], &status["cache_servers"]);
     println!("b: {reads} {servers}");
     let direct = reads["from_segments_bytes"].as_u64().expect("bytes");
@@ -628,12 +635,12 @@ fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
     assert!(direct + via_owner >= data.len() as u64, "{reads}");
     assert_eq!(reads["segment_reads_failed"], 0, "{reads}");
     assert!(servers[0]["chunks"].as_u64().expect("chunks") >= 4, "chunks came through the cache server: {servers}");
-    b.unmount_env(&w.env);
-    a.unmount_env(&w.env);
+    b.unmount_env(&env);
+    a.unmount_env(&env);
     owner.stop();
     // a's own cache folder, and b's memory-only one, went with them, or
     // with the next arbor process on this node.
-    arbor_env_ok(&["branches", "list", &disk], &w.env);
+    arbor_env_ok(&["branches", "list", &disk], &env);
     let mut left = Vec::new();
     let mut stack = vec![w.dir.path().join("cache")];
     while let Some(d) = stack.pop() {

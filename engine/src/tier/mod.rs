@@ -26,7 +26,7 @@ mod remote;
 mod serve;
 
 pub use object::{segment_key, segment_of_key, wal_key, wal_prefix, Footer};
-pub use peers::{ChunkRequest, ChunkSource};
+pub use peers::{ChunkRequest, ChunkSource, LateSources};
 pub use remote::CacheStats;
 pub use serve::{SegmentCache, ServedChunk};
 
@@ -497,6 +497,37 @@ impl Drop for BucketDevice {
         if self.shared.cfg.ephemeral {
             let _ = std::fs::remove_dir_all(&self.cache_dir);
         }
+    }
+}
+
+/// The chunks a bucket device holds in its own cache (the segments this
+/// node wrote and uploaded, and those it fetched), as a [`ChunkSource`]:
+/// what `arbor serve --branch` serves of its own segments without asking
+/// the bucket for bytes it has. Never fetches.
+struct CachedHere {
+    remote: std::sync::Weak<Remote>,
+}
+
+impl ChunkSource for CachedHere {
+    fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
+        match self.remote.upgrade() {
+            Some(r) => r.cached_chunks(seg, wanted),
+            None => vec![None; wanted.len()],
+        }
+    }
+    fn rejected(&self, seg: SegId, index: u32) {
+        tracing::warn!(seg = %seg, chunk = index, "a chunk of this node's own cache failed its checksum");
+    }
+    fn fetch_footer(&self, seg: SegId) -> Option<Vec<u8>> {
+        self.remote.upgrade()?.cached_footer(seg)
+    }
+}
+
+impl BucketDevice {
+    /// This device's cached chunks as a source for another reader of the
+    /// same bucket (a cache server in this process).
+    pub fn cached_chunks(&self) -> Arc<dyn ChunkSource> {
+        Arc::new(CachedHere { remote: Arc::downgrade(&self.shared.remote) })
     }
 }
 

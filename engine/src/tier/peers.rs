@@ -52,3 +52,47 @@ pub trait ChunkSource: Send + Sync {
     /// Chunk `index` of `src` as given had the wrong length.
     fn object_rejected(&self, _src: &Source, _index: u64) {}
 }
+
+/// Sources added after the reader that asks them was made: the segments an
+/// `arbor serve --branch` process writes itself are cached by its branches'
+/// devices, which are opened after its chunk cache. Asked in the order added.
+#[derive(Default)]
+pub struct LateSources {
+    sources: parking_lot::RwLock<Vec<std::sync::Arc<dyn ChunkSource>>>,
+}
+
+impl LateSources {
+    pub fn add(&self, source: std::sync::Arc<dyn ChunkSource>) {
+        self.sources.write().push(source);
+    }
+}
+
+impl ChunkSource for LateSources {
+    fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
+        let mut out = vec![None; wanted.len()];
+        for s in self.sources.read().iter() {
+            let missing: Vec<usize> = (0..wanted.len()).filter(|&i| out[i].is_none()).collect();
+            if missing.is_empty() {
+                break;
+            }
+            let asks: Vec<ChunkRequest> = missing.iter().map(|&i| wanted[i].clone()).collect();
+            for (i, got) in missing.into_iter().zip(s.fetch(seg, &asks)) {
+                out[i] = got;
+            }
+        }
+        out
+    }
+    fn rejected(&self, seg: SegId, index: u32) {
+        for s in self.sources.read().iter() {
+            s.rejected(seg, index);
+        }
+    }
+    fn fetch_footer(&self, seg: SegId) -> Option<Vec<u8>> {
+        self.sources.read().iter().find_map(|s| s.fetch_footer(seg))
+    }
+    fn footer_rejected(&self, seg: SegId) {
+        for s in self.sources.read().iter() {
+            s.footer_rejected(seg);
+        }
+    }
+}

@@ -7,6 +7,7 @@
 //! each asks only for its own share.
 
 use super::remote::{CacheStats, Remote};
+use super::ChunkSource;
 use crate::bucket::ObjectStore;
 use crate::error::Result;
 use crate::format::SegId;
@@ -29,13 +30,29 @@ impl SegmentCache {
     /// Opens the cache in `dir` (its only user while open) in front of
     /// `store`, keeping at most `capacity` bytes of chunks.
     pub fn open(store: Arc<dyn ObjectStore>, dir: &Path, capacity: u64) -> Result<SegmentCache> {
-        Ok(SegmentCache { remote: Remote::new(store, dir.to_path_buf(), capacity, 0, 1, false, None)? })
+        Self::with_sources(store, Some(dir), capacity, None)
     }
 
     /// A cache in memory alone (nothing on disk, nothing kept across a
     /// restart), of at most `capacity` bytes of chunks.
     pub fn in_memory(store: Arc<dyn ObjectStore>, capacity: u64) -> Result<SegmentCache> {
-        Ok(SegmentCache { remote: Remote::new(store, std::path::PathBuf::new(), capacity, 0, 1, true, None)? })
+        Self::with_sources(store, None, capacity, None)
+    }
+
+    /// A cache in `dir` (in memory when `None`) that asks `sources` for a
+    /// chunk or a footer before the bucket, checking what they give as it
+    /// checks a GET.
+    pub fn with_sources(
+        store: Arc<dyn ObjectStore>,
+        dir: Option<&Path>,
+        capacity: u64,
+        sources: Option<Arc<dyn ChunkSource>>,
+    ) -> Result<SegmentCache> {
+        let (dir, memory) = match dir {
+            Some(d) => (d.to_path_buf(), false),
+            None => (std::path::PathBuf::new(), true),
+        };
+        Ok(SegmentCache { remote: Remote::new(store, dir, capacity, 0, 1, memory, sources)? })
     }
 
     /// Chunk `index` of sealed segment `seg`; `None` when the segment has

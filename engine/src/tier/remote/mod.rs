@@ -321,6 +321,36 @@ impl Remote {
         Ok(())
     }
 
+    /// The chunks `wanted` of segment `id` this cache holds now, read
+    /// without going anywhere else (`None` for each it does not hold).
+    pub(crate) fn cached_chunks(&self, id: SegId, wanted: &[crate::tier::ChunkRequest]) -> Vec<Option<Vec<u8>>> {
+        let seg = self.segs.read().get(&id).cloned();
+        let Some(seg) = seg else { return vec![None; wanted.len()] };
+        let segment::Source::Object { file } = &seg.source else { return vec![None; wanted.len()] };
+        let _no_eviction = self.chunks.hold();
+        wanted
+            .iter()
+            .map(|w| {
+                if !self.chunks.present((id, w.index)) {
+                    return None;
+                }
+                let mut buf = vec![0u8; (w.range.end - w.range.start) as usize];
+                use std::os::unix::fs::FileExt;
+                file.read_exact_at(&mut buf, w.range.start).ok().map(|()| buf)
+            })
+            .collect()
+    }
+
+    /// The footer of segment `id` if this cache has it open, as its object
+    /// ends.
+    pub(crate) fn cached_footer(&self, id: SegId) -> Option<Vec<u8>> {
+        let seg = self.segs.read().get(&id).cloned()?;
+        let segment::Source::Object { .. } = &seg.source else { return None };
+        let mut out = Vec::with_capacity(seg.footer.encoded_len());
+        seg.footer.encode(&mut out);
+        Some(out)
+    }
+
     /// Reads `buf` at `off` of segment `id` through `local` (this node's
     /// file of it), unless the segment has since become a cached copy:
     /// then through the cache, which knows which chunks were evicted.
