@@ -563,6 +563,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_cache_folders_of_processes_that_are_gone_are_swept() {
+        use std::os::fd::AsRawFd;
+        let node = tempfile::tempdir().expect("tempdir");
+        let folder = |name: &str| {
+            let d = node.path().join(name);
+            std::fs::create_dir_all(d.join(layout::SEGMENT_DIR)).expect("mkdir");
+            std::fs::write(d.join(layout::SEGMENT_DIR).join("lock"), b"").expect("lock");
+            d
+        };
+        let mut child = std::process::Command::new("true").spawn().expect("spawn");
+        let gone = child.id();
+        child.wait().expect("wait");
+        let dead = folder(&format!("cmd-{gone}"));
+        let mine = folder(&format!("cmd-{}", std::process::id()));
+        let other = folder("mounts/main");
+        // A folder whose process is gone from this pid namespace but whose
+        // lock is held (a process elsewhere sharing the node folder).
+        let held = folder(&format!("cmd-{}", gone + 1_000_000));
+        let lock = std::fs::File::open(held.join(layout::SEGMENT_DIR).join("lock")).expect("open");
+        // SAFETY: plain syscall on a descriptor we own.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+
+        sweep_command_caches(node.path());
+        assert!(!dead.exists(), "a gone process's folder is removed");
+        assert!(mine.exists() && other.exists() && held.exists());
+        drop(lock);
+        sweep_command_caches(node.path());
+        assert!(!held.exists(), "removed once nobody holds its lock");
+    }
+
+    #[test]
     fn init_once_then_open() {
         let dir = tempfile::tempdir().expect("tempdir");
         let arg = dir.path().join("d").display().to_string();

@@ -96,3 +96,40 @@ impl ChunkSource for LateSources {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// Gives the chunks and footer it holds, tagged with its name.
+    struct Holds {
+        name: u8,
+        chunks: Vec<u32>,
+        footer: bool,
+    }
+
+    impl ChunkSource for Holds {
+        fn fetch(&self, _seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
+            wanted.iter().map(|w| self.chunks.contains(&w.index).then(|| vec![self.name, w.index as u8])).collect()
+        }
+        fn rejected(&self, _seg: SegId, _index: u32) {}
+        fn fetch_footer(&self, _seg: SegId) -> Option<Vec<u8>> {
+            self.footer.then(|| vec![self.name])
+        }
+    }
+
+    #[test]
+    fn late_sources_are_asked_in_order_for_what_the_earlier_ones_lack() {
+        let late = LateSources::default();
+        let seg = SegId { writer: 1, seq: 2 };
+        let ask = |i: u32| ChunkRequest { index: i, range: 0..1 };
+        assert_eq!(late.fetch(seg, &[ask(0)]), vec![None], "nothing added yet");
+        assert_eq!(late.fetch_footer(seg), None);
+        late.add(Arc::new(Holds { name: 1, chunks: vec![0, 2], footer: false }));
+        late.add(Arc::new(Holds { name: 2, chunks: vec![0, 1], footer: true }));
+        let got = late.fetch(seg, &[ask(0), ask(1), ask(2), ask(3)]);
+        assert_eq!(got, vec![Some(vec![1, 0]), Some(vec![2, 1]), Some(vec![1, 2]), None]);
+        assert_eq!(late.fetch_footer(seg), Some(vec![2]));
+    }
+}
