@@ -521,6 +521,9 @@ impl ChunkSource for CachedHere {
     fn fetch_footer(&self, seg: SegId) -> Option<Vec<u8>> {
         self.remote.upgrade()?.cached_footer(seg)
     }
+    fn is_local(&self) -> bool {
+        true
+    }
 }
 
 impl BucketDevice {

@@ -35,6 +35,11 @@ pub trait ChunkSource: Send + Sync {
     }
     /// A footer as given failed its check.
     fn footer_rejected(&self, _seg: SegId) {}
+    /// Whether what it gives stays on this node (another cache of this
+    /// process): a reader then need not keep a copy of its own.
+    fn is_local(&self) -> bool {
+        false
+    }
     /// Bytes `within` (offsets inside the chunk) of chunk `index` of
     /// `seg`, for a small read whose reader checks them itself against
     /// its block crcs; `None` when this source cannot give them now.
@@ -94,6 +99,10 @@ impl ChunkSource for LateSources {
         for s in self.sources.read().iter() {
             s.footer_rejected(seg);
         }
+    }
+    fn is_local(&self) -> bool {
+        let sources = self.sources.read();
+        !sources.is_empty() && sources.iter().all(|s| s.is_local())
     }
 }
 

@@ -90,8 +90,12 @@ impl RemoteSeg {
             self.fetch_claimed(&(i..i + run).collect::<Vec<_>>());
             return Ok(None);
         }
+        // A chunk another cache of this process gave is not copied into
+        // this one: it is on this node already.
+        let mut local = false;
         let res = (|| {
             if let Some((_, bytes)) = r.ask_peers(self.id, &self.footer, &[i]).pop() {
+                local = r.peers.as_ref().is_some_and(|p| p.is_local());
                 return Ok(bytes);
             }
             let (s, e) = self.footer.chunk_range(i);
@@ -107,8 +111,9 @@ impl RemoteSeg {
             }
             Err(Error::corrupted("segment chunk from the bucket", format!("{}#{i}", self.id)))
         })();
-        if let Ok(bytes) = &res {
-            r.land(file, &[(key, bytes, self.footer.chunk_range(i).0)]);
+        match &res {
+            Ok(bytes) if !local => r.land(file, &[(key, bytes, self.footer.chunk_range(i).0)]),
+            _ => {}
         }
         r.inflight.lock().remove(&key);
         r.landed.notify_all();

@@ -1,0 +1,124 @@
+#!/bin/bash
+# A shared branch on an s3 disk, every party on a host of its own (network
+# namespaces joined by a bridge): the bucket (s3s-fs) 20 ms away behind a
+# delaying proxy that counts what it sends, `arbor serve --branch main`
+# (also the cache server) 0.2 ms from two client nodes. c1 writes a file
+# through the owner; c2 reads it cold with every read through the owner
+# (ARBOR_READ_THROUGH_OWNER=1), then reading the bytes from the disk's
+# segments (chunks through the owner's cache server), then the same after
+# the owner was restarted with an empty cache (data the owner no longer
+# holds). Prints a markdown table: time, MiB/s and the bucket's bytes.
+#
+#   benches/shared_s3_netns.sh [MIB]     (root; s3s-fs; arbor and delay_proxy built)
+#
+# ARBOR / PROXY point at the binaries (default: target/release). Everything
+# it starts it stops, and it removes its namespaces, bridge and folders.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+arbor=${ARBOR:-$here/target/release/arbor}
+proxy=${PROXY:-$here/target/release/delay_proxy}
+mib=${1:-256}
+work=$(mktemp -d /var/tmp/arbor-shared-s3.XXXXXX)
+pids=()
+mounts=()
+. "$here/benches/netns.sh"
+. "$here/benches/common.sh"
+
+cleanup() {
+  for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  netns_down
+  [ -n "${KEEP_LOGS:-}" ] && { mkdir -p "$KEEP_LOGS"; cp "$work"/*.log "$KEEP_LOGS/" 2>/dev/null || true; }
+  rm -rf "$work" 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+netns_up bucket owner c1 c2
+bucket_ip=10.77.0.2 owner_ip=10.77.0.3
+mkdir -p "$work/s3/arbor-test"
+on bucket s3s-fs --host 127.0.0.1 --port 9000 --access-key k --secret-key s "$work/s3" >/dev/null 2>&1 & pids+=($!)
+wait_port bucket 127.0.0.1 9000
+on bucket "$proxy" "$bucket_ip:9100" 127.0.0.1:9000 10000 "$work/bucket-bytes" & pids+=($!)
+wait_port owner "$bucket_ip" 9100
+export AWS_ACCESS_KEY_ID=k AWS_SECRET_ACCESS_KEY=s AWS_REGION=us-east-1 AWS_ENDPOINT_URL="http://$bucket_ip:9100"
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
+disk=s3://arbor-test/shared
+node() { echo "$work/node-$1"; } # each host's XDG_CACHE_HOME
+bucket_bytes() { cat "$work/bucket-bytes"; }
+now() { date +%s.%N; }
+XDG_CACHE_HOME=$(node owner) on owner "$arbor" init "$disk" >/dev/null
+
+on owner "$proxy" "$owner_ip:7071" "$owner_ip:7070" 100 "$work/proxied" & pids+=($!)
+start_owner() {
+  local ready; ready=$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)
+  # nsenter itself, not the `on` function (a subshell): $! must be the owner.
+  XDG_CACHE_HOME=$(node owner) nsenter --net=/run/netns/arb-owner "$arbor" serve "$disk" --branch main \
+    --listen "$owner_ip:7070" --advertise "$owner_ip:7071" --token-file "$work/token" --segment-size 16M \
+    --foreground 2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
+  for _ in $(seq 300); do
+    [ "$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)" -gt "${ready:-0}" ] && return 0
+    sleep 0.1
+  done
+  echo "the owner did not start serving; its log:" >&2; cat "$work/owner.log" >&2; return 1
+}
+start_owner
+client() { # host [env…]: mounts main at $work/mnt-HOST through the owner, memory only
+  local h=$1; shift
+  mkdir -p "$work/mnt-$h"
+  env "$@" XDG_CACHE_HOME="$(node "$h")" nsenter --net="/run/netns/arb-$h" "$arbor" mount "$disk" "$work/mnt-$h" \
+    --token-file "$work/token" --cache-server "$owner_ip:7071" --cache-dir none --cache-memory 1G >/dev/null
+  mounts+=("$work/mnt-$h")
+}
+unmount() { XDG_CACHE_HOME=$(node "$1") "$arbor" unmount "$work/mnt-$1" >/dev/null; }
+rows=()
+
+# c1 writes the file through the owner, and waits until the bucket holds
+# every sealed segment of it.
+client c1
+head -c "${mib}M" /dev/urandom > "$work/src"
+sum=$(sha256sum < "$work/src")
+segments() { find "$work/s3/arbor-test/shared/segments" -type f 2>/dev/null | wc -l; }
+s0=$(segments)
+t0=$(now); dd if="$work/src" of="$work/mnt-c1/big" bs=1M conv=fsync status=none; t1=$(now)
+rows+=("| c1 writes $mib MiB + fsync | $(python3 -c "import sys; print(f'{float(sys.argv[1]) / (float(sys.argv[3]) - float(sys.argv[2])):.1f}')" "$mib" "$t0" "$t1") MiB/s | — | — |")
+for _ in $(seq 600); do [ "$(segments)" -ge $(( s0 + mib / 16 - 1 )) ] && break; sleep 0.1; done
+
+# read PHASE [env…]: c2 mounts afresh, reads the file cold, unmounts.
+read_cold() {
+  local what=$1; shift
+  client c2 "$@"
+  drop_caches
+  local b0 t0 t1 got where
+  b0=$(bucket_bytes); t0=$(now)
+  got=$(sha256sum < "$work/mnt-c2/big")
+  t1=$(now)
+  [ "$got" = "$sum" ] || { echo "c2 read other bytes than c1 wrote" >&2; exit 1; }
+  where=$(XDG_CACHE_HOME=$(node c2) "$arbor" status "$work/mnt-c2" --json | python3 -c '
+import json, sys
+r = json.load(sys.stdin)["reads"]
+print("{:.0f} MiB from the segments, {:.0f} MiB through the owner".format(r["from_segments_bytes"] / 2**20, r["from_owner_bytes"] / 2**20))')
+  rows+=("| c2 reads it cold: $what | $(python3 -c "import sys; print(f'{float(sys.argv[1]) / (float(sys.argv[3]) - float(sys.argv[2])):.1f}')" "$mib" "$t0" "$t1") MiB/s | $(( ($(bucket_bytes) - b0) >> 20 )) MiB | $where |")
+  unmount c2
+}
+read_cold "every read through the owner" ARBOR_READ_THROUGH_OWNER=1
+read_cold "bytes from the segments (the owner's cache server)"
+
+# The owner restarted with an empty cache: the data is in the bucket only.
+unmount c1
+kill -TERM "$owner_pid"; wait "$owner_pid" 2>/dev/null || true
+rm -rf "$(node owner)/arbor"/*/mounts
+start_owner
+read_cold "owner restarted, cache empty; through the owner" ARBOR_READ_THROUGH_OWNER=1
+kill -TERM "$owner_pid"; wait "$owner_pid" 2>/dev/null || true
+rm -rf "$(node owner)/arbor"/*/mounts "$(node owner)/arbor"/*/serve
+start_owner
+read_cold "owner restarted, cache empty; from the segments"
+read_cold "again, a new client (the server now warm)"
+
+echo
+echo "### a shared branch on an s3 disk across network namespaces (bucket 20 ms, owner 0.2 ms, $mib MiB)"
+echo
+echo "| what | speed | from the bucket | where c2's bytes came from |"
+echo "| --- | ---: | ---: | --- |"
+printf '%s\n' "${rows[@]}"
