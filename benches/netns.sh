@@ -8,6 +8,13 @@
 #   wait_port HOST IP PORT
 #   netns_down         stop what runs on them and remove them (call it from
 #                      the script's EXIT trap)
+#   netns_cleanup      the EXIT trap of a benchmark keeping its mounts in
+#                      `mounts`, its background pids in `pids` and its files
+#                      in `work`: all of it, then netns_down (KEEP_LOGS=DIR
+#                      keeps the logs)
+#   start_bucket IP    s3s-fs on host "bucket" behind delay_proxy ($proxy) at
+#                      IP:9100, 20 ms round trip, counting what it sends into
+#                      $work/bucket-bytes; exports the AWS_* variables
 
 netns_hosts=()
 
@@ -44,4 +51,25 @@ on() { local h=$1; shift; nsenter --net="/run/netns/arb-$h" "$@"; }
 wait_port() { # host ip port
   for _ in $(seq 200); do on "$1" bash -c "exec 3<>/dev/tcp/$2/$3" 2>/dev/null && return 0; sleep 0.1; done
   echo "nothing listens on $2:$3" >&2; return 1
+}
+
+netns_cleanup() {
+  local m p
+  for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  netns_down
+  if [ -n "${KEEP_LOGS:-}" ]; then
+    mkdir -p "$KEEP_LOGS"
+    find "$work" -name "*.log" -exec cp --backup=numbered {} "$KEEP_LOGS/" \; 2>/dev/null || true
+  fi
+  rm -rf "$work" 2>/dev/null || true
+}
+
+start_bucket() { # ip
+  mkdir -p "$work/s3/arbor-test"
+  on bucket s3s-fs --host 127.0.0.1 --port 9000 --access-key k --secret-key s "$work/s3" >/dev/null 2>&1 & pids+=($!)
+  wait_port bucket 127.0.0.1 9000
+  on bucket "$proxy" "$1:9100" 127.0.0.1:9000 10000 "$work/bucket-bytes" & pids+=($!)
+  wait_port bucket "$1" 9100
+  export AWS_ACCESS_KEY_ID=k AWS_SECRET_ACCESS_KEY=s AWS_REGION=us-east-1 AWS_ENDPOINT_URL="http://$1:9100"
 }

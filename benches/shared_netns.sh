@@ -21,13 +21,7 @@ mounts=()
 . "$here/benches/netns.sh"
 . "$here/benches/common.sh"
 
-cleanup() {
-  for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  netns_down
-  rm -rf "$work" 2>/dev/null || true
-}
-trap cleanup EXIT
+trap netns_cleanup EXIT
 trap 'exit 130' INT TERM
 
 netns_up owner c1 c2 owner2

@@ -24,24 +24,12 @@ mounts=()
 . "$here/benches/netns.sh"
 . "$here/benches/common.sh"
 
-cleanup() {
-  for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  netns_down
-  [ -n "${KEEP_LOGS:-}" ] && { mkdir -p "$KEEP_LOGS"; cp "$work"/*.log "$KEEP_LOGS/" 2>/dev/null || true; }
-  rm -rf "$work" 2>/dev/null || true
-}
-trap cleanup EXIT
+trap netns_cleanup EXIT
 trap 'exit 130' INT TERM
 
 netns_up bucket owner c1 c2
 bucket_ip=10.77.0.2 owner_ip=10.77.0.3
-mkdir -p "$work/s3/arbor-test"
-on bucket s3s-fs --host 127.0.0.1 --port 9000 --access-key k --secret-key s "$work/s3" >/dev/null 2>&1 & pids+=($!)
-wait_port bucket 127.0.0.1 9000
-on bucket "$proxy" "$bucket_ip:9100" 127.0.0.1:9000 10000 "$work/bucket-bytes" & pids+=($!)
-wait_port owner "$bucket_ip" 9100
-export AWS_ACCESS_KEY_ID=k AWS_SECRET_ACCESS_KEY=s AWS_REGION=us-east-1 AWS_ENDPOINT_URL="http://$bucket_ip:9100"
+start_bucket "$bucket_ip"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
 disk=s3://arbor-test/shared
 node() { echo "$work/node-$1"; } # each host's XDG_CACHE_HOME

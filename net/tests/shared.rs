@@ -27,15 +27,25 @@ fn owner(dev: &SimDevice) -> (Arc<Volume>, Running) {
     (vol, server.spawn("127.0.0.1:0").expect("serve"))
 }
 
-/// A client finding the owner at whatever `at` holds.
+/// A client finding the owner at whatever `at` holds, reading every
+/// file's bytes through it.
 fn client(at: &Arc<Mutex<String>>) -> RemoteFiles {
+    client_over(at, None)
+}
+
+/// A client that reads the bytes the owner locates from `segments` itself.
+fn reading_client(at: &Arc<Mutex<String>>, segments: SimDevice) -> RemoteFiles {
+    client_over(at, Some(Arc::new(segments)))
+}
+
+fn client_over(at: &Arc<Mutex<String>>, segments: Option<Arc<dyn arbor_engine::device::Device>>) -> RemoteFiles {
     let at = at.clone();
     RemoteFiles::connect(RemoteOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || Some(at.lock().clone())),
         timeout: Some(Duration::from_secs(20)),
-        segments: None,
+        segments,
     })
     .expect("connect")
 }
@@ -218,19 +228,6 @@ fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
     let (mut idle, _) = hello(server.addr, TOKEN, "main");
     drop(server);
     assert!(read_frame::<Answer>(&mut idle, &mut r).is_err());
-}
-
-/// A client reading the owner's segments itself.
-fn reading_client(at: &Arc<Mutex<String>>, segments: SimDevice) -> RemoteFiles {
-    let at = at.clone();
-    RemoteFiles::connect(RemoteOptions {
-        branch: "main".into(),
-        token: TOKEN.into(),
-        locate: Arc::new(move || Some(at.lock().clone())),
-        timeout: Some(Duration::from_secs(20)),
-        segments: Some(Arc::new(segments)),
-    })
-    .expect("connect")
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -22,11 +22,7 @@ impl Volume {
             let st = self.state.read();
             let v = self.view(&st);
             let i = v.inode(ino)?;
-            match i.kind {
-                FileKind::Regular => {}
-                FileKind::Directory => return Err(Error::IsDir),
-                _ => return Err(Error::Invalid("read of a special file")),
-            }
+            readable(i.kind)?;
             if off >= i.size || len == 0 {
                 return Ok(Vec::new());
             }
@@ -108,11 +104,7 @@ impl Volume {
             let st = self.state.read();
             let v = self.view(&st);
             let i = v.inode(ino)?;
-            match i.kind {
-                FileKind::Regular => {}
-                FileKind::Directory => return Err(Error::IsDir),
-                _ => return Err(Error::Invalid("read of a special file")),
-            }
+            readable(i.kind)?;
             if off >= i.size || len == 0 {
                 return Ok(Located { size: i.size, end: off, places: Vec::new() });
             }
@@ -158,6 +150,15 @@ impl Volume {
             log.wait_written(e.data.seg, e.data.end())?;
         }
         read_extent(self.device().as_ref(), e, at, dst)
+    }
+}
+
+/// Only a regular file's bytes are read.
+fn readable(kind: FileKind) -> Result<()> {
+    match kind {
+        FileKind::Regular => Ok(()),
+        FileKind::Directory => Err(Error::IsDir),
+        _ => Err(Error::Invalid("read of a special file")),
     }
 }
 
