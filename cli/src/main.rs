@@ -393,7 +393,7 @@ fn init_logging(default: &str) {
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
-const MEMORY_ONLY_BRANCH: &str = "--cache-dir none (memory only) is for checkpoint mounts and mounts through a branch's owner (arbor serve --branch); a branch mount of its own needs a cache folder for its log";
+const MEMORY_ONLY_BRANCH: &str = "--cache-dir none (memory only) is for checkpoint mounts, mounts through a branch's owner (arbor serve --branch) and branch mounts with --durability bucket (fsync then means the bucket has it); with local durability a branch mount needs a cache folder for its log";
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
@@ -405,7 +405,8 @@ fn run(cli: Cli) -> Result<()> {
             let memory = memory_only(&m.cache_dir);
             // Through an owner (a token given) a branch mount keeps no log
             // here; that is known for sure once the disk is open.
-            if memory && m.checkpoint.is_none() && m.servers.token_file.is_none() {
+            let bucket_durable = m.durability == arbor_engine::tier::Durability::Bucket;
+            if memory && m.checkpoint.is_none() && m.servers.token_file.is_none() && !bucket_durable {
                 anyhow::bail!(MEMORY_ONLY_BRANCH);
             }
             let args = serve::MountArgs {

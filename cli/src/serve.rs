@@ -259,7 +259,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         if let Some(owner) = crate::shared::owner_to_mount_through(&p.disk, args)? {
             return crate::shared::mount_remote(&p.disk, &p.mountpoint, args, owner, p.cache_client.clone());
         }
-        if args.cache.memory {
+        if args.cache.memory && args.cache.durability != arbor_engine::tier::Durability::Bucket {
             bail!(crate::MEMORY_ONLY_BRANCH);
         }
     }

@@ -165,6 +165,9 @@ fn sweep_command_caches(node_dir: &Path) {
     }
 }
 
+/// The tmpfs a memory-only writer keeps its log in until the bucket has it.
+const SHM: &str = "/dev/shm";
+
 /// A setup error with a person's explanation and the errno it stands for.
 fn fail(errno: i32, message: String) -> Error {
     Error::Disk { message, errno }
@@ -385,7 +388,27 @@ impl Disk {
         if let Some(d) = self.own_cache.get() {
             return d.clone();
         }
-        self.opts.cache.dir.clone().unwrap_or_else(|| self.node_dir.join(self.cache_name()))
+        if let Some(d) = &self.opts.cache.dir {
+            return d.clone();
+        }
+        match self.memory_base() {
+            Some(base) => base.join(layout::command_cache(std::process::id())),
+            None => self.node_dir.join(self.cache_name()),
+        }
+    }
+
+    /// Where a memory-only mount that writes (bucket durability) keeps its
+    /// log until the bucket has it: a tmpfs (`/dev/shm`), never this node's
+    /// disk. `None` for every other cache.
+    fn memory_base(&self) -> Option<PathBuf> {
+        let c = &self.opts.cache;
+        if !(c.memory && c.dir.is_none() && c.durability == Durability::Bucket && self.opts.mount.is_some()) {
+            return None;
+        }
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let disk = self.node_dir.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+        Some(PathBuf::from(SHM).join(format!("arbor-{uid}")).join(disk))
     }
 
     /// The segments of the disk: the folder itself, or the bucket through
@@ -395,6 +418,15 @@ impl Disk {
             Location::Local(root) => Ok(FileDevice::open(root.join(layout::SEGMENT_DIR), self.opts.io)?),
             Location::S3 { .. } => {
                 sweep_command_caches(&self.node_dir);
+                if let Some(base) = self.memory_base() {
+                    if !Path::new(SHM).is_dir() {
+                        return Err(fail(
+                            libc::ENOTSUP,
+                            format!("a memory-only mount that writes keeps its log in {SHM} (a tmpfs), which this node lacks"),
+                        ));
+                    }
+                    sweep_command_caches(&base);
+                }
                 let dir = self.cache_dir();
                 let cache = &self.opts.cache;
                 let mut tier = TierConfig {
@@ -408,6 +440,11 @@ impl Disk {
                     peers: cache.peers.clone(),
                     ..TierConfig::default()
                 };
+                if self.memory_base().is_some() {
+                    // The log waiting for upload is memory too: the memory
+                    // budget bounds it.
+                    tier.max_pending = tier.max_pending.min(cache.size.max(64 << 20));
+                }
                 let opened = match BucketDevice::open(self.store.clone(), &dir, tier.clone()) {
                     // The branch's cache folder is taken on this node: by
                     // the process that owns the branch, or another mount

@@ -375,3 +375,62 @@ fn imported_files_are_pulled_from_their_bucket_once_through_the_server() {
     c.unmount_env(&env);
     assert!(proxy.sent() - before < len / 20, "from its own disk, not the bucket");
 }
+
+/// A node without a local SSD writes a branch: `--cache-dir none` with
+/// `--durability bucket` keeps the log in memory (a tmpfs) only until the
+/// bucket has it, reads what went up through the memory cache, leaves
+/// nothing on disk, and loses nothing fsynced to kill -9.
+#[test]
+fn a_memory_only_branch_mount_writes_through_to_the_bucket_and_keeps_nothing_on_disk() {
+    let Some(w) = S3World::start() else { return };
+    let disk = format!("s3://{S3_BUCKET}/disks/memory-writer");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let node = w.dir.path().join("memory-node");
+    let mut env = w.env.clone();
+    env.retain(|(k, _)| *k != "XDG_CACHE_HOME");
+    env.push(("XDG_CACHE_HOME", node.display().to_string()));
+    let mnt = w.mnt("memory-writer");
+    let memory = ["--cache-dir", "none", "--cache-memory", "8M"];
+    let refused = arbor_env(&[&["mount", &disk, mnt.to_str().expect("utf8")][..], &memory].concat(), &env);
+    assert!(!refused.status.success(), "with local durability a memory-only branch mount is refused");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--durability bucket"), "{refused:?}");
+
+    let args = [&memory[..], &["--durability", "bucket", "--segment-size", "1M"]].concat();
+    let m = Mount::start_env(&disk, &mnt, &args, &env);
+    let data = pattern(24 << 20, 5);
+    write_synced(&mnt.join("big"), &data);
+    // Sealed segments went up and left memory: reading them back goes
+    // through the 8 MiB memory cache and the bucket.
+    assert!(std::fs::read(mnt.join("big")).expect("read") == data);
+    // SAFETY: getuid cannot fail.
+    let shm = PathBuf::from(format!("/dev/shm/arbor-{}", unsafe { libc::getuid() }));
+    let in_memory = bytes_under(&shm);
+    assert!(in_memory < 8 << 20, "{in_memory} bytes of log kept in {}", shm.display());
+    let on_disk = bytes_under(&node);
+    assert!(on_disk < 1 << 20, "a memory-only writer put {on_disk} bytes under its node folder");
+
+    // kill -9: a mount on another node (its own empty cache) has every byte.
+    m.kill9();
+    let _ = Command::new("fusermount3").args(["-uz", mnt.to_str().expect("utf8")]).status();
+    let elsewhere = w.dir.path().join("other-node");
+    let mut other = w.env.clone();
+    other.retain(|(k, _)| *k != "XDG_CACHE_HOME");
+    other.push(("XDG_CACHE_HOME", elsewhere.display().to_string()));
+    let after = w.mnt("after-kill");
+    let m2 = Mount::start_env(&disk, &after, &[], &other);
+    assert!(std::fs::read(after.join("big")).expect("read after kill -9") == data, "fsynced bytes lost");
+    m2.unmount_env(&other);
+
+    // The killed writer's memory folder goes with the next memory-only
+    // writer on the node, and that one's with its clean unmount.
+    let m3 = Mount::start_env(&disk, &mnt, &args, &env);
+    write_synced(&mnt.join("small"), b"again");
+    m3.unmount_env(&env);
+    let left: Vec<_> = std::fs::read_dir(&shm)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten().map(|e| e.path()))
+        .collect();
+    assert!(left.is_empty(), "left in {}: {left:?}", shm.display());
+}

@@ -297,8 +297,16 @@ impl Remote {
     /// `evicting` shared), so none can see a hole punched later.
     pub(crate) fn adopt(self: &Arc<Self>, id: SegId, local: &std::path::Path, footer: Footer) -> Result<()> {
         if self.memory {
-            // No cache folder to move it into: the local file stays where
-            // it was written and keeps serving this node's reads.
+            // No cache folder to move it into, and memory to give back: the
+            // local file (in a tmpfs) goes, and reads of the segment go
+            // through the memory cache and the bucket from now on.
+            let _no_readers = self.chunks.exclusive();
+            self.adopted.lock().insert(id);
+            match fs::remove_file(local) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
             return Ok(());
         }
         {
