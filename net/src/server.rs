@@ -52,6 +52,10 @@ pub struct ServerOptions {
     pub objects: Option<Arc<SourceReader>>,
 }
 
+/// What a chunk request found: the bytes and whether they were cached
+/// already (`None`: not a chunk, a footer), or no such chunk.
+type Found = arbor_engine::Result<Option<(Vec<u8>, Option<bool>)>>;
+
 pub struct CacheServer {
     /// `None`: a server of shared branches on a local-folder disk, which
     /// has no bucket to cache.
@@ -345,6 +349,13 @@ impl CacheServer {
                         self.metrics.parts.fetch_add(1, Ordering::Relaxed);
                     }
                     let what = format!("chunk {index} of {seg}");
+                    // A small part of a cached chunk is one read of the
+                    // cache: answered here, not handed to a blocking thread
+                    // and back (two wake-ups, most of a part's latency).
+                    if let Some(c) = within.clone().and_then(|w| cache.cached_part(seg, index, w)) {
+                        let started = Instant::now();
+                        return self.answer(what, false, started, Ok(Ok(Some((c.bytes, Some(c.hit))))));
+                    }
                     // No checksum header: the client checks a segment
                     // chunk against its object's footer, a part against
                     // the block crcs of the records it reads.
@@ -384,14 +395,20 @@ impl CacheServer {
     /// Answers with the chunk `get` finds (`None`: there is no such chunk)
     /// and whether it was cached already (`None`: not a chunk, a footer),
     /// and with its crc32c if `crc`; counts and times it.
-    async fn chunk(
+    async fn chunk(&self, what: String, crc: bool, get: impl FnOnce() -> Found + Send + 'static) -> Reply {
+        let started = Instant::now();
+        let got = tokio::task::spawn_blocking(get).await;
+        self.answer(what, crc, started, got)
+    }
+
+    /// The answer for what [`CacheServer::chunk`] found, counted and timed.
+    fn answer(
         &self,
         what: String,
         crc: bool,
-        get: impl FnOnce() -> arbor_engine::Result<Option<(Vec<u8>, Option<bool>)>> + Send + 'static,
+        started: Instant,
+        got: std::result::Result<Found, tokio::task::JoinError>,
     ) -> Reply {
-        let started = Instant::now();
-        let got = tokio::task::spawn_blocking(get).await;
         let m = &self.metrics;
         let r = match got {
             Ok(Ok(Some((mut bytes, hit)))) => {

@@ -349,6 +349,32 @@ impl Remote {
             .collect()
     }
 
+    /// Bytes `within` (offsets inside it) of chunk `index` of segment `id`
+    /// if the chunk is cached here and checked: a read that cannot wait
+    /// for the bucket and will not (`None` otherwise).
+    pub(crate) fn cached_range(&self, id: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
+        let seg = self.segs.read().get(&id).cloned()?;
+        let segment::Source::Object { file } = &seg.source else { return None };
+        if index as usize >= seg.footer.crcs.len() {
+            return None;
+        }
+        let (start, end) = seg.footer.chunk_range(index as usize);
+        if within.start >= within.end || within.end > end - start {
+            return None;
+        }
+        let key = (id, index);
+        let _no_eviction = self.chunks.hold();
+        if self.chunks.verified(key) != Some(true) {
+            return None;
+        }
+        let mut buf = vec![0u8; (within.end - within.start) as usize];
+        use std::os::unix::fs::FileExt;
+        file.read_exact_at(&mut buf, start + within.start).ok()?;
+        self.chunks.touch(key);
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(buf)
+    }
+
     /// The footer of segment `id` if this cache has it open, as its object
     /// ends.
     pub(crate) fn cached_footer(&self, id: SegId) -> Option<Vec<u8>> {
