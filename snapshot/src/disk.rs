@@ -397,6 +397,20 @@ impl Disk {
         }
     }
 
+    /// Removes a memory-only writer's log folder (call it once the volume
+    /// is closed and every byte is in the bucket): memory given back at a
+    /// clean unmount whatever still holds the device.
+    pub fn remove_memory_log(&self) {
+        if self.memory_base().is_some() && self.own_cache.get().is_none() {
+            let dir = self.cache_dir();
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(folder = %dir.display(), error = %e, "cannot remove the memory-only log folder");
+                }
+            }
+        }
+    }
+
     /// Where a memory-only mount that writes (bucket durability) keeps its
     /// log until the bucket has it: a tmpfs (`/dev/shm`), never this node's
     /// disk. `None` for every other cache.

@@ -426,11 +426,9 @@ fn a_memory_only_branch_mount_writes_through_to_the_bucket_and_keeps_nothing_on_
     let m3 = Mount::start_env(&disk, &mnt, &args, &env);
     write_synced(&mnt.join("small"), b"again");
     m3.unmount_env(&env);
-    let left: Vec<_> = std::fs::read_dir(&shm)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .flat_map(|d| std::fs::read_dir(d.path()).into_iter().flatten().flatten().map(|e| e.path()))
-        .collect();
-    assert!(left.is_empty(), "left in {}: {left:?}", shm.display());
+    // This disk's folder there (named as its node folder is).
+    let disk_dir = std::fs::read_dir(node.join("arbor")).expect("node folder").flatten().next().expect("disk folder");
+    let mine = shm.join(disk_dir.file_name());
+    let left: Vec<_> = std::fs::read_dir(&mine).into_iter().flatten().flatten().map(|e| e.path()).collect();
+    assert!(left.is_empty(), "left in {}: {left:?}", mine.display());
 }
