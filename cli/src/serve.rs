@@ -370,9 +370,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     drop(vol);
     stopped.report(closed.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")));
     closed.context("final commit failed")?;
-    // Closed: every byte is in the bucket. A memory-only writer's log
-    // goes now, not only when the last handle on it is dropped.
-    p.disk.remove_memory_log();
+    // Closed: every byte is in the bucket.
+    p.disk.remove_own_cache();
     tracing::info!("unmounted cleanly");
     Ok(())
 }

@@ -215,6 +215,7 @@ pub fn mount_remote(
     let closed = Files::close(&*files);
     stopped.report(closed.as_ref().map(|_| ()).map_err(|e| e.to_string()));
     closed?;
+    d.remove_own_cache();
     tracing::info!("unmounted cleanly");
     Ok(())
 }

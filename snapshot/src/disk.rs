@@ -397,16 +397,27 @@ impl Disk {
         }
     }
 
-    /// Removes a memory-only writer's log folder (call it once the volume
-    /// is closed and every byte is in the bucket): memory given back at a
-    /// clean unmount whatever still holds the device.
-    pub fn remove_memory_log(&self) {
-        if self.memory_base().is_some() && self.own_cache.get().is_none() {
-            let dir = self.cache_dir();
-            if let Err(e) = std::fs::remove_dir_all(&dir) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(folder = %dir.display(), error = %e, "cannot remove the memory-only log folder");
-                }
+    /// Whether this process's cache folder is its own, to go when it ends:
+    /// a command's, a memory-only mount's, or one taken because the
+    /// branch's folder was in use.
+    fn ephemeral_cache(&self) -> bool {
+        let c = &self.opts.cache;
+        self.own_cache.get().is_some() || (c.dir.is_none() && (self.opts.mount.is_none() || c.memory))
+    }
+
+    /// Removes this process's own cache folder (see `ephemeral_cache`);
+    /// call it once the volume is closed (every byte then in the bucket).
+    /// Its device removes it too when dropped, but a thread still winding
+    /// down at exit may hold that last handle; and a memory-only writer's
+    /// folder is memory to give back.
+    pub fn remove_own_cache(&self) {
+        if !self.is_s3() || !self.ephemeral_cache() {
+            return;
+        }
+        let dir = self.cache_dir();
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(folder = %dir.display(), error = %e, "cannot remove this process's cache folder");
             }
         }
     }
@@ -445,7 +456,7 @@ impl Disk {
                 let cache = &self.opts.cache;
                 let mut tier = TierConfig {
                     // A command's own cache goes when its last user does.
-                    ephemeral: cache.dir.is_none() && (self.opts.mount.is_none() || cache.memory),
+                    ephemeral: self.ephemeral_cache(),
                     memory_cache: cache.memory,
                     durability: cache.durability,
                     cache_size: cache.size,

@@ -510,10 +510,8 @@ struct CachedHere {
 
 impl ChunkSource for CachedHere {
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
-        match self.remote.upgrade() {
-            Some(r) => r.cached_chunks(seg, wanted),
-            None => vec![None; wanted.len()],
-        }
+        let Some(r) = self.remote.upgrade() else { return vec![None; wanted.len()] };
+        wanted.iter().map(|w| r.cached_range(seg, w.index, 0..w.range.end - w.range.start)).collect()
     }
     fn rejected(&self, seg: SegId, index: u32) {
         tracing::warn!(seg = %seg, chunk = index, "a chunk of this node's own cache failed its checksum");

@@ -117,6 +117,16 @@ impl Volume {
             return Ok(Located { size, end, places: vec![(off, Place::Here(end - off))] });
         }
         let replica = self.device().replica();
+        // Neighbouring extents mostly share a segment: ask about each once.
+        let mut known: Option<(crate::format::SegId, bool)> = None;
+        let mut shared = |seg| match known {
+            Some((s, yes)) if s == seg => yes,
+            _ => {
+                let yes = replica.is_none_or(|r| r.segment_shared(seg));
+                known = Some((seg, yes));
+                yes
+            }
+        };
         let mut places: Vec<(u64, Place)> = Vec::new();
         for (from, part) in extents {
             if from >= end {
@@ -128,7 +138,7 @@ impl Volume {
             }
             let to = (from + part.len()).min(end);
             let place = match part {
-                Piece::Log(e) if replica.is_none_or(|r| r.segment_shared(e.data.seg)) => {
+                Piece::Log(e) if shared(e.data.seg) => {
                     // Bytes still in the write-behind queue are not in the
                     // segment file yet.
                     if let Some(log) = self.nodes.log.get() {

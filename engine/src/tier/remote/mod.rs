@@ -329,26 +329,6 @@ impl Remote {
         Ok(())
     }
 
-    /// The chunks `wanted` of segment `id` this cache holds now, read
-    /// without going anywhere else (`None` for each it does not hold).
-    pub(crate) fn cached_chunks(&self, id: SegId, wanted: &[crate::tier::ChunkRequest]) -> Vec<Option<Vec<u8>>> {
-        let seg = self.segs.read().get(&id).cloned();
-        let Some(seg) = seg else { return vec![None; wanted.len()] };
-        let segment::Source::Object { file } = &seg.source else { return vec![None; wanted.len()] };
-        let _no_eviction = self.chunks.hold();
-        wanted
-            .iter()
-            .map(|w| {
-                if !self.chunks.present((id, w.index)) {
-                    return None;
-                }
-                let mut buf = vec![0u8; (w.range.end - w.range.start) as usize];
-                use std::os::unix::fs::FileExt;
-                file.read_exact_at(&mut buf, w.range.start).ok().map(|()| buf)
-            })
-            .collect()
-    }
-
     /// Bytes `within` (offsets inside it) of chunk `index` of segment `id`
     /// if the chunk is cached here and checked: a read that cannot wait
     /// for the bucket and will not (`None` otherwise).
