@@ -296,13 +296,16 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     pub fn flush(&self, ino: u64, lock_owner: u64) -> Answer<()> {
         if self.vol.is_shared() {
+            // Writes still on their way reach the owner before close
+            // returns (close-to-open).
+            let flushed = answer(self.vol.flush(ino));
             // Closing a descriptor drops its process's fcntl locks on the
             // file, which the owner holds; a file never locked here costs
             // no round trip.
             if self.locked.lock().contains(&ino) {
-                return answer(self.vol.unlock_all(ino, lock_owner));
+                answer(self.vol.unlock_all(ino, lock_owner))?;
             }
-            return Ok(());
+            return flushed;
         }
         // Nothing is buffered per handle. ENOSYS tells the kernel to stop
         // sending FLUSH on every close (it then reports success itself):

@@ -75,6 +75,13 @@ pub trait Files: Send + Sync + 'static {
         Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSYS)))
     }
 
+    /// A descriptor of `ino` is being closed: anything buffered for the
+    /// file is delivered, and an error met doing so is returned. Nothing is
+    /// buffered by default.
+    fn flush(&self, _ino: u64) -> Result<()> {
+        Ok(())
+    }
+
     /// Drops every lock `owner` holds on `ino` (its descriptor was closed).
     fn unlock_all(&self, _ino: u64, _owner: u64) -> Result<()> {
         Ok(())

@@ -1,5 +1,6 @@
 //! The file-operation transport: length-prefixed bincode frames on a plain
-//! TCP connection, one request in flight per connection.
+//! TCP connection; the owner answers a connection's requests one at a time,
+//! in order.
 //!
 //! A client mount keeps a small pool of these connections and a FUSE
 //! thread uses one for the whole of an operation: it writes the request
@@ -10,6 +11,9 @@
 //! HTTP/2 request took four more hand-offs between tasks and threads
 //! (measured: a `getattr` took ~270 µs that way on this machine's two
 //! cores; see ARCHITECTURE.md for the numbers this transport gives).
+//! Writes are the exception: a client sends them on write connections
+//! without waiting for each answer (several in flight, answered in order;
+//! see [`crate::remote`]).
 //!
 //! The connection starts with [`MAGIC`], which no HTTP request starts with:
 //! the cache server's port tells the two apart by its first bytes. Then:
@@ -190,14 +194,24 @@ fn write_with_payload<T: bincode::Encode>(
 /// Sends `req`, a write's data after its frame.
 pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io::Result<()> {
     match req {
-        Request::Op { session, op: Op::Write { ino, off, data } } => {
-            let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-            let head = RequestHead::WriteData { session: *session, ino: *ino, off: *off, len };
-            write_with_payload(w, buf, &head, data)
-        }
+        Request::Op { session, op: Op::Write { ino, off, data } } => write_data(w, buf, *session, *ino, *off, data),
         Request::Op { session, op } => write_frame(w, buf, &RequestHead::Op { session: *session, op }),
         Request::Session => write_frame(w, buf, &RequestHead::Session),
     }
+}
+
+/// Sends `Op::Write { ino, off, data }` under `session` straight from the
+/// caller's buffer.
+pub fn write_data(
+    w: &mut impl Write,
+    buf: &mut Vec<u8>,
+    session: u64,
+    ino: u64,
+    off: u64,
+    data: &[u8],
+) -> io::Result<()> {
+    let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    write_with_payload(w, buf, &RequestHead::WriteData { session, ino, off, len }, data)
 }
 
 /// Reads a request, a write's data included.

@@ -22,6 +22,23 @@
 //! get the same number); a file that did not survive the restart is lost,
 //! and its next `fsync` fails with EIO. At most [`UNSYNCED_MAX`] bytes are
 //! kept; past that the client asks the owner for an `fsync` itself.
+//!
+//! # Writes in flight
+//!
+//! A write is answered to the kernel once it is on its way: the FUSE
+//! thread sends it on a write connection (one of [`WRITE_LANES`], chosen by
+//! inode, so one file's writes stay in order) and returns without waiting
+//! for the owner's answer; it reads answers only to keep at most
+//! [`IN_FLIGHT_MAX`] bytes outstanding on its lane. The writer's copy, the
+//! network and the owner's work then overlap instead of taking turns, the
+//! way a local disk's write-back overlaps the caller and the device.
+//! Every other operation first reads the answers to every write in flight
+//! (so a read, a `stat`, a truncation, a rename or an `fsync` sees every
+//! write before it), and so does a `close` of a file being written
+//! (close-to-open). A write the owner refused is reported by the file's
+//! next `write`, `fsync` or `close`, as NFS reports its unstable writes. A
+//! lane whose connection breaks sends its writes in flight again, in order,
+//! through the ordinary retrying path before anything else goes on it.
 
 use crate::client::connect;
 use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH};
@@ -107,6 +124,24 @@ struct Unsynced {
     /// inode number may name another file now) until the file is opened
     /// anew.
     gone: HashSet<u64>,
+    /// Files a write in flight to failed at the owner, and its errno: the
+    /// file's next write, fsync or close reports it.
+    failed: HashMap<u64, i32>,
+}
+
+impl Unsynced {
+    fn push(&mut self, seq: u64, ino: u64, crtime: Timestamp, off: u64, data: Bytes) {
+        self.bytes += data.len() as u64;
+        self.writes.push(UnsyncedWrite { seq, ino, crtime, off, data });
+    }
+
+    /// Forgets write `seq` (the owner refused it: nothing to resend).
+    fn drop_seq(&mut self, seq: u64) {
+        if let Some(i) = self.writes.iter().position(|w| w.seq == seq) {
+            let w = self.writes.remove(i);
+            self.bytes -= w.data.len() as u64;
+        }
+    }
 }
 
 /// A framed connection to the owner (see [`crate::frames`]) and its
@@ -128,6 +163,27 @@ struct Pool {
 /// Idle connections kept (one per FUSE thread is what a mount needs).
 const POOL_MAX: usize = 16;
 
+/// Write connections ("lanes"); a file's writes always take the same one.
+pub const WRITE_LANES: usize = 2;
+/// Bytes of writes a lane has outstanding at most (sent, answer not read).
+pub const IN_FLIGHT_MAX: usize = 8 << 20;
+
+/// A write sent on a lane whose answer has not been read.
+struct Sent {
+    seq: u64,
+    ino: u64,
+    off: u64,
+    data: Bytes,
+}
+
+/// A write connection and what is in flight on it.
+#[derive(Default)]
+struct Lane {
+    conn: Option<(String, Conn)>,
+    sent: std::collections::VecDeque<Sent>,
+    bytes: usize,
+}
+
 struct Inner {
     opts: RemoteOptions,
     auth: HeaderValue,
@@ -140,6 +196,8 @@ struct Inner {
     /// Files this mount holds open.
     open: Mutex<HashMap<u64, OpenFile>>,
     unsynced: Mutex<Unsynced>,
+    /// Writes in flight, by lane.
+    lanes: [Mutex<Lane>; WRITE_LANES],
     /// Held while a new session is set up (writes are resent under it).
     opening: Mutex<()>,
     retries: AtomicU64,
@@ -436,12 +494,19 @@ impl Inner {
         Ok(())
     }
 
-    /// Sends `op` until the owner answers it (or the timeout passes).
+    /// Sends `op` until the owner answers it (or the timeout passes), once
+    /// every write in flight has been answered.
     fn call(&self, op: Op) -> Result<Out> {
+        self.settle_all();
+        self.call_raw(op)
+    }
+
+    /// [`Inner::call`] without waiting for the writes in flight.
+    fn call_raw(&self, op: Op) -> Result<Out> {
         self.call_back(op).0
     }
 
-    /// [`Inner::call`], giving the operation back (a write keeps its buffer).
+    /// [`Inner::call_raw`], giving the operation back (a write keeps its buffer).
     fn call_back(&self, op: Op) -> (Result<Out>, Op) {
         let mut req = crate::frames::Request::Op { session: 0, op };
         let out = self.call_req(&mut req);
@@ -456,8 +521,15 @@ impl Inner {
         let mut backoff = BACKOFF_MIN;
         loop {
             let attempt = self.session().and_then(|s| {
-                if let crate::frames::Request::Op { session, .. } = req {
+                if let crate::frames::Request::Op { session, op } = req {
                     *session = s.session;
+                    // A new session may have found the file gone: its
+                    // number may name another file now.
+                    if let Op::Write { ino, .. } = op {
+                        if self.unsynced.lock().gone.contains(ino) {
+                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                        }
+                    }
                 }
                 self.exchange(req)
             });
@@ -494,6 +566,167 @@ impl Inner {
         }
     }
 
+    /// Sends a write on its lane without waiting for the answer: `false`
+    /// if it could not be sent (the caller writes it the retrying way).
+    /// The data is copied for resending while the owner works on it.
+    fn send_write(&self, ino: u64, off: u64, data: &[u8]) -> bool {
+        let mut lane = self.lanes[ino as usize % WRITE_LANES].lock();
+        while !lane.sent.is_empty() && (lane.conn.is_none() || lane.bytes + data.len() > IN_FLIGHT_MAX) {
+            self.settle_one(&mut lane);
+        }
+        let sent = self.session().ok().and_then(|session| {
+            if lane.conn.is_none() {
+                lane.conn = Some(self.take_conn().ok()?);
+            }
+            let (_, c) = lane.conn.as_mut()?;
+            crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, ino, off, data).ok()
+        });
+        if sent.is_none() {
+            // Part of it may have gone. The lane's earlier writes are sent
+            // again, and the caller sends this one the retrying way after
+            // them, so the owner sees them in order.
+            if lane.conn.take().is_some() {
+                self.forget_owner();
+            }
+            self.settle_lane(&mut lane);
+            return false;
+        }
+        let data = Bytes::copy_from_slice(data);
+        let crtime = self.open.lock().get(&ino).map(|f| f.crtime);
+        let seq = {
+            let mut u = self.unsynced.lock();
+            let seq = u.next_seq;
+            u.next_seq += 1;
+            if let Some(crtime) = crtime {
+                u.push(seq, ino, crtime, off, data.clone());
+            }
+            seq
+        };
+        lane.bytes += data.len();
+        lane.sent.push_back(Sent { seq, ino, off, data });
+        true
+    }
+
+    /// Reads the answers to every write in flight on every lane.
+    fn settle_all(&self) {
+        for lane in &self.lanes {
+            let mut lane = lane.lock();
+            if !lane.sent.is_empty() {
+                self.settle_lane(&mut lane);
+            }
+        }
+    }
+
+    /// Reads the answers to every write in flight while the owner answers;
+    /// writes a broken connection carried stay in flight, for the next
+    /// operation to send again. A `close` waits this way: it must not wait
+    /// out an owner's absence, because a process that starts the next owner
+    /// closes descriptors it inherited (every exec does) and would wait for
+    /// itself.
+    fn settle_reachable(&self) {
+        use crate::frames::{read_answer, Answer};
+        for lane in &self.lanes {
+            // Bounded by the lane's holder: it sends or reads a few MiB, or
+            // is retrying, which marks an outage.
+            let mut lane = loop {
+                if self.outage.load(Ordering::Relaxed) {
+                    return;
+                }
+                if let Some(l) = lane.try_lock_for(Duration::from_millis(20)) {
+                    break l;
+                }
+            };
+            while let Some(front) = lane.sent.front() {
+                let (seq, ino, len) = (front.seq, front.ino, front.data.len());
+                let Some((_, c)) = lane.conn.as_mut() else { return };
+                match read_answer(&mut c.stream, &mut c.rbuf) {
+                    Ok(Answer::Reply(reply)) => {
+                        lane.sent.pop_front();
+                        lane.bytes -= len;
+                        self.written(seq, ino, len, reply);
+                    }
+                    Ok(_) | Err(_) => {
+                        lane.conn = None;
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads the answers to every write in flight on `lane`.
+    fn settle_lane(&self, lane: &mut Lane) {
+        // Each turn answers one write or empties the lane.
+        while !lane.sent.is_empty() {
+            self.settle_one(lane);
+        }
+    }
+
+    /// Reads the answer to the oldest write in flight on `lane`; if the
+    /// connection broke, sends every write in flight again instead.
+    fn settle_one(&self, lane: &mut Lane) {
+        use crate::frames::{read_answer, Answer};
+        let Some(front) = lane.sent.front() else { return };
+        let (seq, ino, len) = (front.seq, front.ino, front.data.len());
+        let answer = lane.conn.as_mut().map(|(_, c)| read_answer(&mut c.stream, &mut c.rbuf));
+        match answer {
+            Some(Ok(Answer::Reply(reply))) => {
+                lane.sent.pop_front();
+                lane.bytes -= len;
+                self.written(seq, ino, len, reply);
+            }
+            Some(Ok(Answer::UnknownSession)) => {
+                *self.session.lock() = None;
+                lane.conn = None;
+                self.resend_lane(lane);
+            }
+            Some(Ok(Answer::Session(_))) | Some(Err(_)) | None => {
+                lane.conn = None;
+                self.forget_owner();
+                self.resend_lane(lane);
+            }
+        }
+    }
+
+    /// The owner's answer to write `seq` of `len` bytes to `ino`.
+    fn written(&self, seq: u64, ino: u64, len: usize, reply: Reply) {
+        let errno = match reply {
+            Ok(Out::Written(n)) if n as usize == len => return,
+            // The volume writes all or nothing; anything else is a fault.
+            Ok(_) => libc::EIO,
+            Err(errno) => errno,
+        };
+        tracing::debug!(ino, errno, "the owner refused a write in flight");
+        let mut u = self.unsynced.lock();
+        u.drop_seq(seq);
+        u.failed.entry(ino).or_insert(errno);
+    }
+
+    /// Sends `lane`'s writes in flight again, in order, the retrying way
+    /// (their connection broke: the owner may or may not have them).
+    fn resend_lane(&self, lane: &mut Lane) {
+        while let Some(w) = lane.sent.pop_front() {
+            lane.bytes -= w.data.len();
+            if self.unsynced.lock().gone.contains(&w.ino) {
+                // The owner restarted without this file: it is lost, and
+                // the number may name another file now.
+                continue;
+            }
+            let len = w.data.len();
+            let reply =
+                self.call_raw(Op::Write { ino: w.ino, off: w.off, data: w.data.to_vec() }).map_err(|e| e.errno());
+            self.written(w.seq, w.ino, len, reply);
+        }
+    }
+
+    /// The error a write in flight to `ino` met, once.
+    fn take_failed(&self, ino: u64) -> Result<()> {
+        match self.unsynced.lock().failed.remove(&ino) {
+            Some(errno) => Err(errno_error(errno)),
+            None => Ok(()),
+        }
+    }
+
     /// One poll for what other nodes changed since `after`.
     async fn poll(&self, after: u64) -> std::result::Result<(SessionInfo, Events), Failed> {
         let s = self.session()?;
@@ -523,6 +756,7 @@ impl RemoteFiles {
             epoch: Mutex::new(None),
             open: Mutex::new(HashMap::new()),
             unsynced: Mutex::new(Unsynced::default()),
+            lanes: Default::default(),
             opening: Mutex::new(()),
             retries: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
@@ -643,7 +877,10 @@ impl RemoteFiles {
         {
             let mut u = self.inner.unsynced.lock();
             u.lost.remove(&a.ino);
-            u.gone.remove(&a.ino);
+            if u.gone.remove(&a.ino) {
+                // Another file with the lost one's number.
+                u.failed.remove(&a.ino);
+            }
         }
         let mut open = self.inner.open.lock();
         let f = open.entry(a.ino).or_insert(OpenFile { count: 0, crtime: a.crtime });
@@ -789,6 +1026,18 @@ impl Files for RemoteFiles {
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
         self.check_alive(ino)?;
         self.forget(ino);
+        self.inner.take_failed(ino)?;
+        if off.checked_add(data.len() as u64).is_none_or(|end| end > arbor_engine::volume::MAX_FILE_SIZE) {
+            // The one refusal that depends on the request alone is given at
+            // once, as a local mount gives it.
+            return Err(Error::TooBig);
+        }
+        if !data.is_empty() && self.inner.send_write(ino, off, data) {
+            if self.inner.unsynced.lock().bytes > UNSYNCED_MAX {
+                self.fsync(ino)?;
+            }
+            return Ok(data.len());
+        }
         let (out, op) = self.inner.call_back(Op::Write { ino, off, data: data.to_vec() });
         let n = match out? {
             Out::Written(n) => (n as usize).min(data.len()),
@@ -823,10 +1072,20 @@ impl Files for RemoteFiles {
         let mut u = self.inner.unsynced.lock();
         u.writes.retain(|w| w.seq >= upto);
         u.bytes = u.writes.iter().map(|w| w.data.len() as u64).sum();
+        let failed = u.failed.remove(&ino);
         if u.lost.remove(&ino) {
             return Err(errno_error(libc::EIO));
         }
-        Ok(())
+        match failed {
+            Some(errno) => Err(errno_error(errno)),
+            None => Ok(()),
+        }
+    }
+    fn flush(&self, ino: u64) -> Result<()> {
+        // Close-to-open: what was written is at the owner before close
+        // returns, and a write it refused is reported here.
+        self.inner.settle_reachable();
+        self.inner.take_failed(ino)
     }
     fn readdir(&self, ino: u64, mut offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()> {
         // Bounded by the directory: each batch moves the offset forward.
@@ -867,8 +1126,10 @@ impl Files for RemoteFiles {
     fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
         unit(self.call(Op::RemoveXattr { ino, name: name.to_vec() }))
     }
-    /// Stops following the owner. The owner commits; nothing is buffered here.
+    /// Delivers the writes in flight and stops following the owner. The
+    /// owner commits.
     fn close(&self) -> Result<()> {
+        self.inner.settle_all();
         if let Some((stop, t)) = self.events.lock().take() {
             let _ = stop.send(());
             let _ = t.join();

@@ -68,8 +68,10 @@ fn writes_the_owner_lost_are_sent_again_before_the_next_fsync() {
     let f = c.create_open(ROOT_INO, b"ckpt", libc::S_IFREG | 0o644, 0, 0).expect("create");
     c.write(f.ino, 0, b"durable|").expect("write");
     c.fsync(f.ino).expect("fsync");
-    // Acknowledged by the owner, not yet synced: the crash takes it.
+    // Acknowledged by the owner, not yet synced: the crash takes it. (A
+    // write returns once sent; any other operation waits for its answer.)
     c.write(f.ino, 8, b"acknowledged").expect("write");
+    assert_eq!(c.getattr(f.ino).expect("getattr").size, 20);
     assert_eq!(c.unsynced_bytes(), 12);
 
     let (vol, _server) = crash_and_restart(&dev, first, &at);
@@ -94,6 +96,7 @@ fn a_file_the_owner_lost_fails_its_fsync_and_its_reads() {
     // Made and written, never synced: gone with the crash.
     let lost = c.create_open(ROOT_INO, b"lost", libc::S_IFREG | 0o644, 0, 0).expect("create");
     c.write(lost.ino, 0, b"never synced").expect("write");
+    assert_eq!(c.getattr(lost.ino).expect("getattr").size, 12);
 
     let (_vol, _server) = crash_and_restart(&dev, first, &at);
     assert_eq!(c.fsync(lost.ino).map_err(|e| e.errno()), Err(libc::EIO), "its fsync must not say durable");
@@ -277,6 +280,7 @@ fn a_client_reads_located_bytes_itself_and_locates_again_after_every_change() {
 
     // Another node changes the file; this one's next open locates anew.
     writer.write(f.ino, 4096, b"changed by the writer").expect("write");
+    writer.flush(f.ino).expect("close");
     reader.open(f.ino).expect("open again");
     want[4096..4096 + 21].copy_from_slice(b"changed by the writer");
     assert!(read_all(&reader, f.ino, want.len(), 1 << 20) == want, "close-to-open");
@@ -293,6 +297,7 @@ fn a_client_reads_located_bytes_itself_and_locates_again_after_every_change() {
     // Bytes only the owner holds (a small file lives inline in the tree).
     let small = writer.create_open(ROOT_INO, b"small", libc::S_IFREG | 0o644, 0, 0).expect("create");
     writer.write(small.ino, 0, b"inline").expect("write");
+    writer.flush(small.ino).expect("close");
     let before = reader.stats().owner_reads;
     assert_eq!(reader.read(small.ino, 0, 100).expect("read"), b"inline");
     assert_eq!(reader.stats().owner_reads, before + 1);
@@ -328,4 +333,54 @@ fn segments_this_client_cannot_read_are_read_from_the_owner() {
     // The blocks after it are whole, and still read from the segments.
     assert_eq!(reader.read(f.ino, 4096, 4096).expect("read"), &want[4096..8192]);
     assert!(reader.stats().direct_bytes >= 4096);
+}
+
+#[test]
+fn writes_in_flight_keep_their_order_and_report_refusals_at_fsync_and_close() {
+    let dev = SimDevice::new();
+    let (vol, server) = owner(&dev);
+    let at = Arc::new(Mutex::new(server.addr.to_string()));
+    let c = client(&at);
+    let other = client(&at);
+    let f = c.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
+
+    // Many writes on their way at once (more than a lane holds), then a
+    // truncation and overlapping writes: every later operation sees every
+    // write before it, in the order they were made.
+    let want = pattern(24 << 20, 3);
+    for (i, piece) in want.chunks(1 << 20).enumerate() {
+        assert_eq!(c.write(f.ino, (i << 20) as u64, piece).expect("write"), piece.len());
+    }
+    assert_eq!(c.getattr(f.ino).expect("getattr").size, want.len() as u64);
+    let change = arbor_engine::SetAttr { size: Some(10), ..Default::default() };
+    c.setattr(f.ino, change).expect("truncate");
+    c.write(f.ino, 2, b"aaaa").expect("write");
+    c.write(f.ino, 4, b"bb").expect("write");
+    let mut head = want[..10].to_vec();
+    head[2..6].copy_from_slice(b"aabb");
+    assert_eq!(c.read(f.ino, 0, 100).expect("read"), head);
+
+    // Another client sees them once this one closed the file.
+    c.write(f.ino, 0, b"zz").expect("write");
+    c.flush(f.ino).expect("close");
+    head[..2].copy_from_slice(b"zz");
+    assert_eq!(other.read(f.ino, 0, 100).expect("read"), head);
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), head);
+
+    // A write the owner refuses (here: to a directory) returns at once and
+    // is reported by the file's next fsync, once; or by its close.
+    let d = c.mkdir(ROOT_INO, b"d", 0o755, 0, 0).expect("mkdir");
+    c.write(d.ino, 0, b"x").expect("a write on its way");
+    assert_eq!(c.fsync(d.ino).map_err(|e| e.errno()), Err(libc::EISDIR));
+    c.fsync(d.ino).expect("reported once");
+    c.write(d.ino, 0, b"x").expect("a write on its way");
+    assert_eq!(c.flush(d.ino).map_err(|e| e.errno()), Err(libc::EISDIR));
+    c.flush(d.ino).expect("reported once");
+    assert_eq!(c.unsynced_bytes(), 0, "a refused write is not kept for resending");
+
+    // A write past the largest file is refused at once, as a local mount refuses it.
+    let max = arbor_engine::volume::MAX_FILE_SIZE;
+    assert_eq!(c.write(f.ino, max - 1, b"xy").map_err(|e| e.errno()), Err(libc::EFBIG));
+    c.fsync(f.ino).expect("fsync");
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), head);
 }
