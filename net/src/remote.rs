@@ -629,11 +629,12 @@ impl Inner {
             // Bounded by the lane's holder: it sends or reads a few MiB, or
             // is retrying, which marks an outage.
             let mut lane = loop {
-                if self.outage.load(Ordering::Relaxed) {
-                    return;
-                }
                 if let Some(l) = lane.try_lock_for(Duration::from_millis(20)) {
                     break l;
+                }
+                if self.outage.load(Ordering::Relaxed) {
+                    // Its holder is waiting for the owner.
+                    return;
                 }
             };
             while let Some(front) = lane.sent.front() {
