@@ -348,14 +348,32 @@ impl Serve {
         env: &[(&str, String)],
         log: &Path,
     ) -> Serve {
-        let addr = format!("127.0.0.1:{port}");
-        let mut argv: Vec<String> = match host {
-            Some(h) => ["unshare", "-u", "sh", "-c", &format!("hostname {h} && exec \"$0\" \"$@\"")]
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+        Self::start_on(None, host, disk, port, args, env, log)
+    }
+
+    /// [`Serve::start_as`], and with `net`, in that network namespace,
+    /// listening on its address.
+    pub fn start_on(
+        net: Option<&NetNs>,
+        host: Option<&str>,
+        disk: &str,
+        port: u16,
+        args: &[&str],
+        env: &[(&str, String)],
+        log: &Path,
+    ) -> Serve {
+        let addr = format!("{}:{port}", net.map_or("127.0.0.1", |n| n.ip.as_str()));
+        let mut argv: Vec<String> = match net {
+            Some(n) => ["ip", "netns", "exec", &n.name].iter().map(|s| s.to_string()).collect(),
             None => Vec::new(),
         };
+        if let Some(h) = host {
+            argv.extend(
+                ["unshare", "-u", "sh", "-c", &format!("hostname {h} && exec \"$0\" \"$@\"")]
+                    .iter()
+                    .map(|s| s.to_string()),
+            );
+        }
         argv.push(arbor_bin().to_str().expect("utf8").into());
         argv.extend(["serve", disk, "--listen", &addr].iter().map(|s| s.to_string()));
         argv.extend(args.iter().map(|s| s.to_string()));
@@ -485,5 +503,55 @@ impl Drop for VersionedS3 {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A network namespace joined to this one by a veth pair: another host as
+/// far as addresses go (`ip netns`; root). Deleted, with its link, when
+/// dropped.
+pub struct NetNs {
+    pub name: String,
+    /// Its address, which this namespace reaches over the pair.
+    pub ip: String,
+}
+
+impl NetNs {
+    /// A namespace with the address 10.79.N.2 (this side 10.79.N.1), or why
+    /// one cannot be made here.
+    pub fn create(tag: &str) -> Result<NetNs, String> {
+        let id = std::process::id();
+        let name = format!("arbt-{tag}-{id}");
+        let (here, there) = (format!("at{id}h"), format!("at{id}n"));
+        let n = id % 250 + 1;
+        let ns = NetNs { name: name.clone(), ip: format!("10.79.{n}.2") };
+        let run = |args: &[&str]| -> Result<(), String> {
+            let out =
+                Command::new(args[0]).args(&args[1..]).output().map_err(|e| format!("{}: {e}", args.join(" ")))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!("{}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+            }
+        };
+        run(&["ip", "netns", "add", &name])?;
+        // From here on, dropping `ns` deletes the namespace and its link.
+        run(&["ip", "link", "add", &here, "type", "veth", "peer", "name", &there])?;
+        run(&["ip", "link", "set", &there, "netns", &name])?;
+        run(&["ip", "addr", "add", &format!("10.79.{n}.1/30"), "dev", &here])?;
+        run(&["ip", "link", "set", &here, "up"])?;
+        run(&["ip", "netns", "exec", &name, "ip", "addr", "add", &format!("{}/30", ns.ip), "dev", &there])?;
+        run(&["ip", "netns", "exec", &name, "ip", "link", "set", &there, "up"])?;
+        run(&["ip", "netns", "exec", &name, "ip", "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        // The veth pair goes with the namespace that holds one end; if the
+        // pair was made but not moved, remove it here.
+        let id = std::process::id();
+        let _ = Command::new("ip").args(["link", "del", &format!("at{id}h")]).output();
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
     }
 }
