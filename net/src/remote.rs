@@ -310,7 +310,10 @@ impl Inner {
                 (self.opts.locate)().ok_or_else(|| Failed::Transport("no owner is recorded for the branch".into()))?
             }
         };
-        let conn = self.dial(&addr)?;
+        // An owner that no longer answers at the address we knew is looked
+        // for again next time (the write lanes may hold every connection we
+        // had to it, so no broken one in the pool says so).
+        let conn = self.dial(&addr).inspect_err(|_| self.forget_owner())?;
         self.pool.lock().addr = Some(addr.clone());
         Ok((addr, conn))
     }

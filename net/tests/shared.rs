@@ -384,3 +384,36 @@ fn writes_in_flight_keep_their_order_and_report_refusals_at_fsync_and_close() {
     c.fsync(f.ino).expect("fsync");
     assert_eq!(vol.read(f.ino, 0, 100).expect("read"), head);
 }
+
+#[test]
+fn writes_in_flight_when_the_owner_goes_away_are_sent_again_to_the_next_one() {
+    let dev = SimDevice::new();
+    let vol = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
+    let serve = |vol: &Arc<Volume>| {
+        let branch = SharedBranch::new("main", vol.clone(), None);
+        let server =
+            CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() });
+        server.spawn("127.0.0.1:0").expect("serve")
+    };
+    let first = serve(&vol);
+    let at = Arc::new(Mutex::new(first.addr.to_string()));
+    let c = client(&at);
+    let f = c.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    // More than two lanes hold: some writes are still on their way when
+    // the owner stops (it closes every connection, answered or not).
+    let want = pattern(24 << 20, 9);
+    for (i, piece) in want.chunks(1 << 20).enumerate() {
+        c.write(f.ino, (i << 20) as u64, piece).expect("write");
+    }
+    drop(first);
+    // A close meanwhile does not wait for the owner to come back.
+    c.flush(f.ino).expect("close while the owner is away");
+    // The same volume served again (a new epoch, a new address): the
+    // client's next operation sends what it had in flight, in order.
+    let second = serve(&vol);
+    *at.lock() = second.addr.to_string();
+    c.fsync(f.ino).expect("fsync through the next owner");
+    assert!(vol.read(f.ino, 0, want.len()).expect("read") == want, "every write arrived once the owner was back");
+    assert!(read_all(&c, f.ino, want.len(), 1 << 20) == want);
+    assert_eq!(c.unsynced_bytes(), 0);
+}
