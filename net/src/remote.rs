@@ -176,10 +176,18 @@ struct Sent {
     data: Bytes,
 }
 
+/// Why a lane's writes in flight must be sent again.
+enum Broken {
+    /// The owner does not know our session any more.
+    Session,
+    /// The connection broke (or answered garbage).
+    Connection,
+}
+
 /// A write connection and what is in flight on it.
 #[derive(Default)]
 struct Lane {
-    conn: Option<(String, Conn)>,
+    conn: Option<Conn>,
     sent: std::collections::VecDeque<Sent>,
     bytes: usize,
 }
@@ -579,9 +587,9 @@ impl Inner {
         }
         let sent = self.session().ok().and_then(|session| {
             if lane.conn.is_none() {
-                lane.conn = Some(self.take_conn().ok()?);
+                lane.conn = Some(self.take_conn().ok()?.1);
             }
-            let (_, c) = lane.conn.as_mut()?;
+            let c = lane.conn.as_mut()?;
             crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, ino, off, data).ok()
         });
         if sent.is_none() {
@@ -620,40 +628,30 @@ impl Inner {
         }
     }
 
-    /// Reads the answers to every write in flight while the owner answers;
-    /// writes a broken connection carried stay in flight, for the next
-    /// operation to send again. A `close` waits this way: it must not wait
-    /// out an owner's absence, because a process that starts the next owner
-    /// closes descriptors it inherited (every exec does) and would wait for
-    /// itself.
-    fn settle_reachable(&self) {
-        use crate::frames::{read_answer, Answer};
-        for lane in &self.lanes {
-            // Bounded by the lane's holder: it sends or reads a few MiB, or
-            // is retrying, which marks an outage.
-            let mut lane = loop {
-                if let Some(l) = lane.try_lock_for(Duration::from_millis(20)) {
-                    break l;
-                }
-                if self.outage.load(Ordering::Relaxed) {
-                    // Its holder is waiting for the owner.
-                    return;
-                }
-            };
-            while let Some(front) = lane.sent.front() {
-                let (seq, ino, len) = (front.seq, front.ino, front.data.len());
-                let Some((_, c)) = lane.conn.as_mut() else { return };
-                match read_answer(&mut c.stream, &mut c.rbuf) {
-                    Ok(Answer::Reply(reply)) => {
-                        lane.sent.pop_front();
-                        lane.bytes -= len;
-                        self.written(seq, ino, len, reply);
-                    }
-                    Ok(_) | Err(_) => {
-                        lane.conn = None;
-                        return;
-                    }
-                }
+    /// Reads the answers to the writes in flight on `ino`'s lane while the
+    /// owner answers; writes a broken connection carried stay in flight,
+    /// for the next operation to send again. A `close` waits this way: it
+    /// must not wait out an owner's absence, because a process that starts
+    /// the next owner closes descriptors it inherited (every exec does) and
+    /// would wait for itself.
+    fn settle_reachable(&self, ino: u64) {
+        let lane = &self.lanes[ino as usize % WRITE_LANES];
+        // Bounded by the lane's holder: it sends or reads a few MiB, or is
+        // retrying, which marks an outage.
+        let mut lane = loop {
+            if let Some(l) = lane.try_lock_for(Duration::from_millis(20)) {
+                break l;
+            }
+            if self.outage.load(Ordering::Relaxed) {
+                // Its holder is waiting for the owner.
+                return;
+            }
+        };
+        // Each turn answers one write or stops.
+        while !lane.sent.is_empty() {
+            if self.read_one(&mut lane).is_err() {
+                lane.conn = None;
+                return;
             }
         }
     }
@@ -669,26 +667,31 @@ impl Inner {
     /// Reads the answer to the oldest write in flight on `lane`; if the
     /// connection broke, sends every write in flight again instead.
     fn settle_one(&self, lane: &mut Lane) {
+        if let Err(broken) = self.read_one(lane) {
+            lane.conn = None;
+            match broken {
+                Broken::Session => *self.session.lock() = None,
+                Broken::Connection => self.forget_owner(),
+            }
+            self.resend_lane(lane);
+        }
+    }
+
+    /// Reads the owner's answer to the oldest write in flight on `lane`.
+    fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
         use crate::frames::{read_answer, Answer};
-        let Some(front) = lane.sent.front() else { return };
+        let Some(front) = lane.sent.front() else { return Ok(()) };
         let (seq, ino, len) = (front.seq, front.ino, front.data.len());
-        let answer = lane.conn.as_mut().map(|(_, c)| read_answer(&mut c.stream, &mut c.rbuf));
-        match answer {
-            Some(Ok(Answer::Reply(reply))) => {
+        let c = lane.conn.as_mut().ok_or(Broken::Connection)?;
+        match read_answer(&mut c.stream, &mut c.rbuf) {
+            Ok(Answer::Reply(reply)) => {
                 lane.sent.pop_front();
                 lane.bytes -= len;
                 self.written(seq, ino, len, reply);
+                Ok(())
             }
-            Some(Ok(Answer::UnknownSession)) => {
-                *self.session.lock() = None;
-                lane.conn = None;
-                self.resend_lane(lane);
-            }
-            Some(Ok(Answer::Session(_))) | Some(Err(_)) | None => {
-                lane.conn = None;
-                self.forget_owner();
-                self.resend_lane(lane);
-            }
+            Ok(Answer::UnknownSession) => Err(Broken::Session),
+            Ok(Answer::Session(_)) | Err(_) => Err(Broken::Connection),
         }
     }
 
@@ -1088,7 +1091,7 @@ impl Files for RemoteFiles {
     fn flush(&self, ino: u64) -> Result<()> {
         // Close-to-open: what was written is at the owner before close
         // returns, and a write it refused is reported here.
-        self.inner.settle_reachable();
+        self.inner.settle_reachable(ino);
         self.inner.take_failed(ino)
     }
     fn readdir(&self, ino: u64, mut offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()> {
