@@ -334,25 +334,13 @@ impl Serve {
     /// `arbor serve DISK --listen 127.0.0.1:<port> ARGS… --foreground`,
     /// logging to `log`; returns once it accepts connections.
     pub fn start(disk: &str, port: u16, args: &[&str], env: &[(&str, String)], log: &Path) -> Serve {
-        Self::start_as(None, disk, port, args, env, log)
+        Self::start_on(None, None, disk, port, args, env, log)
     }
 
-    /// The same as a process of another host: in a UTS namespace of its
-    /// own named `host` (`unshare -u`), so that a lease it takes is judged
-    /// by its expiry, as one taken on another node is.
-    pub fn start_as(
-        host: Option<&str>,
-        disk: &str,
-        port: u16,
-        args: &[&str],
-        env: &[(&str, String)],
-        log: &Path,
-    ) -> Serve {
-        Self::start_on(None, host, disk, port, args, env, log)
-    }
-
-    /// [`Serve::start_as`], and with `net`, in that network namespace,
-    /// listening on its address.
+    /// The same as a process of another host: with `host`, in a UTS
+    /// namespace of its own of that name (`unshare -u`), so that a lease it
+    /// takes is judged by its expiry, as one taken on another node is; with
+    /// `net`, in that network namespace, listening on its address.
     pub fn start_on(
         net: Option<&NetNs>,
         host: Option<&str>,
