@@ -205,7 +205,16 @@ fn a_file_read_twice_is_served_from_the_page_cache_the_second_time() {
     for pass in 0..2 {
         assert!(std::fs::read(&path).expect("warm read") == want, "warm pass {pass}");
     }
-    assert_eq!(status_number(&s.mnt, "fuse_read_requests"), first, "warm passes must not reach arbor");
+    // A kernel that dropped the file's pages at open would send the first
+    // pass's requests again on every warm pass; with the pages kept, none
+    // come but for pages the kernel reclaimed in between (a proactive
+    // reclaimer such as DAMON's may take a few).
+    let warm = status_number(&s.mnt, "fuse_read_requests") - first;
+    assert!(
+        warm * 8 < first - before,
+        "warm passes must be served by the page cache: {warm} reads reached arbor, the first pass took {}",
+        first - before
+    );
     // A change through the mount is seen at once by the next read.
     std::fs::OpenOptions::new()
         .write(true)
