@@ -34,7 +34,7 @@
 //! way a local disk's write-back overlaps the caller and the device.
 //! Every other operation first reads the answers to every write in flight
 //! (so a read, a `stat`, a truncation, a rename or an `fsync` sees every
-//! write before it), and so does a `close` of a file being written
+//! write before it), and a `close` reads those on its file's lane
 //! (close-to-open). A write the owner refused is reported by the file's
 //! next `write`, `fsync` or `close`, as NFS reports its unstable writes. A
 //! lane whose connection breaks sends its writes in flight again, in order,
