@@ -22,9 +22,21 @@ fn cfg() -> Config {
 /// An owner of branch `main` over `dev`, on a port of its own.
 fn owner(dev: &SimDevice) -> (Arc<Volume>, Running) {
     let vol = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
+    let running = serve(&vol);
+    (vol, running)
+}
+
+/// `vol` served as branch `main`, on a port of its own.
+fn serve(vol: &Arc<Volume>) -> Running {
     let branch = SharedBranch::new("main", vol.clone(), None);
     let server = CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() });
-    (vol, server.spawn("127.0.0.1:0").expect("serve"))
+    server.spawn("127.0.0.1:0").expect("serve")
+}
+
+/// Where clients find the owner: `server` now, changed by a test that
+/// moves the owner.
+fn found_at(server: &Running) -> Arc<Mutex<String>> {
+    Arc::new(Mutex::new(server.addr.to_string()))
 }
 
 /// A client finding the owner at whatever `at` holds, reading every
@@ -63,7 +75,7 @@ fn crash_and_restart(dev: &SimDevice, old: (Arc<Volume>, Running), at: &Arc<Mute
 fn writes_the_owner_lost_are_sent_again_before_the_next_fsync() {
     let dev = SimDevice::new();
     let first = owner(&dev);
-    let at = Arc::new(Mutex::new(first.1.addr.to_string()));
+    let at = found_at(&first.1);
     let c = client(&at);
     let f = c.create_open(ROOT_INO, b"ckpt", libc::S_IFREG | 0o644, 0, 0).expect("create");
     c.write(f.ino, 0, b"durable|").expect("write");
@@ -89,7 +101,7 @@ fn writes_the_owner_lost_are_sent_again_before_the_next_fsync() {
 fn a_file_the_owner_lost_fails_its_fsync_and_its_reads() {
     let dev = SimDevice::new();
     let first = owner(&dev);
-    let at = Arc::new(Mutex::new(first.1.addr.to_string()));
+    let at = found_at(&first.1);
     let c = client(&at);
     let kept = c.create_open(ROOT_INO, b"kept", libc::S_IFREG | 0o644, 0, 0).expect("create");
     c.fsync(kept.ino).expect("fsync");
@@ -253,7 +265,7 @@ fn read_all(c: &RemoteFiles, ino: u64, len: usize, piece: usize) -> Vec<u8> {
 fn a_client_reads_located_bytes_itself_and_locates_again_after_every_change() {
     let dev = SimDevice::new();
     let (_vol, server) = owner(&dev);
-    let at = Arc::new(Mutex::new(server.addr.to_string()));
+    let at = found_at(&server);
     let writer = client(&at);
     let reader = reading_client(&at, dev.clone());
 
@@ -308,7 +320,7 @@ fn a_client_reads_located_bytes_itself_and_locates_again_after_every_change() {
 fn segments_this_client_cannot_read_are_read_from_the_owner() {
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
-    let at = Arc::new(Mutex::new(server.addr.to_string()));
+    let at = found_at(&server);
     let writer = client(&at);
     let want = pattern(2 << 20, 7);
     let f = writer.create_open(ROOT_INO, b"data", libc::S_IFREG | 0o644, 0, 0).expect("create");
@@ -339,7 +351,7 @@ fn segments_this_client_cannot_read_are_read_from_the_owner() {
 fn writes_in_flight_keep_their_order_and_report_refusals_at_fsync_and_close() {
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
-    let at = Arc::new(Mutex::new(server.addr.to_string()));
+    let at = found_at(&server);
     let c = client(&at);
     let other = client(&at);
     let f = c.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
@@ -389,14 +401,8 @@ fn writes_in_flight_keep_their_order_and_report_refusals_at_fsync_and_close() {
 fn writes_in_flight_when_the_owner_goes_away_are_sent_again_to_the_next_one() {
     let dev = SimDevice::new();
     let vol = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
-    let serve = |vol: &Arc<Volume>| {
-        let branch = SharedBranch::new("main", vol.clone(), None);
-        let server =
-            CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() });
-        server.spawn("127.0.0.1:0").expect("serve")
-    };
     let first = serve(&vol);
-    let at = Arc::new(Mutex::new(first.addr.to_string()));
+    let at = found_at(&first);
     let c = client(&at);
     let f = c.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
     // More than two lanes hold: some writes are still on their way when
