@@ -12,27 +12,14 @@
 # it starts it stops, and it removes its namespaces, bridge and folders.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-arbor=${ARBOR:-$here/target/release/arbor}
-proxy=${PROXY:-$here/target/release/delay_proxy}
 mib=${1:-256}
 files=4
-work=$(mktemp -d /var/tmp/arbor-netns.XXXXXX)
-hosts=(bucket cache writer c1 c2)
-pids=()
-mounts=()
 . "$here/benches/netns.sh"
-
-trap netns_cleanup EXIT
-trap 'exit 130' INT TERM
-
-netns_up "${hosts[@]}"
+netns_bench netns bucket cache writer c1 c2
 bucket_ip=10.77.0.2 cache_ip=10.77.0.3
 
 start_bucket "$bucket_ip"
-head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
 disk=s3://arbor-test/netns
-node() { echo "$work/node-$1"; } # each host's XDG_CACHE_HOME
-bucket_bytes() { cat "$work/bucket-bytes"; }
 
 # The writer: a dataset, checkpoint v1, unmount (uploads everything).
 XDG_CACHE_HOME=$(node writer) on writer "$arbor" init "$disk" >/dev/null

@@ -15,8 +15,34 @@
 #   start_bucket IP    s3s-fs on host "bucket" behind delay_proxy ($proxy) at
 #                      IP:9100, 20 ms round trip, counting what it sends into
 #                      $work/bucket-bytes; exports the AWS_* variables
+#   netns_bench NAME HOST…
+#                      a benchmark's start: $arbor and $proxy (ARBOR / PROXY,
+#                      default target/release), a fresh $work, empty `pids`
+#                      and `mounts`, netns_cleanup on exit, the hosts up, and
+#                      a token in $work/token
+#   node HOST          HOST's XDG_CACHE_HOME (its own cache folders)
+#   bucket_bytes       bytes the bucket sent so far
 
 netns_hosts=()
+pids=()
+mounts=()
+
+netns_bench() { # name host…
+  local name=$1; shift
+  arbor=${ARBOR:-$here/target/release/arbor}
+  proxy=${PROXY:-$here/target/release/delay_proxy}
+  work=$(mktemp -d "/var/tmp/arbor-$name.XXXXXX")
+  pids=()
+  mounts=()
+  trap netns_cleanup EXIT
+  trap 'exit 130' INT TERM
+  netns_up "$@"
+  head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"
+  chmod 600 "$work/token"
+}
+
+node() { echo "$work/node-$1"; }
+bucket_bytes() { cat "$work/bucket-bytes"; }
 
 netns_up() {
   netns_hosts=("$@")

@@ -12,22 +12,12 @@
 # it starts it stops, and it removes its namespaces, bridge and folders.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-arbor=${ARBOR:-$here/target/release/arbor}
-proxy=${PROXY:-$here/target/release/delay_proxy}
 mib=${1:-256}
-work=$(mktemp -d /var/tmp/arbor-shared-netns.XXXXXX)
-pids=()
-mounts=()
 . "$here/benches/netns.sh"
 . "$here/benches/common.sh"
-
-trap netns_cleanup EXIT
-trap 'exit 130' INT TERM
-
-netns_up owner c1 c2 owner2
+netns_bench shared-netns owner c1 c2 owner2
 owner_ip=10.77.0.2
 "$arbor" init "$work/disk" >/dev/null
-head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
 on owner "$proxy" "$owner_ip:7071" "$owner_ip:7070" 100 "$work/proxied" & pids+=($!)
 start_owner() {
   # The port opens before the branch is taken and its owner recorded; the

@@ -15,25 +15,13 @@
 # it starts it stops, and it removes its namespaces, bridge and folders.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-arbor=${ARBOR:-$here/target/release/arbor}
-proxy=${PROXY:-$here/target/release/delay_proxy}
 mib=${1:-256}
-work=$(mktemp -d /var/tmp/arbor-shared-s3.XXXXXX)
-pids=()
-mounts=()
 . "$here/benches/netns.sh"
 . "$here/benches/common.sh"
-
-trap netns_cleanup EXIT
-trap 'exit 130' INT TERM
-
-netns_up bucket owner c1 c2
+netns_bench shared-s3 bucket owner c1 c2
 bucket_ip=10.77.0.2 owner_ip=10.77.0.3
 start_bucket "$bucket_ip"
-head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/token"; chmod 600 "$work/token"
 disk=s3://arbor-test/shared
-node() { echo "$work/node-$1"; } # each host's XDG_CACHE_HOME
-bucket_bytes() { cat "$work/bucket-bytes"; }
 now() { date +%s.%N; }
 XDG_CACHE_HOME=$(node owner) on owner "$arbor" init "$disk" >/dev/null
 
