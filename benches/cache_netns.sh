@@ -15,6 +15,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 mib=${1:-256}
 files=4
 . "$here/benches/netns.sh"
+. "$here/benches/common.sh"
 netns_bench netns bucket cache writer c1 c2
 bucket_ip=10.77.0.2 cache_ip=10.77.0.3
 
@@ -40,7 +41,6 @@ mount_client() { # host name [extra args…]: mounts checkpoint v1 on a fresh ca
 }
 check() { (cd "$work/mnt-$1" && sha256sum -c --quiet "$work/sums") || { echo "client $1 read wrong bytes" >&2; exit 1; }; }
 unmount_client() { XDG_CACHE_HOME=$(node "$1") "$arbor" unmount "$work/mnt-$1" >/dev/null; }
-now() { date +%s.%N; }
 rows=()
 row() { rows+=("| $1 | $(echo "scale=3; $2 / $dataset" | bc)× the dataset ($2 B) | $(printf %.1f "$3") s | $4 |"); }
 

@@ -72,3 +72,39 @@ os.rmdir(sub)
 print(best_stat, rd, cw)
 PY
 }
+
+# Timing: now (seconds), secs T0 T1, rate MIB T0 T1 (MiB/s).
+now() { date +%s.%N; }
+secs() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$@"; }
+rate() { python3 -c "import sys; print(f'{float(sys.argv[1]) / (float(sys.argv[3]) - float(sys.argv[2])):.1f}')" "$@"; }
+
+# stream DIR OUT: 40 files of 4 MiB in DIR, fsync each (a file whose write
+# or fsync fails is saved again), the number of each one fsynced to OUT;
+# in the background, $writer is its pid.
+stream() {
+  python3 - "$1" > "$2" <<'PY' & writer=$!
+import os, sys
+d = sys.argv[1]
+os.makedirs(d, exist_ok=True)
+for i in range(40):
+    for attempt in range(3):
+        try:
+            with open(os.path.join(d, f"f{i}"), "wb") as f:
+                for _ in range(4):
+                    f.write(bytes([i]) * (1 << 20))
+                f.flush(); os.fsync(f.fileno())
+            print(i, flush=True)
+            break
+        except OSError as e:
+            print(f"f{i}: {e}, saving again", file=sys.stderr)
+PY
+}
+# whole DIR SAVED: how many of the files SAVED lists are whole in DIR.
+whole() {
+  python3 - "$1" "$2" <<'PY'
+import os, sys
+d, saved = sys.argv[1], [int(x) for x in open(sys.argv[2]).read().split()]
+bad = [i for i in saved if open(os.path.join(d, f"f{i}"), "rb").read() != bytes([i]) * (4 << 20)]
+print(f"{len(saved)} fsynced, {len(bad)} not whole")
+PY
+}

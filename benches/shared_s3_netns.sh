@@ -7,7 +7,9 @@
 # (ARBOR_READ_THROUGH_OWNER=1), then reading the bytes from the disk's
 # segments (chunks through the owner's cache server), then the same after
 # the owner was restarted with an empty cache (data the owner no longer
-# holds). Prints a markdown table: time, MiB/s and the bucket's bytes.
+# holds). Then kills the owner with -9 under a stream of fsynced files and
+# restarts it. Prints markdown tables: MiB/s, the bucket's bytes, and what
+# survived the kill.
 #
 #   benches/shared_s3_netns.sh [MIB]     (root; s3s-fs; arbor and delay_proxy built)
 #
@@ -22,7 +24,6 @@ netns_bench shared-s3 bucket owner c1 c2
 bucket_ip=10.77.0.2 owner_ip=10.77.0.3
 start_bucket "$bucket_ip"
 disk=s3://arbor-test/shared
-now() { date +%s.%N; }
 XDG_CACHE_HOME=$(node owner) on owner "$arbor" init "$disk" >/dev/null
 
 on owner "$proxy" "$owner_ip:7071" "$owner_ip:7070" 100 "$work/proxied" & pids+=($!)
@@ -57,7 +58,7 @@ sum=$(sha256sum < "$work/src")
 segments() { find "$work/s3/arbor-test/shared/segments" -type f 2>/dev/null | wc -l; }
 s0=$(segments)
 t0=$(now); dd if="$work/src" of="$work/mnt-c1/big" bs=1M conv=fsync status=none; t1=$(now)
-rows+=("| c1 writes $mib MiB + fsync | $(python3 -c "import sys; print(f'{float(sys.argv[1]) / (float(sys.argv[3]) - float(sys.argv[2])):.1f}')" "$mib" "$t0" "$t1") MiB/s | — | — |")
+rows+=("| c1 writes $mib MiB + fsync | $(rate "$mib" "$t0" "$t1") MiB/s | — | — |")
 for _ in $(seq 600); do [ "$(segments)" -ge $(( s0 + mib / 16 - 1 )) ] && break; sleep 0.1; done
 
 # read PHASE [env…]: c2 mounts afresh, reads the file cold, unmounts.
@@ -74,7 +75,7 @@ read_cold() {
 import json, sys
 r = json.load(sys.stdin)["reads"]
 print("{:.0f} MiB from the segments, {:.0f} MiB through the owner".format(r["from_segments_bytes"] / 2**20, r["from_owner_bytes"] / 2**20))')
-  rows+=("| c2 reads it cold: $what | $(python3 -c "import sys; print(f'{float(sys.argv[1]) / (float(sys.argv[3]) - float(sys.argv[2])):.1f}')" "$mib" "$t0" "$t1") MiB/s | $(( ($(bucket_bytes) - b0) >> 20 )) MiB | $where |")
+  rows+=("| c2 reads it cold: $what | $(rate "$mib" "$t0" "$t1") MiB/s | $(( ($(bucket_bytes) - b0) >> 20 )) MiB | $where |")
   unmount c2
 }
 read_cold "every read through the owner" ARBOR_READ_THROUGH_OWNER=1
@@ -92,9 +93,28 @@ start_owner
 read_cold "owner restarted, cache empty; from the segments"
 read_cold "again, a new client (the server now warm)"
 
+# The owner killed -9 under a stream of fsynced files from c1 and started
+# again on its node 1 s later; c2 then reads every file c1 fsynced.
+client c1
+b0=$(bucket_bytes)
+stream "$work/mnt-c1/stream" "$work/saved"
+for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
+kill -9 "$owner_pid"; t0=$(now)
+sleep 1
+start_owner
+wait "$writer"; t1=$(now)
+client c2
+bad=$(whole "$work/mnt-c2/stream" "$work/saved")
+faults=("| owner killed -9 at file 8 of 40 (4 MiB, fsync each), restarted 1 s later | $bad on c2; the writer finished $(secs "$t0" "$t1") s after the kill, no remount | $(( ($(bucket_bytes) - b0) >> 20 )) MiB |")
+unmount c2
+
 echo
 echo "### a shared branch on an s3 disk across network namespaces (bucket 20 ms, owner 0.2 ms, $mib MiB)"
 echo
 echo "| what | speed | from the bucket | where c2's bytes came from |"
 echo "| --- | ---: | ---: | --- |"
 printf '%s\n' "${rows[@]}"
+echo
+echo "| fault | result | the bucket sent |"
+echo "| --- | --- | ---: |"
+printf '%s\n' "${faults[@]}"
