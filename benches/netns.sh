@@ -20,6 +20,12 @@
 #                      default target/release), a fresh $work, empty `pids`
 #                      and `mounts`, netns_cleanup on exit, the hosts up, and
 #                      a token in $work/token
+#   serve_on HOST DISK ARGS…
+#                      `arbor serve DISK ARGS… --foreground` on HOST (its
+#                      cache folders under `node HOST`), logging to
+#                      $work/owner.log; returns once it logs that it serves
+#                      (its port opens before its branches are taken);
+#                      $owner_pid is the process
 #   node HOST          HOST's XDG_CACHE_HOME (its own cache folders)
 #   bucket_bytes       bytes the bucket sent so far
 
@@ -42,6 +48,20 @@ netns_bench() { # name host…
 }
 
 node() { echo "$work/node-$1"; }
+
+serve_on() { # host disk args…
+  local h=$1 ready
+  shift
+  ready=$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)
+  # nsenter itself, not the `on` function (a subshell): $! must be arbor.
+  XDG_CACHE_HOME=$(node "$h") nsenter --net="/run/netns/arb-$h" "$arbor" serve "$@" --foreground \
+    2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
+  for _ in $(seq 300); do
+    [ "$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)" -gt "${ready:-0}" ] && return 0
+    sleep 0.1
+  done
+  echo "arbor serve did not start serving on $h; its log:" >&2; cat "$work/owner.log" >&2; return 1
+}
 bucket_bytes() { cat "$work/bucket-bytes"; }
 
 netns_up() {

@@ -20,18 +20,8 @@ owner_ip=10.77.0.2
 "$arbor" init "$work/disk" >/dev/null
 on owner "$proxy" "$owner_ip:7071" "$owner_ip:7070" 100 "$work/proxied" & pids+=($!)
 start_owner() {
-  # The port opens before the branch is taken and its owner recorded; the
-  # log's "serving" line comes after both.
-  local ready; ready=$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)
-  # nsenter itself, not the `on` function (a subshell): $! must be the owner.
-  nsenter --net=/run/netns/arb-owner "$arbor" serve "$work/disk" --branch main --listen "$owner_ip:7070" \
-    --advertise "$owner_ip:7071" --token-file "$work/token" --foreground 2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
-  wait_port c1 "$owner_ip" 7070
-  for _ in $(seq 300); do
-    [ "$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)" -gt "${ready:-0}" ] && return 0
-    sleep 0.1
-  done
-  echo "the owner did not start serving; its log:" >&2; cat "$work/owner.log" >&2; return 1
+  serve_on owner "$work/disk" --branch main --listen "$owner_ip:7070" --advertise "$owner_ip:7071" \
+    --token-file "$work/token"
 }
 start_owner
 for h in c1 c2; do
@@ -111,10 +101,7 @@ owner2_ip=10.77.0.5
 stream "$a/stream2" "$work/saved2"
 for _ in $(seq 300); do [ "$(wc -l < "$work/saved2")" -ge 8 ] && break; sleep 0.05; done
 kill -9 "$owner_pid"; t0=$(now)
-ready=$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)
-nsenter --net=/run/netns/arb-owner2 "$arbor" serve "$work/disk" --branch main --listen "$owner2_ip:7070" \
-  --token-file "$work/token" --take-over --foreground 2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
-for _ in $(seq 300); do [ "$(grep -c ' serving disk=' "$work/owner.log")" -gt "$ready" ] && break; sleep 0.1; done
+serve_on owner2 "$work/disk" --branch main --listen "$owner2_ip:7070" --token-file "$work/token" --take-over
 wait "$writer"; t1=$(now)
 bad=$(whole "$b/stream2" "$work/saved2")
 owner_now=$(on c2 "$arbor" status "$b" --json | python3 -c 'import json, sys; print(json.load(sys.stdin)["owner"])')

@@ -28,16 +28,8 @@ XDG_CACHE_HOME=$(node owner) on owner "$arbor" init "$disk" >/dev/null
 
 on owner "$proxy" "$owner_ip:7071" "$owner_ip:7070" 100 "$work/proxied" & pids+=($!)
 start_owner() {
-  local ready; ready=$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)
-  # nsenter itself, not the `on` function (a subshell): $! must be the owner.
-  XDG_CACHE_HOME=$(node owner) nsenter --net=/run/netns/arb-owner "$arbor" serve "$disk" --branch main \
-    --listen "$owner_ip:7070" --advertise "$owner_ip:7071" --token-file "$work/token" --segment-size 16M \
-    --foreground 2>>"$work/owner.log" & owner_pid=$!; pids+=($owner_pid)
-  for _ in $(seq 300); do
-    [ "$(grep -c ' serving disk=' "$work/owner.log" 2>/dev/null || true)" -gt "${ready:-0}" ] && return 0
-    sleep 0.1
-  done
-  echo "the owner did not start serving; its log:" >&2; cat "$work/owner.log" >&2; return 1
+  serve_on owner "$disk" --branch main --listen "$owner_ip:7070" --advertise "$owner_ip:7071" \
+    --token-file "$work/token" --segment-size 16M
 }
 start_owner
 client() { # host [env…]: mounts main at $work/mnt-HOST through the owner, memory only
