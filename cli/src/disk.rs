@@ -4,7 +4,6 @@
 
 use anyhow::Result;
 pub use arbor_snapshot::disk::{io_cause, quiet_config, CacheOptions, Disk, DiskOptions};
-use std::path::Path;
 
 fn options(mount: Option<&str>, cache: CacheOptions) -> Result<DiskOptions> {
     Ok(DiskOptions {
@@ -117,17 +116,6 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
         return Err(format!("{s:?} is not a size"));
     }
     Ok((n * mult as f64) as u64)
-}
-
-pub fn is_mountpoint(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
-    let target = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    info.lines().any(|l| l.split(' ').nth(4).is_some_and(|mp| Path::new(&unescape(mp)) == target))
-}
-
-/// /proc/self/mountinfo escapes space, tab, newline and backslash as octal.
-fn unescape(s: &str) -> String {
-    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 }
 
 #[cfg(test)]

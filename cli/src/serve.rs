@@ -124,10 +124,15 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     }
     let mountpoint = std::path::absolute(&args.mountpoint)?;
     arbor_fs::recover_stale_mount(&mountpoint)?;
-    if !mountpoint.is_dir() {
-        bail!("mountpoint {} is not a directory", mountpoint.display());
+    match std::fs::metadata(&mountpoint) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => bail!("mountpoint {} is not a directory", mountpoint.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("mountpoint {} does not exist", mountpoint.display())
+        }
+        Err(e) => bail!("mountpoint {}: {e}", mountpoint.display()),
     }
-    if disk::is_mountpoint(&mountpoint) {
+    if arbor_fs::is_mountpoint(&mountpoint) {
         bail!("{} is busy: something is already mounted there", mountpoint.display());
     }
     Ok(Prepared { disk: Arc::new(disk), mountpoint, cache_client })
@@ -523,7 +528,7 @@ pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
     // The server opens the disk (and its cache directory) itself.
     drop(p);
     spawn_detached(&log_path, "mount", || {
-        disk::is_mountpoint(&mountpoint) && control::request(&mountpoint, json!({"op": "status"})).is_ok()
+        arbor_fs::is_mountpoint(&mountpoint) && control::request(&mountpoint, json!({"op": "status"})).is_ok()
     })?;
     let fuse = control::request(&mountpoint, json!({"op": "status"}))
         .ok()
@@ -617,19 +622,19 @@ pub fn unmount(mountpoint: &Path) -> Result<()> {
         req.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the unmount request failed")))
     });
     if let Err(e) = waited {
-        if !disk::is_mountpoint(mountpoint) {
+        if !arbor_fs::is_mountpoint(mountpoint) {
             return Err(e);
         }
         arbor_fs::recover_stale_mount(mountpoint)?;
-        if disk::is_mountpoint(mountpoint) {
+        if arbor_fs::is_mountpoint(mountpoint) {
             bail!("{} is mounted but not served by arbor on this node", mountpoint.display());
         }
     }
     let deadline = Instant::now() + Duration::from_secs(60);
-    while disk::is_mountpoint(mountpoint) && Instant::now() < deadline {
+    while arbor_fs::is_mountpoint(mountpoint) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    if disk::is_mountpoint(mountpoint) {
+    if arbor_fs::is_mountpoint(mountpoint) {
         bail!("{} is still mounted a minute later (is a process using it?)", mountpoint.display());
     }
     Ok(())

@@ -179,27 +179,82 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     Ok(MountHandle { session: Some(session), transport, counters })
 }
 
-/// If `mountpoint` is a FUSE mount whose server died (ENOTCONN), detach it
-/// so it can be mounted again.
+/// If `mountpoint` is a FUSE mount whose server died, detach it so it can
+/// be mounted again.
+///
+/// A server killed a moment ago may still be torn down by the kernel (the
+/// last reference to its /dev/fuse file, or its FUSE ring, goes away after
+/// the process is reaped), and requests then fail for a short while with
+/// other errors than ENOTCONN. So a mount point that fails a `statfs` is
+/// probed again for up to [`STALE_PROBE`] before the error is reported.
 pub fn recover_stale_mount(mountpoint: &Path) -> io::Result<()> {
-    if server_is_gone(mountpoint) {
-        tracing::warn!(mountpoint = %mountpoint.display(), "detaching a stale mount left by a killed process");
-        detach(mountpoint)?;
+    let deadline = std::time::Instant::now() + STALE_PROBE;
+    loop {
+        match probe(mountpoint) {
+            Probe::Answers => return Ok(()),
+            Probe::Gone => {
+                tracing::warn!(mountpoint = %mountpoint.display(), "detaching a stale mount left by a killed process");
+                return detach(mountpoint);
+            }
+            // Not a mount point: whatever is wrong is the caller's to report.
+            Probe::Failed(_) if !is_mountpoint(mountpoint) => return Ok(()),
+            Probe::Failed(e) if std::time::Instant::now() >= deadline => {
+                return Err(io::Error::new(e.kind(), format!("mountpoint {}: {e}", mountpoint.display())));
+            }
+            Probe::Failed(e) => {
+                tracing::debug!(error = %e, "the mount point does not answer yet; probing again");
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
     }
-    Ok(())
+}
+
+/// How long [`recover_stale_mount`] waits for a failing mount point to
+/// settle into answering or being gone.
+pub const STALE_PROBE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether a server died under `mountpoint` (see [`recover_stale_mount`]).
+pub fn server_is_gone(mountpoint: &Path) -> bool {
+    matches!(probe(mountpoint), Probe::Gone)
+}
+
+enum Probe {
+    Answers,
+    Gone,
+    Failed(io::Error),
 }
 
 /// `statfs` always reaches the server (a `stat` may be answered from the
 /// kernel's attribute cache even after the server died).
-pub fn server_is_gone(mountpoint: &Path) -> bool {
+fn probe(mountpoint: &Path) -> Probe {
     use std::os::unix::ffi::OsStrExt;
-    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else { return false };
+    let Ok(c) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
+        return Probe::Failed(io::Error::from_raw_os_error(libc::EINVAL));
+    };
     let mut buf = std::mem::MaybeUninit::<libc::statfs>::uninit();
     // SAFETY: a valid path and a buffer statfs fills.
-    let rc = unsafe { libc::statfs(c.as_ptr(), buf.as_mut_ptr()) };
-    // ECONNABORTED: a server on FUSE over io_uring was killed and the
-    // kernel is still tearing its ring down.
-    rc != 0 && matches!(io::Error::last_os_error().raw_os_error(), Some(libc::ENOTCONN) | Some(libc::ECONNABORTED))
+    if unsafe { libc::statfs(c.as_ptr(), buf.as_mut_ptr()) } == 0 {
+        return Probe::Answers;
+    }
+    let e = io::Error::last_os_error();
+    // ECONNABORTED: the request was in flight when the kernel aborted the
+    // connection (or a FUSE ring is still being torn down).
+    match e.raw_os_error() {
+        Some(libc::ENOTCONN) | Some(libc::ECONNABORTED) => Probe::Gone,
+        _ => Probe::Failed(e),
+    }
+}
+
+/// Whether `path` is the mount point of a mount in this namespace.
+pub fn is_mountpoint(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
+    let target = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    info.lines().any(|l| l.split(' ').nth(4).is_some_and(|mp| Path::new(&unescape(mp)) == target))
+}
+
+/// /proc/self/mountinfo escapes space, tab, newline and backslash as octal.
+fn unescape(s: &str) -> String {
+    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 }
 
 fn detach(mountpoint: &Path) -> io::Result<()> {

@@ -15,7 +15,8 @@ fn errors_are_one_line_with_a_nonzero_exit() {
         (vec!["mount".into(), "gs://bucket/p".into(), "/tmp".into()], "not supported"),
         (vec!["init".into(), "s3://Bad_Bucket/p".into()], "not a valid bucket name"),
         (vec!["status".into(), s.mnt.display().to_string()], "not an arbor mount"),
-        (vec!["mount".into(), s.disk_str().into(), s.dir.path().join("nope").display().to_string()], "not a directory"),
+        (vec!["mount".into(), s.disk_str().into(), s.dir.path().join("nope").display().to_string()], "does not exist"),
+        (vec!["mount".into(), s.disk_str().into(), s.disk_str().to_string() + "/disk"], "not a directory"),
         (
             vec![
                 "mount".into(),
