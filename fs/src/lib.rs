@@ -11,7 +11,5 @@ pub mod ring;
 
 pub use adapter::{to_errno, ArborFs, Counters};
 pub use files::{Files, Lock};
-pub use mount::{
-    is_mountpoint, mount, recover_stale_mount, server_is_gone, Invalidator, MountHandle, MountOptions, THREADS,
-};
+pub use mount::{is_mountpoint, mount, recover_stale_mount, Invalidator, MountHandle, MountOptions, THREADS};
 pub use ring::{RingChoice, Transport};

@@ -213,11 +213,6 @@ pub fn recover_stale_mount(mountpoint: &Path) -> io::Result<()> {
 /// settle into answering or being gone.
 pub const STALE_PROBE: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Whether a server died under `mountpoint` (see [`recover_stale_mount`]).
-pub fn server_is_gone(mountpoint: &Path) -> bool {
-    matches!(probe(mountpoint), Probe::Gone)
-}
-
 enum Probe {
     Answers,
     Gone,
