@@ -77,7 +77,7 @@ for _ in $(seq 3000); do
   [ $(( $(cat "$work/served-bytes") - s0 )) -ge $(( dataset / 4 )) ] && break
   sleep 0.01
 done
-kill -9 "$server_pid"
+kill9 "$server_pid"
 served_before_kill=$(( $(cat "$work/served-bytes") - s0 ))
 wait "$reader"
 fallbacks=$(XDG_CACHE_HOME=$(node c1) "$arbor" status "$work/mnt-c1" | grep "cache server" || true)

@@ -27,6 +27,8 @@
 #                      (its port opens before its branches are taken);
 #                      $owner_pid is the process
 #   node HOST          HOST's XDG_CACHE_HOME (its own cache folders)
+#   kill9 PID          kill -9 a process this script started in the
+#                      background, and reap it quietly (no "Killed" line)
 #   bucket_bytes       bytes the bucket sent so far
 
 netns_hosts=()
@@ -63,6 +65,7 @@ serve_on() { # host disk args…
   echo "arbor serve did not start serving on $h; its log:" >&2; cat "$work/owner.log" >&2; return 1
 }
 bucket_bytes() { cat "$work/bucket-bytes"; }
+kill9() { { kill -9 "$1"; wait "$1"; } 2>/dev/null || true; }
 
 netns_up() {
   netns_hosts=("$@")
@@ -102,8 +105,17 @@ wait_port() { # host ip port
 netns_cleanup() {
   local m p
   for m in "${mounts[@]}"; do fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  netns_down
+  # Quietly: the shell would report every background job it reaps here as
+  # "Killed". Each job is waited for once gone (at most 5 s each), so none
+  # is reported on the way out either.
+  {
+    for p in "${pids[@]}" $(jobs -p); do kill -9 "$p"; done
+    netns_down
+    for p in $(jobs -p); do
+      for _ in $(seq 50); do kill -0 "$p" || break; sleep 0.1; done
+      kill -0 "$p" || wait "$p"
+    done
+  } 2>/dev/null || true
   if [ -n "${KEEP_LOGS:-}" ]; then
     mkdir -p "$KEEP_LOGS"
     find "$work" -name "*.log" -exec cp --backup=numbered {} "$KEEP_LOGS/" \; 2>/dev/null || true

@@ -87,7 +87,7 @@ rows+=("| checkpoint save: 8 ranks × $shard MiB (4 per node) + fsync + rename |
 # The owner killed -9 under a stream of fsynced files, and started again.
 stream "$a/stream" "$work/saved"
 for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
-kill -9 "$owner_pid"; t0=$(now)
+kill9 "$owner_pid"; t0=$(now)
 sleep 1
 start_owner
 wait "$writer"; t1=$(now)
@@ -100,7 +100,7 @@ rows+=("| owner killed -9 at file 8 of 40 (4 MiB, fsync each), restarted 1 s lat
 owner2_ip=10.77.0.5
 stream "$a/stream2" "$work/saved2"
 for _ in $(seq 300); do [ "$(wc -l < "$work/saved2")" -ge 8 ] && break; sleep 0.05; done
-kill -9 "$owner_pid"; t0=$(now)
+kill9 "$owner_pid"; t0=$(now)
 serve_on owner2 "$work/disk" --branch main --listen "$owner2_ip:7070" --token-file "$work/token" --take-over
 wait "$writer"; t1=$(now)
 bad=$(whole "$b/stream2" "$work/saved2")

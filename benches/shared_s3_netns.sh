@@ -91,7 +91,7 @@ client c1
 b0=$(bucket_bytes)
 stream "$work/mnt-c1/stream" "$work/saved"
 for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
-kill -9 "$owner_pid"; t0=$(now)
+kill9 "$owner_pid"; t0=$(now)
 sleep 1
 start_owner
 wait "$writer"; t1=$(now)
