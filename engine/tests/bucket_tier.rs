@@ -147,6 +147,56 @@ fn local_durability_crash_replays_the_local_log_and_the_bucket_catches_up() {
     check_files(&vol, &files);
 }
 
+/// The state a crash between a segment's upload and its move into the
+/// cache leaves: every uploaded segment back in the local segment folder.
+fn unadopt_all(cache: &Path) -> Vec<std::path::PathBuf> {
+    let mut moved = Vec::new();
+    for e in std::fs::read_dir(cache.join("chunks")).expect("chunks") {
+        let from = e.expect("entry").path();
+        let to = cache.join("segments").join(from.file_name().expect("name"));
+        std::fs::rename(&from, &to).expect("move back");
+        moved.push(to);
+    }
+    assert!(!moved.is_empty(), "nothing was uploaded");
+    moved
+}
+
+#[test]
+fn a_segment_uploaded_just_before_a_crash_is_kept_from_its_local_copy_when_it_matches() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let files = some_files(6, 5);
+    let (vol, dev) = open(&store, cache.path(), tier(Durability::Local));
+    write_files(&vol, &files);
+    vol.close().expect("close");
+    drop(vol);
+    drop(dev);
+    let moved = unadopt_all(cache.path());
+    let (vol, dev) = open(&store, cache.path(), tier(Durability::Local));
+    check_files(&vol, &files);
+    let s = dev.stats().cache;
+    assert_eq!(s.fetched_bytes, 0, "a segment this node held was fetched again: {s:?}");
+    for path in &moved {
+        assert!(!path.exists(), "{} is still waiting to be uploaded", path.display());
+    }
+    drop(vol);
+    drop(dev);
+
+    // A local copy that is not the object's data (here: one byte changed)
+    // is dropped, and the bucket's bytes are read instead.
+    let moved = unadopt_all(cache.path());
+    let victim = moved.iter().max_by_key(|p| std::fs::metadata(p).expect("meta").len()).expect("a segment");
+    let mut bytes = std::fs::read(victim).expect("read");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(victim, &bytes).expect("write");
+    let (vol, dev) = open(&store, cache.path(), tier(Durability::Local));
+    check_files(&vol, &files);
+    let s = dev.stats().cache;
+    assert!(s.fetched_bytes > 0, "the changed copy was kept: {s:?}");
+    assert!(!victim.exists(), "the changed copy is still in the segment folder");
+}
+
 #[test]
 fn cold_reads_fetch_verified_chunks_and_the_cache_stays_bounded() {
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());

@@ -329,6 +329,54 @@ impl Remote {
         Ok(())
     }
 
+    /// A segment this node uploaded whose file was not moved into the cache
+    /// yet when the process stopped (between the upload and [`Remote::adopt`]):
+    /// adopted after all if the file holds exactly the object's data, every
+    /// chunk checked against the object's footer, so the segment is not
+    /// fetched again. `false` where it is not kept (a memory-only cache, a
+    /// file that differs from the object, or the footer out of reach): the
+    /// caller drops the file and the bucket's copy is read instead.
+    pub(crate) fn adopt_uploaded(self: &Arc<Self>, id: SegId, local: &std::path::Path, size: u64) -> bool {
+        if self.memory {
+            return false;
+        }
+        let same = (|| -> Result<Option<Footer>> {
+            let footer = self.read_footer(&segment_key(id), size)?;
+            let file = File::open(local)?;
+            if file.metadata()?.len() != footer.data_len {
+                return Ok(None);
+            }
+            let mut buf = vec![0u8; footer.chunk_size as usize];
+            use std::os::unix::fs::FileExt;
+            for i in 0..footer.crcs.len() {
+                let (start, end) = footer.chunk_range(i);
+                let chunk = &mut buf[..(end - start) as usize];
+                file.read_exact_at(chunk, start)?;
+                if !footer.verify(i, chunk) {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(footer))
+        })();
+        match same {
+            Ok(Some(footer)) => match self.adopt(id, local, footer) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(seg = %id, error = %e, "cannot keep an uploaded segment's local copy");
+                    false
+                }
+            },
+            Ok(None) => {
+                tracing::warn!(seg = %id, "a local segment differs from its object in the bucket; the bucket's copy is used");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(seg = %id, error = %e, "cannot check an uploaded segment's local copy; the bucket's copy is used");
+                false
+            }
+        }
+    }
+
     /// Bytes `within` (offsets inside it) of chunk `index` of segment `id`
     /// if the chunk is cached here and checked: a read that cannot wait
     /// for the bucket and will not (`None` otherwise).
