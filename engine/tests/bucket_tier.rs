@@ -198,6 +198,56 @@ fn a_segment_uploaded_just_before_a_crash_is_kept_from_its_local_copy_when_it_ma
 }
 
 #[test]
+fn a_cache_server_beside_a_restarted_writer_serves_its_kept_chunks_and_checks_them() {
+    use arbor_engine::tier::{segment_key, segment_of_key, SegmentCache};
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let files = some_files(6, 7);
+    let (vol, dev) = open(&store, &cache.path().join("owner"), tier(Durability::Local));
+    write_files(&vol, &files);
+    vol.close().expect("close");
+    drop(vol);
+    drop(dev);
+    // One byte of the writer's kept copy goes bad: that chunk must come
+    // from the bucket, checked, and every other from the kept copy.
+    let kept = std::fs::read_dir(cache.path().join("owner/chunks"))
+        .expect("chunks")
+        .map(|e| e.expect("entry").path())
+        .max_by_key(|p| std::fs::metadata(p).expect("meta").len())
+        .expect("a kept segment");
+    let mut bytes = std::fs::read(&kept).expect("read");
+    bytes[100] ^= 0xff;
+    std::fs::write(&kept, &bytes).expect("write");
+    // The writer started again; it has read nothing of its segments yet.
+    let dev = BucketDevice::open(store.clone(), &cache.path().join("owner"), tier(Durability::Local)).expect("device");
+    let server = SegmentCache::with_sources(
+        store.clone(),
+        Some(&cache.path().join("server")),
+        64 << 20,
+        Some(dev.cached_chunks()),
+    )
+    .expect("server cache");
+    let segments: Vec<_> =
+        store.list(arbor_engine::layout::SEGMENTS).expect("list").iter().filter_map(|k| segment_of_key(k)).collect();
+    assert!(!segments.is_empty());
+    let mut served = 0;
+    for id in segments {
+        let (object, _) = store.get(&segment_key(id)).expect("object");
+        let mut at = 0;
+        for index in 0..10_000 {
+            let Some(chunk) = server.chunk(id, index).expect("chunk") else { break };
+            assert!(object[at..at + chunk.bytes.len()] == chunk.bytes[..], "{id} chunk {index}: other bytes");
+            at += chunk.bytes.len();
+            served += 1;
+        }
+        assert!(at > 0 && at < object.len(), "{id}: {at} bytes served of a {}-byte object", object.len());
+    }
+    let s = server.stats();
+    assert_eq!(s.fetched_bytes, 64 << 10, "the server fetched other chunks than the bad one: {s:?}");
+    assert_eq!(s.peer_chunks, served - 1, "{s:?}");
+}
+
+#[test]
 fn cold_reads_fetch_verified_chunks_and_the_cache_stays_bounded() {
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");

@@ -403,14 +403,51 @@ impl Remote {
         Some(buf)
     }
 
-    /// The footer of segment `id` if this cache has it open, as its object
-    /// ends.
-    pub(crate) fn cached_footer(&self, id: SegId) -> Option<Vec<u8>> {
-        let seg = self.segs.read().get(&id).cloned()?;
+    /// The footer of segment `id` if this cache holds it (see
+    /// [`Remote::held`]), as its object ends.
+    pub(crate) fn cached_footer(self: &Arc<Self>, id: SegId) -> Option<Vec<u8>> {
+        let seg = self.held(id)?;
         let segment::Source::Object { .. } = &seg.source else { return None };
         let mut out = Vec::with_capacity(seg.footer.encoded_len());
         seg.footer.encode(&mut out);
         Some(out)
+    }
+
+    /// Segment `id` as this cache holds it: open already, or a cache file
+    /// of it kept from before a restart, which is opened now (its footer
+    /// read from the bucket, once; its chunks checked before they are
+    /// used). `None` when this node holds none of it.
+    fn held(self: &Arc<Self>, id: SegId) -> Option<Arc<RemoteSeg>> {
+        if let Some(seg) = self.segs.read().get(&id) {
+            return Some(seg.clone());
+        }
+        if self.memory || !self.path(id).exists() {
+            return None;
+        }
+        self.open_object(id).ok().flatten()
+    }
+
+    /// Chunk `index` of segment `id` if this cache holds it, checked or
+    /// not since a restart: for a caller that checks it against the footer
+    /// itself (a cache server in this process serving this node's chunks).
+    pub(crate) fn held_chunk(self: &Arc<Self>, id: SegId, index: u32) -> Option<Vec<u8>> {
+        let seg = self.held(id)?;
+        let segment::Source::Object { file } = &seg.source else { return None };
+        if index as usize >= seg.footer.crcs.len() {
+            return None;
+        }
+        let (start, end) = seg.footer.chunk_range(index as usize);
+        let key = (id, index);
+        let _no_eviction = self.chunks.hold();
+        if !self.chunks.present(key) {
+            return None;
+        }
+        let mut buf = vec![0u8; (end - start) as usize];
+        use std::os::unix::fs::FileExt;
+        file.read_exact_at(&mut buf, start).ok()?;
+        self.chunks.touch(key);
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(buf)
     }
 
     /// Reads `buf` at `off` of segment `id` through `local` (this node's
