@@ -6,8 +6,8 @@
 # through the owner; c2 reads it cold with every read through the owner
 # (ARBOR_READ_THROUGH_OWNER=1), then reading the bytes from the disk's
 # segments (chunks through the owner's cache server), then the same after
-# the owner was restarted with an empty cache (data the owner no longer
-# holds). Then kills the owner with -9 under a stream of fsynced files and
+# the owner was restarted with its cache kept, and with an empty cache
+# (data the owner no longer holds). Then kills the owner with -9 under a stream of fsynced files and
 # restarts it. Prints markdown tables: MiB/s, the bucket's bytes, and what
 # survived the kill.
 #
@@ -73,8 +73,14 @@ print("{:.0f} MiB from the segments, {:.0f} MiB through the owner".format(r["fro
 read_cold "every read through the owner" ARBOR_READ_THROUGH_OWNER=1
 read_cold "bytes from the segments (the owner's cache server)"
 
-# The owner restarted with an empty cache: the data is in the bucket only.
+# The owner restarted on its node, its cache kept: the chunks c1 wrote are
+# still in the branch's cache files, which its cache server gives again.
 unmount c1
+kill -TERM "$owner_pid"; wait "$owner_pid" 2>/dev/null || true
+start_owner
+read_cold "owner restarted, cache kept; from the segments"
+
+# The owner restarted with an empty cache: the data is in the bucket only.
 kill -TERM "$owner_pid"; wait "$owner_pid" 2>/dev/null || true
 rm -rf "$(node owner)/arbor"/*/mounts
 start_owner
