@@ -248,6 +248,25 @@ fn a_cache_server_beside_a_restarted_writer_serves_its_kept_chunks_and_checks_th
 }
 
 #[test]
+fn a_writer_streaming_its_own_file_reads_its_open_segment_locally_not_its_wal_pieces() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let (vol, dev) = open(&store, cache.path(), tier(Durability::Bucket));
+    // Several sealed segments (uploaded, now cached copies) and an open one
+    // whose bytes are also in the bucket as WAL pieces.
+    let files = vec![("big".to_string(), pattern((3 << 20) + (300 << 10), 8))];
+    write_files(&vol, &files);
+    dev.drain().expect("uploads");
+    assert!(!store.list("wal/").expect("list").is_empty(), "no WAL pieces to leave alone");
+    check_files(&vol, &files);
+    // Read-ahead runs on threads of its own: give it time to do harm.
+    std::thread::sleep(Duration::from_millis(300));
+    let s = dev.stats().cache;
+    assert_eq!(s.wal_pieces_read, 0, "read-ahead fetched the writer's own open segment: {s:?}");
+    assert_eq!(s.fetched_bytes, 0, "{s:?}");
+}
+
+#[test]
 fn cold_reads_fetch_verified_chunks_and_the_cache_stays_bounded() {
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");

@@ -148,7 +148,7 @@ impl Remote {
     /// Opens segment `id` (once) on a thread of its own, not behind the
     /// queued chunk fetches, then queues its first `spill` bytes.
     fn open_ahead(self: &Arc<Self>, id: SegId, spill: u64) {
-        if !self.absent.lock().insert(id) {
+        if self.is_local_segment(id) || !self.absent.lock().insert(id) {
             return;
         }
         let remote = self.clone();
