@@ -197,7 +197,6 @@ impl BucketDevice {
             cfg.memory_cache,
             cfg.peers.clone(),
         )?;
-        remote.set_local_segments(local.dir().to_path_buf());
         let mut up = Uploads::default();
         for id in local.list_segments()? {
             let path = local.path_of(id);

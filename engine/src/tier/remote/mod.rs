@@ -122,9 +122,6 @@ pub(crate) struct Remote {
     /// Segments this node wrote whose files became cached copies: reads
     /// through an older local handle go through the cache instead.
     adopted: Mutex<HashSet<SegId>>,
-    /// The folder of this node's own segments not in the bucket yet (a
-    /// writer's), which read-ahead leaves alone: see [`Remote::set_local_segments`].
-    local_segments: std::sync::OnceLock<PathBuf>,
     /// One open at a time: two opens of one segment must not both set up
     /// its cache file.
     opening: Mutex<()>,
@@ -173,7 +170,6 @@ impl Remote {
             absent: Mutex::new(HashSet::new()),
             stream: Mutex::new(None),
             adopted: Mutex::new(HashSet::new()),
-            local_segments: std::sync::OnceLock::new(),
             opening: Mutex::new(()),
             gets: AtomicU64::new(0),
             fetched: AtomicU64::new(0),
@@ -293,19 +289,6 @@ impl Remote {
                 }
             }
         }
-    }
-
-    /// Names the folder where this node's writer keeps the segments it has
-    /// not uploaded yet. Read-ahead streaming past a segment's end does not
-    /// open the next one from the bucket while it is still there: it is
-    /// read from that file, and opening it would only fetch its WAL pieces.
-    pub(crate) fn set_local_segments(&self, dir: PathBuf) {
-        let _ = self.local_segments.set(dir);
-    }
-
-    /// Whether segment `id` is still in this node's own segment folder.
-    pub(super) fn is_local_segment(&self, id: SegId) -> bool {
-        self.local_segments.get().is_some_and(|d| d.join(id.file_name()).exists())
     }
 
     /// A segment this node wrote and has just uploaded: its file becomes

@@ -146,14 +146,18 @@ impl RemoteSeg {
 
 impl Remote {
     /// Opens segment `id` (once) on a thread of its own, not behind the
-    /// queued chunk fetches, then queues its first `spill` bytes.
+    /// queued chunk fetches, then queues its first `spill` bytes. Only a
+    /// sealed segment's object: a segment its writer has not sealed yet is
+    /// read by whoever reads it (the writer from its own file, a client of
+    /// a shared branch through the owner), and fetching its WAL pieces
+    /// ahead of them would pull bytes from the bucket nobody reads.
     fn open_ahead(self: &Arc<Self>, id: SegId, spill: u64) {
-        if self.is_local_segment(id) || !self.absent.lock().insert(id) {
+        if !self.absent.lock().insert(id) {
             return;
         }
         let remote = self.clone();
         let spawned = std::thread::Builder::new().name("arbor-open".into()).spawn(move || {
-            if let Ok(Some(seg)) = remote.open(id) {
+            if let Ok(Some(seg)) = remote.open_object(id) {
                 remote.absent.lock().remove(&id);
                 remote.enqueue_first(&seg, spill);
             }
