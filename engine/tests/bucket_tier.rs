@@ -64,6 +64,16 @@ fn check_files(vol: &Volume, files: &[(String, Vec<u8>)]) {
     }
 }
 
+/// Writes `files` through a volume with its cache in `cache`, and closes
+/// it: everything uploaded, every segment's file a cached copy.
+fn write_and_close(store: &Arc<dyn ObjectStore>, cache: &Path, files: &[(String, Vec<u8>)]) {
+    let (vol, dev) = open(store, cache, tier(Durability::Local));
+    write_files(&vol, files);
+    vol.close().expect("close");
+    drop(vol);
+    drop(dev);
+}
+
 fn some_files(n: usize, seed: u32) -> Vec<(String, Vec<u8>)> {
     (0..n).map(|i| (format!("f{seed}-{i}"), pattern(1000 + i * 197_531 % 900_000, seed + i as u32))).collect()
 }
@@ -166,11 +176,7 @@ fn a_segment_uploaded_just_before_a_crash_is_kept_from_its_local_copy_when_it_ma
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");
     let files = some_files(6, 5);
-    let (vol, dev) = open(&store, cache.path(), tier(Durability::Local));
-    write_files(&vol, &files);
-    vol.close().expect("close");
-    drop(vol);
-    drop(dev);
+    write_and_close(&store, cache.path(), &files);
     let moved = unadopt_all(cache.path());
     let (vol, dev) = open(&store, cache.path(), tier(Durability::Local));
     check_files(&vol, &files);
@@ -203,11 +209,7 @@ fn a_cache_server_beside_a_restarted_writer_serves_its_kept_chunks_and_checks_th
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");
     let files = some_files(6, 7);
-    let (vol, dev) = open(&store, &cache.path().join("owner"), tier(Durability::Local));
-    write_files(&vol, &files);
-    vol.close().expect("close");
-    drop(vol);
-    drop(dev);
+    write_and_close(&store, &cache.path().join("owner"), &files);
     // One byte of the writer's kept copy goes bad: that chunk must come
     // from the bucket, checked, and every other from the kept copy.
     let kept = std::fs::read_dir(cache.path().join("owner/chunks"))
@@ -271,11 +273,7 @@ fn cold_reads_fetch_verified_chunks_and_the_cache_stays_bounded() {
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");
     let files = vec![("big".to_string(), pattern(6 << 20, 4))];
-    let (vol, dev) = open(&store, &cache.path().join("a"), tier(Durability::Local));
-    write_files(&vol, &files);
-    vol.close().expect("close");
-    drop(vol);
-    drop(dev);
+    write_and_close(&store, &cache.path().join("a"), &files);
     let small = TierConfig { cache_size: 1 << 20, ..tier(Durability::Local) };
     let (vol, dev) = open(&store, &cache.path().join("b"), small);
     check_files(&vol, &files);
