@@ -382,17 +382,32 @@ impl Remote {
     /// for the bucket and will not (`None` otherwise).
     pub(crate) fn cached_range(&self, id: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
         let seg = self.segs.read().get(&id).cloned()?;
+        self.read_cached(&seg, index, Some(within), true)
+    }
+
+    /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
+    /// the chunk is in this cache, and (with `checked`) checked since this
+    /// process started.
+    fn read_cached(
+        &self,
+        seg: &RemoteSeg,
+        index: u32,
+        within: Option<std::ops::Range<u64>>,
+        checked: bool,
+    ) -> Option<Vec<u8>> {
         let segment::Source::Object { file } = &seg.source else { return None };
         if index as usize >= seg.footer.crcs.len() {
             return None;
         }
         let (start, end) = seg.footer.chunk_range(index as usize);
+        let within = within.unwrap_or(0..end - start);
         if within.start >= within.end || within.end > end - start {
             return None;
         }
-        let key = (id, index);
+        let key = (seg.id, index);
         let _no_eviction = self.chunks.hold();
-        if self.chunks.verified(key) != Some(true) {
+        let there = if checked { self.chunks.verified(key) == Some(true) } else { self.chunks.present(key) };
+        if !there {
             return None;
         }
         let mut buf = vec![0u8; (within.end - within.start) as usize];
@@ -432,22 +447,7 @@ impl Remote {
     /// itself (a cache server in this process serving this node's chunks).
     pub(crate) fn held_chunk(self: &Arc<Self>, id: SegId, index: u32) -> Option<Vec<u8>> {
         let seg = self.held(id)?;
-        let segment::Source::Object { file } = &seg.source else { return None };
-        if index as usize >= seg.footer.crcs.len() {
-            return None;
-        }
-        let (start, end) = seg.footer.chunk_range(index as usize);
-        let key = (id, index);
-        let _no_eviction = self.chunks.hold();
-        if !self.chunks.present(key) {
-            return None;
-        }
-        let mut buf = vec![0u8; (end - start) as usize];
-        use std::os::unix::fs::FileExt;
-        file.read_exact_at(&mut buf, start).ok()?;
-        self.chunks.touch(key);
-        self.hits.fetch_add(1, Ordering::Relaxed);
-        Some(buf)
+        self.read_cached(&seg, index, None, false)
     }
 
     /// Reads `buf` at `off` of segment `id` through `local` (this node's
