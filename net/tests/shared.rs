@@ -249,6 +249,14 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3] ^ seed).collect()
 }
 
+/// Writes `data` from offset 0 in 1 MiB writes, each answered at once (on
+/// its way to the owner, not applied yet).
+fn write_in_mib(c: &RemoteFiles, ino: u64, data: &[u8]) {
+    for (i, piece) in data.chunks(1 << 20).enumerate() {
+        assert_eq!(c.write(ino, (i << 20) as u64, piece).expect("write"), piece.len());
+    }
+}
+
 fn read_all(c: &RemoteFiles, ino: u64, len: usize, piece: usize) -> Vec<u8> {
     let mut out = Vec::new();
     while out.len() < len {
@@ -360,9 +368,7 @@ fn writes_in_flight_keep_their_order_and_report_refusals_at_fsync_and_close() {
     // truncation and overlapping writes: every later operation sees every
     // write before it, in the order they were made.
     let want = pattern(24 << 20, 3);
-    for (i, piece) in want.chunks(1 << 20).enumerate() {
-        assert_eq!(c.write(f.ino, (i << 20) as u64, piece).expect("write"), piece.len());
-    }
+    write_in_mib(&c, f.ino, &want);
     assert_eq!(c.getattr(f.ino).expect("getattr").size, want.len() as u64);
     let change = arbor_engine::SetAttr { size: Some(10), ..Default::default() };
     c.setattr(f.ino, change).expect("truncate");
@@ -408,9 +414,7 @@ fn writes_in_flight_when_the_owner_goes_away_are_sent_again_to_the_next_one() {
     // More than two lanes hold: some writes are still on their way when
     // the owner stops (it closes every connection, answered or not).
     let want = pattern(24 << 20, 9);
-    for (i, piece) in want.chunks(1 << 20).enumerate() {
-        c.write(f.ino, (i << 20) as u64, piece).expect("write");
-    }
+    write_in_mib(&c, f.ino, &want);
     drop(first);
     // A close meanwhile does not wait for the owner to come back.
     c.flush(f.ino).expect("close while the owner is away");
