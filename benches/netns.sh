@@ -29,6 +29,9 @@
 #   node HOST          HOST's XDG_CACHE_HOME (its own cache folders)
 #   kill9 PID          kill -9 a process this script started in the
 #                      background, and reap it quietly (no "Killed" line)
+#   kill_owner_mid_stream DIR SAVED
+#                      `stream` into DIR (common.sh), and once 8 files are
+#                      fsynced kill -9 $owner_pid; $t0 is the kill's time
 #   bucket_bytes       bytes the bucket sent so far
 
 netns_hosts=()
@@ -66,6 +69,11 @@ serve_on() { # host disk args…
 }
 bucket_bytes() { cat "$work/bucket-bytes"; }
 kill9() { { kill -9 "$1"; wait "$1"; } 2>/dev/null || true; }
+kill_owner_mid_stream() { # dir saved
+  stream "$1" "$2"
+  for _ in $(seq 300); do [ "$(wc -l < "$2")" -ge 8 ] && break; sleep 0.05; done
+  kill9 "$owner_pid"; t0=$(now)
+}
 
 netns_up() {
   netns_hosts=("$@")

@@ -85,9 +85,7 @@ t1=$(now)
 rows+=("| checkpoint save: 8 ranks × $shard MiB (4 per node) + fsync + rename | $(rate "$((8 * shard))" "$t0" "$t1") MiB/s |")
 
 # The owner killed -9 under a stream of fsynced files, and started again.
-stream "$a/stream" "$work/saved"
-for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
-kill9 "$owner_pid"; t0=$(now)
+kill_owner_mid_stream "$a/stream" "$work/saved"
 sleep 1
 start_owner
 wait "$writer"; t1=$(now)
@@ -98,9 +96,7 @@ rows+=("| owner killed -9 at file 8 of 40 (4 MiB, fsync each), restarted 1 s lat
 # host (its own network namespace and address) with --take-over; the
 # clients find it through the owner record in the disk.
 owner2_ip=10.77.0.5
-stream "$a/stream2" "$work/saved2"
-for _ in $(seq 300); do [ "$(wc -l < "$work/saved2")" -ge 8 ] && break; sleep 0.05; done
-kill9 "$owner_pid"; t0=$(now)
+kill_owner_mid_stream "$a/stream2" "$work/saved2"
 serve_on owner2 "$work/disk" --branch main --listen "$owner2_ip:7070" --token-file "$work/token" --take-over
 wait "$writer"; t1=$(now)
 bad=$(whole "$b/stream2" "$work/saved2")

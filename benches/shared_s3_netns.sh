@@ -95,9 +95,7 @@ read_cold "again, a new client (the server now warm)"
 # again on its node 1 s later; c2 then reads every file c1 fsynced.
 client c1
 b0=$(bucket_bytes)
-stream "$work/mnt-c1/stream" "$work/saved"
-for _ in $(seq 300); do [ "$(wc -l < "$work/saved")" -ge 8 ] && break; sleep 0.05; done
-kill9 "$owner_pid"; t0=$(now)
+kill_owner_mid_stream "$work/mnt-c1/stream" "$work/saved"
 sleep 1
 start_owner
 wait "$writer"; t1=$(now)
