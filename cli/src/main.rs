@@ -605,11 +605,12 @@ fn print_status(s: &serde_json::Value) {
         }
         let c = &s["cache"];
         println!(
-            "cache        {} of {}, {} fetched in {} GETs",
+            "cache        {} of {}, {} fetched in {} GETs, {} segment footers found kept here",
             HumanBytes(c["bytes"].as_u64().unwrap_or(0)),
             HumanBytes(c["capacity"].as_u64().unwrap_or(0)),
             HumanBytes(c["fetched_bytes"].as_u64().unwrap_or(0)),
-            c["gets"].as_u64().unwrap_or(0)
+            c["gets"].as_u64().unwrap_or(0),
+            c["kept_footers"].as_u64().unwrap_or(0)
         );
     }
     let i = &s["imported"];

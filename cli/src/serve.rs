@@ -188,6 +188,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "hits": t.cache.hits,
             "evicted_bytes": t.cache.evicted_bytes,
             "checksum_retries": t.cache.checksum_retries,
+            "kept_footers": t.cache.kept_footers,
         })),
         "recovery": recovery,
         "cache_servers": cache_servers_json(p.cache_client.as_deref()),

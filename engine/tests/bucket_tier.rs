@@ -163,6 +163,11 @@ fn unadopt_all(cache: &Path) -> Vec<std::path::PathBuf> {
     let mut moved = Vec::new();
     for e in std::fs::read_dir(cache.join("chunks")).expect("chunks") {
         let from = e.expect("entry").path();
+        if from.to_string_lossy().ends_with(".footer") {
+            // Kept when the segment became a cached copy: not yet, then.
+            std::fs::remove_file(&from).expect("remove footer");
+            continue;
+        }
         let to = cache.join("segments").join(from.file_name().expect("name"));
         std::fs::rename(&from, &to).expect("move back");
         moved.push(to);
@@ -247,6 +252,110 @@ fn a_cache_server_beside_a_restarted_writer_serves_its_kept_chunks_and_checks_th
     let s = server.stats();
     assert_eq!(s.fetched_bytes, 64 << 10, "the server fetched other chunks than the bad one: {s:?}");
     assert_eq!(s.peer_chunks, served - 1, "{s:?}");
+}
+
+/// Counts the reads of segment objects' bytes (their footers, their
+/// chunks). Asking whether a segment exists is not counted: opening a
+/// volume asks about the segment after its last, whatever its cache holds.
+struct SegmentCalls {
+    inner: Arc<dyn ObjectStore>,
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl SegmentCalls {
+    fn over(inner: &Arc<dyn ObjectStore>) -> Arc<SegmentCalls> {
+        Arc::new(SegmentCalls { inner: inner.clone(), calls: Default::default() })
+    }
+    fn count(&self, key: &str) {
+        if key.starts_with(arbor_engine::layout::SEGMENTS) {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    fn calls(&self) -> u64 {
+        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl ObjectStore for SegmentCalls {
+    fn put(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
+        self.inner.put(key, body)
+    }
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
+        self.inner.put_if_absent(key, body)
+    }
+    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> arbor_engine::Result<String> {
+        self.inner.put_if_match(key, body, etag)
+    }
+    fn get(&self, key: &str) -> arbor_engine::Result<(Vec<u8>, String)> {
+        self.count(key);
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> arbor_engine::Result<Vec<u8>> {
+        self.count(key);
+        self.inner.get_range(key, range)
+    }
+    fn list(&self, prefix: &str) -> arbor_engine::Result<Vec<String>> {
+        self.inner.list(prefix)
+    }
+    fn size(&self, key: &str) -> arbor_engine::Result<u64> {
+        self.inner.size(key)
+    }
+    fn delete(&self, key: &str) -> arbor_engine::Result<()> {
+        self.inner.delete(key)
+    }
+}
+
+/// Reads `files` through a volume with its cache in `cache`, over
+/// `store`: (reads of segment bytes from the bucket, footers found kept
+/// in the cache).
+fn read_through(store: &Arc<dyn ObjectStore>, cache: &Path, files: &[(String, Vec<u8>)]) -> (u64, u64) {
+    let counted = SegmentCalls::over(store);
+    let as_store: Arc<dyn ObjectStore> = counted.clone();
+    // No read-ahead: every segment opened is one the reader needs. Read
+    // only: a writable volume would add segments of its own.
+    let dev = BucketDevice::open(as_store.clone(), cache, TierConfig { read_ahead: 0, ..tier(Durability::Local) })
+        .expect("bucket device");
+    let head = HeadDevice::new(dev.clone(), as_store.clone(), "main");
+    let vol = Volume::open(head, Config { read_only: true, ..vol_cfg() }).expect("open volume");
+    check_files(&vol, files);
+    let kept = dev.stats().cache.kept_footers;
+    drop(vol);
+    drop(dev);
+    (counted.calls(), kept)
+}
+
+#[test]
+fn a_cache_opened_again_finds_its_segment_footers_and_asks_the_bucket_nothing() {
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let files = some_files(6, 12);
+    write_and_close(&store, &cache.path().join("writer"), &files);
+    // A reader on an empty cache asks the bucket for every footer and chunk.
+    let reader = cache.path().join("reader");
+    let (calls, kept) = read_through(&store, &reader, &files);
+    assert!(calls > 0 && kept == 0, "{calls} reads, {kept} kept footers on an empty cache");
+    // Opened again: the chunks and the footers are all here.
+    let (calls, kept) = read_through(&store, &reader, &files);
+    assert_eq!(calls, 0, "{calls} reads from the bucket for segments this cache holds whole");
+    assert!(kept > 0, "no footer was found kept");
+    // So is the writer's cache, whose segments became cached copies.
+    let (calls, _) = read_through(&store, &cache.path().join("writer"), &files);
+    assert_eq!(calls, 0, "the writer's own segments cost {calls} reads from the bucket");
+    // A kept footer that fails its check is read from the bucket again
+    // (one GET of the object's tail), and kept anew.
+    let footer = std::fs::read_dir(reader.join("chunks"))
+        .expect("chunks")
+        .map(|e| e.expect("entry").path())
+        .find(|p| p.to_string_lossy().ends_with(".footer"))
+        .expect("a kept footer");
+    let good = std::fs::read(&footer).expect("read");
+    let mut bad = good.clone();
+    bad[0] ^= 0x01;
+    std::fs::write(&footer, &bad).expect("write");
+    let (calls, kept) = read_through(&store, &reader, &files);
+    assert_eq!(calls, 1, "{calls} reads from the bucket for one bad footer");
+    assert!(kept > 0);
+    assert_eq!(std::fs::read(&footer).expect("read"), good, "the footer was not kept again as the object has it");
 }
 
 #[test]

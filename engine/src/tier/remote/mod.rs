@@ -56,6 +56,8 @@ const SPILL_SEGMENTS: usize = 4;
 const GET_TRIES: usize = 4;
 /// WAL pieces fetched at once when a segment is read from them.
 const PIECE_FETCHES: usize = 16;
+/// A kept segment footer's name: the segment's cache file name and this.
+const FOOTER_SUFFIX: &str = ".footer";
 /// The largest read a cache server answers with part of a chunk (larger
 /// ones fetch the whole chunk): a quarter chunk, more than the kernel's
 /// read-ahead for one random read.
@@ -96,6 +98,9 @@ pub struct CacheStats {
     pub part_rejected: u64,
     /// Segment footers cache servers gave (each saving two bucket trips).
     pub peer_footers: u64,
+    /// Segment footers read from this cache's own folder, kept there by an
+    /// earlier process (each saving two bucket trips, or one to a server).
+    pub kept_footers: u64,
 }
 
 pub(crate) struct Remote {
@@ -140,6 +145,7 @@ pub(crate) struct Remote {
     peer_part_bytes: AtomicU64,
     part_rejected: AtomicU64,
     peer_footers: AtomicU64,
+    kept_footers: AtomicU64,
 }
 
 impl Remote {
@@ -183,6 +189,7 @@ impl Remote {
             peer_part_bytes: AtomicU64::new(0),
             part_rejected: AtomicU64::new(0),
             peer_footers: AtomicU64::new(0),
+            kept_footers: AtomicU64::new(0),
         }))
     }
 
@@ -228,6 +235,7 @@ impl Remote {
             peer_part_bytes: self.peer_part_bytes.load(Ordering::Relaxed),
             part_rejected: self.part_rejected.load(Ordering::Relaxed),
             peer_footers: self.peer_footers.load(Ordering::Relaxed),
+            kept_footers: self.kept_footers.load(Ordering::Relaxed),
         }
     }
 
@@ -321,6 +329,7 @@ impl Remote {
                     ((id, i as u32), (e - s) as u32, s)
                 })
                 .collect();
+            self.keep_footer(id, &footer);
             self.segs.write().remove(&id);
             self.insert_seg(id, footer, Source::Object { file });
             self.chunks.insert(&chunks, false);
@@ -480,6 +489,7 @@ impl Remote {
             last_end: AtomicU64::new(u64::MAX),
             part_run: AtomicU64::new(u64::MAX),
             window: AtomicU64::new(self.read_ahead),
+            ahead: AtomicU64::new(0),
             me: me.clone(),
         });
         let mut segs = self.segs.write();
@@ -510,7 +520,12 @@ impl Remote {
             return Ok(Some(s.clone()));
         }
         let key = segment_key(id);
+        if let Some(footer) = self.kept_footer(id, &key) {
+            let file = self.cache_file(id, &footer)?;
+            return Ok(Some(self.insert_seg(id, footer, Source::Object { file })));
+        }
         if let Some(footer) = self.footer_from_peers(id, &key) {
+            self.keep_footer(id, &footer);
             let file = self.cache_file(id, &footer)?;
             return Ok(Some(self.insert_seg(id, footer, Source::Object { file })));
         }
@@ -529,8 +544,57 @@ impl Remote {
             Err(e) => return Err(e),
         };
         let footer = self.read_footer(&key, size)?;
+        self.keep_footer(id, &footer);
         let file = self.cache_file(id, &footer)?;
         Ok(Some(self.insert_seg(id, footer, Source::Object { file })))
+    }
+
+    /// Where the footer of sealed segment `id` is kept beside its cache
+    /// file, so that a later process opens the segment without asking
+    /// anyone (a segment object never changes and its name is never
+    /// reused, so a footer once read stays true).
+    fn footer_path(&self, id: SegId) -> PathBuf {
+        self.dir.join(format!("{}{FOOTER_SUFFIX}", id.file_name()))
+    }
+
+    /// The kept footer of segment `id`, if there is one and it passes its
+    /// own check (its crc32c and lengths); one that does not is removed.
+    fn kept_footer(&self, id: SegId, key: &str) -> Option<Footer> {
+        if self.memory {
+            return None;
+        }
+        let path = self.footer_path(id);
+        let bytes = fs::read(&path).ok()?;
+        match Footer::decode(&bytes, key) {
+            Ok(footer) => {
+                self.kept_footers.fetch_add(1, Ordering::Relaxed);
+                Some(footer)
+            }
+            Err(e) => {
+                tracing::warn!(seg = %id, error = %e, "a kept segment footer failed its check; reading it again");
+                let _ = fs::remove_file(&path);
+                None
+            }
+        }
+    }
+
+    /// Keeps `footer` of segment `id` for later processes (see
+    /// [`Remote::footer_path`]). Written aside and renamed into place, so a
+    /// reader sees all of it or none; a footer that cannot be kept is read
+    /// again next time, nothing worse.
+    fn keep_footer(&self, id: SegId, footer: &Footer) {
+        if self.memory {
+            return;
+        }
+        let mut bytes = Vec::with_capacity(footer.encoded_len());
+        footer.encode(&mut bytes);
+        let path = self.footer_path(id);
+        let aside = path.with_extension("footer-new");
+        let kept = fs::write(&aside, &bytes).and_then(|()| fs::rename(&aside, &path));
+        if let Err(e) = kept {
+            tracing::debug!(seg = %id, error = %e, "cannot keep a segment footer");
+            let _ = fs::remove_file(&aside);
+        }
     }
 
     /// The footer of sealed segment `id` from its cache server, checked
@@ -733,5 +797,6 @@ impl Remote {
         let _x = self.chunks.exclusive();
         self.chunks.forget_where(|k| k.0 == id);
         let _ = fs::remove_file(self.path(id));
+        let _ = fs::remove_file(self.footer_path(id));
     }
 }
