@@ -178,6 +178,11 @@ impl Remote {
     /// their way nor queued, as jobs of up to [`RUN_CHUNKS`] neighbours
     /// (split at multiples of it), each fetched with one GET.
     fn enqueue_chunks(self: &Arc<Self>, seg: &Arc<RemoteSeg>, first: usize, last: usize) {
+        // Chunks before `ahead` were looked at by an earlier read's window.
+        let first = first.max(seg.ahead.fetch_max(last as u64, Ordering::Relaxed) as usize);
+        if first >= last {
+            return;
+        }
         let mut runs: Vec<(usize, usize)> = Vec::new();
         {
             let inflight = self.inflight.lock();

@@ -37,6 +37,12 @@ pub(crate) struct RemoteSeg {
     /// The read-ahead window: the configured size after a random read,
     /// growing fourfold with each sequential one up to [`MAX_READ_AHEAD`].
     pub(super) window: AtomicU64,
+    /// The chunk read-ahead has looked at up to (exclusive) since the
+    /// reader last streamed into this segment: every chunk before it was
+    /// present, on its way or queued then, so the next read's window is
+    /// looked at from here, not again from the reader's position (a
+    /// 64 MiB window would otherwise cost a lookup per chunk per read).
+    pub(super) ahead: AtomicU64,
     pub(super) me: Weak<RemoteSeg>,
 }
 
@@ -278,6 +284,7 @@ impl RemoteSeg {
                 }
             } else {
                 self.window.store(base, Ordering::Relaxed);
+                self.ahead.store(0, Ordering::Relaxed);
             }
         }
         let mut fetched = self.fetch_all(&chunks)?;
