@@ -2,6 +2,19 @@
 
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
 
+# touch_memory DIR MIB: fills MIB of page cache with a file in DIR and
+# deletes it, right before a timed phase, on every side compared. This
+# kind of virtual machine hands its free memory back to the host
+# (virtio-balloon free page reporting, DAMON pageout), and the first write
+# into such memory runs at ~0.5 GB/s against ~5 GB/s into memory a file
+# held a moment ago; without this, a phase that fills the page cache
+# measures the host's page faults. TOUCH=0 turns it off (for comparison).
+touch_memory() {
+  [ "${TOUCH:-1}" = 0 ] && return 0
+  dd if=/dev/zero of="$1/.touch-memory" bs=1M count="$2" status=none 2>/dev/null || true
+  rm -f "$1/.touch-memory"
+}
+
 # fio's JSON -> one number: MiB/s of a job, or a completion-latency percentile in µs.
 bw() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; r=j[sys.argv[2]]; print(r["bw_bytes"]/1048576)' "$@"; }
 lat() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; print(j["read"]["clat_ns"]["percentile"][sys.argv[2]]/1000)' "$@"; }

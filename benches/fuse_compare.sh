@@ -37,8 +37,11 @@ ARBOR_FUSE=classic "$arbor" mount "$work/disk-classic" "$work/classic" >&2
 
 . "$here/benches/common.sh"
 
-seqwrite() { fio --name=w --directory="$1" --filename=big --rw=write --bs=1M --size="$size" --end_fsync=1 --output-format=json --output="$2" >/dev/null; }
-seqread() { drop_caches; fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
+# Each phase that fills the page cache starts on touched memory
+# (common.sh, touch_memory), on every side alike.
+touch_mib=$(( ${size%G} * 1024 ))
+seqwrite() { touch_memory "$work" "$touch_mib"; fio --name=w --directory="$1" --filename=big --rw=write --bs=1M --size="$size" --end_fsync=1 --output-format=json --output="$2" >/dev/null; }
+seqread() { drop_caches; touch_memory "$work" "$touch_mib"; fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
 warmread() { fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --invalidate=0 --output-format=json --output="$2" >/dev/null; }
 randread() { drop_caches; fio --name=rr --directory="$1" --filename=big --rw=randread --bs=4k --size="$size" --runtime=15 --time_based --output-format=json --output="$2" >/dev/null; }
 declare -A R

@@ -53,8 +53,10 @@ remote_side() {
 }
 
 . "$here/benches/common.sh"
-seqwrite() { fio --name=w --directory="$1" --filename=big --rw=write --bs=1M --size="$size" --end_fsync=1 --output-format=json --output="$2" >/dev/null; }
-seqread() { drop_caches; fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
+# Each timed phase starts on touched memory (common.sh, touch_memory).
+touch_mib=$(( ${size%G} * 1024 ))
+seqwrite() { touch_memory "$work" "$touch_mib"; fio --name=w --directory="$1" --filename=big --rw=write --bs=1M --size="$size" --end_fsync=1 --output-format=json --output="$2" >/dev/null; }
+seqread() { drop_caches; touch_memory "$work" "$touch_mib"; fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
 # ckpt DIR… : one writer per DIR, at once; prints GB/s over them all.
 ckpt() {
   python3 - "$ckpt_mib" "$@" <<'PY'
