@@ -90,7 +90,9 @@ fn volume(dir: &std::path::Path) -> Arc<Volume> {
 
 fn main() {
     let base = std::env::args().nth(1).map(std::path::PathBuf::from);
-    let tmp = tempfile::tempdir_in(base.as_deref().unwrap_or(std::path::Path::new("/var/tmp"))).expect("tempdir");
+    let base = base.unwrap_or_else(|| std::path::PathBuf::from("/var/tmp"));
+    std::fs::create_dir_all(&base).expect("the folder to work in");
+    let tmp = tempfile::tempdir_in(&base).expect("tempdir");
     let reps = env_usize("ARBOR_BENCH_REPS", 2000);
 
     let local = volume(&tmp.path().join("local"));
