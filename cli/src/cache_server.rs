@@ -168,6 +168,13 @@ pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
     for b in &args.owner.branches {
         arbor_snapshot::check_name(b)?;
     }
+    // The process started below is ready once something answers at the
+    // address, so the address must be free now: a server already there
+    // would look like this one started.
+    if args.listen.rsplit(':').next() == Some("0") {
+        bail!("--listen {}: give a port (port 0 is for --foreground, which logs the one it got)", args.listen);
+    }
+    drop(std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?);
     let pid =
         crate::serve::spawn_detached(&log_path, "arbor serve", || std::net::TcpStream::connect(&args.listen).is_ok())?;
     Ok((pid, log_path))

@@ -99,6 +99,9 @@ impl Owned {
 /// by another process (`--server`, or an owner record beside a live lease).
 pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locate>> {
     let name = args.branch.clone().unwrap_or_else(|| "main".into());
+    if let Some(addr) = &args.server {
+        arbor_net::check_host_port(addr).map_err(|e| anyhow::anyhow!("--server {e}"))?;
+    }
     let catalog = d.catalog()?;
     let recorded = match &args.server {
         Some(_) => None,

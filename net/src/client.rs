@@ -139,9 +139,7 @@ impl CacheClient {
         let mut peers: Vec<Peer> = Vec::new();
         for addr in &opts.servers {
             let addr = addr.trim().to_string();
-            if addr.is_empty() || !addr.contains(':') {
-                return Err(crate::Error::Config(format!("{addr:?} is not HOST:PORT")));
-            }
+            crate::check_host_port(&addr).map_err(|e| crate::Error::Config(format!("cache server {e}")))?;
             if peers.iter().any(|p| p.addr == addr) {
                 continue;
             }

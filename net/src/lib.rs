@@ -71,6 +71,22 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
+/// Checks that `addr` reads as `HOST:PORT` (a name or an address, a port
+/// from 1 to 65535; an IPv6 address in brackets), without resolving it:
+/// a typo is refused when it is given, not found as a server "down".
+pub fn check_host_port(addr: &str) -> Result<(), Error> {
+    let bad = || Error::Config(format!("{addr:?} is not HOST:PORT"));
+    let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+    let host_ok = match host.strip_prefix('[') {
+        Some(v6) => v6.strip_suffix(']').is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok()),
+        None => !host.is_empty() && !host.contains(|c: char| c.is_whitespace() || c == '/' || c == ':'),
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p != 0 && host_ok => Ok(()),
+        _ => Err(bad()),
+    }
+}
+
 /// Reads a shared token: the file's first line, trimmed; it must not be
 /// empty. A token file others can read is used, with a warning.
 pub fn read_token(path: &Path) -> Result<String, Error> {
@@ -120,6 +136,27 @@ pub(crate) fn token_matches(got: &[u8], token: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_port_is_checked_without_resolving() {
+        for good in ["127.0.0.1:7070", "cache-a:80", "cache-a.example.com:65535", "[::1]:7070"] {
+            assert!(check_host_port(good).is_ok(), "{good}");
+        }
+        let bad = [
+            "127.0.0.1:notaport",
+            "cache-a",
+            ":7070",
+            "cache-a:0",
+            "cache-a:70000",
+            "[::1:7070",
+            "a b:1",
+            "http://a:1",
+            "",
+        ];
+        for addr in bad {
+            assert!(check_host_port(addr).is_err(), "{addr}");
+        }
+    }
 
     #[test]
     fn tokens_are_read_trimmed_and_must_not_be_empty() {

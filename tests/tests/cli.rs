@@ -9,6 +9,16 @@ fn stderr(out: &std::process::Output) -> String {
 #[test]
 fn errors_are_one_line_with_a_nonzero_exit() {
     let s = Scratch::new();
+    let token_path = s.dir.path().join("token");
+    std::fs::write(&token_path, "a-token-for-tests\n").expect("token");
+    std::fs::set_permissions(&token_path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+    let token = token_path.display().to_string();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let serve = |listen: &str| -> Vec<String> {
+        ["serve", s.disk_str(), "--branch", "main", "--listen", listen, "--token-file", &token]
+            .map(String::from)
+            .to_vec()
+    };
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec!["init".into(), s.disk_str().into()], "already an arbor disk"),
         (vec!["mount".into(), "/nonexistent/disk".into(), "/tmp".into()], "does not exist"),
@@ -58,6 +68,34 @@ fn errors_are_one_line_with_a_nonzero_exit() {
         (vec!["prefetch".into(), s.mnt.display().to_string(), "x".into()], "not an arbor mount"),
         (vec!["compact".into(), s.disk_str().into(), "--max-live".into(), "2".into()], "between 0 and 1"),
         (vec!["compact".into(), s.disk_str().into(), "--branch".into(), "nope".into()], "no branch named"),
+        (
+            vec![
+                "mount".into(),
+                s.disk_str().into(),
+                s.mnt.display().to_string(),
+                "--cache-server".into(),
+                "127.0.0.1:7070,127.0.0.1:notaport".into(),
+                "--token-file".into(),
+                token.clone(),
+            ],
+            "cache server \"127.0.0.1:notaport\" is not HOST:PORT",
+        ),
+        (
+            vec![
+                "mount".into(),
+                s.disk_str().into(),
+                s.mnt.display().to_string(),
+                "--server".into(),
+                "owner-host".into(),
+                "--token-file".into(),
+                token.clone(),
+            ],
+            "--server \"owner-host\" is not HOST:PORT",
+        ),
+        // A server already answering at the address must not pass for this
+        // one having started.
+        (serve(&busy.local_addr().expect("addr").to_string()), "cannot listen on"),
+        (serve("127.0.0.1:0"), "give a port"),
     ];
     for (args, want) in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
