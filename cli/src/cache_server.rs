@@ -268,10 +268,21 @@ pub fn warm(
     bar.finish_and_clear();
     let stats = client.stats();
     let (given, hits): (u64, u64) = stats.iter().fold((0, 0), |a, s| (a.0 + s.chunks, a.1 + s.hits));
-    let fallbacks: u64 = stats
-        .iter()
-        .map(|s| s.fallback_down + s.fallback_timeout + s.fallback_error + s.fallback_not_found + s.rejected)
-        .sum();
+    // What a server should have taken and did not: its share is not warm.
+    // (A server saying it has no such segment is no failure: opening a
+    // checkpoint looks for the segment after its last one.)
+    let failed =
+        |s: &arbor_net::client::ServerStats| s.fallback_down + s.fallback_timeout + s.fallback_error + s.rejected;
+    let fallbacks: u64 = stats.iter().map(failed).sum();
+    if given == 0 && fallbacks > 0 {
+        bail!(
+            "nothing was warmed: {}",
+            stats.iter().map(|s| format!("{} {}", s.addr, failure_reasons(s))).collect::<Vec<_>>().join("; ")
+        );
+    }
+    for s in stats.iter().filter(|s| failed(s) > 0) {
+        eprintln!("warning: cache server {}: {} chunks not warmed ({})", s.addr, failed(s), failure_reasons(s));
+    }
     println!(
         "warmed {} files, {} of checkpoint {checkpoint}: {given} chunks through {} servers ({hits} were already there), {fallbacks} read from the bucket instead",
         files.len(),
@@ -279,4 +290,20 @@ pub fn warm(
         stats.len()
     );
     Ok(())
+}
+
+/// Why a cache server's chunks came from the bucket: "3 down, 1 timed out".
+fn failure_reasons(s: &arbor_net::client::ServerStats) -> String {
+    let reasons = [
+        (s.fallback_down, "down (not answering)"),
+        (s.fallback_timeout, "timed out"),
+        (s.fallback_error, "errors"),
+        (s.rejected, "rejected (bad checksum)"),
+    ];
+    let said: Vec<String> = reasons.iter().filter(|(n, _)| *n > 0).map(|(n, why)| format!("{n} {why}")).collect();
+    if said.is_empty() {
+        "answered".into()
+    } else {
+        said.join(", ")
+    }
 }

@@ -233,6 +233,23 @@ fn one_warm_dataset_for_every_node_and_job() {
         &env,
     );
     assert!(out.contains(&format!("warmed {FILES} files")), "{out}");
+    assert!(out.contains(", 0 read from the bucket instead"), "{out}");
+    // A warm whose servers do not answer warmed nothing, and says so.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").to_string();
+    let args = [
+        "warm",
+        &disk,
+        "--checkpoint",
+        "v1",
+        "/",
+        "--cache-server",
+        &nobody,
+        "--token-file",
+        tok.to_str().expect("utf8"),
+    ];
+    let failed = arbor_env(&args, &env);
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert!(!failed.status.success() && err.contains("nothing was warmed") && err.contains(&nobody), "{err}");
     let warmed = fresh.metric("arbor_cache_bucket_bytes_total");
     assert!(warmed >= dataset, "arbor warm filled the server with {warmed} bytes");
     let before = proxy.sent();
