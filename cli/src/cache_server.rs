@@ -194,6 +194,23 @@ pub fn client(servers: &[String], token_file: Option<&Path>) -> Result<Option<Ar
     Ok(Some(Arc::new(client)))
 }
 
+/// Asks every cache server whether it answers and takes the token:
+/// (how many do, what is wrong with each of the others, as "ADDR PROBLEM").
+pub fn check_servers(client: &CacheClient) -> (usize, Vec<String>) {
+    let checked = client.check(arbor_net::client::timeout_from_env());
+    let ok = checked.iter().filter(|(_, p)| p.is_none()).count();
+    let problems = checked.into_iter().filter_map(|(addr, p)| Some(format!("{addr} {}", p?))).collect();
+    (ok, problems)
+}
+
+/// Says on stderr which cache servers do not answer or refuse the token:
+/// their chunks come from the bucket until they do.
+pub fn warn_about_servers(problems: &[String]) {
+    for p in problems {
+        eprintln!("warning: cache server {p}; the chunks it owns come from the bucket until it answers");
+    }
+}
+
 /// `arbor warm`: reads `paths` of checkpoint `checkpoint` through the cache
 /// servers, so that each chunk is fetched from the bucket by its owner
 /// before a job needs it. Needs no mount; keeps nothing on this node (its
@@ -210,6 +227,10 @@ pub fn warm(
     let Some(client) = client(servers, token_file)? else {
         bail!("arbor warm needs --cache-server HOST:PORT,… (or ARBOR_CACHE_SERVERS)");
     };
+    match check_servers(&client) {
+        (0, problems) => bail!("nothing to warm: no cache server answered: {}", problems.join("; ")),
+        (_, problems) => warn_about_servers(&problems),
+    }
     let cache = disk::CacheOptions {
         size: 256 << 20,
         memory: true,

@@ -101,6 +101,9 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_name(args.root_name())?;
     check_segment_size(args.segment_size)?;
     let cache_client = crate::cache_server::client(&args.cache_servers, args.token_file.as_deref())?;
+    if let Some(c) = &cache_client {
+        crate::cache_server::warn_about_servers(&crate::cache_server::check_servers(c).1);
+    }
     let mut cache = args.cache.clone();
     cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>);
     let disk = disk::open_for_mount(&args.disk, args.root_name(), cache)?;

@@ -161,6 +161,47 @@ impl CacheClient {
         self.inner.owner(seg, index)
     }
 
+    /// Asks every server whether it answers and takes our token (`GET
+    /// /v1/health`, within `timeout`), counting nothing: per server, `None`
+    /// when it does, or what is wrong. For a command to say at once that a
+    /// server is unreachable or has another token, instead of its chunks
+    /// quietly coming from the bucket.
+    pub fn check(&self, timeout: Duration) -> Vec<(String, Option<String>)> {
+        let inner = self.inner.clone();
+        self.rt.block_on(async move {
+            let asks: Vec<_> = (0..inner.peers.len())
+                .map(|i| {
+                    let inner = inner.clone();
+                    tokio::spawn(async move {
+                        let addr = inner.peers[i].addr.clone();
+                        let attempt = async {
+                            let mut send = connect(&addr, timeout).await?;
+                            let req = Request::get(format!("http://{addr}/v1/health"))
+                                .header(AUTHORIZATION, inner.auth.clone())
+                                .body(Full::new(Bytes::new()))
+                                .map_err(|e| e.to_string())?;
+                            let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+                            Ok::<_, String>(resp.status())
+                        };
+                        match tokio::time::timeout(timeout, attempt).await {
+                            Ok(Ok(StatusCode::OK)) => None,
+                            Ok(Ok(StatusCode::UNAUTHORIZED)) => Some("refused our token (check --token-file)".into()),
+                            Ok(Ok(status)) => Some(format!("answered {status}")),
+                            Ok(Err(e)) => Some(format!("not reachable: {e}")),
+                            Err(_) => Some(format!("no answer within {} ms", timeout.as_millis())),
+                        }
+                    })
+                })
+                .collect();
+            let mut out = Vec::with_capacity(asks.len());
+            for (i, a) in asks.into_iter().enumerate() {
+                let problem = a.await.unwrap_or_else(|e| Some(e.to_string()));
+                out.push((inner.peers[i].addr.clone(), problem));
+            }
+            out
+        })
+    }
+
     /// Per server: what it gave and why it was passed over.
     pub fn stats(&self) -> Vec<ServerStats> {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);

@@ -190,6 +190,21 @@ fn one_warm_dataset_for_every_node_and_job() {
     }
     let (status, _) = http_get(&server.addr, "/v1/chunks/seg-0000000000000001-00000001/0", None).expect("GET");
     assert!(status.contains(" 401 "), "{status}");
+    // A client given another token is told so when it mounts, and reads
+    // everything from the bucket, every byte still right.
+    let wrong = w.dir.path().join("other-token");
+    std::fs::write(&wrong, "not-the-servers-token\n").expect("token");
+    std::fs::set_permissions(&wrong, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+    let (mnt, cache) = (w.mnt("wrong-token"), w.dir.path().join("client-caches/wrong-token"));
+    let (mnt_s, cache_s, wrong_s) =
+        (mnt.to_str().expect("utf8"), cache.to_str().expect("utf8"), wrong.to_str().expect("utf8"));
+    let args = ["mount", &disk, mnt_s, "--checkpoint", "v1", "--cache-dir", cache_s, "--cache-server", &server.addr];
+    let out = arbor_env(&[&args[..], &["--token-file", wrong_s]].concat(), &env);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains(&format!("warning: cache server {} refused our token", server.addr)), "{err}");
+    read_all(&mnt);
+    arbor_env_ok(&["unmount", mnt_s], &env);
 
     // kill -9 the server in the middle of a client's reads: the client
     // reads on from the bucket; the restarted server finds its cache.
@@ -249,7 +264,8 @@ fn one_warm_dataset_for_every_node_and_job() {
     ];
     let failed = arbor_env(&args, &env);
     let err = String::from_utf8_lossy(&failed.stderr);
-    assert!(!failed.status.success() && err.contains("nothing was warmed") && err.contains(&nobody), "{err}");
+    assert!(!failed.status.success() && err.contains("no cache server answered") && err.contains(&nobody), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     let warmed = fresh.metric("arbor_cache_bucket_bytes_total");
     assert!(warmed >= dataset, "arbor warm filled the server with {warmed} bytes");
     let before = proxy.sent();
