@@ -55,6 +55,7 @@ fn cache_dir(args: &ServeArgs, d: &disk::Disk) -> Result<PathBuf> {
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     let token = arbor_net::read_token(&args.token_file)?;
+    check_advertise(args)?;
     let d = disk::open(&args.disk)?;
     let branches = &args.owner.branches;
     if !d.is_s3() && branches.is_empty() {
@@ -159,11 +160,20 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// The address given to clients must read as one.
+fn check_advertise(args: &ServeArgs) -> Result<()> {
+    if let Some(a) = &args.owner.advertise {
+        arbor_net::check_host_port(a).map_err(|e| anyhow::anyhow!("--advertise {e}"))?;
+    }
+    Ok(())
+}
+
 /// Starts the server as a background process and returns once it accepts
 /// connections: (pid, log).
 pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
     // Refuse what the child would refuse, here, with the message on the terminal.
     arbor_net::read_token(&args.token_file)?;
+    check_advertise(args)?;
     let log_path = disk::open(&args.disk)?.log_path("serve");
     for b in &args.owner.branches {
         arbor_snapshot::check_name(b)?;

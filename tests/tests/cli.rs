@@ -96,6 +96,10 @@ fn errors_are_one_line_with_a_nonzero_exit() {
         // one having started.
         (serve(&busy.local_addr().expect("addr").to_string()), "cannot listen on"),
         (serve("127.0.0.1:0"), "give a port"),
+        (
+            [serve("127.0.0.1:1"), vec!["--advertise".into(), "owner-host".into()]].concat(),
+            "--advertise \"owner-host\" is not HOST:PORT",
+        ),
     ];
     for (args, want) in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
