@@ -559,9 +559,10 @@ fn print_status(s: &serde_json::Value) {
     if !s["owner"].is_null() {
         println!("owner        {} (metadata and writes go there)", get("owner"));
         println!(
-            "owner links  {} sessions, {} retried requests, {} files open",
+            "owner links  {} sessions, {} retried requests, {} lookups of the owner's address, {} files open",
             get("owner_sessions"),
             get("owner_retries"),
+            get("owner_lookups"),
             get("open_files")
         );
         let r = &s["reads"];

@@ -176,6 +176,7 @@ pub fn mount_remote(
                 "read_only": false,
                 "owner": s.owner,
                 "owner_retries": s.retries,
+                "owner_lookups": s.owner_lookups,
                 "owner_sessions": s.sessions,
                 "open_files": s.open_files,
                 "reads": {

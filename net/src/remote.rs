@@ -4,8 +4,9 @@
 //! returned as the owner's volume gave it.
 //!
 //! The mount is "hard": when the owner cannot be reached, an operation
-//! waits and tries again (backoff from 50 ms to 2 s, the owner's address
-//! looked up again each time, so a new owner is followed), unless a
+//! waits and tries again (backoff from 50 ms to 250 ms; the owner's
+//! address looked up again at most every 2 s, so a new owner is followed
+//! without a request to the bucket per try), unless a
 //! timeout was given, after which it fails with EIO. When the owner comes
 //! back with a new epoch (it restarted), the client opens a new session
 //! and opens again the files it holds open.
@@ -68,7 +69,45 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Unsynced bytes a client keeps for resending before it syncs on its own.
 pub const UNSYNCED_MAX: u64 = 128 << 20;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// The longest wait between two tries to reach the owner: a restarted
+/// owner is found within this of answering again. A try at an address
+/// nobody listens on costs a refused connect.
+const BACKOFF_MAX: Duration = Duration::from_millis(250);
+/// How often the owner's address is looked up again while it cannot be
+/// reached (each lookup of the owner record is a request to the bucket,
+/// shared by every thread of the mount): a new owner taking over is
+/// followed within this.
+const LOCATE_EVERY: Duration = Duration::from_secs(2);
+
+/// [`RemoteOptions::locate`], asked at most once per [`LOCATE_EVERY`]:
+/// between, every caller gets the last answer.
+struct Locator {
+    locate: Locate,
+    last: Mutex<Option<(Option<String>, Instant)>>,
+    /// Lookups made (for tests and status).
+    lookups: AtomicU64,
+}
+
+impl Locator {
+    fn new(locate: Locate) -> Locator {
+        Locator { locate, last: Mutex::new(None), lookups: AtomicU64::new(0) }
+    }
+
+    /// The owner's address, or `None` when no owner is recorded.
+    fn owner(&self) -> Option<String> {
+        // Held across the lookup: threads that fail at once share one.
+        let mut last = self.last.lock();
+        if let Some((addr, at)) = last.as_ref() {
+            if at.elapsed() < LOCATE_EVERY {
+                return addr.clone();
+            }
+        }
+        self.lookups.fetch_add(1, Ordering::Relaxed);
+        let found = (self.locate)();
+        *last = Some((found.clone(), Instant::now()));
+        found
+    }
+}
 
 #[derive(Clone)]
 pub struct RemoteOptions {
@@ -194,6 +233,7 @@ struct Lane {
 
 struct Inner {
     opts: RemoteOptions,
+    locator: Arc<Locator>,
     auth: HeaderValue,
     /// The connection the event poll uses (HTTP/2, long-polling).
     conn: tokio::sync::Mutex<Option<(String, SendRequest<Full<Bytes>>)>>,
@@ -240,6 +280,9 @@ pub struct RemoteStats {
     pub owner_bytes: u64,
     /// Locates asked of the owner.
     pub locates: u64,
+    /// Lookups of the owner's address (the owner record in the bucket, or
+    /// `--server`): one at the start, then at most one per 2 s of outage.
+    pub owner_lookups: u64,
     /// Reads from the segments that failed and went to the owner.
     pub direct_failed: u64,
 }
@@ -259,8 +302,8 @@ impl Inner {
                 return Ok((addr.clone(), s.clone()));
             }
         }
-        let locate = self.opts.locate.clone();
-        let addr = tokio::task::spawn_blocking(move || locate())
+        let locator = self.locator.clone();
+        let addr = tokio::task::spawn_blocking(move || locator.owner())
             .await
             .ok()
             .flatten()
@@ -315,7 +358,7 @@ impl Inner {
         let addr = match known {
             Some(a) => a,
             None => {
-                (self.opts.locate)().ok_or_else(|| Failed::Transport("no owner is recorded for the branch".into()))?
+                self.locator.owner().ok_or_else(|| Failed::Transport("no owner is recorded for the branch".into()))?
             }
         };
         // An owner that no longer answers at the address we knew is looked
@@ -755,6 +798,7 @@ impl RemoteFiles {
         let direct = opts.segments.clone().map(DirectReads::new);
         let inner = Arc::new(Inner {
             direct,
+            locator: Arc::new(Locator::new(opts.locate.clone())),
             opts,
             auth,
             conn: tokio::sync::Mutex::new(None),
@@ -794,6 +838,7 @@ impl RemoteFiles {
         RemoteStats {
             owner,
             retries: self.inner.retries.load(Ordering::Relaxed),
+            owner_lookups: self.inner.locator.lookups.load(Ordering::Relaxed),
             sessions: self.inner.sessions.load(Ordering::Relaxed),
             open_files: self.inner.open.lock().len(),
             direct_reads: self.inner.direct.as_ref().map_or(0, |d| d.counters.direct_reads.load(Ordering::Relaxed)),

@@ -427,3 +427,37 @@ fn writes_in_flight_when_the_owner_goes_away_are_sent_again_to_the_next_one() {
     assert!(read_all(&c, f.ino, want.len(), 1 << 20) == want);
     assert_eq!(c.unsynced_bytes(), 0);
 }
+
+#[test]
+fn a_client_waiting_for_its_owner_looks_for_it_at_most_every_two_seconds() {
+    let dev = SimDevice::new();
+    let (vol, running) = owner(&dev);
+    let addr = running.addr.to_string();
+    let lookups = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counted = lookups.clone();
+    let c = RemoteFiles::connect(RemoteOptions {
+        branch: "main".into(),
+        token: TOKEN.into(),
+        locate: Arc::new(move || {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(addr.clone())
+        }),
+        timeout: Some(Duration::from_millis(1500)),
+        segments: None,
+    })
+    .expect("connect");
+    c.getattr(ROOT_INO).expect("getattr");
+    let before = lookups.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(before >= 1);
+    drop(running);
+    drop(vol);
+    // The owner is gone: the client tries again every 250 ms at most, but
+    // asks where the owner is (a request to the bucket, for a client that
+    // finds its owner there) at most once per 2 s.
+    assert!(c.getattr(ROOT_INO).is_err(), "an owner that is gone answered");
+    let during = lookups.load(std::sync::atomic::Ordering::Relaxed) - before;
+    let s = c.stats();
+    assert!(s.retries >= 3, "{} tries in 1.5 s", s.retries);
+    assert!(during <= 1, "{during} lookups of the owner in 1.5 s of outage ({} tries)", s.retries);
+    assert_eq!(s.owner_lookups, before + during);
+}
