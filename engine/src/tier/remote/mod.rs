@@ -590,7 +590,10 @@ impl Remote {
         footer.encode(&mut bytes);
         let path = self.footer_path(id);
         let aside = path.with_extension("footer-new");
-        let kept = fs::write(&aside, &bytes).and_then(|()| fs::rename(&aside, &path));
+        // Private to the cache's owner, as the cache files are.
+        let kept = crate::private::create(&aside)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
+            .and_then(|()| fs::rename(&aside, &path));
         if let Err(e) = kept {
             tracing::debug!(seg = %id, error = %e, "cannot keep a segment footer");
             let _ = fs::remove_file(&aside);
