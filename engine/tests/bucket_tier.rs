@@ -254,62 +254,11 @@ fn a_cache_server_beside_a_restarted_writer_serves_its_kept_chunks_and_checks_th
     assert_eq!(s.peer_chunks, served - 1, "{s:?}");
 }
 
-/// Counts the reads of segment objects' bytes (their footers, their
-/// chunks). Asking whether a segment exists is not counted: opening a
-/// volume asks about the segment after its last, whatever its cache holds.
-struct SegmentCalls {
-    inner: Arc<dyn ObjectStore>,
-    calls: std::sync::atomic::AtomicU64,
-}
-
-impl SegmentCalls {
-    fn over(inner: &Arc<dyn ObjectStore>) -> Arc<SegmentCalls> {
-        Arc::new(SegmentCalls { inner: inner.clone(), calls: Default::default() })
-    }
-    fn count(&self, key: &str) {
-        if key.starts_with(arbor_engine::layout::SEGMENTS) {
-            self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-    fn calls(&self) -> u64 {
-        self.calls.load(std::sync::atomic::Ordering::Relaxed)
-    }
-}
-
-impl ObjectStore for SegmentCalls {
-    fn put(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
-        self.inner.put(key, body)
-    }
-    fn put_if_absent(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
-        self.inner.put_if_absent(key, body)
-    }
-    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> arbor_engine::Result<String> {
-        self.inner.put_if_match(key, body, etag)
-    }
-    fn get(&self, key: &str) -> arbor_engine::Result<(Vec<u8>, String)> {
-        self.count(key);
-        self.inner.get(key)
-    }
-    fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> arbor_engine::Result<Vec<u8>> {
-        self.count(key);
-        self.inner.get_range(key, range)
-    }
-    fn list(&self, prefix: &str) -> arbor_engine::Result<Vec<String>> {
-        self.inner.list(prefix)
-    }
-    fn size(&self, key: &str) -> arbor_engine::Result<u64> {
-        self.inner.size(key)
-    }
-    fn delete(&self, key: &str) -> arbor_engine::Result<()> {
-        self.inner.delete(key)
-    }
-}
-
 /// Reads `files` through a volume with its cache in `cache`, over
 /// `store`: (reads of segment bytes from the bucket, footers found kept
 /// in the cache).
 fn read_through(store: &Arc<dyn ObjectStore>, cache: &Path, files: &[(String, Vec<u8>)]) -> (u64, u64) {
-    let counted = SegmentCalls::over(store);
+    let counted = Counting::over(store);
     let as_store: Arc<dyn ObjectStore> = counted.clone();
     // No read-ahead: every segment opened is one the reader needs. Read
     // only: a writable volume would add segments of its own.
@@ -321,7 +270,7 @@ fn read_through(store: &Arc<dyn ObjectStore>, cache: &Path, files: &[(String, Ve
     let kept = dev.stats().cache.kept_footers;
     drop(vol);
     drop(dev);
-    (counted.calls(), kept)
+    (counted.segment_reads(), kept)
 }
 
 #[test]
@@ -646,10 +595,28 @@ fn slow_bucket_calls_are_shared_by_concurrent_fsyncs() {
     }
 }
 
-/// Counts the ranged GETs.
+/// Counts the ranged GETs, and the reads of segment objects' bytes (their
+/// footers, their chunks). Asking whether a segment exists is not counted:
+/// opening a volume asks about the segment after its last, whatever its
+/// cache holds.
 struct Counting {
     inner: Arc<dyn ObjectStore>,
     gets: std::sync::atomic::AtomicU64,
+    segment_reads: std::sync::atomic::AtomicU64,
+}
+
+impl Counting {
+    fn over(inner: &Arc<dyn ObjectStore>) -> Arc<Counting> {
+        Arc::new(Counting { inner: inner.clone(), gets: Default::default(), segment_reads: Default::default() })
+    }
+    fn read_of(&self, key: &str) {
+        if key.starts_with(arbor_engine::layout::SEGMENTS) {
+            self.segment_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    fn segment_reads(&self) -> u64 {
+        self.segment_reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl ObjectStore for Counting {
@@ -663,10 +630,12 @@ impl ObjectStore for Counting {
         self.inner.put_if_match(key, body, etag)
     }
     fn get(&self, key: &str) -> arbor_engine::Result<(Vec<u8>, String)> {
+        self.read_of(key);
         self.inner.get(key)
     }
     fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> arbor_engine::Result<Vec<u8>> {
         self.gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.read_of(key);
         self.inner.get_range(key, range)
     }
     fn list(&self, prefix: &str) -> arbor_engine::Result<Vec<String>> {
@@ -693,7 +662,7 @@ fn read_ahead_streams_across_segments_in_runs_of_chunks() {
     write_files(&vol, &files);
     vol.close().expect("close");
     drop((vol, dev));
-    let counting = Arc::new(Counting { inner: mem.clone(), gets: Default::default() });
+    let counting = Counting::over(&mem);
     let store: Arc<dyn ObjectStore> = counting.clone();
     let (vol, dev) = open(&store, &cache.path().join("b"), small_chunks);
     // Sequential 64 KiB reads: read-ahead runs ahead through the segments.

@@ -233,36 +233,23 @@ fn one_warm_dataset_for_every_node_and_job() {
     // that follows pulls nothing from the bucket.
     let fresh = Serve::start(&w, &env, &disk, &w.dir.path().join("fresh-cache"), &[]);
     let tok = token_file(&w);
-    let out = arbor_env_ok(
-        &[
-            "warm",
-            &disk,
-            "--checkpoint",
-            "v1",
-            "/",
-            "--cache-server",
-            &fresh.addr,
-            "--token-file",
-            tok.to_str().expect("utf8"),
-        ],
-        &env,
-    );
-    assert!(out.contains(&format!("warmed {FILES} files")), "{out}");
-    assert!(out.contains(", 0 read from the bucket instead"), "{out}");
-    // A warm whose servers do not answer warmed nothing, and says so.
-    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").to_string();
-    let args = [
+    let warm_args = [
         "warm",
         &disk,
         "--checkpoint",
         "v1",
         "/",
         "--cache-server",
-        &nobody,
+        &fresh.addr,
         "--token-file",
         tok.to_str().expect("utf8"),
     ];
-    let failed = arbor_env(&args, &env);
+    let out = arbor_env_ok(&warm_args, &env);
+    assert!(out.contains(&format!("warmed {FILES} files")), "{out}");
+    assert!(out.contains(", 0 read from the bucket instead"), "{out}");
+    // A warm whose servers do not answer warmed nothing, and says so.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").to_string();
+    let failed = arbor_env(&warm_args.map(|a| if a == fresh.addr { nobody.as_str() } else { a }), &env);
     let err = String::from_utf8_lossy(&failed.stderr);
     assert!(!failed.status.success() && err.contains("no cache server answered") && err.contains(&nobody), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
