@@ -426,6 +426,23 @@ fn a_client_with_the_wrong_token_reads_the_bucket_and_stops_asking() {
         })
         .expect("client"),
     );
+    // Asked up front, each server says what is wrong with it, and asking
+    // counts as nothing.
+    let down = dummy_down();
+    let both = |token: &str| {
+        let c = CacheClient::new(ClientOptions {
+            servers: vec![server.addr.clone(), down.addr.clone()],
+            token: token.into(),
+            timeout: Duration::from_secs(5),
+        })
+        .expect("client");
+        c.check(Duration::from_secs(5))
+    };
+    let checked = both(TOKEN);
+    assert_eq!(checked[0], (server.addr.clone(), None), "{checked:?}");
+    assert!(checked[1].1.as_deref().is_some_and(|p| p.starts_with("not reachable")), "{checked:?}");
+    let checked = both("not-the-token");
+    assert!(checked[0].1.as_deref().is_some_and(|p| p.contains("refused our token")), "{checked:?}");
     read_through(&store, &dir.path().join("reader"), Some(wrong.clone()), &data);
     let s = &wrong.stats()[0];
     assert_eq!(s.chunks, 0, "{s:?}");
