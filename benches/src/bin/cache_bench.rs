@@ -174,14 +174,7 @@ fn main() {
     let touch = || arbor_benches::touch_memory(&base, 2 * len as usize);
     let server_reader = reader(&far, &fresh(&base, "s1"), Some(client(&near)), 4 << 20);
     touch();
-    let mono = || {
-        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
-        t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
-    };
-    eprintln!("PHASE {:.6}", mono());
     let seq_server = read_seq(&server_reader, len);
-    eprintln!("PHASE {:.6}", mono());
     drop(server_reader);
     let bucket_reader = reader(&far, &fresh(&base, "s2"), None, 4 << 20);
     touch();
