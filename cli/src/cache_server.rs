@@ -185,8 +185,9 @@ pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
         bail!("--listen {}: give a port (port 0 is for --foreground, which logs the one it got)", args.listen);
     }
     drop(std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?);
-    let pid =
-        crate::serve::spawn_detached(&log_path, "arbor serve", || std::net::TcpStream::connect(&args.listen).is_ok())?;
+    let pid = crate::serve::spawn_detached(&log_path, "arbor serve", &[], || {
+        std::net::TcpStream::connect(&args.listen).is_ok()
+    })?;
     Ok((pid, log_path))
 }
 

@@ -97,11 +97,17 @@ pub fn check_segment_size(size: u64) -> Result<()> {
     Ok(())
 }
 
+/// Set for a mount process started in the background by a command that
+/// has already asked its cache servers whether they answer.
+const SERVERS_CHECKED: &str = "ARBOR_CACHE_SERVERS_CHECKED";
+
 fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_name(args.root_name())?;
     check_segment_size(args.segment_size)?;
     let cache_client = crate::cache_server::client(&args.cache_servers, args.token_file.as_deref())?;
-    if let Some(c) = &cache_client {
+    // Checked once, by the command a user runs: not again by the mount
+    // process it starts in the background.
+    if let (Some(c), None) = (&cache_client, std::env::var_os(SERVERS_CHECKED)) {
         crate::cache_server::warn_about_servers(&crate::cache_server::check_servers(c).1);
     }
     let mut cache = args.cache.clone();
@@ -531,7 +537,7 @@ pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
     let mountpoint = p.mountpoint.clone();
     // The server opens the disk (and its cache directory) itself.
     drop(p);
-    spawn_detached(&log_path, "mount", || {
+    spawn_detached(&log_path, "mount", &[(SERVERS_CHECKED, "1")], || {
         arbor_fs::is_mountpoint(&mountpoint) && control::request(&mountpoint, json!({"op": "status"})).is_ok()
     })?;
     let fuse = control::request(&mountpoint, json!({"op": "status"}))
@@ -541,15 +547,20 @@ pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
     Ok((log_path, fuse))
 }
 
-/// Runs this command again with `--foreground` as a process of its own
-/// session, logging to `log_path`, and returns its pid once `ready` says
+/// Runs this command again with `--foreground` (and `env`) as a process of
+/// its own session, logging to `log_path`, and returns its pid once `ready` says
 /// so (within 60 s); a child that exits first fails with its last log line.
-pub fn spawn_detached(log_path: &Path, what: &str, mut ready: impl FnMut() -> bool) -> Result<u32> {
+pub fn spawn_detached(
+    log_path: &Path,
+    what: &str,
+    env: &[(&str, &str)],
+    mut ready: impl FnMut() -> bool,
+) -> Result<u32> {
     use std::os::unix::process::CommandExt;
     arbor_engine::private::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
     let log = arbor_engine::private::options().create(true).append(true).open(log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.args(std::env::args_os().skip(1)).arg("--foreground");
+    cmd.args(std::env::args_os().skip(1)).arg("--foreground").envs(env.iter().copied());
     cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone()?).stderr(log);
     // SAFETY: setsid is async-signal-safe; it detaches the child from our terminal.
     unsafe {

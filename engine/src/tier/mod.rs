@@ -507,7 +507,8 @@ impl Drop for BucketDevice {
 /// node wrote and uploaded, and those it fetched), as a [`ChunkSource`]:
 /// what `arbor serve --branch` serves of its own segments without asking
 /// the bucket for bytes it has, also those kept from before a restart.
-/// Never fetches a chunk (such a kept segment costs one footer read).
+/// Never fetches a chunk (a kept segment whose footer was not kept costs
+/// one footer read).
 struct CachedHere {
     remote: std::sync::Weak<Remote>,
 }

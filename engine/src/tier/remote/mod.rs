@@ -438,9 +438,9 @@ impl Remote {
     }
 
     /// Segment `id` as this cache holds it: open already, or a cache file
-    /// of it kept from before a restart, which is opened now (its footer
-    /// read from the bucket, once; its chunks checked before they are
-    /// used). `None` when this node holds none of it.
+    /// of it kept from before a restart, which is opened now (with its
+    /// kept footer, or the bucket's if none was kept; its chunks checked
+    /// before they are used). `None` when this node holds none of it.
     fn held(self: &Arc<Self>, id: SegId) -> Option<Arc<RemoteSeg>> {
         if let Some(seg) = self.segs.read().get(&id) {
             return Some(seg.clone());
