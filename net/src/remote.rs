@@ -5,7 +5,8 @@
 //!
 //! The mount is "hard": when the owner cannot be reached, an operation
 //! waits and tries again (backoff from 50 ms to 250 ms; the owner's
-//! address looked up again at most every 2 s, so a new owner is followed
+//! address looked up again after 50 ms, 100 ms, … up to every 2 s, one
+//! lookup for every thread of the mount, so a new owner is followed
 //! without a request to the bucket per try), unless a
 //! timeout was given, after which it fails with EIO. When the owner comes
 //! back with a new epoch (it restarted), the client opens a new session
@@ -73,39 +74,58 @@ const BACKOFF_MIN: Duration = Duration::from_millis(50);
 /// owner is found within this of answering again. A try at an address
 /// nobody listens on costs a refused connect.
 const BACKOFF_MAX: Duration = Duration::from_millis(250);
-/// How often the owner's address is looked up again while it cannot be
-/// reached (each lookup of the owner record is a request to the bucket,
-/// shared by every thread of the mount): a new owner taking over is
-/// followed within this.
-const LOCATE_EVERY: Duration = Duration::from_secs(2);
+/// While the owner cannot be reached its address is looked up again
+/// (each lookup of the owner record is a request to the bucket), first
+/// after this, then twice as long after each lookup, up to
+/// [`LOCATE_MAX`]: a new owner that took over is found as soon as before,
+/// and a long outage costs the bucket one request per 2 s per mount, not
+/// one per try per thread.
+const LOCATE_MIN: Duration = Duration::from_millis(50);
+const LOCATE_MAX: Duration = Duration::from_secs(2);
 
-/// [`RemoteOptions::locate`], asked at most once per [`LOCATE_EVERY`]:
-/// between, every caller gets the last answer.
+/// [`RemoteOptions::locate`], shared by every thread of a mount: between
+/// two lookups every caller gets the last answer.
 struct Locator {
     locate: Locate,
-    last: Mutex<Option<(Option<String>, Instant)>>,
+    state: Mutex<Located>,
     /// Lookups made (for tests and status).
     lookups: AtomicU64,
 }
 
+struct Located {
+    /// The last answer and when it was given.
+    last: Option<(Option<String>, Instant)>,
+    /// How long that answer stands.
+    wait: Duration,
+}
+
 impl Locator {
     fn new(locate: Locate) -> Locator {
-        Locator { locate, last: Mutex::new(None), lookups: AtomicU64::new(0) }
+        Locator { locate, state: Mutex::new(Located { last: None, wait: LOCATE_MIN }), lookups: AtomicU64::new(0) }
     }
 
     /// The owner's address, or `None` when no owner is recorded.
     fn owner(&self) -> Option<String> {
         // Held across the lookup: threads that fail at once share one.
-        let mut last = self.last.lock();
-        if let Some((addr, at)) = last.as_ref() {
-            if at.elapsed() < LOCATE_EVERY {
+        let mut s = self.state.lock();
+        if let Some((addr, at)) = s.last.as_ref() {
+            if at.elapsed() < s.wait {
                 return addr.clone();
             }
         }
         self.lookups.fetch_add(1, Ordering::Relaxed);
         let found = (self.locate)();
-        *last = Some((found.clone(), Instant::now()));
+        // Asked again: the owner is being looked for; wait longer next time.
+        if s.last.is_some() {
+            s.wait = (s.wait * 2).min(LOCATE_MAX);
+        }
+        s.last = Some((found.clone(), Instant::now()));
         found
+    }
+
+    /// The owner answers again: the next outage looks for it at once.
+    fn answered(&self) {
+        self.state.lock().wait = LOCATE_MIN;
     }
 }
 
@@ -281,7 +301,8 @@ pub struct RemoteStats {
     /// Locates asked of the owner.
     pub locates: u64,
     /// Lookups of the owner's address (the owner record in the bucket, or
-    /// `--server`): one at the start, then at most one per 2 s of outage.
+    /// `--server`): one at the start, then during an outage after 50 ms,
+    /// 100 ms, … up to one per 2 s, shared by every thread.
     pub owner_lookups: u64,
     /// Reads from the segments that failed and went to the owner.
     pub direct_failed: u64,
@@ -590,6 +611,7 @@ impl Inner {
             match attempt {
                 Ok(crate::frames::Answer::Reply(reply)) => {
                     if self.outage.swap(false, Ordering::Relaxed) {
+                        self.locator.answered();
                         tracing::info!("the owner answers again");
                     }
                     return reply.map_err(errno_error);
@@ -869,6 +891,9 @@ impl RemoteFiles {
                     };
                     match polled {
                         Ok((s, ev)) => {
+                            if backoff != BACKOFF_MIN {
+                                inner.locator.answered();
+                            }
                             backoff = BACKOFF_MIN;
                             if s.session != session {
                                 session = s.session;
