@@ -12,6 +12,7 @@
 //! breaks) is also left alone for [`DOWN_FOR`] before it is tried again.
 //! Its chunks are never handed to another server.
 
+use crate::frames::ChunkAsk;
 use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};
 use crate::{CACHE_HEADER, CRC_HEADER};
 use arbor_engine::format::SegId;
@@ -24,7 +25,7 @@ use hyper::header::{HeaderValue, AUTHORIZATION};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -98,13 +99,30 @@ struct Peer {
     /// FNV-1a of the address, the server's part of every chunk's score.
     seed: u64,
     conn: tokio::sync::Mutex<Option<SendRequest<Full<Bytes>>>>,
+    /// Idle chunk connections, for parts of chunks (see [`Inner::part`]).
+    part_conns: Mutex<Vec<PartConn>>,
+    /// Cleared when the server does not take chunk connections (an older
+    /// one): its parts then go over HTTP.
+    framed_parts: AtomicBool,
     down_until: Mutex<Option<Instant>>,
     n: Counters,
 }
 
+/// A chunk connection: a framed connection whose Hello names no branch,
+/// answering [`ChunkAsk`]s one at a time.
+struct PartConn {
+    stream: std::net::TcpStream,
+    rbuf: Vec<u8>,
+    wbuf: Vec<u8>,
+}
+
+/// Idle chunk connections kept per server; more are closed after use.
+const IDLE_PART_CONNS: usize = 16;
+
 struct Inner {
     peers: Vec<Peer>,
     auth: HeaderValue,
+    token: Vec<u8>,
     timeout: Duration,
 }
 
@@ -147,13 +165,29 @@ impl CacheClient {
                 seed: fnv1a(addr.as_bytes()),
                 addr,
                 conn: tokio::sync::Mutex::new(None),
+                part_conns: Mutex::new(Vec::new()),
+                framed_parts: AtomicBool::new(true),
                 down_until: Mutex::new(None),
                 n: Counters::default(),
             });
         }
         let auth = crate::bearer(&opts.token)?;
         let rt = crate::client_runtime("arbor-cache-client")?;
-        Ok(CacheClient { inner: Arc::new(Inner { peers, auth, timeout: opts.timeout }), rt })
+        let token = opts.token.as_bytes().to_vec();
+        let client = CacheClient { inner: Arc::new(Inner { peers, auth, token, timeout: opts.timeout }), rt };
+        if std::env::var("ARBOR_CACHE_WIRE").is_ok_and(|w| w == "http") {
+            client.set_framed(false);
+        }
+        Ok(client)
+    }
+
+    /// Whether segment chunks and their parts go over chunk connections
+    /// (the default) or over HTTP/2 (`false`; also `ARBOR_CACHE_WIRE=http`
+    /// in the environment), for comparing the two.
+    pub fn set_framed(&self, on: bool) {
+        for p in &self.inner.peers {
+            p.framed_parts.store(on, Ordering::Relaxed);
+        }
     }
 
     /// The index of the server that owns chunk `index` of `seg`.
@@ -362,6 +396,7 @@ impl Peer {
     async fn failed(&self) {
         *self.down_until.lock() = Some(Instant::now() + DOWN_FOR);
         *self.conn.lock().await = None;
+        self.part_conns.lock().clear();
     }
 }
 
@@ -397,6 +432,9 @@ pub(crate) async fn connect(addr: &str, timeout: Duration) -> Result<SendRequest
 impl ChunkSource for CacheClient {
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
         let inner = &self.inner;
+        if let Some(got) = inner.fetch_framed(seg, wanted) {
+            return got;
+        }
         self.rt.block_on(async {
             let asks = wanted.iter().map(|w| {
                 let path = format!("/v1/chunks/{}/{}", seg.file_name(), w.index);
@@ -422,6 +460,13 @@ impl ChunkSource for CacheClient {
 
     fn fetch_part(&self, seg: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
         let owner = self.inner.owner(seg, index);
+        if self.inner.peers[owner].framed_parts.load(Ordering::Relaxed) {
+            let len = u32::try_from(within.end.saturating_sub(within.start)).ok()?;
+            let ask = ChunkAsk { seg, index, part: Some((within.start, len)) };
+            if let Some(mut got) = self.inner.framed(owner, &[ask], Ask::Part) {
+                return got.pop().flatten();
+            }
+        }
         let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::server::part_query(&within));
         self.rt.block_on(self.inner.clone().get(owner, path, Ask::Part))
     }
@@ -439,6 +484,188 @@ impl ChunkSource for CacheClient {
     fn object_rejected(&self, src: &Source, index: u64) {
         let peer = &self.inner.peers[self.inner.object_owner(fnv1a(src.id().as_bytes()), index)];
         peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Why a chunk connection could not be opened.
+enum PartConnError {
+    /// The server does not take chunk connections.
+    Unsupported,
+    /// It refused our token.
+    Refused,
+    /// It took the connection and did not answer its Hello in time.
+    Slow,
+    Io(std::io::Error),
+}
+
+impl Inner {
+    /// `asks` (parts or whole chunks of `seg`) of server `owner`, over a
+    /// chunk connection: the calling thread writes every request and then
+    /// reads the answers, in order, itself; the server answers on a thread
+    /// of the connection's own. A part costs the round trip and two
+    /// wake-ups — the HTTP/2 path hands each request between four tasks
+    /// and threads, which on a few busy cores was most of a 4 KiB read's
+    /// latency — and a chunk's bytes are read from the socket straight
+    /// into the buffer handed on. Counted as the HTTP path counts. `None`:
+    /// the server does not take chunk connections (ask it over HTTP).
+    fn framed(&self, owner: usize, asks: &[ChunkAsk], ask: Ask) -> Option<Vec<Option<Vec<u8>>>> {
+        use crate::frames::{read_chunk_answer, write_frame, ChunkAnswer};
+        let peer = &self.peers[owner];
+        let nothing = || vec![None; asks.len()];
+        if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
+            peer.n.down.fetch_add(asks.len() as u64, Ordering::Relaxed);
+            return Some(nothing());
+        }
+        let failed = |counter: &AtomicU64, down: bool| {
+            counter.fetch_add(asks.len() as u64, Ordering::Relaxed);
+            if down {
+                *peer.down_until.lock() = Some(Instant::now() + DOWN_FOR);
+                peer.part_conns.lock().clear();
+            }
+            Some(nothing())
+        };
+        // A connection kept idle may have been closed by a server that
+        // restarted since: such a failure is tried once more on a new one.
+        for _ in 0..2 {
+            let pooled = peer.part_conns.lock().pop();
+            let reused = pooled.is_some();
+            let mut c = match pooled.map_or_else(|| self.connect_framed(peer), Ok) {
+                Ok(c) => c,
+                Err(PartConnError::Unsupported) => {
+                    peer.framed_parts.store(false, Ordering::Relaxed);
+                    return None;
+                }
+                Err(PartConnError::Refused) => {
+                    if peer.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
+                        tracing::warn!(server = %peer.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
+                    }
+                    return failed(&peer.n.error, true);
+                }
+                Err(PartConnError::Slow) => {
+                    tracing::debug!(server = %peer.addr, "a cache server did not answer in time; reading the bucket");
+                    return failed(&peer.n.timeout, false);
+                }
+                Err(PartConnError::Io(e)) => {
+                    tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
+                    return failed(&peer.n.error, true);
+                }
+            };
+            let mut exchange = || {
+                for a in asks {
+                    write_frame(&mut c.stream, &mut c.wbuf, a)?;
+                }
+                asks.iter().map(|_| read_chunk_answer(&mut c.stream, &mut c.rbuf)).collect::<std::io::Result<Vec<_>>>()
+            };
+            let answers = match exchange() {
+                Ok(a) => a,
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    tracing::debug!(server = %peer.addr, seg = %asks[0].seg, "a cache server was too slow; reading the bucket");
+                    return failed(&peer.n.timeout, false);
+                }
+                Err(_) if reused => continue,
+                Err(e) => {
+                    tracing::debug!(server = %peer.addr, error = %e, "the connection to a cache server broke");
+                    return failed(&peer.n.error, true);
+                }
+            };
+            {
+                let mut idle = peer.part_conns.lock();
+                if idle.len() < IDLE_PART_CONNS {
+                    idle.push(c);
+                }
+            }
+            let got = answers.into_iter().map(|answer| match answer {
+                ChunkAnswer::Bytes { hit, bytes } => {
+                    if matches!(ask, Ask::Part) {
+                        peer.n.parts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    peer.n.chunks.fetch_add(1, Ordering::Relaxed);
+                    peer.n.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    if hit {
+                        peer.n.hits.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some(bytes)
+                }
+                ChunkAnswer::NotFound => {
+                    peer.n.not_found.fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+                ChunkAnswer::Failed(why) => {
+                    tracing::debug!(server = %peer.addr, error = %why, "a cache server answered with an error");
+                    peer.n.error.fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+            });
+            return Some(got.collect());
+        }
+        // Both tries failed on connections that broke.
+        failed(&peer.n.error, true)
+    }
+
+    /// The chunks `wanted` of `seg` over chunk connections: each owner's
+    /// share asked on one connection, the owners at once (a thread each
+    /// beyond the first). `None`: an owner does not take chunk
+    /// connections (ask over HTTP).
+    fn fetch_framed(&self, seg: SegId, wanted: &[ChunkRequest]) -> Option<Vec<Option<Vec<u8>>>> {
+        let mut shares: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (k, w) in wanted.iter().enumerate() {
+            let owner = self.owner(seg, w.index);
+            if !self.peers[owner].framed_parts.load(Ordering::Relaxed) {
+                return None;
+            }
+            match shares.iter_mut().find(|s| s.0 == owner) {
+                Some(s) => s.1.push(k),
+                None => shares.push((owner, vec![k])),
+            }
+        }
+        let ask_share = |(owner, ks): &(usize, Vec<usize>)| {
+            let asks: Vec<ChunkAsk> =
+                ks.iter().map(|&k| ChunkAsk { seg, index: wanted[k].index, part: None }).collect();
+            self.framed(*owner, &asks, Ask::Chunk)
+        };
+        let answers: Vec<Option<Vec<Option<Vec<u8>>>>> = match shares.as_slice() {
+            [one] => vec![ask_share(one)],
+            _ => std::thread::scope(|s| {
+                let handles: Vec<_> = shares[1..].iter().map(|share| s.spawn(move || ask_share(share))).collect();
+                let mut all = vec![ask_share(&shares[0])];
+                all.extend(handles.into_iter().map(|h| h.join().ok().flatten()));
+                all
+            }),
+        };
+        let mut out = vec![None; wanted.len()];
+        for ((_, ks), got) in shares.iter().zip(answers) {
+            for (&k, bytes) in ks.iter().zip(got?) {
+                out[k] = bytes;
+            }
+        }
+        Some(out)
+    }
+
+    /// A new chunk connection to `peer`, its Hello answered; every read
+    /// and write on it bounded by the timeout.
+    fn connect_framed(&self, peer: &Peer) -> Result<PartConn, PartConnError> {
+        use crate::frames::{read_frame, write_frame, Hello, Welcome, MAGIC, VERSION};
+        use std::io::Write;
+        let io = PartConnError::Io;
+        let stream = crate::frames::dial(&peer.addr, self.timeout).map_err(io)?;
+        stream.set_read_timeout(Some(self.timeout)).map_err(io)?;
+        stream.set_write_timeout(Some(self.timeout)).map_err(io)?;
+        let mut c = PartConn { stream, rbuf: Vec::new(), wbuf: Vec::new() };
+        let hello = Hello { version: VERSION, token: self.token.clone(), branch: String::new() };
+        // The magic and the Hello in one write: the server sorts its
+        // connections by their first bytes.
+        let mut first = MAGIC.to_vec();
+        write_frame(&mut first, &mut c.wbuf, &hello).map_err(io)?;
+        c.stream.write_all(&first).map_err(io)?;
+        let welcome = read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => PartConnError::Slow,
+            _ => io(e),
+        });
+        match welcome? {
+            Welcome::Ok => Ok(c),
+            Welcome::Refused => Err(PartConnError::Refused),
+            Welcome::NoBranch | Welcome::Version(_) => Err(PartConnError::Unsupported),
+        }
     }
 }
 

@@ -122,6 +122,78 @@ enum AnswerFrame {
     Data(u32),
 }
 
+/// A segment chunk, or a part of it, asked on a chunk connection (one
+/// whose [`Hello`] names no branch): chunk `index` of `seg`, or only its
+/// bytes `at..at + len` when `part` is `Some((at, len))` — what
+/// `GET /v1/chunks/SEG/INDEX[?at=…&len=…]` asks over HTTP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct ChunkAsk {
+    pub seg: arbor_engine::format::SegId,
+    pub index: u32,
+    pub part: Option<(u64, u32)>,
+}
+
+/// What a chunk connection answers a [`ChunkAsk`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChunkAnswer {
+    /// The bytes, and whether the server had them cached already.
+    Bytes { hit: bool, bytes: Vec<u8> },
+    /// No such segment, chunk or part.
+    NotFound,
+    /// The server could not get them (its bucket failed, say).
+    Failed(String),
+}
+
+/// A [`ChunkAnswer`] as its frame carries it: the bytes follow the frame.
+#[derive(bincode::Encode, bincode::Decode)]
+enum ChunkHead {
+    Bytes { hit: bool, len: u32 },
+    NotFound,
+    Failed(String),
+}
+
+/// The most asks a chunk connection takes together (see
+/// [`frame_waiting`]).
+pub const MAX_PIPELINED: usize = 16;
+
+/// Whether a whole frame is already waiting to be read on `stream`
+/// (looked at without taking it, and without waiting).
+pub fn frame_waiting(stream: &std::net::TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut head = [0u8; 4 + 64];
+    // SAFETY: a valid socket and a buffer of the length given; MSG_PEEK
+    // leaves the bytes in the socket, MSG_DONTWAIT never blocks.
+    let n = unsafe {
+        libc::recv(stream.as_raw_fd(), head.as_mut_ptr().cast(), head.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    if n < 4 {
+        return false;
+    }
+    let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+    4 + len <= n as usize
+}
+
+/// Sends `answer`, its bytes after its frame.
+pub fn write_chunk_answer(w: &mut impl Write, buf: &mut Vec<u8>, answer: &ChunkAnswer) -> io::Result<()> {
+    match answer {
+        ChunkAnswer::Bytes { hit, bytes } => {
+            let len = u32::try_from(bytes.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+            write_with_payload(w, buf, &ChunkHead::Bytes { hit: *hit, len }, bytes)
+        }
+        ChunkAnswer::NotFound => write_frame(w, buf, &ChunkHead::NotFound),
+        ChunkAnswer::Failed(why) => write_frame(w, buf, &ChunkHead::Failed(why.clone())),
+    }
+}
+
+/// Reads a [`ChunkAnswer`], its bytes included.
+pub fn read_chunk_answer(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<ChunkAnswer> {
+    Ok(match read_frame::<ChunkHead>(r, buf)? {
+        ChunkHead::Bytes { hit, len } => ChunkAnswer::Bytes { hit, bytes: read_payload(r, len)? },
+        ChunkHead::NotFound => ChunkAnswer::NotFound,
+        ChunkHead::Failed(why) => ChunkAnswer::Failed(why),
+    })
+}
+
 fn config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<MAX_FRAME>()
 }
@@ -248,6 +320,25 @@ pub fn read_answer(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Answer> {
     })
 }
 
+/// A TCP connection to `addr` (`host:port`, each address it resolves to
+/// tried in turn, each within `timeout`), with Nagle off and
+/// [`keep_alive`] on: how either kind of framed connection starts.
+pub fn dial(addr: &str, timeout: std::time::Duration) -> io::Result<std::net::TcpStream> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match std::net::TcpStream::connect_timeout(&a, timeout) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                keep_alive(&s);
+                return Ok(s);
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::other("no address")))
+}
+
 fn set_int(stream: &std::net::TcpStream, level: i32, name: i32, v: i32) {
     use std::os::fd::AsRawFd;
     // SAFETY: a valid socket descriptor and a pointer to an int of the
@@ -344,6 +435,35 @@ mod tests {
         write_frame(&mut huge, &mut buf, &AnswerHead::Data(MAX_FRAME as u32 + 1)).expect("frame");
         let err = read_answer(&mut &huge[..], &mut rbuf).expect_err("too large");
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn parts_of_chunks_travel_after_their_frames_and_come_back_whole() {
+        let seg = arbor_engine::format::SegId { writer: 0xfeed, seq: 9 };
+        let ask = ChunkAsk { seg, index: 3, part: Some((4096, 4096)) };
+        let bytes: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 1) as u8).collect();
+        let (mut wire, mut buf) = (Vec::new(), Vec::new());
+        write_frame(&mut wire, &mut buf, &ask).expect("ask");
+        write_chunk_answer(&mut wire, &mut buf, &ChunkAnswer::Bytes { hit: true, bytes: bytes.clone() })
+            .expect("bytes");
+        write_chunk_answer(&mut wire, &mut buf, &ChunkAnswer::NotFound).expect("not found");
+        write_chunk_answer(&mut wire, &mut buf, &ChunkAnswer::Failed("the bucket is down".into())).expect("failed");
+        let mut r = &wire[..];
+        let mut rbuf = Vec::new();
+        assert_eq!(read_frame::<ChunkAsk>(&mut r, &mut rbuf).expect("ask"), ask);
+        assert_eq!(read_chunk_answer(&mut r, &mut rbuf).expect("bytes"), ChunkAnswer::Bytes { hit: true, bytes });
+        assert_eq!(read_chunk_answer(&mut r, &mut rbuf).expect("not found"), ChunkAnswer::NotFound);
+        assert_eq!(
+            read_chunk_answer(&mut r, &mut rbuf).expect("failed"),
+            ChunkAnswer::Failed("the bucket is down".into())
+        );
+        assert!(r.is_empty());
+        // Bytes cut short are an error, not a shorter part.
+        let mut short = Vec::new();
+        write_chunk_answer(&mut short, &mut buf, &ChunkAnswer::Bytes { hit: false, bytes: vec![7; 100] })
+            .expect("bytes");
+        short.truncate(short.len() - 1);
+        assert!(read_chunk_answer(&mut &short[..], &mut rbuf).is_err());
     }
 
     #[test]

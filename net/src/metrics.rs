@@ -54,6 +54,8 @@ pub(crate) struct Metrics {
     pub not_found: AtomicU64,
     pub errors: AtomicU64,
     pub unauthorized: AtomicU64,
+    /// Chunk connections opened (framed connections for parts).
+    pub chunk_connections: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -108,6 +110,12 @@ impl Metrics {
             "arbor_cache_unauthorized_total",
             "Requests refused for a missing or wrong token.",
             get(&self.unauthorized),
+        );
+        counter(
+            &mut out,
+            "arbor_cache_chunk_connections_total",
+            "Framed connections opened for parts of chunks.",
+            get(&self.chunk_connections),
         );
         counter(&mut out, "arbor_cache_bucket_bytes_total", "Bytes fetched from the bucket.", cache.bucket_bytes);
         counter(&mut out, "arbor_cache_bucket_gets_total", "GET requests sent to the bucket.", cache.bucket_gets);

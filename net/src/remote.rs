@@ -57,7 +57,7 @@ use hyper::header::{HeaderValue, AUTHORIZATION};
 use hyper::{Method, Request, StatusCode};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -395,23 +395,7 @@ impl Inner {
         use crate::frames::{read_frame, write_frame, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let broke = |e: std::io::Error| Failed::Transport(format!("{addr}: {e}"));
-        let mut last = None;
-        let addrs = addr.to_socket_addrs().map_err(broke)?;
-        let mut stream = None;
-        for a in addrs {
-            match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let Some(stream) = stream else {
-            return Err(broke(last.unwrap_or_else(|| std::io::Error::other("no address"))));
-        };
-        stream.set_nodelay(true).map_err(broke)?;
-        crate::frames::keep_alive(&stream);
+        let stream = crate::frames::dial(addr, CONNECT_TIMEOUT).map_err(broke)?;
         stream.set_read_timeout(self.opts.timeout.or(Some(CONNECT_TIMEOUT))).map_err(broke)?;
         let mut c = Conn { stream, rbuf: Vec::new(), wbuf: Vec::new() };
         let hello =

@@ -56,6 +56,24 @@ pub struct ServerOptions {
 /// already (`None`: not a chunk, a footer), or no such chunk.
 type Found = arbor_engine::Result<Option<(Vec<u8>, Option<bool>)>>;
 
+/// What a chunk request comes to, on either transport.
+enum Served {
+    /// The bytes; whether they were cached already (`None`: a footer);
+    /// their crc32c when asked for.
+    Bytes {
+        bytes: Vec<u8>,
+        hit: Option<bool>,
+        crc: Option<u32>,
+    },
+    NotFound,
+    /// A source object changed since it was imported.
+    Conflict(String),
+    /// Could not be fetched (the bucket failed).
+    Failed(String),
+    /// The server broke while looking.
+    Broken(String),
+}
+
 pub struct CacheServer {
     /// `None`: a server of shared branches on a local-folder disk, which
     /// has no bucket to cache.
@@ -256,21 +274,27 @@ impl CacheServer {
         stream.read_exact(&mut magic)?;
         let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
         let hello: Hello = read_frame(&mut stream, &mut rbuf)?;
+        // A Hello that names no branch opens a chunk connection.
+        let chunks = hello.branch.is_empty();
         let welcome = if !crate::token_matches(&hello.token, &self.opts.token) {
             self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
             Welcome::Refused
         } else if hello.version != VERSION {
             Welcome::Version(VERSION)
-        } else if !self.branches.contains_key(&hello.branch) {
+        } else if !chunks && !self.branches.contains_key(&hello.branch) {
             Welcome::NoBranch
         } else {
             Welcome::Ok
         };
         write_frame(&mut stream, &mut wbuf, &welcome)?;
+        debug_assert_eq!(magic, MAGIC);
+        if chunks && welcome == Welcome::Ok {
+            self.metrics.chunk_connections.fetch_add(1, Ordering::Relaxed);
+            return self.chunk_connection(stream, rbuf, wbuf);
+        }
         let Some(b) = self.branches.get(&hello.branch).filter(|_| welcome == Welcome::Ok) else {
             return Ok(());
         };
-        debug_assert_eq!(magic, MAGIC);
         loop {
             let req: Request = match read_request(&mut stream, &mut rbuf) {
                 Ok(r) => r,
@@ -290,6 +314,91 @@ impl CacheServer {
             };
             write_answer(&mut stream, &mut wbuf, &answer)?;
         }
+    }
+
+    /// Answers the [`ChunkAsk`]s of one chunk connection, each on this
+    /// thread, until it closes.
+    fn chunk_connection(
+        &self,
+        mut stream: std::net::TcpStream,
+        mut rbuf: Vec<u8>,
+        mut wbuf: Vec<u8>,
+    ) -> std::io::Result<()> {
+        use crate::frames::{read_frame, write_chunk_answer, ChunkAnswer, ChunkAsk};
+        loop {
+            let ask: ChunkAsk = match read_frame(&mut stream, &mut rbuf) {
+                Ok(r) => r,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            // The asks a client sent together (a run of read-ahead) are
+            // taken together: those not cached are fetched from the bucket
+            // at once, not one after another, and all are answered in
+            // order.
+            let mut asks = vec![ask];
+            for _ in 1..crate::frames::MAX_PIPELINED {
+                if !crate::frames::frame_waiting(&stream) {
+                    break;
+                }
+                asks.push(read_frame(&mut stream, &mut rbuf)?);
+            }
+            let mut answers: Vec<Option<ChunkAnswer>> = asks.iter().map(|&a| self.part(a, true)).collect();
+            let missing: Vec<usize> = (0..asks.len()).filter(|&k| answers[k].is_none()).collect();
+            if missing.len() > 1 {
+                let fetched: Vec<ChunkAnswer> = std::thread::scope(|s| {
+                    let handles: Vec<_> = missing
+                        .iter()
+                        .map(|&k| {
+                            let ask = asks[k];
+                            s.spawn(move || self.part(ask, false))
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| {
+                            h.join().ok().flatten().unwrap_or_else(|| ChunkAnswer::Failed("a fetch failed".into()))
+                        })
+                        .collect()
+                });
+                for (&k, a) in missing.iter().zip(fetched) {
+                    answers[k] = Some(a);
+                }
+            }
+            for (k, answer) in answers.into_iter().enumerate() {
+                let answer = answer.or_else(|| self.part(asks[k], false));
+                let answer = answer.unwrap_or_else(|| ChunkAnswer::Failed("a fetch failed".into()));
+                write_chunk_answer(&mut stream, &mut wbuf, &answer)?;
+            }
+        }
+    }
+
+    /// A chunk or a part of it, as a chunk connection answers it: from
+    /// the cache, or fetched (and cached whole) on this thread; `None`
+    /// when `cached_only` and it is not cached (nothing counted then).
+    fn part(&self, ask: crate::frames::ChunkAsk, cached_only: bool) -> Option<crate::frames::ChunkAnswer> {
+        use crate::frames::ChunkAnswer;
+        let Some(cache) = &self.cache else { return Some(ChunkAnswer::NotFound) };
+        let within = match ask.part {
+            Some((at, len)) => match at.checked_add(len as u64) {
+                Some(end) => Some(at..end),
+                None => return Some(ChunkAnswer::NotFound),
+            },
+            None => None,
+        };
+        let started = Instant::now();
+        let got = match cache.cached_part(ask.seg, ask.index, within.clone()) {
+            Some(c) => Ok(Some((c.bytes, Some(c.hit)))),
+            None if cached_only => return None,
+            None => cache.chunk_part(ask.seg, ask.index, within.clone()).map(|c| c.map(|c| (c.bytes, Some(c.hit)))),
+        };
+        if within.is_some() {
+            self.metrics.parts.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(match self.served(|| format!("chunk {} of {}", ask.index, ask.seg), false, started, Ok(got)) {
+            Served::Bytes { bytes, hit, .. } => ChunkAnswer::Bytes { hit: hit == Some(true), bytes },
+            Served::NotFound | Served::Conflict(_) => ChunkAnswer::NotFound,
+            Served::Failed(why) | Served::Broken(why) => ChunkAnswer::Failed(why),
+        })
     }
 
     /// Stops serving framed connections: each is shut, and its thread
@@ -352,7 +461,7 @@ impl CacheServer {
                     // A small part of a cached chunk is one read of the
                     // cache: answered here, not handed to a blocking thread
                     // and back (two wake-ups, most of a part's latency).
-                    if let Some(c) = within.clone().and_then(|w| cache.cached_part(seg, index, w)) {
+                    if let Some(c) = within.clone().and_then(|w| cache.cached_part(seg, index, Some(w))) {
                         let started = Instant::now();
                         return self.answer(what, false, started, Ok(Ok(Some((c.bytes, Some(c.hit))))));
                     }
@@ -409,6 +518,35 @@ impl CacheServer {
         started: Instant,
         got: std::result::Result<Found, tokio::task::JoinError>,
     ) -> Reply {
+        match self.served(|| what, crc, started, got.map_err(|e| e.to_string())) {
+            Served::Bytes { bytes, hit, crc } => {
+                let mut r = reply(StatusCode::OK, bytes);
+                if let Some(hit) = hit {
+                    let state = if hit { "hit" } else { "miss" };
+                    r.headers_mut().insert(CACHE_HEADER, hyper::header::HeaderValue::from_static(state));
+                }
+                if let Some(Ok(v)) = crc.map(|crc| hyper::header::HeaderValue::from_str(&format!("{crc:08x}"))) {
+                    r.headers_mut().insert(CRC_HEADER, v);
+                }
+                r
+            }
+            Served::NotFound => reply(StatusCode::NOT_FOUND, Bytes::new()),
+            Served::Conflict(why) => reply(StatusCode::CONFLICT, format!("{why}\n")),
+            Served::Failed(why) => reply(StatusCode::BAD_GATEWAY, format!("{why}\n")),
+            Served::Broken(why) => reply(StatusCode::INTERNAL_SERVER_ERROR, format!("{why}\n")),
+        }
+    }
+
+    /// What a chunk request found (`Err`: the task looking broke), as
+    /// either transport answers it: counted, timed, and with the fault
+    /// switch applied.
+    fn served(
+        &self,
+        what: impl FnOnce() -> String,
+        crc: bool,
+        started: Instant,
+        got: std::result::Result<Found, String>,
+    ) -> Served {
         let m = &self.metrics;
         let r = match got {
             Ok(Ok(Some((mut bytes, hit)))) => {
@@ -429,32 +567,24 @@ impl CacheServer {
                     None => {}
                 }
                 m.served_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                let mut r = reply(StatusCode::OK, bytes);
-                if let Some(hit) = hit {
-                    let state = if hit { "hit" } else { "miss" };
-                    r.headers_mut().insert(CACHE_HEADER, hyper::header::HeaderValue::from_static(state));
-                }
-                if let Some(Ok(v)) = crc.map(|crc| hyper::header::HeaderValue::from_str(&format!("{crc:08x}"))) {
-                    r.headers_mut().insert(CRC_HEADER, v);
-                }
-                r
+                Served::Bytes { bytes, hit, crc }
             }
             Ok(Ok(None)) => {
                 m.not_found.fetch_add(1, Ordering::Relaxed);
-                reply(StatusCode::NOT_FOUND, Bytes::new())
+                Served::NotFound
             }
             Ok(Err(arbor_engine::Error::SourceChanged(why))) => {
                 m.not_found.fetch_add(1, Ordering::Relaxed);
-                reply(StatusCode::CONFLICT, format!("{why}\n"))
+                Served::Conflict(why)
             }
             Ok(Err(e)) => {
                 m.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(chunk = %what, error = %e, "cannot serve a chunk");
-                reply(StatusCode::BAD_GATEWAY, format!("{e}\n"))
+                tracing::warn!(chunk = %what(), error = %e, "cannot serve a chunk");
+                Served::Failed(e.to_string())
             }
             Err(e) => {
                 m.errors.fetch_add(1, Ordering::Relaxed);
-                reply(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n"))
+                Served::Broken(e)
             }
         };
         m.latency.observe(started.elapsed());

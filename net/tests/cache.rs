@@ -7,7 +7,7 @@ use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::{bytes_under, http_get};
-use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
+use arbor_engine::tier::{BucketDevice, ChunkRequest, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_engine::Result;
 use arbor_net::{metric_sample, CacheClient, CacheServer, ClientOptions, Fault, Running, ServerOptions, ServerStats};
@@ -28,6 +28,11 @@ struct Counting {
     source_bytes: AtomicU64,
     /// The version ids source reads asked for.
     versions: parking_lot::Mutex<Vec<Option<String>>>,
+    /// Segment GETs under way now, the most at once, and how long each
+    /// is held back (ms; 0: not at all).
+    segment_gets: AtomicU64,
+    most_segment_gets: AtomicU64,
+    segment_delay_ms: AtomicU64,
 }
 
 impl Counting {
@@ -56,10 +61,16 @@ impl ObjectStore for Counting {
         Ok(got)
     }
     fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
-        let got = self.inner.get_range(key, range)?;
-        if key.starts_with("segments/") {
-            self.segment_bytes.fetch_add(got.len() as u64, Ordering::Relaxed);
+        if !key.starts_with("segments/") {
+            return self.inner.get_range(key, range);
         }
+        let now = self.segment_gets.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_segment_gets.fetch_max(now, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(self.segment_delay_ms.load(Ordering::Relaxed)));
+        let got = self.inner.get_range(key, range);
+        self.segment_gets.fetch_sub(1, Ordering::SeqCst);
+        let got = got?;
+        self.segment_bytes.fetch_add(got.len() as u64, Ordering::Relaxed);
         Ok(got)
     }
     fn list(&self, prefix: &str) -> Result<Vec<String>> {
@@ -88,6 +99,9 @@ fn bucket_with_file(dir: &Path, mib: usize) -> (Arc<Counting>, Vec<u8>) {
         segment_bytes: AtomicU64::new(0),
         source_bytes: AtomicU64::new(0),
         versions: Default::default(),
+        segment_gets: AtomicU64::new(0),
+        most_segment_gets: AtomicU64::new(0),
+        segment_delay_ms: AtomicU64::new(0),
     });
     let dyn_store: Arc<dyn ObjectStore> = store.clone();
     let data = pattern(mib * MIB, 7);
@@ -119,7 +133,11 @@ impl Server {
     }
 
     fn start_with(server: Arc<CacheServer>) -> Server {
-        let running = server.spawn("127.0.0.1:0").expect("serve");
+        Self::start_on(server, "127.0.0.1:0")
+    }
+
+    fn start_on(server: Arc<CacheServer>, addr: &str) -> Server {
+        let running = server.spawn(addr).expect("serve");
         Server { addr: running.addr.to_string(), running: Some(running) }
     }
 
@@ -327,6 +345,76 @@ fn two_servers_share_the_chunks_and_one_stopped_costs_only_its_share() {
     let stats = c.stats();
     assert!(stats[1].fallback_error + stats[1].fallback_down > 0, "{stats:?}");
     assert_eq!(stats[1].chunks, 0);
+}
+
+#[test]
+fn parts_go_over_one_kept_chunk_connection_which_a_restarted_server_replaces() {
+    use arbor_net::frames::{read_chunk_answer, read_frame, write_frame, ChunkAsk, Hello, Welcome, MAGIC, VERSION};
+    use std::io::Write;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) = bucket_with_file(dir.path(), 4);
+    let key = store.list("segments/").expect("list").into_iter().max_by_key(|k| store.size(k).expect("size"));
+    let key = key.expect("a segment");
+    let seg = arbor_engine::format::SegId::parse_file_name(key.rsplit('/').next().expect("name")).expect("a segment");
+    let object = store.get(&key).expect("object").0;
+    let whole = (object.len() / MIB).saturating_sub(1);
+    assert!(whole >= 2, "{} bytes", object.len());
+    let want = |i: usize, at: usize| Some(object[i * MIB + at..i * MIB + at + 4096].to_vec());
+    let new_server = || {
+        let cache = SegmentCache::open(store.clone(), &dir.path().join("server"), 1 << 30).expect("cache");
+        CacheServer::new(cache, ServerOptions { token: TOKEN.into(), ..ServerOptions::default() })
+    };
+    let server = Server::start_with(new_server());
+    let c = client(&[&server]);
+    for n in 0..8 {
+        let (i, at) = (n % whole, n * 5 * 4096 + 100);
+        assert_eq!(c.fetch_part(seg, i as u32, at as u64..at as u64 + 4096), want(i, at), "part {n}");
+    }
+    assert_eq!(server.metric("arbor_cache_chunk_connections_total"), 1, "one connection for them all");
+    assert_eq!(server.metric("arbor_cache_part_requests_total"), 8);
+
+    // Whole chunks asked together on one connection are fetched from the
+    // bucket together by a cold server, not one after another.
+    let cold = Server::start(store.clone(), &dir.path().join("cold"), None);
+    let c2 = client(&[&cold]);
+    store.segment_delay_ms.store(50, Ordering::Relaxed);
+    let asks: Vec<ChunkRequest> = (0..whole as u32)
+        .map(|i| ChunkRequest { index: i, range: i as u64 * MIB as u64..(i as u64 + 1) * MIB as u64 })
+        .collect();
+    let got = c2.fetch(seg, &asks);
+    store.segment_delay_ms.store(0, Ordering::Relaxed);
+    for (i, bytes) in got.iter().enumerate() {
+        assert!(bytes.as_deref() == Some(&object[i * MIB..(i + 1) * MIB]), "chunk {i}");
+    }
+    assert_eq!(cold.metric("arbor_cache_chunk_connections_total"), 1, "one connection");
+    assert_eq!(cold.metric("arbor_cache_misses_total"), whole as u64);
+    let most = store.most_segment_gets.load(Ordering::SeqCst);
+    assert!(most >= 2, "the server fetched the chunks together: at most {most} GETs at once");
+    drop(cold);
+
+    // The same address, a new process: the connection kept idle is dead,
+    // and the next part goes over a new one without counting a failure.
+    let addr = server.addr.clone();
+    drop(server);
+    let server = Server::start_on(new_server(), &addr);
+    assert_eq!(c.fetch_part(seg, 1, 8192..8192 + 4096), want(1, 8192));
+    let s = &c.stats()[0];
+    assert_eq!((s.parts, s.fallback_error, s.fallback_down, s.fallback_timeout), (9, 0, 0, 0), "{s:?}");
+    assert_eq!(server.metric("arbor_cache_chunk_connections_total"), 1);
+
+    // Without the token the connection is refused at its Hello, and a
+    // part asked on it anyway gets no answer.
+    let mut raw = std::net::TcpStream::connect(&addr).expect("connect");
+    raw.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
+    raw.write_all(&MAGIC).expect("magic");
+    let hello = Hello { version: VERSION, token: b"not-the-token".to_vec(), branch: String::new() };
+    write_frame(&mut raw, &mut wbuf, &hello).expect("hello");
+    assert_eq!(read_frame::<Welcome>(&mut raw, &mut rbuf).expect("welcome"), Welcome::Refused);
+    let _ = write_frame(&mut raw, &mut wbuf, &ChunkAsk { seg, index: 0, part: Some((0, 4096)) });
+    assert!(read_chunk_answer(&mut raw, &mut rbuf).is_err(), "nothing answered");
+    assert_eq!(server.metric("arbor_cache_unauthorized_total"), 1);
+    assert_eq!(server.metric("arbor_cache_part_requests_total"), 1, "only the client's part was answered");
 }
 
 /// A server address nobody answers on.

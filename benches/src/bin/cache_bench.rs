@@ -88,6 +88,58 @@ fn random_reads(vol: &Volume, len: u64, n: usize, seed: u64) -> Vec<Duration> {
     lat
 }
 
+/// "p50 … µs, p99 … µs" of sorted latencies `lat`, then `what`.
+fn p50_p99(lat: &[Duration], what: &str) -> String {
+    format!("p50 {:.0} µs, p99 {:.0} µs{what}", percentile_us(lat, 50.0), percentile_us(lat, 99.0))
+}
+
+/// The largest segment in `store`, and its size.
+fn largest_segment(store: &Arc<dyn ObjectStore>) -> (arbor_engine::format::SegId, u64) {
+    store
+        .list("segments/")
+        .expect("list")
+        .iter()
+        .filter_map(|k| Some((arbor_engine::layout::segment_of_key(k)?, store.size(k).ok()?)))
+        .max_by_key(|s| s.1)
+        .expect("a segment")
+}
+
+/// `n` round trips of a 16-byte ask and a 4 KiB answer through a proxy
+/// holding each direction back `one_way_us` (none: straight to the
+/// echoing thread), sorted.
+fn echo_round_trips(one_way_us: u64, n: usize) -> Vec<Duration> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let echo = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        let _ = s.set_nodelay(true);
+        let (mut ask, answer) = ([0u8; 16], vec![7u8; 4096]);
+        while s.read_exact(&mut ask).is_ok() {
+            if s.write_all(&answer).is_err() {
+                break;
+            }
+        }
+    });
+    let proxy = Proxy::start(addr, Duration::from_micros(one_way_us)).expect("proxy");
+    let to = if one_way_us == 0 { addr } else { proxy.addr().parse().expect("addr") };
+    let mut s = std::net::TcpStream::connect(to).expect("connect");
+    s.set_nodelay(true).expect("nodelay");
+    let mut answer = vec![0u8; 4096];
+    let mut lat: Vec<Duration> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            s.write_all(&[1; 16]).expect("ask");
+            s.read_exact(&mut answer).expect("answer");
+            t.elapsed()
+        })
+        .collect();
+    drop(s);
+    let _ = echo.join();
+    lat.sort();
+    lat
+}
+
 /// A server on its own runtime thread, over `store`, cache in `dir`.
 fn serve(store: Arc<dyn ObjectStore>, dir: &Path) -> Running {
     let cache = SegmentCache::open(store, dir, 64 << 30).expect("cache");
@@ -141,16 +193,11 @@ fn main() {
     read_seq(&reader(&far, &fresh(&base, "warm"), Some(client(&near)), 4 << 20), len);
 
     // The wire alone: warm chunks fetched by the client, nothing else.
-    let wire = {
+    let wire = |framed: bool| {
         let c = client(&near);
+        c.set_framed(framed);
         // The largest segment's first chunks (all whole 1 MiB chunks).
-        let (seg, size) = far
-            .list("segments/")
-            .expect("list")
-            .iter()
-            .filter_map(|k| Some((arbor_engine::layout::segment_of_key(k)?, far.size(k).ok()?)))
-            .max_by_key(|s| s.1)
-            .expect("a segment");
+        let (seg, size) = largest_segment(&far);
         let n = ((size / MIB as u64).saturating_sub(1)).clamp(1, 32);
         let mut lat = Vec::new();
         for i in 0..200u64 {
@@ -163,6 +210,30 @@ fn main() {
         lat.sort();
         lat
     };
+    let (wire, wire_http) = (wire(true), wire(false));
+    // The same for 4 KiB parts of those chunks (what a random read asks),
+    // on chunk connections and over HTTP/2.
+    let wire_part = |framed: bool| {
+        let c = client(&near);
+        c.set_framed(framed);
+        let (seg, size) = largest_segment(&far);
+        let n = ((size / MIB as u64).saturating_sub(1)).clamp(1, 32);
+        let mut lat = Vec::new();
+        for i in 0..300u64 {
+            let at = (i * 7 % 256) * 4096;
+            let t = Instant::now();
+            let got = c.fetch_part(seg, (i % n) as u32, at..at + 4096);
+            lat.push(t.elapsed());
+            assert_eq!(got.map(|b| b.len()), Some(4096), "a warm part");
+        }
+        lat.sort();
+        lat
+    };
+    let (wire_part, wire_part_http) = (wire_part(true), wire_part(false));
+    // The network alone: 4 KiB answers to 16-byte asks from an echo
+    // thread behind a proxy like the server's (its floor, whatever arbor
+    // does).
+    let wire_floor = echo_round_trips(server_us, 300);
 
     eprintln!("random 4 KiB reads");
     let via_server = random_reads(&reader(&far, &fresh(&base, "r1"), Some(client(&near)), 0), len, n_random, 1);
@@ -175,6 +246,12 @@ fn main() {
     let server_reader = reader(&far, &fresh(&base, "s1"), Some(client(&near)), 4 << 20);
     touch();
     let seq_server = read_seq(&server_reader, len);
+    drop(server_reader);
+    let http_client = client(&near);
+    http_client.set_framed(false);
+    let server_reader = reader(&far, &fresh(&base, "s1-http"), Some(http_client), 4 << 20);
+    touch();
+    let seq_server_http = read_seq(&server_reader, len);
     drop(server_reader);
     let bucket_reader = reader(&far, &fresh(&base, "s2"), None, 4 << 20);
     touch();
@@ -239,9 +316,23 @@ fn main() {
     let mut rows = vec![
         Row {
             name: "1 MiB warm chunk, client ↔ server alone (no volume, no bucket)".into(),
-            baseline: "—".into(),
-            arbor: format!("p50 {:.0} µs, p99 {:.0} µs", percentile_us(&wire, 50.0), percentile_us(&wire, 99.0)),
-            ratio: f64::NAN,
+            baseline: p50_p99(&wire_http, " over HTTP/2"),
+            arbor: p50_p99(&wire, " on a chunk connection"),
+            ratio: percentile_us(&wire_http, 50.0) / percentile_us(&wire, 50.0),
+            target: "report".into(),
+        },
+        Row {
+            name: "4 KiB part of a warm chunk, client ↔ server alone, HTTP/2 vs chunk connection".into(),
+            baseline: p50_p99(&wire_part_http, " over HTTP/2"),
+            arbor: p50_p99(&wire_part, " on a chunk connection"),
+            ratio: percentile_us(&wire_part_http, 50.0) / percentile_us(&wire_part, 50.0),
+            target: "report".into(),
+        },
+        Row {
+            name: "4 KiB part of a warm chunk, client ↔ server alone, vs the network alone".into(),
+            baseline: p50_p99(&wire_floor, ": the network alone (4 KiB echoed through the same proxy)"),
+            arbor: p50_p99(&wire_part, ""),
+            ratio: percentile_us(&wire_floor, 50.0) / percentile_us(&wire_part, 50.0),
             target: "report".into(),
         },
         Row {
@@ -264,6 +355,13 @@ fn main() {
             arbor: format!("{seq_server:.0} MiB/s via the server"),
             ratio: seq_server / seq_bucket,
             target: "≥ 2".into(),
+        },
+        Row {
+            name: format!("cold sequential read of {mib} MiB via the warm server, HTTP/2 vs chunk connections"),
+            baseline: format!("{seq_server_http:.0} MiB/s over HTTP/2"),
+            arbor: format!("{seq_server:.0} MiB/s on chunk connections"),
+            ratio: seq_server / seq_server_http,
+            target: "report".into(),
         },
         Row {
             name: format!("cold sequential read of {mib} MiB, warm server vs the client's warm cache"),

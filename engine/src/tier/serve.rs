@@ -99,10 +99,10 @@ impl SegmentCache {
         Ok(Some(ServedChunk { bytes, hit: true }))
     }
 
-    /// Bytes `within` of chunk `index` of `seg` if they are cached and
-    /// checked now: answered without blocking on anything but a read of
+    /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
+    /// they are cached and checked now: answered without blocking on anything but a read of
     /// the cache (`None`: ask [`SegmentCache::chunk_part`]).
-    pub fn cached_part(&self, seg: SegId, index: u32, within: Range<u64>) -> Option<ServedChunk> {
+    pub fn cached_part(&self, seg: SegId, index: u32, within: Option<Range<u64>>) -> Option<ServedChunk> {
         self.remote.cached_range(seg, index, within).map(|bytes| ServedChunk { bytes, hit: true })
     }
 

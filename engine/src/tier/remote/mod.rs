@@ -386,12 +386,12 @@ impl Remote {
         }
     }
 
-    /// Bytes `within` (offsets inside it) of chunk `index` of segment `id`
-    /// if the chunk is cached here and checked: a read that cannot wait
+    /// Bytes `within` (offsets inside it; all of it when `None`) of chunk
+    /// `index` of segment `id` if the chunk is cached here and checked: a read that cannot wait
     /// for the bucket and will not (`None` otherwise).
-    pub(crate) fn cached_range(&self, id: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
+    pub(crate) fn cached_range(&self, id: SegId, index: u32, within: Option<std::ops::Range<u64>>) -> Option<Vec<u8>> {
         let seg = self.segs.read().get(&id).cloned()?;
-        self.read_cached(&seg, index, Some(within), true)
+        self.read_cached(&seg, index, within, true)
     }
 
     /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
