@@ -11,6 +11,14 @@
 //! goes to the bucket; one that cannot be reached (or whose connection
 //! breaks) is also left alone for [`DOWN_FOR`] before it is tried again.
 //! Its chunks are never handed to another server.
+//!
+//! Segment chunks and their parts travel on chunk connections (see
+//! [`crate::frames`]): a small pool of blocking sockets per server, the
+//! reading thread writing its asks and reading the answers itself.
+//! Footers and source-object chunks, and everything with a server that
+//! does not take chunk connections, go over one HTTP/2 connection per
+//! server. `ARBOR_CACHE_WIRE=http` sends everything over HTTP/2 (for
+//! comparing the two).
 
 use crate::frames::ChunkAsk;
 use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};

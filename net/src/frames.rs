@@ -1,6 +1,6 @@
-//! The file-operation transport: length-prefixed bincode frames on a plain
-//! TCP connection; the owner answers a connection's requests one at a time,
-//! in order.
+//! The framed transport: length-prefixed bincode frames on a plain TCP
+//! connection, answered one at a time, in order. It carries file
+//! operations to a branch's owner and segment chunks from a cache server.
 //!
 //! A client mount keeps a small pool of these connections and a FUSE
 //! thread uses one for the whole of an operation: it writes the request
@@ -22,6 +22,16 @@
 //!   branch) and the owner answers a [`Welcome`]; with a wrong token the
 //!   answer is [`Welcome::Refused`] and the connection is closed;
 //! - then any number of [`Request`]s, each answered by one [`Answer`].
+//!
+//! A Hello that names no branch opens a *chunk connection* instead: any
+//! number of [`ChunkAsk`]s (a segment chunk, or a part of it), each
+//! answered by one [`ChunkAnswer`], its bytes after its frame. A client
+//! may send several asks before reading their answers (the chunks of a
+//! read-ahead run); the server takes the asks already waiting together
+//! and fetches those it does not hold from the bucket at once, so a cold
+//! server is not one bucket round trip per chunk behind. A server that
+//! serves no chunk connections (one older than them) answers
+//! [`Welcome::NoBranch`], and the client asks it over HTTP/2.
 //!
 //! A frame is a little-endian `u32` length and that many bytes of bincode
 //! (standard configuration), at most [`MAX_FRAME`].
@@ -183,6 +193,38 @@ pub fn write_chunk_answer(w: &mut impl Write, buf: &mut Vec<u8>, answer: &ChunkA
         ChunkAnswer::NotFound => write_frame(w, buf, &ChunkHead::NotFound),
         ChunkAnswer::Failed(why) => write_frame(w, buf, &ChunkHead::Failed(why.clone())),
     }
+}
+
+/// Sends the frame of a [`ChunkAnswer::Bytes`] of `len` bytes, for a
+/// sender that sends the bytes themselves some other way ([`send_file`]).
+pub fn write_chunk_head(w: &mut impl Write, buf: &mut Vec<u8>, hit: bool, len: u32) -> io::Result<()> {
+    write_frame(w, buf, &ChunkHead::Bytes { hit, len })
+}
+
+/// Sends bytes `off..off + len` of `file` on `stream` with `sendfile`:
+/// the kernel moves them from the page cache to the socket without a copy
+/// through this process. `len` on success.
+pub fn send_file(stream: &std::net::TcpStream, file: &std::fs::File, off: u64, len: usize) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let mut at = libc::off_t::try_from(off).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let mut left = len;
+    // Bounded: every round sends at least a byte or returns.
+    while left > 0 {
+        // SAFETY: two valid descriptors, and `at` a valid offset the call
+        // advances by what it sent.
+        let n = unsafe { libc::sendfile(stream.as_raw_fd(), file.as_raw_fd(), &mut at, left) };
+        match n {
+            n if n > 0 => left -= n as usize,
+            0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ended before the chunk")),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(len)
 }
 
 /// Reads a [`ChunkAnswer`], its bytes included.

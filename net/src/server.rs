@@ -1,5 +1,6 @@
-//! `arbor serve`: answers chunk requests from a [`SegmentCache`] over
-//! HTTP/2 (and HTTP/1.1), behind a shared token.
+//! `arbor serve`: answers chunk requests from a [`SegmentCache`] on chunk
+//! connections (framed, see [`crate::frames`]) and over HTTP/2 (and
+//! HTTP/1.1: footers, source objects, `/metrics`), behind a shared token.
 
 use crate::files::{Op, SharedBranch, EVENT_WAIT};
 use crate::metrics::{CacheGauges, Metrics};
@@ -55,6 +56,10 @@ pub struct ServerOptions {
 /// What a chunk request found: the bytes and whether they were cached
 /// already (`None`: not a chunk, a footer), or no such chunk.
 type Found = arbor_engine::Result<Option<(Vec<u8>, Option<bool>)>>;
+
+/// The smallest answer a chunk connection sends with `sendfile` (smaller
+/// ones are read and written: two system calls cost more than the copy).
+const SEND_FILE_MIN: usize = 64 << 10;
 
 /// What a chunk request comes to, on either transport.
 enum Served {
@@ -342,22 +347,21 @@ impl CacheServer {
                 }
                 asks.push(read_frame(&mut stream, &mut rbuf)?);
             }
-            let mut answers: Vec<Option<ChunkAnswer>> = asks.iter().map(|&a| self.part(a, true)).collect();
-            let missing: Vec<usize> = (0..asks.len()).filter(|&k| answers[k].is_none()).collect();
+            let mut answers: Vec<Option<ChunkAnswer>> = vec![None; asks.len()];
+            let held = |a: &ChunkAsk| self.cache.as_ref().is_some_and(|c| c.holds(a.seg, a.index));
+            let missing: Vec<usize> = (0..asks.len()).filter(|&k| !held(&asks[k])).collect();
             if missing.len() > 1 {
                 let fetched: Vec<ChunkAnswer> = std::thread::scope(|s| {
                     let handles: Vec<_> = missing
                         .iter()
                         .map(|&k| {
                             let ask = asks[k];
-                            s.spawn(move || self.part(ask, false))
+                            s.spawn(move || self.part(ask))
                         })
                         .collect();
                     handles
                         .into_iter()
-                        .map(|h| {
-                            h.join().ok().flatten().unwrap_or_else(|| ChunkAnswer::Failed("a fetch failed".into()))
-                        })
+                        .map(|h| h.join().unwrap_or_else(|_| ChunkAnswer::Failed("a fetch failed".into())))
                         .collect()
                 });
                 for (&k, a) in missing.iter().zip(fetched) {
@@ -365,40 +369,90 @@ impl CacheServer {
                 }
             }
             for (k, answer) in answers.into_iter().enumerate() {
-                let answer = answer.or_else(|| self.part(asks[k], false));
-                let answer = answer.unwrap_or_else(|| ChunkAnswer::Failed("a fetch failed".into()));
+                let answer = match answer {
+                    Some(a) => a,
+                    None if self.send_cached(&mut stream, &mut wbuf, asks[k])? => continue,
+                    None => self.part(asks[k]),
+                };
                 write_chunk_answer(&mut stream, &mut wbuf, &answer)?;
             }
         }
     }
 
-    /// A chunk or a part of it, as a chunk connection answers it: from
-    /// the cache, or fetched (and cached whole) on this thread; `None`
-    /// when `cached_only` and it is not cached (nothing counted then).
-    fn part(&self, ask: crate::frames::ChunkAsk, cached_only: bool) -> Option<crate::frames::ChunkAnswer> {
+    /// Answers `ask` on `stream` straight from the cache file with
+    /// `sendfile` when it is at least [`SEND_FILE_MIN`] bytes, cached and
+    /// checked: the server neither copies the bytes into a buffer of its
+    /// own nor out of it into the socket (most of a warm server's time
+    /// went there). False when it did not (not cached, small, or the fault
+    /// switch is on, which needs the bytes in hand); an error when the
+    /// connection broke.
+    fn send_cached(
+        &self,
+        stream: &mut std::net::TcpStream,
+        wbuf: &mut Vec<u8>,
+        ask: crate::frames::ChunkAsk,
+    ) -> std::io::Result<bool> {
+        let Some(cache) = self.cache.as_ref().filter(|_| self.opts.fault.is_none()) else { return Ok(false) };
+        let within = match ask.part {
+            Some((_, len)) if (len as usize) < SEND_FILE_MIN => return Ok(false),
+            Some((at, len)) => match at.checked_add(len as u64) {
+                Some(end) => Some(at..end),
+                None => return Ok(false),
+            },
+            None => None,
+        };
+        let started = Instant::now();
+        let sent = cache.send_cached_part(ask.seg, ask.index, within.clone(), |file, off, len| {
+            if len < SEND_FILE_MIN {
+                return None;
+            }
+            let head = u32::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput));
+            Some(head.and_then(|len32| {
+                crate::frames::write_chunk_head(stream, wbuf, true, len32)?;
+                crate::frames::send_file(stream, file, off, len)
+            }))
+        });
+        let m = &self.metrics;
+        match sent {
+            None => Ok(false),
+            Some(Err(e)) => Err(e),
+            Some(Ok(len)) => {
+                m.hits.fetch_add(1, Ordering::Relaxed);
+                if within.is_some() {
+                    m.parts.fetch_add(1, Ordering::Relaxed);
+                }
+                m.served_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                m.latency.observe(started.elapsed());
+                Ok(true)
+            }
+        }
+    }
+
+    /// A chunk or a part of it, as a chunk connection answers it: read
+    /// from the cache, or fetched (and cached whole) on this thread.
+    fn part(&self, ask: crate::frames::ChunkAsk) -> crate::frames::ChunkAnswer {
         use crate::frames::ChunkAnswer;
-        let Some(cache) = &self.cache else { return Some(ChunkAnswer::NotFound) };
+        let Some(cache) = &self.cache else { return ChunkAnswer::NotFound };
         let within = match ask.part {
             Some((at, len)) => match at.checked_add(len as u64) {
                 Some(end) => Some(at..end),
-                None => return Some(ChunkAnswer::NotFound),
+                None => return ChunkAnswer::NotFound,
             },
             None => None,
         };
         let started = Instant::now();
         let got = match cache.cached_part(ask.seg, ask.index, within.clone()) {
             Some(c) => Ok(Some((c.bytes, Some(c.hit)))),
-            None if cached_only => return None,
             None => cache.chunk_part(ask.seg, ask.index, within.clone()).map(|c| c.map(|c| (c.bytes, Some(c.hit)))),
         };
         if within.is_some() {
             self.metrics.parts.fetch_add(1, Ordering::Relaxed);
         }
-        Some(match self.served(|| format!("chunk {} of {}", ask.index, ask.seg), false, started, Ok(got)) {
+        match self.served(|| format!("chunk {} of {}", ask.index, ask.seg), false, started, Ok(got)) {
             Served::Bytes { bytes, hit, .. } => ChunkAnswer::Bytes { hit: hit == Some(true), bytes },
             Served::NotFound | Served::Conflict(_) => ChunkAnswer::NotFound,
             Served::Failed(why) | Served::Broken(why) => ChunkAnswer::Failed(why),
-        })
+        }
     }
 
     /// Stops serving framed connections: each is shut, and its thread

@@ -106,6 +106,26 @@ impl SegmentCache {
         self.remote.cached_range(seg, index, within).map(|bytes| ServedChunk { bytes, hit: true })
     }
 
+    /// Like [`SegmentCache::cached_part`], but hands `send` the cache file
+    /// and where the bytes lie in it (offset, length) instead of reading
+    /// them, for a server that sends them on with `sendfile`; no eviction
+    /// punches them out while `send` runs. `None` when they are not cached
+    /// and checked now, or `send` gave `None`.
+    pub fn send_cached_part<T>(
+        &self,
+        seg: SegId,
+        index: u32,
+        within: Option<Range<u64>>,
+        send: impl FnOnce(&std::fs::File, u64, usize) -> Option<T>,
+    ) -> Option<T> {
+        self.remote.send_cached(seg, index, within, send)
+    }
+
+    /// Whether chunk `index` of `seg` is cached and checked now.
+    pub fn holds(&self, seg: SegId, index: u32) -> bool {
+        self.remote.holds_checked(seg, index)
+    }
+
     /// The cache's clock: it advances with every use of a chunk.
     pub fn clock(&self) -> u64 {
         self.remote.tick()

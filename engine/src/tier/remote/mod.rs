@@ -387,11 +387,33 @@ impl Remote {
     }
 
     /// Bytes `within` (offsets inside it; all of it when `None`) of chunk
-    /// `index` of segment `id` if the chunk is cached here and checked: a read that cannot wait
-    /// for the bucket and will not (`None` otherwise).
+    /// `index` of segment `id` if the chunk is cached here and checked: a
+    /// read that cannot wait for the bucket and will not (`None`
+    /// otherwise).
     pub(crate) fn cached_range(&self, id: SegId, index: u32, within: Option<std::ops::Range<u64>>) -> Option<Vec<u8>> {
         let seg = self.segs.read().get(&id).cloned()?;
         self.read_cached(&seg, index, within, true)
+    }
+
+    /// Like [`Remote::cached_range`], but hands `send` the cache file and
+    /// where the bytes lie in it (offset, length) instead of reading them,
+    /// for a caller that moves them on without copying (`sendfile`): no
+    /// eviction punches them out while `send` runs. `None` when the chunk
+    /// is not cached here and checked, or `send` gave `None`.
+    pub(crate) fn send_cached<T>(
+        &self,
+        id: SegId,
+        index: u32,
+        within: Option<std::ops::Range<u64>>,
+        send: impl FnOnce(&File, u64, usize) -> Option<T>,
+    ) -> Option<T> {
+        let seg = self.segs.read().get(&id).cloned()?;
+        self.with_cached(&seg, index, within, true, send)
+    }
+
+    /// Whether chunk `index` of segment `id` is cached here and checked.
+    pub(crate) fn holds_checked(&self, id: SegId, index: u32) -> bool {
+        self.chunks.verified((id, index)) == Some(true)
     }
 
     /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
@@ -404,6 +426,27 @@ impl Remote {
         within: Option<std::ops::Range<u64>>,
         checked: bool,
     ) -> Option<Vec<u8>> {
+        self.with_cached(seg, index, within, checked, |file, off, len| {
+            let mut buf = vec![0u8; len];
+            use std::os::unix::fs::FileExt;
+            file.read_exact_at(&mut buf, off).ok()?;
+            Some(buf)
+        })
+    }
+
+    /// `f` of the cache file holding bytes `within` (all of it when
+    /// `None`) of chunk `index` of `seg`, and where they lie in it, if the
+    /// chunk is in this cache (and, with `checked`, checked since this
+    /// process started); no eviction punches it out while `f` runs. A
+    /// `Some` from `f` counts as a hit.
+    fn with_cached<T>(
+        &self,
+        seg: &RemoteSeg,
+        index: u32,
+        within: Option<std::ops::Range<u64>>,
+        checked: bool,
+        f: impl FnOnce(&File, u64, usize) -> Option<T>,
+    ) -> Option<T> {
         let segment::Source::Object { file } = &seg.source else { return None };
         if index as usize >= seg.footer.crcs.len() {
             return None;
@@ -419,12 +462,10 @@ impl Remote {
         if !there {
             return None;
         }
-        let mut buf = vec![0u8; (within.end - within.start) as usize];
-        use std::os::unix::fs::FileExt;
-        file.read_exact_at(&mut buf, start + within.start).ok()?;
+        let out = f(file, start + within.start, (within.end - within.start) as usize)?;
         self.chunks.touch(key);
         self.hits.fetch_add(1, Ordering::Relaxed);
-        Some(buf)
+        Some(out)
     }
 
     /// The footer of segment `id` if this cache holds it (see
