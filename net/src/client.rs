@@ -440,8 +440,9 @@ pub(crate) async fn connect(addr: &str, timeout: Duration) -> Result<SendRequest
 impl ChunkSource for CacheClient {
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
         let inner = &self.inner;
-        if let Some(got) = inner.fetch_framed(seg, wanted) {
-            return got;
+        let mut out = vec![None; wanted.len()];
+        if inner.fetch_framed(seg, wanted, &mut |k, bytes| out[k] = bytes) {
+            return out;
         }
         self.rt.block_on(async {
             let asks = wanted.iter().map(|w| {
@@ -450,6 +451,14 @@ impl ChunkSource for CacheClient {
             });
             inner.clone().get_all(asks.collect()).await
         })
+    }
+
+    fn fetch_each(&self, seg: SegId, wanted: &[ChunkRequest], got: &mut dyn FnMut(usize, Option<Vec<u8>>)) {
+        if !self.inner.fetch_framed(seg, wanted, got) {
+            for (k, bytes) in self.fetch(seg, wanted).into_iter().enumerate() {
+                got(k, bytes);
+            }
+        }
     }
 
     fn rejected(&self, seg: SegId, index: u32) {
@@ -471,8 +480,9 @@ impl ChunkSource for CacheClient {
         if self.inner.peers[owner].framed_parts.load(Ordering::Relaxed) {
             let len = u32::try_from(within.end.saturating_sub(within.start)).ok()?;
             let ask = ChunkAsk { seg, index, part: Some((within.start, len)) };
-            if let Some(mut got) = self.inner.framed(owner, &[ask], Ask::Part) {
-                return got.pop().flatten();
+            let mut part = None;
+            if self.inner.framed(owner, &[ask], Ask::Part, &mut |_, bytes| part = bytes) {
+                return part;
             }
         }
         let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::server::part_query(&within));
@@ -509,31 +519,36 @@ enum PartConnError {
 impl Inner {
     /// `asks` (parts or whole chunks of `seg`) of server `owner`, over a
     /// chunk connection: the calling thread writes every request and then
-    /// reads the answers, in order, itself; the server answers on a thread
-    /// of the connection's own. A part costs the round trip and two
-    /// wake-ups — the HTTP/2 path hands each request between four tasks
-    /// and threads, which on a few busy cores was most of a 4 KiB read's
-    /// latency — and a chunk's bytes are read from the socket straight
-    /// into the buffer handed on. Counted as the HTTP path counts. `None`:
-    /// the server does not take chunk connections (ask it over HTTP).
-    fn framed(&self, owner: usize, asks: &[ChunkAsk], ask: Ask) -> Option<Vec<Option<Vec<u8>>>> {
-        use crate::frames::{read_chunk_answer, write_frame, ChunkAnswer};
+    /// reads the answers, in order, itself, handing each to `got` (its
+    /// number in `asks`, and the bytes or `None`) as it comes; the server
+    /// answers on a thread of the connection's own. A part costs the round
+    /// trip and two wake-ups — the HTTP/2 path hands each request between
+    /// four tasks and threads, which on a few busy cores was most of a
+    /// 4 KiB read's latency — and a chunk's bytes are read from the socket
+    /// straight into the buffer handed on. Counted as the HTTP path
+    /// counts. False, and nothing handed to `got`: the server does not
+    /// take chunk connections (ask it over HTTP).
+    fn framed(&self, owner: usize, asks: &[ChunkAsk], ask: Ask, got: &mut dyn FnMut(usize, Option<Vec<u8>>)) -> bool {
+        use crate::frames::{read_chunk_answer, write_frame};
         let peer = &self.peers[owner];
-        let nothing = || vec![None; asks.len()];
-        if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
-            peer.n.down.fetch_add(asks.len() as u64, Ordering::Relaxed);
-            return Some(nothing());
-        }
-        let failed = |counter: &AtomicU64, down: bool| {
-            counter.fetch_add(asks.len() as u64, Ordering::Relaxed);
+        // The asks from `from` on get nothing: counted under `counter`.
+        let fail = |from: usize, counter: &AtomicU64, down: bool, got: &mut dyn FnMut(usize, Option<Vec<u8>>)| {
+            counter.fetch_add((asks.len() - from) as u64, Ordering::Relaxed);
             if down {
                 *peer.down_until.lock() = Some(Instant::now() + DOWN_FOR);
                 peer.part_conns.lock().clear();
             }
-            Some(nothing())
+            for k in from..asks.len() {
+                got(k, None);
+            }
+            true
         };
+        if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
+            return fail(0, &peer.n.down, false, got);
+        }
         // A connection kept idle may have been closed by a server that
-        // restarted since: such a failure is tried once more on a new one.
+        // restarted since: such a failure, before any answer, is tried
+        // once more on a new one.
         for _ in 0..2 {
             let pooled = peer.part_conns.lock().pop();
             let reused = pooled.is_some();
@@ -541,112 +556,134 @@ impl Inner {
                 Ok(c) => c,
                 Err(PartConnError::Unsupported) => {
                     peer.framed_parts.store(false, Ordering::Relaxed);
-                    return None;
+                    return false;
                 }
                 Err(PartConnError::Refused) => {
                     if peer.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
                         tracing::warn!(server = %peer.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
                     }
-                    return failed(&peer.n.error, true);
+                    return fail(0, &peer.n.error, true, got);
                 }
                 Err(PartConnError::Slow) => {
                     tracing::debug!(server = %peer.addr, "a cache server did not answer in time; reading the bucket");
-                    return failed(&peer.n.timeout, false);
+                    return fail(0, &peer.n.timeout, false, got);
                 }
                 Err(PartConnError::Io(e)) => {
                     tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
-                    return failed(&peer.n.error, true);
+                    return fail(0, &peer.n.error, true, got);
                 }
             };
-            let mut exchange = || {
-                for a in asks {
-                    write_frame(&mut c.stream, &mut c.wbuf, a)?;
-                }
-                asks.iter().map(|_| read_chunk_answer(&mut c.stream, &mut c.rbuf)).collect::<std::io::Result<Vec<_>>>()
-            };
-            let answers = match exchange() {
-                Ok(a) => a,
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
-                    tracing::debug!(server = %peer.addr, seg = %asks[0].seg, "a cache server was too slow; reading the bucket");
-                    return failed(&peer.n.timeout, false);
-                }
-                Err(_) if reused => continue,
-                Err(e) => {
-                    tracing::debug!(server = %peer.addr, error = %e, "the connection to a cache server broke");
-                    return failed(&peer.n.error, true);
-                }
-            };
-            {
-                let mut idle = peer.part_conns.lock();
-                if idle.len() < IDLE_PART_CONNS {
-                    idle.push(c);
+            let mut sent = Ok(());
+            for a in asks {
+                sent = sent.and_then(|()| write_frame(&mut c.stream, &mut c.wbuf, a));
+            }
+            let mut answered = 0;
+            let mut broke = sent.err();
+            while broke.is_none() && answered < asks.len() {
+                match read_chunk_answer(&mut c.stream, &mut c.rbuf) {
+                    Ok(a) => {
+                        got(answered, self.counted(peer, a, ask));
+                        answered += 1;
+                    }
+                    Err(e) => broke = Some(e),
                 }
             }
-            let got = answers.into_iter().map(|answer| match answer {
-                ChunkAnswer::Bytes { hit, bytes } => {
-                    if matches!(ask, Ask::Part) {
-                        peer.n.parts.fetch_add(1, Ordering::Relaxed);
+            match broke {
+                None => {
+                    let mut idle = peer.part_conns.lock();
+                    if idle.len() < IDLE_PART_CONNS {
+                        idle.push(c);
                     }
-                    peer.n.chunks.fetch_add(1, Ordering::Relaxed);
-                    peer.n.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                    if hit {
-                        peer.n.hits.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Some(bytes)
+                    return true;
                 }
-                ChunkAnswer::NotFound => {
-                    peer.n.not_found.fetch_add(1, Ordering::Relaxed);
-                    None
+                Some(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    tracing::debug!(server = %peer.addr, seg = %asks[0].seg, "a cache server was too slow; reading the bucket");
+                    return fail(answered, &peer.n.timeout, false, got);
                 }
-                ChunkAnswer::Failed(why) => {
-                    tracing::debug!(server = %peer.addr, error = %why, "a cache server answered with an error");
-                    peer.n.error.fetch_add(1, Ordering::Relaxed);
-                    None
+                Some(_) if reused && answered == 0 => continue,
+                Some(e) => {
+                    tracing::debug!(server = %peer.addr, error = %e, "the connection to a cache server broke");
+                    return fail(answered, &peer.n.error, true, got);
                 }
-            });
-            return Some(got.collect());
+            }
         }
         // Both tries failed on connections that broke.
-        failed(&peer.n.error, true)
+        fail(0, &peer.n.error, true, got)
     }
 
-    /// The chunks `wanted` of `seg` over chunk connections: each owner's
-    /// share asked on one connection, the owners at once (a thread each
-    /// beyond the first). `None`: an owner does not take chunk
+    /// The bytes of one answer from `peer`, counted.
+    fn counted(&self, peer: &Peer, answer: crate::frames::ChunkAnswer, ask: Ask) -> Option<Vec<u8>> {
+        use crate::frames::ChunkAnswer;
+        match answer {
+            ChunkAnswer::Bytes { hit, bytes } => {
+                if matches!(ask, Ask::Part) {
+                    peer.n.parts.fetch_add(1, Ordering::Relaxed);
+                }
+                peer.n.chunks.fetch_add(1, Ordering::Relaxed);
+                peer.n.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                if hit {
+                    peer.n.hits.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(bytes)
+            }
+            ChunkAnswer::NotFound => {
+                peer.n.not_found.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            ChunkAnswer::Failed(why) => {
+                tracing::debug!(server = %peer.addr, error = %why, "a cache server answered with an error");
+                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// The chunks `wanted` of `seg` over chunk connections, each handed to
+    /// `got` as it comes (its number in `wanted`, and the bytes or `None`):
+    /// each owner's share asked on one connection, the owners at once (a
+    /// thread each beyond the first, their chunks handed on when all are
+    /// in). False, and nothing handed on: an owner does not take chunk
     /// connections (ask over HTTP).
-    fn fetch_framed(&self, seg: SegId, wanted: &[ChunkRequest]) -> Option<Vec<Option<Vec<u8>>>> {
+    fn fetch_framed(&self, seg: SegId, wanted: &[ChunkRequest], got: &mut dyn FnMut(usize, Option<Vec<u8>>)) -> bool {
         let mut shares: Vec<(usize, Vec<usize>)> = Vec::new();
         for (k, w) in wanted.iter().enumerate() {
             let owner = self.owner(seg, w.index);
             if !self.peers[owner].framed_parts.load(Ordering::Relaxed) {
-                return None;
+                return false;
             }
             match shares.iter_mut().find(|s| s.0 == owner) {
                 Some(s) => s.1.push(k),
                 None => shares.push((owner, vec![k])),
             }
         }
-        let ask_share = |(owner, ks): &(usize, Vec<usize>)| {
-            let asks: Vec<ChunkAsk> =
-                ks.iter().map(|&k| ChunkAsk { seg, index: wanted[k].index, part: None }).collect();
-            self.framed(*owner, &asks, Ask::Chunk)
+        let asks_of = |ks: &[usize]| -> Vec<ChunkAsk> {
+            ks.iter().map(|&k| ChunkAsk { seg, index: wanted[k].index, part: None }).collect()
         };
-        let answers: Vec<Option<Vec<Option<Vec<u8>>>>> = match shares.as_slice() {
-            [one] => vec![ask_share(one)],
-            _ => std::thread::scope(|s| {
-                let handles: Vec<_> = shares[1..].iter().map(|share| s.spawn(move || ask_share(share))).collect();
-                let mut all = vec![ask_share(&shares[0])];
-                all.extend(handles.into_iter().map(|h| h.join().ok().flatten()));
-                all
-            }),
-        };
-        let mut out = vec![None; wanted.len()];
-        for ((_, ks), got) in shares.iter().zip(answers) {
-            for (&k, bytes) in ks.iter().zip(got?) {
-                out[k] = bytes;
+        if let [(owner, ks)] = shares.as_slice() {
+            return self.framed(*owner, &asks_of(ks), Ask::Chunk, &mut |n, bytes| got(ks[n], bytes));
+        }
+        let answers: Vec<Option<Vec<Option<Vec<u8>>>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = shares
+                .iter()
+                .map(|(owner, ks)| {
+                    let asks = asks_of(ks);
+                    s.spawn(move || {
+                        let mut out = vec![None; asks.len()];
+                        self.framed(*owner, &asks, Ask::Chunk, &mut |n, bytes| out[n] = bytes).then_some(out)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().ok().flatten()).collect()
+        });
+        if answers.iter().any(Option::is_none) {
+            return false;
+        }
+        for ((_, ks), share) in shares.iter().zip(answers) {
+            for (&k, bytes) in ks.iter().zip(share.into_iter().flatten()) {
+                got(k, bytes);
             }
         }
-        Some(out)
+        true
     }
 
     /// A new chunk connection to `peer`, its Hello answered; every read

@@ -23,6 +23,14 @@ pub trait ChunkSource: Send + Sync {
     /// this source cannot give now (the caller reads the bucket for it).
     /// Never blocks longer than the source's own timeout.
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>>;
+    /// As [`ChunkSource::fetch`], but hands each chunk to `got` (its
+    /// number in `wanted`, and the bytes or `None`) as soon as it is
+    /// there, so the caller can use the first before the last has come.
+    fn fetch_each(&self, seg: SegId, wanted: &[ChunkRequest], got: &mut dyn FnMut(usize, Option<Vec<u8>>)) {
+        for (k, bytes) in self.fetch(seg, wanted).into_iter().enumerate() {
+            got(k, bytes);
+        }
+    }
     /// Chunk `index` of `seg` (or a part of it) as given failed its
     /// checksum.
     fn rejected(&self, seg: SegId, index: u32);

@@ -196,7 +196,16 @@ impl Remote {
     /// Asks the cache servers for chunks `wanted` of segment `seg` (with
     /// `footer`) and keeps those that pass their check: (index, bytes).
     fn ask_peers(&self, seg: SegId, footer: &Footer, wanted: &[usize]) -> Vec<(usize, Vec<u8>)> {
-        let Some(peers) = &self.peers else { return Vec::new() };
+        let mut good = Vec::new();
+        self.ask_peers_each(seg, footer, wanted, &mut |i, bytes| good.push((i, bytes)));
+        good
+    }
+
+    /// As [`Remote::ask_peers`], but hands each chunk that passes its
+    /// check to `good` as soon as it comes (the first can land, and its
+    /// readers go on, while the rest are on their way).
+    fn ask_peers_each(&self, seg: SegId, footer: &Footer, wanted: &[usize], good: &mut dyn FnMut(usize, Vec<u8>)) {
+        let Some(peers) = &self.peers else { return };
         let asks: Vec<ChunkRequest> = wanted
             .iter()
             .map(|&i| {
@@ -204,19 +213,17 @@ impl Remote {
                 ChunkRequest { index: i as u32, range: s..e }
             })
             .collect();
-        let mut good = Vec::new();
-        for (&i, got) in wanted.iter().zip(peers.fetch(seg, &asks)) {
-            let Some(bytes) = got else { continue };
+        peers.fetch_each(seg, &asks, &mut |k, got| {
+            let (Some(&i), Some(bytes)) = (wanted.get(k), got) else { return };
             if footer.verify(i, &bytes) {
                 self.peer_chunks.fetch_add(1, Ordering::Relaxed);
                 self.peer_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                good.push((i, bytes));
+                good(i, bytes);
             } else {
                 tracing::warn!(seg = %seg, chunk = i, got = bytes.len(), "a chunk from a cache server failed its checksum; reading it from the bucket");
                 peers.rejected(seg, i as u32);
             }
-        }
-        good
+        });
     }
 
     pub(crate) fn stats(&self) -> CacheStats {

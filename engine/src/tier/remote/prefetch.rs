@@ -47,15 +47,21 @@ impl RemoteSeg {
             return;
         }
         if let Source::Object { file } = &self.source {
-            // Cache servers first; what they did not give comes from the
-            // bucket in one GET spanning it.
-            let given_by_peers = r.ask_peers(self.id, &self.footer, claimed);
-            let given: Vec<usize> = given_by_peers.iter().map(|(i, _)| *i).collect();
+            // Cache servers first, all of the run asked at once, each chunk
+            // landed (and the readers waiting for it woken) as it comes: a
+            // reader right behind read-ahead waits for its chunk, not for
+            // the run. What they did not give comes from the bucket in one
+            // GET spanning it.
+            let mut given = Vec::new();
+            r.ask_peers_each(self.id, &self.footer, claimed, &mut |i, bytes| {
+                let key = (self.id, i as u32);
+                r.land(file, &[(key, bytes.as_slice(), self.footer.chunk_range(i).0)]);
+                r.inflight.lock().remove(&key);
+                r.landed.notify_all();
+                given.push(i);
+            });
             let rest: Vec<usize> = claimed.iter().copied().filter(|i| !given.contains(i)).collect();
-            let mut good: Vec<(ChunkKey, &[u8], u64)> = given_by_peers
-                .iter()
-                .map(|(i, bytes)| ((self.id, *i as u32), bytes.as_slice(), self.footer.chunk_range(*i).0))
-                .collect();
+            let mut good: Vec<(ChunkKey, &[u8], u64)> = Vec::new();
             let fetched = match (rest.first(), rest.last()) {
                 (Some(&lo), Some(&hi)) => {
                     let (start, _) = self.footer.chunk_range(lo);
