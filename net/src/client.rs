@@ -107,25 +107,25 @@ struct Peer {
     /// FNV-1a of the address, the server's part of every chunk's score.
     seed: u64,
     conn: tokio::sync::Mutex<Option<SendRequest<Full<Bytes>>>>,
-    /// Idle chunk connections, for parts of chunks (see [`Inner::part`]).
-    part_conns: Mutex<Vec<PartConn>>,
+    /// Idle chunk connections (see [`Inner::framed`]).
+    chunk_conns: Mutex<Vec<ChunkConn>>,
     /// Cleared when the server does not take chunk connections (an older
-    /// one): its parts then go over HTTP.
-    framed_parts: AtomicBool,
+    /// one): its chunks and parts then go over HTTP/2.
+    takes_chunk_conns: AtomicBool,
     down_until: Mutex<Option<Instant>>,
     n: Counters,
 }
 
 /// A chunk connection: a framed connection whose Hello names no branch,
 /// answering [`ChunkAsk`]s one at a time.
-struct PartConn {
+struct ChunkConn {
     stream: std::net::TcpStream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
 }
 
 /// Idle chunk connections kept per server; more are closed after use.
-const IDLE_PART_CONNS: usize = 16;
+const IDLE_CHUNK_CONNS: usize = 16;
 
 struct Inner {
     peers: Vec<Peer>,
@@ -173,8 +173,8 @@ impl CacheClient {
                 seed: fnv1a(addr.as_bytes()),
                 addr,
                 conn: tokio::sync::Mutex::new(None),
-                part_conns: Mutex::new(Vec::new()),
-                framed_parts: AtomicBool::new(true),
+                chunk_conns: Mutex::new(Vec::new()),
+                takes_chunk_conns: AtomicBool::new(true),
                 down_until: Mutex::new(None),
                 n: Counters::default(),
             });
@@ -194,7 +194,7 @@ impl CacheClient {
     /// in the environment), for comparing the two.
     pub fn set_framed(&self, on: bool) {
         for p in &self.inner.peers {
-            p.framed_parts.store(on, Ordering::Relaxed);
+            p.takes_chunk_conns.store(on, Ordering::Relaxed);
         }
     }
 
@@ -404,7 +404,7 @@ impl Peer {
     async fn failed(&self) {
         *self.down_until.lock() = Some(Instant::now() + DOWN_FOR);
         *self.conn.lock().await = None;
-        self.part_conns.lock().clear();
+        self.chunk_conns.lock().clear();
     }
 }
 
@@ -477,7 +477,7 @@ impl ChunkSource for CacheClient {
 
     fn fetch_part(&self, seg: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
         let owner = self.inner.owner(seg, index);
-        if self.inner.peers[owner].framed_parts.load(Ordering::Relaxed) {
+        if self.inner.peers[owner].takes_chunk_conns.load(Ordering::Relaxed) {
             let len = u32::try_from(within.end.saturating_sub(within.start)).ok()?;
             let ask = ChunkAsk { seg, index, part: Some((within.start, len)) };
             let mut part = None;
@@ -506,7 +506,7 @@ impl ChunkSource for CacheClient {
 }
 
 /// Why a chunk connection could not be opened.
-enum PartConnError {
+enum ChunkConnError {
     /// The server does not take chunk connections.
     Unsupported,
     /// It refused our token.
@@ -536,7 +536,7 @@ impl Inner {
             counter.fetch_add((asks.len() - from) as u64, Ordering::Relaxed);
             if down {
                 *peer.down_until.lock() = Some(Instant::now() + DOWN_FOR);
-                peer.part_conns.lock().clear();
+                peer.chunk_conns.lock().clear();
             }
             for k in from..asks.len() {
                 got(k, None);
@@ -550,25 +550,25 @@ impl Inner {
         // restarted since: such a failure, before any answer, is tried
         // once more on a new one.
         for _ in 0..2 {
-            let pooled = peer.part_conns.lock().pop();
+            let pooled = peer.chunk_conns.lock().pop();
             let reused = pooled.is_some();
             let mut c = match pooled.map_or_else(|| self.connect_framed(peer), Ok) {
                 Ok(c) => c,
-                Err(PartConnError::Unsupported) => {
-                    peer.framed_parts.store(false, Ordering::Relaxed);
+                Err(ChunkConnError::Unsupported) => {
+                    peer.takes_chunk_conns.store(false, Ordering::Relaxed);
                     return false;
                 }
-                Err(PartConnError::Refused) => {
+                Err(ChunkConnError::Refused) => {
                     if peer.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
                         tracing::warn!(server = %peer.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
                     }
                     return fail(0, &peer.n.error, true, got);
                 }
-                Err(PartConnError::Slow) => {
+                Err(ChunkConnError::Slow) => {
                     tracing::debug!(server = %peer.addr, "a cache server did not answer in time; reading the bucket");
                     return fail(0, &peer.n.timeout, false, got);
                 }
-                Err(PartConnError::Io(e)) => {
+                Err(ChunkConnError::Io(e)) => {
                     tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
                     return fail(0, &peer.n.error, true, got);
                 }
@@ -590,8 +590,8 @@ impl Inner {
             }
             match broke {
                 None => {
-                    let mut idle = peer.part_conns.lock();
-                    if idle.len() < IDLE_PART_CONNS {
+                    let mut idle = peer.chunk_conns.lock();
+                    if idle.len() < IDLE_CHUNK_CONNS {
                         idle.push(c);
                     }
                     return true;
@@ -648,7 +648,7 @@ impl Inner {
         let mut shares: Vec<(usize, Vec<usize>)> = Vec::new();
         for (k, w) in wanted.iter().enumerate() {
             let owner = self.owner(seg, w.index);
-            if !self.peers[owner].framed_parts.load(Ordering::Relaxed) {
+            if !self.peers[owner].takes_chunk_conns.load(Ordering::Relaxed) {
                 return false;
             }
             match shares.iter_mut().find(|s| s.0 == owner) {
@@ -688,14 +688,14 @@ impl Inner {
 
     /// A new chunk connection to `peer`, its Hello answered; every read
     /// and write on it bounded by the timeout.
-    fn connect_framed(&self, peer: &Peer) -> Result<PartConn, PartConnError> {
+    fn connect_framed(&self, peer: &Peer) -> Result<ChunkConn, ChunkConnError> {
         use crate::frames::{read_frame, write_frame, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
-        let io = PartConnError::Io;
+        let io = ChunkConnError::Io;
         let stream = crate::frames::dial(&peer.addr, self.timeout).map_err(io)?;
         stream.set_read_timeout(Some(self.timeout)).map_err(io)?;
         stream.set_write_timeout(Some(self.timeout)).map_err(io)?;
-        let mut c = PartConn { stream, rbuf: Vec::new(), wbuf: Vec::new() };
+        let mut c = ChunkConn { stream, rbuf: Vec::new(), wbuf: Vec::new() };
         let hello = Hello { version: VERSION, token: self.token.clone(), branch: String::new() };
         // The magic and the Hello in one write: the server sorts its
         // connections by their first bytes.
@@ -703,13 +703,13 @@ impl Inner {
         write_frame(&mut first, &mut c.wbuf, &hello).map_err(io)?;
         c.stream.write_all(&first).map_err(io)?;
         let welcome = read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(|e| match e.kind() {
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => PartConnError::Slow,
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ChunkConnError::Slow,
             _ => io(e),
         });
         match welcome? {
             Welcome::Ok => Ok(c),
-            Welcome::Refused => Err(PartConnError::Refused),
-            Welcome::NoBranch | Welcome::Version(_) => Err(PartConnError::Unsupported),
+            Welcome::Refused => Err(ChunkConnError::Refused),
+            Welcome::NoBranch | Welcome::Version(_) => Err(ChunkConnError::Unsupported),
         }
     }
 }
