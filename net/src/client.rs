@@ -331,18 +331,7 @@ impl Inner {
         };
         match tokio::time::timeout(self.timeout, attempt).await {
             Ok(Ok((StatusCode::OK, hit, crc, body))) => {
-                match ask {
-                    Ask::Chunk => peer.n.chunks.fetch_add(1, Ordering::Relaxed),
-                    Ask::Part => {
-                        peer.n.parts.fetch_add(1, Ordering::Relaxed);
-                        peer.n.chunks.fetch_add(1, Ordering::Relaxed)
-                    }
-                    Ask::Footer => peer.n.footers.fetch_add(1, Ordering::Relaxed),
-                };
-                peer.n.bytes.fetch_add(body.len() as u64, Ordering::Relaxed);
-                if hit {
-                    peer.n.hits.fetch_add(1, Ordering::Relaxed);
-                }
+                peer.gave(ask, body.len(), hit);
                 // A checksum that is there must be right (a server that
                 // sends none is checked by the caller alone).
                 if crc.is_some_and(|crc| crc != Some(crc32c::crc32c(&body))) {
@@ -357,13 +346,8 @@ impl Inner {
                 None
             }
             Ok(Ok((StatusCode::UNAUTHORIZED, ..))) => {
-                // Misconfigured, not busy: say so once, and stop asking
-                // for a while instead of paying a round trip per chunk.
-                if peer.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
-                    tracing::warn!(server = %peer.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
-                }
+                peer.refused();
                 peer.n.error.fetch_add(1, Ordering::Relaxed);
-                *peer.down_until.lock() = Some(Instant::now() + DOWN_FOR);
                 None
             }
             Ok(Ok((status, ..))) => {
@@ -387,6 +371,32 @@ impl Inner {
 }
 
 impl Peer {
+    /// Counts what this server gave for `ask`: `len` bytes, a hit or not.
+    fn gave(&self, ask: Ask, len: usize, hit: bool) {
+        match ask {
+            Ask::Chunk => self.n.chunks.fetch_add(1, Ordering::Relaxed),
+            Ask::Part => {
+                self.n.parts.fetch_add(1, Ordering::Relaxed);
+                self.n.chunks.fetch_add(1, Ordering::Relaxed)
+            }
+            Ask::Footer => self.n.footers.fetch_add(1, Ordering::Relaxed),
+        };
+        self.n.bytes.fetch_add(len as u64, Ordering::Relaxed);
+        if hit {
+            self.n.hits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The server refused our token. Misconfigured, not busy: said once,
+    /// and the server left alone for a while instead of paying a round
+    /// trip per chunk (the caller counts the chunks as errors).
+    fn refused(&self) {
+        if self.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
+            tracing::warn!(server = %self.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
+        }
+        *self.down_until.lock() = Some(Instant::now() + DOWN_FOR);
+    }
+
     /// The connection to this server, made anew when there is none.
     async fn sender(&self, timeout: Duration) -> Result<SendRequest<Full<Bytes>>, String> {
         let mut conn = self.conn.lock().await;
@@ -559,10 +569,8 @@ impl Inner {
                     return false;
                 }
                 Err(ChunkConnError::Refused) => {
-                    if peer.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
-                        tracing::warn!(server = %peer.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
-                    }
-                    return fail(0, &peer.n.error, true, got);
+                    peer.refused();
+                    return fail(0, &peer.n.error, false, got);
                 }
                 Err(ChunkConnError::Slow) => {
                     tracing::debug!(server = %peer.addr, "a cache server did not answer in time; reading the bucket");
@@ -616,14 +624,7 @@ impl Inner {
         use crate::frames::ChunkAnswer;
         match answer {
             ChunkAnswer::Bytes { hit, bytes } => {
-                if matches!(ask, Ask::Part) {
-                    peer.n.parts.fetch_add(1, Ordering::Relaxed);
-                }
-                peer.n.chunks.fetch_add(1, Ordering::Relaxed);
-                peer.n.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                if hit {
-                    peer.n.hits.fetch_add(1, Ordering::Relaxed);
-                }
+                peer.gave(ask, bytes.len(), hit);
                 Some(bytes)
             }
             ChunkAnswer::NotFound => {
