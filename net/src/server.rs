@@ -338,8 +338,8 @@ impl CacheServer {
             };
             // The asks a client sent together (a run of read-ahead) are
             // taken together: those not cached are fetched from the bucket
-            // at once, not one after another, and all are answered in
-            // order.
+            // at once, a thread each, not one after another; the cached
+            // ones are read here; all are answered in order.
             let mut asks = vec![ask];
             for _ in 1..crate::frames::MAX_PIPELINED {
                 if !crate::frames::frame_waiting(&stream) {

@@ -121,9 +121,10 @@ impl SegmentCache {
         self.remote.send_cached(seg, index, within, send)
     }
 
-    /// Whether chunk `index` of `seg` is cached and checked now.
+    /// Whether chunk `index` of `seg` is cached (reading it needs no
+    /// bucket; it may still need its check).
     pub fn holds(&self, seg: SegId, index: u32) -> bool {
-        self.remote.holds_checked(seg, index)
+        self.remote.holds(seg, index)
     }
 
     /// The cache's clock: it advances with every use of a chunk.

@@ -418,9 +418,10 @@ impl Remote {
         self.with_cached(&seg, index, within, true, send)
     }
 
-    /// Whether chunk `index` of segment `id` is cached here and checked.
-    pub(crate) fn holds_checked(&self, id: SegId, index: u32) -> bool {
-        self.chunks.verified((id, index)) == Some(true)
+    /// Whether chunk `index` of segment `id` is cached here (checked since
+    /// this process started or not).
+    pub(crate) fn holds(&self, id: SegId, index: u32) -> bool {
+        self.chunks.present((id, index))
     }
 
     /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
