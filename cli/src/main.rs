@@ -556,6 +556,10 @@ fn print_status(s: &serde_json::Value) {
     }
     println!("server pid   {}", get("pid"));
     println!("fuse         {}, {} requests on the ring", get("fuse_transport"), get("fuse_ring_requests"));
+    match s["kernel_read_ahead"].as_u64() {
+        Some(b) if b > 0 => println!("read-ahead   {} KiB by the kernel", b / 1024),
+        _ => {}
+    }
     if !s["owner"].is_null() {
         println!("owner        {} (metadata and writes go there)", get("owner"));
         println!(

@@ -163,6 +163,7 @@ pub fn mount_remote(
     }
     let owner = files.stats().owner.unwrap_or_default();
     let fuse = handle.transport().clone();
+    let counters = handle.counters().clone();
     tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.describe(), "mounted through the owner");
     let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
     let stopped = serve_until_stopped(handle, control, move |req, tx| match req["op"].as_str() {
@@ -190,6 +191,7 @@ pub fn mount_remote(
                 "cache_servers": crate::serve::cache_servers_json(cache_client.as_deref()),
                 "fuse_transport": fuse.describe(),
                 "fuse_ring_requests": fuse.ring_requests(),
+                "kernel_read_ahead": counters.kernel_read_ahead.load(std::sync::atomic::Ordering::Relaxed),
             });
             (json!({"ok": true, "result": result}), false)
         }

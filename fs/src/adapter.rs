@@ -76,6 +76,8 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
 pub struct Counters {
     pub reads: std::sync::atomic::AtomicU64,
     pub lookups: std::sync::atomic::AtomicU64,
+    /// The kernel's read-ahead for the mount in bytes (0: not known).
+    pub kernel_read_ahead: std::sync::atomic::AtomicU64,
 }
 
 impl<F: Files + ?Sized> ArborFs<F> {

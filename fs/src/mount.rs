@@ -173,10 +173,50 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     } else if choice == RingChoice::Ring {
         return Err(io::Error::other(format!("ARBOR_FUSE=ring, but {}", transport.describe())));
     }
+    let kernel_read_ahead = set_kernel_read_ahead(mountpoint, opts.read_ahead);
     let session = session.spawn()?;
     fs.set_notifier(session.notifier());
     let counters = fs.counters().clone();
+    counters.kernel_read_ahead.store(kernel_read_ahead.unwrap_or(0).into(), std::sync::atomic::Ordering::Relaxed);
     Ok(MountHandle { session: Some(session), transport, counters })
+}
+
+/// The kernel's read-ahead for the mount: the most it reads ahead of a
+/// sequential reader, in bytes, where it could be read.
+///
+/// A FUSE connection's read-ahead is the smaller of what the server asks
+/// for at INIT and the 128 KiB every new backing device starts with, so
+/// what `--read-ahead` asks reaches the kernel only through sysfs
+/// (`/sys/class/bdi/MAJ:MIN/read_ahead_kb`, root's to write). With 128 KiB
+/// the kernel keeps about one 128 KiB READ in flight per reader; with
+/// 4 MiB, several of up to 1 MiB each, and a cold sequential read of
+/// arbor's own cache went 1.3–1.4× as fast (see the README).
+///
+/// Without the right to write it, the mount keeps the kernel's 128 KiB and
+/// says so in its log. Called after INIT, whose answer would cap it again.
+fn set_kernel_read_ahead(mountpoint: &Path, bytes: u32) -> Option<u32> {
+    let dev = mount_device(mountpoint)?;
+    let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
+    let kib = bytes.div_ceil(1024);
+    match std::fs::write(&knob, format!("{kib}\n")) {
+        Ok(()) => {}
+        Err(e) => tracing::info!(knob, error = %e, "cannot set the kernel's read-ahead; it stays at its default"),
+    }
+    let now = std::fs::read_to_string(&knob).ok()?;
+    now.trim().parse::<u32>().ok().map(|k| k.saturating_mul(1024))
+}
+
+/// `MAJ:MIN` of the file system mounted at `path` (the topmost mount there),
+/// from /proc/self/mountinfo.
+fn mount_device(path: &Path) -> Option<String> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let target = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    info.lines()
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split(' ').collect();
+            (fields.len() > 4 && Path::new(&unescape(fields[4])) == target).then(|| fields[2].to_string())
+        })
+        .last()
 }
 
 /// If `mountpoint` is a FUSE mount whose server died, detach it so it can
