@@ -199,7 +199,8 @@ struct MountCmd {
     /// A checkpoint to mount read-only.
     #[arg(long)]
     checkpoint: Option<String>,
-    /// Kernel read-ahead for sequential readers, in bytes.
+    /// Read-ahead for sequential readers, in bytes: the kernel's for the
+    /// mount (set through sysfs; root) and the first window of arbor's own.
     #[arg(long, default_value_t = arbor_engine::tier::READ_AHEAD as u32)]
     read_ahead: u32,
     /// Threads answering the kernel: also how many reads may wait for the

@@ -211,12 +211,10 @@ fn set_kernel_read_ahead(mountpoint: &Path, bytes: u32) -> Option<u32> {
 fn mount_device(path: &Path) -> Option<String> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     let target = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    info.lines()
-        .filter_map(|l| {
-            let fields: Vec<&str> = l.split(' ').collect();
-            (fields.len() > 4 && Path::new(&unescape(fields[4])) == target).then(|| fields[2].to_string())
-        })
-        .last()
+    info.lines().rev().find_map(|l| {
+        let fields: Vec<&str> = l.split(' ').collect();
+        (fields.len() > 4 && Path::new(&unescape(fields[4])) == target).then(|| fields[2].to_string())
+    })
 }
 
 /// If `mountpoint` is a FUSE mount whose server died, detach it so it can

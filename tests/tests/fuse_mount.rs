@@ -230,6 +230,35 @@ fn a_file_read_twice_is_served_from_the_page_cache_the_second_time() {
     m.unmount();
 }
 
+/// `MAJ:MIN` of the file system mounted at `mnt`, from its `stat`.
+fn device_of(mnt: &std::path::Path) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(mnt).expect("stat the mount").dev();
+    format!("{}:{}", libc::major(dev), libc::minor(dev))
+}
+
+#[test]
+fn the_kernel_reads_ahead_as_far_as_the_mount_asks() {
+    if !fuse_available() {
+        return;
+    }
+    // The kernel starts every FUSE mount at 128 KiB and caps what INIT
+    // asks for there; the mount sets what --read-ahead says through sysfs.
+    let s = Scratch::new();
+    for (args, kib) in [(&[][..], 4096u64), (&["--read-ahead", "2097152"][..], 2048)] {
+        let m = Mount::start(s.disk_str(), &s.mnt, args);
+        let knob = format!("/sys/class/bdi/{}/read_ahead_kb", device_of(&s.mnt));
+        let set: u64 = std::fs::read_to_string(&knob).expect("read_ahead_kb").trim().parse().expect("a number");
+        assert_eq!(set, kib, "{knob} with {args:?}");
+        assert_eq!(status_number(&s.mnt, "kernel_read_ahead"), kib * 1024, "status with {args:?}");
+        let path = s.mnt.join("stream.bin");
+        let want = pattern(6 << 20, 11);
+        write_synced(&path, &want);
+        assert!(std::fs::read(&path).expect("read back") == want, "bytes with {args:?}");
+        m.unmount();
+    }
+}
+
 #[test]
 fn the_mount_says_which_transport_answers_it() {
     if !fuse_available() {
