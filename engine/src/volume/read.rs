@@ -4,7 +4,7 @@
 use super::txn::Reads;
 use super::types::{Extent, FileKind, Piece};
 use super::Volume;
-use crate::device::{Checked, Device};
+use crate::device::{Checked, Device, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::BLOCK_SIZE;
 use crate::source::Source;
@@ -201,24 +201,40 @@ pub fn read_extent(dev: &dyn Device, e: &Extent, at: u32, dst: &mut [u8]) -> Res
     let r1 = r0 + dst.len();
     let b0 = r0 / BLOCK_SIZE;
     let span_end = (r1.div_ceil(BLOCK_SIZE) * BLOCK_SIZE).min(data.len as usize);
-    let mut buf = vec![0u8; span_end - b0 * BLOCK_SIZE];
     let file = dev.open_segment(data.seg)?.ok_or_else(|| Error::corrupted("missing segment", data))?;
     let at = data.off as u64 + (b0 * BLOCK_SIZE) as u64;
+    let skip = r0 - b0 * BLOCK_SIZE;
+    if skip == 0 && span_end - b0 * BLOCK_SIZE == dst.len() {
+        // Whole blocks (a sequential reader's pages): read and check them
+        // where they go, without a buffer to fill and copy out of.
+        let read = read_blocks(file.as_ref(), e, b0, at, dst);
+        if read.is_err() {
+            dst.fill(0);
+        }
+        return read;
+    }
+    let mut buf = vec![0u8; span_end - b0 * BLOCK_SIZE];
+    read_blocks(file.as_ref(), e, b0, at, &mut buf)?;
+    dst.copy_from_slice(&buf[skip..skip + dst.len()]);
+    Ok(())
+}
+
+/// Reads `buf.len()` bytes of `e`'s data at `at` of `file`, from its block
+/// `b0` on, and checks each block against the extent's crc32c.
+fn read_blocks(file: &dyn SegmentFile, e: &Extent, b0: usize, at: u64, buf: &mut [u8]) -> Result<()> {
     let bad_block =
         |buf: &[u8]| buf.chunks(BLOCK_SIZE).enumerate().position(|(i, b)| e.crc_of(b0 + i) != Some(crc32c::crc32c(b)));
-    let checked = file.read_for_check(&mut buf, at)?;
-    let mut bad = bad_block(&buf);
+    let checked = file.read_for_check(buf, at)?;
+    let mut bad = bad_block(buf);
     // Bytes nobody checked yet (a cache server's part of a chunk) that
     // fail here are read again the way that checks them.
     if bad.is_some() && checked == Checked::Unchecked {
         file.unchecked_failed(at);
-        file.read_at(&mut buf, at)?;
-        bad = bad_block(&buf);
+        file.read_at(buf, at)?;
+        bad = bad_block(buf);
     }
-    if let Some(i) = bad {
-        return Err(Error::corrupted("data block checksum", format!("{data} block {}", b0 + i)));
+    match bad {
+        Some(i) => Err(Error::corrupted("data block checksum", format!("{} block {}", e.data, b0 + i))),
+        None => Ok(()),
     }
-    let skip = r0 - b0 * BLOCK_SIZE;
-    dst.copy_from_slice(&buf[skip..skip + dst.len()]);
-    Ok(())
 }
