@@ -24,7 +24,7 @@ fn runtime_dir() -> PathBuf {
 
 /// The socket of the mount at `mountpoint`.
 pub fn socket_path(mountpoint: &Path) -> Result<PathBuf> {
-    let abs = std::path::absolute(mountpoint)?;
+    let abs = arbor_fs::mount_path(mountpoint);
     let mut h = std::hash::DefaultHasher::new();
     abs.hash(&mut h);
     Ok(runtime_dir().join(format!("{:016x}.sock", h.finish())))

@@ -131,7 +131,7 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
             catalog.branch_head(b.as_deref().unwrap_or("main"))?;
         }
     }
-    let mountpoint = std::path::absolute(&args.mountpoint)?;
+    let mountpoint = arbor_fs::mount_path(&args.mountpoint);
     arbor_fs::recover_stale_mount(&mountpoint)?;
     match std::fs::metadata(&mountpoint) {
         Ok(m) if m.is_dir() => {}

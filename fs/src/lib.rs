@@ -11,5 +11,7 @@ pub mod ring;
 
 pub use adapter::{to_errno, ArborFs, Counters};
 pub use files::{Files, Lock};
-pub use mount::{is_mountpoint, mount, recover_stale_mount, Invalidator, MountHandle, MountOptions, THREADS};
+pub use mount::{
+    is_mountpoint, mount, mount_path, recover_stale_mount, Invalidator, MountHandle, MountOptions, THREADS,
+};
 pub use ring::{RingChoice, Transport};

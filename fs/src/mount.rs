@@ -207,10 +207,10 @@ fn set_kernel_read_ahead(mountpoint: &Path, bytes: u32) -> Option<u32> {
 }
 
 /// `MAJ:MIN` of the file system mounted at `path` (the topmost mount there),
-/// from /proc/self/mountinfo.
+/// from /proc/self/mountinfo, without a request to that file system.
 fn mount_device(path: &Path) -> Option<String> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let target = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let target = mount_path(path);
     info.lines().rev().find_map(|l| {
         let fields: Vec<&str> = l.split(' ').collect();
         (fields.len() > 4 && Path::new(&unescape(fields[4])) == target).then(|| fields[2].to_string())
@@ -281,8 +281,20 @@ fn probe(mountpoint: &Path) -> Probe {
 /// Whether `path` is the mount point of a mount in this namespace.
 pub fn is_mountpoint(path: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
-    let target = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let target = mount_path(path);
     info.lines().any(|l| l.split(' ').nth(4).is_some_and(|mp| Path::new(&unescape(mp)) == target))
+}
+
+/// The path the kernel knows mount point `path` by (as in
+/// /proc/self/mountinfo): absolute, with the symbolic links of its parent
+/// resolved. The mount point itself is not resolved: that would ask the
+/// file system mounted there, which may be dead or not answering yet.
+pub fn mount_path(path: &Path) -> std::path::PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    match (absolute.parent().map(Path::canonicalize), absolute.file_name()) {
+        (Some(Ok(parent)), Some(name)) => parent.join(name),
+        _ => absolute,
+    }
 }
 
 /// /proc/self/mountinfo escapes space, tab, newline and backslash as octal.

@@ -260,6 +260,38 @@ fn the_kernel_reads_ahead_as_far_as_the_mount_asks() {
 }
 
 #[test]
+fn a_mount_point_reached_through_a_symbolic_link_is_one_mount_point() {
+    if !fuse_available() {
+        return;
+    }
+    // The kernel names a mount point by its real path; the CLI must find
+    // the mount it started, its control socket and its device by either.
+    let s = Scratch::new();
+    let link = s.dir.path().join("link");
+    std::os::unix::fs::symlink(s.dir.path(), &link).expect("symlink");
+    let via_link = link.join("mnt");
+    let real_mnt = s.dir.path().canonicalize().expect("real path").join("mnt");
+    let (disk, linked, real) = (s.disk_str(), via_link.to_str().expect("utf8"), real_mnt.to_str().expect("utf8"));
+    arbor_ok(&["mount", disk, linked]);
+    std::fs::write(via_link.join("f"), b"through the link").expect("write");
+    assert_eq!(std::fs::read(s.mnt.join("f")).expect("read"), b"through the link");
+    for path in [linked, real] {
+        let out = arbor_ok(&["status", path, "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).expect("status json");
+        assert_eq!(v["mountpoint"].as_str(), Some(real), "status of {path}");
+    }
+    assert_eq!(status_number(&via_link, "kernel_read_ahead"), 4 << 20);
+    arbor_ok(&["unmount", linked]);
+    assert!(!arbor_fs_mounted(&real_mnt), "unmounted through the link");
+}
+
+/// Whether /proc/self/mountinfo lists `path` (a real path).
+fn arbor_fs_mounted(path: &std::path::Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    info.lines().any(|l| l.split(' ').nth(4) == path.to_str())
+}
+
+#[test]
 fn the_mount_says_which_transport_answers_it() {
     if !fuse_available() {
         return;
