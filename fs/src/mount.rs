@@ -162,6 +162,8 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     let classic = Classic { fs: fs.clone(), transport: transport.clone() };
     // INIT is answered before this returns, so the transport is known.
     let session = fuser::Session::new(classic, mountpoint, &config(opts, read_only))?;
+    // Before anything answers the kernel: a ring answers from its start.
+    let kernel_read_ahead = set_kernel_read_ahead(mountpoint, opts.read_ahead);
     if transport.negotiated() {
         let dev = session.as_fd().try_clone_to_owned()?;
         if let Err(e) = transport.start(&fs, dev, opts.threads) {
@@ -173,7 +175,6 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     } else if choice == RingChoice::Ring {
         return Err(io::Error::other(format!("ARBOR_FUSE=ring, but {}", transport.describe())));
     }
-    let kernel_read_ahead = set_kernel_read_ahead(mountpoint, opts.read_ahead);
     let session = session.spawn()?;
     fs.set_notifier(session.notifier());
     let counters = fs.counters().clone();
@@ -193,7 +194,8 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
 /// arbor's own cache went 1.3–1.4× as fast (see the README).
 ///
 /// Without the right to write it, the mount keeps the kernel's 128 KiB and
-/// says so in its log. Called after INIT, whose answer would cap it again.
+/// says so in its log. Called after INIT, whose answer would cap it again,
+/// and before the mount answers anything else.
 fn set_kernel_read_ahead(mountpoint: &Path, bytes: u32) -> Option<u32> {
     let dev = mount_device(mountpoint)?;
     let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
