@@ -161,6 +161,13 @@ fn repeated_kill_9_on_a_bucket_durable_disk_loses_nothing_and_leaves_no_wal_behi
         logs.push((name, 150, 40_000, round * 1000));
         // And a tail nobody fsynced, cut off by the kill.
         std::fs::write(mnt.join("unsynced"), pattern(3 << 20, round)).expect("write");
+        if round == ROUNDS - 1 {
+            // The tail may fill the open segment, which is then sealed and
+            // uploaded, its WAL pieces left for recovery to delete. One more
+            // fsync leaves the dead writer an open segment whose bytes only
+            // WAL pieces hold, for the last recovery to seal.
+            append_synced(&mnt.join("last"), 1, 4096, 7);
+        }
         m.kill9();
         let _ = Command::new("fusermount3").args(["-u", "-z"]).arg(&mnt).status();
     }
