@@ -199,7 +199,8 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
 fn set_kernel_read_ahead(mountpoint: &Path, bytes: u32) -> Option<u32> {
     let dev = mount_device(mountpoint)?;
     let knob = format!("/sys/class/bdi/{dev}/read_ahead_kb");
-    let kib = bytes.div_ceil(1024);
+    // No more than arbor's own largest window.
+    let kib = bytes.min(KERNEL_READ_AHEAD_MAX).div_ceil(1024);
     match std::fs::write(&knob, format!("{kib}\n")) {
         Ok(()) => {}
         Err(e) => tracing::info!(knob, error = %e, "cannot set the kernel's read-ahead; it stays at its default"),
@@ -207,6 +208,9 @@ fn set_kernel_read_ahead(mountpoint: &Path, bytes: u32) -> Option<u32> {
     let now = std::fs::read_to_string(&knob).ok()?;
     now.trim().parse::<u32>().ok().map(|k| k.saturating_mul(1024))
 }
+
+/// The most read-ahead a mount asks of the kernel, whatever `--read-ahead` says.
+const KERNEL_READ_AHEAD_MAX: u32 = 64 << 20;
 
 /// `MAJ:MIN` of the file system mounted at `path` (the topmost mount there),
 /// from /proc/self/mountinfo, without a request to that file system.
@@ -282,17 +286,22 @@ fn probe(mountpoint: &Path) -> Probe {
 
 /// Whether `path` is the mount point of a mount in this namespace.
 pub fn is_mountpoint(path: &Path) -> bool {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else { return false };
-    let target = mount_path(path);
-    info.lines().any(|l| l.split(' ').nth(4).is_some_and(|mp| Path::new(&unescape(mp)) == target))
+    mount_device(path).is_some()
 }
 
 /// The path the kernel knows mount point `path` by (as in
-/// /proc/self/mountinfo): absolute, with the symbolic links of its parent
-/// resolved. The mount point itself is not resolved: that would ask the
-/// file system mounted there, which may be dead or not answering yet.
+/// /proc/self/mountinfo): absolute, with symbolic links resolved. The
+/// mount point is not resolved as a whole, which would ask the file system
+/// mounted there (it may be dead, or not answering yet): its parent is,
+/// and its last part only if that is a symbolic link itself (`readlink`
+/// of a mounted directory fails without a request to the mount).
 pub fn mount_path(path: &Path) -> std::path::PathBuf {
     let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    if std::fs::read_link(&absolute).is_ok() {
+        if let Ok(real) = absolute.canonicalize() {
+            return real;
+        }
+    }
     match (absolute.parent().map(Path::canonicalize), absolute.file_name()) {
         (Some(Ok(parent)), Some(name)) => parent.join(name),
         _ => absolute,

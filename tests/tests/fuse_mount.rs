@@ -283,6 +283,17 @@ fn a_mount_point_reached_through_a_symbolic_link_is_one_mount_point() {
     assert_eq!(status_number(&via_link, "kernel_read_ahead"), 4 << 20);
     arbor_ok(&["unmount", linked]);
     assert!(!arbor_fs_mounted(&real_mnt), "unmounted through the link");
+    // A mount point that is itself a link to a directory.
+    let link_mnt = s.dir.path().join("mnt-link");
+    std::os::unix::fs::symlink(&s.mnt, &link_mnt).expect("symlink");
+    let link_mnt = link_mnt.to_str().expect("utf8");
+    arbor_ok(&["mount", disk, link_mnt]);
+    assert_eq!(std::fs::read(s.mnt.join("f")).expect("read"), b"through the link");
+    let out = arbor_ok(&["status", link_mnt, "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("status json");
+    assert_eq!(v["mountpoint"].as_str(), Some(real), "status of {link_mnt}");
+    arbor_ok(&["unmount", link_mnt]);
+    assert!(!arbor_fs_mounted(&real_mnt), "unmounted through the link to the mount point");
 }
 
 /// Whether /proc/self/mountinfo lists `path` (a real path).
