@@ -1,6 +1,6 @@
 //! arbor's storage engine.
 //!
-//! Everything that stores bytes lives here: the record format ([`format`]),
+//! Everything that stores bytes lives here: the record format (`format`),
 //! the storage devices under the log ([`device`], [`io`]), the append-only
 //! segment log ([`log`]), the copy-on-write B+tree ([`tree`]), the POSIX-shaped
 //! [`Volume`] API, and the object-store seam ([`bucket`]). The engine knows

@@ -51,7 +51,7 @@ pub struct Entry {
 
 /// The file system every kernel transport calls: each FUSE request becomes
 /// one method here, an answer or an errno back. The transports (the
-/// classic `/dev/fuse` loop in [`crate::classic`], FUSE over io_uring in
+/// classic `/dev/fuse` loop in `classic.rs`, FUSE over io_uring in
 /// [`crate::ring`]) only decode requests and encode these answers, so both
 /// run the same code for every operation.
 pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {

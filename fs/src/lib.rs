@@ -1,7 +1,7 @@
 //! arbor's FUSE adapter: one kernel request in, one [`Files`] call (a
 //! `Volume` on this node, or the node that owns a shared branch), an errno
 //! or a reply out. No storage logic lives here; kernel options and the
-//! mount itself are in [`mount`].
+//! mount itself are in [`mod@mount`].
 
 mod adapter;
 mod classic;

@@ -321,7 +321,7 @@ impl CacheServer {
         }
     }
 
-    /// Answers the [`ChunkAsk`]s of one chunk connection, each on this
+    /// Answers the [`ChunkAsk`](crate::frames::ChunkAsk)s of one chunk connection, each on this
     /// thread, until it closes.
     fn chunk_connection(
         &self,

@@ -5,7 +5,7 @@
 //! One thread writes the buffers in the order they were handed over, so the
 //! file only ever grows by a prefix of the log, and a crash still leaves a
 //! prefix of the operations. Nothing here makes bytes durable: a sync first
-//! waits for every buffer handed over before it ([`WriteBehind::wait_for`]),
+//! waits for every buffer handed over before it (`WriteBehind::wait_for`),
 //! then syncs the files. A reader of bytes not yet written waits for them
 //! ([`Behind::wait_written`]). Dropping the [`WriteBehind`] writes what is
 //! queued and ends the thread.

@@ -71,7 +71,7 @@ impl Log {
     }
 
     /// Like [`Log::create`]; with `write_behind`, appended bytes reach the
-    /// file on a thread of their own (see [`WriteBehind`]).
+    /// file on a thread of their own (see `WriteBehind`).
     pub fn create_with(
         device: Arc<dyn Device>,
         writer: u64,

@@ -11,10 +11,10 @@
 //!   as a WAL piece (`wal/`), one PUT per group commit. WAL pieces of a
 //!   segment are deleted once the segment itself is uploaded.
 //! - A branch head is replaced only once the bucket holds every byte its
-//!   commit needs ([`Device::publish_when_stored`]), so a node with an
+//!   commit needs (`Replica::publish_when_stored`), so a node with an
 //!   empty cache can always open it.
 //! - Segments not on this node are read from the bucket through
-//!   [`remote`]: ranged GETs of aligned chunks, checksummed, cached,
+//!   `remote`: ranged GETs of aligned chunks, checksummed, cached,
 //!   evicted least-recently-used first, fetched in parallel and ahead of
 //!   sequential readers.
 //! - While the bucket is unreachable, writes go on into the local log

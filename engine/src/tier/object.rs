@@ -62,7 +62,7 @@ impl Footer {
     }
 
     /// How many crc-table bytes precede the trailer `tail` (the last
-    /// [`TRAILER_LEN`] bytes of an object of `object_len` bytes).
+    /// `TRAILER_LEN` bytes of an object of `object_len` bytes).
     pub fn table_len(tail: &[u8], object_len: u64, what: &str) -> Result<usize> {
         let bad = || Error::corrupted("segment object footer", what);
         if tail.len() != TRAILER_LEN || u32_at(tail, 16) != FOOTER_MAGIC {

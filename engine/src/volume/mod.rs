@@ -2,7 +2,7 @@
 //!
 //! Every change is validated first (so bad input changes nothing), then
 //! logged as an intent, then applied to the in-memory tree by
-//! [`ops::apply`]. `fsync` waits until the log is durable past the caller's
+//! `ops::apply`. `fsync` waits until the log is durable past the caller's
 //! intents; commits write the dirty tree and a commit record and bound how
 //! much recovery must replay.
 
@@ -60,7 +60,7 @@ struct Room {
 }
 
 /// Free bytes the log's file system keeps back from new operations (see
-/// [`Volume::check_room`]): what the log may still write for operations it
+/// `Volume::check_room`): what the log may still write for operations it
 /// already accepted.
 pub const SPACE_RESERVE: u64 = 16 << 20;
 
