@@ -191,7 +191,8 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
 /// (`/sys/class/bdi/MAJ:MIN/read_ahead_kb`, root's to write). With 128 KiB
 /// the kernel keeps about one 128 KiB READ in flight per reader; with
 /// 4 MiB, several of up to 1 MiB each, and a cold sequential read of
-/// arbor's own cache went 1.3–1.4× as fast (see the README).
+/// arbor's own cache went about 1.4× as fast (ARCHITECTURE.md, "FUSE
+/// transports").
 ///
 /// Without the right to write it, the mount keeps the kernel's 128 KiB and
 /// says so in its log. Called after INIT, whose answer would cap it again,
