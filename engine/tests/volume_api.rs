@@ -364,13 +364,19 @@ fn concurrent_fsyncs_share_fdatasyncs_on_a_real_directory() {
         let vol = Volume::open(dev, cfg()).expect("open");
         let threads = 8;
         let per = 40;
+        // Every round, all threads write and then fsync at the same moment:
+        // whether fsyncs overlap must not hang on how fast this machine's
+        // writes are against its fdatasyncs (with io_uring they often did
+        // not overlap at all when each thread went at its own pace).
+        let together = std::sync::Barrier::new(threads as usize);
         std::thread::scope(|s| {
             for t in 0..threads {
-                let vol = &vol;
+                let (vol, together) = (&vol, &together);
                 s.spawn(move || {
                     let f = file(vol, ROOT_INO, &format!("t{t}"));
                     for i in 0..per {
                         vol.write(f, i * 10, b"0123456789").expect("write");
+                        together.wait();
                         vol.fsync(f).expect("fsync");
                     }
                 });
