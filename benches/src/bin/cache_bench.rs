@@ -93,6 +93,18 @@ fn p50_p99(lat: &[Duration], what: &str) -> String {
     format!("p50 {:.0} µs, p99 {:.0} µs{what}", percentile_us(lat, 50.0), percentile_us(lat, 99.0))
 }
 
+/// A row of two latency samples (sorted, each with what it is), compared
+/// by their medians; reported, no target.
+fn latency_row(name: &str, baseline: (&[Duration], &str), arbor: (&[Duration], &str)) -> Row {
+    Row {
+        name: name.into(),
+        baseline: p50_p99(baseline.0, baseline.1),
+        arbor: p50_p99(arbor.0, arbor.1),
+        ratio: percentile_us(baseline.0, 50.0) / percentile_us(arbor.0, 50.0),
+        target: "report".into(),
+    }
+}
+
 /// The largest segment in `store`, and its size.
 fn largest_segment(store: &Arc<dyn ObjectStore>) -> (arbor_engine::format::SegId, u64) {
     store
@@ -314,27 +326,21 @@ fn main() {
     let hits = arbor_net::metric_sample(&metrics, "arbor_cache_hits_total").unwrap_or(0.0);
 
     let mut rows = vec![
-        Row {
-            name: "1 MiB warm chunk, client ↔ server alone (no volume, no bucket)".into(),
-            baseline: p50_p99(&wire_http, " over HTTP/2"),
-            arbor: p50_p99(&wire, " on a chunk connection"),
-            ratio: percentile_us(&wire_http, 50.0) / percentile_us(&wire, 50.0),
-            target: "report".into(),
-        },
-        Row {
-            name: "4 KiB part of a warm chunk, client ↔ server alone, HTTP/2 vs chunk connection".into(),
-            baseline: p50_p99(&wire_part_http, " over HTTP/2"),
-            arbor: p50_p99(&wire_part, " on a chunk connection"),
-            ratio: percentile_us(&wire_part_http, 50.0) / percentile_us(&wire_part, 50.0),
-            target: "report".into(),
-        },
-        Row {
-            name: "4 KiB part of a warm chunk, client ↔ server alone, vs the network alone".into(),
-            baseline: p50_p99(&wire_floor, ": the network alone (4 KiB echoed through the same proxy)"),
-            arbor: p50_p99(&wire_part, ""),
-            ratio: percentile_us(&wire_floor, 50.0) / percentile_us(&wire_part, 50.0),
-            target: "report".into(),
-        },
+        latency_row(
+            "1 MiB warm chunk, client ↔ server alone (no volume, no bucket)",
+            (&wire_http, " over HTTP/2"),
+            (&wire, " on a chunk connection"),
+        ),
+        latency_row(
+            "4 KiB part of a warm chunk, client ↔ server alone, HTTP/2 vs chunk connection",
+            (&wire_part_http, " over HTTP/2"),
+            (&wire_part, " on a chunk connection"),
+        ),
+        latency_row(
+            "4 KiB part of a warm chunk, client ↔ server alone, vs the network alone",
+            (&wire_floor, ": the network alone (4 KiB echoed through the same proxy)"),
+            (&wire_part, ""),
+        ),
         Row {
             name: "4 KiB random read, p50 (miss the client, hit the server)".into(),
             baseline: format!("{:.0} µs from the bucket", percentile_us(&via_bucket, 50.0)),
