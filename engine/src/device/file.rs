@@ -2,14 +2,16 @@ use super::{Device, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::SegId;
 use crate::io::{backend, IoBackend, IoMode};
+use crate::log::PAGE;
 use crate::private;
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{ErrorKind, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 const SUPERBLOCK: &str = "superblock";
@@ -28,7 +30,20 @@ pub struct FileDevice {
 struct FileSegment {
     file: File,
     io: Arc<dyn IoBackend>,
+    /// The same file opened with O_DIRECT, for the page-aligned middle of a
+    /// large write (see [`FileSegment::write_at`]). `None` for a file opened
+    /// to read, or where the file system refuses O_DIRECT.
+    direct: Option<File>,
+    /// Set once a direct write was refused; the file is then written
+    /// through the page cache only.
+    direct_refused: AtomicBool,
+    /// Bytes written through `direct`, for tests.
+    direct_bytes: AtomicU64,
 }
+
+/// The smallest aligned middle worth a direct write: below it, waiting for
+/// the disk costs more than the copy into the page cache.
+const DIRECT_MIN: u64 = 256 << 10;
 
 impl FileDevice {
     pub fn open(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
@@ -68,8 +83,14 @@ impl FileDevice {
         Ok(())
     }
 
-    fn remember(&self, id: SegId, file: File) -> Arc<dyn SegmentFile> {
-        let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment { file, io: self.io.clone() });
+    fn remember(&self, id: SegId, file: File, direct: Option<File>) -> Arc<dyn SegmentFile> {
+        let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment {
+            file,
+            io: self.io.clone(),
+            direct,
+            direct_refused: AtomicBool::new(false),
+            direct_bytes: AtomicU64::new(0),
+        });
         let mut open = self.open.write();
         super::bound_handles(&mut open, MAX_OPEN_SEGMENTS);
         open.entry(id).or_insert(seg).clone()
@@ -94,9 +115,18 @@ impl FileDevice {
 impl Device for FileDevice {
     fn create_segment(&self, id: SegId) -> Result<Arc<dyn SegmentFile>> {
         let path = self.dir.join(id.file_name());
-        let file = private::options().read(true).write(true).create_new(true).open(path)?;
+        let file = private::options().read(true).write(true).create_new(true).open(&path)?;
         self.sync_dir()?;
-        Ok(self.remember(id, file))
+        // Only the log writes segments, always at its end: large writes
+        // skip the page cache (see `FileSegment::write_at`).
+        let direct = match File::options().write(true).custom_flags(libc::O_DIRECT).open(&path) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::debug!(path = %path.display(), error = %e, "no O_DIRECT here; the log writes through the page cache");
+                None
+            }
+        };
+        Ok(self.remember(id, file, direct))
     }
 
     fn open_segment(&self, id: SegId) -> Result<Option<Arc<dyn SegmentFile>>> {
@@ -104,7 +134,7 @@ impl Device for FileDevice {
             return Ok(Some(s.clone()));
         }
         match File::options().read(true).write(true).open(self.dir.join(id.file_name())) {
-            Ok(file) => Ok(Some(self.remember(id, file))),
+            Ok(file) => Ok(Some(self.remember(id, file, None))),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -172,9 +202,58 @@ impl Device for FileDevice {
     }
 }
 
+impl FileSegment {
+    /// The page-aligned middle `[a, b)` of a write of `buf` at `off`, when
+    /// it is large enough and page-aligned in memory too (the log's buffer
+    /// is laid out so it is) to go to the disk with O_DIRECT.
+    fn direct_span(&self, buf: &[u8], off: u64) -> Option<(u64, u64)> {
+        let page = PAGE as u64;
+        if self.direct.is_none() || self.direct_refused.load(Ordering::Relaxed) {
+            return None;
+        }
+        let a = off.next_multiple_of(page);
+        let b = (off + buf.len() as u64) / page * page;
+        let aligned = (buf.as_ptr() as usize).wrapping_add((a - off) as usize).is_multiple_of(PAGE);
+        (b >= a + DIRECT_MIN && aligned).then_some((a, b))
+    }
+}
+
 impl SegmentFile for FileSegment {
+    /// A large write's page-aligned middle goes to the disk with O_DIRECT;
+    /// its ends, and every smaller write, through the page cache. The log
+    /// only ever appends, so no page is written both ways, and the middle
+    /// costs no copy into the page cache, nor the cache's memory. It is
+    /// durable, like the rest, only after [`SegmentFile::sync`]
+    /// (fdatasync of the file flushes what either descriptor wrote).
     fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
-        Ok(self.io.write_at(self.file.as_raw_fd(), buf, off)?)
+        let fd = self.file.as_raw_fd();
+        let (Some((a, b)), Some(direct)) = (self.direct_span(buf, off), &self.direct) else {
+            return Ok(self.io.write_at(fd, buf, off)?);
+        };
+        let (head, rest) = buf.split_at((a - off) as usize);
+        let (middle, tail) = rest.split_at((b - a) as usize);
+        self.io.write_at(fd, head, off)?;
+        match self.io.write_at(direct.as_raw_fd(), middle, a) {
+            Ok(()) => {
+                self.direct_bytes.fetch_add(middle.len() as u64, Ordering::Relaxed);
+            }
+            // A file system that opens O_DIRECT but refuses these writes
+            // (or a short write that left an unaligned rest): the page
+            // cache takes it, and every write after it.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                if !self.direct_refused.swap(true, Ordering::Relaxed) {
+                    tracing::debug!(error = %e, "O_DIRECT write refused; the log writes through the page cache");
+                }
+                self.io.write_at(fd, middle, a)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+        self.io.write_at(fd, tail, b)?;
+        Ok(())
+    }
+
+    fn direct_bytes(&self) -> u64 {
+        self.direct_bytes.load(Ordering::Relaxed)
     }
 
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
@@ -207,6 +286,71 @@ impl SegmentFile for FileSegment {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether the file system under `dir` takes an aligned O_DIRECT write.
+    fn takes_direct(dir: &Path) -> bool {
+        let page = crate::log::PAGE;
+        let Ok(f) = File::options()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(dir.join("probe"))
+        else {
+            return false;
+        };
+        let layout = std::alloc::Layout::from_size_align(page, page).expect("layout");
+        // SAFETY: a non-zero size; freed below with the same layout.
+        let mem = unsafe { std::alloc::alloc_zeroed(layout) };
+        // SAFETY: `mem` holds `page` bytes.
+        let ok = unsafe { libc::pwrite(f.as_raw_fd(), mem.cast(), page, 0) } == page as isize;
+        // SAFETY: allocated above with this layout.
+        unsafe { std::alloc::dealloc(mem, layout) };
+        ok
+    }
+
+    #[test]
+    fn large_records_go_past_the_page_cache_and_read_back_whole_through_the_log() {
+        use crate::format::RecordKind;
+        use crate::log::{Cursor, Log, Next};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let direct = takes_direct(dir.path());
+        let dev = FileDevice::open(dir.path().join("segments"), IoMode::Syscall).expect("device");
+        let log = Log::create_with(dev.clone(), 9, 1, 64 << 20, true).expect("log");
+        // Records without data and records of every size between them move
+        // the log's end off page boundaries; the large ones' data is aligned.
+        let mut want = Vec::new();
+        for n in 0..24usize {
+            let len = [0, 10, 4096, 300_000, 1 << 20, (1 << 20) + 17, 777_777][n % 7];
+            let data: Vec<u8> = (0..len).map(|i| (i * 31 + n) as u8).collect();
+            let a = log.append(RecordKind::Intent, format!("m{n}").as_bytes(), &data, "t").expect("append");
+            want.push((a, data));
+        }
+        log.sync_all().expect("sync");
+        let seg = SegId { writer: 9, seq: 0 };
+        let file = dev.open_segment(seg).expect("open").expect("segment");
+        for (a, data) in &want {
+            let mut back = vec![0; data.len()];
+            file.read_at(&mut back, a.data.off as u64).expect("read");
+            assert!(back == *data, "record {} read back other bytes", a.seq);
+        }
+        let mut c = Cursor::new(dev.clone(), seg, 0).expect("cursor");
+        let mut n = 0;
+        while let Next::Record(r) = c.next_record().expect("scan") {
+            assert!(r.data == want[n].1, "record {n} scanned back other bytes");
+            n += 1;
+        }
+        assert_eq!(n, want.len(), "every record scans back, in order");
+        let went_direct = file.direct_bytes();
+        if direct {
+            // Ten records of 300 KB or more, their aligned middles at least
+            // 256 KiB each.
+            assert!(went_direct >= 10 * (256 << 10), "only {went_direct} bytes went past the page cache");
+        } else {
+            eprintln!("this file system refuses O_DIRECT; every byte went through the page cache");
+            assert_eq!(went_direct, 0);
+        }
+    }
 
     #[test]
     fn a_second_exclusive_open_is_refused_until_the_first_is_dropped() {

@@ -78,6 +78,10 @@ pub trait SegmentFile: Send + Sync {
     /// later sync finds little left to do. A hint: durability still needs
     /// [`SegmentFile::sync`].
     fn start_writeback(&self) {}
+    /// Bytes this file wrote past the page cache (O_DIRECT), if any.
+    fn direct_bytes(&self) -> u64 {
+        0
+    }
 }
 
 pub trait Device: Send + Sync {

@@ -10,6 +10,7 @@
 //! ([`Behind::wait_written`]). Dropping the [`WriteBehind`] writes what is
 //! queued and ends the thread.
 
+use super::buf::LogBuf;
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
@@ -29,7 +30,7 @@ struct Job {
     file: Arc<dyn SegmentFile>,
     seg: SegId,
     at: u64,
-    buf: Vec<u8>,
+    buf: LogBuf,
 }
 
 #[derive(Default)]
@@ -41,7 +42,7 @@ struct Queue {
     done: u64,
     /// The first write error; later waiters see [`Error::Poisoned`].
     failed: Option<Error>,
-    spare: Vec<Vec<u8>>,
+    spare: Vec<LogBuf>,
     stop: bool,
 }
 
@@ -107,13 +108,13 @@ impl Drop for WriteBehind {
 
 impl Behind {
     /// A buffer for the next records (empty, maybe with capacity).
-    pub fn spare(&self) -> Vec<u8> {
+    pub fn spare(&self) -> LogBuf {
         self.queue.lock().spare.pop().unwrap_or_default()
     }
 
     /// Queues `buf` to be written at `at` in `file`, waiting first while too
     /// much is queued.
-    pub fn hand_over(&self, file: Arc<dyn SegmentFile>, seg: SegId, at: u64, buf: Vec<u8>) -> Result<()> {
+    pub fn hand_over(&self, file: Arc<dyn SegmentFile>, seg: SegId, at: u64, buf: LogBuf) -> Result<()> {
         let mut q = self.queue.lock();
         while q.queued_bytes > 0 && q.queued_bytes + buf.len() > MAX_QUEUED && q.failed.is_none() && !q.stop {
             self.changed.wait(&mut q);
@@ -215,7 +216,7 @@ impl Behind {
             let result = if self.poisoned.load(Ordering::Acquire) {
                 Err(Error::Poisoned)
             } else {
-                job.file.write_at(&job.buf, job.at)
+                job.file.write_at(job.buf.bytes(), job.at)
             };
             let mut q = self.queue.lock();
             q.queued_bytes -= job.buf.len();

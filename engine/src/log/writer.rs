@@ -1,4 +1,5 @@
 use super::behind::WriteBehind;
+use super::buf::LogBuf;
 use crate::device::{failpoints, Device, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{block_crcs, Addr, RecordHeader, RecordKind, SegId, ALIGN_DATA_MIN, BLOCK_SIZE, HEADER_LEN};
@@ -46,8 +47,8 @@ struct Tail {
     /// The end of the log, pending bytes included.
     off: u64,
     next_seq: u64,
-    pending: Vec<u8>,
-    /// Where `pending[0]` goes in the file.
+    pending: LogBuf,
+    /// Where the first pending byte goes in the file.
     pending_at: u64,
     /// Sealed segments not yet synced, oldest first. Every sync syncs them,
     /// in order, before the open segment, so no fsync can make a later
@@ -91,7 +92,7 @@ impl Log {
                 file,
                 off: 0,
                 next_seq: first_seq,
-                pending: Vec::new(),
+                pending: LogBuf::default(),
                 pending_at: 0,
                 unsynced: Vec::new(),
                 finished: false,
@@ -172,10 +173,12 @@ impl Log {
         crate::device::durable_step(self.device.as_ref(), failpoint)?;
         if tail.pending.is_empty() {
             tail.pending_at = tail.off;
+            let at = tail.off;
+            tail.pending.start(at);
         }
-        tail.pending.extend_from_slice(header.as_bytes());
-        tail.pending.extend_from_slice(&meta_region);
-        tail.pending.extend_from_slice(data);
+        tail.pending.extend(header.as_bytes());
+        tail.pending.extend(&meta_region);
+        tail.pending.extend(data);
         if !data.is_empty() || tail.pending.len() >= PENDING_MAX {
             self.flush(&mut tail, false)?;
         }
@@ -234,7 +237,7 @@ impl Log {
                 return Ok(());
             }
         }
-        if let Err(e) = tail.file.write_at(&tail.pending, tail.pending_at) {
+        if let Err(e) = tail.file.write_at(tail.pending.bytes(), tail.pending_at) {
             tail.pending.clear();
             return Err(self.poison(e));
         }
@@ -243,9 +246,7 @@ impl Log {
         }
         // Keep the allocation: the next megabyte write reuses it.
         tail.pending.clear();
-        if tail.pending.capacity() > 4 * PENDING_MAX {
-            tail.pending.shrink_to(PENDING_MAX);
-        }
+        tail.pending.shrink(PENDING_MAX);
         Ok(())
     }
 

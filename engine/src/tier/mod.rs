@@ -483,6 +483,9 @@ impl SegmentFile for LocalSeg {
     fn start_writeback(&self) {
         self.file.start_writeback()
     }
+    fn direct_bytes(&self) -> u64 {
+        self.file.direct_bytes()
+    }
 }
 
 impl Drop for BucketDevice {
