@@ -584,7 +584,11 @@ fn print_status(s: &serde_json::Value) {
         print_cache_servers(s);
         return;
     }
-    println!("io           {}", get("io_backend"));
+    println!(
+        "io           {}, {} of the log written past the page cache (O_DIRECT)",
+        get("io_backend"),
+        HumanBytes(s["log_direct_bytes"].as_u64().unwrap_or(0))
+    );
     println!(
         "log          record {} written, {} durable, {} since last commit",
         get("last_seq"),

@@ -169,6 +169,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         "read_only": s.read_only,
         "poisoned": s.poisoned,
         "io_backend": s.io_backend,
+        "log_direct_bytes": s.direct_bytes,
         "fuse_transport": fuse.0.describe(),
         "fuse_ring_requests": fuse.0.ring_requests(),
         "fuse_read_requests": fuse.1.reads.load(std::sync::atomic::Ordering::Relaxed),

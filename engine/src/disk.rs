@@ -258,6 +258,9 @@ macro_rules! delegate_segments {
         fn io_name(&self) -> &'static str {
             self.segments.io_name()
         }
+        fn direct_bytes(&self) -> u64 {
+            self.segments.direct_bytes()
+        }
         fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
             self.segments.segment_modified(id)
         }

@@ -1,7 +1,8 @@
 //! Support for tests and benchmarks: a real S3-compatible server
 //! (`s3s-fs` 0.14.1) on a free 127.0.0.1 port, with its own data folder,
 //! stopped when dropped; a TCP proxy that counts what a server sends and
-//! can hold it back like a network path; a plain HTTP GET; disk usage.
+//! can hold it back like a network path; a plain HTTP GET; disk usage;
+//! whether a folder's file system takes O_DIRECT writes.
 
 use crate::bucket::S3Config;
 use std::net::TcpStream;
@@ -349,6 +350,29 @@ pub fn bytes_under(dir: &Path) -> u64 {
         }
     }
     n
+}
+
+/// Whether the file system under `dir` takes an aligned O_DIRECT write
+/// (what the log's large writes use where they can).
+pub fn takes_direct_writes(dir: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let page = crate::log::PAGE;
+    let probe = dir.join(".direct-probe");
+    let Ok(f) =
+        std::fs::File::options().write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(&probe)
+    else {
+        return false;
+    };
+    let layout = std::alloc::Layout::from_size_align(page, page).expect("layout");
+    // SAFETY: a non-zero size; freed below with the same layout.
+    let mem = unsafe { std::alloc::alloc_zeroed(layout) };
+    // SAFETY: `mem` holds `page` bytes (a null `mem` fails the write).
+    let ok = unsafe { libc::pwrite(f.as_raw_fd(), mem.cast(), page, 0) } == page as isize;
+    // SAFETY: allocated above with this layout.
+    unsafe { std::alloc::dealloc(mem, layout) };
+    let _ = std::fs::remove_file(&probe);
+    ok
 }
 
 #[cfg(test)]

@@ -230,6 +230,37 @@ fn a_file_read_twice_is_served_from_the_page_cache_the_second_time() {
     m.unmount();
 }
 
+#[test]
+fn large_writes_go_to_the_log_past_the_page_cache_and_read_back_after_a_remount() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let direct = arbor_engine::testkit::takes_direct_writes(&s.disk);
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let path = s.mnt.join("ckpt.bin");
+    // Not a multiple of a page, after a small file: the log's end is off
+    // every page boundary when the large records come.
+    std::fs::write(s.mnt.join("small.json"), b"{\"step\": 1}").expect("small file");
+    let want = pattern((24 << 20) + 4321, 9);
+    write_synced(&path, &want);
+    let went = status_number(&s.mnt, "log_direct_bytes");
+    if direct {
+        assert!(went >= 16 << 20, "only {went} bytes of 24 MiB went past the page cache");
+    } else {
+        eprintln!("the scratch folder's file system refuses O_DIRECT: every write went through the page cache");
+        assert_eq!(went, 0);
+    }
+    let status = arbor_ok(&["status", s.mnt.to_str().expect("utf8")]);
+    assert!(status.contains("written past the page cache"), "{status}");
+    m.unmount();
+    // A new mount reads the log from its files, the direct part from disk.
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert!(std::fs::read(&path).expect("read back") == want, "bytes differ after a remount");
+    assert_eq!(std::fs::read(s.mnt.join("small.json")).expect("small"), b"{\"step\": 1}");
+    m.unmount();
+}
+
 /// `MAJ:MIN` of the file system mounted at `mnt`, from its `stat`.
 fn device_of(mnt: &std::path::Path) -> String {
     use std::os::unix::fs::MetadataExt;

@@ -23,6 +23,8 @@ pub struct FileDevice {
     dir: PathBuf,
     io: Arc<dyn IoBackend>,
     open: RwLock<HashMap<SegId, Arc<dyn SegmentFile>>>,
+    /// Bytes its segment files wrote with O_DIRECT.
+    direct_bytes: Arc<AtomicU64>,
     /// Held while this device is the directory's one writer.
     _writer_lock: Option<File>,
 }
@@ -37,8 +39,8 @@ struct FileSegment {
     /// Set once a direct write was refused; the file is then written
     /// through the page cache only.
     direct_refused: AtomicBool,
-    /// Bytes written through `direct`, for tests.
-    direct_bytes: AtomicU64,
+    /// The device's count of bytes written through `direct`.
+    direct_bytes: Arc<AtomicU64>,
 }
 
 /// The smallest aligned middle worth a direct write: below it, waiting for
@@ -49,7 +51,13 @@ impl FileDevice {
     pub fn open(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
         let dir = dir.as_ref().to_path_buf();
         private::create_dir_all(&dir)?;
-        Ok(Arc::new(FileDevice { dir, io: backend(mode)?, open: RwLock::new(HashMap::new()), _writer_lock: None }))
+        Ok(Arc::new(FileDevice {
+            dir,
+            io: backend(mode)?,
+            open: RwLock::new(HashMap::new()),
+            direct_bytes: Arc::default(),
+            _writer_lock: None,
+        }))
     }
 
     /// Opens the directory as its only writer: a second exclusive open (in
@@ -70,6 +78,7 @@ impl FileDevice {
             dir,
             io: backend(mode)?,
             open: RwLock::new(HashMap::new()),
+            direct_bytes: Arc::default(),
             _writer_lock: Some(lock),
         }))
     }
@@ -89,7 +98,7 @@ impl FileDevice {
             io: self.io.clone(),
             direct,
             direct_refused: AtomicBool::new(false),
-            direct_bytes: AtomicU64::new(0),
+            direct_bytes: self.direct_bytes.clone(),
         });
         let mut open = self.open.write();
         super::bound_handles(&mut open, MAX_OPEN_SEGMENTS);
@@ -180,6 +189,10 @@ impl Device for FileDevice {
         self.io.name()
     }
 
+    fn direct_bytes(&self) -> u64 {
+        self.direct_bytes.load(Ordering::Relaxed)
+    }
+
     fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
         match fs::metadata(self.dir.join(id.file_name())) {
             Ok(m) => Ok(Some(m.modified()?)),
@@ -252,10 +265,6 @@ impl SegmentFile for FileSegment {
         Ok(())
     }
 
-    fn direct_bytes(&self) -> u64 {
-        self.direct_bytes.load(Ordering::Relaxed)
-    }
-
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
         self.file.read_exact_at(buf, off).map_err(|e| match e.kind() {
             ErrorKind::UnexpectedEof => Error::corrupted("segment (short read)", off),
@@ -287,34 +296,12 @@ impl SegmentFile for FileSegment {
 mod tests {
     use super::*;
 
-    /// Whether the file system under `dir` takes an aligned O_DIRECT write.
-    fn takes_direct(dir: &Path) -> bool {
-        let page = crate::log::PAGE;
-        let Ok(f) = File::options()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(dir.join("probe"))
-        else {
-            return false;
-        };
-        let layout = std::alloc::Layout::from_size_align(page, page).expect("layout");
-        // SAFETY: a non-zero size; freed below with the same layout.
-        let mem = unsafe { std::alloc::alloc_zeroed(layout) };
-        // SAFETY: `mem` holds `page` bytes.
-        let ok = unsafe { libc::pwrite(f.as_raw_fd(), mem.cast(), page, 0) } == page as isize;
-        // SAFETY: allocated above with this layout.
-        unsafe { std::alloc::dealloc(mem, layout) };
-        ok
-    }
-
     #[test]
     fn large_records_go_past_the_page_cache_and_read_back_whole_through_the_log() {
         use crate::format::RecordKind;
         use crate::log::{Cursor, Log, Next};
         let dir = tempfile::tempdir().expect("tempdir");
-        let direct = takes_direct(dir.path());
+        let direct = crate::testkit::takes_direct_writes(dir.path());
         let dev = FileDevice::open(dir.path().join("segments"), IoMode::Syscall).expect("device");
         let log = Log::create_with(dev.clone(), 9, 1, 64 << 20, true).expect("log");
         // Records without data and records of every size between them move
@@ -341,7 +328,7 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, want.len(), "every record scans back, in order");
-        let went_direct = file.direct_bytes();
+        let went_direct = dev.direct_bytes();
         if direct {
             // Ten records of 300 KB or more, their aligned middles at least
             // 256 KiB each.

@@ -78,10 +78,6 @@ pub trait SegmentFile: Send + Sync {
     /// later sync finds little left to do. A hint: durability still needs
     /// [`SegmentFile::sync`].
     fn start_writeback(&self) {}
-    /// Bytes this file wrote past the page cache (O_DIRECT), if any.
-    fn direct_bytes(&self) -> u64 {
-        0
-    }
 }
 
 pub trait Device: Send + Sync {
@@ -106,6 +102,10 @@ pub trait Device: Send + Sync {
     }
     /// Which I/O path writes use, for status and tests.
     fn io_name(&self) -> &'static str;
+    /// Bytes of the log written past the page cache (`O_DIRECT`) so far.
+    fn direct_bytes(&self) -> u64 {
+        0
+    }
     /// When a segment was last written, where the device knows; GC leaves
     /// recently written segments alone.
     fn segment_modified(&self, _id: SegId) -> Result<Option<std::time::SystemTime>> {

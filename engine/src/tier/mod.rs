@@ -483,9 +483,6 @@ impl SegmentFile for LocalSeg {
     fn start_writeback(&self) {
         self.file.start_writeback()
     }
-    fn direct_bytes(&self) -> u64 {
-        self.file.direct_bytes()
-    }
 }
 
 impl Drop for BucketDevice {
@@ -612,6 +609,9 @@ impl Device for BucketDevice {
         }
     }
 
+    fn direct_bytes(&self) -> u64 {
+        self.shared.local.direct_bytes()
+    }
     fn io_name(&self) -> &'static str {
         self.shared.local.io_name()
     }

@@ -117,6 +117,8 @@ pub struct VolumeStats {
     pub read_only: bool,
     pub poisoned: bool,
     pub io_backend: &'static str,
+    /// Bytes of the log written past the page cache (`O_DIRECT`).
+    pub direct_bytes: u64,
     pub writer: u64,
     pub last_seq: u64,
     pub durable_seq: u64,
@@ -230,6 +232,7 @@ impl Volume {
             read_only: self.cfg.read_only,
             poisoned: self.is_poisoned(),
             io_backend: self.nodes.device.io_name(),
+            direct_bytes: self.nodes.device.direct_bytes(),
             writer: log.map_or(0, |l| l.writer()),
             last_seq: log.map_or(0, |l| l.last_seq()),
             durable_seq: log.map_or(0, |l| l.durable_seq()),
