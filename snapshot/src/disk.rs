@@ -216,14 +216,17 @@ fn node_base() -> PathBuf {
         .join("arbor")
 }
 
-/// How segment writes reach the kernel: `ARBOR_IO=uring|syscall`, else
-/// plain syscalls.
+/// How segment writes reach the kernel: `ARBOR_IO=uring|syscall|buffered`,
+/// else plain syscalls (`buffered`: and never past the page cache).
 pub fn io_mode_from_env() -> Result<IoMode> {
     match std::env::var("ARBOR_IO").as_deref() {
         Err(_) | Ok("") | Ok("auto") => Ok(IoMode::Auto),
         Ok("uring") => Ok(IoMode::Uring),
         Ok("syscall") => Ok(IoMode::Syscall),
-        Ok(other) => Err(fail(libc::EINVAL, format!("ARBOR_IO must be auto, uring or syscall (got {other:?})"))),
+        Ok("buffered") => Ok(IoMode::Buffered),
+        Ok(other) => {
+            Err(fail(libc::EINVAL, format!("ARBOR_IO must be auto, uring, syscall or buffered (got {other:?})")))
+        }
     }
 }
 

@@ -254,10 +254,16 @@ fn large_writes_go_to_the_log_past_the_page_cache_and_read_back_after_a_remount(
     let status = arbor_ok(&["status", s.mnt.to_str().expect("utf8")]);
     assert!(status.contains("written past the page cache"), "{status}");
     m.unmount();
-    // A new mount reads the log from its files, the direct part from disk.
-    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    // A new mount reads the log from its files, the direct part from disk;
+    // with ARBOR_IO=buffered it writes through the page cache only.
+    let m = Mount::start_env(s.disk_str(), &s.mnt, &[], &[("ARBOR_IO", "buffered".into())]);
     assert!(std::fs::read(&path).expect("read back") == want, "bytes differ after a remount");
     assert_eq!(std::fs::read(s.mnt.join("small.json")).expect("small"), b"{\"step\": 1}");
+    write_synced(&s.mnt.join("buffered.bin"), &want);
+    assert_eq!(status_number(&s.mnt, "log_direct_bytes"), 0, "ARBOR_IO=buffered wrote past the page cache");
+    m.unmount();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert!(std::fs::read(s.mnt.join("buffered.bin")).expect("read back") == want, "buffered bytes differ");
     m.unmount();
 }
 

@@ -29,6 +29,17 @@ pub enum IoMode {
     Auto,
     Uring,
     Syscall,
+    /// Plain syscalls, every byte through the page cache: no O_DIRECT for
+    /// large log writes (for a node whose disk reads are slow and whose
+    /// readers ask for what was just written).
+    Buffered,
+}
+
+impl IoMode {
+    /// Whether large log writes may go past the page cache.
+    pub fn direct(self) -> bool {
+        self != IoMode::Buffered
+    }
 }
 
 pub trait IoBackend: Send + Sync {
@@ -40,7 +51,7 @@ pub trait IoBackend: Send + Sync {
 
 pub fn backend(mode: IoMode) -> io::Result<Arc<dyn IoBackend>> {
     match mode {
-        IoMode::Syscall | IoMode::Auto => Ok(Arc::new(SyscallIo)),
+        IoMode::Syscall | IoMode::Auto | IoMode::Buffered => Ok(Arc::new(SyscallIo)),
         IoMode::Uring => Ok(Arc::new(UringIo::new()?)),
     }
 }
