@@ -259,6 +259,8 @@ mod tests {
     struct Gate {
         state: Mutex<(bool, bool)>, // (open, fail)
         moved: Condvar,
+        /// Writes that passed.
+        writes: std::sync::atomic::AtomicUsize,
     }
 
     impl Gate {
@@ -274,6 +276,7 @@ mod tests {
             if s.1 {
                 return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EIO)));
             }
+            self.writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             Ok(())
         }
     }
@@ -400,6 +403,37 @@ mod tests {
         log.sync_all().expect("sync");
         assert_eq!(sim.segment_len(seg) as u64, after.addr.end());
         assert!(big.addr.end() <= after.addr.off as u64);
+    }
+
+    #[test]
+    fn records_appended_while_the_thread_is_busy_gather_into_one_write() {
+        let (sim, gate, dev) = gated();
+        let log = Arc::new(Log::create_with(dev.clone(), 5, 1, 16 << 20, true).expect("log"));
+        // The first large record is handed over and held at the gate.
+        log.append(RecordKind::Intent, b"m", &[1; 200_000], "t").expect("append");
+        // Meanwhile 128 KiB records (a program's smaller writes) gather in
+        // the log's buffer instead of queueing one by one.
+        let mut last = None;
+        for n in 2..8u8 {
+            last = Some(log.append(RecordKind::Intent, b"m", &[n; 128 << 10], "t").expect("append"));
+        }
+        let last = last.expect("appended");
+        // A reader of the last one sends them on; it waits at the gate.
+        let reader = {
+            let log = log.clone();
+            std::thread::spawn(move || log.wait_written(last.data.seg, last.data.end()))
+        };
+        gate.set(true, false);
+        reader.join().expect("reader thread").expect("wait");
+        log.sync_all().expect("sync");
+        let writes = gate.writes.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(writes, 2, "the six small records took {} writes of their own", writes - 1);
+        drop(log);
+        sim.crash(CrashMode::DropUnsynced);
+        let dev: Arc<dyn Device> = Arc::new(sim);
+        let want: Vec<Vec<u8>> =
+            std::iter::once(vec![1; 200_000]).chain((2..8u8).map(|n| vec![n; 128 << 10])).collect();
+        assert_eq!(records(&dev, 5), want, "every record, in order");
     }
 
     #[test]

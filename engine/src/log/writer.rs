@@ -227,11 +227,19 @@ impl Log {
             return Ok(());
         }
         if let Some(wb) = &self.behind {
+            let idle = wb.is_idle();
+            // While the thread is busy, records gather here into one large
+            // write (which can then skip the page cache, see
+            // `FileSegment::write_at`) instead of queueing one by one.
+            // A reader or sync that needs them flushes them (`waiting`).
+            if !waiting && !idle && tail.pending.len() < PENDING_MAX {
+                return Ok(());
+            }
             // With nothing queued ahead, a caller that will wait anyway, or
             // one with a small buffer, writes it here: waking the thread
             // (and being woken by it) costs more than the copy. Only the
             // holder of the tail lock hands over, so the queue stays idle.
-            if !((waiting || tail.pending.len() <= WRITE_IN_CALLER_MAX) && wb.is_idle()) {
+            if !((waiting || tail.pending.len() <= WRITE_IN_CALLER_MAX) && idle) {
                 let buf = std::mem::replace(&mut tail.pending, wb.spare());
                 wb.hand_over(tail.file.clone(), tail.seg, tail.pending_at, buf)?;
                 return Ok(());
