@@ -53,13 +53,17 @@ impl FileDevice {
     pub fn open(dir: impl AsRef<Path>, mode: IoMode) -> Result<Arc<Self>> {
         let dir = dir.as_ref().to_path_buf();
         private::create_dir_all(&dir)?;
+        Self::new(dir, mode, None)
+    }
+
+    fn new(dir: PathBuf, mode: IoMode, writer_lock: Option<File>) -> Result<Arc<Self>> {
         Ok(Arc::new(FileDevice {
             dir,
             io: backend(mode)?,
             open: RwLock::new(HashMap::new()),
             direct: mode.direct(),
             direct_bytes: Arc::default(),
-            _writer_lock: None,
+            _writer_lock: writer_lock,
         }))
     }
 
@@ -77,14 +81,7 @@ impl FileDevice {
         }
         lock.set_len(0)?;
         lock.write_all(std::process::id().to_string().as_bytes())?;
-        Ok(Arc::new(FileDevice {
-            dir,
-            io: backend(mode)?,
-            open: RwLock::new(HashMap::new()),
-            direct: mode.direct(),
-            direct_bytes: Arc::default(),
-            _writer_lock: Some(lock),
-        }))
+        Self::new(dir, mode, Some(lock))
     }
 
     pub fn dir(&self) -> &Path {
