@@ -36,8 +36,9 @@ struct FileSegment {
     io: Arc<dyn IoBackend>,
     /// The same file opened with O_DIRECT, for the page-aligned middle of a
     /// large write (see [`FileSegment::write_at`]). `None` for a file opened
-    /// to read, or where the file system refuses O_DIRECT.
-    direct: Option<File>,
+    /// to read, where the file system refuses O_DIRECT, and once sealed (a
+    /// writer's segments stay open for reading: one descriptor each).
+    direct: RwLock<Option<File>>,
     /// Set once a direct write was refused; the file is then written
     /// through the page cache only.
     direct_refused: AtomicBool,
@@ -97,7 +98,7 @@ impl FileDevice {
         let seg: Arc<dyn SegmentFile> = Arc::new(FileSegment {
             file,
             io: self.io.clone(),
-            direct,
+            direct: RwLock::new(direct),
             direct_refused: AtomicBool::new(false),
             direct_bytes: self.direct_bytes.clone(),
         });
@@ -223,7 +224,7 @@ impl FileSegment {
     /// is laid out so it is) to go to the disk with O_DIRECT.
     fn direct_span(&self, buf: &[u8], off: u64) -> Option<(u64, u64)> {
         let page = PAGE as u64;
-        if self.direct.is_none() || self.direct_refused.load(Ordering::Relaxed) {
+        if self.direct_refused.load(Ordering::Relaxed) {
             return None;
         }
         let a = off.next_multiple_of(page);
@@ -242,7 +243,8 @@ impl SegmentFile for FileSegment {
     /// (fdatasync of the file flushes what either descriptor wrote).
     fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
         let fd = self.file.as_raw_fd();
-        let (Some((a, b)), Some(direct)) = (self.direct_span(buf, off), &self.direct) else {
+        let direct = self.direct.read();
+        let (Some((a, b)), Some(direct)) = (self.direct_span(buf, off), direct.as_ref()) else {
             return Ok(self.io.write_at(fd, buf, off)?);
         };
         let (head, rest) = buf.split_at((a - off) as usize);
@@ -287,6 +289,10 @@ impl SegmentFile for FileSegment {
         Ok(self.file.sync_all()?)
     }
 
+    fn sealed(&self) {
+        self.direct.write().take();
+    }
+
     fn start_writeback(&self) {
         // SAFETY: plain syscall on a descriptor we own; a failure only
         // means the later fdatasync does all the work.
@@ -318,6 +324,36 @@ mod tests {
                 assert_eq!(went, 0, "{mode:?}, O_DIRECT taken here: {direct}");
             }
         }
+    }
+
+    #[test]
+    fn a_sealed_segment_keeps_one_descriptor_and_writes_through_the_page_cache() {
+        use crate::format::RecordKind;
+        use crate::log::Log;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let direct = crate::testkit::takes_direct_writes(dir.path());
+        let dev = FileDevice::open(dir.path().join("segments"), IoMode::Syscall).expect("device");
+        let log = Log::create_with(dev.clone(), 4, 1, 4 << 20, true).expect("log");
+        for n in 0..12u8 {
+            log.append(RecordKind::Intent, b"m", &[n; 1 << 20], "t").expect("append");
+        }
+        log.sync_all().expect("sync");
+        let first = dev.path_of(SegId { writer: 4, seq: 0 });
+        let open_on = |path: &Path| {
+            std::fs::read_dir("/proc/self/fd")
+                .expect("fds")
+                .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter(|target| target == path)
+                .count()
+        };
+        assert!(dev.path_of(SegId { writer: 4, seq: 2 }).exists(), "the log sealed segments");
+        assert_eq!(open_on(&first), 1, "a sealed segment holds one descriptor");
+        // Were it written again, it would go through the page cache.
+        let seg = dev.open_segment(SegId { writer: 4, seq: 0 }).expect("open").expect("segment");
+        let before = dev.direct_bytes();
+        assert!(!direct || before > 0, "the log wrote nothing past the page cache");
+        seg.write_at(&vec![7; 1 << 20], 64 << 20).expect("write");
+        assert_eq!(dev.direct_bytes(), before);
     }
 
     /// Logs records of many sizes on a device in `dir`, reads each back

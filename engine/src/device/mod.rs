@@ -78,6 +78,9 @@ pub trait SegmentFile: Send + Sync {
     /// later sync finds little left to do. A hint: durability still needs
     /// [`SegmentFile::sync`].
     fn start_writeback(&self) {}
+    /// The log will not write this file again (it was sealed): what only
+    /// writing needed can go.
+    fn sealed(&self) {}
 }
 
 pub trait Device: Send + Sync {

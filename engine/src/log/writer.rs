@@ -210,6 +210,7 @@ impl Log {
         // makes it durable before anything after it.
         let next = tail.seg.next();
         let sealed = std::mem::replace(&mut tail.file, self.device.create_segment(next)?);
+        sealed.sealed();
         sealed.start_writeback();
         if let Some(r) = self.device.replica() {
             r.segment_sealed(tail.seg, tail.off);

@@ -483,6 +483,9 @@ impl SegmentFile for LocalSeg {
     fn start_writeback(&self) {
         self.file.start_writeback()
     }
+    fn sealed(&self) {
+        self.file.sealed()
+    }
 }
 
 impl Drop for BucketDevice {
