@@ -364,13 +364,13 @@ pub fn takes_direct_writes(dir: &Path) -> bool {
     else {
         return false;
     };
-    let layout = std::alloc::Layout::from_size_align(page, page).expect("layout");
-    // SAFETY: a non-zero size; freed below with the same layout.
-    let mem = unsafe { std::alloc::alloc_zeroed(layout) };
-    // SAFETY: `mem` holds `page` bytes (a null `mem` fails the write).
-    let ok = unsafe { libc::pwrite(f.as_raw_fd(), mem.cast(), page, 0) } == page as isize;
-    // SAFETY: allocated above with this layout.
-    unsafe { std::alloc::dealloc(mem, layout) };
+    /// One page, page-aligned, as O_DIRECT wants its memory.
+    #[repr(C, align(4096))]
+    struct Page([u8; crate::log::PAGE]);
+    const _: () = assert!(std::mem::align_of::<Page>() == crate::log::PAGE);
+    let mem = Box::new(Page([0; crate::log::PAGE]));
+    // SAFETY: `mem` holds `page` bytes the kernel only reads.
+    let ok = unsafe { libc::pwrite(f.as_raw_fd(), mem.0.as_ptr().cast(), page, 0) } == page as isize;
     let _ = std::fs::remove_file(&probe);
     ok
 }
