@@ -11,7 +11,7 @@ use std::io::{ErrorKind, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 const SUPERBLOCK: &str = "superblock";
@@ -36,12 +36,10 @@ struct FileSegment {
     io: Arc<dyn IoBackend>,
     /// The same file opened with O_DIRECT, for the page-aligned middle of a
     /// large write (see [`FileSegment::write_at`]). `None` for a file opened
-    /// to read, where the file system refuses O_DIRECT, and once sealed (a
-    /// writer's segments stay open for reading: one descriptor each).
+    /// to read, where the file system refuses O_DIRECT (at open or on a
+    /// write), and once sealed (a writer's segments stay open for reading:
+    /// one descriptor each).
     direct: RwLock<Option<File>>,
-    /// Set once a direct write was refused; the file is then written
-    /// through the page cache only.
-    direct_refused: AtomicBool,
     /// The device's count of bytes written through `direct`.
     direct_bytes: Arc<AtomicU64>,
 }
@@ -99,7 +97,6 @@ impl FileDevice {
             file,
             io: self.io.clone(),
             direct: RwLock::new(direct),
-            direct_refused: AtomicBool::new(false),
             direct_bytes: self.direct_bytes.clone(),
         });
         let mut open = self.open.write();
@@ -222,11 +219,8 @@ impl FileSegment {
     /// The page-aligned middle `[a, b)` of a write of `buf` at `off`, when
     /// it is large enough and page-aligned in memory too (the log's buffer
     /// is laid out so it is) to go to the disk with O_DIRECT.
-    fn direct_span(&self, buf: &[u8], off: u64) -> Option<(u64, u64)> {
+    fn direct_span(buf: &[u8], off: u64) -> Option<(u64, u64)> {
         let page = PAGE as u64;
-        if self.direct_refused.load(Ordering::Relaxed) {
-            return None;
-        }
         let a = off.next_multiple_of(page);
         let b = (off + buf.len() as u64) / page * page;
         let aligned = (buf.as_ptr() as usize).wrapping_add((a - off) as usize).is_multiple_of(PAGE);
@@ -243,14 +237,16 @@ impl SegmentFile for FileSegment {
     /// (fdatasync of the file flushes what either descriptor wrote).
     fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
         let fd = self.file.as_raw_fd();
-        let direct = self.direct.read();
-        let (Some((a, b)), Some(direct)) = (self.direct_span(buf, off), direct.as_ref()) else {
+        let guard = self.direct.read();
+        let (Some((a, b)), Some(direct)) = (Self::direct_span(buf, off), guard.as_ref()) else {
             return Ok(self.io.write_at(fd, buf, off)?);
         };
         let (head, rest) = buf.split_at((a - off) as usize);
         let (middle, tail) = rest.split_at((b - a) as usize);
         self.io.write_at(fd, head, off)?;
-        match self.io.write_at(direct.as_raw_fd(), middle, a) {
+        let wrote = self.io.write_at(direct.as_raw_fd(), middle, a);
+        drop(guard);
+        match wrote {
             Ok(()) => {
                 self.direct_bytes.fetch_add(middle.len() as u64, Ordering::Relaxed);
             }
@@ -258,9 +254,8 @@ impl SegmentFile for FileSegment {
             // (or a short write that left an unaligned rest): the page
             // cache takes it, and every write after it.
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                if !self.direct_refused.swap(true, Ordering::Relaxed) {
-                    tracing::debug!(error = %e, "O_DIRECT write refused; the log writes through the page cache");
-                }
+                tracing::debug!(error = %e, "O_DIRECT write refused; the log writes through the page cache");
+                self.direct.write().take();
                 self.io.write_at(fd, middle, a)?;
             }
             Err(e) => return Err(e.into()),
