@@ -192,6 +192,9 @@ pub fn mount_remote(
                 "fuse_transport": fuse.describe(),
                 "fuse_ring_requests": fuse.ring_requests(),
                 "kernel_read_ahead": counters.kernel_read_ahead.load(std::sync::atomic::Ordering::Relaxed),
+                "fuse_read_requests": counters.reads.load(std::sync::atomic::Ordering::Relaxed),
+                "fuse_lookup_requests": counters.lookups.load(std::sync::atomic::Ordering::Relaxed),
+                "fuse_getxattr_requests": counters.getxattrs.load(std::sync::atomic::Ordering::Relaxed),
             });
             (json!({"ok": true, "result": result}), false)
         }

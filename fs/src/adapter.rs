@@ -1,4 +1,4 @@
-use crate::files::{Files, Lock};
+use crate::files::{clear_privileges, Files, Lock};
 use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, TimeSet, XattrFlags};
 use arbor_engine::{env::Timestamp, Error};
 use fuser::{Errno, FileAttr, FileType, FopenFlags, INodeNo, TimeOrNow};
@@ -76,6 +76,9 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
 pub struct Counters {
     pub reads: std::sync::atomic::AtomicU64,
     pub lookups: std::sync::atomic::AtomicU64,
+    /// GETXATTR requests (the kernel asks for `security.capability` before
+    /// a write unless it marked the file as needing no check).
+    pub getxattrs: std::sync::atomic::AtomicU64,
     /// The kernel's read-ahead for the mount in bytes (0: not known).
     pub kernel_read_ahead: std::sync::atomic::AtomicU64,
 }
@@ -163,53 +166,33 @@ impl<F: Files + ?Sized> ArborFs<F> {
         answer(self.vol.getattr(ino)).map(|a| file_attr(&a))
     }
 
-    /// Whether this mount clears set-user-ID and set-group-ID bits itself
-    /// (`FUSE_HANDLE_KILLPRIV_V2`). The kernel then marks a file it found
-    /// without `security.capability` as needing no check, instead of
-    /// asking for that attribute before every write (one GETXATTR round
-    /// trip per `write` call otherwise). It costs a `getattr` per write by
-    /// a caller without CAP_FSETID: free on this node, a round trip to an
-    /// owner, so shared trees leave the clearing to the kernel.
-    pub fn handles_killpriv(&self) -> bool {
-        !self.vol.is_shared()
-    }
-
     /// `kill_suidgid`: the kernel's FATTR_KILL_SUIDGID (a truncate by a
     /// caller without CAP_FSETID). A change of owner clears the bits of a
     /// file whoever makes it, as the VFS does.
+    ///
+    /// Every mount clears these bits itself (`FUSE_HANDLE_KILLPRIV_V2`):
+    /// the kernel then marks a file it found without `security.capability`
+    /// as needing no check, instead of asking for that attribute before
+    /// every `write` (a GETXATTR each, which on a client mount was a round
+    /// trip to the owner that also waited for every write in flight).
     pub fn setattr(&self, ino: u64, change: SetAttr, kill_suidgid: bool) -> Answer<FileAttr> {
         let chown = change.uid.is_some() || change.gid.is_some();
         let mut a = answer(self.vol.setattr(ino, change))?;
-        if self.handles_killpriv() && (kill_suidgid || chown) && a.kind != FileKind::Directory {
-            a = answer(self.kill_suidgid(a))?;
+        if (kill_suidgid || chown) && a.kind != FileKind::Directory {
+            // The answer carries the attributes after: nothing to drop.
+            a = answer(clear_privileges(&*self.vol, a))?.0;
         }
         Ok(file_attr(&a))
     }
 
-    /// Clears set-user-ID, set-group-ID (when group-executable, as the VFS
-    /// does) and file capabilities of a file being written or given away.
-    fn kill_suidgid(&self, a: Attr) -> Result<Attr, Error> {
-        let mut perm = a.perm & !(libc::S_ISUID as u16);
-        if perm & libc::S_IXGRP as u16 != 0 {
-            perm &= !(libc::S_ISGID as u16);
-        }
-        let a = if perm != a.perm {
-            let changed = self.vol.setattr(a.ino, SetAttr { perm: Some(perm), ..Default::default() })?;
-            // A WRITE's answer carries no attributes and the kernel keeps
-            // the mode it cached: drop it, or `stat` (and exec) would
-            // still see the bits.
-            if let Some(n) = self.notifier.get() {
-                if let Err(e) = n.inval_inode(fuser::INodeNo(a.ino), -1, 0) {
-                    tracing::warn!(ino = a.ino, error = %e, "dropping the kernel's cached mode failed");
-                }
+    /// Drops the attributes the kernel cached for `ino`: a WRITE's answer
+    /// carries none, and the kernel keeps the mode it had, so `stat` (and
+    /// exec) would still see bits a write cleared.
+    fn drop_cached_attrs(&self, ino: u64) {
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), -1, 0) {
+                tracing::warn!(ino, error = %e, "dropping the kernel's cached mode failed");
             }
-            changed
-        } else {
-            a
-        };
-        match self.vol.removexattr(a.ino, b"security.capability") {
-            Ok(()) | Err(Error::NoAttr) => Ok(a),
-            Err(e) => Err(e),
         }
     }
 
@@ -288,12 +271,16 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     /// `kill_suidgid`: the kernel's FUSE_WRITE_KILL_SUIDGID (a write by a
-    /// caller without CAP_FSETID, with [`Self::handles_killpriv`]).
+    /// caller without CAP_FSETID; see [`Self::setattr`]).
     pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool) -> Answer<u32> {
-        if kill_suidgid && self.handles_killpriv() {
-            answer(self.vol.getattr(ino).and_then(|a| self.kill_suidgid(a)))?;
+        if !kill_suidgid {
+            return answer(self.vol.write(ino, offset, data)).map(|n| n as u32);
         }
-        answer(self.vol.write(ino, offset, data)).map(|n| n as u32)
+        let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
+        if changed {
+            self.drop_cached_attrs(ino);
+        }
+        Ok(n as u32)
     }
 
     pub fn flush(&self, ino: u64, lock_owner: u64) -> Answer<()> {
@@ -391,6 +378,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Answer<Xattr> {
+        self.counters.getxattrs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         answer(self.vol.getxattr(ino, name)).and_then(|v| xattr_answer(v, size))
     }
 

@@ -63,9 +63,9 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         }
         // Lookups and creates in different directories need not queue.
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_CACHE_SYMLINKS);
-        if self.fs.handles_killpriv() {
-            let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
-        }
+        // Set-user-ID bits and capabilities are cleared here on a write or
+        // truncate (ArborFs::setattr says why).
+        let _ = config.add_capabilities(InitFlags::FUSE_HANDLE_KILLPRIV_V2);
         if self.fs.wants_readdirplus() {
             // Listings carry attributes when the kernel sees them used
             // (`ls -l`, `os.scandir` + `stat`), plain names otherwise.

@@ -41,6 +41,15 @@ pub trait Files: Send + Sync + 'static {
     fn release(&self, ino: u64) -> Result<()>;
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>>;
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize>;
+    /// [`write`](Files::write) by a caller without CAP_FSETID (the
+    /// kernel's FUSE_WRITE_KILL_SUIDGID): the file first loses what
+    /// [`clear_privileges`] takes. Also gives whether a mode the kernel
+    /// cached may be stale now. A client of an owner sends the two as one
+    /// request, answered later like any write.
+    fn write_unprivileged(&self, ino: u64, off: u64, data: &[u8]) -> Result<(usize, bool)> {
+        let (_, changed) = clear_privileges(self, self.getattr(ino)?)?;
+        Ok((self.write(ino, off, data)?, changed))
+    }
     fn fsync(&self, ino: u64) -> Result<()>;
     /// Entries from `offset` on, until `f` returns false.
     fn readdir(&self, ino: u64, offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()>;
@@ -87,6 +96,35 @@ pub trait Files: Send + Sync + 'static {
         Ok(())
     }
 }
+
+/// What a write or truncate by a caller without CAP_FSETID, or a change
+/// of owner, takes from the file `a` describes: its set-user-ID bit, its
+/// set-group-ID bit when it is group-executable (as the VFS does), and its
+/// file capabilities. Gives the attributes after, and whether the mode
+/// changed.
+pub fn clear_privileges<F: Files + ?Sized>(f: &F, a: Attr) -> Result<(Attr, bool)> {
+    let mut perm = a.perm & !(libc::S_ISUID as u16);
+    if perm & libc::S_IXGRP as u16 != 0 {
+        perm &= !(libc::S_ISGID as u16);
+    }
+    let changed = perm != a.perm;
+    let a = if changed { f.setattr(a.ino, SetAttr { perm: Some(perm), ..Default::default() })? } else { a };
+    drop_capabilities(f, a.ino)?;
+    Ok((a, changed))
+}
+
+/// Removes `ino`'s file capabilities (`security.capability`), which any
+/// write takes from a file, whoever makes it; a file without them is
+/// left as it is.
+pub fn drop_capabilities<F: Files + ?Sized>(f: &F, ino: u64) -> Result<()> {
+    match f.removexattr(ino, CAPABILITIES) {
+        Ok(()) | Err(Error::NoAttr) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The extended attribute that holds a file's capabilities.
+pub const CAPABILITIES: &[u8] = b"security.capability";
 
 impl Files for Volume {
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {

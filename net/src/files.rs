@@ -41,7 +41,8 @@
 
 use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
 use arbor_engine::Error;
-use arbor_fs::Lock;
+use arbor_fs::files::drop_capabilities;
+use arbor_fs::{Files, Lock};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -138,10 +139,14 @@ pub enum Op {
         off: u64,
         len: u32,
     },
+    /// `unprivileged`: written by a caller without CAP_FSETID, so the
+    /// file first loses its set-user-ID bits (`arbor_fs::files::clear_privileges`).
+    /// Any write drops the file's capabilities.
     Write {
         ino: u64,
         off: u64,
         data: Vec<u8>,
+        unprivileged: bool,
     },
     Fsync {
         ino: u64,
@@ -546,8 +551,16 @@ impl SharedBranch {
                 self.record(session, [Inode(ino)]);
                 r
             }
-            Op::Write { ino, off, data } => {
-                let r = v.write(ino, off, &data).map(|n| Out::Written(n as u64));
+            Op::Write { ino, off, data, unprivileged } => {
+                // A client's kernel checks a file's capabilities once and
+                // then trusts its mark (another node may have set them
+                // since), so the owner drops them on every write.
+                let r = if unprivileged {
+                    Files::write_unprivileged(&**v, ino, off, &data).map(|(n, _)| n)
+                } else {
+                    drop_capabilities(&**v, ino).and_then(|()| v.write(ino, off, &data))
+                };
+                let r = r.map(|n| Out::Written(n as u64));
                 self.record(session, [Inode(ino)]);
                 r
             }

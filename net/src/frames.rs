@@ -50,7 +50,7 @@ use std::io::{self, Read, Write};
 /// The first bytes of a framed connection.
 pub const MAGIC: [u8; 4] = *b"ARBF";
 /// The version of the requests and answers below.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// The largest frame either side accepts (a 1 MiB write or read fits many
 /// times).
 pub const MAX_FRAME: usize = 16 << 20;
@@ -104,6 +104,7 @@ enum RequestHead<'a> {
         ino: u64,
         off: u64,
         len: u32,
+        unprivileged: bool,
     },
 }
 
@@ -111,7 +112,7 @@ enum RequestHead<'a> {
 enum RequestFrame {
     Session,
     Op { session: u64, op: Op },
-    WriteData { session: u64, ino: u64, off: u64, len: u32 },
+    WriteData { session: u64, ino: u64, off: u64, len: u32, unprivileged: bool },
 }
 
 /// An answer as its frame carries it (as [`AnswerFrame`] reads it).
@@ -308,31 +309,41 @@ fn write_with_payload<T: bincode::Encode>(
 /// Sends `req`, a write's data after its frame.
 pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io::Result<()> {
     match req {
-        Request::Op { session, op: Op::Write { ino, off, data } } => write_data(w, buf, *session, *ino, *off, data),
+        Request::Op { session, op: Op::Write { ino, off, data, unprivileged } } => {
+            write_data(w, buf, *session, Written { ino: *ino, off: *off, unprivileged: *unprivileged }, data)
+        }
         Request::Op { session, op } => write_frame(w, buf, &RequestHead::Op { session: *session, op }),
         Request::Session => write_frame(w, buf, &RequestHead::Session),
     }
 }
 
-/// Sends `Op::Write { ino, off, data }` under `session` straight from the
-/// caller's buffer.
-pub fn write_data(
-    w: &mut impl Write,
-    buf: &mut Vec<u8>,
-    session: u64,
-    ino: u64,
-    off: u64,
-    data: &[u8],
-) -> io::Result<()> {
+/// Where a write goes and who made it (`Op::Write` without its data).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Written {
+    pub ino: u64,
+    pub off: u64,
+    pub unprivileged: bool,
+}
+
+impl Written {
+    /// The operation that writes `data` here.
+    pub fn op(self, data: Vec<u8>) -> Op {
+        Op::Write { ino: self.ino, off: self.off, data, unprivileged: self.unprivileged }
+    }
+}
+
+/// Sends `Op::Write` under `session` straight from the caller's buffer.
+pub fn write_data(w: &mut impl Write, buf: &mut Vec<u8>, session: u64, at: Written, data: &[u8]) -> io::Result<()> {
     let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    write_with_payload(w, buf, &RequestHead::WriteData { session, ino, off, len }, data)
+    let Written { ino, off, unprivileged } = at;
+    write_with_payload(w, buf, &RequestHead::WriteData { session, ino, off, len, unprivileged }, data)
 }
 
 /// Reads a request, a write's data included.
 pub fn read_request(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Request> {
     Ok(match read_frame::<RequestFrame>(r, buf)? {
-        RequestFrame::WriteData { session, ino, off, len } => {
-            Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)? } }
+        RequestFrame::WriteData { session, ino, off, len, unprivileged } => {
+            Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)?, unprivileged } }
         }
         RequestFrame::Op { session, op } => Request::Op { session, op },
         RequestFrame::Session => Request::Session,
@@ -419,14 +430,19 @@ mod tests {
     fn frames_round_trip_and_reuse_their_buffers() {
         let mut wire = Vec::new();
         let mut buf = Vec::new();
-        let write = Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: vec![0xab; 100_000] } };
+        let write = Request::Op {
+            session: 7,
+            op: Op::Write { ino: 3, off: 9, data: vec![0xab; 100_000], unprivileged: false },
+        };
         write_frame(&mut wire, &mut buf, &write).expect("write");
         write_frame(&mut wire, &mut buf, &Request::Session).expect("write");
         write_frame(&mut wire, &mut buf, &Answer::Reply(Err(libc::ENOENT))).expect("write");
         let mut r = &wire[..];
         let mut rbuf = Vec::new();
         match read_frame::<Request>(&mut r, &mut rbuf).expect("read") {
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data } } => assert_eq!(data, vec![0xab; 100_000]),
+            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data, unprivileged: false } } => {
+                assert_eq!(data, vec![0xab; 100_000])
+            }
             other => panic!("{other:?}"),
         }
         assert!(matches!(read_frame::<Request>(&mut r, &mut rbuf).expect("read"), Request::Session));
@@ -440,7 +456,8 @@ mod tests {
     fn file_data_travels_after_its_frame_and_comes_back_whole() {
         let data: Vec<u8> = (0..1_048_576u32).map(|i| (i * 7 + 3) as u8).collect();
         let (mut wire, mut buf) = (Vec::new(), Vec::new());
-        let write = Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: data.clone() } };
+        let write =
+            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true } };
         write_request(&mut wire, &mut buf, &write).expect("write");
         // The frame names the write; the bytes follow it raw.
         let frame = u32::from_le_bytes([wire[0], wire[1], wire[2], wire[3]]) as usize;
@@ -454,7 +471,10 @@ mod tests {
         let mut r = &wire[..];
         let mut rbuf = Vec::new();
         match read_request(&mut r, &mut rbuf).expect("read") {
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: got } } => assert!(got == data),
+            // Who wrote it travels in the frame.
+            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: got, unprivileged: true } } => {
+                assert!(got == data)
+            }
             other => panic!("{other:?}"),
         }
         match read_answer(&mut r, &mut rbuf).expect("read") {

@@ -44,6 +44,7 @@
 
 use crate::client::connect;
 use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH};
+use crate::frames::Written;
 use crate::reads::DirectReads;
 use arbor_engine::env::Timestamp;
 use arbor_engine::format::decode_value;
@@ -164,9 +165,8 @@ struct OpenFile {
 
 struct UnsyncedWrite {
     seq: u64,
-    ino: u64,
     crtime: Timestamp,
-    off: u64,
+    at: Written,
     data: Bytes,
 }
 
@@ -189,9 +189,9 @@ struct Unsynced {
 }
 
 impl Unsynced {
-    fn push(&mut self, seq: u64, ino: u64, crtime: Timestamp, off: u64, data: Bytes) {
+    fn push(&mut self, seq: u64, crtime: Timestamp, at: Written, data: Bytes) {
         self.bytes += data.len() as u64;
-        self.writes.push(UnsyncedWrite { seq, ino, crtime, off, data });
+        self.writes.push(UnsyncedWrite { seq, crtime, at, data });
     }
 
     /// Forgets write `seq` (the owner refused it: nothing to resend).
@@ -230,8 +230,7 @@ pub const IN_FLIGHT_MAX: usize = 8 << 20;
 /// A write sent on a lane whose answer has not been read.
 struct Sent {
     seq: u64,
-    ino: u64,
-    off: u64,
+    at: Written,
     data: Bytes,
 }
 
@@ -521,17 +520,18 @@ impl Inner {
         let mut u = self.unsynced.lock();
         u.lost.insert(ino);
         u.gone.insert(ino);
-        u.writes.retain(|w| w.ino != ino);
+        u.writes.retain(|w| w.at.ino != ino);
         u.bytes = u.writes.iter().map(|w| w.data.len() as u64).sum();
     }
 
     /// Sends the unsynced writes again, in order, to files that are still
     /// the same files.
     fn resend(&self, session: u64) -> std::result::Result<(), Failed> {
-        let writes: Vec<(u64, Timestamp, u64, Bytes)> =
-            self.unsynced.lock().writes.iter().map(|w| (w.ino, w.crtime, w.off, w.data.clone())).collect();
+        let writes: Vec<(Timestamp, Written, Bytes)> =
+            self.unsynced.lock().writes.iter().map(|w| (w.crtime, w.at, w.data.clone())).collect();
         let mut same: HashMap<u64, bool> = HashMap::new();
-        for (ino, crtime, off, data) in writes {
+        for (crtime, at, data) in writes {
+            let ino = at.ino;
             if let std::collections::hash_map::Entry::Vacant(e) = same.entry(ino) {
                 let now = self.send(session, &Op::GetAttr { ino })?;
                 e.insert(matches!(now, Ok(Out::Attr(a)) if a.crtime == crtime));
@@ -539,7 +539,7 @@ impl Inner {
             if !same[&ino] {
                 continue;
             }
-            if let Err(errno) = self.send(session, &Op::Write { ino, off, data: data.to_vec() })? {
+            if let Err(errno) = self.send(session, &at.op(data.to_vec()))? {
                 tracing::warn!(ino, errno, "a write could not be sent again");
                 same.insert(ino, false);
             }
@@ -629,7 +629,8 @@ impl Inner {
     /// Sends a write on its lane without waiting for the answer: `false`
     /// if it could not be sent (the caller writes it the retrying way).
     /// The data is copied for resending while the owner works on it.
-    fn send_write(&self, ino: u64, off: u64, data: &[u8]) -> bool {
+    fn send_write(&self, at: Written, data: &[u8]) -> bool {
+        let ino = at.ino;
         let mut lane = self.lanes[ino as usize % WRITE_LANES].lock();
         while !lane.sent.is_empty() && (lane.conn.is_none() || lane.bytes + data.len() > IN_FLIGHT_MAX) {
             self.settle_one(&mut lane);
@@ -639,7 +640,7 @@ impl Inner {
                 lane.conn = Some(self.take_conn().ok()?.1);
             }
             let c = lane.conn.as_mut()?;
-            crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, ino, off, data).ok()
+            crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, at, data).ok()
         });
         if sent.is_none() {
             // Part of it may have gone. The lane's earlier writes are sent
@@ -658,12 +659,12 @@ impl Inner {
             let seq = u.next_seq;
             u.next_seq += 1;
             if let Some(crtime) = crtime {
-                u.push(seq, ino, crtime, off, data.clone());
+                u.push(seq, crtime, at, data.clone());
             }
             seq
         };
         lane.bytes += data.len();
-        lane.sent.push_back(Sent { seq, ino, off, data });
+        lane.sent.push_back(Sent { seq, at, data });
         true
     }
 
@@ -730,7 +731,7 @@ impl Inner {
     fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
         use crate::frames::{read_answer, Answer};
         let Some(front) = lane.sent.front() else { return Ok(()) };
-        let (seq, ino, len) = (front.seq, front.ino, front.data.len());
+        let (seq, ino, len) = (front.seq, front.at.ino, front.data.len());
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;
         match read_answer(&mut c.stream, &mut c.rbuf) {
             Ok(Answer::Reply(reply)) => {
@@ -763,15 +764,14 @@ impl Inner {
     fn resend_lane(&self, lane: &mut Lane) {
         while let Some(w) = lane.sent.pop_front() {
             lane.bytes -= w.data.len();
-            if self.unsynced.lock().gone.contains(&w.ino) {
+            if self.unsynced.lock().gone.contains(&w.at.ino) {
                 // The owner restarted without this file: it is lost, and
                 // the number may name another file now.
                 continue;
             }
             let len = w.data.len();
-            let reply =
-                self.call_raw(Op::Write { ino: w.ino, off: w.off, data: w.data.to_vec() }).map_err(|e| e.errno());
-            self.written(w.seq, w.ino, len, reply);
+            let reply = self.call_raw(w.at.op(w.data.to_vec())).map_err(|e| e.errno());
+            self.written(w.seq, w.at.ino, len, reply);
         }
     }
 
@@ -977,6 +977,50 @@ impl RemoteFiles {
         Ok(())
     }
 
+    /// A write, in flight on its lane where it can be (see "Writes in
+    /// flight" above).
+    fn write_as(&self, at: Written, data: &[u8]) -> Result<usize> {
+        let Written { ino, off, .. } = at;
+        self.check_alive(ino)?;
+        self.forget(ino);
+        self.inner.take_failed(ino)?;
+        if off.checked_add(data.len() as u64).is_none_or(|end| end > arbor_engine::volume::MAX_FILE_SIZE) {
+            // The one refusal that depends on the request alone is given at
+            // once, as a local mount gives it.
+            return Err(Error::TooBig);
+        }
+        if !data.is_empty() && self.inner.send_write(at, data) {
+            if self.inner.unsynced.lock().bytes > UNSYNCED_MAX {
+                Files::fsync(self, ino)?;
+            }
+            return Ok(data.len());
+        }
+        let (out, op) = self.inner.call_back(at.op(data.to_vec()));
+        let n = match out? {
+            Out::Written(n) => (n as usize).min(data.len()),
+            _ => return Err(errno_error(libc::EPROTO)),
+        };
+        let crtime = self.inner.open.lock().get(&ino).map(|f| f.crtime);
+        let over = match (crtime, op) {
+            (Some(crtime), Op::Write { mut data, .. }) => {
+                // The operation's own buffer is kept for resending: no copy.
+                data.truncate(n);
+                let mut u = self.inner.unsynced.lock();
+                let seq = u.next_seq;
+                u.next_seq += 1;
+                u.bytes += n as u64;
+                u.writes.push(UnsyncedWrite { seq, crtime, at, data: Bytes::from(data) });
+                u.bytes > UNSYNCED_MAX
+            }
+            // Written through no open file of ours (the kernel always
+            // writes through one): nothing to resend it from.
+            _ => false,
+        };
+        if over {
+            Files::fsync(self, ino)?;
+        }
+        Ok(n)
+    }
     /// Bytes written but not yet made durable by an fsync.
     pub fn unsynced_bytes(&self) -> u64 {
         self.inner.unsynced.lock().bytes
@@ -1085,45 +1129,13 @@ impl Files for RemoteFiles {
         Ok(b)
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
-        self.check_alive(ino)?;
-        self.forget(ino);
-        self.inner.take_failed(ino)?;
-        if off.checked_add(data.len() as u64).is_none_or(|end| end > arbor_engine::volume::MAX_FILE_SIZE) {
-            // The one refusal that depends on the request alone is given at
-            // once, as a local mount gives it.
-            return Err(Error::TooBig);
-        }
-        if !data.is_empty() && self.inner.send_write(ino, off, data) {
-            if self.inner.unsynced.lock().bytes > UNSYNCED_MAX {
-                self.fsync(ino)?;
-            }
-            return Ok(data.len());
-        }
-        let (out, op) = self.inner.call_back(Op::Write { ino, off, data: data.to_vec() });
-        let n = match out? {
-            Out::Written(n) => (n as usize).min(data.len()),
-            _ => return Err(errno_error(libc::EPROTO)),
-        };
-        let crtime = self.inner.open.lock().get(&ino).map(|f| f.crtime);
-        let over = match (crtime, op) {
-            (Some(crtime), Op::Write { mut data, .. }) => {
-                // The operation's own buffer is kept for resending: no copy.
-                data.truncate(n);
-                let mut u = self.inner.unsynced.lock();
-                let seq = u.next_seq;
-                u.next_seq += 1;
-                u.bytes += n as u64;
-                u.writes.push(UnsyncedWrite { seq, ino, crtime, off, data: Bytes::from(data) });
-                u.bytes > UNSYNCED_MAX
-            }
-            // Written through no open file of ours (the kernel always
-            // writes through one): nothing to resend it from.
-            _ => false,
-        };
-        if over {
-            self.fsync(ino)?;
-        }
-        Ok(n)
+        self.write_as(Written { ino, off, unprivileged: false }, data)
+    }
+    /// One request: the owner clears the file's privileges as it applies
+    /// the write, answered later like any write. The kernel's cached mode
+    /// is dropped whatever it was (the answer comes later).
+    fn write_unprivileged(&self, ino: u64, off: u64, data: &[u8]) -> Result<(usize, bool)> {
+        Ok((self.write_as(Written { ino, off, unprivileged: true }, data)?, true))
     }
     fn fsync(&self, ino: u64) -> Result<()> {
         let upto = self.inner.unsynced.lock().next_seq;

@@ -543,3 +543,20 @@ impl Drop for NetNs {
         let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
     }
 }
+
+/// Runs `sh -c script` as the unprivileged user `pjdtest`, if there is one.
+pub fn as_unprivileged(script: &str) -> Option<std::process::ExitStatus> {
+    let exists = Command::new("id").arg("pjdtest").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    if !exists.is_ok_and(|s| s.success()) {
+        eprintln!("SKIPPED part of this test: no user pjdtest (.ci/run creates it)");
+        return None;
+    }
+    Some(Command::new("su").args(["pjdtest", "-s", "/bin/sh", "-c", script]).status().expect("su"))
+}
+
+/// A number from `arbor status MNT --json`.
+pub fn status_number(mnt: &Path, key: &str) -> u64 {
+    let out = arbor_ok(&["status", mnt.to_str().expect("utf8"), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("status json");
+    v[key].as_u64().unwrap_or_else(|| panic!("status has no {key}: {out}"))
+}

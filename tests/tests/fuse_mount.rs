@@ -176,13 +176,6 @@ fn ioctls_get_enotty_and_leave_the_log_quiet() {
     assert!(!log.contains("Not Implemented") && !log.contains("ioctl"), "the log speaks of ioctls:\n{log}");
 }
 
-/// One number from `arbor status --json` of a mount.
-fn status_number(mnt: &std::path::Path, key: &str) -> u64 {
-    let out = arbor_ok(&["status", mnt.to_str().expect("utf8"), "--json"]);
-    let v: serde_json::Value = serde_json::from_str(&out).expect("status json");
-    v[key].as_u64().unwrap_or_else(|| panic!("status has no {key}: {out}"))
-}
-
 #[test]
 fn a_file_read_twice_is_served_from_the_page_cache_the_second_time() {
     if !fuse_available() {
@@ -398,16 +391,6 @@ fn a_fresh_listing_with_stat_needs_no_lookup_per_entry() {
     // the kernel may still list the first page plainly before it switches.
     assert!(lookups < n as u64 / 4, "{lookups} LOOKUPs for {n} entries listed and stat'ed");
     m.unmount();
-}
-
-/// Runs `sh -c script` as the unprivileged user `pjdtest`, if there is one.
-fn as_unprivileged(script: &str) -> Option<std::process::ExitStatus> {
-    let exists = Command::new("id").arg("pjdtest").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if !exists.is_ok_and(|s| s.success()) {
-        eprintln!("SKIPPED part of this test: no user pjdtest (.ci/run creates it)");
-        return None;
-    }
-    Some(Command::new("su").args(["pjdtest", "-s", "/bin/sh", "-c", script]).status().expect("su"))
 }
 
 #[test]

@@ -253,6 +253,97 @@ fn two_clients_change_one_folder_at_once() {
     assert!(fsck.status.success(), "fsck: {}", String::from_utf8_lossy(&fsck.stdout));
 }
 
+/// A valid `security.capability` value (revision 2, CAP_NET_BIND_SERVICE
+/// permitted and effective).
+const A_CAPABILITY: [u8; 20] = [1, 0, 0, 2, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+
+fn capability_of(p: &Path) -> std::io::Result<Vec<u8>> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("path");
+    let mut buf = [0u8; 64];
+    // SAFETY: a NUL-terminated path and name, and a buffer of the length given.
+    let n = unsafe { libc::getxattr(c.as_ptr(), c"security.capability".as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(buf[..n as usize].to_vec())
+}
+
+fn set_capability(p: &Path) {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).expect("path");
+    // SAFETY: a NUL-terminated path and name, and a value of the length given.
+    let r = unsafe {
+        libc::setxattr(c.as_ptr(), c"security.capability".as_ptr(), A_CAPABILITY.as_ptr().cast(), A_CAPABILITY.len(), 0)
+    };
+    assert_eq!(r, 0, "setxattr: {}", std::io::Error::last_os_error());
+}
+
+/// Writes through a client mount clear set-user-ID bits and capabilities
+/// as a local mount does, and the kernel does not ask for
+/// `security.capability` before every write (each such question was a
+/// round trip to the owner that also waited for every write in flight).
+#[test]
+fn client_writes_clear_set_id_bits_and_capabilities_without_a_question_per_write() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(w) = World::start() else { return };
+    let a = w.client_with("a", &["--allow-other"]);
+    let b = w.client("b");
+    std::fs::set_permissions(&a.mnt, std::fs::Permissions::from_mode(0o777)).expect("chmod mnt");
+    let f = a.mnt.join("tool");
+    let asked = status_number(&a.mnt, "fuse_getxattr_requests");
+    let want = pattern(64 << 16, 5);
+    {
+        let mut h = std::fs::File::create(&f).expect("create");
+        for piece in want.chunks(1 << 16) {
+            h.write_all(piece).expect("write");
+        }
+        h.sync_all().expect("fsync");
+    }
+    let asked = status_number(&a.mnt, "fuse_getxattr_requests") - asked;
+    println!("{asked} GETXATTR requests for 64 writes");
+    assert!(asked < 8, "{asked} GETXATTR requests for 64 writes");
+    assert!(std::fs::read(b.mnt.join("tool")).expect("read on b") == want);
+
+    let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o7777;
+    let set = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).expect("chmod");
+    // Root (CAP_FSETID) keeps the bits when it writes.
+    set(&f, 0o6777);
+    std::fs::OpenOptions::new().append(true).open(&f).expect("open").write_all(b"# root\n").expect("append");
+    assert_eq!(mode(&f), 0o6777);
+    let path = f.to_str().expect("utf8");
+    if let Some(st) = as_unprivileged(&format!("echo '# user' >> {path}")) {
+        assert!(st.success(), "write as pjdtest");
+        assert_eq!(mode(&f), 0o0777, "a write by another user clears set-user-ID and set-group-ID");
+        // Set-group-ID without group execute is not an exec bit: it stays.
+        set(&f, 0o6767);
+        assert!(as_unprivileged(&format!("echo '# again' >> {path}")).is_some_and(|s| s.success()));
+        assert_eq!(mode(&f), 0o2767);
+        assert_eq!(mode(&b.mnt.join("tool")), 0o2767, "the owner holds the mode the write left");
+    }
+
+    // Capabilities set on another node go with a write here, whoever
+    // makes it, even once a's kernel has marked the file as having none.
+    for (name, m) in [("plain", 0o644), ("tool", 0o2767)] {
+        let (here, there) = (a.mnt.join(name), b.mnt.join(name));
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&here)
+            .expect("open")
+            .write_all(b"1")
+            .expect("write");
+        set(&here, m);
+        std::fs::OpenOptions::new().append(true).open(&here).expect("open").write_all(b"2").expect("write");
+        set_capability(&there);
+        assert_eq!(capability_of(&there).expect("the capability on b"), A_CAPABILITY);
+        std::fs::OpenOptions::new().append(true).open(&here).expect("open").write_all(b"3").expect("write");
+        assert_eq!(errno_of(capability_of(&here)), libc::ENODATA, "{name}: capability after a write on a");
+        assert_eq!(errno_of(capability_of(&there)), libc::ENODATA, "{name}: capability after a write, on b");
+    }
+    a.unmount();
+    b.unmount();
+    w.owner.stop();
+}
+
 fn flock(f: &std::fs::File, how: i32) -> i32 {
     // SAFETY: flock on a descriptor we own.
     if unsafe { libc::flock(f.as_raw_fd(), how) } == 0 {
