@@ -138,7 +138,12 @@ seq_read() { # name: "MiB/s bucket-bytes" for reading every shard once
   local t0 t1 b0
   touch_memory "$work" $(( 2 * mib ))
   b0=$(bucket_bytes); t0=$(now)
-  cat "$work/mnt-$1"/shard-*.bin > /dev/null
+  if [ -n "${PERF_OUT:-}" ] && [ "$1" = f1 ]; then
+    # PERF_OUT=FILE: a system-wide profile of the warm-server read.
+    perf record -a -g -o "$PERF_OUT" -- cat "$work/mnt-$1"/shard-*.bin > /dev/null 2>"$work/perf.log"
+  else
+    cat "$work/mnt-$1"/shard-*.bin > /dev/null
+  fi
   t1=$(now)
   echo "$(rate "$mib" "$t0" "$t1") $(( $(bucket_bytes) - b0 ))"
 }

@@ -560,3 +560,35 @@ pub fn status_number(mnt: &Path, key: &str) -> u64 {
     let v: serde_json::Value = serde_json::from_str(&out).expect("status json");
     v[key].as_u64().unwrap_or_else(|| panic!("status has no {key}: {out}"))
 }
+
+/// Writes and a change of owner clear the set-user-ID and set-group-ID
+/// bits of `f` (a file on a mount made with `--allow-other`, its folder
+/// open to all) as the kernel would: a root write keeps them, a write by
+/// another user clears them (set-group-ID only where group-executable),
+/// and a chown clears them whoever makes it. Leaves `f` at mode 0755.
+pub fn assert_writes_and_chown_clear_set_id_bits(f: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o7777;
+    let set = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).expect("chmod");
+    // Root (CAP_FSETID) keeps the bits when it writes.
+    set(f, 0o6777);
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(f)
+        .and_then(|mut h| std::io::Write::write_all(&mut h, b"# root\n"))
+        .expect("append");
+    assert_eq!(mode(f), 0o6777);
+    let path = f.to_str().expect("utf8");
+    if let Some(st) = as_unprivileged(&format!("echo '# user' >> {path}")) {
+        assert!(st.success(), "write as pjdtest");
+        assert_eq!(mode(f), 0o0777, "a write by another user clears set-user-ID and set-group-ID");
+        // Set-group-ID without group execute is not an exec bit: it stays.
+        set(f, 0o6767);
+        assert!(as_unprivileged(&format!("echo '# again' >> {path}")).is_some_and(|s| s.success()));
+        assert_eq!(mode(f), 0o2767);
+    }
+    // Giving a file away clears the bits, whoever does it.
+    set(f, 0o6755);
+    std::os::unix::fs::chown(f, Some(65534), None).expect("chown");
+    assert_eq!(mode(f), 0o0755);
+}
