@@ -41,7 +41,7 @@
 
 use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
 use arbor_engine::Error;
-use arbor_fs::files::{drop_capabilities, CAPABILITIES};
+use arbor_fs::files::drop_capabilities;
 use arbor_fs::{Files, Lock};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
@@ -558,10 +558,7 @@ impl SharedBranch {
                 let r = if unprivileged {
                     Files::write_unprivileged(&**v, ino, off, &data).map(|(n, _)| n)
                 } else {
-                    // Files seldom have any: looked for under the volume's
-                    // read lock first.
-                    let has = v.getxattr(ino, CAPABILITIES).is_ok();
-                    (if has { drop_capabilities(&**v, ino) } else { Ok(()) }).and_then(|()| v.write(ino, off, &data))
+                    drop_capabilities(&**v, ino).and_then(|()| v.write(ino, off, &data))
                 };
                 let r = r.map(|n| Out::Written(n as u64));
                 self.record(session, [Inode(ino)]);
