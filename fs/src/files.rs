@@ -206,3 +206,43 @@ impl Files for Volume {
         Volume::is_read_only(self)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_engine::device::SimDevice;
+    use arbor_engine::env::TestEnv;
+    use arbor_engine::volume::{Config, ROOT_INO};
+    use std::sync::Arc;
+
+    fn volume() -> Arc<Volume> {
+        let cfg = Config { commit_interval: None, env: TestEnv::new(1), ..Config::default() };
+        Volume::open(Arc::new(SimDevice::new()), cfg).expect("volume")
+    }
+
+    #[test]
+    fn an_unprivileged_write_clears_set_id_bits_and_capabilities_and_says_so() {
+        let v = volume();
+        let v: &Volume = &v;
+        let f = Files::create(v, ROOT_INO, b"tool", libc::S_IFREG | 0o6755, 0, 0, 0).expect("create");
+        Files::setxattr(v, f.ino, CAPABILITIES, b"caps", XattrFlags::Any).expect("setxattr");
+        let (n, changed) = v.write_unprivileged(f.ino, 0, b"abc").expect("write");
+        assert_eq!((n, changed), (3, true));
+        let a = Files::getattr(v, f.ino).expect("getattr");
+        assert_eq!(a.perm, 0o0755, "set-user-ID and (group-executable) set-group-ID cleared");
+        assert_eq!(a.size, 3);
+        assert!(matches!(Files::getxattr(v, f.ino, CAPABILITIES), Err(Error::NoAttr)));
+        // Nothing left to clear: the mode stays, and the caller is told so.
+        assert_eq!(v.write_unprivileged(f.ino, 3, b"d").expect("write"), (1, false));
+        // Set-group-ID without group execute is not an exec bit: it stays.
+        let g = Files::setattr(v, f.ino, SetAttr { perm: Some(0o6745), ..Default::default() }).expect("chmod");
+        let (g, changed) = clear_privileges(v, g).expect("clear");
+        assert!(changed);
+        assert_eq!(g.perm, 0o2745);
+        // A file without capabilities is left as it is, and other
+        // attributes stay.
+        Files::setxattr(v, f.ino, b"user.keep", b"1", XattrFlags::Any).expect("setxattr");
+        drop_capabilities(v, f.ino).expect("drop");
+        assert_eq!(Files::getxattr(v, f.ino, b"user.keep").expect("kept"), b"1");
+    }
+}
