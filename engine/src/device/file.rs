@@ -127,12 +127,15 @@ impl Device for FileDevice {
         self.sync_dir()?;
         // Only the log writes segments, always at its end: large writes
         // skip the page cache (see `FileSegment::write_at`).
-        let direct = match File::options().write(true).custom_flags(libc::O_DIRECT).open(&path) {
-            _ if !self.direct => None,
-            Ok(f) => Some(f),
-            Err(e) => {
-                tracing::debug!(path = %path.display(), error = %e, "no O_DIRECT here; the log writes through the page cache");
-                None
+        let direct = if !self.direct {
+            None
+        } else {
+            match File::options().write(true).custom_flags(libc::O_DIRECT).open(&path) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    tracing::debug!(path = %path.display(), error = %e, "no O_DIRECT here; the log writes through the page cache");
+                    None
+                }
             }
         };
         Ok(self.remember(id, file, direct))
