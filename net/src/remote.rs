@@ -189,6 +189,12 @@ struct Unsynced {
 }
 
 impl Unsynced {
+    /// The number of the next write, in the order writes were made.
+    fn next(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq - 1
+    }
+
     fn push(&mut self, seq: u64, crtime: Timestamp, at: Written, data: Bytes) {
         self.bytes += data.len() as u64;
         self.writes.push(UnsyncedWrite { seq, crtime, at, data });
@@ -656,8 +662,7 @@ impl Inner {
         let crtime = self.open.lock().get(&ino).map(|f| f.crtime);
         let seq = {
             let mut u = self.unsynced.lock();
-            let seq = u.next_seq;
-            u.next_seq += 1;
+            let seq = u.next();
             if let Some(crtime) = crtime {
                 u.push(seq, crtime, at, data.clone());
             }
@@ -1006,10 +1011,8 @@ impl RemoteFiles {
                 // The operation's own buffer is kept for resending: no copy.
                 data.truncate(n);
                 let mut u = self.inner.unsynced.lock();
-                let seq = u.next_seq;
-                u.next_seq += 1;
-                u.bytes += n as u64;
-                u.writes.push(UnsyncedWrite { seq, crtime, at, data: Bytes::from(data) });
+                let seq = u.next();
+                u.push(seq, crtime, at, Bytes::from(data));
                 u.bytes > UNSYNCED_MAX
             }
             // Written through no open file of ours (the kernel always
