@@ -146,18 +146,23 @@ impl Server {
         metric_sample(&server.metrics_text(), name).unwrap_or_else(|| panic!("no {name}")) as u64
     }
 
-    /// `name` once it reads `want`, or whatever it reads after 5 s: the
-    /// server counts a chunk once its last byte is sent, so a client that
-    /// has it can be ahead of the count.
+    /// [`settled`] of metric `name`.
     fn metric_settled(&self, name: &str, want: u64) -> u64 {
-        let t = std::time::Instant::now();
-        loop {
-            let v = self.metric(name);
-            if v == want || t.elapsed() > Duration::from_secs(5) {
-                return v;
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        settled(want, || self.metric(name))
+    }
+}
+
+/// What `read` gives once it gives `want`, or whatever it gives after 5 s:
+/// a server counts a chunk once its last byte is sent, so a client that
+/// has it can be ahead of the count.
+fn settled(want: u64, read: impl Fn() -> u64) -> u64 {
+    let t = std::time::Instant::now();
+    loop {
+        let v = read();
+        if v == want || t.elapsed() > Duration::from_secs(5) {
+            return v;
         }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -353,14 +358,7 @@ fn two_servers_share_the_chunks_and_one_stopped_costs_only_its_share() {
     read_through(&store, &dir.path().join("r1"), Some(second.clone()), &data);
     assert_eq!(metric("arbor_cache_bucket_gets_total"), gets, "the second reader's chunks were all there");
     let want = hits + total(&second.stats(), |s| s.chunks);
-    let settled = |name: &str| {
-        let t = std::time::Instant::now();
-        while metric(name) != want && t.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        metric(name)
-    };
-    assert_eq!(settled("arbor_cache_hits_total"), want, "and hit");
+    assert_eq!(settled(want, || metric("arbor_cache_hits_total")), want, "and hit");
     assert!(from_a > 0 && from_b > 0, "both servers own a share: {from_a} / {from_b}");
     drop(b);
     let c = client(&[&a, &dummy_down()]);
