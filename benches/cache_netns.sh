@@ -134,28 +134,41 @@ random_row="| $n_random × 4 KiB random reads on a new client (FUSE) | p50 $p50 
 # (its cache read from its disk). `cat`, not `sha256sum` (which caps a
 # read near 330 MiB/s here); the bytes are checked after, from the page
 # cache.
-seq_read() { # name: "MiB/s bucket-bytes" for reading every shard once
-  local t0 t1 b0
+# CPU time in clock ticks: of processes (user + system, all their threads),
+# and of the whole machine ("busy total": every CPU's busy ticks, and all).
+proc_ticks() { local t=0 p; for p in "$@"; do [ -r "/proc/$p/stat" ] && t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }
+machine_ticks() { awk '/^cpu /{b = $2 + $3 + $4 + $7 + $8 + $9; print b, b + $5 + $6}' /proc/stat; }
+seq_read() { # name: "MiB/s bucket-bytes client server proxy machine busy-%" (CPU in ms per MiB) for reading every shard once
+  local t0 t1 b0 client proxies c0 s0 p0 m0 a0 m1 a1 hz perf=
   touch_memory "$work" $(( 2 * mib ))
-  b0=$(bucket_bytes); t0=$(now)
+  # The client's mount, and the proxy in front of the cache server.
+  client=$(pgrep -f -- "mount $disk $work/mnt-$1 " | tr '\n' ' ')
+  proxies=$(pgrep -f -- "delay_proxy $cache_ip:7071" | tr '\n' ' ')
   if [ -n "${PERF_OUT:-}" ] && [ "$1" = f1 ]; then
-    # PERF_OUT=FILE: a system-wide profile of the warm-server read.
-    perf record -a -g -o "$PERF_OUT" -- cat "$work/mnt-$1"/shard-*.bin > /dev/null 2>"$work/perf.log"
-  else
-    cat "$work/mnt-$1"/shard-*.bin > /dev/null
+    # PERF_OUT=FILE: a system-wide profile of the warm-server read. perf
+    # starts first (it takes a second to set up, which the read's time
+    # must not include) and stops when the read ends.
+    perf record -a -g -o "$PERF_OUT" 2>"$work/perf.log" & perf=$!
+    sleep 2
   fi
+  c0=$(proc_ticks $client); s0=$(proc_ticks "$server_pid"); p0=$(proc_ticks $proxies); read -r m0 a0 <<< "$(machine_ticks)"
+  b0=$(bucket_bytes); t0=$(now)
+  cat "$work/mnt-$1"/shard-*.bin > /dev/null
   t1=$(now)
-  echo "$(rate "$mib" "$t0" "$t1") $(( $(bucket_bytes) - b0 ))"
+  [ -z "$perf" ] || { kill -INT "$perf"; wait "$perf" || true; }
+  read -r m1 a1 <<< "$(machine_ticks)"; hz=$(getconf CLK_TCK)
+  per_mib() { echo "scale=2; $1 * 1000 / $hz / $mib" | bc; }
+  echo "$(rate "$mib" "$t0" "$t1") $(( $(bucket_bytes) - b0 )) $(per_mib $(( $(proc_ticks $client) - c0 ))) $(per_mib $(( $(proc_ticks "$server_pid") - s0 ))) $(per_mib $(( $(proc_ticks $proxies) - p0 ))) $(per_mib $(( m1 - m0 ))) $(( 100 * (m1 - m0) / (a1 - a0 > 0 ? a1 - a0 : 1) ))"
 }
 mount_client c1 f1 "$servers" --token-file "$work/token"
-read -r seq_server bytes_server <<< "$(seq_read f1)"; check f1; unmount_client f1
+read -r seq_server bytes_server cpu_server <<< "$(seq_read f1)"; check f1; unmount_client f1
 mount_client c2 f2
-read -r seq_bucket bytes_bucket <<< "$(seq_read f2)"; check f2; unmount_client f2
+read -r seq_bucket bytes_bucket cpu_bucket <<< "$(seq_read f2)"; check f2; unmount_client f2
 mount_client c2 f2
-read -r seq_local bytes_local <<< "$(seq_read f2)"; check f2; unmount_client f2
+read -r seq_local bytes_local cpu_local <<< "$(seq_read f2)"; check f2; unmount_client f2
 drop_caches
 mount_client c2 f2
-read -r seq_disk bytes_disk <<< "$(seq_read f2)"; check f2; unmount_client f2
+read -r seq_disk bytes_disk cpu_disk <<< "$(seq_read f2)"; check f2; unmount_client f2
 ratio() { python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$@"; }
 
 echo
@@ -175,3 +188,17 @@ echo "| a new client through the warm server | $seq_server | $bytes_server B | �
 echo "| a client without a cache server (the bucket) | $seq_bucket | $bytes_bucket B | $(ratio "$seq_server" "$seq_bucket")× | ≥ 2× |"
 echo "| that client remounted on its own warm cache, its files in the page cache | $seq_local | $bytes_local B | $(ratio "$seq_server" "$seq_local")× | ≥ 0.7× |"
 echo "| the same, the page cache dropped (its cache read from its disk) | $seq_disk | $bytes_disk B | $(ratio "$seq_server" "$seq_disk")× | ≥ 0.7× |"
+# What each read cost in CPU: this machine's two vCPUs run the reader, the
+# client, the cache server and the proxies alike, so a read that costs more
+# CPU per MiB is slower here however well it overlaps.
+cpu_row() { # label "client server proxy machine busy"
+  local c s p m b; read -r c s p m b <<< "$2"
+  echo "| $1 | $c | $s | $p | $m | $b % |"
+}
+echo
+echo "| CPU per MiB read (ms) | the client's mount | the cache server | the proxy in front of it | the whole machine | the machine busy |"
+echo "| --- | ---: | ---: | ---: | ---: | ---: |"
+cpu_row "through the warm server" "$cpu_server"
+cpu_row "from the bucket" "$cpu_bucket"
+cpu_row "own warm cache, page cache" "$cpu_local"
+cpu_row "own warm cache, from its disk" "$cpu_disk"
