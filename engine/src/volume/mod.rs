@@ -286,7 +286,12 @@ impl Volume {
             *room = Room { checked: Some(std::time::Instant::now()), free };
         }
         if room.free < need.saturating_add(reserve) {
-            tracing::warn!(free = room.free, need, "refusing a change: the log's file system is (nearly) full");
+            tracing::warn!(
+                free = room.free,
+                need,
+                "refusing a change: the log's file system is (nearly) full; deleted and rewritten files keep \
+                 their segments until `arbor compact` and `arbor gc` free them (or a mount with --maintain-every)"
+            );
             return Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSPC)));
         }
         room.free -= need;
