@@ -32,7 +32,7 @@ pub struct Manifest {
 
 impl Manifest {
     pub fn key(dest: &str) -> String {
-        format!("exports/{:08x}", crc32c::crc32c(dest.as_bytes()))
+        format!("exports/{:08x}", arbor_engine::crc::crc32c(dest.as_bytes()))
     }
 
     pub fn load(store: &dyn ObjectStore, dest: &str) -> Result<Manifest> {

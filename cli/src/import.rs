@@ -298,7 +298,7 @@ pub struct Recorded {
 }
 
 fn record_key(branch: &str, at: &str) -> String {
-    format!("imports/{branch}/{:08x}", crc32c::crc32c(at.as_bytes()))
+    format!("imports/{branch}/{:08x}", arbor_engine::crc::crc32c(at.as_bytes()))
 }
 
 /// Remembers that `source` was imported under `at` of `branch`.

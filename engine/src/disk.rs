@@ -81,7 +81,7 @@ pub fn encode_head(superblock: &[u8], lease: Option<&Lease>) -> Vec<u8> {
     out.extend_from_slice(&(superblock.len() as u32).to_le_bytes());
     out.extend_from_slice(superblock);
     out.extend_from_slice(&crate::format::encode_value(lease));
-    let crc = crc32c::crc32c(&out);
+    let crc = crate::crc::crc32c(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
 }
@@ -94,7 +94,7 @@ pub fn decode_head(bytes: &[u8]) -> Result<(Vec<u8>, Superblock, Option<Lease>)>
     }
     let bad = || Error::corrupted("branch head", "lease");
     let split = bytes.len().checked_sub(4).ok_or_else(bad)?;
-    if bytes.len() < 12 || crc32c::crc32c(&bytes[..split]).to_le_bytes() != bytes[split..] {
+    if bytes.len() < 12 || crate::crc::crc32c(&bytes[..split]).to_le_bytes() != bytes[split..] {
         return Err(bad());
     }
     let sb_len = u32::from_le_bytes(bytes[4..8].try_into().map_err(|_| bad())?) as usize;

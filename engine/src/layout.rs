@@ -58,7 +58,7 @@ pub fn owner_key(name: &str) -> String {
 }
 
 fn spread(id: SegId) -> String {
-    format!("{:02x}", crc32c::crc32c(id.file_name().as_bytes()) & 0xff)
+    format!("{:02x}", crate::crc::crc32c(id.file_name().as_bytes()) & 0xff)
 }
 
 pub fn segment_key(id: SegId) -> String {

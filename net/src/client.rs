@@ -334,7 +334,7 @@ impl Inner {
                 peer.gave(ask, body.len(), hit);
                 // A checksum that is there must be right (a server that
                 // sends none is checked by the caller alone).
-                if crc.is_some_and(|crc| crc != Some(crc32c::crc32c(&body))) {
+                if crc.is_some_and(|crc| crc != Some(arbor_engine::crc::crc32c(&body))) {
                     tracing::warn!(server = %peer.addr, chunk = %path, "a cache server sent a chunk that fails its checksum; reading the bucket");
                     peer.n.rejected.fetch_add(1, Ordering::Relaxed);
                     return None;

@@ -609,7 +609,7 @@ impl CacheServer {
                     Some(false) => m.misses.fetch_add(1, Ordering::Relaxed),
                     None => m.footers.fetch_add(1, Ordering::Relaxed),
                 };
-                let crc = crc.then(|| crc32c::crc32c(&bytes));
+                let crc = crc.then(|| arbor_engine::crc::crc32c(&bytes));
                 match self.opts.fault {
                     Some(Fault::Corrupt) => {
                         let mid = bytes.len() / 2;

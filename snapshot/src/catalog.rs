@@ -116,7 +116,7 @@ pub struct Catalog {
 }
 
 fn with_crc(mut body: Vec<u8>) -> Vec<u8> {
-    let crc = crc32c::crc32c(&body);
+    let crc = arbor_engine::crc::crc32c(&body);
     body.extend_from_slice(&crc.to_le_bytes());
     body
 }
@@ -124,7 +124,7 @@ fn with_crc(mut body: Vec<u8>) -> Vec<u8> {
 fn without_crc<'a>(bytes: &'a [u8], what: &'static str) -> Result<&'a [u8]> {
     let split = bytes.len().checked_sub(4).ok_or_else(|| EngineError::corrupted(what, "object"))?;
     let (body, crc) = bytes.split_at(split);
-    if crc32c::crc32c(body).to_le_bytes() != crc {
+    if arbor_engine::crc::crc32c(body).to_le_bytes() != crc {
         return Err(EngineError::corrupted(what, "object").into());
     }
     Ok(body)

@@ -277,7 +277,7 @@ impl Disk {
                 let node = opts
                     .node_dir
                     .clone()
-                    .unwrap_or_else(|| node_base().join(format!("{:08x}", crc32c::crc32c(url.as_bytes()))));
+                    .unwrap_or_else(|| node_base().join(format!("{:08x}", arbor_engine::crc::crc32c(url.as_bytes()))));
                 let env = RetryPolicy::from_env();
                 let policy = RetryPolicy { attempts: opts.retries.unwrap_or(env.attempts), ..env };
                 (RetryStore::new(Arc::new(s3), policy), node)

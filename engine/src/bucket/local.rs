@@ -39,7 +39,7 @@ impl Drop for KeyLock {
 fn etag_of(body: &[u8]) -> ETag {
     let mut h = std::hash::DefaultHasher::new();
     body.hash(&mut h);
-    format!("{:016x}-{:08x}-{}", h.finish(), crc32c::crc32c(body), body.len())
+    format!("{:016x}-{:08x}-{}", h.finish(), crate::crc::crc32c(body), body.len())
 }
 
 /// Errors of `link` on a file system without hard links.

@@ -82,7 +82,7 @@ impl RecordHeader {
     pub fn compute_crc(&self, meta: &[u8]) -> u32 {
         let mut zeroed = *self;
         zeroed.crc = 0.into();
-        crc32c::crc32c_append(crc32c::crc32c(zeroed.as_bytes()), meta)
+        crate::crc::crc32c_append(crate::crc::crc32c(zeroed.as_bytes()), meta)
     }
 
     /// Parses and sanity-checks a header; the checksum is checked later,
@@ -116,7 +116,7 @@ pub const ALIGN_DATA_MIN: usize = 32 << 10;
 
 /// The crc32c of each `BLOCK_SIZE` block of `data` (the last may be short).
 pub fn block_crcs(data: &[u8]) -> Vec<u32> {
-    data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect()
+    data.chunks(BLOCK_SIZE).map(crate::crc::crc32c).collect()
 }
 
 #[cfg(test)]
@@ -155,6 +155,6 @@ mod tests {
         let data = vec![7u8; BLOCK_SIZE * 2 + 10];
         let crcs = block_crcs(&data);
         assert_eq!(crcs.len(), 3);
-        assert_eq!(crcs[2], crc32c::crc32c(&data[BLOCK_SIZE * 2..]));
+        assert_eq!(crcs[2], crate::crc::crc32c(&data[BLOCK_SIZE * 2..]));
     }
 }

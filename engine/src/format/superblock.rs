@@ -33,7 +33,7 @@ impl Superblock {
     /// The encoding followed by its crc32c.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = encode_value(self);
-        let crc = crc32c::crc32c(&b);
+        let crc = crate::crc::crc32c(&b);
         b.extend_from_slice(&crc.to_le_bytes());
         b
     }
@@ -42,7 +42,7 @@ impl Superblock {
         let bad = || Error::corrupted("superblock", "local cache directory");
         let split = bytes.len().checked_sub(4).ok_or_else(bad)?;
         let (body, crc) = bytes.split_at(split);
-        if crc32c::crc32c(body).to_le_bytes() != crc {
+        if crate::crc::crc32c(body).to_le_bytes() != crc {
             return Err(bad());
         }
         let sb: Superblock = decode_value(body, "superblock").map_err(|_| bad())?;

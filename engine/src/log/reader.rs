@@ -74,7 +74,7 @@ fn verify(h: &RecordHeader, mut payload: Vec<u8>, seg: SegId, off: u64) -> Resul
         payload[table_at..meta_len].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     let data = payload.split_off(meta_len);
     for (block, want) in data.chunks(BLOCK_SIZE).zip(&crcs) {
-        if crc32c::crc32c(block) != *want {
+        if crate::crc::crc32c(block) != *want {
             return Err(torn("data block checksum", seg, off));
         }
     }

@@ -194,7 +194,7 @@ impl ChunkFiles {
         let path = self.path(key);
         let mut header = Vec::with_capacity(HEADER + id.len());
         header.extend_from_slice(&MAGIC);
-        header.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+        header.extend_from_slice(&crate::crc::crc32c(body).to_le_bytes());
         header.extend_from_slice(&(body.len() as u32).to_le_bytes());
         header.extend_from_slice(&(id.len() as u32).to_le_bytes());
         header.extend_from_slice(id.as_bytes());
@@ -280,7 +280,7 @@ fn check(file: &[u8], id: &str) -> Option<usize> {
     if file.len() != HEADER + id_len + len || &file[HEADER..HEADER + id_len] != id.as_bytes() {
         return None;
     }
-    (crc32c::crc32c(&file[HEADER + id_len..]) == crc).then_some(HEADER + id_len)
+    (crate::crc::crc32c(&file[HEADER + id_len..]) == crc).then_some(HEADER + id_len)
 }
 
 /// Whether a chunk file names object `id` (whatever state its body is in).

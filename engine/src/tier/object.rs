@@ -40,7 +40,7 @@ impl Footer {
         Footer {
             chunk_size,
             data_len: data.len() as u64,
-            crcs: data.chunks(chunk_size as usize).map(crc32c::crc32c).collect(),
+            crcs: data.chunks(chunk_size as usize).map(crate::crc::crc32c).collect(),
         }
     }
 
@@ -57,7 +57,7 @@ impl Footer {
         out.extend_from_slice(&(self.crcs.len() as u32).to_le_bytes());
         out.extend_from_slice(&self.data_len.to_le_bytes());
         out.extend_from_slice(&FOOTER_MAGIC.to_le_bytes());
-        let crc = crc32c::crc32c(&out[start..]);
+        let crc = crate::crc::crc32c(&out[start..]);
         out.extend_from_slice(&crc.to_le_bytes());
     }
 
@@ -81,7 +81,7 @@ impl Footer {
         let bad = || Error::corrupted("segment object footer", what);
         let split = bytes.len().checked_sub(TRAILER_LEN).ok_or_else(bad)?;
         let trailer = &bytes[split..];
-        if u32_at(trailer, 16) != FOOTER_MAGIC || crc32c::crc32c(&bytes[..bytes.len() - 4]) != u32_at(trailer, 20) {
+        if u32_at(trailer, 16) != FOOTER_MAGIC || crate::crc::crc32c(&bytes[..bytes.len() - 4]) != u32_at(trailer, 20) {
             return Err(bad());
         }
         let chunk_size = u32_at(trailer, 0);
@@ -103,7 +103,7 @@ impl Footer {
     /// Checks one chunk's bytes.
     pub fn verify(&self, i: usize, bytes: &[u8]) -> bool {
         let (s, e) = self.chunk_range(i);
-        bytes.len() as u64 == e - s && self.crcs.get(i) == Some(&crc32c::crc32c(bytes))
+        bytes.len() as u64 == e - s && self.crcs.get(i) == Some(&crate::crc::crc32c(bytes))
     }
 }
 

@@ -222,8 +222,9 @@ pub fn read_extent(dev: &dyn Device, e: &Extent, at: u32, dst: &mut [u8]) -> Res
 /// Reads `buf.len()` bytes of `e`'s data at `at` of `file`, from its block
 /// `b0` on, and checks each block against the extent's crc32c.
 fn read_blocks(file: &dyn SegmentFile, e: &Extent, b0: usize, at: u64, buf: &mut [u8]) -> Result<()> {
-    let bad_block =
-        |buf: &[u8]| buf.chunks(BLOCK_SIZE).enumerate().position(|(i, b)| e.crc_of(b0 + i) != Some(crc32c::crc32c(b)));
+    let bad_block = |buf: &[u8]| {
+        buf.chunks(BLOCK_SIZE).enumerate().position(|(i, b)| e.crc_of(b0 + i) != Some(crate::crc::crc32c(b)))
+    };
     let checked = file.read_for_check(buf, at)?;
     let mut bad = bad_block(buf);
     // Bytes nobody checked yet (a cache server's part of a chunk) that
