@@ -138,8 +138,10 @@ random_row="| $n_random × 4 KiB random reads on a new client (FUSE) | p50 $p50 
 # and of the whole machine ("busy total": every CPU's busy ticks, and all).
 proc_ticks() { local t=0 p; for p in "$@"; do [ -r "/proc/$p/stat" ] && t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }
 machine_ticks() { awk '/^cpu /{b = $2 + $3 + $4 + $7 + $8 + $9; print b, b + $5 + $6}' /proc/stat; }
+hz=$(getconf CLK_TCK)
+per_mib() { echo "scale=2; $1 * 1000 / $hz / $mib" | bc; } # ticks -> ms per MiB of the dataset
 seq_read() { # name: "MiB/s bucket-bytes client server proxy machine busy-%" (CPU in ms per MiB) for reading every shard once
-  local t0 t1 b0 client proxies c0 s0 p0 m0 a0 m1 a1 hz perf=
+  local t0 t1 b0 client proxies c0 s0 p0 m0 a0 m1 a1 c s p perf=
   touch_memory "$work" $(( 2 * mib ))
   # The client's mount, and the proxy in front of the cache server.
   client=$(pgrep -f -- "mount $disk $work/mnt-$1 " | tr '\n' ' ')
@@ -155,10 +157,10 @@ seq_read() { # name: "MiB/s bucket-bytes client server proxy machine busy-%" (CP
   b0=$(bucket_bytes); t0=$(now)
   cat "$work/mnt-$1"/shard-*.bin > /dev/null
   t1=$(now)
+  c=$(( $(proc_ticks $client) - c0 )); s=$(( $(proc_ticks "$server_pid") - s0 )); p=$(( $(proc_ticks $proxies) - p0 ))
+  read -r m1 a1 <<< "$(machine_ticks)"
   [ -z "$perf" ] || { kill -INT "$perf"; wait "$perf" || true; }
-  read -r m1 a1 <<< "$(machine_ticks)"; hz=$(getconf CLK_TCK)
-  per_mib() { echo "scale=2; $1 * 1000 / $hz / $mib" | bc; }
-  echo "$(rate "$mib" "$t0" "$t1") $(( $(bucket_bytes) - b0 )) $(per_mib $(( $(proc_ticks $client) - c0 ))) $(per_mib $(( $(proc_ticks "$server_pid") - s0 ))) $(per_mib $(( $(proc_ticks $proxies) - p0 ))) $(per_mib $(( m1 - m0 ))) $(( 100 * (m1 - m0) / (a1 - a0 > 0 ? a1 - a0 : 1) ))"
+  echo "$(rate "$mib" "$t0" "$t1") $(( $(bucket_bytes) - b0 )) $(per_mib $c) $(per_mib $s) $(per_mib $p) $(per_mib $(( m1 - m0 ))) $(( 100 * (m1 - m0) / (a1 - a0 > 0 ? a1 - a0 : 1) ))"
 }
 mount_client c1 f1 "$servers" --token-file "$work/token"
 read -r seq_server bytes_server cpu_server <<< "$(seq_read f1)"; check f1; unmount_client f1
