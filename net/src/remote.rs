@@ -1024,6 +1024,7 @@ impl RemoteFiles {
         }
         Ok(n)
     }
+
     /// Bytes written but not yet made durable by an fsync.
     pub fn unsynced_bytes(&self) -> u64 {
         self.inner.unsynced.lock().bytes
