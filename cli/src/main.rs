@@ -556,7 +556,12 @@ fn print_status(s: &serde_json::Value) {
         None => println!("branch       {}", get("branch")),
     }
     println!("server pid   {}", get("pid"));
-    println!("fuse         {}, {} requests on the ring", get("fuse_transport"), get("fuse_ring_requests"));
+    println!(
+        "fuse         {}, {} requests on the ring, {} write-only opens past the page cache",
+        get("fuse_transport"),
+        get("fuse_ring_requests"),
+        get("fuse_direct_write_opens")
+    );
     match s["kernel_read_ahead"].as_u64() {
         Some(b) if b > 0 => println!("read-ahead   {} KiB by the kernel", b / 1024),
         _ => {}

@@ -175,6 +175,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         "fuse_read_requests": fuse.1.reads.load(std::sync::atomic::Ordering::Relaxed),
         "fuse_lookup_requests": fuse.1.lookups.load(std::sync::atomic::Ordering::Relaxed),
         "fuse_getxattr_requests": fuse.1.getxattrs.load(std::sync::atomic::Ordering::Relaxed),
+        "fuse_direct_write_opens": fuse.1.direct_opens.load(std::sync::atomic::Ordering::Relaxed),
         "kernel_read_ahead": fuse.1.kernel_read_ahead.load(std::sync::atomic::Ordering::Relaxed),
         "writer": format!("{:016x}", s.writer),
         "last_seq": s.last_seq,

@@ -1,3 +1,4 @@
+use crate::direct::DirectWrites;
 use crate::files::{clear_privileges, Files, Lock};
 use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, TimeSet, XattrFlags};
 use arbor_engine::{env::Timestamp, Error};
@@ -68,6 +69,7 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     counters: Arc<Counters>,
     /// Where a change the kernel cannot know of is pushed into its caches.
     notifier: std::sync::OnceLock<fuser::Notifier>,
+    direct: DirectWrites,
 }
 
 /// What reached the file system, for `arbor status` and the tests: a READ
@@ -79,6 +81,8 @@ pub struct Counters {
     /// GETXATTR requests (the kernel asks for `security.capability` before
     /// a write unless it marked the file as needing no check).
     pub getxattrs: std::sync::atomic::AtomicU64,
+    /// Opens answered with direct I/O (write-only ones, see `direct.rs`).
+    pub direct_opens: std::sync::atomic::AtomicU64,
     /// The kernel's read-ahead for the mount in bytes (0: not known).
     pub kernel_read_ahead: std::sync::atomic::AtomicU64,
 }
@@ -94,11 +98,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
             locked: parking_lot::Mutex::new(Default::default()),
             counters: Arc::default(),
             notifier: std::sync::OnceLock::new(),
+            direct: DirectWrites::new(),
         }
     }
 
     /// Set once the session runs.
     pub fn set_notifier(&self, n: fuser::Notifier) {
+        self.direct.start(n.clone());
         let _ = self.notifier.set(n);
     }
 
@@ -118,8 +124,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
         self.vol.is_shared()
     }
 
-    /// How an open of a file with attributes `a` may use the kernel's cache.
-    fn open_flags(&self, a: &Attr) -> FopenFlags {
+    /// How an open with `flags` of a file with attributes `a` may use the
+    /// kernel's cache (write-only opens: not at all, see [`DirectWrites`]).
+    fn open_flags(&self, a: &Attr, flags: i32) -> FopenFlags {
+        if self.direct.opened(a.ino, flags) {
+            self.counters.direct_opens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return FopenFlags::FOPEN_DIRECT_IO;
+        }
         if !self.vol.is_shared() {
             // Every change to this tree goes through this mount, so cached
             // pages stay valid across opens.
@@ -247,9 +258,9 @@ impl<F: Files + ?Sized> ArborFs<F> {
         self.entry(self.vol.link(ino, new_parent, new_name))
     }
 
-    pub fn open(&self, ino: u64) -> Answer<FopenFlags> {
+    pub fn open(&self, ino: u64, flags: i32) -> Answer<FopenFlags> {
         match self.vol.open(ino) {
-            Ok(a) => Ok(self.open_flags(&a)),
+            Ok(a) => Ok(self.open_flags(&a, flags)),
             // In a shared tree a name the kernel still caches can point at
             // a file the owner no longer has (another node removed it, or
             // the owner restarted without it). ESTALE makes the kernel
@@ -273,13 +284,16 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// `kill_suidgid`: the kernel's FUSE_WRITE_KILL_SUIDGID (a write by a
     /// caller without CAP_FSETID; see [`Self::setattr`]).
     pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool) -> Answer<u32> {
-        if !kill_suidgid {
-            return answer(self.vol.write(ino, offset, data)).map(|n| n as u32);
-        }
-        let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
-        if changed {
-            self.drop_cached_attrs(ino);
-        }
+        let n = if kill_suidgid {
+            let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
+            if changed {
+                self.drop_cached_attrs(ino);
+            }
+            n
+        } else {
+            answer(self.vol.write(ino, offset, data))?
+        };
+        self.direct.written(ino, offset, n as u64);
         Ok(n as u32)
     }
 
@@ -302,7 +316,9 @@ impl<F: Files + ?Sized> ArborFs<F> {
         Err(Errno::ENOSYS)
     }
 
-    pub fn release(&self, ino: u64, lock_owner: Option<u64>) -> Answer<()> {
+    /// `flags`: those the file was opened with.
+    pub fn release(&self, ino: u64, flags: i32, lock_owner: Option<u64>) -> Answer<()> {
+        self.direct.released(ino, flags);
         // The last close of an open file drops its flock.
         if let Some(owner) = lock_owner.filter(|_| self.locked.lock().contains(&ino)) {
             if let Err(e) = self.vol.unlock_all(ino, owner) {
@@ -396,18 +412,21 @@ impl<F: Files + ?Sized> ArborFs<F> {
         answer(self.vol.removexattr(ino, name))
     }
 
+    /// `flags`: the open's (`O_WRONLY`, `O_TRUNC`, ...).
+    #[allow(clippy::too_many_arguments)]
     pub fn create(
         &self,
         parent: u64,
         name: &[u8],
         mode: u32,
         umask: u32,
+        flags: i32,
         uid: u32,
         gid: u32,
     ) -> Answer<(Entry, FopenFlags)> {
         let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
         let a = answer(self.vol.create_open(parent, name, mode, uid, gid))?;
-        let flags = self.open_flags(&a);
+        let flags = self.open_flags(&a, flags);
         Ok((Entry { attr: file_attr(&a), ttl: self.ttl }, flags))
     }
 

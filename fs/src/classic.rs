@@ -186,8 +186,8 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         entry(reply, self.fs.link(ino.0, newparent.0, newname.as_bytes()))
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        opened(reply, self.fs.open(ino.0))
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        opened(reply, self.fs.open(ino.0, flags.0))
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -239,12 +239,12 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        empty(reply, self.fs.release(ino.0, lock_owner.map(|o| o.0)))
+        empty(reply, self.fs.release(ino.0, flags.0, lock_owner.map(|o| o.0)))
     }
 
     fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
@@ -313,10 +313,10 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _flags: i32,
+        flags: i32,
         reply: ReplyCreate,
     ) {
-        match self.fs.create(parent.0, name.as_bytes(), mode, umask, req.uid(), req.gid()) {
+        match self.fs.create(parent.0, name.as_bytes(), mode, umask, flags, req.uid(), req.gid()) {
             Ok((e, flags)) => reply.created(&e.ttl, &e.attr, Generation(0), FileHandle(0), flags),
             Err(e) => reply.error(e),
         }

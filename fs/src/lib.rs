@@ -5,6 +5,7 @@
 
 mod adapter;
 mod classic;
+mod direct;
 pub mod files;
 pub mod mount;
 pub mod ring;

@@ -163,6 +163,7 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     // INIT is answered before this returns, so the transport is known.
     let session = fuser::Session::new(classic, mountpoint, &config(opts, read_only))?;
     // Before anything answers the kernel: a ring answers from its start.
+    fs.set_notifier(session.notifier());
     let kernel_read_ahead = set_kernel_read_ahead(mountpoint, opts.read_ahead);
     if transport.negotiated() {
         let dev = session.as_fd().try_clone_to_owned()?;
@@ -176,7 +177,6 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
         return Err(io::Error::other(format!("ARBOR_FUSE=ring, but {}", transport.describe())));
     }
     let session = session.spawn()?;
-    fs.set_notifier(session.notifier());
     let counters = fs.counters().clone();
     counters.kernel_read_ahead.store(kernel_read_ahead.unwrap_or(0).into(), std::sync::atomic::Ordering::Relaxed);
     Ok(MountHandle { session: Some(session), transport, counters })

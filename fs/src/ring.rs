@@ -724,7 +724,7 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
             empty(fs.rename(ino, from, newdir, name(rest)?.0, flags))
         }
         op::LINK => entry(fs.link(arg::<u64>(r.op)?, ino, name(p)?.0)),
-        op::OPEN => opened(fs.open(ino)),
+        op::OPEN => opened(fs.open(ino, arg::<[u32; 2]>(r.op)?[0] as i32)),
         op::OPENDIR => opened(fs.opendir(ino)),
         op::READ => {
             let a: IoIn = arg(r.op)?;
@@ -753,7 +753,7 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
         op::RELEASE => {
             let a: ReleaseIn = arg(r.op)?;
             let owner = (a.release_flags & RELEASE_FLOCK_UNLOCK != 0).then_some(a.lock_owner);
-            empty(fs.release(ino, owner))
+            empty(fs.release(ino, a.flags as i32, owner))
         }
         op::RELEASEDIR => Ok(Vec::new()),
         op::FSYNC | op::FSYNCDIR => empty(fs.fsync(ino)),
@@ -792,8 +792,8 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
             empty(fs.setlk(ino, a.owner, lock_of(&a.lk), h.opcode == op::SETLKW))
         }
         op::CREATE => {
-            let [_flags, mode, umask, _] = arg::<[u32; 4]>(r.op)?;
-            let (e, flags) = fs.create(ino, name(p)?.0, mode, umask, h.uid, h.gid)?;
+            let [open, mode, umask, _] = arg::<[u32; 4]>(r.op)?;
+            let (e, flags) = fs.create(ino, name(p)?.0, mode, umask, open as i32, h.uid, h.gid)?;
             let mut out = entry_out(&e).as_bytes().to_vec();
             out.extend_from_slice(OpenOut { fh: 0, open_flags: flags.bits(), backing_id: 0 }.as_bytes());
             Ok(out)

@@ -411,3 +411,116 @@ fn writes_and_chown_clear_set_id_bits_as_the_kernel_would() {
     assert_eq!(std::fs::metadata(&f).expect("stat").permissions().mode() & 0o7777, 0o0755);
     m.unmount();
 }
+
+/// Whether this kernel drops cached pages before a direct write (6.6 on),
+/// which write-only opens past the page cache rely on.
+fn kernel_takes_direct_writes() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("osrelease");
+    let mut v = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    (v.next().unwrap_or(0), v.next().unwrap_or(0)) >= (6, 6)
+}
+
+/// Write-only opens (every checkpoint writer) write past the kernel's
+/// page cache; a reader holding the file open, or reading it while the
+/// writes land, still sees every byte written, and so does a remount.
+#[test]
+fn write_only_opens_write_past_the_page_cache_and_readers_see_every_write() {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::FileExt;
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let path = s.mnt.join("ckpt.bin");
+    let mut want = pattern(8 << 20, 3);
+    write_synced(&path, &want);
+    let direct = status_number(&s.mnt, "fuse_direct_write_opens");
+    if kernel_takes_direct_writes() {
+        assert!(direct >= 1, "a write-only open used the page cache");
+    } else {
+        eprintln!("this kernel does not drop cached pages before a direct write: write-only opens use the page cache");
+        assert_eq!(direct, 0);
+    }
+    let writer = || std::fs::OpenOptions::new().write(true).open(&path).expect("open write-only");
+
+    // A reader with the file cached sees writes made through another
+    // descriptor once they return.
+    let reader = std::fs::File::open(&path).expect("open reader");
+    let mut all = Vec::new();
+    (&reader).read_to_end(&mut all).expect("read");
+    assert!(all == want, "first read");
+    let w = writer();
+    for at in [100u64, 5 << 20, (8 << 20) - 3] {
+        w.write_all_at(b"new", at).expect("overwrite");
+        want[at as usize..at as usize + 3].copy_from_slice(b"new");
+        let mut got = [0u8; 3];
+        reader.read_exact_at(&mut got, at).expect("reread");
+        assert_eq!(&got, b"new", "the reader's cached page at {at} was not dropped");
+    }
+    drop(w);
+
+    // Overwrites racing a reader that keeps reading the whole file: once
+    // the writer is done, the reader sees the last bytes written.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let mut buf = vec![0u8; 8 << 20];
+            for _ in 0..10_000 {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                reader.read_exact_at(&mut buf, 0).expect("racing read");
+            }
+        });
+        let w = writer();
+        for round in 0..64u32 {
+            let at = (round as usize % 32) * (256 << 10) + 1000;
+            let bytes = pattern(70_000, 100 + round);
+            w.write_all_at(&bytes, at as u64).expect("racing write");
+            want[at..at + bytes.len()].copy_from_slice(&bytes);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let mut back = vec![0u8; want.len()];
+    reader.read_exact_at(&mut back, 0).expect("read after the race");
+    assert!(back == want, "a reader kept bytes older than the last write");
+
+    // Appends (a training log opened write-only with O_APPEND) while a
+    // reader follows the end: never a stale page at the old end of file.
+    let log = s.mnt.join("train.log");
+    std::fs::write(&log, b"").expect("create log");
+    let mut follower = std::fs::File::open(&log).expect("open follower");
+    let mut app = std::fs::OpenOptions::new().append(true).open(&log).expect("open append");
+    let mut written = Vec::new();
+    let mut seen = Vec::new();
+    for i in 0..200u32 {
+        let line = format!("step {i:05} loss {:.6} {}\n", 1.0 / f64::from(i + 1), "x".repeat((i as usize * 37) % 3000));
+        app.write_all(line.as_bytes()).expect("append");
+        written.extend_from_slice(line.as_bytes());
+        if i % 3 == 0 {
+            follower.read_to_end(&mut seen).expect("follow");
+            assert!(seen == written[..seen.len()], "the follower read other bytes than were appended (line {i})");
+        }
+    }
+    drop(app);
+    follower.read_to_end(&mut seen).expect("follow to the end");
+    assert!(seen == written, "the follower missed appended bytes");
+    drop((follower, reader));
+    m.unmount();
+
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert!(std::fs::read(&path).expect("read after a remount") == want, "bytes differ after a remount");
+    assert!(std::fs::read(&log).expect("log after a remount") == written, "log differs after a remount");
+    m.unmount();
+
+    // Turned off, write-only opens go through the page cache again.
+    let m = Mount::start_env(s.disk_str(), &s.mnt, &[], &[("ARBOR_DIRECT_WRITES", "0".into())]);
+    write_synced(&s.mnt.join("cached.bin"), &want);
+    assert_eq!(
+        status_number(&s.mnt, "fuse_direct_write_opens"),
+        0,
+        "ARBOR_DIRECT_WRITES=0 still opened past the cache"
+    );
+    m.unmount();
+}
