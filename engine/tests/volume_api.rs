@@ -66,6 +66,52 @@ fn write_read_across_inline_spill_holes_and_overwrites() {
     assert_eq!(vol.read(ino, 10 << 20, 10).expect("read"), b"end");
 }
 
+/// `read_into` fills a buffer whatever it held: the file's bytes, zeros
+/// for holes, and the same count `read` gives, for inline files, extents,
+/// holes between and after them, and reads past the end.
+#[test]
+fn read_into_a_used_buffer_gives_what_read_gives() {
+    let (_, vol) = sim();
+    let small = file(&vol, ROOT_INO, "small");
+    vol.write(small, 0, b"inline bytes").expect("write");
+    let sparse = file(&vol, ROOT_INO, "sparse");
+    let mut model = vec![0u8; 5 << 20];
+    for (at, len, seed) in [(0usize, 10_000usize, 1u8), (70_000, 4096, 2), (1 << 20, 300_000, 3), (4 << 20, 17, 4)] {
+        let bytes = pattern(len, seed);
+        vol.write(sparse, at as u64, &bytes).expect("write");
+        model[at..at + len].copy_from_slice(&bytes);
+    }
+    model.truncate((4 << 20) + 17);
+    vol.commit().expect("commit");
+    let cases = [
+        (0u64, 100usize),
+        (9_000, 70_000),
+        (10_000, 60_000),
+        (65_000, 1 << 20),
+        (1_300_000, 3 << 20),
+        (0, 6 << 20),
+        ((4 << 20) + 10, 4096),
+        (5 << 20, 10),
+    ];
+    for ino in [small, sparse] {
+        for (off, len) in cases {
+            let want = vol.read(ino, off, len).expect("read");
+            if ino == sparse {
+                let start = (off as usize).min(model.len());
+                let end = (off as usize + len).min(model.len());
+                assert!(want == model[start..end], "read of {off}+{len}");
+            }
+            let mut buf = vec![0xeeu8; len];
+            let n = vol.read_into(ino, off, &mut buf).expect("read_into");
+            assert_eq!(n, want.len(), "count of {off}+{len} of {ino}");
+            assert!(buf[..n] == want[..], "bytes of {off}+{len} of {ino}");
+        }
+    }
+    let mut none = [0u8; 0];
+    assert_eq!(vol.read_into(sparse, 0, &mut none).expect("empty"), 0);
+    assert_eq!(errno(vol.read_into(ROOT_INO, 0, &mut [0u8; 8])), libc::EISDIR);
+}
+
 #[test]
 fn sparse_files_reach_a_terabyte_and_refuse_past_the_maximum() {
     let (_, vol) = sim();

@@ -276,9 +276,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
         Ok(FopenFlags::empty())
     }
 
-    pub fn read(&self, ino: u64, offset: u64, size: u32) -> Answer<Vec<u8>> {
+    /// Fills `buf` from `offset` (short at end of file) and says how much
+    /// of it holds the file's bytes.
+    pub fn read(&self, ino: u64, offset: u64, buf: &mut [u8]) -> Answer<usize> {
         self.counters.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        answer(self.vol.read(ino, offset, size as usize))
+        answer(self.vol.read_into(ino, offset, buf))
     }
 
     /// `kill_suidgid`: the kernel's FUSE_WRITE_KILL_SUIDGID (a write by a

@@ -18,6 +18,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+thread_local! {
+    /// Each loop thread's buffer for READ answers (up to `max_pages`, 1 MiB).
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// fuser's view of the file system: the shared core, and what the mount
 /// asked of the kernel's INIT.
 pub struct Classic<F: Files + ?Sized> {
@@ -205,10 +210,16 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.fs.read(ino.0, offset, size) {
-            Ok(b) => reply.data(&b),
-            Err(e) => reply.error(e),
-        }
+        READ_BUF.with_borrow_mut(|buf| {
+            // Zeroed once as it grows; every answer overwrites what it sends.
+            if buf.len() < size as usize {
+                buf.resize(size as usize, 0);
+            }
+            match self.fs.read(ino.0, offset, &mut buf[..size as usize]) {
+                Ok(n) => reply.data(&buf[..n]),
+                Err(e) => reply.error(e),
+            }
+        })
     }
 
     fn write(

@@ -40,6 +40,14 @@ pub trait Files: Send + Sync + 'static {
     fn open(&self, ino: u64) -> Result<Attr>;
     fn release(&self, ino: u64) -> Result<()>;
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>>;
+    /// [`read`](Files::read) into `buf` (whatever it held); returns how
+    /// many bytes of it are the file's, short at end of file.
+    fn read_into(&self, ino: u64, off: u64, buf: &mut [u8]) -> Result<usize> {
+        let bytes = self.read(ino, off, buf.len())?;
+        let n = bytes.len().min(buf.len());
+        buf[..n].copy_from_slice(&bytes[..n]);
+        Ok(n)
+    }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize>;
     /// [`write`](Files::write) by a caller without CAP_FSETID (the
     /// kernel's FUSE_WRITE_KILL_SUIDGID): the file first loses what
@@ -174,6 +182,9 @@ impl Files for Volume {
     }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
         Volume::read(self, ino, off, len)
+    }
+    fn read_into(&self, ino: u64, off: u64, buf: &mut [u8]) -> Result<usize> {
+        Volume::read_into(self, ino, off, buf)
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
         Volume::write(self, ino, off, data)

@@ -726,10 +726,6 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
         op::LINK => entry(fs.link(arg::<u64>(r.op)?, ino, name(p)?.0)),
         op::OPEN => opened(fs.open(ino, arg::<[u32; 2]>(r.op)?[0] as i32)),
         op::OPENDIR => opened(fs.opendir(ino)),
-        op::READ => {
-            let a: IoIn = arg(r.op)?;
-            fs.read(ino, a.offset, a.size)
-        }
         op::WRITE => {
             let a: IoIn = arg(r.op)?;
             let data = p.get(..a.size as usize).ok_or(Errno::EINVAL)?;
@@ -813,26 +809,42 @@ pub(crate) fn answer_entry<F: Files + ?Sized>(fs: &ArborFs<F>, header: &mut [u8]
     let head = InHeader::read_from_prefix(&header[HEADER_IN_OUT..]).map(|(h, _)| h).unwrap_or_default();
     let ent = EntInOut::read_from_prefix(&header[HEADER_ENT..]).map(|(e, _)| e).unwrap_or_default();
     let len = (ent.payload_sz as usize).min(payload.len());
-    let reply = if head.total_extlen != 0 {
+    let op_in = &header[HEADER_OP..HEADER_ENT];
+    let answered = if head.total_extlen != 0 {
         // Extensions (security contexts, supplementary groups) are never
         // negotiated; a request carrying them is not one we understand.
         Err(Errno::EINVAL)
+    } else if head.opcode == op::READ {
+        // Read straight into the buffer the kernel copies the answer from
+        // (a READ carries no payload).
+        arg::<IoIn>(op_in).and_then(|a| {
+            let want = (a.size as usize).min(payload.len());
+            fs.read(head.nodeid, a.offset, &mut payload[..want])
+        })
     } else {
-        let req = Request { head, op: &header[HEADER_OP..HEADER_ENT], payload: &payload[..len] };
-        dispatch(fs, &req)
+        let req = Request { head, op: op_in, payload: &payload[..len] };
+        dispatch(fs, &req).and_then(|body| match payload.get_mut(..body.len()) {
+            Some(dst) => {
+                dst.copy_from_slice(&body);
+                Ok(body.len())
+            }
+            None => {
+                tracing::error!(
+                    opcode = head.opcode,
+                    len = body.len(),
+                    "an answer larger than the ring's payload buffer"
+                );
+                Err(Errno::EIO)
+            }
+        })
     };
-    let (error, body) = match reply {
-        Ok(b) if b.len() <= payload.len() => (0, b),
-        Ok(b) => {
-            tracing::error!(opcode = head.opcode, len = b.len(), "an answer larger than the ring's payload buffer");
-            (-libc::EIO, Vec::new())
-        }
-        Err(e) => (-i32::from(e), Vec::new()),
+    let (error, n) = match answered {
+        Ok(n) => (0, n),
+        Err(e) => (-i32::from(e), 0),
     };
-    payload[..body.len()].copy_from_slice(&body);
-    let out = OutHeader { len: (std::mem::size_of::<OutHeader>() + body.len()) as u32, error, unique: head.unique };
+    let out = OutHeader { len: (std::mem::size_of::<OutHeader>() + n) as u32, error, unique: head.unique };
     header[HEADER_IN_OUT..HEADER_IN_OUT + 16].copy_from_slice(out.as_bytes());
-    let ent_out = EntInOut { payload_sz: body.len() as u32, ..ent };
+    let ent_out = EntInOut { payload_sz: n as u32, ..ent };
     header[HEADER_ENT..HEADER_SIZE].copy_from_slice(ent_out.as_bytes());
     ent.commit_id
 }
@@ -1083,7 +1095,8 @@ mod tests {
         header[HEADER_OP..HEADER_OP + op_in.len()].copy_from_slice(op_in);
         let ent = EntInOut { commit_id: 99, payload_sz: payload.len() as u32, ..Default::default() };
         header[HEADER_ENT..HEADER_SIZE].copy_from_slice(ent.as_bytes());
-        let mut buf = vec![0u8; 1 << 20];
+        // Junk where the answer goes: an answer must write every byte it sends.
+        let mut buf = vec![0xeeu8; 1 << 20];
         buf[..payload.len()].copy_from_slice(payload);
         assert_eq!(answer_entry(fs, &mut header, &mut buf), 99, "the commit id goes back as it came");
         let (out, _) = OutHeader::read_from_prefix(&header[..]).expect("out header");

@@ -130,18 +130,20 @@ impl DirectReads {
         self.maps.lock().clear();
     }
 
-    /// Reads `[off, off + len)` of `ino` from the segments, asking
-    /// `locate(ino, off, len)` where they are when it does not know.
-    /// `None`: some of the range only the owner has.
-    pub fn read(
+    /// Reads `[off, off + buf.len())` of `ino` from the segments into
+    /// `buf` (whatever it held), asking `locate(ino, off, len)` where they
+    /// are when it does not know. Returns how many bytes of `buf` are the
+    /// file's (short at end of file); `None`: some of the range only the
+    /// owner has.
+    pub fn read_into(
         &self,
         ino: u64,
         off: u64,
-        len: usize,
+        buf: &mut [u8],
         locate: impl FnOnce(u64, u64, u64) -> Result<Located>,
-    ) -> std::result::Result<Option<Vec<u8>>, Failed> {
+    ) -> std::result::Result<Option<usize>, Failed> {
         let Some(segments) = self.segments.read().clone() else { return Ok(None) };
-        let len64 = len as u64;
+        let len64 = buf.len() as u64;
         let known = self.maps.lock().get(&ino).filter(|m| m.covers(off, len64)).cloned();
         let map = match known {
             Some(m) => m,
@@ -160,8 +162,8 @@ impl DirectReads {
                 m
             }
         };
-        if off >= map.size || len == 0 {
-            return Ok(Some(Vec::new()));
+        if off >= map.size || buf.is_empty() {
+            return Ok(Some(0));
         }
         let end = (off + len64).min(map.size);
         if end > map.end {
@@ -172,16 +174,24 @@ impl DirectReads {
         if map.spans[first..].iter().take_while(|s| s.0 < end).any(|s| s.2.is_none()) {
             return Ok(None);
         }
-        let mut out = vec![0u8; (end - off) as usize];
+        let out = &mut buf[..(end - off) as usize];
+        // Spans come in file order; the gaps between them are holes.
+        let mut pos = off;
         for (at, slen, extent) in map.spans[first..].iter().take_while(|s| s.0 < end) {
             let Some(e) = extent else { return Ok(None) };
             let (from, to) = ((*at).max(off), (at + slen).min(end));
+            if from < pos {
+                return Err(Failed::Here(arbor_engine::Error::corrupted("span order of inode", ino)));
+            }
+            out[(pos - off) as usize..(from - off) as usize].fill(0);
             let dst = &mut out[(from - off) as usize..(to - off) as usize];
             read_extent(segments.as_ref(), e, (from - at) as u32, dst).map_err(Failed::Here)?;
+            pos = to;
         }
+        out[(pos - off) as usize..].fill(0);
         self.counters.direct_reads.fetch_add(1, Ordering::Relaxed);
         self.counters.direct_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-        Ok(Some(out))
+        Ok(Some(out.len()))
     }
 }
 

@@ -1110,14 +1110,21 @@ impl Files for RemoteFiles {
         unit(self.call(Op::Release { ino }))
     }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
+        // Bounded like a FUSE read; a larger one is a short read.
+        let mut buf = vec![0u8; len.min(u32::MAX as usize)];
+        let n = self.read_into(ino, off, &mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+    fn read_into(&self, ino: u64, off: u64, buf: &mut [u8]) -> Result<usize> {
         self.check_alive(ino)?;
         if let Some(d) = &self.inner.direct {
             let locate = |ino, off, len| match self.call(Op::Locate { ino, off, len })? {
                 Out::Located(l) => Ok(l),
                 _ => Err(errno_error(libc::EPROTO)),
             };
-            match d.read(ino, off, len, locate) {
-                Ok(Some(b)) => return Ok(b),
+            match d.read_into(ino, off, buf, locate) {
+                Ok(Some(n)) => return Ok(n),
                 Ok(None) => {}
                 Err(crate::reads::Failed::Owner(e)) => return Err(e),
                 Err(crate::reads::Failed::Here(e)) => {
@@ -1127,10 +1134,13 @@ impl Files for RemoteFiles {
                 }
             }
         }
-        let b = bytes(self.call(Op::Read { ino, off, len: len.min(u32::MAX as usize) as u32 }))?;
+        let len = buf.len().min(u32::MAX as usize) as u32;
+        let b = bytes(self.call(Op::Read { ino, off, len }))?;
         self.inner.owner_reads.fetch_add(1, Ordering::Relaxed);
         self.inner.owner_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
-        Ok(b)
+        let n = b.len().min(buf.len());
+        buf[..n].copy_from_slice(&b[..n]);
+        Ok(n)
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
         self.write_as(Written { ino, off, unprivileged: false }, data)

@@ -18,44 +18,83 @@ impl Volume {
     /// Reads up to `len` bytes at `off`; short at end of file. Holes read as
     /// zeros; a block that fails its checksum is an error, never other bytes.
     pub fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
-        let plan = {
-            let st = self.state.read();
-            let v = self.view(&st);
-            let i = v.inode(ino)?;
-            readable(i.kind)?;
-            if off >= i.size || len == 0 {
-                return Ok(Vec::new());
-            }
-            let n = (len as u64).min(i.size - off) as usize;
-            match &i.inline {
-                Some(b) => Plan::Bytes(b[off as usize..off as usize + n].to_vec()),
-                None => {
-                    let extents = v.extent_parts(ino, off, off + n as u64)?;
-                    let external = extents.iter().any(|(_, p)| matches!(p, Piece::Object(_)));
-                    let source = if external { v.source(ino)? } else { None };
-                    Plan::Extents { start: off, len: n, extents, source }
-                }
-            }
-        };
-        match plan {
+        match self.plan_read(ino, off, len)? {
             Plan::Bytes(b) => Ok(b),
-            Plan::Extents { start, len, extents, source } => {
+            plan @ Plan::Extents { len, .. } => {
                 let mut out = vec![0u8; len];
-                let end = start + len as u64;
-                for (from, part) in extents {
-                    let to = (from + part.len()).min(end);
-                    let dst = &mut out[(from - start) as usize..(to - start) as usize];
-                    match &part {
-                        Piece::Log(e) => self.read_extent(e, 0, dst)?,
-                        Piece::Object(e) => {
-                            let src = source.as_ref().ok_or_else(|| Error::corrupted("source of inode", ino))?;
-                            self.sources.read(src, e.off, dst)?;
-                        }
-                    }
-                }
+                self.fill(ino, plan, &mut out)?;
                 Ok(out)
             }
         }
+    }
+
+    /// [`read`](Self::read) into `buf`, whatever it held: fills the first
+    /// `n` bytes (holes with zeros) and returns `n`, short at end of file.
+    /// A reader with a buffer of its own (a FUSE answer's) saves the
+    /// allocation, its zeroing and a copy. On an error `buf` holds nothing
+    /// meaningful.
+    pub fn read_into(&self, ino: u64, off: u64, buf: &mut [u8]) -> Result<usize> {
+        match self.plan_read(ino, off, buf.len())? {
+            Plan::Bytes(b) => {
+                buf[..b.len()].copy_from_slice(&b);
+                Ok(b.len())
+            }
+            plan @ Plan::Extents { len, .. } => {
+                self.fill(ino, plan, &mut buf[..len])?;
+                Ok(len)
+            }
+        }
+    }
+
+    /// Where the bytes of a read are, found under the tree lock.
+    fn plan_read(&self, ino: u64, off: u64, len: usize) -> Result<Plan> {
+        let st = self.state.read();
+        let v = self.view(&st);
+        let i = v.inode(ino)?;
+        readable(i.kind)?;
+        if off >= i.size || len == 0 {
+            return Ok(Plan::Bytes(Vec::new()));
+        }
+        let n = (len as u64).min(i.size - off) as usize;
+        Ok(match &i.inline {
+            Some(b) => Plan::Bytes(b[off as usize..off as usize + n].to_vec()),
+            None => {
+                let extents = v.extent_parts(ino, off, off + n as u64)?;
+                let external = extents.iter().any(|(_, p)| matches!(p, Piece::Object(_)));
+                let source = if external { v.source(ino)? } else { None };
+                Plan::Extents { start: off, len: n, extents, source }
+            }
+        })
+    }
+
+    /// Fills `out` (the planned range, whatever it held) without the tree
+    /// lock: each extent's bytes, verified, and zeros between them.
+    fn fill(&self, ino: u64, plan: Plan, out: &mut [u8]) -> Result<()> {
+        let Plan::Extents { start, len, extents, source } = plan else {
+            return Err(Error::Invalid("a read plan without extents"));
+        };
+        debug_assert_eq!(out.len(), len);
+        let end = start + len as u64;
+        // Extents come in file order and never overlap; the gaps are holes.
+        let mut at = start;
+        for (from, part) in extents {
+            if from < at || from >= end {
+                return Err(Error::corrupted("extent order of inode", ino));
+            }
+            out[(at - start) as usize..(from - start) as usize].fill(0);
+            let to = (from + part.len()).min(end);
+            let dst = &mut out[(from - start) as usize..(to - start) as usize];
+            match &part {
+                Piece::Log(e) => self.read_extent(e, 0, dst)?,
+                Piece::Object(e) => {
+                    let src = source.as_ref().ok_or_else(|| Error::corrupted("source of inode", ino))?;
+                    self.sources.read(src, e.off, dst)?;
+                }
+            }
+            at = to;
+        }
+        out[(at - start) as usize..].fill(0);
+        Ok(())
     }
 
     /// For fsck: verifies every block of `ino` held in the log and, with
