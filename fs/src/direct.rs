@@ -23,6 +23,7 @@
 
 use fuser::{INodeNo, Notifier};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::OnceLock;
 
@@ -35,9 +36,19 @@ struct Opens {
     direct: u32,
 }
 
+impl Opens {
+    /// A direct writer and a reader at once: its writes need invalidations.
+    fn mixed(&self) -> bool {
+        self.direct > 0 && self.readers > 0
+    }
+}
+
 pub(crate) struct DirectWrites {
     enabled: bool,
     open: parking_lot::Mutex<HashMap<u64, Opens>>,
+    /// Files with [`Opens::mixed`]: while there are none, a write looks no
+    /// further (writers on many threads share no lock).
+    mixed: AtomicUsize,
     /// Ranges (inode, offset, length) to drop from the kernel's cache.
     drop: OnceLock<Sender<(u64, u64, u64)>>,
 }
@@ -54,7 +65,7 @@ impl DirectWrites {
     }
 
     fn with(enabled: bool) -> DirectWrites {
-        DirectWrites { enabled, open: Default::default(), drop: OnceLock::new() }
+        DirectWrites { enabled, open: Default::default(), mixed: AtomicUsize::new(0), drop: OnceLock::new() }
     }
 
     /// Starts the thread that sends invalidations through `n`; until it
@@ -94,10 +105,14 @@ impl DirectWrites {
         if direct || !write_only(flags) {
             let mut open = self.open.lock();
             let o = open.entry(ino).or_default();
+            let was = o.mixed();
             if direct {
                 o.direct += 1;
             } else {
                 o.readers += 1;
+            }
+            if o.mixed() && !was {
+                self.mixed.fetch_add(1, Ordering::SeqCst);
             }
         }
         direct
@@ -111,10 +126,14 @@ impl DirectWrites {
         }
         let mut open = self.open.lock();
         let Some(o) = open.get_mut(&ino) else { return };
+        let was = o.mixed();
         if write_only(flags) {
             o.direct = o.direct.saturating_sub(1);
         } else {
             o.readers = o.readers.saturating_sub(1);
+        }
+        if was && !o.mixed() {
+            self.mixed.fetch_sub(1, Ordering::SeqCst);
         }
         if *o == Opens::default() {
             open.remove(&ino);
@@ -125,7 +144,10 @@ impl DirectWrites {
     /// kernel's cache when a direct writer and a reader share the file.
     pub fn written(&self, ino: u64, off: u64, len: u64) {
         let Some(tx) = self.drop.get() else { return };
-        let shared = self.open.lock().get(&ino).is_some_and(|o| o.direct > 0 && o.readers > 0);
+        if self.mixed.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let shared = self.open.lock().get(&ino).is_some_and(Opens::mixed);
         if shared {
             let _ = tx.send((ino, off, len));
         }
@@ -185,6 +207,7 @@ mod tests {
         d.released(7, libc::O_WRONLY);
         d.released(8, libc::O_RDONLY);
         assert!(d.open.lock().is_empty(), "every open was released");
+        assert_eq!(d.mixed.load(Ordering::Relaxed), 0, "no file has a direct writer and a reader");
         // A release the table never saw changes nothing.
         d.released(9, libc::O_RDONLY);
         assert!(d.open.lock().is_empty());
