@@ -19,7 +19,7 @@
 
 use crate::files::{Located, Span};
 use arbor_engine::device::Device;
-use arbor_engine::volume::{read_extent, Extent};
+use arbor_engine::volume::{fill_in_order, read_extent, Extent};
 use arbor_engine::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -175,20 +175,12 @@ impl DirectReads {
             return Ok(None);
         }
         let out = &mut buf[..(end - off) as usize];
-        // Spans come in file order; the gaps between them are holes.
-        let mut pos = off;
-        for (at, slen, extent) in map.spans[first..].iter().take_while(|s| s.0 < end) {
-            let Some(e) = extent else { return Ok(None) };
-            let (from, to) = ((*at).max(off), (at + slen).min(end));
-            if from < pos {
-                return Err(Failed::Here(arbor_engine::Error::corrupted("span order of inode", ino)));
-            }
-            out[(pos - off) as usize..(from - off) as usize].fill(0);
-            let dst = &mut out[(from - off) as usize..(to - off) as usize];
-            read_extent(segments.as_ref(), e, (from - at) as u32, dst).map_err(Failed::Here)?;
-            pos = to;
-        }
-        out[(pos - off) as usize..].fill(0);
+        let spans = map.spans[first..].iter().take_while(|s| s.0 < end).map(|(at, len, e)| (*at, *len, e));
+        fill_in_order(out, off, spans, |extent, skip, dst| match extent {
+            Some(e) => read_extent(segments.as_ref(), e, skip as u32, dst),
+            None => Err(Error::Invalid("a span only the owner has")),
+        })
+        .map_err(Failed::Here)?;
         self.counters.direct_reads.fetch_add(1, Ordering::Relaxed);
         self.counters.direct_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(Some(out.len()))

@@ -26,7 +26,7 @@ pub use inspect::{
 };
 pub use nodes::load_record;
 pub use ops::Op;
-pub use read::{read_extent, Located, Place};
+pub use read::{fill_in_order, read_extent, Located, Place};
 pub use types::*;
 
 use crate::device::Device;

@@ -74,27 +74,14 @@ impl Volume {
             return Err(Error::Invalid("a read plan without extents"));
         };
         debug_assert_eq!(out.len(), len);
-        let end = start + len as u64;
-        // Extents come in file order and never overlap; the gaps are holes.
-        let mut at = start;
-        for (from, part) in extents {
-            if from < at || from >= end {
-                return Err(Error::corrupted("extent order of inode", ino));
+        let pieces = extents.into_iter().map(|(from, part)| (from, part.len(), part));
+        fill_in_order(out, start, pieces, |part, _, dst| match &part {
+            Piece::Log(e) => self.read_extent(e, 0, dst),
+            Piece::Object(e) => {
+                let src = source.as_ref().ok_or_else(|| Error::corrupted("source of inode", ino))?;
+                self.sources.read(src, e.off, dst)
             }
-            out[(at - start) as usize..(from - start) as usize].fill(0);
-            let to = (from + part.len()).min(end);
-            let dst = &mut out[(from - start) as usize..(to - start) as usize];
-            match &part {
-                Piece::Log(e) => self.read_extent(e, 0, dst)?,
-                Piece::Object(e) => {
-                    let src = source.as_ref().ok_or_else(|| Error::corrupted("source of inode", ino))?;
-                    self.sources.read(src, e.off, dst)?;
-                }
-            }
-            at = to;
-        }
-        out[(at - start) as usize..].fill(0);
-        Ok(())
+        })
     }
 
     /// For fsck: verifies every block of `ino` held in the log and, with
@@ -202,6 +189,36 @@ impl Volume {
     }
 }
 
+/// Fills `out`, the bytes of a file from `start` on, from `pieces`: each a
+/// file offset, a length and what holds those bytes, in file order and not
+/// overlapping. `fill(piece, skip, dst)` fills `dst` with the piece's bytes
+/// from `skip` bytes into it; the gaps between pieces are holes and read as
+/// zeros, whatever `out` held. Pieces out of order are an error
+/// ([`Error::Corrupted`]), never stale bytes.
+pub fn fill_in_order<P>(
+    out: &mut [u8],
+    start: u64,
+    pieces: impl IntoIterator<Item = (u64, u64, P)>,
+    mut fill: impl FnMut(P, u64, &mut [u8]) -> Result<()>,
+) -> Result<()> {
+    let end = start + out.len() as u64;
+    let mut at = start;
+    for (piece_at, len, piece) in pieces {
+        let (from, to) = (piece_at.max(start), (piece_at + len).min(end));
+        if from < at {
+            return Err(Error::corrupted("order of a read's pieces", piece_at));
+        }
+        if to <= from {
+            continue;
+        }
+        out[(at - start) as usize..(from - start) as usize].fill(0);
+        fill(piece, from - piece_at, &mut out[(from - start) as usize..(to - start) as usize])?;
+        at = to;
+    }
+    out[(at - start) as usize..].fill(0);
+    Ok(())
+}
+
 /// Only a regular file's bytes are read.
 fn readable(kind: FileKind) -> Result<()> {
     match kind {
@@ -276,5 +293,41 @@ fn read_blocks(file: &dyn SegmentFile, e: &Extent, b0: usize, at: u64, buf: &mut
     match bad {
         Some(i) => Err(Error::corrupted("data block checksum", format!("{} block {}", e.data, b0 + i))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pieces as (file offset, length, byte): `fill` writes the byte plus
+    /// how far into the piece the read began.
+    fn filled(start: u64, len: usize, pieces: &[(u64, u64, u8)]) -> Result<Vec<u8>> {
+        let mut out = vec![0xee; len];
+        fill_in_order(&mut out, start, pieces.iter().copied(), |b, skip, dst| {
+            dst.fill(b + skip as u8);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    #[test]
+    fn pieces_fill_their_ranges_and_the_holes_between_them_read_as_zeros() {
+        // A piece that began before the read, a hole, a piece, a trailing hole.
+        let got = filled(10, 12, &[(8, 4, 7), (15, 3, 9)]).expect("fill");
+        assert_eq!(got, [9, 9, 0, 0, 0, 9, 9, 9, 0, 0, 0, 0]);
+        // No pieces: all holes; an empty piece is skipped.
+        assert_eq!(filled(0, 4, &[]).expect("fill"), [0; 4]);
+        assert_eq!(filled(0, 4, &[(1, 0, 5), (2, 1, 6)]).expect("fill"), [0, 0, 6, 0]);
+        // A piece running past the end is cut at it.
+        assert_eq!(filled(0, 3, &[(1, 10, 4)]).expect("fill"), [0, 4, 4]);
+    }
+
+    #[test]
+    fn pieces_out_of_order_are_an_error_never_stale_bytes() {
+        let e = filled(0, 10, &[(5, 3, 1), (2, 2, 2)]).expect_err("out of order");
+        assert_eq!(e.errno(), libc::EIO, "{e}");
+        let e = filled(0, 10, &[(0, 4, 1), (3, 2, 2)]).expect_err("overlapping");
+        assert_eq!(e.errno(), libc::EIO, "{e}");
     }
 }
