@@ -13,10 +13,11 @@
 //! kernel drops the cached pages of a range before a direct write to it;
 //! pages a reader's read-ahead brings in while the write is in flight are
 //! dropped after it only by later kernels (6.19, and the stable kernels
-//! that fix was taken back to). So this is used from 6.6 on, and while a file has readers open,
-//! each direct write to it is followed by an invalidation of its range,
-//! sent from a thread of its own: dropping a page waits for a read-ahead
-//! that holds it, which a request thread must stay free to answer.
+//! that fix was taken back to). So this is used from 6.6 on, and while a
+//! file has readers open, each direct write to it is followed by an
+//! invalidation of its range, sent from a thread of its own: dropping a
+//! page waits for a read-ahead that holds it, which a request thread must
+//! stay free to answer.
 //!
 //! `ARBOR_DIRECT_WRITES=0` turns it off (write-only opens then write
 //! through the page cache like any other).
