@@ -63,6 +63,24 @@ struct Prepared {
 /// segment much smaller than a FUSE write would be mostly headers.
 const SEGMENT_SIZES: std::ops::RangeInclusive<u64> = (1 << 20)..=(1 << 31);
 
+/// Adds what `status` says of a mount's FUSE side to `status`: the
+/// transport, its requests, and what reached arbor.
+pub fn with_fuse(status: &mut Value, (transport, c): &Fuse) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let fuse = json!({
+        "fuse_transport": transport.describe(),
+        "fuse_ring_requests": transport.ring_requests(),
+        "fuse_read_requests": c.reads.load(Relaxed),
+        "fuse_lookup_requests": c.lookups.load(Relaxed),
+        "fuse_getxattr_requests": c.getxattrs.load(Relaxed),
+        "fuse_direct_write_opens": c.direct_opens.load(Relaxed),
+        "kernel_read_ahead": c.kernel_read_ahead.load(Relaxed),
+    });
+    if let (Some(to), Value::Object(from)) = (status.as_object_mut(), fuse) {
+        to.extend(from);
+    }
+}
+
 /// What `status` says of each cache server a mount reads through.
 pub fn cache_servers_json(client: Option<&arbor_net::CacheClient>) -> serde_json::Value {
     let Some(c) = client else { return serde_json::Value::Null };
@@ -160,7 +178,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         "wal_pieces_deleted": r.wal_pieces_deleted,
         "wal_pieces_read": tier.as_ref().map(|t| t.cache.wal_pieces_read),
     });
-    json!({
+    let mut status = json!({
         "mountpoint": p.mountpoint,
         "disk": p.disk.url,
         "branch": if args.checkpoint.is_none() { Some(args.root_name()) } else { None },
@@ -170,13 +188,6 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         "poisoned": s.poisoned,
         "io_backend": s.io_backend,
         "log_direct_bytes": s.direct_bytes,
-        "fuse_transport": fuse.0.describe(),
-        "fuse_ring_requests": fuse.0.ring_requests(),
-        "fuse_read_requests": fuse.1.reads.load(std::sync::atomic::Ordering::Relaxed),
-        "fuse_lookup_requests": fuse.1.lookups.load(std::sync::atomic::Ordering::Relaxed),
-        "fuse_getxattr_requests": fuse.1.getxattrs.load(std::sync::atomic::Ordering::Relaxed),
-        "fuse_direct_write_opens": fuse.1.direct_opens.load(std::sync::atomic::Ordering::Relaxed),
-        "kernel_read_ahead": fuse.1.kernel_read_ahead.load(std::sync::atomic::Ordering::Relaxed),
         "writer": format!("{:016x}", s.writer),
         "last_seq": s.last_seq,
         "durable_seq": s.durable_seq,
@@ -213,7 +224,9 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "segments": c.len(),
             "live_bytes": c.iter().map(|(_, n)| n).sum::<u64>(),
         })),
-    })
+    });
+    with_fuse(&mut status, fuse);
+    status
 }
 
 fn imported_json(i: arbor_engine::source::SourceStats) -> Value {
@@ -479,7 +492,7 @@ struct ControlState {
 }
 
 /// A mount's transport and what reached it.
-type Fuse = (Arc<arbor_fs::Transport>, Arc<arbor_fs::Counters>);
+pub type Fuse = (Arc<arbor_fs::Transport>, Arc<arbor_fs::Counters>);
 
 impl ControlState {
     fn handle(&self, args: &MountArgs, req: &Value, tx: &mpsc::Sender<Event>) -> (Value, bool) {

@@ -162,41 +162,34 @@ pub fn mount_remote(
         files.follow(n)?;
     }
     let owner = files.stats().owner.unwrap_or_default();
-    let fuse = handle.transport().clone();
-    let counters = handle.counters().clone();
-    tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.describe(), "mounted through the owner");
+    let fuse = (handle.transport().clone(), handle.counters().clone());
+    tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), "mounted through the owner");
     let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
     let stopped = serve_until_stopped(handle, control, move |req, tx| match req["op"].as_str() {
         Some("status") => {
             let s = view.stats();
-            let result = json!({
-                    "mountpoint": mp,
-                    "disk": url,
-                    "branch": name,
-                    "pid": std::process::id(),
-                    "read_only": false,
-                    "owner": s.owner,
-                    "owner_retries": s.retries,
-                    "owner_lookups": s.owner_lookups,
-                    "owner_sessions": s.sessions,
-                    "open_files": s.open_files,
-                    "reads": {
-                        "from_segments": s.direct_reads,
-                        "from_segments_bytes": s.direct_bytes,
-                        "from_owner": s.owner_reads,
-                        "from_owner_bytes": s.owner_bytes,
-                        "locates": s.locates,
-                        "segment_reads_failed": s.direct_failed,
-                    },
-                    "cache_servers": crate::serve::cache_servers_json(cache_client.as_deref()),
-                    "fuse_transport": fuse.describe(),
-                    "fuse_ring_requests": fuse.ring_requests(),
-                    "kernel_read_ahead": counters.kernel_read_ahead.load(std::sync::atomic::Ordering::Relaxed),
-                    "fuse_read_requests": counters.reads.load(std::sync::atomic::Ordering::Relaxed),
-                    "fuse_lookup_requests": counters.lookups.load(std::sync::atomic::Ordering::Relaxed),
-                    "fuse_getxattr_requests": counters.getxattrs.load(std::sync::atomic::Ordering::Relaxed),
-            "fuse_direct_write_opens": counters.direct_opens.load(std::sync::atomic::Ordering::Relaxed),
-                });
+            let mut result = json!({
+                "mountpoint": mp,
+                "disk": url,
+                "branch": name,
+                "pid": std::process::id(),
+                "read_only": false,
+                "owner": s.owner,
+                "owner_retries": s.retries,
+                "owner_lookups": s.owner_lookups,
+                "owner_sessions": s.sessions,
+                "open_files": s.open_files,
+                "reads": {
+                    "from_segments": s.direct_reads,
+                    "from_segments_bytes": s.direct_bytes,
+                    "from_owner": s.owner_reads,
+                    "from_owner_bytes": s.owner_bytes,
+                    "locates": s.locates,
+                    "segment_reads_failed": s.direct_failed,
+                },
+                "cache_servers": crate::serve::cache_servers_json(cache_client.as_deref()),
+            });
+            crate::serve::with_fuse(&mut result, &fuse);
             (json!({"ok": true, "result": result}), false)
         }
         Some("unmount") => unmount_request(tx),
