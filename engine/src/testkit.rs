@@ -21,6 +21,10 @@ pub struct S3Server {
 
 impl Drop for S3Server {
     fn drop(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            // Its requests failed as refused connections; say why.
+            eprintln!("s3s-fs on port {} had exited before its test ended: {status}", self.port);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -43,35 +47,24 @@ impl S3Server {
             return Ok(None);
         }
         std::fs::create_dir_all(data.join(S3_BUCKET)).map_err(|e| format!("bucket folder: {e}"))?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("free port: {e}"))?
-            .port();
-        let child = Command::new("s3s-fs")
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--access-key",
-                S3_KEY,
-                "--secret-key",
-                S3_SECRET,
-            ])
-            .arg(data)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("start s3s-fs: {e}"))?;
-        let server = S3Server { child, port };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline {
-                return Err("s3s-fs did not start listening within 20 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(Some(server))
+        let (child, port) = start_http_child("s3s-fs", Duration::from_secs(20), |port| {
+            Command::new("s3s-fs")
+                .args([
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--access-key",
+                    S3_KEY,
+                    "--secret-key",
+                    S3_SECRET,
+                ])
+                .arg(data)
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit()) // silent unless it panics
+                .spawn()
+        })?;
+        Ok(Some(S3Server { child, port }))
     }
 
     pub fn endpoint(&self) -> String {
@@ -318,6 +311,74 @@ fn relay_copied(
     });
 }
 
+/// A 127.0.0.1 port nothing listens on now, for a child process to listen
+/// on (or for a test that needs a closed port). The kernel may hand a port
+/// it just gave back to the next `bind(0)`, so two tests running at once
+/// could both probe the same port before either child binds it and one
+/// child would then fail, or serve the other test's requests. This process
+/// never hands out the same port twice.
+pub fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("bind a free 127.0.0.1 port")
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
+}
+
+/// Starts an HTTP server as a child process on a [`free_port`] and waits,
+/// up to `timeout` in all, until the child itself answers HTTP on it.
+/// Another process may still take the port before the child binds it, and
+/// a connect alone would then prove nothing, so the child must be alive
+/// and answer a request; one that exits is started again on another port,
+/// up to 5 times.
+pub fn start_http_child(
+    what: &str,
+    timeout: Duration,
+    mut spawn: impl FnMut(u16) -> std::io::Result<Child>,
+) -> Result<(Child, u16), String> {
+    let deadline = Instant::now() + timeout;
+    for _ in 0..5 {
+        let port = free_port();
+        let mut child = spawn(port).map_err(|e| format!("start {what}: {e}"))?;
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                break; // lost the port: try another
+            }
+            if answers_http(port) {
+                return Ok((child, port));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("{what} did not answer HTTP within {timeout:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Err(format!("{what} exited on start 5 times (could not keep a free port)"))
+}
+
+/// Whether something on 127.0.0.1:`port` answers a HEAD request with an
+/// HTTP status line (any status: s3s-fs refuses an unsigned request).
+fn answers_http(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return false };
+    if s.set_read_timeout(Some(Duration::from_secs(2))).is_err()
+        || s.write_all(b"HEAD / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 7];
+    s.read_exact(&mut head).is_ok() && &head == b"HTTP/1."
+}
+
 /// One HTTP/1.1 GET by hand, with an optional `Authorization` header:
 /// (status line, body).
 pub fn http_get(addr: &str, path: &str, auth: Option<&str>) -> std::io::Result<(String, String)> {
@@ -379,6 +440,45 @@ pub fn takes_direct_writes(dir: &Path) -> bool {
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+
+    #[test]
+    fn an_http_child_that_loses_its_port_starts_again_on_another() {
+        // The first child exits at once, as a server does whose port was
+        // taken; the second is a real HTTP server.
+        let mut ports = Vec::new();
+        let (mut child, port) = start_http_child("http.server", Duration::from_secs(30), |port| {
+            ports.push(port);
+            if ports.len() == 1 {
+                Command::new("true").spawn()
+            } else {
+                Command::new("python3")
+                    .args(["-m", "http.server", "--bind", "127.0.0.1", &port.to_string()])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+            }
+        })
+        .expect("started");
+        assert_eq!(ports.len(), 2, "{ports:?}");
+        assert_eq!(port, ports[1]);
+        assert!(answers_http(port));
+        let _ = child.kill();
+        let _ = child.wait();
+
+        // A child that never answers HTTP is an error, not a server: here a
+        // listener that accepts and stays silent holds the child's port.
+        let mut silent = None;
+        let err = start_http_child("silent", Duration::from_millis(500), |port| {
+            silent = std::net::TcpListener::bind(("127.0.0.1", port)).ok();
+            Command::new("sleep").arg("30").spawn()
+        })
+        .expect_err("a silent listener is not an HTTP server");
+        assert!(err.contains("did not answer HTTP"), "{err}");
+        assert!(silent.is_some());
+        let err = start_http_child("true", Duration::from_secs(5), |_| Command::new("true").spawn())
+            .expect_err("a child that always exits");
+        assert!(err.contains("5 times"), "{err}");
+    }
 
     #[test]
     fn the_proxy_delays_each_way_and_passes_every_byte_in_order() {

@@ -449,7 +449,7 @@ fn parts_go_over_one_kept_chunk_connection_which_a_restarted_server_replaces() {
 
 /// A server address nobody answers on.
 fn dummy_down() -> Server {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let port = arbor_engine::testkit::free_port();
     Server { addr: format!("127.0.0.1:{port}"), running: None }
 }
 

@@ -313,12 +313,7 @@ pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 11) as u8).collect()
 }
 
-pub use arbor_engine::testkit::{bytes_under, http_get, Proxy};
-
-/// A free TCP port on 127.0.0.1 (bound, then released).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
+pub use arbor_engine::testkit::{bytes_under, free_port, http_get, Proxy};
 
 /// `arbor serve --foreground` as a child process on 127.0.0.1; killed on drop.
 pub struct Serve {
@@ -458,18 +453,16 @@ impl VersionedS3 {
             eprintln!("SKIPPED: this test needs moto (python3 -m pip install 'moto[server]')");
             return None;
         }
-        let port = free_port();
-        let child = Command::new("python3")
-            .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start moto");
+        let (child, port) = arbor_engine::testkit::start_http_child("moto", Duration::from_secs(30), |port| {
+            Command::new("python3")
+                .args(["-m", "moto.server", "-H", "127.0.0.1", "-p", &port.to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+        })
+        .expect("moto");
         let server = VersionedS3 { child, port };
-        wait_until("moto to listen", Duration::from_secs(30), || {
-            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-        });
         Some(server)
     }
 

@@ -102,7 +102,7 @@ fn checkpoints_and_branches_open_from_the_bucket_alone() {
 #[test]
 fn an_unreachable_bucket_and_bad_credentials_are_one_clear_line() {
     let Some(w) = S3World::start() else { return };
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let closed = free_port();
     let mut env = w.env.clone();
     env.retain(|(k, _)| *k != "AWS_ENDPOINT_URL");
     env.push(("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{closed}")));

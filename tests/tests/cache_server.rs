@@ -23,7 +23,7 @@ struct Serve {
 
 impl Serve {
     fn start(w: &S3World, env: &[(&str, String)], disk: &str, cache: &Path, extra: &[&str]) -> Serve {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let port = free_port();
         Self::start_on(w, env, disk, cache, port, extra)
     }
 
@@ -248,7 +248,7 @@ fn one_warm_dataset_for_every_node_and_job() {
     assert!(out.contains(&format!("warmed {FILES} files")), "{out}");
     assert!(out.contains(", 0 read from the bucket instead"), "{out}");
     // A warm whose servers do not answer warmed nothing, and says so.
-    let nobody = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").to_string();
+    let nobody = format!("127.0.0.1:{}", free_port());
     let failed = arbor_env(&warm_args.map(|a| if a == fresh.addr { nobody.as_str() } else { a }), &env);
     let err = String::from_utf8_lossy(&failed.stderr);
     assert!(!failed.status.success() && err.contains("no cache server answered") && err.contains(&nobody), "{err}");
@@ -285,7 +285,7 @@ fn one_warm_dataset_for_every_node_and_job() {
 
     // Without --foreground the server goes to the background, says where
     // it logs, and answers once the command returns.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let bg_cache = w.dir.path().join("bg-cache");
     let out = arbor_env_ok(
