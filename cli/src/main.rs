@@ -703,7 +703,9 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let msg = format!("{e:#}").replace('\n', " ");
-            if foreground_mount {
+            // A long-running command's log (its file, the journal) gets a
+            // timestamped line too; a terminal gets the one line below.
+            if foreground_mount && !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
                 tracing::error!("{msg}");
             }
             eprintln!("arbor: {msg}");
