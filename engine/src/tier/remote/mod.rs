@@ -250,10 +250,15 @@ impl Remote {
         self.dir.join(id.file_name())
     }
 
-    /// Writes fetched chunks into the segment's cache file, then evicts
-    /// if the cache grew past its capacity.
-    fn land(&self, file: &File, chunks: &[(ChunkKey, &[u8], u64)]) {
-        self.chunks.land(file, chunks);
+    /// Writes fetched chunks into the segment's cache file (one writer
+    /// per segment at a time, see `RemoteSeg::landing`), then evicts if
+    /// the cache grew past its capacity.
+    fn land(&self, seg: &RemoteSeg, chunks: &[(ChunkKey, &[u8], u64)]) {
+        let Source::Object { file } = &seg.source else { return };
+        {
+            let _turn = seg.landing.lock();
+            self.chunks.land(file, chunks);
+        }
         self.evict_if_over();
     }
 
@@ -539,6 +544,7 @@ impl Remote {
             part_run: AtomicU64::new(u64::MAX),
             window: AtomicU64::new(self.read_ahead),
             ahead: AtomicU64::new(0),
+            landing: parking_lot::Mutex::new(()),
             me: me.clone(),
         });
         let mut segs = self.segs.write();

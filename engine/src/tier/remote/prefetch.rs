@@ -46,7 +46,7 @@ impl RemoteSeg {
         if claimed.is_empty() {
             return;
         }
-        if let Source::Object { file } = &self.source {
+        if let Source::Object { .. } = &self.source {
             // Cache servers first, all of the run asked at once, each chunk
             // landed (and the readers waiting for it woken) as it comes: a
             // reader right behind read-ahead waits for its chunk, not for
@@ -55,7 +55,7 @@ impl RemoteSeg {
             let mut given = Vec::new();
             r.ask_peers_each(self.id, &self.footer, claimed, &mut |i, bytes| {
                 let key = (self.id, i as u32);
-                r.land(file, &[(key, bytes.as_slice(), self.footer.chunk_range(i).0)]);
+                r.land(self, &[(key, bytes.as_slice(), self.footer.chunk_range(i).0)]);
                 r.inflight.lock().remove(&key);
                 r.landed.notify_all();
                 given.push(i);
@@ -95,7 +95,7 @@ impl RemoteSeg {
             // pages (a write per network piece would leave small ones, and
             // re-reads from the cache run slower).
             good.sort_by_key(|g| g.2);
-            r.land(file, &good);
+            r.land(self, &good);
         }
         let mut inflight = r.inflight.lock();
         for &i in claimed {
