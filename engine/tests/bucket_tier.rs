@@ -682,6 +682,32 @@ fn read_ahead_streams_across_segments_in_runs_of_chunks() {
     assert!(gets < (len / 200 / 3) as u64, "{gets} GETs for {} chunks", len / 200);
 }
 
+#[test]
+fn a_reader_streaming_a_file_larger_than_the_cache_fetches_each_chunk_once() {
+    // Read-ahead fetches chunks that wait in the cache for their reader:
+    // a window as large as the cache would evict them first, and each
+    // would be fetched again (2.2× the file, from a cache server, for a
+    // memory-only client of 64 MiB streaming 256 MiB).
+    let mem: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let len = 12 << 20;
+    let files = vec![("stream".to_string(), pattern(len, 22))];
+    write_and_close(&mem, &cache.path().join("a"), &files);
+    let small = TierConfig { cache_size: 2 << 20, ..tier(Durability::Local) };
+    let (vol, dev) = open(&mem, &cache.path().join("b"), small);
+    let ino = vol.lookup(ROOT_INO, b"stream").expect("lookup").ino;
+    let mut got = Vec::new();
+    while got.len() < len {
+        let part = vol.read(ino, got.len() as u64, 128 << 10).expect("read");
+        assert!(!part.is_empty(), "short file");
+        got.extend_from_slice(&part);
+    }
+    assert!(got == files[0].1, "bytes differ");
+    let s = dev.stats().cache;
+    assert!(s.evicted_bytes > 0, "the file did not outgrow the cache: {s:?}");
+    assert!(s.fetched_bytes <= len as u64 * 11 / 10, "fetched {} B for a {len} B file: {s:?}", s.fetched_bytes);
+}
+
 /// A store whose first `size` and first `list` answer from a copy of the
 /// bucket taken earlier, as a reader that looked just before the writer
 /// sealed its segment and retired the WAL pieces would see it.

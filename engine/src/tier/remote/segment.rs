@@ -2,7 +2,7 @@
 //! per chunk, or the run read-ahead queued right after it), and reads
 //! through the chunk cache.
 
-use super::{Remote, GET_TRIES, MAX_READ_AHEAD, PART_MAX, RUN_CHUNKS};
+use super::{Remote, GET_TRIES, PART_MAX, RUN_CHUNKS};
 use crate::device::{Checked, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::SegId;
@@ -35,7 +35,7 @@ pub(crate) struct RemoteSeg {
     /// next record's blocks) from a reader going on.
     pub(super) part_run: AtomicU64,
     /// The read-ahead window: the configured size after a random read,
-    /// growing fourfold with each sequential one up to [`MAX_READ_AHEAD`].
+    /// growing fourfold with each sequential one up to `Remote::max_window`.
     pub(super) window: AtomicU64,
     /// The chunk read-ahead has looked at up to (exclusive) since the
     /// reader last streamed into this segment: every chunk before it was
@@ -282,7 +282,7 @@ impl RemoteSeg {
             } else if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
                 // Sequential: the window grows fast (x4 a read) to its largest.
                 let w = self.window.load(Ordering::Relaxed);
-                let grown = if base == 0 { 0 } else { (w * 4).clamp(base, MAX_READ_AHEAD.max(base)) };
+                let grown = if base == 0 { 0 } else { (w * 4).clamp(base, self.remote.max_window().max(base)) };
                 self.window.store(grown, Ordering::Relaxed);
                 self.read_ahead(end, grown);
                 if end + cs >= self.footer.data_len {
