@@ -272,8 +272,8 @@ impl Remote {
     /// The largest read-ahead window: [`MAX_READ_AHEAD`], or a quarter of
     /// a smaller cache. Chunks fetched ahead wait in the cache for their
     /// reader; a window near the cache's size would evict them before the
-    /// reader came (a memory-only client with 64 MiB streaming a 96 MiB
-    /// file pulled 174 MiB from its cache server).
+    /// reader came (a memory-only client with 64 MiB streaming a 256 MiB
+    /// file pulled 558 MiB from its cache server).
     pub(super) fn max_window(&self) -> u64 {
         MAX_READ_AHEAD.min(self.chunks.capacity() / 4)
     }

@@ -46,7 +46,7 @@ impl RemoteSeg {
         if claimed.is_empty() {
             return;
         }
-        if let Source::Object { .. } = &self.source {
+        if matches!(self.source, Source::Object { .. }) {
             // Cache servers first, all of the run asked at once, each chunk
             // landed (and the readers waiting for it woken) as it comes: a
             // reader right behind read-ahead waits for its chunk, not for
