@@ -299,7 +299,9 @@ pub fn warm(
     }
     bar.finish_and_clear();
     let stats = client.stats();
-    let (given, hits): (u64, u64) = stats.iter().fold((0, 0), |a, s| (a.0 + s.chunks, a.1 + s.hits));
+    // `chunks` counts every answer; parts (small reads, such as the
+    // tree's blocks) are told apart from whole chunks.
+    let (given, parts, hits) = stats.iter().fold((0, 0, 0), |a, s| (a.0 + s.chunks, a.1 + s.parts, a.2 + s.hits));
     // What a server should have taken and did not: its share is not warm.
     // (A server saying it has no such segment is no failure: opening a
     // checkpoint looks for the segment after its last one.)
@@ -315,11 +317,15 @@ pub fn warm(
     for s in stats.iter().filter(|s| failed(s) > 0) {
         eprintln!("warning: cache server {}: {} chunks not warmed ({})", s.addr, failed(s), failure_reasons(s));
     }
+    let through = match stats.len() {
+        1 => "1 server".to_string(),
+        n => format!("{n} servers"),
+    };
     println!(
-        "warmed {} files, {} of checkpoint {checkpoint}: {given} chunks through {} servers ({hits} were already there), {fallbacks} read from the bucket instead",
+        "warmed {} files, {} of checkpoint {checkpoint} through {through}: {} chunks and {parts} parts of chunks ({hits} already cached there), {fallbacks} read from the bucket instead",
         files.len(),
         HumanBytes(total),
-        stats.len()
+        given - parts,
     );
     Ok(())
 }

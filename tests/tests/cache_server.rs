@@ -247,6 +247,14 @@ fn one_warm_dataset_for_every_node_and_job() {
     let out = arbor_env_ok(&warm_args, &env);
     assert!(out.contains(&format!("warmed {FILES} files")), "{out}");
     assert!(out.contains(", 0 read from the bucket instead"), "{out}");
+    // Whole chunks are counted apart from parts (the tree's small reads):
+    // at least one per MiB of the files.
+    let whole: u64 = out
+        .split_once("through 1 server: ")
+        .and_then(|(_, rest)| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no chunk count: {out}"));
+    assert!(whole >= dataset >> 20 && whole <= (dataset >> 20) + 8, "{whole} chunks for {dataset} B: {out}");
     // A warm whose servers do not answer warmed nothing, and says so.
     let nobody = format!("127.0.0.1:{}", free_port());
     let failed = arbor_env(&warm_args.map(|a| if a == fresh.addr { nobody.as_str() } else { a }), &env);
