@@ -317,19 +317,19 @@ fn relay_copied(
 /// could both probe the same port before either child binds it and one
 /// child would then fail, or serve the other test's requests. This process
 /// never hands out the same port twice.
-pub fn free_port() -> u16 {
+pub fn free_port() -> std::io::Result<u16> {
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
     let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("bind a free 127.0.0.1 port")
-            .port();
+    // Bounded: the kernel has ~28,000 ephemeral ports and a test process
+    // is handed a few dozen.
+    for _ in 0..1000 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         if !given.contains(&port) {
             given.push(port);
-            return port;
+            return Ok(port);
         }
     }
+    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "no 127.0.0.1 port this process was not given already"))
 }
 
 /// Starts an HTTP server as a child process on a [`free_port`] and waits,
@@ -345,7 +345,7 @@ pub fn start_http_child(
 ) -> Result<(Child, u16), String> {
     let deadline = Instant::now() + timeout;
     for _ in 0..5 {
-        let port = free_port();
+        let port = free_port().map_err(|e| format!("free port for {what}: {e}"))?;
         let mut child = spawn(port).map_err(|e| format!("start {what}: {e}"))?;
         loop {
             if let Ok(Some(_)) = child.try_wait() {

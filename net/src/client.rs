@@ -795,7 +795,7 @@ mod tests {
     #[test]
     fn a_server_that_is_not_there_gives_nothing_quickly_and_is_counted() {
         // A port nothing listens on: bind one, then close it.
-        let port = arbor_engine::testkit::free_port();
+        let port = arbor_engine::testkit::free_port().expect("free port");
         let c = client(&[&format!("127.0.0.1:{port}")]);
         let seg = SegId { writer: 1, seq: 1 };
         let got = c.fetch(seg, &[ChunkRequest { index: 0, range: 0..10 }, ChunkRequest { index: 1, range: 10..20 }]);

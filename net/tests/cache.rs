@@ -449,7 +449,7 @@ fn parts_go_over_one_kept_chunk_connection_which_a_restarted_server_replaces() {
 
 /// A server address nobody answers on.
 fn dummy_down() -> Server {
-    let port = arbor_engine::testkit::free_port();
+    let port = arbor_engine::testkit::free_port().expect("free port");
     Server { addr: format!("127.0.0.1:{port}"), running: None }
 }
 

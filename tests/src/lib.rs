@@ -313,7 +313,12 @@ pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 11) as u8).collect()
 }
 
-pub use arbor_engine::testkit::{bytes_under, free_port, http_get, Proxy};
+pub use arbor_engine::testkit::{bytes_under, http_get, Proxy};
+
+/// A 127.0.0.1 port nothing listens on (see `testkit::free_port`).
+pub fn free_port() -> u16 {
+    arbor_engine::testkit::free_port().expect("a free 127.0.0.1 port")
+}
 
 /// `arbor serve --foreground` as a child process on 127.0.0.1; killed on drop.
 pub struct Serve {
