@@ -3,8 +3,10 @@
 # joined by a bridge (veth pairs), the bucket (s3s-fs) 20 ms away behind a
 # delaying proxy that counts what it sends, a cache server 0.2 ms away, and
 # client nodes mounting a checkpoint through FUSE. Kills the server with -9
-# in the middle of a client's reads. Prints a markdown table of the bytes
-# the bucket served and the time each phase took.
+# in the middle of a client's reads. Prints markdown tables: the bytes the
+# bucket served and the time each phase took, 4 KiB random reads, cold
+# sequential reads against the bucket and the client's own cache, the
+# memory of a memory-only client, and the CPU each read cost.
 #
 #   benches/cache_netns.sh [MIB]     (root; s3s-fs; arbor and delay_proxy built)
 #
@@ -173,6 +175,41 @@ mount_client c2 f2
 read -r seq_disk bytes_disk cpu_disk <<< "$(seq_read f2)"; check f2; unmount_client f2
 ratio() { python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$@"; }
 
+# G: a memory-only client (no cache folder, chunks in anonymous memory
+# files) with a memory cache a quarter of the dataset reads all of it
+# through the warm server. Its memory is sampled every 50 ms while it
+# reads: resident pages (VmRSS) and the pages its memory files hold, which
+# VmRSS does not count (they are never mapped).
+mem_now() { # pid: "rss memfd" in bytes
+  local f b n memfd=0 rss
+  rss=$(awk '/^VmRSS:/{print $2 * 1024}' "/proc/$1/status" 2>/dev/null || echo 0)
+  for f in /proc/"$1"/fd/*; do
+    case "$(readlink "$f" 2>/dev/null)" in
+      /memfd:arbor-*) read -r b n <<< "$(stat -L -c '%b %B' "$f" 2>/dev/null || echo "0 0")"; memfd=$(( memfd + b * n )) ;;
+    esac
+  done
+  echo "${rss:-0} $memfd"
+}
+cache_mem=$(( mib / 4 ))
+mount_client c1 g1 "$servers" --token-file "$work/token" --cache-dir none --cache-memory "${cache_mem}M"
+client=$(pgrep -f -- "mount $disk $work/mnt-g1 " | head -1)
+s0=$(cat "$work/served-bytes"); b0=$(bucket_bytes)
+check g1 & reader=$!
+peak_rss=0 peak_mem=0 peak_sum=0
+for _ in $(seq 6000); do # at most 5 minutes
+  read -r r m <<< "$(mem_now "$client")"
+  (( r > peak_rss )) && peak_rss=$r
+  (( m > peak_mem )) && peak_mem=$m
+  (( r + m > peak_sum )) && peak_sum=$(( r + m ))
+  kill -0 "$reader" 2>/dev/null || break
+  sleep 0.05
+done
+wait "$reader"
+hwm=$(awk '/^VmHWM:/{print $2 * 1024}' "/proc/$client/status")
+mem_served=$(( $(cat "$work/served-bytes") - s0 )); mem_bucket=$(( $(bucket_bytes) - b0 ))
+unmount_client g1
+mem_row="| a memory-only client, \`--cache-memory ${cache_mem}M\`, reading the $mib MiB once through the warm server | $(( peak_sum >> 20 )) MiB at most (resident $(( peak_rss >> 20 )) MiB, peak $(( hwm >> 20 )) MiB; memory files $(( peak_mem >> 20 )) MiB) | $(( mem_served >> 20 )) MiB from the server, $mem_bucket B from the bucket | the cache size plus a fixed overhead |"
+
 echo
 echo "### arbor serve across network namespaces ($mib MiB dataset; bucket 20 ms away, server 0.2 ms)"
 echo
@@ -197,6 +234,10 @@ cpu_row() { # label "client server proxy machine busy"
   local c s p m b; read -r c s p m b <<< "$2"
   echo "| $1 | $c | $s | $p | $m | $b % |"
 }
+echo
+echo "| memory | resident memory and memory files, sampled every 50 ms | bytes moved | target |"
+echo "| --- | ---: | ---: | --- |"
+echo "$mem_row"
 echo
 echo "| CPU per MiB read (ms) | the client's mount | the cache server | the proxy in front of it | the whole machine | the machine busy |"
 echo "| --- | ---: | ---: | ---: | ---: | ---: |"
