@@ -134,16 +134,18 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("arbor-serve").build()?;
     let served = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
-        let stop = async {
-            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(t) => t,
-                Err(_) => return std::future::pending().await,
-            };
+        // The handlers are in place before anyone is told the server is
+        // ready, so that a SIGTERM sent right after is a clean stop.
+        use tokio::signal::unix::{signal, SignalKind};
+        let (mut term, mut int) = (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?);
+        let stop = async move {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
+                _ = int.recv() => {}
                 _ = term.recv() => {}
             }
+            crate::serve::tell_systemd(sd_notify::NotifyState::Stopping);
         };
+        crate::serve::tell_systemd(sd_notify::NotifyState::Ready);
         server.run(listener, stop).await
     });
     rt.shutdown_timeout(Duration::from_secs(5));

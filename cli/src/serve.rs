@@ -444,6 +444,8 @@ pub fn serve_until_stopped(
         control.serve(|req| handle_req(req, &tx));
         let _ = replied_tx.send(());
     });
+    // Mounted, and its control socket bound: `arbor status` answers.
+    tell_systemd(sd_notify::NotifyState::Ready);
     let mut ack = None;
     let unmount = loop {
         match rx.recv_timeout(Duration::from_millis(200)) {
@@ -460,11 +462,21 @@ pub fn serve_until_stopped(
             Err(mpsc::RecvTimeoutError::Disconnected) => break true,
         }
     };
+    tell_systemd(sd_notify::NotifyState::Stopping);
     let ended = if unmount { handle.unmount() } else { handle.join() };
     if let Err(e) = ended {
         tracing::warn!(error = %e, "session ended with an error");
     }
     Ok(Stopped { ack, replied: replied_rx })
+}
+
+/// Tells the service manager how this foreground process stands, when it
+/// runs as a `Type=notify` systemd unit (`NOTIFY_SOCKET` set): ready once
+/// it serves, stopping once it begins to close. Nothing otherwise.
+pub fn tell_systemd(state: sd_notify::NotifyState<'_>) {
+    if let Err(e) = sd_notify::notify(&[state]) {
+        tracing::warn!(error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
+    }
 }
 
 /// The `unmount` control request: unmounts, and answers once closing is done.
@@ -578,6 +590,9 @@ pub fn spawn_detached(
     let log = arbor_engine::private::options().create(true).append(true).open(log_path)?;
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1)).arg("--foreground").envs(env.iter().copied());
+    // The child is not the process a service manager started: readiness
+    // is this process's exit (a `Type=forking` unit).
+    cmd.env_remove("NOTIFY_SOCKET");
     cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone()?).stderr(log);
     // SAFETY: setsid is async-signal-safe; it detaches the child from our terminal.
     unsafe {

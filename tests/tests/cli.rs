@@ -342,3 +342,97 @@ fn output_into_a_closed_pipe_ends_a_command_quietly() {
     assert!(stderr(&out).is_empty(), "{}", stderr(&out));
     assert!(disk.is_dir(), "the command did its work before it printed");
 }
+
+/// The next message a child sent to the `NOTIFY_SOCKET` bound at `sock`
+/// (`None` after `wait` without one).
+fn notification(sock: &std::os::unix::net::UnixDatagram, wait: std::time::Duration) -> Option<String> {
+    sock.set_read_timeout(Some(wait)).expect("timeout");
+    let mut buf = [0u8; 512];
+    let n = sock.recv(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+}
+
+/// A child process killed (and reaped) if the test ends early.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn foreground_mounts_and_servers_tell_systemd_when_they_are_ready_and_when_they_stop() {
+    use std::os::unix::net::UnixDatagram;
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let mnt = s.mnt.to_str().expect("utf8");
+    let sockets = tempfile::tempdir().expect("tempdir");
+    let sock_path = sockets.path().join("notify");
+    let sock = UnixDatagram::bind(&sock_path).expect("bind the notify socket");
+    let sigterm = |child: &std::process::Child| {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    };
+
+    // A foreground mount (a `Type=notify` unit): READY once mounted and
+    // answering `arbor status`, STOPPING when told to stop.
+    let log = s.dir.path().join("mount.log");
+    let child = Command::new(arbor_bin())
+        .args(["mount", s.disk_str(), mnt, "--foreground"])
+        .env("NOTIFY_SOCKET", &sock_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn arbor mount");
+    let mut mount = Mount { child, mnt: s.mnt.clone(), log };
+    assert_eq!(notification(&sock, Duration::from_secs(60)).as_deref(), Some("READY=1"));
+    assert!(is_mounted(&s.mnt) && statfs_ok(&s.mnt), "ready before it was mounted");
+    assert!(arbor_ok(&["status", mnt]).contains("branch"));
+    std::fs::write(s.mnt.join("kept.txt"), b"kept").expect("write");
+    sigterm(&mount.child);
+    assert_eq!(notification(&sock, Duration::from_secs(60)).as_deref(), Some("STOPPING=1"));
+    let status = mount.child.wait().expect("wait");
+    assert!(status.success(), "{status}: {}", std::fs::read_to_string(&mount.log).unwrap_or_default());
+    std::mem::forget(mount);
+    assert!(!is_mounted(&s.mnt));
+
+    // `arbor serve --branch` in the foreground: READY once it takes
+    // connections, STOPPING on SIGTERM, then a clean exit.
+    let token = s.dir.path().join("token");
+    std::fs::write(&token, "a-token-for-the-notify-test\n").expect("token");
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut serve = Killed(
+        Command::new(arbor_bin())
+            .args(["serve", s.disk_str(), "--branch", "main", "--listen", &addr])
+            .args(["--token-file", token.to_str().expect("utf8"), "--foreground"])
+            .env("NOTIFY_SOCKET", &sock_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn arbor serve"),
+    );
+    assert_eq!(notification(&sock, Duration::from_secs(60)).as_deref(), Some("READY=1"));
+    assert!(std::net::TcpStream::connect(&addr).is_ok(), "ready before it listened");
+    sigterm(&serve.0);
+    assert_eq!(notification(&sock, Duration::from_secs(60)).as_deref(), Some("STOPPING=1"));
+    assert!(serve.0.wait().expect("wait").success());
+
+    // A background mount (a `Type=forking` unit) is ready when `arbor
+    // mount` returns; its server process is another pid and says nothing.
+    let env = [("NOTIFY_SOCKET", sock_path.to_str().expect("utf8").to_string())];
+    arbor_env_ok(&["mount", s.disk_str(), mnt], &env);
+    let heard = notification(&sock, Duration::from_millis(500));
+    let kept = std::fs::read(s.mnt.join("kept.txt"));
+    arbor_ok(&["unmount", mnt]);
+    assert_eq!(heard, None);
+    assert_eq!(kept.expect("read"), b"kept");
+}
