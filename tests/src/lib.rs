@@ -240,20 +240,29 @@ impl S3World {
     /// The objects under `prefix` of the test bucket, as s3s-fs keeps them
     /// (one file each in its data folder), counted without asking arbor.
     pub fn objects_under(&self, prefix: &str) -> usize {
+        self.objects_and_bytes_under(prefix).0
+    }
+
+    /// How many objects under `prefix` of the test bucket, and their bytes
+    /// (an object's file appears whole, renamed into place by s3s-fs).
+    pub fn objects_and_bytes_under(&self, prefix: &str) -> (usize, u64) {
         let root = self.data.path().join(arbor_engine::testkit::S3_BUCKET).join(prefix);
-        let mut n = 0;
+        let (mut n, mut bytes) = (0, 0);
         let mut stack = vec![root];
         while let Some(p) = stack.pop() {
             let Ok(rd) = std::fs::read_dir(&p) else { continue };
             for e in rd.flatten() {
                 match e.file_type() {
                     Ok(t) if t.is_dir() => stack.push(e.path()),
-                    Ok(_) => n += 1,
+                    Ok(_) => {
+                        n += 1;
+                        bytes += e.metadata().map_or(0, |m| m.len());
+                    }
                     Err(_) => {}
                 }
             }
         }
-        n
+        (n, bytes)
     }
 
     /// Puts `body` at `key` of the test bucket the way s3s-fs keeps

@@ -695,11 +695,13 @@ fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
     // this mount caches in a folder of its own.
     let a = Mount::start_env(&disk, &mnt_a, &["--token-file", tok], &env);
     let data = pattern(6 << 20, 41);
-    let before = w.objects_under("disks/rwx/segments");
+    let (_, before) = w.objects_and_bytes_under("disks/rwx/segments");
     write_synced(&mnt_a.join("data"), &data);
-    // Sealed 1 MiB segments go up in the background.
-    wait_until("five segments in the bucket", Duration::from_secs(30), || {
-        w.objects_under("disks/rwx/segments") >= before + 5
+    // Sealed segments go up in the background. Counted in bytes, not
+    // objects: a 1 MiB write is stored in pieces, and a segment of 1 MiB
+    // holds about half of one.
+    wait_until("5 MiB of segments in the bucket", Duration::from_secs(30), || {
+        w.objects_and_bytes_under("disks/rwx/segments").1 >= before + (5 << 20)
     });
 
     let mnt_b = w.mnt("b");
