@@ -57,10 +57,15 @@ impl Volume {
     /// Moves the live tree nodes and file bytes out of every sealed segment
     /// in which this branch's live bytes are at most `max_live` of a
     /// segment's size, and commits. With no such segment it does nothing,
-    /// not even a commit.
+    /// not even a commit; nor on a volume already closed, which takes no
+    /// more writes. [`Volume::close`] waits for a compaction under way.
     pub fn compact(&self, max_live: f64) -> Result<CompactReport> {
         if self.cfg.read_only {
             return Err(crate::error::Error::ReadOnly);
+        }
+        let _one = self.compacting.lock();
+        if self.log()?.is_finished() {
+            return Ok(CompactReport::default());
         }
         // Nothing to move: no commit (a periodic caller would sync for nothing).
         if self.compactable(max_live)?.is_empty() {
@@ -262,6 +267,43 @@ mod tests {
         drop(vol);
         let vol = Volume::open(shared, cfg).expect("reopen");
         assert_eq!(contents(&vol, &files), before);
+    }
+
+    /// A mount's background compaction and its unmount meet: the close
+    /// waits for the compaction under way, and a compaction that comes
+    /// after the close finds nothing to do. Neither fails, and nothing a
+    /// user sees changes.
+    #[test]
+    fn a_compaction_and_the_close_take_turns() {
+        // After the close: nothing to do, though there was before it.
+        let (_, _, vol, _, _) = scenario();
+        assert!(!vol.compactable(0.5).expect("compactable").is_empty());
+        vol.close().expect("close");
+        assert_eq!(vol.compact(0.5).expect("a compaction after the close"), CompactReport::default());
+        // During it: the close waits, whenever it comes.
+        let mut ran = 0;
+        for delay_us in (0..400).step_by(40) {
+            let (dev, cfg, vol, files, _) = scenario();
+            let before = contents(&vol, &files);
+            let started = Arc::new(std::sync::Barrier::new(2));
+            let compactor = {
+                let (vol, started) = (vol.clone(), started.clone());
+                std::thread::spawn(move || {
+                    started.wait();
+                    vol.compact(0.5)
+                })
+            };
+            started.wait();
+            std::thread::sleep(std::time::Duration::from_micros(delay_us));
+            vol.close().expect("close beside a compaction");
+            let report = compactor.join().expect("compaction thread").expect("compaction beside a close");
+            ran += usize::from(report != CompactReport::default());
+            assert_eq!(vol.compact(0.5).expect("after the close"), CompactReport::default());
+            drop(vol);
+            let vol = Volume::open(Arc::new(dev.clone()), cfg).expect("reopen");
+            assert_eq!(contents(&vol, &files), before, "delay {delay_us} µs");
+        }
+        assert!(ran > 0, "no compaction ran before its close");
     }
 
     /// A crash at any durable step of a compaction leaves every byte as it was.

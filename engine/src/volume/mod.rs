@@ -151,6 +151,11 @@ pub struct Volume {
     room: Mutex<Room>,
     /// Reads imported files' objects.
     sources: crate::source::SourceReader,
+    /// Held by a compaction for its whole run and by [`Volume::close`]: a
+    /// mount's background compaction and its unmount (the FUSE session's
+    /// end, which closes the volume) take turns, so the final commit never
+    /// cuts a compaction off halfway.
+    compacting: Mutex<()>,
 }
 
 fn check_name(name: &[u8]) -> Result<()> {
@@ -675,6 +680,7 @@ impl Volume {
     /// waits until everything is in the bucket (where there is one). The
     /// volume takes no more writes.
     pub fn close(&self) -> Result<()> {
+        let _no_compaction = self.compacting.lock();
         self.stop_committer.lock().take();
         // Imported chunks being fetched land in the chunk files first.
         self.sources.drain();

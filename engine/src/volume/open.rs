@@ -67,6 +67,7 @@ impl Volume {
             stop_committer: Mutex::new(None),
             recovery: Mutex::new(Recovery::default()),
             room: Mutex::default(),
+            compacting: Mutex::new(()),
         };
         if !vol.cfg.read_only {
             let writer = fresh_writer(device.as_ref(), vol.cfg.env.as_ref())?;
