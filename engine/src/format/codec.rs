@@ -6,7 +6,7 @@ use crate::format::Addr;
 
 /// Decode limit for any bincode value read from disk: a garbage length
 /// prefix can never make us allocate more than this.
-const DECODE_LIMIT: usize = 16 << 20;
+pub(crate) const DECODE_LIMIT: usize = 16 << 20;
 
 pub fn encode_value<T: bincode::Encode>(value: &T) -> Vec<u8> {
     // Encoding into a Vec cannot fail for our plain-data types.

@@ -7,6 +7,7 @@ mod record;
 mod superblock;
 
 pub use address::{Addr, SegId};
+pub(crate) use codec::DECODE_LIMIT;
 pub use codec::{decode_value, encode_value, Reader, Writer};
 pub use record::{
     block_crcs, RecordHeader, RecordKind, ALIGN_DATA_MIN, BLOCK_SIZE, FORMAT_VERSION, HEADER_LEN, MAGIC, MAX_PAYLOAD,

@@ -33,12 +33,15 @@ pub mod features {
     pub const NAMES_EXACT: u64 = 1;
     /// The tree may hold external extents (imported files' objects).
     pub const EXTERNAL_EXTENTS: u64 = 1 << 32;
+    /// The tree records which client requests it includes (`Q` keys) and
+    /// the log's intents may carry a request tag after the operation.
+    pub const REQUEST_SLOTS: u64 = 1 << 33;
     /// The promise bits.
     pub const PROMISES: u64 = NAMES_EXACT;
     /// The requirement bits, known or not.
     pub const REQUIREMENTS: u64 = 0xffff_ffff_0000_0000;
     /// The bits this build keeps.
-    pub const KNOWN: u64 = NAMES_EXACT | EXTERNAL_EXTENTS;
+    pub const KNOWN: u64 = NAMES_EXACT | EXTERNAL_EXTENTS | REQUEST_SLOTS;
 }
 
 /// A commit record's data section: its feature bits, little-endian. Later

@@ -9,6 +9,8 @@ pub const XATTR: u8 = b'X';
 pub const ORPHAN: u8 = b'O';
 pub const LINK: u8 = b'L';
 pub const SOURCE: u8 = b'S';
+/// The newest request of a client's slot the tree includes ([`super::requests`]).
+pub const REQUEST: u8 = b'Q';
 
 fn tagged(tag: u8, a: u64, rest: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(9 + rest.len());
@@ -79,6 +81,15 @@ pub fn link_prefix(ino: u64) -> Vec<u8> {
 /// The object an imported file reads from.
 pub fn source(ino: u64) -> Vec<u8> {
     tagged(SOURCE, ino, &[])
+}
+
+pub fn request(client: u64, slot: u32) -> Vec<u8> {
+    tagged(REQUEST, client, &slot.to_be_bytes())
+}
+
+/// Every slot of `client` starts with this.
+pub fn request_prefix(client: u64) -> Vec<u8> {
+    tagged(REQUEST, client, &[])
 }
 
 /// The big-endian u64 at bytes 9..17 of a key (a cookie or an extent end).

@@ -16,6 +16,8 @@ mod open;
 pub use open::Recovery;
 mod ops;
 mod read;
+mod requests;
+pub use requests::{RequestTag, Takes};
 mod txn;
 mod types;
 
@@ -308,7 +310,11 @@ impl Volume {
         let log = self.log()?;
         match op {
             // A write's room is checked once for all its pieces, by `write`.
-            ops::Op::Write { .. } | ops::Op::WritePart { .. } | ops::Op::Spill { .. } | ops::Op::InitRoot { .. } => {}
+            ops::Op::Write { .. }
+            | ops::Op::WritePart { .. }
+            | ops::Op::Spill { .. }
+            | ops::Op::InitRoot { .. }
+            | ops::Op::Mark => {}
             // What frees names (and, after gc, space) may use half the
             // reserve, so a full disk can still be cleaned up.
             ops::Op::Unlink { .. } | ops::Op::RemoveXattr { .. } | ops::Op::DropOrphan { .. } => {
@@ -316,12 +322,15 @@ impl Volume {
             }
             _ => self.check_room(data.len() as u64, SPACE_RESERVE)?,
         }
-        let meta = crate::format::encode_value(&op);
+        let tag = requests::take_for(&op);
+        let meta = requests::encode_intent(&op, tag.as_ref());
         let app =
             log.append(crate::format::RecordKind::Intent, &meta, data, crate::device::failpoints::INTENT_APPEND)?;
         let d = ops::Data { addr: app.data, crcs: &app.crcs, bytes: data };
         let mut tx = txn::Txn { tree: &mut st.tree, store: &self.nodes };
-        if let Err(e) = ops::apply(&mut tx, &op, &d, &mut st.next_ino, &mut st.features) {
+        let applied = ops::apply(&mut tx, &op, &d, &mut st.next_ino, &mut st.features)
+            .and_then(|()| tag.map_or(Ok(()), |t| requests::record(&mut tx, &t, &mut st.features)));
+        if let Err(e) = applied {
             return Err(self.poison(e));
         }
         st.ops_since_commit += 1;

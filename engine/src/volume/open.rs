@@ -8,7 +8,7 @@ use super::txn::{Reads, Txn};
 use super::{keys, Config, State, Volume, ROOT_INO};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::format::{decode_value, RecordKind};
+use crate::format::RecordKind;
 use crate::log::{Cursor, Log, Next, Record};
 use crate::tree::Tree;
 use parking_lot::{Mutex, RwLock};
@@ -138,7 +138,8 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
                 if r.kind != RecordKind::Intent {
                     continue;
                 }
-                let op: Op = decode_value(&r.meta, "intent").map_err(|_| Error::corrupted("intent", r.addr))?;
+                let (op, tag) =
+                    super::requests::decode_intent(&r.meta).map_err(|_| Error::corrupted("intent", r.addr))?;
                 if let Op::WritePart { .. } = op {
                     parts.push((op, r));
                     continue;
@@ -160,6 +161,12 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
                     ops::apply(&mut tx, &op, &data, &mut st.next_ino, &mut st.features)?;
                     st.ops_since_commit += 1;
                     report.replayed += 1;
+                }
+                // The tag was logged with the write's last piece (or the
+                // operation itself), which was applied last.
+                if let Some(tag) = tag {
+                    let mut tx = Txn { tree: &mut st.tree, store: nodes };
+                    super::requests::record(&mut tx, &tag, &mut st.features)?;
                 }
             }
             Next::End => break,

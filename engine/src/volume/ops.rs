@@ -129,6 +129,9 @@ pub enum Op {
         mtime: Timestamp,
         time: Timestamp,
     },
+    /// Changes nothing: carries the request tag of a call that succeeded
+    /// without logging anything else (see `volume::requests`).
+    Mark,
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -177,6 +180,7 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64, features: &
             *features |= super::commit::features::EXTERNAL_EXTENTS;
             Ok(())
         }
+        Op::Mark => Ok(()),
         Op::Reimport { ino, source, mtime, time } => {
             let mut node = tx.inode(*ino)?;
             node.ctime = *time;
