@@ -203,6 +203,50 @@ impl HeadDevice {
         }
     }
 
+    /// Makes the branch this writer's: replaces the head it read (the
+    /// superblock `sb`, unchanged) with one carrying this writer's lease,
+    /// by compare-and-swap on the tag it read. Synchronous, so a second
+    /// writer learns at open; and done before the volume reads anything
+    /// the old writer logged, so a writer that goes on after it was
+    /// deposed fails its next fsync ([`Replica::log_synced`]) instead of
+    /// acknowledging bytes the new writer never read.
+    fn claim(&self, sb: &Superblock) -> Result<()> {
+        if let (Some(cfg), Some(held)) = (&self.lease, self.found.lock().as_ref()) {
+            if held.is_live(Some(cfg)) && !cfg.take_over {
+                return Err(Error::Busy(format!(
+                    "{} is open read-write by pid {} on host {} (its lease runs {} s more without renewal); \
+                     a second writer is refused",
+                    self.key,
+                    held.pid,
+                    held.host,
+                    held.expires.saturating_sub(unix_now())
+                )));
+            }
+        }
+        self.compare_and_swap(sb)?;
+        self.claimed.store(true, std::sync::atomic::Ordering::Release);
+        self.spawn_renewal();
+        Ok(())
+    }
+
+    /// Whether the head in the bucket is still the one this writer last
+    /// wrote; fences this writer off if not.
+    fn check_still_ours(&self) -> Result<()> {
+        let seen = self.seen.lock();
+        let Some(mine) = seen.as_deref() else { return Ok(()) };
+        let fenced = match self.catalog.get(&self.key) {
+            Ok((_, tag)) if tag == mine => return Ok(()),
+            Ok(_) | Err(Error::NoSuchObject(_)) => {
+                format!("{} was taken by another writer; this one stops and acknowledges nothing more", self.key)
+            }
+            Err(e) => return Err(e),
+        };
+        drop(seen);
+        tracing::error!(why = %fenced, "fenced off the branch");
+        *self.fenced.lock() = Some(fenced.clone());
+        Err(Error::Fenced(fenced))
+    }
+
     /// Replaces the head object (with a fresh lease, if leased) if nobody
     /// else did since we last saw it.
     fn compare_and_swap(&self, superblock: &Superblock) -> Result<()> {
@@ -290,6 +334,8 @@ impl Device for HeadDevice {
         Some(self)
     }
 
+    /// Reads the head; a leased writer then claims the branch at once (see
+    /// [`HeadDevice::claim`]), before anything of the old writer's log is read.
     fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
         // A body damaged on the way is read again; one damaged at rest is
         // reported as corrupt.
@@ -297,9 +343,12 @@ impl Device for HeadDevice {
         for _ in 0..4 {
             match self.catalog.get(&self.key) {
                 Ok((body, tag)) => match decode_head(&body) {
-                    Ok((superblock, _, lease)) => {
+                    Ok((superblock, sb, lease)) => {
                         *self.seen.lock() = Some(tag);
                         *self.found.lock() = lease;
+                        if self.lease.is_some() {
+                            self.claim(&sb)?;
+                        }
                         return Ok(Some(superblock));
                     }
                     Err(e) => last = Some(e),
@@ -317,26 +366,11 @@ impl Device for HeadDevice {
             return Err(Error::Fenced(why));
         }
         if !self.claimed.load(std::sync::atomic::Ordering::Acquire) {
-            // The claim: synchronous, so a second writer learns at open.
-            if let (Some(cfg), Some(held)) = (&self.lease, self.found.lock().as_ref()) {
-                if held.writer != commit.seg.writer && held.is_live(Some(cfg)) && !cfg.take_over {
-                    return Err(Error::Busy(format!(
-                        "{} is open read-write by pid {} on host {} (its lease runs {} s more without renewal); \
-                         a second writer is refused",
-                        self.key,
-                        held.pid,
-                        held.host,
-                        held.expires.saturating_sub(unix_now())
-                    )));
-                }
-            }
+            // A branch made by this writer: its first head is the claim.
             if let Some(r) = self.segments.replica() {
                 r.flush_to_bucket(commit)?;
             }
-            self.compare_and_swap(sb)?;
-            self.claimed.store(true, std::sync::atomic::Ordering::Release);
-            self.spawn_renewal();
-            return Ok(());
+            return self.claim(sb);
         }
         let me = self.me.clone();
         let sb = sb.clone();
@@ -357,8 +391,24 @@ impl Replica for HeadDevice {
             r.segment_sealed(id, len)
         }
     }
+    /// The log is durable up to `len` of `id`. With bucket durability, the
+    /// bytes are in the bucket now; an fsync is acknowledged only if the
+    /// branch is still this writer's after that (a new writer claims the
+    /// head before it reads the log, so either it sees these bytes or this
+    /// check sees its claim).
     fn log_synced(&self, id: SegId, len: u64) -> Result<()> {
-        self.segments.replica().map_or(Ok(()), |r| r.log_synced(id, len))
+        if let Some(why) = self.fenced.lock().clone() {
+            return Err(Error::Fenced(why));
+        }
+        let Some(r) = self.segments.replica() else { return Ok(()) };
+        r.log_synced(id, len)?;
+        if r.fsync_reaches_bucket() && self.claimed.load(std::sync::atomic::Ordering::Acquire) {
+            self.check_still_ours()?;
+        }
+        Ok(())
+    }
+    fn fsync_reaches_bucket(&self) -> bool {
+        self.segments.replica().is_some_and(|r| r.fsync_reaches_bucket())
     }
     fn publish_when_stored(&self, upto: Addr, publish: Box<dyn Fn() -> Result<()> + Send>) -> Result<()> {
         crate::device::publish_when_stored(self.segments.as_ref(), upto, publish)

@@ -312,7 +312,9 @@ impl Catalog {
             self.branch_head(name)?;
         }
         let lock = self.lock_branch(name)?;
-        let device = HeadDevice::with_lease(self.segments.clone(), self.store.clone(), name, self.lease.clone());
+        // A reader claims nothing: only a writer takes the branch's lease.
+        let lease = self.lease.clone().filter(|_| !cfg.read_only);
+        let device = HeadDevice::with_lease(self.segments.clone(), self.store.clone(), name, lease);
         let vol = Volume::open(device, cfg).map_err(|e| match e {
             EngineError::Busy(why) if self.lease.is_some() => Error::Refused(why),
             e => e.into(),

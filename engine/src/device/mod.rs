@@ -133,6 +133,10 @@ pub trait Replica: Send + Sync {
     /// The log wrote its last byte to `id` (`len` bytes): the segment is
     /// final and may be uploaded.
     fn segment_sealed(&self, _id: SegId, _len: u64) {}
+    /// Whether an fsync means "in the bucket" ([`Replica::log_synced`]).
+    fn fsync_reaches_bucket(&self) -> bool {
+        false
+    }
     /// The log made every record through byte `len` of its open segment
     /// `id` durable locally. Where fsync means "in the bucket", this returns
     /// once those bytes (and every sealed segment) are there.

@@ -675,6 +675,10 @@ impl Replica for BucketDevice {
         self.shared.changed.notify_all();
     }
 
+    fn fsync_reaches_bucket(&self) -> bool {
+        self.shared.cfg.durability == Durability::Bucket
+    }
+
     fn log_synced(&self, id: SegId, len: u64) -> Result<()> {
         if self.shared.cfg.durability != Durability::Bucket {
             return Ok(());
