@@ -24,12 +24,14 @@
 //!
 //! A session is one client mount. The owner remembers what each session
 //! holds open (an unlinked file lives while a client has it open) and its
-//! locks. A session whose connection closed and did not come back within
-//! [`ORPHAN_GRACE`], or that sent nothing (its event poll included) for
-//! [`SESSION_IDLE`], is dropped with everything it held: a client killed
-//! with -9 leaves no lock and no open file behind. The epoch changes when
-//! the owner restarts; a client that sees a new one opens a new session and
-//! opens its open files again.
+//! locks. A session lives as long as its client does, whatever happens to
+//! its connections (a client closes and opens them as its load changes):
+//! only a session that sent nothing for [`SESSION_IDLE`] is dropped, with
+//! everything it held, so a client killed with -9 leaves no lock and no
+//! open file behind. A live client is heard from at least every
+//! [`EVENT_WAIT`], by its event poll. The epoch changes when the owner
+//! restarts; a client that sees a new one opens a new session and opens its
+//! open files again.
 //!
 //! # Events
 //!
@@ -39,7 +41,9 @@
 //! the others at once. A client that fell behind the ring is told so (it
 //! relies on its short cache timeouts for what it missed).
 
-use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
+use crate::requests::{Begin, Replies};
+use arbor_engine::volume::XattrFlags;
+use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, RequestTag, SetAttr, StatFs, Takes, Volume};
 use arbor_engine::Error;
 use arbor_fs::files::drop_capabilities;
 use arbor_fs::{Files, Lock};
@@ -50,10 +54,9 @@ use std::time::{Duration, Instant};
 
 /// How long an event poll waits for something to happen.
 pub const EVENT_WAIT: Duration = Duration::from_secs(5);
-/// How long a session may be silent before it is dropped.
-pub const SESSION_IDLE: Duration = Duration::from_secs(30);
-/// How long a session's connection may stay closed before it is dropped.
-pub const ORPHAN_GRACE: Duration = Duration::from_secs(3);
+/// How long a session may be silent before it is dropped: three of its
+/// client's event polls.
+pub const SESSION_IDLE: Duration = Duration::from_secs(15);
 /// Events kept for clients that poll late.
 pub const EVENT_RING: usize = 8192;
 /// Entries one `ReadDir` answers at most.
@@ -203,6 +206,34 @@ pub enum Op {
         off: u64,
         len: u64,
     },
+    /// The newest sequence of each of `client`'s request slots the
+    /// branch's state includes: [`Out::Slots`]. A client asks after the
+    /// owner changed, to learn which of its answered requests survived.
+    Slots {
+        client: u64,
+    },
+}
+
+impl Op {
+    /// Whether the operation changes the branch: such a request carries a
+    /// tag, so that a copy sent again is not applied twice.
+    pub fn changes(&self) -> bool {
+        matches!(
+            self,
+            Op::SetAttr { .. }
+                | Op::Create { .. }
+                | Op::CreateOpen { .. }
+                | Op::Mkdir { .. }
+                | Op::Symlink { .. }
+                | Op::Link { .. }
+                | Op::Unlink { .. }
+                | Op::Rmdir { .. }
+                | Op::Rename { .. }
+                | Op::Write { .. }
+                | Op::SetXattr { .. }
+                | Op::RemoveXattr { .. }
+        )
+    }
 }
 
 /// What an operation gave.
@@ -225,6 +256,8 @@ pub enum Out {
     /// A checkpoint's description (JSON), or why it was refused.
     Message(Result<String, String>),
     Located(Located),
+    /// `(slot, newest sequence)` of one client's requests ([`Op::Slots`]).
+    Slots(Vec<(u32, u64)>),
 }
 
 /// Where a range of a file's bytes is ([`Op::Locate`]).
@@ -295,9 +328,6 @@ struct Held {
 
 struct Session {
     last_seen: Instant,
-    /// The connection it last spoke on, and since when that is closed.
-    conn: u64,
-    orphaned_at: Option<Instant>,
     open: HashMap<u64, u32>,
 }
 
@@ -318,6 +348,8 @@ pub struct SharedBranch {
     checkpoint: Option<Checkpointer>,
     epoch: u64,
     state: Mutex<State>,
+    /// Answers to recent tagged requests.
+    replies: Replies,
     /// Woken when an event is recorded or a lock is dropped.
     changed: tokio::sync::Notify,
 }
@@ -366,6 +398,7 @@ impl SharedBranch {
             checkpoint,
             epoch,
             state: Mutex::new(State { next_seq: 1, ..State::default() }),
+            replies: Replies::default(),
             changed: tokio::sync::Notify::new(),
         })
     }
@@ -392,52 +425,48 @@ impl SharedBranch {
         self.state.lock().locks.values().map(Vec::len).sum()
     }
 
-    pub fn open_session(&self, conn: u64) -> SessionInfo {
+    pub fn open_session(&self) -> SessionInfo {
         let mut st = self.state.lock();
         let mut id = splitmix(self.epoch ^ st.next_seq ^ ((st.sessions.len() as u64) << 32));
         while id == 0 || st.sessions.contains_key(&id) {
             id = splitmix(id);
         }
-        st.sessions.insert(id, Session { last_seen: Instant::now(), conn, orphaned_at: None, open: HashMap::new() });
+        st.sessions.insert(id, Session { last_seen: Instant::now(), open: HashMap::new() });
         SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1 }
     }
 
-    /// Marks `session` as heard from on `conn`; false if it is unknown.
-    pub fn touch(&self, session: u64, conn: u64) -> bool {
+    /// Marks `session` as heard from; false if it is unknown.
+    pub fn touch(&self, session: u64) -> bool {
         let mut st = self.state.lock();
         match st.sessions.get_mut(&session) {
             Some(s) => {
                 s.last_seen = Instant::now();
-                s.conn = conn;
-                s.orphaned_at = None;
                 true
             }
             None => false,
         }
     }
 
-    /// Connection `conn` closed: its sessions have [`ORPHAN_GRACE`] to come back.
-    pub fn connection_closed(&self, conn: u64) {
-        let now = Instant::now();
-        for s in self.state.lock().sessions.values_mut().filter(|s| s.conn == conn) {
-            s.orphaned_at.get_or_insert(now);
-        }
+    /// Whether this owner stopped serving its branch: its volume refuses
+    /// writes (another writer took the branch, or its log failed). Clients
+    /// are then turned away, to look for the branch's owner again.
+    pub fn stepped_down(&self) -> bool {
+        self.vol.is_poisoned()
     }
 
     /// Drops sessions that went away, with their open files and locks.
     pub fn reap(&self) {
+        self.reap_idle(SESSION_IDLE)
+    }
+
+    /// Drops the sessions not heard from for longer than `idle`.
+    pub fn reap_idle(&self, idle: Duration) {
+        self.replies.reap();
         let now = Instant::now();
         let gone: Vec<(u64, Session)> = {
             let mut st = self.state.lock();
-            let dead: Vec<u64> = st
-                .sessions
-                .iter()
-                .filter(|(_, s)| {
-                    now.duration_since(s.last_seen) > SESSION_IDLE
-                        || s.orphaned_at.is_some_and(|t| now.duration_since(t) > ORPHAN_GRACE)
-                })
-                .map(|(id, _)| *id)
-                .collect();
+            let dead: Vec<u64> =
+                st.sessions.iter().filter(|(_, s)| now.duration_since(s.last_seen) > idle).map(|(id, _)| *id).collect();
             let mut gone = Vec::new();
             for id in dead {
                 if let Some(s) = st.sessions.remove(&id) {
@@ -513,6 +542,46 @@ impl SharedBranch {
         self.vol.lookup(parent, name).ok().map(|a| a.ino)
     }
 
+    /// Applies request `op` for `session` at most once: a copy of a tagged
+    /// request gets the first copy's answer (see [`crate::requests`]).
+    pub fn apply_request(&self, session: u64, tag: Option<RequestTag>, op: Op) -> Reply {
+        let Some(tag) = tag.filter(|_| op.changes()) else { return self.apply(session, op) };
+        let floors = || self.vol.request_slots(tag.client).map_err(|e| errno(&e));
+        match self.replies.begin(tag, floors)? {
+            Begin::Answered(reply) => return reply,
+            Begin::AppliedBefore => return self.answer_again(session, &op),
+            Begin::Run => {}
+        }
+        let takes = if matches!(op, Op::Write { .. }) { Takes::Write } else { Takes::Operation };
+        let reply = self
+            .vol
+            .tagged(tag, takes, |_| {
+                self.apply(session, op).map_err(|n| Error::Io(std::io::Error::from_raw_os_error(n)))
+            })
+            .map_err(|e| errno(&e));
+        self.replies.finish(tag, &reply);
+        reply
+    }
+
+    /// The answer to a request an earlier owner applied, from the state as
+    /// it is now (the first answer died with that owner).
+    fn answer_again(&self, session: u64, op: &Op) -> Reply {
+        let v = &self.vol;
+        let out = match op {
+            Op::Write { data, .. } => Ok(Out::Written(data.len() as u64)),
+            Op::Create { parent, name, .. }
+            | Op::Mkdir { parent, name, .. }
+            | Op::Symlink { parent, name, .. }
+            | Op::Link { new_parent: parent, new_name: name, .. } => v.lookup(*parent, name).map(Out::Attr),
+            Op::CreateOpen { parent, name, .. } => {
+                v.lookup(*parent, name).and_then(|a| self.open(session, a.ino, 1)).map(Out::Attr)
+            }
+            Op::SetAttr { ino, .. } => v.getattr(*ino).map(Out::Attr),
+            _ => Ok(Out::Unit),
+        };
+        out.map_err(|e| errno(&e))
+    }
+
     /// Applies `op` for `session` (blocking: call it off the async threads;
     /// lock waits are [`SharedBranch::set_lock`]).
     pub fn apply(&self, session: u64, op: Op) -> Reply {
@@ -535,6 +604,7 @@ impl SharedBranch {
                 Out::Located(Located { size: l.size, end: l.end, spans })
             }),
             Op::StatFs => Ok(Out::StatFs(v.statfs())),
+            Op::Slots { client } => v.request_slots(client).map(Out::Slots),
             Op::GetXattr { ino, name } => v.getxattr(ino, &name).map(Out::Bytes),
             Op::ListXattr { ino } => v.listxattr(ino).map(Out::Names),
             Op::ReadDir { ino, offset, max } => {

@@ -45,12 +45,13 @@
 //! the socket into the buffer it hands on.
 
 use crate::files::{Op, Out, Reply, SessionInfo};
+use arbor_engine::volume::RequestTag;
 use std::io::{self, Read, Write};
 
 /// The first bytes of a framed connection.
 pub const MAGIC: [u8; 4] = *b"ARBF";
 /// The version of the requests and answers below.
-pub const VERSION: u32 = 4;
+pub const VERSION: u32 = 5;
 /// The largest frame either side accepts (a 1 MiB write or read fits many
 /// times).
 pub const MAX_FRAME: usize = 16 << 20;
@@ -77,8 +78,10 @@ pub enum Welcome {
 pub enum Request {
     /// Open a new session (a client mount).
     Session,
-    /// One file operation under `session`.
-    Op { session: u64, op: Op },
+    /// One file operation under `session`; `tag` names a request that
+    /// changes the branch, so a copy sent again is not applied twice
+    /// ([`crate::requests`]).
+    Op { session: u64, op: Op, tag: Option<RequestTag> },
 }
 
 #[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
@@ -97,6 +100,7 @@ enum RequestHead<'a> {
     Op {
         session: u64,
         op: &'a Op,
+        tag: Option<RequestTag>,
     },
     /// `Op::Write` under `session`, its `len` bytes following the frame.
     WriteData {
@@ -105,14 +109,15 @@ enum RequestHead<'a> {
         off: u64,
         len: u32,
         unprivileged: bool,
+        tag: Option<RequestTag>,
     },
 }
 
 #[derive(bincode::Decode)]
 enum RequestFrame {
     Session,
-    Op { session: u64, op: Op },
-    WriteData { session: u64, ino: u64, off: u64, len: u32, unprivileged: bool },
+    Op { session: u64, op: Op, tag: Option<RequestTag> },
+    WriteData { session: u64, ino: u64, off: u64, len: u32, unprivileged: bool, tag: Option<RequestTag> },
 }
 
 /// An answer as its frame carries it (as [`AnswerFrame`] reads it).
@@ -309,10 +314,11 @@ fn write_with_payload<T: bincode::Encode>(
 /// Sends `req`, a write's data after its frame.
 pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io::Result<()> {
     match req {
-        Request::Op { session, op: Op::Write { ino, off, data, unprivileged } } => {
-            write_data(w, buf, *session, Written { ino: *ino, off: *off, unprivileged: *unprivileged }, data)
+        Request::Op { session, op: Op::Write { ino, off, data, unprivileged }, tag } => {
+            let at = Written { ino: *ino, off: *off, unprivileged: *unprivileged };
+            write_data(w, buf, *session, *tag, at, data)
         }
-        Request::Op { session, op } => write_frame(w, buf, &RequestHead::Op { session: *session, op }),
+        Request::Op { session, op, tag } => write_frame(w, buf, &RequestHead::Op { session: *session, op, tag: *tag }),
         Request::Session => write_frame(w, buf, &RequestHead::Session),
     }
 }
@@ -333,19 +339,26 @@ impl Written {
 }
 
 /// Sends `Op::Write` under `session` straight from the caller's buffer.
-pub fn write_data(w: &mut impl Write, buf: &mut Vec<u8>, session: u64, at: Written, data: &[u8]) -> io::Result<()> {
+pub fn write_data(
+    w: &mut impl Write,
+    buf: &mut Vec<u8>,
+    session: u64,
+    tag: Option<RequestTag>,
+    at: Written,
+    data: &[u8],
+) -> io::Result<()> {
     let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let Written { ino, off, unprivileged } = at;
-    write_with_payload(w, buf, &RequestHead::WriteData { session, ino, off, len, unprivileged }, data)
+    write_with_payload(w, buf, &RequestHead::WriteData { session, ino, off, len, unprivileged, tag }, data)
 }
 
 /// Reads a request, a write's data included.
 pub fn read_request(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Request> {
     Ok(match read_frame::<RequestFrame>(r, buf)? {
-        RequestFrame::WriteData { session, ino, off, len, unprivileged } => {
-            Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)?, unprivileged } }
+        RequestFrame::WriteData { session, ino, off, len, unprivileged, tag } => {
+            Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)?, unprivileged }, tag }
         }
-        RequestFrame::Op { session, op } => Request::Op { session, op },
+        RequestFrame::Op { session, op, tag } => Request::Op { session, op, tag },
         RequestFrame::Session => Request::Session,
     })
 }
@@ -433,6 +446,7 @@ mod tests {
         let write = Request::Op {
             session: 7,
             op: Op::Write { ino: 3, off: 9, data: vec![0xab; 100_000], unprivileged: false },
+            tag: None,
         };
         write_frame(&mut wire, &mut buf, &write).expect("write");
         write_frame(&mut wire, &mut buf, &Request::Session).expect("write");
@@ -440,7 +454,7 @@ mod tests {
         let mut r = &wire[..];
         let mut rbuf = Vec::new();
         match read_frame::<Request>(&mut r, &mut rbuf).expect("read") {
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data, unprivileged: false } } => {
+            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data, unprivileged: false }, tag: None } => {
                 assert_eq!(data, vec![0xab; 100_000])
             }
             other => panic!("{other:?}"),
@@ -456,8 +470,9 @@ mod tests {
     fn file_data_travels_after_its_frame_and_comes_back_whole() {
         let data: Vec<u8> = (0..1_048_576u32).map(|i| (i * 7 + 3) as u8).collect();
         let (mut wire, mut buf) = (Vec::new(), Vec::new());
+        let tag = Some(RequestTag { client: 5, slot: crate::requests::PIPELINED_SLOT, seq: 11 });
         let write =
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true } };
+            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true }, tag };
         write_request(&mut wire, &mut buf, &write).expect("write");
         // The frame names the write; the bytes follow it raw.
         let frame = u32::from_le_bytes([wire[0], wire[1], wire[2], wire[3]]) as usize;
@@ -472,8 +487,9 @@ mod tests {
         let mut rbuf = Vec::new();
         match read_request(&mut r, &mut rbuf).expect("read") {
             // Who wrote it travels in the frame.
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: got, unprivileged: true } } => {
-                assert!(got == data)
+            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: got, unprivileged: true }, tag: t } => {
+                assert!(got == data);
+                assert_eq!(t, tag, "the tag travels with the write");
             }
             other => panic!("{other:?}"),
         }

@@ -40,10 +40,12 @@
 pub mod client;
 pub mod files;
 pub mod frames;
+pub mod journal;
 mod metrics;
 pub mod reads;
 pub use metrics::sample as metric_sample;
 pub mod remote;
+pub mod requests;
 pub mod server;
 
 pub use client::{CacheClient, ClientOptions, ServerStats};

@@ -12,18 +12,24 @@
 //! back with a new epoch (it restarted), the client opens a new session
 //! and opens again the files it holds open.
 //!
-//! # Writes the owner lost
+//! # Requests, at most once, and what the owner lost
 //!
-//! An owner killed with -9 loses what it had not made durable, and a
-//! client's later `fsync` must not report those writes durable. So a
-//! client keeps every write the owner acknowledged until an `fsync` (the
-//! owner's, which covers its whole log) returns, and when the owner comes
-//! back with a new epoch it sends them again, in order, before anything
-//! else — the "unstable write" and verifier of NFS. A file is recognised by
-//! its inode number and birth time (a file made anew after the restart may
-//! get the same number); a file that did not survive the restart is lost,
-//! and its next `fsync` fails with EIO. At most [`UNSYNCED_MAX`] bytes are
-//! kept; past that the client asks the owner for an `fsync` itself.
+//! Every request that changes the branch carries a tag (this mount's
+//! client id, a slot, the slot's sequence), kept when it is sent again, so
+//! the owner applies it at most once ([`crate::requests`]). An owner
+//! killed with -9 loses what it had not made durable, and a client's later
+//! `fsync` must not report those changes durable; nor may a client send
+//! them again, because another client may have changed the same file
+//! since. So a client keeps the tags of the requests the owner answered
+//! until an `fsync` (the owner's, which covers its whole log) returns, and
+//! when the owner comes back with a new epoch it asks which of them the
+//! branch includes: the rest were lost, and the next `fsync` says so with
+//! EIO ([`crate::journal`]). A clean restart loses nothing and sends
+//! nothing again. A file is recognised by its inode number and birth time
+//! (a file made anew after the restart may get the same number); a file
+//! that did not survive the restart is lost too. At most
+//! [`crate::journal::JOURNAL_MAX`] requests are kept; past that the client
+//! asks the owner for an `fsync` itself.
 //!
 //! # Writes in flight
 //!
@@ -40,14 +46,19 @@
 //! (close-to-open). A write the owner refused is reported by the file's
 //! next `write`, `fsync` or `close`, as NFS reports its unstable writes. A
 //! lane whose connection breaks sends its writes in flight again, in order,
-//! through the ordinary retrying path before anything else goes on it.
+//! with their tags, through the ordinary retrying path before anything else
+//! goes on it — to the same owner only; a new owner is asked instead
+//! whether it has them.
 
 use crate::client::connect;
 use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH};
 use crate::frames::Written;
+use crate::journal::{Journal, SlotTable, JOURNAL_MAX};
 use crate::reads::DirectReads;
+use crate::requests::PIPELINED_SLOT;
 use arbor_engine::env::Timestamp;
 use arbor_engine::format::decode_value;
+use arbor_engine::volume::RequestTag;
 use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
 use arbor_engine::{Error, Result};
 use arbor_fs::{Files, Lock};
@@ -57,7 +68,7 @@ use hyper::client::conn::http2::SendRequest;
 use hyper::header::{HeaderValue, AUTHORIZATION};
 use hyper::{Method, Request, StatusCode};
 use parking_lot::Mutex;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -69,7 +80,6 @@ pub type Locate = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Unsynced bytes a client keeps for resending before it syncs on its own.
-pub const UNSYNCED_MAX: u64 = 128 << 20;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 /// The longest wait between two tries to reach the owner: a restarted
 /// owner is found within this of answering again. A try at an address
@@ -163,52 +173,6 @@ struct OpenFile {
     crtime: Timestamp,
 }
 
-struct UnsyncedWrite {
-    seq: u64,
-    crtime: Timestamp,
-    at: Written,
-    data: Bytes,
-}
-
-/// Writes acknowledged but not yet covered by an fsync.
-#[derive(Default)]
-struct Unsynced {
-    writes: Vec<UnsyncedWrite>,
-    bytes: u64,
-    next_seq: u64,
-    /// Files whose unsynced writes the owner lost: their next fsync fails.
-    lost: HashSet<u64>,
-    /// Files this mount had open that did not survive an owner restart:
-    /// reads and writes through those open files fail with EIO (their
-    /// inode number may name another file now) until the file is opened
-    /// anew.
-    gone: HashSet<u64>,
-    /// Files a write in flight to failed at the owner, and its errno: the
-    /// file's next write, fsync or close reports it.
-    failed: HashMap<u64, i32>,
-}
-
-impl Unsynced {
-    /// The number of the next write, in the order writes were made.
-    fn next(&mut self) -> u64 {
-        self.next_seq += 1;
-        self.next_seq - 1
-    }
-
-    fn push(&mut self, seq: u64, crtime: Timestamp, at: Written, data: Bytes) {
-        self.bytes += data.len() as u64;
-        self.writes.push(UnsyncedWrite { seq, crtime, at, data });
-    }
-
-    /// Forgets write `seq` (the owner refused it: nothing to resend).
-    fn drop_seq(&mut self, seq: u64) {
-        if let Some(i) = self.writes.iter().position(|w| w.seq == seq) {
-            let w = self.writes.remove(i);
-            self.bytes -= w.data.len() as u64;
-        }
-    }
-}
-
 /// A framed connection to the owner (see [`crate::frames`]) and its
 /// buffers, reused from operation to operation.
 struct Conn {
@@ -235,7 +199,9 @@ pub const IN_FLIGHT_MAX: usize = 8 << 20;
 
 /// A write sent on a lane whose answer has not been read.
 struct Sent {
-    seq: u64,
+    tag: RequestTag,
+    /// The owner's epoch it was sent to: only that owner may get it again.
+    epoch: u64,
     at: Written,
     data: Bytes,
 }
@@ -254,6 +220,8 @@ struct Lane {
     conn: Option<Conn>,
     sent: std::collections::VecDeque<Sent>,
     bytes: usize,
+    /// The sequence of the lane's last request (its slot is pipelined).
+    seq: u64,
 }
 
 struct Inner {
@@ -268,7 +236,12 @@ struct Inner {
     epoch: Mutex<Option<u64>>,
     /// Files this mount holds open.
     open: Mutex<HashMap<u64, OpenFile>>,
-    unsynced: Mutex<Unsynced>,
+    /// This mount's id in its requests' tags, random for each mount.
+    client: u64,
+    slots: SlotTable,
+    journal: Mutex<Journal>,
+    /// What the owner of this epoch had of each slot when we met it.
+    floors: Mutex<(u64, HashMap<u32, u64>)>,
     /// Writes in flight, by lane.
     lanes: [Mutex<Lane>; WRITE_LANES],
     /// Held while a new session is set up (writes are resent under it).
@@ -482,8 +455,7 @@ impl Inner {
             d.forget_all();
         }
         if restarted {
-            tracing::warn!("the owner restarted; sending again the writes it had not made durable");
-            self.resend(info.session)?;
+            self.reconcile(info)?;
         }
         let reopen: Vec<(u64, OpenFile)> = self.open.lock().iter().map(|(&i, &f)| (i, f)).collect();
         for (ino, f) in reopen {
@@ -512,7 +484,7 @@ impl Inner {
     /// One operation under `session`, not retried.
     fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
         // The request owns its operation; the caller keeps its own.
-        let req = crate::frames::Request::Op { session, op: op.clone() };
+        let req = crate::frames::Request::Op { session, op: op.clone(), tag: None };
         match self.exchange(&req)? {
             crate::frames::Answer::Reply(r) => Ok(r),
             crate::frames::Answer::UnknownSession => Err(Failed::Session),
@@ -523,40 +495,34 @@ impl Inner {
     /// Forgets open file `ino`: the owner no longer has it.
     fn lose(&self, ino: u64) {
         self.open.lock().remove(&ino);
-        let mut u = self.unsynced.lock();
-        u.lost.insert(ino);
-        u.gone.insert(ino);
-        u.writes.retain(|w| w.at.ino != ino);
-        u.bytes = u.writes.iter().map(|w| w.data.len() as u64).sum();
+        self.journal.lock().forget_file(ino);
     }
 
-    /// Sends the unsynced writes again, in order, to files that are still
-    /// the same files.
-    fn resend(&self, session: u64) -> std::result::Result<(), Failed> {
-        let writes: Vec<(Timestamp, Written, Bytes)> =
-            self.unsynced.lock().writes.iter().map(|w| (w.crtime, w.at, w.data.clone())).collect();
-        let mut same: HashMap<u64, bool> = HashMap::new();
-        for (crtime, at, data) in writes {
-            let ino = at.ino;
-            if let std::collections::hash_map::Entry::Vacant(e) = same.entry(ino) {
-                let now = self.send(session, &Op::GetAttr { ino })?;
-                e.insert(matches!(now, Ok(Out::Attr(a)) if a.crtime == crtime));
-            }
-            if !same[&ino] {
-                continue;
-            }
-            if let Err(errno) = self.send(session, &at.op(data.to_vec()))? {
-                tracing::warn!(ino, errno, "a write could not be sent again");
-                same.insert(ino, false);
-            }
+    /// A new owner (epoch `info.epoch`): learns which of our answered
+    /// requests it has, and marks the rest lost. Nothing is sent again.
+    fn reconcile(&self, info: SessionInfo) -> std::result::Result<(), Failed> {
+        let floors: HashMap<u32, u64> = match self.send(info.session, &Op::Slots { client: self.client })? {
+            Ok(Out::Slots(v)) => v.into_iter().collect(),
+            _ => return Err(Failed::Transport("a garbled answer about our requests".into())),
+        };
+        let lost = self.journal.lock().reconcile(&floors);
+        if lost > 0 {
+            tracing::error!(
+                lost,
+                "the owner changed and lost requests it had answered (not made durable); \
+                 the next fsync of their files (of any file, for changes of names) fails with EIO"
+            );
+        } else {
+            tracing::info!("the owner changed; it has every request this mount was answered");
         }
-        for (ino, ok) in same {
-            if !ok {
-                tracing::warn!(ino, "a file's unsynced writes were lost with the owner");
-                self.lose(ino);
-            }
-        }
+        *self.floors.lock() = (info.epoch, floors);
         Ok(())
+    }
+
+    /// Whether the owner of `epoch` had write `tag` when we met it.
+    fn owner_had(&self, epoch: u64, tag: RequestTag) -> bool {
+        let floors = self.floors.lock();
+        floors.0 == epoch && floors.1.get(&tag.slot).is_some_and(|&f| tag.seq <= f)
     }
 
     /// Sends `op` until the owner answers it (or the timeout passes), once
@@ -571,27 +537,65 @@ impl Inner {
         self.call_back(op).0
     }
 
-    /// [`Inner::call_raw`], giving the operation back (a write keeps its buffer).
+    /// [`Inner::call_raw`], giving the operation back (a write keeps its
+    /// buffer). A change of the branch takes a slot for its tag.
     fn call_back(&self, op: Op) -> (Result<Out>, Op) {
-        let mut req = crate::frames::Request::Op { session: 0, op };
-        let out = self.call_req(&mut req);
+        let tag = op.changes().then(|| self.slots.take(self.client));
+        let out = self.call_tagged(op, tag, None);
+        if let Some(tag) = tag {
+            self.slots.give(tag);
+        }
+        out
+    }
+
+    /// Sends `op` as request `tag` until it is answered; with `bound`, only
+    /// to the owner of that epoch (ESTALE once another owner answers).
+    fn call_tagged(&self, op: Op, tag: Option<RequestTag>, bound: Option<u64>) -> (Result<Out>, Op) {
+        let ino = match &op {
+            Op::Write { ino, .. } => Some(*ino),
+            _ => None,
+        };
+        let mut req = crate::frames::Request::Op { session: 0, op, tag };
+        let out = self.call_req(&mut req, bound);
+        if let (Ok(_), Some(tag)) = (&out, tag) {
+            self.answered(tag, ino);
+        }
         match req {
             crate::frames::Request::Op { op, .. } => (out, op),
             crate::frames::Request::Session => (out, Op::StatFs),
         }
     }
 
-    fn call_req(&self, req: &mut crate::frames::Request) -> Result<Out> {
+    /// Notes request `tag` answered with success; a journal grown past
+    /// [`JOURNAL_MAX`] is made durable at once.
+    fn answered(&self, tag: RequestTag, ino: Option<u64>) {
+        let over = {
+            let mut j = self.journal.lock();
+            j.answered(tag, ino);
+            j.len() > JOURNAL_MAX
+        };
+        if over {
+            let upto = self.journal.lock().position();
+            if self.call_raw(Op::Fsync { ino: arbor_engine::volume::ROOT_INO }).is_ok() {
+                self.journal.lock().synced(upto);
+            }
+        }
+    }
+
+    fn call_req(&self, req: &mut crate::frames::Request, bound: Option<u64>) -> Result<Out> {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
             let attempt = self.session().and_then(|s| {
-                if let crate::frames::Request::Op { session, op } = req {
+                if bound.is_some_and(|e| e != s.epoch) {
+                    return Ok(crate::frames::Answer::Reply(Err(libc::ESTALE)));
+                }
+                if let crate::frames::Request::Op { session, op, .. } = req {
                     *session = s.session;
                     // A new session may have found the file gone: its
                     // number may name another file now.
                     if let Op::Write { ino, .. } = op {
-                        if self.unsynced.lock().gone.contains(ino) {
+                        if self.journal.lock().gone.contains(ino) {
                             return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
@@ -641,14 +645,17 @@ impl Inner {
         while !lane.sent.is_empty() && (lane.conn.is_none() || lane.bytes + data.len() > IN_FLIGHT_MAX) {
             self.settle_one(&mut lane);
         }
+        let slot = PIPELINED_SLOT | (ino as usize % WRITE_LANES) as u32;
+        let tag = RequestTag { client: self.client, slot, seq: lane.seq + 1 };
         let sent = self.session().ok().and_then(|session| {
             if lane.conn.is_none() {
                 lane.conn = Some(self.take_conn().ok()?.1);
             }
             let c = lane.conn.as_mut()?;
-            crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, at, data).ok()
+            crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
+            Some(session.epoch)
         });
-        if sent.is_none() {
+        let Some(epoch) = sent else {
             // Part of it may have gone. The lane's earlier writes are sent
             // again, and the caller sends this one the retrying way after
             // them, so the owner sees them in order.
@@ -657,19 +664,11 @@ impl Inner {
             }
             self.settle_lane(&mut lane);
             return false;
-        }
-        let data = Bytes::copy_from_slice(data);
-        let crtime = self.open.lock().get(&ino).map(|f| f.crtime);
-        let seq = {
-            let mut u = self.unsynced.lock();
-            let seq = u.next();
-            if let Some(crtime) = crtime {
-                u.push(seq, crtime, at, data.clone());
-            }
-            seq
         };
+        lane.seq = tag.seq;
+        let data = Bytes::copy_from_slice(data);
         lane.bytes += data.len();
-        lane.sent.push_back(Sent { seq, at, data });
+        lane.sent.push_back(Sent { tag, epoch, at, data });
         true
     }
 
@@ -736,13 +735,13 @@ impl Inner {
     fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
         use crate::frames::{read_answer, Answer};
         let Some(front) = lane.sent.front() else { return Ok(()) };
-        let (seq, ino, len) = (front.seq, front.at.ino, front.data.len());
+        let (tag, ino, len) = (front.tag, front.at.ino, front.data.len());
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;
         match read_answer(&mut c.stream, &mut c.rbuf) {
             Ok(Answer::Reply(reply)) => {
                 lane.sent.pop_front();
                 lane.bytes -= len;
-                self.written(seq, ino, len, reply);
+                self.written(tag, ino, len, reply);
                 Ok(())
             }
             Ok(Answer::UnknownSession) => Err(Broken::Session),
@@ -750,47 +749,95 @@ impl Inner {
         }
     }
 
-    /// The owner's answer to write `seq` of `len` bytes to `ino`.
-    fn written(&self, seq: u64, ino: u64, len: usize, reply: Reply) {
+    /// The owner's answer to write `tag` of `len` bytes to `ino`.
+    fn written(&self, tag: RequestTag, ino: u64, len: usize, reply: Reply) {
         let errno = match reply {
-            Ok(Out::Written(n)) if n as usize == len => return,
+            Ok(Out::Written(n)) if n as usize == len => return self.answered(tag, Some(ino)),
             // The volume writes all or nothing; anything else is a fault.
             Ok(_) => libc::EIO,
             Err(errno) => errno,
         };
         tracing::debug!(ino, errno, "the owner refused a write in flight");
-        let mut u = self.unsynced.lock();
-        u.drop_seq(seq);
-        u.failed.entry(ino).or_insert(errno);
+        self.journal.lock().failed.entry(ino).or_insert(errno);
     }
 
-    /// Sends `lane`'s writes in flight again, in order, the retrying way
-    /// (their connection broke: the owner may or may not have them).
+    /// Sends `lane`'s writes in flight again, in order, with their tags
+    /// (their connection broke: the owner may or may not have them, and
+    /// applies each at most once) — to the owner they were sent to only.
+    /// Once another owner answers, a write is asked about instead: it had
+    /// it, or it is lost (its `write` returned long ago; sent now, it could
+    /// land over what another client wrote since).
     fn resend_lane(&self, lane: &mut Lane) {
         while let Some(w) = lane.sent.pop_front() {
             lane.bytes -= w.data.len();
-            if self.unsynced.lock().gone.contains(&w.at.ino) {
+            let ino = w.at.ino;
+            if self.journal.lock().gone.contains(&ino) {
                 // The owner restarted without this file: it is lost, and
                 // the number may name another file now.
                 continue;
             }
             let len = w.data.len();
-            let reply = self.call_raw(w.at.op(w.data.to_vec())).map_err(|e| e.errno());
-            self.written(w.seq, w.at.ino, len, reply);
+            let (out, _) = self.call_tagged(w.at.op(w.data.to_vec()), Some(w.tag), Some(w.epoch));
+            match out {
+                Err(e) if e.errno() == libc::ESTALE => {
+                    let epoch = (*self.session.lock()).map_or(0, |s| s.epoch);
+                    if self.owner_had(epoch, w.tag) {
+                        self.answered(w.tag, Some(ino));
+                    } else {
+                        tracing::warn!(
+                            ino,
+                            "a write in flight was lost with the owner; its file's fsync and close fail"
+                        );
+                        let mut j = self.journal.lock();
+                        j.lost.insert(ino);
+                        j.failed.entry(ino).or_insert(libc::EIO);
+                    }
+                }
+                // `call_tagged` journaled a success.
+                Ok(_) => {}
+                Err(e) => self.written(w.tag, ino, len, Err(e.errno())),
+            }
         }
     }
 
     /// The error a write in flight to `ino` met, once.
     fn take_failed(&self, ino: u64) -> Result<()> {
-        match self.unsynced.lock().failed.remove(&ino) {
+        match self.journal.lock().failed.remove(&ino) {
             Some(errno) => Err(errno_error(errno)),
             None => Ok(()),
         }
     }
 
-    /// One poll for what other nodes changed since `after`.
-    async fn poll(&self, after: u64) -> std::result::Result<(SessionInfo, Events), Failed> {
-        let s = self.session()?;
+    /// Drops what other nodes changed from the kernel's caches (and our
+    /// located reads), and moves `after` past it.
+    fn invalidate(&self, notifier: &fuser::Notifier, ev: Events, after: &mut u64) {
+        use std::os::unix::ffi::OsStrExt;
+        if ev.gap {
+            // Located reads of files changed in the gap would go stale.
+            if let Some(d) = &self.direct {
+                d.forget_all();
+            }
+            tracing::debug!("missed some changes of other nodes; the kernel's short timeouts cover them");
+        }
+        *after = ev.next;
+        for e in ev.items {
+            // ENOENT: the kernel does not hold that inode or name.
+            let _ = match e {
+                Event::Inode(ino) => {
+                    if let Some(d) = &self.direct {
+                        d.forget(ino);
+                    }
+                    notifier.inval_inode(fuser::INodeNo(ino), 0, 0)
+                }
+                Event::Entry(parent, name) => {
+                    notifier.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(&name))
+                }
+            };
+        }
+    }
+
+    /// One poll under session `s` for what other nodes changed since `after`.
+    async fn poll(&self, s: SessionInfo, after: u64) -> std::result::Result<(SessionInfo, Events), Failed> {
         let after = if after == 0 { s.seq } else { after };
         let q = format!("/events?session={:016x}&after={after}", s.session);
         let body = self.get(&q).await?;
@@ -817,7 +864,10 @@ impl RemoteFiles {
             session: Mutex::new(None),
             epoch: Mutex::new(None),
             open: Mutex::new(HashMap::new()),
-            unsynced: Mutex::new(Unsynced::default()),
+            client: new_client_id(),
+            slots: SlotTable::default(),
+            journal: Mutex::new(Journal::default()),
+            floors: Mutex::new((0, HashMap::new())),
             lanes: Default::default(),
             opening: Mutex::new(()),
             retries: AtomicU64::new(0),
@@ -865,64 +915,62 @@ impl RemoteFiles {
     /// kernel's caches through `notifier`, until [`RemoteFiles::close`].
     /// The poll also tells the owner this mount is alive.
     pub fn follow(&self, notifier: fuser::Notifier) -> std::io::Result<()> {
-        use std::os::unix::ffi::OsStrExt;
         let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
         let inner = self.inner.clone();
         let handle = self.rt.handle().clone();
         let t = std::thread::Builder::new().name("arbor-follow".into()).spawn(move || {
-            handle.block_on(async move {
-                let (mut session, mut after) = (0u64, 0u64);
-                let mut backoff = BACKOFF_MIN;
-                loop {
-                    let polled = tokio::select! {
-                        _ = &mut stop_rx => return,
-                        p = inner.poll(after) => p,
-                    };
-                    match polled {
-                        Ok((s, ev)) => {
-                            if backoff != BACKOFF_MIN {
-                                inner.locator.answered();
-                            }
-                            backoff = BACKOFF_MIN;
-                            if s.session != session {
-                                session = s.session;
-                            }
-                            if ev.gap {
-                                tracing::debug!(
-                                    "missed some changes of other nodes; the kernel's short timeouts cover them"
-                                );
-                            }
-                            after = ev.next;
-                            for e in ev.items {
-                                // ENOENT: the kernel does not hold that inode or name.
-                                let _ = match e {
-                                    Event::Inode(ino) => {
-                                        if let Some(d) = &inner.direct {
-                                            d.forget(ino);
-                                        }
-                                        notifier.inval_inode(fuser::INodeNo(ino), 0, 0)
-                                    }
-                                    Event::Entry(parent, name) => {
-                                        notifier.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(&name))
-                                    }
-                                };
-                            }
-                        }
-                        Err(Failed::Session) => {
-                            *inner.session.lock() = None;
-                            after = 0;
-                        }
-                        Err(_) => {
-                            after = 0;
+            let mut after = 0u64;
+            let mut backoff = BACKOFF_MIN;
+            // Whether `stop` came while waiting `d`.
+            let wait = |stop: &mut tokio::sync::oneshot::Receiver<()>, d: Duration| {
+                handle.block_on(async {
+                    tokio::select! {
+                        _ = stop => true,
+                        _ = tokio::time::sleep(d) => false,
+                    }
+                })
+            };
+            loop {
+                // The session is opened outside the runtime: finding the
+                // owner may read the bucket, which blocks on a runtime of
+                // its own, and a new owner is asked about our requests.
+                let polled = match inner.session() {
+                    Ok(s) => {
+                        let poll = inner.poll(s, after);
+                        let got = handle.block_on(async {
                             tokio::select! {
-                                _ = &mut stop_rx => return,
-                                _ = tokio::time::sleep(backoff) => {}
+                                _ = &mut stop_rx => None,
+                                p = poll => Some(p),
                             }
-                            backoff = (backoff * 2).min(BACKOFF_MAX);
+                        });
+                        match got {
+                            Some(p) => p,
+                            None => return,
                         }
                     }
+                    Err(e) => Err(e),
+                };
+                match polled {
+                    Ok((_, ev)) => {
+                        if backoff != BACKOFF_MIN {
+                            inner.locator.answered();
+                        }
+                        backoff = BACKOFF_MIN;
+                        inner.invalidate(&notifier, ev, &mut after);
+                    }
+                    Err(Failed::Session) => {
+                        *inner.session.lock() = None;
+                        after = 0;
+                    }
+                    Err(_) => {
+                        after = 0;
+                        if wait(&mut stop_rx, backoff) {
+                            return;
+                        }
+                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                    }
                 }
-            })
+            }
         })?;
         *self.events.lock() = Some((stop_tx, t));
         Ok(())
@@ -941,11 +989,11 @@ impl RemoteFiles {
     fn opened(&self, a: &Attr) {
         self.forget(a.ino);
         {
-            let mut u = self.inner.unsynced.lock();
-            u.lost.remove(&a.ino);
-            if u.gone.remove(&a.ino) {
+            let mut j = self.inner.journal.lock();
+            j.lost.remove(&a.ino);
+            if j.gone.remove(&a.ino) {
                 // Another file with the lost one's number.
-                u.failed.remove(&a.ino);
+                j.failed.remove(&a.ino);
             }
         }
         let mut open = self.inner.open.lock();
@@ -976,7 +1024,7 @@ impl RemoteFiles {
 
     /// EIO for a file that did not survive an owner restart.
     fn check_alive(&self, ino: u64) -> Result<()> {
-        if self.inner.unsynced.lock().gone.contains(&ino) {
+        if self.inner.journal.lock().gone.contains(&ino) {
             return Err(errno_error(libc::EIO));
         }
         Ok(())
@@ -995,39 +1043,17 @@ impl RemoteFiles {
             return Err(Error::TooBig);
         }
         if !data.is_empty() && self.inner.send_write(at, data) {
-            if self.inner.unsynced.lock().bytes > UNSYNCED_MAX {
-                Files::fsync(self, ino)?;
-            }
             return Ok(data.len());
         }
-        let (out, op) = self.inner.call_back(at.op(data.to_vec()));
-        let n = match out? {
-            Out::Written(n) => (n as usize).min(data.len()),
-            _ => return Err(errno_error(libc::EPROTO)),
-        };
-        let crtime = self.inner.open.lock().get(&ino).map(|f| f.crtime);
-        let over = match (crtime, op) {
-            (Some(crtime), Op::Write { mut data, .. }) => {
-                // The operation's own buffer is kept for resending: no copy.
-                data.truncate(n);
-                let mut u = self.inner.unsynced.lock();
-                let seq = u.next();
-                u.push(seq, crtime, at, Bytes::from(data));
-                u.bytes > UNSYNCED_MAX
-            }
-            // Written through no open file of ours (the kernel always
-            // writes through one): nothing to resend it from.
-            _ => false,
-        };
-        if over {
-            Files::fsync(self, ino)?;
+        match self.inner.call_raw(at.op(data.to_vec()))? {
+            Out::Written(n) => Ok((n as usize).min(data.len())),
+            _ => Err(errno_error(libc::EPROTO)),
         }
-        Ok(n)
     }
 
-    /// Bytes written but not yet made durable by an fsync.
-    pub fn unsynced_bytes(&self) -> u64 {
-        self.inner.unsynced.lock().bytes
+    /// Requests the owner answered that no fsync has covered yet.
+    pub fn unsynced_requests(&self) -> usize {
+        self.inner.journal.lock().len()
     }
 }
 
@@ -1152,15 +1178,17 @@ impl Files for RemoteFiles {
         Ok((self.write_as(Written { ino, off, unprivileged: true }, data)?, true))
     }
     fn fsync(&self, ino: u64) -> Result<()> {
-        let upto = self.inner.unsynced.lock().next_seq;
-        unit(self.call(Op::Fsync { ino }))?;
-        // The owner's fsync covers its whole log: every write acknowledged
-        // before it is durable now.
-        let mut u = self.inner.unsynced.lock();
-        u.writes.retain(|w| w.seq >= upto);
-        u.bytes = u.writes.iter().map(|w| w.data.len() as u64).sum();
-        let failed = u.failed.remove(&ino);
-        if u.lost.remove(&ino) {
+        self.inner.settle_all();
+        let upto = self.inner.journal.lock().position();
+        unit(self.inner.call_raw(Op::Fsync { ino }))?;
+        // The owner's fsync covers its whole log: every request answered
+        // before it was sent is durable now. What an earlier owner lost
+        // (found when this one was met) fails this fsync.
+        let mut j = self.inner.journal.lock();
+        j.synced(upto);
+        let failed = j.failed.remove(&ino);
+        let lost = j.lost.remove(&ino);
+        if std::mem::take(&mut j.lost_change) || lost {
             return Err(errno_error(libc::EIO));
         }
         match failed {
@@ -1170,9 +1198,13 @@ impl Files for RemoteFiles {
     }
     fn flush(&self, ino: u64) -> Result<()> {
         // Close-to-open: what was written is at the owner before close
-        // returns, and a write it refused is reported here.
+        // returns, and a write it refused or lost is reported here.
         self.inner.settle_reachable(ino);
-        self.inner.take_failed(ino)
+        self.inner.take_failed(ino)?;
+        if self.inner.journal.lock().lost.remove(&ino) {
+            return Err(errno_error(libc::EIO));
+        }
+        Ok(())
     }
     fn readdir(&self, ino: u64, mut offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()> {
         // Bounded by the directory: each batch moves the offset forward.
@@ -1250,4 +1282,13 @@ impl Drop for RemoteFiles {
     fn drop(&mut self) {
         let _ = Files::close(self);
     }
+}
+
+/// A client id for this mount's request tags: random, never 0.
+fn new_client_id() -> u64 {
+    use std::hash::BuildHasher;
+    // RandomState is seeded from the system's randomness once per process
+    // and moves on with every instance.
+    let id = std::collections::hash_map::RandomState::new().hash_one((std::process::id(), Instant::now()));
+    id.max(1)
 }

@@ -213,16 +213,12 @@ impl CacheServer {
                     me.serve_framed(stream, conn);
                     return;
                 }
-                let server = me.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
-                    async move { Ok::<_, Infallible>(me.handle(req, conn).await) }
+                    async move { Ok::<_, Infallible>(me.handle(req).await) }
                 });
                 if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
                     tracing::debug!(%peer, error = %e, "connection ended");
-                }
-                for b in server.branches.values() {
-                    b.connection_closed(conn);
                 }
             });
         }
@@ -248,11 +244,8 @@ impl CacheServer {
         framed.open.insert(conn, handle);
         let me = self.clone();
         let spawned = std::thread::Builder::new().name("arbor-files".into()).spawn(move || {
-            if let Err(e) = me.framed_connection(stream, conn, &rt) {
+            if let Err(e) = me.framed_connection(stream, &rt) {
                 tracing::debug!(conn, error = %e, "a framed connection ended");
-            }
-            for b in me.branches.values() {
-                b.connection_closed(conn);
             }
             me.framed.lock().open.remove(&conn);
         });
@@ -266,12 +259,7 @@ impl CacheServer {
     }
 
     /// Answers one framed connection until it closes.
-    fn framed_connection(
-        &self,
-        mut stream: std::net::TcpStream,
-        conn: u64,
-        rt: &tokio::runtime::Handle,
-    ) -> std::io::Result<()> {
+    fn framed_connection(&self, mut stream: std::net::TcpStream, rt: &tokio::runtime::Handle) -> std::io::Result<()> {
         use crate::frames::{read_frame, read_request, write_answer, write_frame, Answer, Hello, Request, Welcome};
         use crate::frames::{MAGIC, VERSION};
         use std::io::Read;
@@ -286,7 +274,7 @@ impl CacheServer {
             Welcome::Refused
         } else if hello.version != VERSION {
             Welcome::Version(VERSION)
-        } else if !chunks && !self.branches.contains_key(&hello.branch) {
+        } else if !chunks && self.branches.get(&hello.branch).is_none_or(|b| b.stepped_down()) {
             Welcome::NoBranch
         } else {
             Welcome::Ok
@@ -306,16 +294,23 @@ impl CacheServer {
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             };
+            if b.stepped_down() {
+                // Another writer took the branch (or the log failed): the
+                // client looks for the owner again rather than be answered
+                // by one that can no longer write.
+                tracing::warn!(branch = %b.name(), "no longer serving the branch; closing a client's connection");
+                return Ok(());
+            }
             let answer = match req {
-                Request::Session => Answer::Session(b.open_session(conn)),
-                Request::Op { session, .. } if !b.touch(session, conn) => Answer::UnknownSession,
-                Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true } }
+                Request::Session => Answer::Session(b.open_session()),
+                Request::Op { session, .. } if !b.touch(session) => Answer::UnknownSession,
+                Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true }, .. }
                     if lock.typ != libc::F_UNLCK =>
                 {
                     let go_on = || !self.framed.lock().stopping;
                     Answer::Reply(rt.block_on(b.set_lock_while(session, ino, owner, lock, go_on)))
                 }
-                Request::Op { session, op } => Answer::Reply(b.apply(session, op)),
+                Request::Op { session, op, tag } => Answer::Reply(b.apply_request(session, tag, op)),
             };
             write_answer(&mut stream, &mut wbuf, &answer)?;
         }
@@ -474,7 +469,7 @@ impl CacheServer {
         .await;
     }
 
-    async fn handle(&self, req: Request<Incoming>, conn: u64) -> Reply {
+    async fn handle(&self, req: Request<Incoming>) -> Reply {
         let auth = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
         if !authorized(auth, &self.opts.token) {
             self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
@@ -487,7 +482,7 @@ impl CacheServer {
                 return reply(StatusCode::NOT_FOUND, format!("branch {branch} is not served here\n"));
             };
             return match (req.method(), rest) {
-                (&Method::GET, ["events"]) => events(b, &req, conn).await,
+                (&Method::GET, ["events"]) => events(b, &req).await,
                 _ => reply(StatusCode::NOT_FOUND, Bytes::new()),
             };
         }
@@ -751,7 +746,7 @@ async fn reap_sessions(b: Arc<SharedBranch>) {
     }
 }
 
-async fn events(b: Arc<SharedBranch>, req: &Request<Incoming>, conn: u64) -> Reply {
+async fn events(b: Arc<SharedBranch>, req: &Request<Incoming>) -> Reply {
     let mut session = None;
     let mut after = None;
     for kv in req.uri().query().unwrap_or("").split('&') {
@@ -764,7 +759,7 @@ async fn events(b: Arc<SharedBranch>, req: &Request<Incoming>, conn: u64) -> Rep
     let (Some(session), Some(after)) = (session, after) else {
         return reply(StatusCode::BAD_REQUEST, "events?session=<hex>&after=<n>\n");
     };
-    if !b.touch(session, conn) {
+    if !b.touch(session) {
         return reply(StatusCode::CONFLICT, "unknown session\n");
     }
     reply(StatusCode::OK, encode_value(&b.events(session, after, EVENT_WAIT).await))

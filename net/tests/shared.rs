@@ -5,7 +5,7 @@
 
 use arbor_engine::device::{CrashMode, SimDevice};
 use arbor_engine::env::TestEnv;
-use arbor_engine::volume::{Config, Place, Volume, ROOT_INO};
+use arbor_engine::volume::{Config, Place, RenameMode, RequestTag, Volume, ROOT_INO};
 use arbor_fs::Files;
 use arbor_net::files::{Event, Op, Out};
 use arbor_net::{CacheServer, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
@@ -72,7 +72,7 @@ fn crash_and_restart(dev: &SimDevice, old: (Arc<Volume>, Running), at: &Arc<Mute
 }
 
 #[test]
-fn writes_the_owner_lost_are_sent_again_before_the_next_fsync() {
+fn writes_the_owner_lost_fail_the_next_fsync_and_are_never_sent_again() {
     let dev = SimDevice::new();
     let first = owner(&dev);
     let at = found_at(&first.1);
@@ -84,17 +84,58 @@ fn writes_the_owner_lost_are_sent_again_before_the_next_fsync() {
     // write returns once sent; any other operation waits for its answer.)
     c.write(f.ino, 8, b"acknowledged").expect("write");
     assert_eq!(c.getattr(f.ino).expect("getattr").size, 20);
-    assert_eq!(c.unsynced_bytes(), 12);
+    assert_eq!(c.unsynced_requests(), 1);
 
     let (vol, _server) = crash_and_restart(&dev, first, &at);
     assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"durable|", "the crash lost the unsynced write");
-    // The client's next fsync reaches the new owner after it has sent the
-    // lost write again.
-    c.fsync(f.ino).expect("fsync after the restart");
-    assert_eq!(c.unsynced_bytes(), 0);
-    assert_eq!(c.read(f.ino, 0, 100).expect("read"), b"durable|acknowledged");
-    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"durable|acknowledged");
+    // The client's next fsync reaches the new owner, which lacks the
+    // write: the fsync says so, and the write is not sent again (another
+    // client could have written there since).
+    assert_eq!(c.fsync(f.ino).map_err(|e| e.errno()), Err(libc::EIO));
+    assert_eq!(c.unsynced_requests(), 0);
+    assert_eq!(c.read(f.ino, 0, 100).expect("read"), b"durable|");
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"durable|");
+    // Reported once; the file goes on from what is durable.
+    c.write(f.ino, 8, b"again").expect("write");
+    c.fsync(f.ino).expect("fsync");
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"durable|again");
     assert!(c.stats().sessions >= 2);
+}
+
+#[test]
+fn a_lost_rename_fails_the_next_fsync_of_any_file() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    let f = c.create_open(ROOT_INO, b"ckpt.tmp", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(f.ino, 0, b"body").expect("write");
+    c.fsync(f.ino).expect("fsync");
+    c.rename(ROOT_INO, b"ckpt.tmp", ROOT_INO, b"ckpt", RenameMode::Plain).expect("rename");
+    let (vol, _server) = crash_and_restart(&dev, first, &at);
+    assert!(vol.lookup(ROOT_INO, b"ckpt.tmp").is_ok(), "the crash took the rename");
+    // The directory's fsync must not say the rename is durable.
+    assert_eq!(c.fsync(ROOT_INO).map_err(|e| e.errno()), Err(libc::EIO));
+    c.fsync(ROOT_INO).expect("reported once");
+}
+
+#[test]
+fn what_a_crashed_owner_made_durable_is_not_applied_again() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    let f = c.create_open(ROOT_INO, b"a", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(f.ino, 0, b"x").expect("write");
+    c.unlink(ROOT_INO, b"a").expect("unlink");
+    c.fsync(ROOT_INO).expect("fsync");
+    c.mkdir(ROOT_INO, b"d", 0o755, 0, 0).expect("mkdir");
+    first.0.sync_all().expect("the owner syncs on its own");
+    let (vol, _server) = crash_and_restart(&dev, first, &at);
+    assert!(vol.lookup(ROOT_INO, b"d").is_ok());
+    // Nothing was lost: the owner's own sync covered the mkdir.
+    c.fsync(ROOT_INO).expect("fsync after the restart");
+    assert_eq!(c.unsynced_requests(), 0);
 }
 
 #[test]
@@ -126,7 +167,7 @@ fn a_file_the_owner_lost_fails_its_fsync_and_its_reads() {
 fn other_sessions_hear_of_changes_and_not_of_their_own() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let b = SharedBranch::new("main", vol, None);
-    let (s1, s2) = (b.open_session(1), b.open_session(2));
+    let (s1, s2) = (b.open_session(), b.open_session());
     let made = b.apply(s1.session, Op::Mkdir { parent: ROOT_INO, name: b"d".to_vec(), perm: 0o755, uid: 0, gid: 0 });
     let Ok(Out::Attr(d)) = made else { panic!("mkdir: {made:?}") };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
@@ -155,7 +196,7 @@ fn other_sessions_hear_of_changes_and_not_of_their_own() {
 fn a_dropped_session_gives_back_its_open_files_and_locks() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let b = SharedBranch::new("main", vol.clone(), None);
-    let (s1, s2) = (b.open_session(1), b.open_session(2));
+    let (s1, s2) = (b.open_session(), b.open_session());
     let Ok(Out::Attr(f)) =
         b.apply(s1.session, Op::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })
     else {
@@ -167,10 +208,10 @@ fn a_dropped_session_gives_back_its_open_files_and_locks() {
     // Unlinked while s1 has it open: still there for s1.
     assert!(b.apply(s2.session, Op::Unlink { parent: ROOT_INO, name: b"f".to_vec() }).is_ok());
     assert!(vol.getattr(f.ino).is_ok());
-    // s1's connection closes and does not come back.
-    b.connection_closed(1);
-    std::thread::sleep(arbor_net::files::ORPHAN_GRACE + Duration::from_millis(200));
-    b.reap();
+    // s1 goes quiet; s2 keeps being heard from.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(b.touch(s2.session));
+    b.reap_idle(Duration::from_millis(200));
     assert_eq!(b.sessions(), 1);
     assert_eq!(b.locks(), 0);
     assert!(b.try_lock(s2.session, f.ino, 9, all).is_ok(), "the lock went with its session");
@@ -213,7 +254,7 @@ fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
     write_frame(
         &mut s,
         &mut b,
-        &Request::Op { session: 42, op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() } },
+        &Request::Op { session: 42, op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() }, tag: None },
     )
     .expect("send");
     assert!(matches!(read_frame::<Answer>(&mut s, &mut r).expect("answer"), Answer::UnknownSession));
@@ -222,14 +263,22 @@ fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
     write_frame(
         &mut s,
         &mut b,
-        &Request::Op { session: info.session, op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() } },
+        &Request::Op {
+            session: info.session,
+            op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() },
+            tag: None,
+        },
     )
     .expect("send");
     assert!(matches!(read_frame::<Answer>(&mut s, &mut r).expect("answer"), Answer::Reply(Ok(Out::Attr(_)))));
     write_frame(
         &mut s,
         &mut b,
-        &Request::Op { session: info.session, op: Op::Lookup { parent: ROOT_INO, name: b"missing".to_vec() } },
+        &Request::Op {
+            session: info.session,
+            op: Op::Lookup { parent: ROOT_INO, name: b"missing".to_vec() },
+            tag: None,
+        },
     )
     .expect("send");
     assert!(matches!(read_frame::<Answer>(&mut s, &mut r).expect("answer"), Answer::Reply(Err(libc::ENOENT))));
@@ -398,7 +447,7 @@ fn writes_in_flight_keep_their_order_and_report_refusals_at_fsync_and_close() {
     c.write(d.ino, 0, b"x").expect("a write on its way");
     assert_eq!(c.flush(d.ino).map_err(|e| e.errno()), Err(libc::EISDIR));
     c.flush(d.ino).expect("reported once");
-    assert_eq!(c.unsynced_bytes(), 0, "a refused write is not kept for resending");
+    assert_eq!(c.unsynced_requests(), 0, "a refused write is not kept");
 
     // A write past the largest file is refused at once, as a local mount refuses it.
     let max = arbor_engine::volume::MAX_FILE_SIZE;
@@ -408,7 +457,7 @@ fn writes_in_flight_keep_their_order_and_report_refusals_at_fsync_and_close() {
 }
 
 #[test]
-fn writes_in_flight_when_the_owner_goes_away_are_sent_again_to_the_next_one() {
+fn writes_in_flight_when_the_owner_goes_away_are_kept_or_reported_never_sent_to_the_next_one() {
     let dev = SimDevice::new();
     let vol = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
     let first = serve(&vol);
@@ -423,13 +472,20 @@ fn writes_in_flight_when_the_owner_goes_away_are_sent_again_to_the_next_one() {
     // A close meanwhile does not wait for the owner to come back.
     c.flush(f.ino).expect("close while the owner is away");
     // The same volume served again (a new epoch, a new address): the
-    // client's next operation sends what it had in flight, in order.
+    // client asks which of the writes it had in flight the owner has. Those
+    // it lacks are not sent to the new owner: the file holds a prefix of
+    // the writes (one lane, in order), and its fsync says whether all came.
     let second = serve(&vol);
     *at.lock() = second.addr.to_string();
-    c.fsync(f.ino).expect("fsync through the next owner");
-    assert!(vol.read(f.ino, 0, want.len()).expect("read") == want, "every write arrived once the owner was back");
-    assert!(read_all(&c, f.ino, want.len(), 1 << 20) == want);
-    assert_eq!(c.unsynced_bytes(), 0);
+    let synced = c.fsync(f.ino).map_err(|e| e.errno());
+    let got = vol.read(f.ino, 0, want.len()).expect("read");
+    assert!(got.len().is_multiple_of(1 << 20) && got[..] == want[..got.len()], "a prefix of the writes, in order");
+    match synced {
+        Ok(()) => assert_eq!(got.len(), want.len(), "an fsync that returned covers every write"),
+        Err(errno) => assert_eq!(errno, libc::EIO),
+    }
+    assert!(read_all(&c, f.ino, got.len(), 1 << 20) == got);
+    assert_eq!(c.unsynced_requests(), 0);
 }
 
 #[test]
@@ -469,4 +525,53 @@ fn threads_waiting_for_their_owner_share_each_lookup_of_it() {
     assert!(st.retries >= 8, "{} tries in 2 s by four threads", st.retries);
     assert!(during <= 8, "{during} lookups of the owner in 2 s of outage ({} tries)", st.retries);
     assert_eq!(st.owner_lookups, before + during);
+}
+
+/// Sends `op` as request `tag` under a new session of `addr`'s owner, on a
+/// connection of its own, and returns the owner's answer.
+fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_net::frames::Answer {
+    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    let (mut s, w) = hello(addr, TOKEN, "main");
+    assert_eq!(w, Welcome::Ok);
+    let (mut r, mut b) = (Vec::new(), Vec::new());
+    write_request(&mut s, &mut b, &Request::Session).expect("send");
+    let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
+    write_request(&mut s, &mut b, &Request::Op { session: info.session, op, tag: Some(tag) }).expect("send");
+    read_frame::<Answer>(&mut s, &mut r).expect("answer")
+}
+
+#[test]
+fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
+    use arbor_net::frames::Answer;
+    let dev = SimDevice::new();
+    let (vol, server) = owner(&dev);
+    vol.create(ROOT_INO, b"x", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    let unlink = Op::Unlink { parent: ROOT_INO, name: b"x".to_vec() };
+    let tag = RequestTag { client: 77, slot: 3, seq: 1 };
+    assert!(matches!(tagged_request(server.addr, unlink.clone(), tag), Answer::Reply(Ok(Out::Unit))));
+    // Another client makes a new `x`; the first copy's reply was lost, so
+    // the request comes again on another connection: it gets the first
+    // answer, and the new `x` stays.
+    let new_x = vol.create(ROOT_INO, b"x", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    assert!(matches!(tagged_request(server.addr, unlink.clone(), tag), Answer::Reply(Ok(Out::Unit))));
+    assert_eq!(vol.lookup(ROOT_INO, b"x").expect("the new x").ino, new_x.ino);
+    // An O_EXCL create sent twice succeeds once, and its copy says so too.
+    let excl = Op::Mkdir { parent: ROOT_INO, name: b"lock".to_vec(), perm: 0o755, uid: 0, gid: 0 };
+    let tag2 = RequestTag { client: 77, slot: 4, seq: 1 };
+    assert!(matches!(tagged_request(server.addr, excl.clone(), tag2), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(tagged_request(server.addr, excl.clone(), tag2), Answer::Reply(Ok(Out::Attr(_)))));
+    // The next request on the slot is a new one: applied, and refused.
+    let next = RequestTag { seq: 2, ..tag2 };
+    assert!(matches!(tagged_request(server.addr, excl, next), Answer::Reply(Err(libc::EEXIST))));
+
+    // After a crash and a new owner, what the old one made durable is still
+    // answered, not applied: the tags are in the branch's state.
+    vol.sync_all().expect("sync");
+    let (vol2, server2) = {
+        let at = Arc::new(Mutex::new(String::new()));
+        crash_and_restart(&dev, (vol, server), &at)
+    };
+    let newer = vol2.lookup(ROOT_INO, b"x").expect("x survived").ino;
+    assert!(matches!(tagged_request(server2.addr, unlink, tag), Answer::Reply(Ok(Out::Unit))));
+    assert_eq!(vol2.lookup(ROOT_INO, b"x").expect("x stays").ino, newer);
 }

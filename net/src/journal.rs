@@ -1,0 +1,188 @@
+//! Exactly-once requests, the client's side: the slots a client mount
+//! tags its requests with, and the journal of requests the owner answered
+//! that no fsync has covered yet.
+//!
+//! The journal keeps tags, not bytes: a client never sends a write again
+//! once the owner that answered it is gone, because by then another
+//! client may have written over the same bytes, and sending it again would
+//! bring back what was overwritten. Instead, after the owner changes, the
+//! client asks the new owner which of its slots' requests the branch
+//! includes ([`crate::files::Op::Slots`]): those were made durable before
+//! the old owner went (the new owner recovered them from the log), the
+//! rest were lost with it. A lost write fails its file's next `fsync` and
+//! `close` with EIO; a lost change of names (a rename, an unlink, …) fails
+//! the mount's next `fsync` of anything with EIO. Nothing is applied late,
+//! and nothing answered is lost silently.
+
+use arbor_engine::volume::RequestTag;
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, HashSet, VecDeque};
+
+/// Ordinary slots a mount has: as many requests at once as it has FUSE
+/// threads and more; a request waits for a free one.
+pub const SLOTS: u32 = 64;
+/// Answered requests a mount keeps before it syncs on its own.
+pub const JOURNAL_MAX: usize = 1 << 20;
+
+/// The ordinary slots and each one's last sequence.
+pub struct SlotTable {
+    free: Mutex<Vec<(u32, u64)>>,
+    returned: Condvar,
+}
+
+impl Default for SlotTable {
+    fn default() -> Self {
+        SlotTable { free: Mutex::new((0..SLOTS).rev().map(|s| (s, 0)).collect()), returned: Condvar::new() }
+    }
+}
+
+impl SlotTable {
+    /// A free slot and the next sequence on it, waiting for one if all are
+    /// in use (each holder gives its slot back when its request ends).
+    pub fn take(&self, client: u64) -> RequestTag {
+        let mut free = self.free.lock();
+        loop {
+            if let Some((slot, seq)) = free.pop() {
+                return RequestTag { client, slot, seq: seq + 1 };
+            }
+            self.returned.wait(&mut free);
+        }
+    }
+
+    pub fn give(&self, tag: RequestTag) {
+        self.free.lock().push((tag.slot, tag.seq));
+        self.returned.notify_one();
+    }
+}
+
+struct Entry {
+    pos: u64,
+    tag: RequestTag,
+    /// The file a write went to; `None` for a change of names or attributes.
+    ino: Option<u64>,
+}
+
+/// What the owner answered and no fsync has covered, and what was lost.
+#[derive(Default)]
+pub struct Journal {
+    entries: VecDeque<Entry>,
+    next_pos: u64,
+    /// Files whose answered writes the owner lost: their next fsync fails.
+    pub lost: HashSet<u64>,
+    /// An answered change other than a write was lost: the next fsync of
+    /// anything on the mount fails.
+    pub lost_change: bool,
+    /// Files this mount had open that did not survive an owner restart:
+    /// reads and writes through those open files fail with EIO (their
+    /// inode number may name another file now) until the file is opened
+    /// anew.
+    pub gone: HashSet<u64>,
+    /// Files a write in flight to failed at the owner, and its errno: the
+    /// file's next write, fsync or close reports it.
+    pub failed: HashMap<u64, i32>,
+}
+
+impl Journal {
+    /// Notes that the owner answered request `tag` (a write to `ino`, or
+    /// another change when `ino` is `None`) with success.
+    pub fn answered(&mut self, tag: RequestTag, ino: Option<u64>) {
+        self.entries.push_back(Entry { pos: self.next_pos, tag, ino });
+        self.next_pos += 1;
+    }
+
+    /// Where the journal is now: an fsync sent after this covers every
+    /// entry before it.
+    pub fn position(&self) -> u64 {
+        self.next_pos
+    }
+
+    /// The owner's fsync, sent at `upto`, returned: what was answered
+    /// before is durable.
+    pub fn synced(&mut self, upto: u64) {
+        while self.entries.front().is_some_and(|e| e.pos < upto) {
+            self.entries.pop_front();
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// A new owner includes each slot's requests up to `floors[slot]`:
+    /// those are durable; every other answered request was lost with the
+    /// old owner and is marked so. Returns how many were lost.
+    pub fn reconcile(&mut self, floors: &HashMap<u32, u64>) -> usize {
+        let mut lost = 0;
+        for e in std::mem::take(&mut self.entries) {
+            if floors.get(&e.tag.slot).is_some_and(|&f| e.tag.seq <= f) {
+                continue;
+            }
+            lost += 1;
+            match e.ino {
+                Some(ino) => {
+                    self.lost.insert(ino);
+                }
+                None => self.lost_change = true,
+            }
+        }
+        lost
+    }
+
+    /// Forgets file `ino`: the owner no longer has it.
+    pub fn forget_file(&mut self, ino: u64) {
+        self.lost.insert(ino);
+        self.gone.insert(ino);
+        self.entries.retain(|e| e.ino != Some(ino));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(slot: u32, seq: u64) -> RequestTag {
+        RequestTag { client: 1, slot, seq }
+    }
+
+    #[test]
+    fn what_the_new_owner_lacks_is_lost_and_nothing_is_sent_again() {
+        let mut j = Journal::default();
+        j.answered(tag(0, 1), None);
+        j.answered(tag(1, 4), Some(10));
+        j.answered(tag(1, 5), Some(11));
+        j.answered(tag(2, 9), None);
+        let floors = HashMap::from([(0, 1), (1, 4)]);
+        assert_eq!(j.reconcile(&floors), 2);
+        assert!(j.is_empty());
+        assert_eq!(j.lost, HashSet::from([11]));
+        assert!(j.lost_change, "slot 2's change is not in the new owner's state");
+    }
+
+    #[test]
+    fn an_fsync_covers_what_was_answered_before_it_was_sent() {
+        let mut j = Journal::default();
+        j.answered(tag(0, 1), None);
+        let upto = j.position();
+        j.answered(tag(0, 2), Some(3));
+        j.synced(upto);
+        assert_eq!(j.len(), 1);
+        // After an owner change with nothing of slot 0 past 1, the write is lost.
+        assert_eq!(j.reconcile(&HashMap::from([(0, 1)])), 1);
+        assert!(j.lost.contains(&3) && !j.lost_change);
+    }
+
+    #[test]
+    fn slots_are_reused_with_growing_sequences() {
+        let t = SlotTable::default();
+        let a = t.take(9);
+        let b = t.take(9);
+        assert_ne!(a.slot, b.slot);
+        t.give(a);
+        let c = t.take(9);
+        assert_eq!((c.slot, c.seq), (a.slot, a.seq + 1));
+    }
+}
