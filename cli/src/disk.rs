@@ -36,11 +36,22 @@ pub fn open_for_mount(arg: &str, name: &str, cache: CacheOptions) -> Result<Disk
 }
 
 /// Opens the disk for the process that owns branch `name` and serves it
-/// (`take_over`: even from a live lease whose holder is known dead).
-pub fn open_for_owner(arg: &str, name: &str, cache: CacheOptions, take_over: bool) -> Result<Disk> {
+/// (`take_over`: even from a live lease whose holder is known dead), with
+/// a lease that lives `ttl` without renewal.
+pub fn open_for_owner(
+    arg: &str,
+    name: &str,
+    cache: CacheOptions,
+    take_over: bool,
+    ttl: std::time::Duration,
+) -> Result<Disk> {
+    if ttl < std::time::Duration::from_secs(1) {
+        anyhow::bail!("--lease-ttl must be at least 1s");
+    }
     let mut o = options(Some(name), cache)?;
     if let Some(l) = o.lease.as_mut() {
         l.take_over = take_over;
+        l.ttl = ttl;
     }
     Ok(Disk::open(arg, o)?)
 }

@@ -320,6 +320,13 @@ struct ServeCmd {
     /// (its node is known to be dead; if it is not, it is fenced).
     #[arg(long)]
     take_over: bool,
+    /// For --branch: how long this owner's claim lives without renewal
+    /// (renewed every third of it). Another node that finds the owner
+    /// silent waits this long and a fifth more, by its own clock, before
+    /// it takes the branch; an owner that cannot renew for four fifths of
+    /// it stops acknowledging writes.
+    #[arg(long, default_value = "60s")]
+    lease_ttl: disk::Span,
     /// For --branch: local (fsync durable on this node) or bucket.
     #[arg(long, default_value = "local")]
     durability: arbor_engine::tier::Durability,
@@ -512,6 +519,7 @@ fn run(cli: Cli) -> Result<()> {
                     branches: c.branch,
                     advertise: c.advertise,
                     take_over: c.take_over,
+                    lease_ttl: c.lease_ttl.0,
                     durability: c.durability,
                     segment_size: c.segment_size.0,
                 },

@@ -11,14 +11,30 @@ use std::time::Duration;
 pub const LEASE_TTL: Duration = Duration::from_secs(60);
 
 /// This process's claim: this host, this pid, a one-minute lease, and a
-/// holder on this host judged by whether its process is alive.
+/// holder in this boot and PID namespace judged by whether its process is
+/// alive (elsewhere, by watching its lease).
 pub fn lease() -> LeaseConfig {
     LeaseConfig {
         host: hostname(),
         pid: std::process::id(),
+        pid_scope: pid_scope(),
         ttl: LEASE_TTL,
         alive: Some(Arc::new(pid_alive)),
         take_over: false,
+    }
+}
+
+/// The boot and PID namespace this process's pid is read in:
+/// `<boot id>/<pid namespace>`, or empty if either is unknown (then no
+/// holder is judged by its pid). Two containers on one host with their own
+/// PID namespaces have different scopes, so neither takes the other's pid
+/// for a dead process.
+pub fn pid_scope() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|b| b.trim().to_string());
+    let ns = std::fs::read_link("/proc/self/ns/pid").map(|p| p.to_string_lossy().into_owned());
+    match (boot, ns) {
+        (Ok(b), Ok(n)) if !b.is_empty() && !n.is_empty() => format!("{b}/{n}"),
+        _ => String::new(),
     }
 }
 
@@ -77,16 +93,27 @@ mod tests {
     fn a_lease_held_on_this_host_lives_as_long_as_its_process() {
         use arbor_engine::disk::Lease;
         let me = lease();
+        assert!(!me.pid_scope.is_empty(), "this machine has a boot id and a PID namespace");
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         // Expired long ago by its clock, yet its process runs: still held.
-        let held = Lease { writer: 1, host: me.host.clone(), pid: child.id(), expires: 0 };
-        assert!(held.is_live(Some(&me)));
+        let held = Lease {
+            writer: 1,
+            host: me.host.clone(),
+            pid: child.id(),
+            expires: 0,
+            pid_scope: me.pid_scope.clone(),
+            ttl_ms: 60_000,
+            renewal: 1,
+        };
+        assert_eq!(held.judged_here(Some(&me)), Some(true));
         child.kill().expect("kill");
         child.wait().expect("wait");
-        assert!(!held.is_live(Some(&me)), "a dead holder on this host holds nothing");
-        // On another host only the expiry counts.
+        assert_eq!(held.judged_here(Some(&me)), Some(false), "a dead holder in this PID scope holds nothing");
+        // Another PID namespace on this host (a container), or another
+        // host: its pid means nothing here, whatever its clock says.
+        let container = Lease { pid_scope: "other-boot/pid:[1]".into(), ..held.clone() };
+        assert_eq!(container.judged_here(Some(&me)), None);
         let far = Lease { host: "elsewhere".into(), ..held };
-        assert!(!far.is_live(Some(&me)));
-        assert!(Lease { expires: u64::MAX, ..far }.is_live(Some(&me)));
+        assert_eq!(far.judged_here(Some(&me)), None);
     }
 }

@@ -25,6 +25,8 @@ pub struct OwnerArgs {
     pub advertise: Option<String>,
     /// Take the branches even from a live lease (their holder is known dead).
     pub take_over: bool,
+    /// The life of the owner's lease on its branches.
+    pub lease_ttl: std::time::Duration,
     pub durability: arbor_engine::tier::Durability,
     pub segment_size: u64,
 }
@@ -54,7 +56,7 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
     arbor_snapshot::check_name(name)?;
     crate::serve::check_segment_size(a.segment_size)?;
     let cache = disk::CacheOptions { durability: a.durability, ..disk::CacheOptions::default() };
-    let d = Arc::new(disk::open_for_owner(disk_arg, name, cache, a.take_over)?);
+    let d = Arc::new(disk::open_for_owner(disk_arg, name, cache, a.take_over, a.lease_ttl)?);
     d.make_private()?;
     let catalog = d.catalog()?;
     if name != "main" {

@@ -16,43 +16,77 @@ use std::sync::Arc;
 pub use crate::layout::{branch_key, checkpoint_key};
 
 const HEAD_MAGIC: &[u8; 4] = b"ARHD";
+/// Heads whose lease says where its pid means something, how long it
+/// lives by its holder's clock, and which renewal this is.
+const HEAD_MAGIC_2: &[u8; 4] = b"ARH2";
 
-/// Who writes a branch, and until when the claim holds without renewal.
-/// A head object with a live lease refuses a second writer.
+/// Who writes a branch. A head object with a lease refuses a second
+/// writer until the lease is seen to lapse: its holder renews it every
+/// third of `ttl_ms`, each renewal changes the head, and a reader that
+/// watches the head go unchanged for longer than `ttl_ms` by its own
+/// clock knows the holder stopped. No two clocks are ever compared.
 #[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
 pub struct Lease {
     /// The holder's writer epoch (its segments are `seg-<writer>-…`).
     pub writer: u64,
     pub host: String,
     pub pid: u32,
-    /// Seconds since the Unix epoch, by the holder's clock.
+    /// Seconds since the Unix epoch by the holder's clock when the claim
+    /// lapses: shown to people, never compared with another clock.
     pub expires: u64,
+    /// Where `pid` names this process: the boot and PID namespace it was
+    /// read in (see [`LeaseConfig::pid_scope`]); empty if unknown.
+    pub pid_scope: String,
+    /// How long one renewal holds, in milliseconds of the holder's clock.
+    pub ttl_ms: u64,
+    /// Counts the holder's head writes, so that every renewal changes
+    /// the head (and its tag) even when nothing else did.
+    pub renewal: u64,
+}
+
+/// The lease of heads written before [`Lease::pid_scope`] existed.
+#[derive(bincode::Decode)]
+struct LeaseV1 {
+    writer: u64,
+    host: String,
+    pid: u32,
+    expires: u64,
 }
 
 /// Whether process `pid` on this host is alive (the caller knows how;
 /// the engine knows nothing of processes).
 pub type ProcessAlive = Arc<dyn Fn(u32) -> bool + Send + Sync>;
 
+/// The longest a reader waits to see a lease lapse, whatever life the
+/// lease claims.
+const LAPSE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// How a writer claims its branch: which host and process it is, how long
 /// a claim lives without renewal (renewed every third of that), and how to
-/// tell whether a holder on this host is still alive.
+/// tell whether a holder in this node's own PID scope is still alive.
 #[derive(Clone)]
 pub struct LeaseConfig {
     pub host: String,
     pub pid: u32,
+    /// The boot and PID namespace `pid` belongs to (e.g. the boot id and
+    /// `/proc/self/ns/pid`): a holder is judged by `alive` only when its
+    /// lease names the same non-empty scope, so a process in another
+    /// container on this host is never thought dead because its pid
+    /// means nothing here. Empty: never judged by pid.
+    pub pid_scope: String,
     pub ttl: std::time::Duration,
-    /// `None`: a holder on this host is judged by its lease's expiry too.
+    /// `None`: every holder is judged by watching its lease.
     pub alive: Option<ProcessAlive>,
     /// Take the branch even from a live lease: the operator knows its
     /// holder is dead (its node is gone). A holder that was not dead after
-    /// all is fenced at its next head write.
+    /// all is fenced at its next head write or bucket fsync.
     pub take_over: bool,
 }
 
 impl LeaseConfig {
-    /// A claim by `host` lasting `ttl`, judged by expiry alone.
+    /// A claim by `host` lasting `ttl`, judged by watching alone.
     pub fn new(host: &str, ttl: std::time::Duration) -> LeaseConfig {
-        LeaseConfig { host: host.into(), pid: 0, ttl, alive: None, take_over: false }
+        LeaseConfig { host: host.into(), pid: 0, pid_scope: String::new(), ttl, alive: None, take_over: false }
     }
 }
 
@@ -61,23 +95,40 @@ fn unix_now() -> u64 {
 }
 
 impl Lease {
-    /// Whether this lease still keeps other writers out, as seen by the
-    /// writer `me` configures: a holder on the same host is live while its
-    /// process is (when `me` can tell), any other while its lease runs.
-    pub fn is_live(&self, me: Option<&LeaseConfig>) -> bool {
+    /// What the writer `me` configures can tell of this holder at once:
+    /// `Some(alive)` for a holder on the same host in the same non-empty
+    /// PID scope, judged by its process; `None` anywhere else, where only
+    /// watching the lease tells (see [`HeadDevice`]).
+    pub fn judged_here(&self, me: Option<&LeaseConfig>) -> Option<bool> {
         match me {
-            Some(LeaseConfig { host, alive: Some(alive), .. }) if *host == self.host => alive(self.pid),
-            _ => self.expires > unix_now(),
+            Some(LeaseConfig { host, pid_scope, alive: Some(alive), .. })
+                if *host == self.host && !pid_scope.is_empty() && *pid_scope == self.pid_scope =>
+            {
+                Some(alive(self.pid))
+            }
+            _ => None,
         }
+    }
+
+    /// Whether this lease is the one `me` writes.
+    pub fn is_mine(&self, me: &LeaseConfig) -> bool {
+        self.host == me.host && self.pid == me.pid && self.pid_scope == me.pid_scope
+    }
+
+    /// How long a reader watches this lease before it counts as lapsed.
+    fn lapse_wait(&self) -> std::time::Duration {
+        // A fifth more than its life, for clocks that run at other rates.
+        (std::time::Duration::from_millis(self.ttl_ms) * 6 / 5).min(LAPSE_WAIT_MAX)
     }
 }
 
 /// A branch head object: the superblock, and the writer's lease if one holds it.
 /// Without a lease it is the superblock's own encoding; with one,
-/// `"ARHD" | superblock length u32 | superblock | lease | crc32c u32`.
+/// `"ARH2" | superblock length u32 | superblock | lease | crc32c u32`
+/// (heads of older writers say `"ARHD"` and carry a shorter lease).
 pub fn encode_head(superblock: &[u8], lease: Option<&Lease>) -> Vec<u8> {
     let Some(lease) = lease else { return superblock.to_vec() };
-    let mut out = HEAD_MAGIC.to_vec();
+    let mut out = HEAD_MAGIC_2.to_vec();
     out.extend_from_slice(&(superblock.len() as u32).to_le_bytes());
     out.extend_from_slice(superblock);
     out.extend_from_slice(&crate::format::encode_value(lease));
@@ -88,7 +139,8 @@ pub fn encode_head(superblock: &[u8], lease: Option<&Lease>) -> Vec<u8> {
 
 /// Splits a head object into its superblock bytes (checked) and lease.
 pub fn decode_head(bytes: &[u8]) -> Result<(Vec<u8>, Superblock, Option<Lease>)> {
-    if !bytes.starts_with(HEAD_MAGIC) {
+    let v2 = bytes.starts_with(HEAD_MAGIC_2);
+    if !v2 && !bytes.starts_with(HEAD_MAGIC) {
         let sb = Superblock::decode(bytes)?;
         return Ok((bytes.to_vec(), sb, None));
     }
@@ -101,7 +153,14 @@ pub fn decode_head(bytes: &[u8]) -> Result<(Vec<u8>, Superblock, Option<Lease>)>
     let sb_end = 8usize.checked_add(sb_len).filter(|&e| e <= split).ok_or_else(bad)?;
     let sb_bytes = bytes[8..sb_end].to_vec();
     let sb = Superblock::decode(&sb_bytes)?;
-    let lease: Lease = crate::format::decode_value(&bytes[sb_end..split], "lease").map_err(|_| bad())?;
+    let lease: Lease = if v2 {
+        crate::format::decode_value(&bytes[sb_end..split], "lease").map_err(|_| bad())?
+    } else {
+        let old: LeaseV1 = crate::format::decode_value(&bytes[sb_end..split], "lease").map_err(|_| bad())?;
+        // Its life was a minute; its pid is judged nowhere.
+        let (writer, host, pid, expires) = (old.writer, old.host, old.pid, old.expires);
+        Lease { writer, host, pid, expires, pid_scope: String::new(), ttl_ms: 60_000, renewal: 0 }
+    };
     Ok((sb_bytes, sb, Some(lease)))
 }
 
@@ -129,6 +188,11 @@ pub struct HeadDevice {
     /// Set when another writer took the branch.
     fenced: Mutex<Option<String>>,
     released: std::sync::atomic::AtomicBool,
+    /// Head writes so far, carried in the lease ([`Lease::renewal`]).
+    renewals: std::sync::atomic::AtomicU64,
+    /// When the last head write that succeeded was sent: the lease holds
+    /// from then for its life, by this process's clock.
+    renewed_at: Mutex<Option<std::time::Instant>>,
 }
 
 impl HeadDevice {
@@ -157,6 +221,8 @@ impl HeadDevice {
             last: Mutex::new(None),
             fenced: Mutex::new(None),
             released: std::sync::atomic::AtomicBool::new(false),
+            renewals: std::sync::atomic::AtomicU64::new(0),
+            renewed_at: Mutex::new(None),
         })
     }
 
@@ -165,8 +231,15 @@ impl HeadDevice {
         if self.released.load(std::sync::atomic::Ordering::Acquire) {
             return None;
         }
-        let writer = superblock.commit.seg.writer;
-        Some(Lease { writer, host: cfg.host.clone(), pid: cfg.pid, expires: unix_now() + cfg.ttl.as_secs() })
+        Some(Lease {
+            writer: superblock.commit.seg.writer,
+            host: cfg.host.clone(),
+            pid: cfg.pid,
+            expires: unix_now() + cfg.ttl.as_secs(),
+            pid_scope: cfg.pid_scope.clone(),
+            ttl_ms: u64::try_from(cfg.ttl.as_millis()).unwrap_or(u64::MAX),
+            renewal: self.renewals.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1,
+        })
     }
 
     /// Renews the lease every third of its life while this head lives.
@@ -186,6 +259,10 @@ impl HeadDevice {
             }
             let Some(head) = me.upgrade() else { return };
             if head.released.load(std::sync::atomic::Ordering::Acquire) || head.fenced.lock().is_some() {
+                return;
+            }
+            if let Err(Error::Fenced(why)) = head.check_lease_age() {
+                tracing::error!(%why, "lost the branch lease; refusing further writes");
                 return;
             }
             match head.renew(every) {
@@ -211,22 +288,77 @@ impl HeadDevice {
     /// deposed fails its next fsync ([`Replica::log_synced`]) instead of
     /// acknowledging bytes the new writer never read.
     fn claim(&self, sb: &Superblock) -> Result<()> {
-        if let (Some(cfg), Some(held)) = (&self.lease, self.found.lock().as_ref()) {
-            if held.is_live(Some(cfg)) && !cfg.take_over {
-                return Err(Error::Busy(format!(
-                    "{} is open read-write by pid {} on host {} (its lease runs {} s more without renewal); \
-                     a second writer is refused",
-                    self.key,
-                    held.pid,
-                    held.host,
-                    held.expires.saturating_sub(unix_now())
-                )));
+        let held = self.found.lock().clone();
+        if let (Some(cfg), Some(held)) = (&self.lease, held) {
+            if !cfg.take_over && !held.is_mine(cfg) {
+                match held.judged_here(Some(cfg)) {
+                    Some(false) => tracing::info!(pid = held.pid, "the branch's last writer on this node is gone"),
+                    Some(true) => return Err(self.busy(&held, "its process runs on this node")),
+                    None => self.wait_for_lapse(&held)?,
+                }
             }
         }
         self.compare_and_swap(sb)?;
         self.claimed.store(true, std::sync::atomic::Ordering::Release);
         self.spawn_renewal();
         Ok(())
+    }
+
+    fn busy(&self, held: &Lease, how: &str) -> Error {
+        Error::Busy(format!(
+            "{} is open read-write by pid {} on host {} ({how}); a second writer is refused",
+            self.key, held.pid, held.host
+        ))
+    }
+
+    /// Watches the head, by this process's clock, for longer than the
+    /// lease's life: a renewal (any change of the head) means its holder
+    /// lives and this writer is refused; a head left unchanged that long
+    /// means the holder stopped, and the claim goes ahead on the tag read.
+    fn wait_for_lapse(&self, held: &Lease) -> Result<()> {
+        let Some(tag) = self.seen.lock().clone() else { return Ok(()) };
+        let wait = held.lapse_wait();
+        tracing::info!(
+            branch = %self.key, pid = held.pid, host = %held.host, secs = wait.as_secs_f64(),
+            "the branch holds a lease from another process; waiting to see it renewed or lapse"
+        );
+        let start = std::time::Instant::now();
+        // Bounded by `wait` (at most LAPSE_WAIT_MAX).
+        while start.elapsed() < wait {
+            std::thread::sleep((wait - start.elapsed()).min(std::time::Duration::from_millis(250)));
+            match self.catalog.get(&self.key) {
+                Ok((_, now)) if now == tag => {}
+                Ok(_) | Err(Error::NoSuchObject(_)) => {
+                    return Err(self.busy(held, "it renewed its lease while this writer watched"));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        tracing::info!(branch = %self.key, "the lease lapsed unrenewed; claiming the branch");
+        Ok(())
+    }
+
+    /// A holder that could not renew its lease for four fifths of its
+    /// life stops: a reader watching the head may claim the branch once
+    /// a whole life passed, and this writer must acknowledge nothing by
+    /// then, whatever its durability.
+    fn check_lease_age(&self) -> Result<()> {
+        let Some(cfg) = &self.lease else { return Ok(()) };
+        if !self.claimed.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        let Some(at) = *self.renewed_at.lock() else { return Ok(()) };
+        if at.elapsed() <= cfg.ttl * 4 / 5 {
+            return Ok(());
+        }
+        let why = format!(
+            "{}: the lease could not be renewed for {:.1} s of its {} s life; this writer stops and acknowledges nothing more",
+            self.key,
+            at.elapsed().as_secs_f64(),
+            cfg.ttl.as_secs()
+        );
+        *self.fenced.lock() = Some(why.clone());
+        Err(Error::Fenced(why))
     }
 
     /// Whether the head in the bucket is still the one this writer last
@@ -267,6 +399,7 @@ impl HeadDevice {
 
     fn swap_locked(&self, seen: &mut Option<ETag>, superblock: &Superblock) -> Result<()> {
         let body = encode_head(&superblock.encode(), self.lease_for(superblock).as_ref());
+        let sent = std::time::Instant::now();
         let written = match seen.as_deref() {
             Some(tag) => self.catalog.put_if_match(&self.key, &body, tag),
             None => self.catalog.put_if_absent(&self.key, &body),
@@ -275,6 +408,7 @@ impl HeadDevice {
             Ok(tag) => {
                 *seen = Some(tag);
                 *self.last.lock() = Some((superblock.clone(), std::time::Instant::now()));
+                *self.renewed_at.lock() = Some(sent);
                 Ok(())
             }
             Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
@@ -400,12 +534,12 @@ impl Replica for HeadDevice {
         if let Some(why) = self.fenced.lock().clone() {
             return Err(Error::Fenced(why));
         }
-        let Some(r) = self.segments.replica() else { return Ok(()) };
+        let Some(r) = self.segments.replica() else { return self.check_lease_age() };
         r.log_synced(id, len)?;
         if r.fsync_reaches_bucket() && self.claimed.load(std::sync::atomic::Ordering::Acquire) {
             self.check_still_ours()?;
         }
-        Ok(())
+        self.check_lease_age()
     }
     fn fsync_reaches_bucket(&self) -> bool {
         self.segments.replica().is_some_and(|r| r.fsync_reaches_bucket())

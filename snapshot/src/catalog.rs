@@ -157,8 +157,11 @@ impl Catalog {
         match self.store.get(&branch_key(name)) {
             Ok((body, _)) => {
                 let (_, _, lease) = decode_head(&body)?;
-                let mine = |l: &Lease| me.is_some_and(|c| l.host == c.host && l.pid == c.pid);
-                Ok(lease.filter(|l| l.is_live(me) && !mine(l)))
+                // A holder this node cannot judge by its process counts
+                // as live: only its own writer's open waits to see a
+                // lease lapse (see HeadDevice).
+                let mine = |l: &Lease| me.is_some_and(|c| l.is_mine(c));
+                Ok(lease.filter(|l| l.judged_here(me) != Some(false) && !mine(l)))
             }
             Err(EngineError::NoSuchObject(_)) => Ok(None),
             Err(e) => Err(e.into()),

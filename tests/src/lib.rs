@@ -1,6 +1,7 @@
 //! Helpers for end-to-end tests: find the `arbor` binary, make disks, and
 //! mount them for real through `/dev/fuse`.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -136,9 +137,25 @@ impl Mount {
 
     /// Mounts with extra environment variables (an S3 endpoint, credentials).
     pub fn start_env(disk: &str, mnt: &Path, extra: &[&str], env: &[(&str, String)]) -> Mount {
+        Self::start_under(&[], disk, mnt, extra, env)
+    }
+
+    /// Mounts with `arbor` run under `wrapper` (e.g. `unshare -pf`, for a
+    /// process in a PID namespace of its own, or `faketime`).
+    pub fn start_under(wrapper: &[&str], disk: &str, mnt: &Path, extra: &[&str], env: &[(&str, String)]) -> Mount {
         let log = mnt.with_extension(format!("log-{}", std::process::id()));
         let log_file = std::fs::File::create(&log).expect("log");
-        let child = Command::new(arbor_bin())
+        let bin = arbor_bin();
+        let (program, before): (&OsStr, &[&str]) = match wrapper.split_first() {
+            Some((first, rest)) => (OsStr::new(*first), rest),
+            None => (bin.as_os_str(), &[]),
+        };
+        let mut cmd = Command::new(program);
+        cmd.args(before);
+        if !wrapper.is_empty() {
+            cmd.arg(&bin);
+        }
+        let child = cmd
             .args(["mount", disk, mnt.to_str().expect("utf8"), "--foreground"])
             .args(extra)
             .envs(env.iter().map(|(k, v)| (*k, v)))

@@ -522,10 +522,12 @@ fn a_new_owner_takes_over_and_clients_follow_it() {
     m.unmount();
 }
 
-/// The first owner runs as another host (its lease is judged by expiry,
-/// not by whether its process lives here): after it is killed, a second
-/// owner is refused while the lease runs, and `--take-over` takes the
-/// branch at once; the client follows.
+/// Owners on other hosts (another UTS namespace and network namespace):
+/// their leases are judged by watching them, never by their pids or
+/// clocks. A second owner is refused while the first renews its lease;
+/// after a kill -9, `--take-over` takes the branch at once, and without it
+/// a new owner waits until it has seen the lease go unrenewed for its
+/// life. The client follows each owner.
 #[test]
 fn take_over_from_an_owner_on_another_node() {
     if !fuse_available() || !Command::new("unshare").args(["-u", "true"]).status().is_ok_and(|s| s.success()) {
@@ -535,7 +537,8 @@ fn take_over_from_an_owner_on_another_node() {
     let token = s.dir.path().join("token");
     std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
     let tok = token.to_str().expect("utf8");
-    let owner_args = ["--branch", "main", "--token-file", tok];
+    const TTL: Duration = Duration::from_secs(3);
+    let owner_args = ["--branch", "main", "--token-file", tok, "--lease-ttl", "3s"];
     // node-a is a host of its own: another network namespace (its own
     // address) and another host name. Where a namespace cannot be made,
     // only the host name is its own.
@@ -552,33 +555,114 @@ fn take_over_from_an_owner_on_another_node() {
         let status = arbor_ok(&["status", mnt.to_str().expect("utf8"), "--json"]);
         assert!(status.contains(&n.ip), "the client reaches node-a at its own address: {status}");
     }
-    first.kill9_only();
 
-    // Refused while node-a's lease runs (its process cannot be checked from here).
+    // Refused while node-a lives (on a local-folder disk the folder's
+    // own branch lock refuses first; on a bucket, watching the lease does,
+    // as engine/tests/bucket_tier.rs shows).
     let out = Command::new(arbor_bin())
         .args(["serve", s.disk_str(), "--listen", "127.0.0.1:0", "--foreground"])
         .args(owner_args)
         .output()
         .expect("second owner");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("node-a"), "refused, naming the holder: {err}");
+    let named = err.contains("node-a") || err.contains(&first.addr);
+    assert!(!out.status.success() && named, "refused, naming the holder: {err}");
 
-    let second = Serve::start(
-        s.disk_str(),
-        free_port(),
-        &[&owner_args[..], &["--take-over"]].concat(),
-        &[],
-        &s.dir.path().join("b.log"),
-    );
-    write_synced(&mnt.join("after"), b"through this node");
+    // node-a dies; node-b takes over at once.
+    first.kill9_only();
+    let killed = Instant::now();
+    let b_log = s.dir.path().join("b.log");
+    let b_args = [&owner_args[..], &["--take-over"]].concat();
+    let mut second = Serve::start_on(None, Some("node-b"), s.disk_str(), free_port(), &b_args, &[], &b_log);
+    println!("node-b took over {:?} after node-a was killed", killed.elapsed());
+    write_synced(&mnt.join("after"), b"through node-b");
     assert_eq!(std::fs::read(mnt.join("before")).expect("read"), b"through node-a");
     let status = arbor_ok(&["status", mnt.to_str().expect("utf8"), "--json"]);
     assert!(status.contains(&second.addr), "the client follows the new owner: {status}");
+
+    // node-b dies; an owner here without --take-over waits for its lease
+    // to lapse by this node's clock, then owns the branch.
+    second.kill9_only();
+    let killed = Instant::now();
+    let third = Serve::start(s.disk_str(), free_port(), &owner_args, &[], &s.dir.path().join("c.log"));
+    let waited = killed.elapsed();
+    println!("an owner here took the branch {waited:?} after node-b was killed");
+    assert!(waited >= TTL, "claimed after {waited:?}, before node-b's lease was seen unrenewed for its life");
+    write_synced(&mnt.join("last"), b"through this node");
+    assert_eq!(std::fs::read(mnt.join("after")).expect("read"), b"through node-b");
     client.unmount();
-    second.stop();
+    third.stop();
     let m = Mount::start(s.disk_str(), &s.mnt, &[]);
-    assert_eq!(std::fs::read(m.mnt.join("after")).expect("read"), b"through this node");
+    assert_eq!(std::fs::read(m.mnt.join("last")).expect("read"), b"through this node");
     m.unmount();
+}
+
+/// A mount on the owner's host in a PID namespace of its own and with its
+/// own cache folder (a container with host networking), its clock 40 s
+/// ahead: the owner's pid means nothing there and its clock says the lease
+/// ran out, yet it never becomes a second writer. Without the token it is
+/// refused; with it, it mounts through the owner like any client.
+#[test]
+fn a_mount_in_another_pid_namespace_with_a_stepped_clock_never_becomes_a_second_writer() {
+    let Some(w) = World::start() else { return };
+    let pidns = Command::new("unshare").args(["-pf", "true"]).status().is_ok_and(|s| s.success());
+    let faketime = Command::new("faketime").args(["-f", "+40s", "true"]).status().is_ok_and(|s| s.success());
+    if !pidns || !faketime {
+        if std::env::var_os("CI").is_some() {
+            panic!("CI needs unshare -p and faketime");
+        }
+        eprintln!("SKIPPED: unshare -p or faketime is missing");
+        return;
+    }
+    let a = w.client("a");
+    write_synced(&a.mnt.join("before"), b"through the owner");
+    let container = ["faketime", "-f", "+40s", "unshare", "-pf"];
+    let cache = w.s.dir.path().join("container-cache");
+    let env = [("XDG_CACHE_HOME", cache.to_str().expect("utf8").to_string())];
+    let mnt = w.s.dir.path().join("container");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+
+    // Without the token: refused, pointing at the owner, within bounds.
+    let log = w.s.dir.path().join("container-refused.log");
+    let mut child = Command::new(container[0])
+        .args(&container[1..])
+        .arg(arbor_bin())
+        .args(["mount", w.s.disk_str(), mnt.to_str().expect("utf8"), "--foreground", "--branch", "main"])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(std::fs::File::create(&log).expect("log"))
+        .stderr(std::fs::File::create(log.with_extension("err")).expect("log"))
+        .spawn()
+        .expect("spawn");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            break st;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = Command::new(arbor_bin()).args(["unmount", mnt.to_str().expect("utf8")]).output();
+            panic!("the container's mount did not give up: it may have become a second writer");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let err = std::fs::read_to_string(log.with_extension("err")).unwrap_or_default();
+    assert!(!status.success() && err.contains("served by arbor serve"), "{status}: {err}");
+
+    // The owner is still the writer: its client's fsyncs still land.
+    write_synced(&a.mnt.join("still"), b"the owner kept the branch");
+
+    // With the token it is a client of the same owner.
+    let c =
+        Mount::start_under(&container, w.s.disk_str(), &mnt, &["--token-file", w.token.to_str().expect("utf8")], &env);
+    write_synced(&c.mnt.join("from-container"), b"through the owner too");
+    assert_eq!(std::fs::read(a.mnt.join("from-container")).expect("a reads it"), b"through the owner too");
+    assert_eq!(std::fs::read(c.mnt.join("still")).expect("c reads it"), b"the owner kept the branch");
+    write_synced(&a.mnt.join("after"), b"after the container mounted");
+    let owner_log = std::fs::read_to_string(&w.owner.log).unwrap_or_default();
+    assert!(!owner_log.contains("fenced") && !owner_log.contains("lost the branch"), "{owner_log}");
+    c.unmount();
+    a.unmount();
 }
 
 #[test]
