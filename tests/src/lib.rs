@@ -437,6 +437,18 @@ impl Serve {
         self.wait_ready(before);
     }
 
+    /// SIGTERM (a clean stop, which must succeed), then the same command
+    /// again on the same port.
+    pub fn term_and_restart(&mut self) {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let status = self.child.wait().expect("wait");
+        assert!(status.success(), "arbor serve exit: {status}");
+        let before = Self::ready_lines(&self.log);
+        self.child = Self::spawn(&self.argv, &self.env, &self.log);
+        self.wait_ready(before);
+    }
+
     /// kill -9, and nothing else.
     pub fn kill9_only(&mut self) {
         let _ = self.child.kill();
