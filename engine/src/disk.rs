@@ -646,4 +646,116 @@ mod tests {
         assert_eq!(snap.lookup(ROOT_INO, b"after").expect_err("not in the snapshot").errno(), libc::ENOENT);
         assert_eq!(snap.create(ROOT_INO, b"x", libc::S_IFREG, 0, 0, 0).expect_err("ro").errno(), libc::EROFS);
     }
+
+    /// Lets the first `allowed` replacements of branch heads through, then
+    /// fails every other one (a head PUT that meets a 503, a writer killed
+    /// before its uploader published): everything else passes.
+    struct HeadGate {
+        inner: Arc<dyn ObjectStore>,
+        allowed: std::sync::atomic::AtomicI64,
+    }
+
+    impl ObjectStore for HeadGate {
+        fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
+            self.inner.put(key, body)
+        }
+        fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
+            self.inner.put_if_absent(key, body)
+        }
+        fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
+            if key.starts_with("branches/") && self.allowed.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) <= 0 {
+                return Err(Error::Io(std::io::Error::other("injected: the head PUT did not happen")));
+            }
+            self.inner.put_if_match(key, body, etag)
+        }
+        fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
+            self.inner.get(key)
+        }
+        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Vec<u8>> {
+            self.inner.get_range(key, range)
+        }
+        fn list(&self, prefix: &str) -> Result<Vec<String>> {
+            self.inner.list(prefix)
+        }
+        fn size(&self, key: &str) -> Result<u64> {
+            self.inner.size(key)
+        }
+        fn delete(&self, key: &str) -> Result<()> {
+            self.inner.delete(key)
+        }
+    }
+
+    fn tier(durability: crate::tier::Durability) -> crate::tier::TierConfig {
+        crate::tier::TierConfig {
+            durability,
+            chunk_size: 64 << 10,
+            drain_timeout: Some(std::time::Duration::from_secs(30)),
+            ..crate::tier::TierConfig::default()
+        }
+    }
+
+    fn leased(host: &str, take_over: bool) -> Option<LeaseConfig> {
+        Some(LeaseConfig { take_over, ..LeaseConfig::new(host, std::time::Duration::from_secs(60)) })
+    }
+
+    /// A writer on a bucket disk: its cache in `cache`, heads through `catalog`.
+    fn bucket_writer(
+        store: &Arc<dyn ObjectStore>,
+        catalog: Arc<dyn ObjectStore>,
+        cache: &std::path::Path,
+        durability: crate::tier::Durability,
+        lease: Option<LeaseConfig>,
+    ) -> (Arc<Volume>, Arc<crate::tier::BucketDevice>) {
+        let dev = crate::tier::BucketDevice::open(store.clone(), cache, tier(durability)).expect("cache");
+        let head = HeadDevice::with_lease(dev.clone(), catalog, "main", lease);
+        (Volume::open(head, Config { segment_size: 1 << 20, ..cfg(false) }).expect("open"), dev)
+    }
+
+    #[test]
+    fn an_fsync_the_taking_writer_acknowledged_survives_its_crash() {
+        use crate::tier::Durability::Bucket;
+        let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+        let dir = tempfile::tempdir().expect("dir");
+        let (a, da) = bucket_writer(&store, store.clone(), &dir.path().join("a"), Bucket, leased("node-a", false));
+        a.create(ROOT_INO, b"from-a", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        a.sync_all().expect("sync");
+        a.commit().expect("commit");
+        da.drain().expect("drain");
+        // node-a dies.
+        drop(a);
+        drop(da);
+        // node-b takes the branch: its claim is a head write; its first
+        // commit's head is published later, by its uploader, and that PUT
+        // does not happen before node-b dies too.
+        let gate: Arc<dyn ObjectStore> =
+            Arc::new(HeadGate { inner: store.clone(), allowed: std::sync::atomic::AtomicI64::new(1) });
+        let (b, db) = bucket_writer(&store, gate, &dir.path().join("b"), Bucket, leased("node-b", true));
+        let f = b.create(ROOT_INO, b"from-b", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        b.write(f.ino, 0, b"acknowledged").expect("write");
+        b.fsync(f.ino).expect("fsync: in the bucket, and the head is still node-b's");
+        drop(b);
+        drop(db);
+        // node-c takes the branch over, with an empty cache.
+        let (c, _dc) = bucket_writer(&store, store.clone(), &dir.path().join("c"), Bucket, leased("node-c", true));
+        assert!(c.lookup(ROOT_INO, b"from-a").is_ok());
+        let got = c.lookup(ROOT_INO, b"from-b").map(|a| c.read(a.ino, 0, 100).expect("read"));
+        assert_eq!(got.ok(), Some(b"acknowledged".to_vec()), "node-b's acknowledged fsync is gone");
+    }
+
+    #[test]
+    fn a_writer_whose_branch_was_taken_acknowledges_no_fsync() {
+        use crate::tier::Durability::Local;
+        let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+        let dir = tempfile::tempdir().expect("dir");
+        let (a, _da) = bucket_writer(&store, store.clone(), &dir.path().join("a"), Local, leased("node-a", false));
+        a.create(ROOT_INO, b"before", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        a.sync_all().expect("sync");
+        // node-a stops (SIGSTOP, a partition from the bucket, a VM pause)
+        // and node-b takes the branch (past the lease, or --take-over).
+        let (_b, _db) = bucket_writer(&store, store.clone(), &dir.path().join("b"), Local, leased("node-b", true));
+        // node-a goes on: what it acknowledges now, node-b never reads.
+        let f = a.create(ROOT_INO, b"after", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        a.write(f.ino, 0, b"lost").expect("write");
+        assert!(a.fsync(f.ino).is_err(), "a deposed writer acknowledged an fsync");
+    }
 }
