@@ -575,3 +575,122 @@ fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
     assert!(matches!(tagged_request(server2.addr, unlink, tag), Answer::Reply(Ok(Out::Unit))));
     assert_eq!(vol2.lookup(ROOT_INO, b"x").expect("x stays").ino, newer);
 }
+
+/// Two files of `c` on different write lanes (a lane is `ino % 2`): the
+/// first on lane 1, the second on lane 0, made durable.
+fn files_on_lanes(c: &RemoteFiles) -> (arbor_engine::volume::Attr, arbor_engine::volume::Attr) {
+    let (mut odd, mut even) = (None, None);
+    for i in 0..8 {
+        let a = c.create_open(ROOT_INO, format!("lane{i}").as_bytes(), libc::S_IFREG | 0o644, 0, 0).expect("create");
+        if a.ino % 2 == 1 && odd.is_none() {
+            odd = Some(a);
+        } else if a.ino % 2 == 0 && even.is_none() {
+            even = Some(a);
+        }
+    }
+    c.fsync(ROOT_INO).expect("fsync");
+    (odd.expect("an odd inode"), even.expect("an even inode"))
+}
+
+#[test]
+fn a_write_answered_by_the_old_owner_but_read_after_the_new_owner_was_met_fails_its_fsync() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    let (f, g) = files_on_lanes(&c);
+    // A write on its lane: the owner applies it and answers, and the
+    // answer waits in the client's socket (answers are read lazily).
+    c.write(f.ino, 0, b"answered, never synced").expect("write");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while first.0.getattr(f.ino).expect("getattr").size == 0 {
+        assert!(std::time::Instant::now() < deadline, "the owner never applied the write");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let (vol, _server) = crash_and_restart(&dev, first, &at);
+    assert_eq!(vol.getattr(f.ino).expect("getattr").size, 0, "the crash took the unsynced write");
+    // Something else meets the new owner first (in a mount, most often the
+    // event poll, which settles no lane): it reconciles before f's answer
+    // from the old owner is read.
+    let _ = c.write(g.ino, 0, b"other lane");
+    let _ = c.fsync(g.ino);
+    // f's write is not in the branch: its fsync must not say durable.
+    let synced = c.fsync(f.ino).map_err(|e| e.errno());
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"", "the new owner never had the write");
+    assert_eq!(synced, Err(libc::EIO), "an fsync acknowledged a write the owner lost");
+}
+
+#[test]
+fn a_lock_held_before_an_owner_restart_is_not_granted_to_another_client_after_it() {
+    let dev = SimDevice::new();
+    let (vol, first) = owner(&dev);
+    let at = found_at(&first);
+    let (a, b) = (client(&at), client(&at));
+    let f = a.create_open(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    let all = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    a.setlk(f.ino, 1, all, false).expect("a takes the lock");
+    b.open(f.ino).expect("open");
+    assert_eq!(b.setlk(f.ino, 2, all, false).map_err(|e| e.errno()), Err(libc::EAGAIN));
+    // A clean owner restart: same volume, new process (new epoch).
+    drop(first);
+    let second = serve(&vol);
+    *at.lock() = second.addr.to_string();
+    a.getattr(f.ino).expect("a goes on, still holding its lock as far as it knows");
+    // a was never told its lock went: b must not get it.
+    assert_eq!(b.setlk(f.ino, 2, all, false).map_err(|e| e.errno()), Err(libc::EAGAIN), "two holders of one lock");
+}
+
+#[test]
+fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
+    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    let dev = SimDevice::new();
+    let (vol, server) = owner(&dev);
+    let d = vol.mkdir(ROOT_INO, b"d", 0o755, 0, 0).expect("mkdir");
+    let f = vol.create(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    let (mut s, w) = hello(server.addr, TOKEN, "main");
+    assert_eq!(w, Welcome::Ok);
+    s.set_nodelay(true).expect("nodelay");
+    let (mut r, mut b) = (Vec::new(), Vec::new());
+    write_request(&mut s, &mut b, &Request::Session).expect("send");
+    let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
+    let lane = arbor_net::requests::PIPELINED_SLOT;
+    let mut send = |ino: u64, off: u64, seq: u64| {
+        let op = Op::Write { ino, off, data: vec![b'w'; 100], unprivileged: false };
+        let tag = RequestTag { client: 99, slot: lane, seq };
+        write_request(&mut s, &mut b, &Request::Op { session: info.session, op, tag: Some(tag) }).expect("send");
+        match read_frame::<Answer>(&mut s, &mut r).expect("answer") {
+            Answer::Reply(reply) => reply,
+            other => panic!("{other:?}"),
+        }
+    };
+    // The lane's first write fails; 5000 small writes follow it (500 KB,
+    // well inside the 8 MiB a lane keeps in flight).
+    assert!(matches!(send(d.ino, 0, 1), Err(libc::EISDIR)));
+    for seq in 2..=5001u64 {
+        assert!(matches!(send(f.ino, (seq - 2) * 100, seq), Ok(Out::Written(100))));
+    }
+    // The lane's connection broke before the client read any answer: it
+    // sends its writes in flight again, the first one first.
+    assert!(matches!(send(d.ino, 0, 1), Err(libc::EISDIR)), "a refused write was answered as written");
+}
+
+#[test]
+fn opening_a_file_again_does_not_clear_the_loss_its_other_descriptor_must_report() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    let f = c.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(f.ino, 0, b"durable").expect("write");
+    c.fsync(f.ino).expect("fsync");
+    c.write(f.ino, 7, b"+answered").expect("write");
+    assert_eq!(c.getattr(f.ino).expect("getattr").size, 16, "answered");
+    let (vol, _server) = crash_and_restart(&dev, first, &at);
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"durable", "the crash took the unsynced write");
+    // Another process on the client opens the same file (a second
+    // descriptor) before the writer fsyncs its own.
+    c.open(f.ino).expect("open the same file again");
+    assert_eq!(c.fsync(f.ino).map_err(|e| e.errno()), Err(libc::EIO), "an fsync acknowledged a lost write");
+}
