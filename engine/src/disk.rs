@@ -193,6 +193,8 @@ pub struct HeadDevice {
     /// When the last head write that succeeded was sent: the lease holds
     /// from then for its life, by this process's clock.
     renewed_at: Mutex<Option<std::time::Instant>>,
+    /// Whether the head names a commit of this writer's own log yet.
+    own_head: std::sync::atomic::AtomicBool,
 }
 
 impl HeadDevice {
@@ -223,6 +225,7 @@ impl HeadDevice {
             released: std::sync::atomic::AtomicBool::new(false),
             renewals: std::sync::atomic::AtomicU64::new(0),
             renewed_at: Mutex::new(None),
+            own_head: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -412,7 +415,19 @@ impl HeadDevice {
                 Ok(())
             }
             Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
-                Err(Error::Fenced(format!("{} was changed by another writer; this one stops", self.key)))
+                // A PUT whose reply was lost and that was sent again meets
+                // its own first landing: the head then holds these bytes.
+                if let Ok((now, tag)) = self.catalog.get(&self.key) {
+                    if now == body {
+                        *seen = Some(tag);
+                        *self.last.lock() = Some((superblock.clone(), std::time::Instant::now()));
+                        *self.renewed_at.lock() = Some(sent);
+                        return Ok(());
+                    }
+                }
+                let why = format!("{} was changed by another writer; this one stops", self.key);
+                *self.fenced.lock() = Some(why.clone());
+                Err(Error::Fenced(why))
             }
             Err(e) => Err(e),
         }
@@ -504,7 +519,21 @@ impl Device for HeadDevice {
             if let Some(r) = self.segments.replica() {
                 r.flush_to_bucket(commit)?;
             }
-            return self.claim(sb);
+            self.claim(sb)?;
+            self.own_head.store(true, std::sync::atomic::Ordering::Release);
+            return Ok(());
+        }
+        if !self.own_head.load(std::sync::atomic::Ordering::Acquire) {
+            // The claim (at open) kept the old writer's commit in the head.
+            // Until the head names a commit of this writer's own log,
+            // recovery would not find this log: the first such head is
+            // written now, before anything is acknowledged, not later.
+            if let Some(r) = self.segments.replica() {
+                r.flush_to_bucket(commit)?;
+            }
+            self.compare_and_swap(sb)?;
+            self.own_head.store(true, std::sync::atomic::Ordering::Release);
+            return Ok(());
         }
         let me = self.me.clone();
         let sb = sb.clone();
@@ -729,6 +758,19 @@ mod tests {
         // does not happen before node-b dies too.
         let gate: Arc<dyn ObjectStore> =
             Arc::new(HeadGate { inner: store.clone(), allowed: std::sync::atomic::AtomicI64::new(1) });
+        // node-b's open publishes its first head itself, so with that PUT
+        // refused the open fails and nothing is acknowledged; with it let
+        // through (and every later one refused), what node-b acknowledges
+        // survives.
+        let dev = crate::tier::BucketDevice::open(store.clone(), &dir.path().join("b0"), tier(Bucket)).expect("cache");
+        let head = HeadDevice::with_lease(dev.clone(), gate, "main", leased("node-b", true));
+        assert!(
+            Volume::open(head, Config { segment_size: 1 << 20, ..cfg(false) }).is_err(),
+            "opened without its own head"
+        );
+        drop(dev);
+        let gate: Arc<dyn ObjectStore> =
+            Arc::new(HeadGate { inner: store.clone(), allowed: std::sync::atomic::AtomicI64::new(2) });
         let (b, db) = bucket_writer(&store, gate, &dir.path().join("b"), Bucket, leased("node-b", true));
         let f = b.create(ROOT_INO, b"from-b", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
         b.write(f.ino, 0, b"acknowledged").expect("write");
@@ -747,15 +789,22 @@ mod tests {
         use crate::tier::Durability::Local;
         let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
         let dir = tempfile::tempdir().expect("dir");
-        let (a, _da) = bucket_writer(&store, store.clone(), &dir.path().join("a"), Local, leased("node-a", false));
+        let (a, da) = bucket_writer(&store, store.clone(), &dir.path().join("a"), Local, leased("node-a", false));
         a.create(ROOT_INO, b"before", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
         a.sync_all().expect("sync");
         // node-a stops (SIGSTOP, a partition from the bucket, a VM pause)
         // and node-b takes the branch (past the lease, or --take-over).
         let (_b, _db) = bucket_writer(&store, store.clone(), &dir.path().join("b"), Local, leased("node-b", true));
-        // node-a goes on: what it acknowledges now, node-b never reads.
+        // node-a goes on. With local durability an fsync does not ask the
+        // bucket (that is the point of it), so node-a learns of node-b at
+        // its next head write — its next commit, every second by default —
+        // and acknowledges nothing after it. (Taken without --take-over,
+        // node-a stops on its own first: see bucket_tier's lease tests.)
         let f = a.create(ROOT_INO, b"after", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
         a.write(f.ino, 0, b"lost").expect("write");
-        assert!(a.fsync(f.ino).is_err(), "a deposed writer acknowledged an fsync");
+        // The commit's head is published once its bytes are stored.
+        let published = a.commit().and_then(|_| da.drain());
+        assert!(published.is_err(), "node-a's head write went through: {published:?}");
+        assert!(a.fsync(f.ino).is_err(), "a deposed writer acknowledged an fsync after its head write failed");
     }
 }

@@ -226,6 +226,12 @@ impl Volume {
         self.poisoned.load(Ordering::Acquire) || self.nodes.log.get().is_some_and(|l| l.is_poisoned())
     }
 
+    /// Whether another writer took this volume's branch (or this writer's
+    /// lease could not be kept): it then refuses every write and fsync.
+    pub fn is_fenced(&self) -> bool {
+        !self.cfg.read_only && matches!(self.nodes.device.check_writable(), Err(crate::Error::Fenced(_)))
+    }
+
     /// The log this volume writes, if it is writable.
     pub fn log_handle(&self) -> Option<&Arc<Log>> {
         self.nodes.log.get()
@@ -622,7 +628,14 @@ impl Volume {
         if self.cfg.read_only {
             return Ok(());
         }
-        self.log()?.sync_all()
+        self.log()?.sync_all()?;
+        // A writer fenced off its branch acknowledges nothing, even an
+        // fsync with nothing left to write: a newer writer does not read
+        // what this one wrote.
+        if let Err(e @ crate::Error::Fenced(_)) = self.nodes.device.check_writable() {
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// Writes the dirty tree and a durable commit record now.

@@ -102,7 +102,15 @@ pub(super) fn decode_intent(meta: &[u8]) -> Result<(Op, Option<RequestTag>)> {
 /// Records `tag` in the tree: part of the transaction that applies its
 /// operation.
 pub(super) fn record(tx: &mut Txn, tag: &RequestTag, features: &mut u64) -> Result<()> {
-    tx.put(keys::request(tag.client, tag.slot), tag.seq.to_le_bytes().to_vec())?;
+    let key = keys::request(tag.client, tag.slot);
+    // The newest sequence stays: a request applied late (after a later one
+    // of its slot) does not lower it.
+    let had =
+        tx.tree.get(tx.store, &key)?.and_then(|v| v.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes));
+    if had.is_some_and(|h| h >= tag.seq) {
+        return Ok(());
+    }
+    tx.put(key, tag.seq.to_le_bytes().to_vec())?;
     *features |= super::commit::features::REQUEST_SLOTS;
     Ok(())
 }
