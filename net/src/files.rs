@@ -451,7 +451,7 @@ impl SharedBranch {
     /// writes (another writer took the branch, or its log failed). Clients
     /// are then turned away, to look for the branch's owner again.
     pub fn stepped_down(&self) -> bool {
-        self.vol.is_poisoned()
+        self.vol.is_poisoned() || self.vol.is_fenced()
     }
 
     /// Drops sessions that went away, with their open files and locks.

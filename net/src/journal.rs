@@ -80,14 +80,44 @@ pub struct Journal {
     /// Files a write in flight to failed at the owner, and its errno: the
     /// file's next write, fsync or close reports it.
     pub failed: HashMap<u64, i32>,
+    /// The owner (its epoch) the entries were answered by: 0 before the
+    /// first, then the one last reconciled with.
+    epoch: u64,
+    /// What that owner held of each slot when it was met.
+    floors: HashMap<u32, u64>,
 }
 
 impl Journal {
-    /// Notes that the owner answered request `tag` (a write to `ino`, or
-    /// another change when `ino` is `None`) with success.
-    pub fn answered(&mut self, tag: RequestTag, ino: Option<u64>) {
+    /// Notes the first owner this mount met.
+    pub fn met(&mut self, epoch: u64) {
+        if self.epoch == 0 {
+            self.epoch = epoch;
+        }
+    }
+
+    /// Notes that the owner of `epoch` answered request `tag` (a write to
+    /// `ino`, or another change when `ino` is `None`) with success. An
+    /// answer from an owner before the one reconciled with (read late,
+    /// from a socket, after another thread met the new owner) counts only
+    /// if the new owner had the request; else it is lost at once.
+    pub fn answered(&mut self, tag: RequestTag, ino: Option<u64>, epoch: u64) {
+        if self.epoch != 0 && epoch != self.epoch {
+            if self.floors.get(&tag.slot).is_none_or(|&f| tag.seq > f) {
+                self.mark_lost(ino);
+            }
+            return;
+        }
         self.entries.push_back(Entry { pos: self.next_pos, tag, ino });
         self.next_pos += 1;
+    }
+
+    fn mark_lost(&mut self, ino: Option<u64>) {
+        match ino {
+            Some(ino) => {
+                self.lost.insert(ino);
+            }
+            None => self.lost_change = true,
+        }
     }
 
     /// Where the journal is now: an fsync sent after this covers every
@@ -115,20 +145,17 @@ impl Journal {
     /// A new owner includes each slot's requests up to `floors[slot]`:
     /// those are durable; every other answered request was lost with the
     /// old owner and is marked so. Returns how many were lost.
-    pub fn reconcile(&mut self, floors: &HashMap<u32, u64>) -> usize {
+    pub fn reconcile(&mut self, floors: &HashMap<u32, u64>, epoch: u64) -> usize {
         let mut lost = 0;
         for e in std::mem::take(&mut self.entries) {
             if floors.get(&e.tag.slot).is_some_and(|&f| e.tag.seq <= f) {
                 continue;
             }
             lost += 1;
-            match e.ino {
-                Some(ino) => {
-                    self.lost.insert(ino);
-                }
-                None => self.lost_change = true,
-            }
+            self.mark_lost(e.ino);
         }
+        self.epoch = epoch;
+        self.floors = floors.clone();
         lost
     }
 
@@ -151,27 +178,37 @@ mod tests {
     #[test]
     fn what_the_new_owner_lacks_is_lost_and_nothing_is_sent_again() {
         let mut j = Journal::default();
-        j.answered(tag(0, 1), None);
-        j.answered(tag(1, 4), Some(10));
-        j.answered(tag(1, 5), Some(11));
-        j.answered(tag(2, 9), None);
-        let floors = HashMap::from([(0, 1), (1, 4)]);
-        assert_eq!(j.reconcile(&floors), 2);
+        j.met(1);
+        j.answered(tag(0, 1), None, 1);
+        j.answered(tag(1, 4), Some(10), 1);
+        j.answered(tag(1, 5), Some(11), 1);
+        j.answered(tag(2, 9), None, 1);
+        let floors = HashMap::from([(0, 1), (1, 4), (1 << 31, 7)]);
+        assert_eq!(j.reconcile(&floors, 2), 2);
         assert!(j.is_empty());
         assert_eq!(j.lost, HashSet::from([11]));
         assert!(j.lost_change, "slot 2's change is not in the new owner's state");
+        // Answers of the old owner read after the new one was met: kept
+        // only if the new owner had them, and never journalled.
+        j.answered(tag(1 << 31, 7), Some(20), 1);
+        j.answered(tag(1 << 31, 8), Some(21), 1);
+        assert!(j.is_empty());
+        assert_eq!(j.lost, HashSet::from([11, 21]));
+        j.answered(tag(1 << 31, 9), Some(22), 2);
+        assert_eq!(j.len(), 1);
     }
 
     #[test]
     fn an_fsync_covers_what_was_answered_before_it_was_sent() {
         let mut j = Journal::default();
-        j.answered(tag(0, 1), None);
+        j.met(1);
+        j.answered(tag(0, 1), None, 1);
         let upto = j.position();
-        j.answered(tag(0, 2), Some(3));
+        j.answered(tag(0, 2), Some(3), 1);
         j.synced(upto);
         assert_eq!(j.len(), 1);
         // After an owner change with nothing of slot 0 past 1, the write is lost.
-        assert_eq!(j.reconcile(&HashMap::from([(0, 1)])), 1);
+        assert_eq!(j.reconcile(&HashMap::from([(0, 1)]), 2), 1);
         assert!(j.lost.contains(&3) && !j.lost_change);
     }
 

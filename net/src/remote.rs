@@ -196,6 +196,9 @@ const POOL_MAX: usize = 16;
 pub const WRITE_LANES: usize = 2;
 /// Bytes of writes a lane has outstanding at most (sent, answer not read).
 pub const IN_FLIGHT_MAX: usize = 8 << 20;
+/// At most this many writes in flight on a lane, well inside the replies
+/// an owner keeps per lane (`requests::PIPELINED_WINDOW`).
+pub const IN_FLIGHT_WRITES: usize = 1024;
 
 /// A write sent on a lane whose answer has not been read.
 struct Sent {
@@ -456,6 +459,8 @@ impl Inner {
         }
         if restarted {
             self.reconcile(info)?;
+        } else {
+            self.journal.lock().met(info.epoch);
         }
         let reopen: Vec<(u64, OpenFile)> = self.open.lock().iter().map(|(&i, &f)| (i, f)).collect();
         for (ino, f) in reopen {
@@ -505,7 +510,7 @@ impl Inner {
             Ok(Out::Slots(v)) => v.into_iter().collect(),
             _ => return Err(Failed::Transport("a garbled answer about our requests".into())),
         };
-        let lost = self.journal.lock().reconcile(&floors);
+        let lost = self.journal.lock().reconcile(&floors, info.epoch);
         if lost > 0 {
             tracing::error!(
                 lost,
@@ -556,9 +561,10 @@ impl Inner {
             _ => None,
         };
         let mut req = crate::frames::Request::Op { session: 0, op, tag };
-        let out = self.call_req(&mut req, bound);
+        let mut by = 0;
+        let out = self.call_req(&mut req, bound, &mut by);
         if let (Ok(_), Some(tag)) = (&out, tag) {
-            self.answered(tag, ino);
+            self.answered(tag, ino, by);
         }
         match req {
             crate::frames::Request::Op { op, .. } => (out, op),
@@ -568,10 +574,10 @@ impl Inner {
 
     /// Notes request `tag` answered with success; a journal grown past
     /// [`JOURNAL_MAX`] is made durable at once.
-    fn answered(&self, tag: RequestTag, ino: Option<u64>) {
+    fn answered(&self, tag: RequestTag, ino: Option<u64>, epoch: u64) {
         let over = {
             let mut j = self.journal.lock();
-            j.answered(tag, ino);
+            j.answered(tag, ino, epoch);
             j.len() > JOURNAL_MAX
         };
         if over {
@@ -582,7 +588,9 @@ impl Inner {
         }
     }
 
-    fn call_req(&self, req: &mut crate::frames::Request, bound: Option<u64>) -> Result<Out> {
+    /// Sends `req` until it is answered; `by` is set to the epoch of the
+    /// owner that answered.
+    fn call_req(&self, req: &mut crate::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
@@ -590,6 +598,7 @@ impl Inner {
                 if bound.is_some_and(|e| e != s.epoch) {
                     return Ok(crate::frames::Answer::Reply(Err(libc::ESTALE)));
                 }
+                *by = s.epoch;
                 if let crate::frames::Request::Op { session, op, .. } = req {
                     *session = s.session;
                     // A new session may have found the file gone: its
@@ -642,7 +651,9 @@ impl Inner {
     fn send_write(&self, at: Written, data: &[u8]) -> bool {
         let ino = at.ino;
         let mut lane = self.lanes[ino as usize % WRITE_LANES].lock();
-        while !lane.sent.is_empty() && (lane.conn.is_none() || lane.bytes + data.len() > IN_FLIGHT_MAX) {
+        while !lane.sent.is_empty()
+            && (lane.conn.is_none() || lane.bytes + data.len() > IN_FLIGHT_MAX || lane.sent.len() >= IN_FLIGHT_WRITES)
+        {
             self.settle_one(&mut lane);
         }
         let slot = PIPELINED_SLOT | (ino as usize % WRITE_LANES) as u32;
@@ -735,13 +746,13 @@ impl Inner {
     fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
         use crate::frames::{read_answer, Answer};
         let Some(front) = lane.sent.front() else { return Ok(()) };
-        let (tag, ino, len) = (front.tag, front.at.ino, front.data.len());
+        let (tag, ino, len, epoch) = (front.tag, front.at.ino, front.data.len(), front.epoch);
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;
         match read_answer(&mut c.stream, &mut c.rbuf) {
             Ok(Answer::Reply(reply)) => {
                 lane.sent.pop_front();
                 lane.bytes -= len;
-                self.written(tag, ino, len, reply);
+                self.written(tag, ino, len, reply, epoch);
                 Ok(())
             }
             Ok(Answer::UnknownSession) => Err(Broken::Session),
@@ -750,9 +761,9 @@ impl Inner {
     }
 
     /// The owner's answer to write `tag` of `len` bytes to `ino`.
-    fn written(&self, tag: RequestTag, ino: u64, len: usize, reply: Reply) {
+    fn written(&self, tag: RequestTag, ino: u64, len: usize, reply: Reply, epoch: u64) {
         let errno = match reply {
-            Ok(Out::Written(n)) if n as usize == len => return self.answered(tag, Some(ino)),
+            Ok(Out::Written(n)) if n as usize == len => return self.answered(tag, Some(ino), epoch),
             // The volume writes all or nothing; anything else is a fault.
             Ok(_) => libc::EIO,
             Err(errno) => errno,
@@ -782,7 +793,7 @@ impl Inner {
                 Err(e) if e.errno() == libc::ESTALE => {
                     let epoch = (*self.session.lock()).map_or(0, |s| s.epoch);
                     if self.owner_had(epoch, w.tag) {
-                        self.answered(w.tag, Some(ino));
+                        self.answered(w.tag, Some(ino), epoch);
                     } else {
                         tracing::warn!(
                             ino,
@@ -795,7 +806,7 @@ impl Inner {
                 }
                 // `call_tagged` journaled a success.
                 Ok(_) => {}
-                Err(e) => self.written(w.tag, ino, len, Err(e.errno())),
+                Err(e) => self.written(w.tag, ino, len, Err(e.errno()), w.epoch),
             }
         }
     }
@@ -990,10 +1001,10 @@ impl RemoteFiles {
         self.forget(a.ino);
         {
             let mut j = self.inner.journal.lock();
-            j.lost.remove(&a.ino);
             if j.gone.remove(&a.ino) {
                 // Another file with the lost one's number.
                 j.failed.remove(&a.ino);
+                j.lost.remove(&a.ino);
             }
         }
         let mut open = self.inner.open.lock();
@@ -1201,7 +1212,9 @@ impl Files for RemoteFiles {
         // returns, and a write it refused or lost is reported here.
         self.inner.settle_reachable(ino);
         self.inner.take_failed(ino)?;
-        if self.inner.journal.lock().lost.remove(&ino) {
+        // Reported, and kept for the file's next fsync: a close by one
+        // process does not hide the loss from another's fsync.
+        if self.inner.journal.lock().lost.contains(&ino) {
             return Err(errno_error(libc::EIO));
         }
         Ok(())

@@ -34,6 +34,10 @@ const ORDINARY_WINDOW: usize = 2;
 /// writes of 2 KiB (8 MiB); an older request asked again is known applied,
 /// since a lane's requests are applied in order.
 const PIPELINED_WINDOW: usize = 4096;
+/// Refusals kept per slot past its window: a request sent again long after
+/// is known applied only if it succeeded, so a refusal (a write to a
+/// folder, a full disk) is kept longer than answers of success.
+const REFUSALS_KEPT: usize = 1024;
 /// How long a copy of a request waits for the first copy to finish.
 const RUNNING_WAIT: Duration = Duration::from_secs(30);
 /// How long a client's replies are kept after it was last heard from.
@@ -56,6 +60,8 @@ struct Slot {
     running: Option<u64>,
     /// (seq, reply), oldest first.
     done: VecDeque<(u64, Reply)>,
+    /// Refusals that left `done`, oldest first.
+    refused: VecDeque<(u64, Reply)>,
     /// The newest sequence the state included when the client was first
     /// seen in this owner's life.
     floor: u64,
@@ -91,7 +97,7 @@ impl Replies {
             let client = clients.get_mut(&tag.client).ok_or(libc::EIO)?;
             client.last_seen = Instant::now();
             let slot = client.slots.entry(tag.slot).or_default();
-            if let Some((_, reply)) = slot.done.iter().find(|(seq, _)| *seq == tag.seq) {
+            if let Some((_, reply)) = slot.done.iter().chain(&slot.refused).find(|(seq, _)| *seq == tag.seq) {
                 return Ok(Begin::Answered(reply.clone()));
             }
             if slot.running != Some(tag.seq) {
@@ -119,7 +125,12 @@ impl Replies {
             slot.done.push_back((tag.seq, reply.clone()));
             let window = if tag.slot & PIPELINED_SLOT != 0 { PIPELINED_WINDOW } else { ORDINARY_WINDOW };
             while slot.done.len() > window {
-                slot.done.pop_front();
+                if let Some(old @ (_, Err(_))) = slot.done.pop_front() {
+                    slot.refused.push_back(old);
+                    if slot.refused.len() > REFUSALS_KEPT {
+                        slot.refused.pop_front();
+                    }
+                }
             }
         }
         drop(clients);
