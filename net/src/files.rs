@@ -329,6 +329,9 @@ struct Held {
 struct Session {
     last_seen: Instant,
     open: HashMap<u64, u32>,
+    /// The client id its first tagged request or slots question named:
+    /// the only one it may speak for afterwards.
+    client: Option<u64>,
 }
 
 #[derive(Default)]
@@ -431,7 +434,7 @@ impl SharedBranch {
         while id == 0 || st.sessions.contains_key(&id) {
             id = splitmix(id);
         }
-        st.sessions.insert(id, Session { last_seen: Instant::now(), open: HashMap::new() });
+        st.sessions.insert(id, Session { last_seen: Instant::now(), open: HashMap::new(), client: None });
         SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1 }
     }
 
@@ -545,7 +548,11 @@ impl SharedBranch {
     /// Applies request `op` for `session` at most once: a copy of a tagged
     /// request gets the first copy's answer (see [`crate::requests`]).
     pub fn apply_request(&self, session: u64, tag: Option<RequestTag>, op: Op) -> Reply {
+        if let Op::Slots { client } = op {
+            self.speaks_for(session, client)?;
+        }
         let Some(tag) = tag.filter(|_| op.changes()) else { return self.apply(session, op) };
+        self.speaks_for(session, tag.client)?;
         let floors = || self.vol.request_slots(tag.client).map_err(|e| errno(&e));
         match self.replies.begin(tag, floors)? {
             Begin::Answered(reply) => return reply,
@@ -561,6 +568,22 @@ impl SharedBranch {
             .map_err(|e| errno(&e));
         self.replies.finish(tag, &reply);
         reply
+    }
+
+    /// Binds `session` to client id `client` the first time, and refuses
+    /// (EPERM) a session that speaks for another client than it did: one
+    /// token holder cannot move another mount's request slots.
+    fn speaks_for(&self, session: u64, client: u64) -> Result<(), i32> {
+        let mut st = self.state.lock();
+        let s = st.sessions.get_mut(&session).ok_or(libc::ESTALE)?;
+        match s.client {
+            None => {
+                s.client = Some(client);
+                Ok(())
+            }
+            Some(c) if c == client => Ok(()),
+            Some(_) => Err(libc::EPERM),
+        }
     }
 
     /// The answer to a request an earlier owner applied, from the state as

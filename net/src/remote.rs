@@ -79,6 +79,10 @@ use std::time::{Duration, Instant};
 pub type Locate = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How often a hard mount waiting for an answer checks whether the branch
+/// has a new owner (the one it waits for may be paused, or cut off, and
+/// deposed).
+const OWNER_CHECK: Duration = Duration::from_secs(10);
 /// Unsynced bytes a client keeps for resending before it syncs on its own.
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 /// The longest wait between two tries to reach the owner: a restarted
@@ -418,6 +422,9 @@ impl Inner {
                 c.stream.set_read_timeout(None)?;
             }
             write_request(&mut c.stream, &mut c.wbuf, req)?;
+            if !waits && self.opts.timeout.is_none() {
+                self.await_answer(&mut c, &addr)?;
+            }
             let a = read_answer(&mut c.stream, &mut c.rbuf)?;
             if waits {
                 c.stream.set_read_timeout(self.opts.timeout)?;
@@ -437,6 +444,30 @@ impl Inner {
                 Err(Failed::Transport(format!("{addr}: {e}")))
             }
         }
+    }
+
+    /// Waits, on a hard mount, for the first byte of an answer, checking
+    /// every [`OWNER_CHECK`] whether another owner was recorded meanwhile;
+    /// if so, this one is given up (the request is sent again to the new
+    /// owner, which applies a tagged request at most once).
+    fn await_answer(&self, c: &mut Conn, addr: &str) -> std::io::Result<()> {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        c.stream.set_read_timeout(Some(OWNER_CHECK))?;
+        let mut first = [0u8; 1];
+        // Each turn ends with an answer, an error, or OWNER_CHECK spent.
+        loop {
+            match c.stream.peek(&mut first) {
+                Ok(_) => break,
+                Err(e) if matches!(e.kind(), TimedOut | WouldBlock) => {
+                    if let Some(now) = (self.opts.locate)().filter(|now| now != addr) {
+                        tracing::warn!(waited_on = addr, owner = %now, "the branch has a new owner; asking it instead");
+                        return Err(std::io::Error::other("the owner was replaced while an answer was awaited"));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        c.stream.set_read_timeout(None)
     }
 
     /// Our session, opened (and our open files opened again, our unsynced

@@ -695,3 +695,102 @@ fn opening_a_file_again_does_not_clear_the_loss_its_other_descriptor_must_report
     c.open(f.ino).expect("open the same file again");
     assert_eq!(c.fsync(f.ino).map_err(|e| e.errno()), Err(libc::EIO), "an fsync acknowledged a lost write");
 }
+
+#[test]
+fn a_session_speaks_for_one_client_only() {
+    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    let dev = SimDevice::new();
+    let (_vol, server) = owner(&dev);
+    let (mut s, w) = hello(server.addr, TOKEN, "main");
+    assert_eq!(w, Welcome::Ok);
+    let (mut r, mut b) = (Vec::new(), Vec::new());
+    write_request(&mut s, &mut b, &Request::Session).expect("send");
+    let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
+    let mut ask = |op: Op, tag: Option<RequestTag>| {
+        write_request(&mut s, &mut b, &Request::Op { session: info.session, op, tag }).expect("send");
+        match read_frame::<Answer>(&mut s, &mut r).expect("answer") {
+            Answer::Reply(reply) => reply.map(|_| ()),
+            other => panic!("{other:?}"),
+        }
+    };
+    let mkdir =
+        |name: &str| Op::Mkdir { parent: ROOT_INO, name: name.as_bytes().to_vec(), perm: 0o755, uid: 0, gid: 0 };
+    assert_eq!(ask(mkdir("a"), Some(RequestTag { client: 5, slot: 0, seq: 1 })), Ok(()));
+    // Another mount's client id, on this session: its slots are not ours
+    // to move, nor to read.
+    assert_eq!(ask(mkdir("b"), Some(RequestTag { client: 6, slot: 0, seq: 9 })), Err(libc::EPERM));
+    assert_eq!(ask(Op::Slots { client: 6 }, None), Err(libc::EPERM));
+    assert_eq!(ask(Op::Slots { client: 5 }, None), Ok(()));
+    assert_eq!(ask(mkdir("c"), Some(RequestTag { client: 5, slot: 0, seq: 2 })), Ok(()));
+}
+
+/// An owner that says hello and gives sessions, then answers nothing else,
+/// as one paused (SIGSTOP) with its sockets open does. Stops within 60 s.
+fn silent_owner() -> std::net::SocketAddr {
+    use arbor_net::files::SessionInfo;
+    use arbor_net::frames::{read_frame, read_request, write_frame, Answer, Hello, Request, Welcome};
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        listener.set_nonblocking(true).expect("nonblocking");
+        while std::time::Instant::now() < until {
+            let Ok((mut s, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            };
+            std::thread::spawn(move || {
+                let _ = s.set_nonblocking(false);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+                let (mut r, mut w) = (Vec::new(), Vec::new());
+                let mut magic = [0u8; 4];
+                if s.read_exact(&mut magic).is_err() || read_frame::<Hello>(&mut s, &mut r).is_err() {
+                    return;
+                }
+                let _ = write_frame(&mut s, &mut w, &Welcome::Ok);
+                while let Ok(req) = read_request(&mut s, &mut r) {
+                    if let Request::Session = req {
+                        let info = SessionInfo { session: 1, epoch: 0xdead, seq: 0 };
+                        let _ = write_frame(&mut s, &mut w, &Answer::Session(info));
+                    } else {
+                        // Paused: holds the connection, answers nothing.
+                        std::thread::sleep(Duration::from_secs(60));
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_hard_mount_waiting_on_a_paused_owner_moves_to_its_successor() {
+    let (vol, real) = owner(&SimDevice::new());
+    vol.mkdir(ROOT_INO, b"here", 0o755, 0, 0).expect("mkdir");
+    let at = Arc::new(Mutex::new(silent_owner().to_string()));
+    let find = at.clone();
+    let c = RemoteFiles::connect(RemoteOptions {
+        branch: "main".into(),
+        token: TOKEN.into(),
+        locate: Arc::new(move || Some(find.lock().clone())),
+        timeout: None,
+        segments: None,
+    })
+    .expect("connect to the paused owner");
+    // The paused owner is deposed; its successor is recorded a moment later.
+    let (moved, next) = (at.clone(), real.addr.to_string());
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        *moved.lock() = next;
+    });
+    let started = std::time::Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(c.lookup(ROOT_INO, b"here").map(|a| a.ino).map_err(|e| e.errno()));
+    });
+    let got = rx.recv_timeout(Duration::from_secs(45)).expect("the hard mount still waits on the paused owner");
+    assert_eq!(got, Ok(vol.lookup(ROOT_INO, b"here").expect("lookup").ino));
+    println!("answered by the successor after {:?}", started.elapsed());
+}
