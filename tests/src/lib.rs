@@ -1,6 +1,8 @@
 //! Helpers for end-to-end tests: find the `arbor` binary, make disks, and
 //! mount them for real through `/dev/fuse`.
 
+pub mod faults;
+
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

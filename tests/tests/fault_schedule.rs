@@ -1,0 +1,392 @@
+//! One shared branch, concurrent writers on two client mounts, and the
+//! faults clusters have, on a seeded schedule: the owner killed -9 and
+//! restarted, stopped cleanly and restarted, paused (SIGSTOP) and resumed,
+//! a partition between clients and owner, replies lost on the way back,
+//! and owners restarted with a clock 40 s ahead or in a PID namespace of
+//! their own. Every writer keeps a history of what was acknowledged; a
+//! checker then reads the branch from a fresh mount and finds nothing
+//! acknowledged missing and nothing overwritten come back.
+//!
+//! `ARBOR_FAULT_SEED` and `ARBOR_FAULT_SECS` (default 30) choose the
+//! schedule and its length, `ARBOR_FAULT_ONLY=N` keeps one kind of fault;
+//! a longer soak: `ARBOR_FAULT_SECS=600`.
+
+use arbor_tests::faults::{group_alive, signal_group, FaultProxy, Launcher, Mode, Rng};
+use arbor_tests::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "fault-schedule-token";
+const WRITERS_PER_MOUNT: usize = 2;
+
+/// What one writer did: saves it made durable (written, fsynced, renamed,
+/// folder fsynced), saves it removed durably, and the versions of its
+/// rewritten file.
+#[derive(Default)]
+struct History {
+    saved: BTreeSet<u64>,
+    removed: BTreeSet<u64>,
+    /// Removals that failed: done or not.
+    maybe_removed: BTreeSet<u64>,
+    /// Every version of `rw-<w>` tried, in order, and whether its fsync
+    /// returned.
+    versions: Vec<(u64, bool)>,
+    errors: u64,
+}
+
+fn save_body(w: usize, i: u64) -> Vec<u8> {
+    pattern(48 << 10, (w as u32) << 20 | i as u32)
+}
+
+fn version_body(w: usize, v: u64) -> Vec<u8> {
+    // Versions differ in length too, so a stale tail shows.
+    let len = 4096 + ((v * 7919) % 64) as usize * 1024;
+    pattern(len, 0x4000_0000 | (w as u32) << 20 | v as u32)
+}
+
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// One writer's loop until `stop`: saves as a training job saves a
+/// checkpoint (tmp, fsync, rename, folder fsync), removes old saves, and
+/// rewrites one file in place (sometimes 1 MiB first, then truncated).
+fn writer(dir: PathBuf, w: usize, seed: u64, stop: Arc<AtomicBool>, h: Arc<Mutex<History>>) {
+    let mut rng = Rng(seed);
+    let (mut i, mut v) = (0u64, 0u64);
+    // Bounded by `stop`, which the schedule sets; each step's FUSE calls
+    // end within the mounts' --timeout.
+    while !stop.load(Ordering::Relaxed) {
+        match rng.range(0, 10) {
+            0..=4 => {
+                i += 1;
+                let tmp = dir.join(format!("save-{w}-{i}.tmp"));
+                let done = (|| {
+                    let mut f = std::fs::File::create(&tmp)?;
+                    f.write_all(&save_body(w, i))?;
+                    f.sync_all()?;
+                    std::fs::rename(&tmp, dir.join(format!("save-{w}-{i}")))?;
+                    fsync_dir(&dir)
+                })();
+                let mut h = h.lock().expect("history");
+                match done {
+                    Ok(()) => {
+                        h.saved.insert(i);
+                    }
+                    Err(_) => h.errors += 1,
+                }
+            }
+            5..=6 => {
+                let old = {
+                    let g = h.lock().expect("history");
+                    g.saved.iter().find(|s| !g.removed.contains(s) && !g.maybe_removed.contains(s)).copied()
+                };
+                let Some(old) = old else { continue };
+                let done = std::fs::remove_file(dir.join(format!("save-{w}-{old}"))).and_then(|_| fsync_dir(&dir));
+                let mut h = h.lock().expect("history");
+                match done {
+                    Ok(()) => {
+                        h.removed.insert(old);
+                    }
+                    Err(_) => {
+                        h.maybe_removed.insert(old);
+                        h.errors += 1;
+                    }
+                }
+            }
+            _ => {
+                v += 1;
+                h.lock().expect("history").versions.push((v, false));
+                let path = dir.join(format!("rw-{w}"));
+                let big = rng.range(0, 3) == 0;
+                let done = (|| {
+                    if big {
+                        std::fs::write(&path, pattern(1 << 20, 99))?;
+                    }
+                    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&path)?;
+                    f.write_all(&version_body(w, v))?;
+                    f.sync_all()
+                })();
+                let mut h = h.lock().expect("history");
+                match done {
+                    Ok(()) => {
+                        if let Some(last) = h.versions.last_mut() {
+                            last.1 = true;
+                        }
+                    }
+                    Err(_) => h.errors += 1,
+                }
+            }
+        }
+    }
+}
+
+/// The owner: `arbor serve` started through the launcher, clients reaching
+/// it through the proxy (its advertised address).
+struct Owner {
+    pgid: i32,
+    argv_tail: Vec<String>,
+    log: PathBuf,
+    listen: u16,
+}
+
+impl Owner {
+    fn ready_lines(&self) -> usize {
+        std::fs::read_to_string(&self.log).unwrap_or_default().matches(" serving disk=").count()
+    }
+
+    /// Starts the owner under `wrapper` (a stepped clock, a PID namespace)
+    /// and waits until it serves.
+    fn start(&mut self, launcher: &mut Launcher, wrapper: &[&str]) {
+        let before = self.ready_lines();
+        let mut argv: Vec<String> = wrapper.iter().map(|s| s.to_string()).collect();
+        argv.push(arbor_bin().to_str().expect("utf8").into());
+        argv.extend(self.argv_tail.iter().cloned());
+        self.pgid = launcher.spawn(&argv, &self.log);
+        let addr = format!("127.0.0.1:{}", self.listen);
+        wait_until("the owner to serve", Duration::from_secs(60), || {
+            assert!(
+                group_alive(self.pgid),
+                "the owner exited: {}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            self.ready_lines() > before && std::net::TcpStream::connect(&addr).is_ok()
+        });
+    }
+
+    fn kill9(&self) {
+        signal_group(self.pgid, libc::SIGKILL);
+        wait_until("the owner to die", Duration::from_secs(10), || !group_alive(self.pgid));
+    }
+
+    /// SIGTERM, waiting for a clean exit (or kill -9 after 30 s).
+    fn term(&self) {
+        signal_group(self.pgid, libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while group_alive(self.pgid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill9();
+    }
+}
+
+#[test]
+fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_nothing_back() {
+    if !fuse_available() {
+        return;
+    }
+    let seed: u64 = std::env::var("ARBOR_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+    });
+    // One kind of fault only (its number in the schedule's match), to
+    // study it.
+    let only: Option<u64> = std::env::var("ARBOR_FAULT_ONLY").ok().and_then(|s| s.parse().ok());
+    let secs: u64 = std::env::var("ARBOR_FAULT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+    println!("ARBOR_FAULT_SEED={seed} ARBOR_FAULT_SECS={secs}");
+    let have = |cmd: &[&str]| Command::new(cmd[0]).args(&cmd[1..]).status().is_ok_and(|s| s.success());
+    let faketime = have(&["faketime", "-f", "+40s", "true"]);
+    let pidns = have(&["unshare", "-pf", "true"]);
+    if std::env::var_os("CI").is_some() {
+        assert!(faketime && pidns, "CI needs faketime and unshare -p");
+    }
+
+    let s = Scratch::new();
+    let token = s.dir.path().join("token");
+    std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
+    // SAFETY: plain chmod of a file this test made.
+    let _ = std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600));
+    let mut launcher = Launcher::start(s.dir.path());
+    let listen = free_port();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{listen}").parse().expect("addr"));
+    let advertise = proxy.addr.to_string();
+    let mut owner = Owner {
+        pgid: 0,
+        argv_tail: [
+            "serve",
+            s.disk_str(),
+            "--listen",
+            &format!("127.0.0.1:{listen}"),
+            "--advertise",
+            &advertise,
+            "--branch",
+            "main",
+            "--token-file",
+            token.to_str().expect("utf8"),
+            "--lease-ttl",
+            "3s",
+            "--foreground",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect(),
+        log: s.dir.path().join("owner.log"),
+        listen,
+    };
+    owner.start(&mut launcher, &[]);
+
+    let mounts: Vec<Mount> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let mnt = s.dir.path().join(name);
+            std::fs::create_dir_all(&mnt).expect("mkdir");
+            Mount::start(s.disk_str(), &mnt, &["--token-file", token.to_str().expect("utf8"), "--timeout", "20s"])
+        })
+        .collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let histories: Vec<Arc<Mutex<History>>> =
+        (0..mounts.len() * WRITERS_PER_MOUNT).map(|_| Arc::new(Mutex::new(History::default()))).collect();
+    let mut rng = Rng(seed);
+    let threads: Vec<_> = histories
+        .iter()
+        .enumerate()
+        .map(|(w, h)| {
+            let dir = mounts[w % mounts.len()].mnt.clone();
+            let (stop, h, seed) = (stop.clone(), h.clone(), rng.draw());
+            std::thread::spawn(move || writer(dir, w, seed, stop, h))
+        })
+        .collect();
+
+    // The schedule.
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut faults: BTreeMap<&str, u32> = BTreeMap::new();
+    // Bounded by `end`: each turn sleeps and injects one fault.
+    while Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(rng.range(500, 2000)));
+        let kind = rng.range(0, 7);
+        let kind = only.unwrap_or(kind);
+        let fault = match kind {
+            0 => {
+                owner.kill9();
+                std::thread::sleep(Duration::from_millis(rng.range(0, 1000)));
+                owner.start(&mut launcher, &[]);
+                "kill -9, restart"
+            }
+            1 => {
+                owner.term();
+                owner.start(&mut launcher, &[]);
+                "clean stop, restart"
+            }
+            2 if rng.range(0, 3) > 0 => {
+                // Well inside four fifths of the 3 s lease (renewed every
+                // second): the owner resumes as the owner.
+                signal_group(owner.pgid, libc::SIGSTOP);
+                std::thread::sleep(Duration::from_millis(rng.range(100, 1200)));
+                signal_group(owner.pgid, libc::SIGCONT);
+                "pause, resume"
+            }
+            2 => {
+                // Past its lease: on resuming it must acknowledge nothing
+                // (it stops itself); a new owner is started in its place.
+                signal_group(owner.pgid, libc::SIGSTOP);
+                std::thread::sleep(Duration::from_millis(rng.range(2600, 4000)));
+                signal_group(owner.pgid, libc::SIGCONT);
+                std::thread::sleep(Duration::from_millis(rng.range(0, 500)));
+                owner.kill9();
+                owner.start(&mut launcher, &[]);
+                "pause past the lease, resume, replaced"
+            }
+            3 => {
+                proxy.set(Mode::Partition);
+                proxy.cut_all();
+                std::thread::sleep(Duration::from_millis(rng.range(200, 3000)));
+                proxy.set(Mode::Pass);
+                "partition"
+            }
+            4 => {
+                proxy.set(Mode::EatReplies);
+                std::thread::sleep(Duration::from_millis(rng.range(50, 500)));
+                proxy.set(Mode::Partition);
+                proxy.cut_all();
+                proxy.set(Mode::Pass);
+                "replies lost"
+            }
+            5 if faketime => {
+                owner.kill9();
+                owner.start(&mut launcher, &["faketime", "-f", "+40s"]);
+                "kill -9, restart with the clock 40 s ahead"
+            }
+            6 if pidns => {
+                owner.kill9();
+                owner.start(&mut launcher, &["unshare", "-pf"]);
+                "kill -9, restart in a PID namespace of its own"
+            }
+            _ => "nothing",
+        };
+        println!("{:>6.1}s {fault}", secs as f64 - end.saturating_duration_since(Instant::now()).as_secs_f64());
+        *faults.entry(fault).or_default() += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().expect("writer");
+    }
+    println!("faults: {faults:?}");
+
+    // Clean shutdown, then the branch read from a fresh local mount.
+    for m in mounts {
+        m.unmount();
+    }
+    owner.term();
+    let check = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let mut violations = Vec::new();
+    let (mut saved, mut removed, mut errors) = (0, 0, 0);
+    for (w, h) in histories.iter().enumerate() {
+        let h = h.lock().expect("history");
+        errors += h.errors;
+        for i in &h.saved {
+            let p = check.mnt.join(format!("save-{w}-{i}"));
+            if h.removed.contains(i) || h.maybe_removed.contains(i) {
+                continue;
+            }
+            saved += 1;
+            match std::fs::read(&p) {
+                Ok(b) if b == save_body(w, *i) => {}
+                Ok(b) => violations.push(format!("save-{w}-{i}: acknowledged, now {} other bytes", b.len())),
+                Err(e) => violations.push(format!("save-{w}-{i}: acknowledged, now {e}")),
+            }
+        }
+        for i in &h.removed {
+            removed += 1;
+            if check.mnt.join(format!("save-{w}-{i}")).exists() {
+                violations.push(format!("save-{w}-{i}: its removal was acknowledged, and it came back"));
+            }
+        }
+        // rw-<w> holds the last acknowledged version or one tried after
+        // it — never an older one, never a mix.
+        let acked = h.versions.iter().rposition(|(_, ok)| *ok);
+        let allowed: Vec<u64> = match acked {
+            Some(k) => h.versions[k..].iter().map(|(v, _)| *v).collect(),
+            None => h.versions.iter().map(|(v, _)| *v).collect(),
+        };
+        let got = std::fs::read(check.mnt.join(format!("rw-{w}")));
+        match (&got, acked) {
+            (Err(_), None) => {}
+            (Err(e), Some(k)) => violations.push(format!("rw-{w}: version {} acknowledged, now {e}", h.versions[k].0)),
+            (Ok(b), _) => {
+                let which = allowed.iter().find(|v| version_body(w, **v) == *b);
+                // A version tried after the last acknowledged one may have
+                // stopped after its truncation or its 1 MiB first write.
+                let later_tried = acked.is_none() || allowed.len() > 1;
+                let between = b.is_empty() || *b == pattern(1 << 20, 99);
+                if which.is_none() && !(later_tried && between) {
+                    let older = h.versions.iter().find(|(v, _)| version_body(w, *v) == *b);
+                    violations.push(match older {
+                        Some((v, _)) => format!("rw-{w}: an overwritten version {v} came back (allowed {allowed:?})"),
+                        None => format!("rw-{w}: {} bytes that are no version (allowed {allowed:?})", b.len()),
+                    });
+                }
+            }
+        }
+    }
+    println!("checked: {saved} saves, {removed} removals; {errors} operations failed (not acknowledged)");
+    check.unmount();
+    assert!(violations.is_empty(), "seed {seed}: {violations:#?}");
+    let fsck = arbor(&["fsck", s.disk_str()]);
+    let said = format!("{}{}", String::from_utf8_lossy(&fsck.stdout), String::from_utf8_lossy(&fsck.stderr));
+    assert!(fsck.status.success(), "fsck: {said}");
+    assert!(saved > 0, "no save was acknowledged: the schedule left the writers nothing");
+}
