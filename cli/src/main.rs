@@ -254,6 +254,13 @@ struct MountCmd {
     /// without an answer, e.g. 30s (default: wait for the owner).
     #[arg(long)]
     timeout: Option<disk::Span>,
+    /// Through an owner: honour set-user-ID and set-group-ID bits, file
+    /// capabilities and device nodes on this mount (without, it is
+    /// nosuid,nodev). Root on any node that can write the branch is then
+    /// root on this one. (A mount of a branch this node writes itself
+    /// always honours them.)
+    #[arg(long)]
+    allow_suid_devices: bool,
 }
 
 /// Where a client reads chunks before the bucket.
@@ -434,6 +441,7 @@ fn run(cli: Cli) -> Result<()> {
                 token_file: m.servers.token_file.map(std::path::absolute).transpose()?,
                 server: m.server,
                 timeout: m.timeout.map(|t| t.0),
+                allow_suid_devices: m.allow_suid_devices,
             };
             if m.foreground {
                 serve::run_foreground(&args)?;

@@ -154,6 +154,9 @@ pub fn mount_remote(
         allow_other: args.allow_other,
         read_ahead: args.read_ahead,
         threads: args.threads,
+        // Any node that writes the branch could have made a set-user-ID
+        // file or a device node.
+        suid_devices: args.allow_suid_devices,
         ..MountOptions::default()
     };
     let handle = arbor_fs::mount(files.clone(), mountpoint, &opts)

@@ -89,7 +89,8 @@ fn pjdfstest_passes_on_a_real_mount() {
         &[],
         &s.dir.path().join("owner.log"),
     );
-    let client = Mount::start(s.disk_str(), &s.mnt, &["--allow-other", "--token-file", token]);
+    // The suite makes devices and set-ID files: a client that honours them.
+    let client = Mount::start(s.disk_str(), &s.mnt, &["--allow-other", "--allow-suid-devices", "--token-file", token]);
     let remote = pjdfstest(&s, &s.mnt);
     println!("pjdfstest through the owner: {} passed, {} failed, {} skipped", remote.2, remote.0, remote.1);
     assert_eq!(remote.0, 0, "failures through the owner:\n{}", remote.3.join("\n"));
