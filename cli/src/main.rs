@@ -335,6 +335,16 @@ struct ServeCmd {
     /// the bucket and the cache servers rather than through here).
     #[arg(long, default_value_t = disk::Size(arbor_engine::volume::SEGMENT_SIZE))]
     segment_size: disk::Size,
+    /// For --branch: accept set-user-ID and set-group-ID bits, file
+    /// capabilities and device nodes from clients (refused with EPERM
+    /// without). Root on any client is then root on every node that mounts
+    /// the branch with --allow-suid-devices.
+    #[arg(long)]
+    allow_suid_devices: bool,
+    /// For --branch: take a client's root (uid 0, gid 0) as root, who may
+    /// give files away; by default it is nobody (65534).
+    #[arg(long)]
+    no_root_squash: bool,
 }
 
 #[derive(Subcommand)]
@@ -522,6 +532,10 @@ fn run(cli: Cli) -> Result<()> {
                     take_over: c.take_over,
                     durability: c.durability,
                     segment_size: c.segment_size.0,
+                    policy: arbor_net::Policy {
+                        allow_suid_devices: c.allow_suid_devices,
+                        root_squash: !c.no_root_squash,
+                    },
                 },
             };
             if c.foreground {
