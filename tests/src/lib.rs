@@ -501,6 +501,18 @@ pub fn errno_of<T>(r: std::io::Result<T>) -> i32 {
     r.err().and_then(|e| e.raw_os_error()).unwrap_or(0)
 }
 
+/// Lets every user reach `path` through its parent folders (search
+/// permission on each), as tests that act as other users need.
+pub fn let_others_reach(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for dir in path.ancestors().skip(1) {
+        if let Ok(m) = std::fs::metadata(dir) {
+            let mode = m.permissions().mode() & 0o7777;
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o001));
+        }
+    }
+}
+
 /// An S3 server that keeps object versions (moto, on a free 127.0.0.1
 /// port, in memory), for what s3s-fs cannot show: a bucket with
 /// versioning on. Stopped when dropped.
