@@ -254,6 +254,13 @@ struct MountCmd {
     /// without an answer, e.g. 30s (default: wait for the owner).
     #[arg(long)]
     timeout: Option<disk::Span>,
+    /// Through an owner: honour set-user-ID and set-group-ID bits, file
+    /// capabilities and device nodes on this mount (without, it is
+    /// nosuid,nodev). Root on any node that can write the branch is then
+    /// root on this one. (A mount of a branch this node writes itself
+    /// always honours them.)
+    #[arg(long)]
+    allow_suid_devices: bool,
 }
 
 /// Where a client reads chunks before the bucket.
@@ -335,6 +342,16 @@ struct ServeCmd {
     /// the bucket and the cache servers rather than through here).
     #[arg(long, default_value_t = disk::Size(arbor_engine::volume::SEGMENT_SIZE))]
     segment_size: disk::Size,
+    /// For --branch: accept set-user-ID and set-group-ID bits, file
+    /// capabilities and device nodes from clients (refused with EPERM
+    /// without). Root on any client is then root on every node that mounts
+    /// the branch with --allow-suid-devices.
+    #[arg(long)]
+    allow_suid_devices: bool,
+    /// For --branch: take a client's root (uid 0, gid 0) as root, who may
+    /// give files away; by default it is nobody (65534).
+    #[arg(long)]
+    no_root_squash: bool,
 }
 
 #[derive(Subcommand)]
@@ -441,6 +458,7 @@ fn run(cli: Cli) -> Result<()> {
                 token_file: m.servers.token_file.map(std::path::absolute).transpose()?,
                 server: m.server,
                 timeout: m.timeout.map(|t| t.0),
+                allow_suid_devices: m.allow_suid_devices,
             };
             if m.foreground {
                 serve::run_foreground(&args)?;
@@ -522,6 +540,10 @@ fn run(cli: Cli) -> Result<()> {
                     lease_ttl: c.lease_ttl.0,
                     durability: c.durability,
                     segment_size: c.segment_size.0,
+                    policy: arbor_net::Policy {
+                        allow_suid_devices: c.allow_suid_devices,
+                        root_squash: !c.no_root_squash,
+                    },
                 },
             };
             if c.foreground {

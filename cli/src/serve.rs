@@ -38,6 +38,8 @@ pub struct MountArgs {
     /// Through an owner: fail with EIO after this long without an answer
     /// (`None`: wait for it).
     pub timeout: Option<Duration>,
+    /// Through an owner: the mount is `suid,dev`, not `nosuid,nodev`.
+    pub allow_suid_devices: bool,
 }
 
 impl MountArgs {

@@ -29,6 +29,8 @@ pub struct OwnerArgs {
     pub lease_ttl: std::time::Duration,
     pub durability: arbor_engine::tier::Durability,
     pub segment_size: u64,
+    /// What clients may do to owners and privileges.
+    pub policy: arbor_net::Policy,
 }
 
 /// One branch this process owns.
@@ -68,7 +70,13 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
     let (vol, lock) = open_branch(&catalog, name, cfg, &format!("arbor serve at {addr}"))?;
     let owner = Owner { addr: addr.to_string(), host: crate::node::hostname(), pid: std::process::id() };
     catalog.record_owner(name, &owner).with_context(|| format!("cannot record where branch {name} is served"))?;
-    tracing::info!(branch = name, addr, "owning branch");
+    tracing::info!(
+        branch = name,
+        addr,
+        allow_suid_devices = a.policy.allow_suid_devices,
+        root_squash = a.policy.root_squash,
+        "owning branch"
+    );
     let (cp_catalog, cp_vol, branch) = (catalog.clone(), vol.clone(), name.to_string());
     let checkpoint: arbor_net::files::Checkpointer = Arc::new(move |cp: &str| {
         cp_catalog
@@ -76,7 +84,13 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
             .map(|c| json!({"name": c.name, "commit": addr_json(c.commit)}).to_string())
             .map_err(|e| e.to_string())
     });
-    Ok(Owned { shared: SharedBranch::new(name, vol, Some(checkpoint)), catalog, owner, _disk: d, _lock: lock })
+    Ok(Owned {
+        shared: SharedBranch::new(name, vol, Some(checkpoint), a.policy),
+        catalog,
+        owner,
+        _disk: d,
+        _lock: lock,
+    })
 }
 
 impl Owned {
@@ -156,6 +170,9 @@ pub fn mount_remote(
         allow_other: args.allow_other,
         read_ahead: args.read_ahead,
         threads: args.threads,
+        // Any node that writes the branch could have made a set-user-ID
+        // file or a device node.
+        suid_devices: args.allow_suid_devices,
         ..MountOptions::default()
     };
     let handle = arbor_fs::mount(files.clone(), mountpoint, &opts)

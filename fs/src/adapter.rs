@@ -1,5 +1,5 @@
 use crate::direct::DirectWrites;
-use crate::files::{clear_privileges, Files, Lock};
+use crate::files::{Caller, Files, Lock};
 use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, TimeSet, XattrFlags};
 use arbor_engine::{env::Timestamp, Error};
 use fuser::{Errno, FileAttr, FileType, FopenFlags, INodeNo, TimeOrNow};
@@ -177,23 +177,19 @@ impl<F: Files + ?Sized> ArborFs<F> {
         answer(self.vol.getattr(ino)).map(|a| file_attr(&a))
     }
 
-    /// `kill_suidgid`: the kernel's FATTR_KILL_SUIDGID (a truncate by a
-    /// caller without CAP_FSETID). A change of owner clears the bits of a
-    /// file whoever makes it, as the VFS does.
+    /// A SETATTR by `caller` (see [`Files::setattr_by`]). `kill_suidgid`:
+    /// the kernel's FATTR_KILL_SUIDGID (a truncate by a caller without
+    /// CAP_FSETID). A change of owner clears the bits of a file whoever
+    /// makes it, as the VFS does.
     ///
     /// Every mount clears these bits itself (`FUSE_HANDLE_KILLPRIV_V2`):
     /// the kernel then marks a file it found without `security.capability`
     /// as needing no check, instead of asking for that attribute before
     /// every `write` (a GETXATTR each, which on a client mount was a round
     /// trip to the owner that also waited for every write in flight).
-    pub fn setattr(&self, ino: u64, change: SetAttr, kill_suidgid: bool) -> Answer<FileAttr> {
-        let chown = change.uid.is_some() || change.gid.is_some();
-        let mut a = answer(self.vol.setattr(ino, change))?;
-        if (kill_suidgid || chown) && a.kind != FileKind::Directory {
-            // The answer carries the attributes after: nothing to drop.
-            a = answer(clear_privileges(&*self.vol, a))?.0;
-        }
-        Ok(file_attr(&a))
+    /// The answer carries the attributes after: nothing cached to drop.
+    pub fn setattr(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Answer<FileAttr> {
+        answer(self.vol.setattr_by(ino, change, caller, kill_suidgid)).map(|a| file_attr(&a))
     }
 
     /// Drops the attributes the kernel cached for `ino`: a WRITE's answer
@@ -432,7 +428,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
         Ok((Entry { attr: file_attr(&a), ttl: self.ttl }, flags))
     }
 
-    pub fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32) -> Answer<()> {
+    pub fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32, caller: Caller) -> Answer<()> {
         // Space is never reserved (holes cost nothing and the bucket has no
         // quota to run out of); plain fallocate only extends the size.
         if mode != 0 {
@@ -441,7 +437,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
         answer(self.vol.getattr(ino).and_then(|a| {
             let end = offset.checked_add(length).ok_or(Error::TooBig)?;
             if end > a.size {
-                self.vol.setattr(ino, SetAttr { size: Some(end), ..Default::default() })?;
+                self.vol.setattr_by(ino, SetAttr { size: Some(end), ..Default::default() }, caller, false)?;
             }
             Ok(())
         }))

@@ -4,7 +4,7 @@
 //! answer; nothing else happens here.
 
 use crate::adapter::{time_set, ArborFs, Entry, Xattr};
-use crate::files::{Files, Lock};
+use crate::files::{Caller, Files, Lock};
 use crate::ring::Transport;
 use arbor_engine::volume::SetAttr;
 use fuser::{
@@ -28,6 +28,10 @@ thread_local! {
 pub struct Classic<F: Files + ?Sized> {
     pub fs: Arc<ArborFs<F>>,
     pub transport: Arc<Transport>,
+}
+
+fn caller(req: &Request) -> Caller {
+    Caller { uid: req.uid(), gid: req.gid() }
 }
 
 fn entry(reply: ReplyEntry, r: Result<Entry, Errno>) {
@@ -140,7 +144,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         // for a truncate by a caller without CAP_FSETID, which for this
         // transport means: not root.
         let kill = size.is_some() && req.uid() != 0;
-        match self.fs.setattr(ino.0, change, kill) {
+        match self.fs.setattr(ino.0, change, caller(req), kill) {
             Ok(a) => reply.attr(&self.fs.attr_ttl(), &a),
             Err(e) => reply.error(e),
         }
@@ -335,7 +339,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
 
     fn fallocate(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -343,7 +347,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         mode: i32,
         reply: ReplyEmpty,
     ) {
-        empty(reply, self.fs.fallocate(ino.0, offset, length, mode))
+        empty(reply, self.fs.fallocate(ino.0, offset, length, mode, caller(req)))
     }
 
     fn getlk(

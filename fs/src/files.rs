@@ -2,7 +2,7 @@
 //! checkpoint. A [`Volume`] on this node is one; a client of the node that
 //! owns a branch (`arbor_net::RemoteFiles`) is another.
 
-use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
+use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
 use arbor_engine::{Error, Result};
 
 /// A POSIX byte-range lock (`fcntl`), or a whole-file `flock` (the range
@@ -16,12 +16,47 @@ pub struct Lock {
     pub pid: u32,
 }
 
+/// Who asks for a change: the FUSE request's user and primary group (the
+/// kernel tells a FUSE file system nothing of the caller's other groups).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
+pub struct Caller {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Caller {
+    pub const ROOT: Caller = Caller { uid: 0, gid: 0 };
+
+    pub fn is_root(self) -> bool {
+        self.uid == 0
+    }
+}
+
 /// The file operations of one mounted tree, in the engine's terms (inode
 /// numbers, byte names, engine errors whose `errno()` the adapter returns).
 pub trait Files: Send + Sync + 'static {
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr>;
     fn getattr(&self, ino: u64) -> Result<Attr>;
     fn setattr(&self, ino: u64, change: SetAttr) -> Result<Attr>;
+    /// A SETATTR `caller` asked for: [`setattr`](Files::setattr), then
+    /// what a local kernel takes from a file along with such a change — a
+    /// change of owner clears its set-ID bits and capabilities
+    /// ([`clear_privileges`]) whoever makes it, and so does a truncation
+    /// with `kill_suidgid` (a caller without CAP_FSETID). Gives the
+    /// attributes after.
+    ///
+    /// A mount's own kernel has checked `caller`'s rights already; a
+    /// client of an owner sends `caller` along, and the owner checks it
+    /// again by its own rules (`arbor_net::policy`).
+    fn setattr_by(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Result<Attr> {
+        let _ = caller;
+        let chown = change.uid.is_some() || change.gid.is_some();
+        let a = self.setattr(ino, change)?;
+        if (kill_suidgid || chown) && a.kind != FileKind::Directory {
+            return Ok(clear_privileges(self, a)?.0);
+        }
+        Ok(a)
+    }
     fn readlink(&self, ino: u64) -> Result<Vec<u8>>;
     fn create(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32, rdev: u32) -> Result<Attr>;
     /// `create` then `open`, in one step where that saves a round trip.
@@ -255,5 +290,24 @@ mod tests {
         Files::setxattr(v, f.ino, b"user.keep", b"1", XattrFlags::Any).expect("setxattr");
         drop_capabilities(v, f.ino).expect("drop");
         assert_eq!(Files::getxattr(v, f.ino, b"user.keep").expect("kept"), b"1");
+    }
+
+    #[test]
+    fn a_change_of_owner_or_a_killing_truncation_clears_set_id_bits_a_plain_change_does_not() {
+        let v = volume();
+        let v: &Volume = &v;
+        let who = Caller { uid: 1000, gid: 1000 };
+        let f = Files::create(v, ROOT_INO, b"tool", libc::S_IFREG | 0o6755, 0, 0, 0).expect("create");
+        let touch = SetAttr { size: Some(1), ..Default::default() };
+        assert_eq!(v.setattr_by(f.ino, touch.clone(), who, false).expect("truncate").perm, 0o6755);
+        assert_eq!(v.setattr_by(f.ino, touch, who, true).expect("truncate").perm, 0o0755);
+        Files::setattr(v, f.ino, SetAttr { perm: Some(0o6755), ..Default::default() }).expect("chmod");
+        let give = SetAttr { uid: Some(1000), ..Default::default() };
+        let a = v.setattr_by(f.ino, give, Caller::ROOT, false).expect("chown");
+        assert_eq!((a.uid, a.perm), (1000, 0o0755), "a chown clears the bits, even root's");
+        // A folder keeps its set-group-ID bit through a change of owner.
+        let d = Files::mkdir(v, ROOT_INO, b"d", 0o2775, 0, 0).expect("mkdir");
+        let give = SetAttr { gid: Some(1000), ..Default::default() };
+        assert_eq!(v.setattr_by(d.ino, give, Caller::ROOT, false).expect("chgrp").perm, 0o2775);
     }
 }

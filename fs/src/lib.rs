@@ -11,7 +11,7 @@ pub mod mount;
 pub mod ring;
 
 pub use adapter::{to_errno, ArborFs, Counters};
-pub use files::{Files, Lock};
+pub use files::{Caller, Files, Lock};
 pub use mount::{
     is_mountpoint, mount, mount_path, recover_stale_mount, Invalidator, MountHandle, MountOptions, THREADS,
 };

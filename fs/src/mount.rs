@@ -32,6 +32,12 @@ pub struct MountOptions {
     pub fs_name: String,
     /// How requests reach arbor; `None` reads `ARBOR_FUSE`.
     pub transport: Option<RingChoice>,
+    /// Honour set-user-ID and set-group-ID bits, file capabilities and
+    /// device nodes (`suid,dev`); without, the mount is `nosuid,nodev`. A
+    /// mount of this node's own volume has them; a mount through a
+    /// branch's owner has them only when asked, since every node that
+    /// writes the branch could have made such a file.
+    pub suid_devices: bool,
 }
 
 impl Default for MountOptions {
@@ -42,6 +48,7 @@ impl Default for MountOptions {
             read_ahead: arbor_engine::tier::READ_AHEAD as u32,
             fs_name: "arbor".into(),
             transport: None,
+            suid_devices: true,
         }
     }
 }
@@ -106,11 +113,14 @@ fn config(opts: &MountOptions, read_only: bool) -> Config {
         MountOption::Subtype("arbor".into()),
         // The kernel checks mode bits, owners and the sticky bit.
         MountOption::DefaultPermissions,
-        MountOption::Dev,
-        MountOption::Suid,
         MountOption::Exec,
         MountOption::NoAtime,
     ];
+    if opts.suid_devices {
+        cfg.mount_options.extend([MountOption::Dev, MountOption::Suid]);
+    } else {
+        cfg.mount_options.extend([MountOption::NoDev, MountOption::NoSuid]);
+    }
     if read_only {
         cfg.mount_options.push(MountOption::RO);
     }

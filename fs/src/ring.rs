@@ -21,7 +21,7 @@
 //! completion queue after an answer instead of sleeping was slower still.
 
 use crate::adapter::{time_set, ArborFs, Entry, Xattr};
-use crate::files::{Files, Lock};
+use crate::files::{Caller, Files, Lock};
 use arbor_engine::volume::{DirEntryOut, SetAttr};
 use fuser::{Errno, FileAttr, FileType, InitFlags, KernelConfig, TimeOrNow};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
@@ -689,6 +689,10 @@ fn lock_of(l: &FileLock) -> Lock {
     Lock { start: l.start, end: l.end, typ: l.typ as i32, pid: l.pid }
 }
 
+fn caller(h: &InHeader) -> Caller {
+    Caller { uid: h.uid, gid: h.gid }
+}
+
 /// Answers one request with the same [`ArborFs`] call the classic loop
 /// makes for it.
 pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply {
@@ -700,7 +704,8 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
         op::GETATTR => attr(fs.attr_ttl(), fs.getattr(ino)),
         op::SETATTR => {
             let a: SetattrIn = arg(r.op)?;
-            attr(fs.attr_ttl(), fs.setattr(ino, set_attr(&a), a.valid & FATTR_KILL_SUIDGID != 0))
+            let kill = a.valid & FATTR_KILL_SUIDGID != 0;
+            attr(fs.attr_ttl(), fs.setattr(ino, set_attr(&a), caller(h), kill))
         }
         op::READLINK => fs.readlink(ino),
         op::SYMLINK => {
@@ -797,7 +802,7 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
         op::IOCTL => empty(fs.ioctl()),
         op::FALLOCATE => {
             let a: FallocateIn = arg(r.op)?;
-            empty(fs.fallocate(ino, a.offset, a.length, a.mode as i32))
+            empty(fs.fallocate(ino, a.offset, a.length, a.mode as i32, caller(h)))
         }
         _ => Err(Errno::ENOSYS),
     }

@@ -40,13 +40,22 @@
 //! names from their kernel's caches, so a file made on one node shows on
 //! the others at once. A client that fell behind the ring is told so (it
 //! relies on its short cache timeouts for what it missed).
+//!
+//! # Privileges
+//!
+//! The owner applies what any holder of the token sends, so a change of
+//! owner or mode carries its caller, and every change that could make a
+//! file grant privileges, or give it away, is checked by the owner's
+//! [`Policy`] first (see [`crate::policy`]): by default no set-ID bits,
+//! capabilities or device nodes from clients, and root squashed to nobody.
 
+use crate::policy::{Change, Policy};
 use crate::requests::{Begin, Replies};
 use arbor_engine::volume::XattrFlags;
 use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, RequestTag, SetAttr, StatFs, Takes, Volume};
 use arbor_engine::Error;
 use arbor_fs::files::drop_capabilities;
-use arbor_fs::{Files, Lock};
+use arbor_fs::{Caller, Files, Lock};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -72,9 +81,13 @@ pub enum Op {
     GetAttr {
         ino: u64,
     },
+    /// `caller` asked for `change`; `kill_suidgid`: its kernel says the
+    /// change takes the file's set-ID bits ([`Files::setattr_by`]).
     SetAttr {
         ino: u64,
         change: SetAttr,
+        caller: Caller,
+        kill_suidgid: bool,
     },
     ReadLink {
         ino: u64,
@@ -143,7 +156,8 @@ pub enum Op {
         len: u32,
     },
     /// `unprivileged`: written by a caller without CAP_FSETID, so the
-    /// file first loses its set-user-ID bits (`arbor_fs::files::clear_privileges`).
+    /// file first loses its set-user-ID bits (`arbor_fs::files::clear_privileges`);
+    /// under root squash every write is.
     /// Any write drops the file's capabilities.
     Write {
         ino: u64,
@@ -349,6 +363,8 @@ pub struct SharedBranch {
     name: String,
     vol: Arc<Volume>,
     checkpoint: Option<Checkpointer>,
+    /// What clients may do to owners and privileges.
+    policy: Policy,
     epoch: u64,
     state: Mutex<State>,
     /// Answers to recent tagged requests.
@@ -362,6 +378,11 @@ fn errno(e: &Error) -> i32 {
         tracing::error!(what, addr, "returning EIO for corrupt data");
     }
     e.errno()
+}
+
+/// An errno the policy answered, as the volume's errors carry one.
+fn refused(n: i32) -> Error {
+    Error::Io(std::io::Error::from_raw_os_error(n))
 }
 
 fn overlaps(a: &Lock, b: &Lock) -> bool {
@@ -391,7 +412,7 @@ fn cut(held: Vec<Held>, session: u64, owner: u64, range: &Lock) -> Vec<Held> {
 }
 
 impl SharedBranch {
-    pub fn new(name: &str, vol: Arc<Volume>, checkpoint: Option<Checkpointer>) -> Arc<SharedBranch> {
+    pub fn new(name: &str, vol: Arc<Volume>, checkpoint: Option<Checkpointer>, policy: Policy) -> Arc<SharedBranch> {
         let epoch =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
                 ^ ((std::process::id() as u64) << 40);
@@ -399,6 +420,7 @@ impl SharedBranch {
             name: name.into(),
             vol,
             checkpoint,
+            policy,
             epoch,
             state: Mutex::new(State { next_seq: 1, ..State::default() }),
             replies: Replies::default(),
@@ -541,6 +563,19 @@ impl SharedBranch {
         }
     }
 
+    /// [`Op::SetAttr`], once the policy allows it.
+    fn set_attr(&self, ino: u64, asked: Change) -> Result<Attr, Error> {
+        let file = self.vol.getattr(ino)?;
+        let c = self.policy.setattr(&file, asked).map_err(refused)?;
+        Files::setattr_by(&*self.vol, ino, c.change, c.caller, c.kill_suidgid)
+    }
+
+    /// Who owns a new file of `mode` `creator` makes, once the policy
+    /// allows it.
+    fn creator(&self, mode: u32, uid: u32, gid: u32) -> Result<Caller, Error> {
+        self.policy.create(mode, Caller { uid, gid }).map_err(refused)
+    }
+
     fn lookup_ino(&self, parent: u64, name: &[u8]) -> Option<u64> {
         self.vol.lookup(parent, name).ok().map(|a| a.ino)
     }
@@ -639,8 +674,8 @@ impl SharedBranch {
                 })
                 .map(|()| Out::Entries(entries))
             }
-            Op::SetAttr { ino, change } => {
-                let r = v.setattr(ino, change).map(Out::Attr);
+            Op::SetAttr { ino, change, caller, kill_suidgid } => {
+                let r = self.set_attr(ino, Change { change, caller, kill_suidgid }).map(Out::Attr);
                 self.record(session, [Inode(ino)]);
                 r
             }
@@ -648,7 +683,7 @@ impl SharedBranch {
                 // A client's kernel checks a file's capabilities once and
                 // then trusts its mark (another node may have set them
                 // since), so the owner drops them on every write.
-                let r = if unprivileged {
+                let r = if self.policy.write_clears_set_id(unprivileged) {
                     Files::write_unprivileged(&**v, ino, off, &data).map(|(n, _)| n)
                 } else {
                     drop_capabilities(&**v, ino).and_then(|()| v.write(ino, off, &data))
@@ -659,22 +694,34 @@ impl SharedBranch {
             }
             Op::Fsync { ino } => v.fsync(ino).map(|()| Out::Unit),
             Op::Create { parent, name, mode, uid, gid, rdev } => {
-                let r = v.create(parent, &name, mode, uid, gid, rdev).map(Out::Attr);
+                let r = self
+                    .creator(mode, uid, gid)
+                    .and_then(|o| v.create(parent, &name, mode, o.uid, o.gid, rdev))
+                    .map(Out::Attr);
                 self.record(session, [Entry(parent, name), Inode(parent)]);
                 r
             }
             Op::CreateOpen { parent, name, mode, uid, gid } => {
-                let r = v.create(parent, &name, mode, uid, gid, 0).and_then(|a| self.open(session, a.ino, 1));
+                let r = self
+                    .creator(mode, uid, gid)
+                    .and_then(|o| v.create(parent, &name, mode, o.uid, o.gid, 0))
+                    .and_then(|a| self.open(session, a.ino, 1));
                 self.record(session, [Entry(parent, name), Inode(parent)]);
                 r.map(Out::Attr)
             }
             Op::Mkdir { parent, name, perm, uid, gid } => {
-                let r = v.mkdir(parent, &name, perm, uid, gid).map(Out::Attr);
+                let r = self
+                    .creator(libc::S_IFDIR | u32::from(perm), uid, gid)
+                    .and_then(|o| v.mkdir(parent, &name, perm, o.uid, o.gid))
+                    .map(Out::Attr);
                 self.record(session, [Entry(parent, name), Inode(parent)]);
                 r
             }
             Op::Symlink { parent, name, target, uid, gid } => {
-                let r = v.symlink(parent, &name, &target, uid, gid).map(Out::Attr);
+                let r = self
+                    .creator(libc::S_IFLNK | 0o777, uid, gid)
+                    .and_then(|o| v.symlink(parent, &name, &target, o.uid, o.gid))
+                    .map(Out::Attr);
                 self.record(session, [Entry(parent, name), Inode(parent)]);
                 r
             }
@@ -706,7 +753,8 @@ impl SharedBranch {
             Op::Open { ino, count } => self.open(session, ino, count).map(Out::Attr),
             Op::Release { ino } => self.release(session, ino).map(|()| Out::Unit),
             Op::SetXattr { ino, name, value, flags } => {
-                let r = v.setxattr(ino, &name, &value, flags).map(|()| Out::Unit);
+                let r = self.policy.setxattr(&name).map_err(refused);
+                let r = r.and_then(|()| v.setxattr(ino, &name, &value, flags)).map(|()| Out::Unit);
                 self.record(session, [Inode(ino)]);
                 r
             }

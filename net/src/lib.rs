@@ -42,6 +42,7 @@ pub mod files;
 pub mod frames;
 pub mod journal;
 mod metrics;
+pub mod policy;
 pub mod reads;
 pub use metrics::sample as metric_sample;
 pub mod remote;
@@ -50,6 +51,7 @@ pub mod server;
 
 pub use client::{CacheClient, ClientOptions, ServerStats};
 pub use files::SharedBranch;
+pub use policy::Policy;
 pub use remote::{RemoteFiles, RemoteOptions, RemoteStats};
 pub use server::{CacheServer, Fault, Running, ServerOptions};
 

@@ -61,7 +61,7 @@ use arbor_engine::format::decode_value;
 use arbor_engine::volume::RequestTag;
 use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
 use arbor_engine::{Error, Result};
-use arbor_fs::{Files, Lock};
+use arbor_fs::{Caller, Files, Lock};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2::SendRequest;
@@ -1127,9 +1127,16 @@ impl Files for RemoteFiles {
     fn getattr(&self, ino: u64) -> Result<Attr> {
         attr(self.call(Op::GetAttr { ino }))
     }
+    /// A change with no caller is made as root would make it (which an
+    /// owner squashing root makes nobody's).
     fn setattr(&self, ino: u64, change: SetAttr) -> Result<Attr> {
+        self.setattr_by(ino, change, Caller::ROOT, false)
+    }
+    /// One request: the owner checks `caller` and clears what the change
+    /// takes from the file as it applies it.
+    fn setattr_by(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Result<Attr> {
         self.forget(ino);
-        attr(self.call(Op::SetAttr { ino, change }))
+        attr(self.call(Op::SetAttr { ino, change, caller, kill_suidgid }))
     }
     fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
         bytes(self.call(Op::ReadLink { ino }))

@@ -8,7 +8,7 @@ use arbor_engine::env::TestEnv;
 use arbor_engine::volume::{Config, Place, RenameMode, RequestTag, Volume, ROOT_INO};
 use arbor_fs::Files;
 use arbor_net::files::{Event, Op, Out};
-use arbor_net::{CacheServer, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
+use arbor_net::{CacheServer, Policy, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +28,7 @@ fn owner(dev: &SimDevice) -> (Arc<Volume>, Running) {
 
 /// `vol` served as branch `main`, on a port of its own.
 fn serve(vol: &Arc<Volume>) -> Running {
-    let branch = SharedBranch::new("main", vol.clone(), None);
+    let branch = SharedBranch::new("main", vol.clone(), None, Policy::default());
     let server = CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() });
     server.spawn("127.0.0.1:0").expect("serve")
 }
@@ -166,7 +166,7 @@ fn a_file_the_owner_lost_fails_its_fsync_and_its_reads() {
 #[test]
 fn other_sessions_hear_of_changes_and_not_of_their_own() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
-    let b = SharedBranch::new("main", vol, None);
+    let b = SharedBranch::new("main", vol, None, Policy::default());
     let (s1, s2) = (b.open_session(), b.open_session());
     let made = b.apply(s1.session, Op::Mkdir { parent: ROOT_INO, name: b"d".to_vec(), perm: 0o755, uid: 0, gid: 0 });
     let Ok(Out::Attr(d)) = made else { panic!("mkdir: {made:?}") };
@@ -195,7 +195,7 @@ fn other_sessions_hear_of_changes_and_not_of_their_own() {
 #[test]
 fn a_dropped_session_gives_back_its_open_files_and_locks() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
-    let b = SharedBranch::new("main", vol.clone(), None);
+    let b = SharedBranch::new("main", vol.clone(), None, Policy::default());
     let (s1, s2) = (b.open_session(), b.open_session());
     let Ok(Out::Attr(f)) =
         b.apply(s1.session, Op::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })

@@ -477,6 +477,73 @@ impl Drop for Serve {
     }
 }
 
+/// The token shared-branch tests give owners and clients.
+pub const TOKEN: &str = "shared-branch-token";
+
+/// A disk whose branch `main` is owned by `arbor serve --branch main`,
+/// for client mounts to write through.
+pub struct SharedWorld {
+    pub s: Scratch,
+    pub token: PathBuf,
+    pub owner: Serve,
+}
+
+impl SharedWorld {
+    /// An owner with its default options (`None` where FUSE cannot run).
+    pub fn start() -> Option<SharedWorld> {
+        Self::start_with(&[])
+    }
+
+    /// An owner started with `extra` arguments too.
+    pub fn start_with(extra: &[&str]) -> Option<SharedWorld> {
+        if !fuse_available() {
+            return None;
+        }
+        let s = Scratch::new();
+        let token = s.dir.path().join("token");
+        std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
+        let owner = Self::owner(&s, &token, free_port(), extra);
+        Some(SharedWorld { s, token, owner })
+    }
+
+    pub fn owner(s: &Scratch, token: &Path, port: u16, extra: &[&str]) -> Serve {
+        let log = s.dir.path().join(format!("owner-{port}.log"));
+        let mut args = vec!["--branch", "main", "--token-file", token.to_str().expect("utf8")];
+        args.extend_from_slice(extra);
+        Serve::start(s.disk_str(), port, &args, &[], &log)
+    }
+
+    /// A client mount at `<scratch>/<name>`, finding the owner through the disk.
+    pub fn client(&self, name: &str) -> Mount {
+        self.client_with(name, &[])
+    }
+
+    pub fn client_with(&self, name: &str, extra: &[&str]) -> Mount {
+        let mnt = self.s.dir.path().join(name);
+        std::fs::create_dir_all(&mnt).expect("mkdir");
+        let mut args = vec!["--token-file", self.token.to_str().expect("utf8")];
+        args.extend_from_slice(extra);
+        Mount::start(self.s.disk_str(), &mnt, &args)
+    }
+}
+
+/// The errno of a failed call (0 if it succeeded).
+pub fn errno_of<T>(r: std::io::Result<T>) -> i32 {
+    r.err().and_then(|e| e.raw_os_error()).unwrap_or(0)
+}
+
+/// Lets every user reach `path` through its parent folders (search
+/// permission on each), as tests that act as other users need.
+pub fn let_others_reach(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for dir in path.ancestors().skip(1) {
+        if let Ok(m) = std::fs::metadata(dir) {
+            let mode = m.permissions().mode() & 0o7777;
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o001));
+        }
+    }
+}
+
 /// An S3 server that keeps object versions (moto, on a free 127.0.0.1
 /// port, in memory), for what s3s-fs cannot show: a bucket with
 /// versioning on. Stopped when dropped.

@@ -78,18 +78,20 @@ fn pjdfstest_passes_on_a_real_mount() {
     m.unmount();
 
     // The same suite through a client of `arbor serve --branch`: the same
-    // counts as the local mount.
+    // counts as the local mount. The suite runs as root, makes devices and
+    // set-ID files and gives files away: an owner that trusts its clients'
+    // root, and a client that honours what it makes.
     let token = s.dir.path().join("token");
     std::fs::write(&token, "posix-token\n").expect("token");
     let token = token.to_str().expect("utf8");
     let owner = Serve::start(
         s.disk_str(),
         free_port(),
-        &["--branch", "main", "--token-file", token],
+        &["--branch", "main", "--token-file", token, "--allow-suid-devices", "--no-root-squash"],
         &[],
         &s.dir.path().join("owner.log"),
     );
-    let client = Mount::start(s.disk_str(), &s.mnt, &["--allow-other", "--token-file", token]);
+    let client = Mount::start(s.disk_str(), &s.mnt, &["--allow-other", "--allow-suid-devices", "--token-file", token]);
     let remote = pjdfstest(&s, &s.mnt);
     println!("pjdfstest through the owner: {} passed, {} failed, {} skipped", remote.2, remote.0, remote.1);
     assert_eq!(remote.0, 0, "failures through the owner:\n{}", remote.3.join("\n"));

@@ -7,54 +7,9 @@ use arbor_tests::*;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-const TOKEN: &str = "shared-branch-token";
-
-struct World {
-    s: Scratch,
-    token: PathBuf,
-    owner: Serve,
-}
-
-impl World {
-    fn start() -> Option<World> {
-        if !fuse_available() {
-            return None;
-        }
-        let s = Scratch::new();
-        let token = s.dir.path().join("token");
-        std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
-        let owner = Self::owner(&s, &token, free_port(), &[]);
-        Some(World { s, token, owner })
-    }
-
-    fn owner(s: &Scratch, token: &Path, port: u16, extra: &[&str]) -> Serve {
-        let log = s.dir.path().join(format!("owner-{port}.log"));
-        let mut args = vec!["--branch", "main", "--token-file", token.to_str().expect("utf8")];
-        args.extend_from_slice(extra);
-        Serve::start(s.disk_str(), port, &args, &[], &log)
-    }
-
-    /// A client mount at `<scratch>/<name>`, finding the owner through the disk.
-    fn client(&self, name: &str) -> Mount {
-        self.client_with(name, &[])
-    }
-
-    fn client_with(&self, name: &str, extra: &[&str]) -> Mount {
-        let mnt = self.s.dir.path().join(name);
-        std::fs::create_dir_all(&mnt).expect("mkdir");
-        let mut args = vec!["--token-file", self.token.to_str().expect("utf8")];
-        args.extend_from_slice(extra);
-        Mount::start(self.s.disk_str(), &mnt, &args)
-    }
-}
-
-fn errno_of<T>(r: std::io::Result<T>) -> i32 {
-    r.err().and_then(|e| e.raw_os_error()).unwrap_or(0)
-}
 
 /// Polls `f` every millisecond for up to `limit`; how long it took.
 fn time_until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
@@ -70,7 +25,7 @@ fn time_until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> 
 
 #[test]
 fn clients_write_through_the_owner_and_see_each_other() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = SharedWorld::start() else { return };
     let a = w.client("a");
     let b = w.client_with("b", &["--server", &w.owner.addr]);
     let (pa, pb) = (a.mnt.clone(), b.mnt.clone());
@@ -144,7 +99,7 @@ fn clients_write_through_the_owner_and_see_each_other() {
 /// then another node reads every byte back.
 #[test]
 fn four_ranks_save_a_distributed_checkpoint_and_a_fifth_reads_it() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = SharedWorld::start() else { return };
     const RANKS: usize = 4;
     const SHARD: usize = 6 << 20;
     let ranks: Vec<Mount> = (0..RANKS).map(|r| w.client(&format!("rank{r}"))).collect();
@@ -211,7 +166,7 @@ fn four_ranks_save_a_distributed_checkpoint_and_a_fifth_reads_it() {
 /// ends where the operations say.
 #[test]
 fn two_clients_change_one_folder_at_once() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = SharedWorld::start() else { return };
     let (a, b) = (w.client("a"), w.client("b"));
     std::fs::create_dir(a.mnt.join("shared")).expect("mkdir");
     wait_until("the folder on b", Duration::from_secs(5), || b.mnt.join("shared").is_dir());
@@ -284,7 +239,9 @@ fn set_capability(p: &Path) {
 #[test]
 fn client_writes_clear_set_id_bits_and_capabilities_without_a_question_per_write() {
     use std::os::unix::fs::PermissionsExt;
-    let Some(w) = World::start() else { return };
+    // Root sets set-ID bits and capabilities and gives the file away: an
+    // owner that trusts its clients' root.
+    let Some(w) = SharedWorld::start_with(&["--allow-suid-devices", "--no-root-squash"]) else { return };
     let a = w.client_with("a", &["--allow-other"]);
     let b = w.client("b");
     std::fs::set_permissions(&a.mnt, std::fs::Permissions::from_mode(0o777)).expect("chmod mnt");
@@ -357,7 +314,7 @@ fn fcntl_lock(f: &std::fs::File, typ: i32, start: i64, len: i64) -> i32 {
 
 #[test]
 fn locks_exclude_across_clients_and_die_with_their_client() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = SharedWorld::start() else { return };
     let (a, b) = (w.client("a"), w.client("b"));
     std::fs::write(a.mnt.join("lockfile"), b"x").expect("create");
     let fa = std::fs::File::open(a.mnt.join("lockfile")).expect("open a");
@@ -429,7 +386,7 @@ fn locks_exclude_across_clients_and_die_with_their_client() {
 
 #[test]
 fn fsynced_writes_survive_the_owner_killed_and_restarted() {
-    let Some(mut w) = World::start() else { return };
+    let Some(mut w) = SharedWorld::start() else { return };
     let a = w.client("a");
     let b = w.client("b");
     const FILES: usize = 24;
@@ -499,7 +456,7 @@ fn fsynced_writes_survive_the_owner_killed_and_restarted() {
 /// bytes are never overwritten by a client's older unsynced ones.
 #[test]
 fn a_clean_owner_restart_brings_back_no_overwritten_bytes() {
-    let Some(mut w) = World::start() else { return };
+    let Some(mut w) = SharedWorld::start() else { return };
     let a = w.client("a");
     let b = w.client("b");
     let f = a.mnt.join("f");
@@ -526,7 +483,7 @@ fn a_clean_owner_restart_brings_back_no_overwritten_bytes() {
 
 #[test]
 fn a_new_owner_takes_over_and_clients_follow_it() {
-    let Some(mut w) = World::start() else { return };
+    let Some(mut w) = SharedWorld::start() else { return };
     let a = w.client("a");
     write_synced(&a.mnt.join("before"), b"written through the first owner");
     // A second owner while the first lives is refused.
@@ -541,7 +498,7 @@ fn a_new_owner_takes_over_and_clients_follow_it() {
     // The first dies; a new one starts on another port; the client finds
     // it through the owner record and carries on.
     w.owner.kill9_only();
-    let second = World::owner(&w.s, &w.token, free_port(), &[]);
+    let second = SharedWorld::owner(&w.s, &w.token, free_port(), &[]);
     write_synced(&a.mnt.join("after"), b"written through the second owner");
     assert_eq!(std::fs::read(a.mnt.join("before")).expect("read"), b"written through the first owner");
     let status = arbor_ok(&["status", a.mnt.to_str().expect("utf8"), "--json"]);
@@ -635,7 +592,7 @@ fn take_over_from_an_owner_on_another_node() {
 /// refused; with it, it mounts through the owner like any client.
 #[test]
 fn a_mount_in_another_pid_namespace_with_a_stepped_clock_never_becomes_a_second_writer() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = SharedWorld::start() else { return };
     let pidns = Command::new("unshare").args(["-pf", "true"]).status().is_ok_and(|s| s.success());
     let faketime = Command::new("faketime").args(["-f", "+40s", "true"]).status().is_ok_and(|s| s.success());
     if !pidns || !faketime {
@@ -698,7 +655,7 @@ fn a_mount_in_another_pid_namespace_with_a_stepped_clock_never_becomes_a_second_
 
 #[test]
 fn without_the_token_nothing_is_listed_read_or_written() {
-    let Some(w) = World::start() else { return };
+    let Some(w) = SharedWorld::start() else { return };
     let a = w.client("a");
     std::fs::write(a.mnt.join("secret"), b"s").expect("write");
     // A mount with the wrong token fails, with a message, and mounts nothing.
@@ -722,7 +679,7 @@ fn without_the_token_nothing_is_listed_read_or_written() {
 
 #[test]
 fn with_a_timeout_an_operation_fails_with_eio_while_the_owner_is_away() {
-    let Some(mut w) = World::start() else { return };
+    let Some(mut w) = SharedWorld::start() else { return };
     let a = w.client_with("a", &["--timeout", "2s"]);
     write_synced(&a.mnt.join("f"), b"before");
     w.owner.kill9_only();

@@ -97,7 +97,7 @@ fn main() {
 
     let local = volume(&tmp.path().join("local"));
     let owned = volume(&tmp.path().join("owned"));
-    let branch = SharedBranch::new("main", owned, None);
+    let branch = SharedBranch::new("main", owned, None, arbor_net::Policy::default());
     let server = CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() })
         .spawn("127.0.0.1:0")
         .expect("serve");
