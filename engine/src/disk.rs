@@ -484,7 +484,7 @@ impl Device for HeadDevice {
     }
 
     /// Reads the head; a leased writer then claims the branch at once (see
-    /// [`HeadDevice::claim`]), before anything of the old writer's log is read.
+    /// `HeadDevice::claim`), before anything of the old writer's log is read.
     fn read_superblock(&self) -> Result<Option<Vec<u8>>> {
         // A body damaged on the way is read again; one damaged at rest is
         // reported as corrupt.

@@ -257,6 +257,9 @@ struct Inner {
     sessions: AtomicU64,
     /// Whether the current outage was already logged.
     outage: AtomicBool,
+    /// A new owner was met since the event thread last dropped what the
+    /// kernel caches of this mount's open files.
+    owner_changed: AtomicBool,
     direct: Option<DirectReads>,
     owner_reads: AtomicU64,
     owner_bytes: AtomicU64,
@@ -489,6 +492,7 @@ impl Inner {
             d.forget_all();
         }
         if restarted {
+            self.owner_changed.store(true, Ordering::Release);
             self.reconcile(info)?;
         } else {
             self.journal.lock().met(info.epoch);
@@ -854,6 +858,14 @@ impl Inner {
     /// located reads), and moves `after` past it.
     fn invalidate(&self, notifier: &fuser::Notifier, ev: Events, after: &mut u64) {
         use std::os::unix::ffi::OsStrExt;
+        if self.owner_changed.swap(false, Ordering::AcqRel) {
+            // The new owner may lack what the old one answered: the pages
+            // and attributes the kernel keeps of open files may hold it.
+            let open: Vec<u64> = self.open.lock().keys().copied().collect();
+            for ino in open {
+                let _ = notifier.inval_inode(fuser::INodeNo(ino), 0, 0);
+            }
+        }
         if ev.gap {
             // Located reads of files changed in the gap would go stale.
             if let Some(d) = &self.direct {
@@ -915,6 +927,7 @@ impl RemoteFiles {
             retries: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
             outage: AtomicBool::new(false),
+            owner_changed: AtomicBool::new(false),
             owner_reads: AtomicU64::new(0),
             owner_bytes: AtomicU64::new(0),
         });
