@@ -794,3 +794,64 @@ fn a_hard_mount_waiting_on_a_paused_owner_moves_to_its_successor() {
     assert_eq!(got, Ok(vol.lookup(ROOT_INO, b"here").expect("lookup").ino));
     println!("answered by the successor after {:?}", started.elapsed());
 }
+
+/// Review 2: a lost rename must fail the fsync of the process that
+/// renamed, not only whichever fsync of the mount comes first. Here a
+/// second writer's fsync of its own file eats the report, and the saver's
+/// folder fsync then acknowledges a rename the new owner never had.
+#[test]
+fn a_lost_rename_is_reported_to_the_folder_fsync_even_after_another_files_fsync() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    let other = c.create_open(ROOT_INO, b"other", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.fsync(other.ino).expect("fsync");
+    let f = c.create_open(ROOT_INO, b"ckpt.tmp", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(f.ino, 0, b"body").expect("write");
+    c.fsync(f.ino).expect("fsync");
+    c.rename(ROOT_INO, b"ckpt.tmp", ROOT_INO, b"ckpt", RenameMode::Plain).expect("rename");
+    let (vol, _server) = crash_and_restart(&dev, first, &at);
+    assert!(vol.lookup(ROOT_INO, b"ckpt").is_err(), "the crash took the rename");
+    // Another process on this mount fsyncs its own file first ...
+    let _ = c.fsync(other.ino);
+    // ... then the saver fsyncs the folder, as rename-then-fsync(dir) does.
+    assert_eq!(
+        c.fsync(ROOT_INO).map_err(|e| e.errno()),
+        Err(libc::EIO),
+        "the folder's fsync acknowledged a rename the owner lost"
+    );
+}
+
+/// Review 2: the 10 s owner check covers requests awaited on the pool,
+/// not writes in flight on a lane: a hard mount with a write in flight to
+/// a paused owner waits on it even after a successor is recorded.
+#[test]
+fn a_hard_mount_with_a_write_in_flight_to_a_paused_owner_moves_to_its_successor() {
+    let (_vol, real) = owner(&SimDevice::new());
+    let at = Arc::new(Mutex::new(silent_owner().to_string()));
+    let find = at.clone();
+    let c = RemoteFiles::connect(RemoteOptions {
+        branch: "main".into(),
+        token: TOKEN.into(),
+        locate: Arc::new(move || Some(find.lock().clone())),
+        timeout: None,
+        segments: None,
+    })
+    .expect("connect to the paused owner");
+    let (moved, next) = (at.clone(), real.addr.to_string());
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        *moved.lock() = next;
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // Sent on its lane at once; the fsync waits for its answer.
+        let w = c.write(1000, 0, b"in flight").map_err(|e| e.errno());
+        let _ = tx.send((w, c.fsync(1000).map_err(|e| e.errno())));
+    });
+    let (w, fsync) =
+        rx.recv_timeout(Duration::from_secs(45)).expect("the hard mount still waits on the paused owner's lane");
+    assert_eq!(w, Ok(9));
+    assert_eq!(fsync, Err(libc::EIO), "the write in flight to the deposed owner is lost, and its fsync says so");
+}
