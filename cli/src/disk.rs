@@ -45,8 +45,10 @@ pub fn open_for_owner(
     take_over: bool,
     ttl: std::time::Duration,
 ) -> Result<Disk> {
-    if ttl < std::time::Duration::from_secs(1) {
-        anyhow::bail!("--lease-ttl must be at least 1s");
+    if ttl < std::time::Duration::from_secs(1) || ttl > std::time::Duration::from_secs(500) {
+        // A claimant watches a lease for at most 600 s, a fifth more than
+        // its life: longer lives would let it claim too soon.
+        anyhow::bail!("--lease-ttl must be between 1s and 500s");
     }
     let mut o = options(Some(name), cache)?;
     if let Some(l) = o.lease.as_mut() {

@@ -195,6 +195,9 @@ pub struct HeadDevice {
     renewed_at: Mutex<Option<std::time::Instant>>,
     /// Whether the head names a commit of this writer's own log yet.
     own_head: std::sync::atomic::AtomicBool,
+    /// The head body this writer last tried to write: one whose reply was
+    /// lost may be in the bucket all the same.
+    tried: Mutex<Option<Vec<u8>>>,
 }
 
 impl HeadDevice {
@@ -226,6 +229,7 @@ impl HeadDevice {
             renewals: std::sync::atomic::AtomicU64::new(0),
             renewed_at: Mutex::new(None),
             own_head: std::sync::atomic::AtomicBool::new(false),
+            tried: Mutex::new(None),
         })
     }
 
@@ -250,15 +254,17 @@ impl HeadDevice {
         let Some(cfg) = &self.lease else { return };
         let every = (cfg.ttl / 3).max(std::time::Duration::from_millis(100));
         let me = self.me.clone();
+        let mut retry_at = std::time::Instant::now();
         let spawned = std::thread::Builder::new().name("arbor-lease".into()).spawn(move || loop {
-            // Wake often enough to notice the head is gone.
-            let mut slept = std::time::Duration::ZERO;
-            while slept < every {
-                std::thread::sleep(std::time::Duration::from_millis(100));
-                slept += std::time::Duration::from_millis(100);
-                if me.strong_count() == 0 {
-                    return;
-                }
+            // Wakes every 100 ms (by the clock, so a pause counts whole):
+            // renews when a third of the lease passed since the last head
+            // write, and a second after a failed try.
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            if me.strong_count() == 0 {
+                return;
+            }
+            if std::time::Instant::now() < retry_at {
+                continue;
             }
             let Some(head) = me.upgrade() else { return };
             if head.released.load(std::sync::atomic::Ordering::Acquire) || head.fenced.lock().is_some() {
@@ -275,7 +281,10 @@ impl HeadDevice {
                     *head.fenced.lock() = Some(why);
                     return;
                 }
-                Err(e) => tracing::warn!(error = %e, "renewing the branch lease failed; trying again"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "renewing the branch lease failed; trying again in a second");
+                    retry_at = std::time::Instant::now() + std::time::Duration::from_secs(1);
+                }
             }
         });
         if let Err(e) = spawned {
@@ -393,7 +402,8 @@ impl HeadDevice {
     /// written longer than `every` ago.
     fn renew(&self, every: std::time::Duration) -> Result<()> {
         let mut seen = self.seen.lock();
-        let due = self.last.lock().as_ref().filter(|(_, at)| at.elapsed() >= every).map(|(b, _)| b.clone());
+        let stale = self.renewed_at.lock().is_none_or(|at| at.elapsed() >= every);
+        let due = self.last.lock().as_ref().filter(|_| stale).map(|(b, _)| b.clone());
         match due {
             Some(sb) => self.swap_locked(&mut seen, &sb),
             None => Ok(()),
@@ -402,6 +412,7 @@ impl HeadDevice {
 
     fn swap_locked(&self, seen: &mut Option<ETag>, superblock: &Superblock) -> Result<()> {
         let body = encode_head(&superblock.encode(), self.lease_for(superblock).as_ref());
+        let prev = self.tried.lock().replace(body.clone());
         let sent = std::time::Instant::now();
         let written = match seen.as_deref() {
             Some(tag) => self.catalog.put_if_match(&self.key, &body, tag),
@@ -417,8 +428,17 @@ impl HeadDevice {
             Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
                 // A PUT whose reply was lost and that was sent again meets
                 // its own first landing: the head then holds these bytes.
+                // One whose every reply was lost left the head as this
+                // writer's earlier try: replaced again, on that tag.
                 if let Ok((now, tag)) = self.catalog.get(&self.key) {
-                    if now == body {
+                    let again = if now == body {
+                        Ok(tag)
+                    } else if prev.as_ref() == Some(&now) {
+                        self.catalog.put_if_match(&self.key, &body, &tag)
+                    } else {
+                        Err(Error::PreconditionFailed(self.key.clone()))
+                    };
+                    if let Ok(tag) = again {
                         *seen = Some(tag);
                         *self.last.lock() = Some((superblock.clone(), std::time::Instant::now()));
                         *self.renewed_at.lock() = Some(sent);
@@ -470,6 +490,7 @@ impl Device for HeadDevice {
         if let Some(why) = self.fenced.lock().clone() {
             return Err(Error::Fenced(why));
         }
+        self.check_lease_age()?;
         self.segments.check_writable()
     }
 

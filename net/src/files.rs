@@ -231,6 +231,24 @@ pub enum Op {
 impl Op {
     /// Whether the operation changes the branch: such a request carries a
     /// tag, so that a copy sent again is not applied twice.
+    /// The files and folders a change alters (a folder for a change of
+    /// its names): whose fsync must report the change if it is lost.
+    pub fn touches(&self) -> Vec<u64> {
+        match self {
+            Op::SetAttr { ino, .. } | Op::SetXattr { ino, .. } | Op::RemoveXattr { ino, .. } => vec![*ino],
+            Op::Write { ino, .. } => vec![*ino],
+            Op::Create { parent, .. }
+            | Op::CreateOpen { parent, .. }
+            | Op::Mkdir { parent, .. }
+            | Op::Symlink { parent, .. }
+            | Op::Unlink { parent, .. }
+            | Op::Rmdir { parent, .. } => vec![*parent],
+            Op::Link { ino, new_parent, .. } => vec![*new_parent, *ino],
+            Op::Rename { parent, new_parent, .. } => vec![*parent, *new_parent],
+            _ => Vec::new(),
+        }
+    }
+
     pub fn changes(&self) -> bool {
         matches!(
             self,
@@ -413,9 +431,15 @@ fn cut(held: Vec<Held>, session: u64, owner: u64, range: &Lock) -> Vec<Held> {
 
 impl SharedBranch {
     pub fn new(name: &str, vol: Arc<Volume>, checkpoint: Option<Checkpointer>, policy: Policy) -> Arc<SharedBranch> {
-        let epoch =
+        // Random, so two owner processes never share an epoch (a clock
+        // and pid alone repeat across container restarts).
+        let mut random = [0u8; 8];
+        let drawn =
+            std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut random));
+        let fallback =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
                 ^ ((std::process::id() as u64) << 40);
+        let epoch = if drawn.is_ok() { u64::from_le_bytes(random) | 1 } else { fallback };
         Arc::new(SharedBranch {
             name: name.into(),
             vol,

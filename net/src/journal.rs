@@ -60,6 +60,8 @@ struct Entry {
     tag: RequestTag,
     /// The file a write went to; `None` for a change of names or attributes.
     ino: Option<u64>,
+    /// For another change: the files and folders it altered.
+    touched: Vec<u64>,
 }
 
 /// What the owner answered and no fsync has covered, and what was lost.
@@ -69,9 +71,9 @@ pub struct Journal {
     next_pos: u64,
     /// Files whose answered writes the owner lost: their next fsync fails.
     pub lost: HashSet<u64>,
-    /// An answered change other than a write was lost: the next fsync of
-    /// anything on the mount fails.
-    pub lost_change: bool,
+    /// Files and folders an answered change other than a write altered
+    /// (a folder for its names) that was lost: their next fsync fails.
+    pub lost_changes: HashSet<u64>,
     /// Files this mount had open that did not survive an owner restart:
     /// reads and writes through those open files fail with EIO (their
     /// inode number may name another file now) until the file is opened
@@ -100,23 +102,23 @@ impl Journal {
     /// answer from an owner before the one reconciled with (read late,
     /// from a socket, after another thread met the new owner) counts only
     /// if the new owner had the request; else it is lost at once.
-    pub fn answered(&mut self, tag: RequestTag, ino: Option<u64>, epoch: u64) {
+    pub fn answered(&mut self, tag: RequestTag, ino: Option<u64>, touched: Vec<u64>, epoch: u64) {
         if self.epoch != 0 && epoch != self.epoch {
             if self.floors.get(&tag.slot).is_none_or(|&f| tag.seq > f) {
-                self.mark_lost(ino);
+                self.mark_lost(ino, touched);
             }
             return;
         }
-        self.entries.push_back(Entry { pos: self.next_pos, tag, ino });
+        self.entries.push_back(Entry { pos: self.next_pos, tag, ino, touched });
         self.next_pos += 1;
     }
 
-    fn mark_lost(&mut self, ino: Option<u64>) {
+    fn mark_lost(&mut self, ino: Option<u64>, touched: Vec<u64>) {
         match ino {
             Some(ino) => {
                 self.lost.insert(ino);
             }
-            None => self.lost_change = true,
+            None => self.lost_changes.extend(touched),
         }
     }
 
@@ -152,7 +154,7 @@ impl Journal {
                 continue;
             }
             lost += 1;
-            self.mark_lost(e.ino);
+            self.mark_lost(e.ino, e.touched);
         }
         self.epoch = epoch;
         self.floors = floors.clone();
@@ -179,22 +181,22 @@ mod tests {
     fn what_the_new_owner_lacks_is_lost_and_nothing_is_sent_again() {
         let mut j = Journal::default();
         j.met(1);
-        j.answered(tag(0, 1), None, 1);
-        j.answered(tag(1, 4), Some(10), 1);
-        j.answered(tag(1, 5), Some(11), 1);
-        j.answered(tag(2, 9), None, 1);
+        j.answered(tag(0, 1), None, vec![1], 1);
+        j.answered(tag(1, 4), Some(10), vec![], 1);
+        j.answered(tag(1, 5), Some(11), vec![], 1);
+        j.answered(tag(2, 9), None, vec![4, 5], 1);
         let floors = HashMap::from([(0, 1), (1, 4), (1 << 31, 7)]);
         assert_eq!(j.reconcile(&floors, 2), 2);
         assert!(j.is_empty());
         assert_eq!(j.lost, HashSet::from([11]));
-        assert!(j.lost_change, "slot 2's change is not in the new owner's state");
+        assert_eq!(j.lost_changes, HashSet::from([4, 5]), "slot 2's change is not in the new owner's state");
         // Answers of the old owner read after the new one was met: kept
         // only if the new owner had them, and never journalled.
-        j.answered(tag(1 << 31, 7), Some(20), 1);
-        j.answered(tag(1 << 31, 8), Some(21), 1);
+        j.answered(tag(1 << 31, 7), Some(20), vec![], 1);
+        j.answered(tag(1 << 31, 8), Some(21), vec![], 1);
         assert!(j.is_empty());
         assert_eq!(j.lost, HashSet::from([11, 21]));
-        j.answered(tag(1 << 31, 9), Some(22), 2);
+        j.answered(tag(1 << 31, 9), Some(22), vec![], 2);
         assert_eq!(j.len(), 1);
     }
 
@@ -202,14 +204,14 @@ mod tests {
     fn an_fsync_covers_what_was_answered_before_it_was_sent() {
         let mut j = Journal::default();
         j.met(1);
-        j.answered(tag(0, 1), None, 1);
+        j.answered(tag(0, 1), None, vec![1], 1);
         let upto = j.position();
-        j.answered(tag(0, 2), Some(3), 1);
+        j.answered(tag(0, 2), Some(3), vec![], 1);
         j.synced(upto);
         assert_eq!(j.len(), 1);
         // After an owner change with nothing of slot 0 past 1, the write is lost.
         assert_eq!(j.reconcile(&HashMap::from([(0, 1)]), 2), 1);
-        assert!(j.lost.contains(&3) && !j.lost_change);
+        assert!(j.lost.contains(&3) && j.lost_changes.is_empty());
     }
 
     #[test]

@@ -225,6 +225,8 @@ enum Broken {
 #[derive(Default)]
 struct Lane {
     conn: Option<Conn>,
+    /// The owner address `conn` reaches.
+    addr: String,
     sent: std::collections::VecDeque<Sent>,
     bytes: usize,
     /// The sequence of the lane's last request (its slot is pipelined).
@@ -596,10 +598,14 @@ impl Inner {
             _ => None,
         };
         let mut req = crate::frames::Request::Op { session: 0, op, tag };
+        let touched = match (&req, ino) {
+            (crate::frames::Request::Op { op, .. }, None) => op.touches(),
+            _ => Vec::new(),
+        };
         let mut by = 0;
         let out = self.call_req(&mut req, bound, &mut by);
         if let (Ok(_), Some(tag)) = (&out, tag) {
-            self.answered(tag, ino, by);
+            self.answered(tag, ino, touched, by);
         }
         match req {
             crate::frames::Request::Op { op, .. } => (out, op),
@@ -609,10 +615,10 @@ impl Inner {
 
     /// Notes request `tag` answered with success; a journal grown past
     /// [`JOURNAL_MAX`] is made durable at once.
-    fn answered(&self, tag: RequestTag, ino: Option<u64>, epoch: u64) {
+    fn answered(&self, tag: RequestTag, ino: Option<u64>, touched: Vec<u64>, epoch: u64) {
         let over = {
             let mut j = self.journal.lock();
-            j.answered(tag, ino, epoch);
+            j.answered(tag, ino, touched, epoch);
             j.len() > JOURNAL_MAX
         };
         if over {
@@ -695,7 +701,14 @@ impl Inner {
         let tag = RequestTag { client: self.client, slot, seq: lane.seq + 1 };
         let sent = self.session().ok().and_then(|session| {
             if lane.conn.is_none() {
-                lane.conn = Some(self.take_conn().ok()?.1);
+                let (addr, c) = self.take_conn().ok()?;
+                if self.opts.timeout.is_none() {
+                    // A paused owner's kernel still takes bytes, then stops:
+                    // a hard mount checks for a successor (see read_one).
+                    c.stream.set_write_timeout(Some(OWNER_CHECK)).ok()?;
+                }
+                lane.addr = addr;
+                lane.conn = Some(c);
             }
             let c = lane.conn.as_mut()?;
             crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
@@ -783,6 +796,9 @@ impl Inner {
         let Some(front) = lane.sent.front() else { return Ok(()) };
         let (tag, ino, len, epoch) = (front.tag, front.at.ino, front.data.len(), front.epoch);
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;
+        if self.opts.timeout.is_none() && self.await_answer(c, &lane.addr).is_err() {
+            return Err(Broken::Connection);
+        }
         match read_answer(&mut c.stream, &mut c.rbuf) {
             Ok(Answer::Reply(reply)) => {
                 lane.sent.pop_front();
@@ -798,7 +814,7 @@ impl Inner {
     /// The owner's answer to write `tag` of `len` bytes to `ino`.
     fn written(&self, tag: RequestTag, ino: u64, len: usize, reply: Reply, epoch: u64) {
         let errno = match reply {
-            Ok(Out::Written(n)) if n as usize == len => return self.answered(tag, Some(ino), epoch),
+            Ok(Out::Written(n)) if n as usize == len => return self.answered(tag, Some(ino), Vec::new(), epoch),
             // The volume writes all or nothing; anything else is a fault.
             Ok(_) => libc::EIO,
             Err(errno) => errno,
@@ -828,7 +844,7 @@ impl Inner {
                 Err(e) if e.errno() == libc::ESTALE => {
                     let epoch = (*self.session.lock()).map_or(0, |s| s.epoch);
                     if self.owner_had(epoch, w.tag) {
-                        self.answered(w.tag, Some(ino), epoch);
+                        self.answered(w.tag, Some(ino), Vec::new(), epoch);
                     } else {
                         tracing::warn!(
                             ino,
@@ -1250,7 +1266,7 @@ impl Files for RemoteFiles {
         j.synced(upto);
         let failed = j.failed.remove(&ino);
         let lost = j.lost.remove(&ino);
-        if std::mem::take(&mut j.lost_change) || lost {
+        if j.lost_changes.remove(&ino) || lost {
             return Err(errno_error(libc::EIO));
         }
         match failed {

@@ -103,7 +103,7 @@ fn writes_the_owner_lost_fail_the_next_fsync_and_are_never_sent_again() {
 }
 
 #[test]
-fn a_lost_rename_fails_the_next_fsync_of_any_file() {
+fn a_lost_rename_fails_the_next_fsync_of_its_folder() {
     let dev = SimDevice::new();
     let first = owner(&dev);
     let at = found_at(&first.1);
@@ -116,7 +116,7 @@ fn a_lost_rename_fails_the_next_fsync_of_any_file() {
     assert!(vol.lookup(ROOT_INO, b"ckpt.tmp").is_ok(), "the crash took the rename");
     // The directory's fsync must not say the rename is durable.
     assert_eq!(c.fsync(ROOT_INO).map_err(|e| e.errno()), Err(libc::EIO));
-    c.fsync(ROOT_INO).expect("reported once");
+    c.fsync(ROOT_INO).expect("reported once to each file");
 }
 
 #[test]
