@@ -112,7 +112,19 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
             }
         }
     }
-    let shared = owned.iter().map(|o| o.shared.clone()).collect();
+    let shared: Vec<_> = owned.iter().map(|o| o.shared.clone()).collect();
+    // An owner that stepped down (another writer took its branch, or it
+    // could not keep its lease) cannot serve it again in this process: it
+    // exits, so that a supervisor starts it anew and it claims the branch
+    // again (or finds the new owner holds it).
+    let watched = shared.clone();
+    std::thread::Builder::new().name("arbor-step-down".into()).spawn(move || loop {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        if let Some(b) = watched.iter().find(|b| b.stepped_down()) {
+            tracing::error!(branch = %b.name(), "no longer the branch's owner; exiting so that a supervisor starts this owner again");
+            std::process::exit(75);
+        }
+    })?;
     let objects = (args.object_memory > 0).then(|| {
         let sources = Arc::new(arbor_engine::source::EnvSources::default());
         Arc::new(arbor_engine::source::SourceReader::serving(sources, args.object_memory, object_files))

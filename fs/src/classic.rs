@@ -132,6 +132,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        crate::files::serving(req.pid());
         let change = SetAttr {
             perm: mode.map(|m| (m & 0o7777) as u16),
             uid,
@@ -158,29 +159,34 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     }
 
     fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
+        crate::files::serving(req.pid());
         entry(reply, self.fs.mknod(parent.0, name.as_bytes(), mode, umask, rdev, req.uid(), req.gid()))
     }
 
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        crate::files::serving(req.pid());
         entry(reply, self.fs.mkdir(parent.0, name.as_bytes(), mode, umask, req.uid(), req.gid()))
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.unlink(parent.0, name.as_bytes()))
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.rmdir(parent.0, name.as_bytes()))
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        crate::files::serving(req.pid());
         let target = target.as_os_str().as_bytes();
         entry(reply, self.fs.symlink(parent.0, link_name.as_bytes(), target, req.uid(), req.gid()))
     }
 
     fn rename(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         newparent: INodeNo,
@@ -188,10 +194,12 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), flags.bits()))
     }
 
-    fn link(&self, _req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+    fn link(&self, req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        crate::files::serving(req.pid());
         entry(reply, self.fs.link(ino.0, newparent.0, newname.as_bytes()))
     }
 
@@ -228,7 +236,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         _fh: FileHandle,
         offset: u64,
@@ -238,6 +246,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        crate::files::serving(req.pid());
         let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
         match self.fs.write(ino.0, offset, data, kill) {
             Ok(n) => reply.written(n),
@@ -245,7 +254,8 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         }
     }
 
-    fn flush(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, lock_owner: LockOwner, reply: ReplyEmpty) {
+    fn flush(&self, req: &Request, ino: INodeNo, _fh: FileHandle, lock_owner: LockOwner, reply: ReplyEmpty) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.flush(ino.0, lock_owner.0))
     }
 
@@ -262,7 +272,8 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         empty(reply, self.fs.release(ino.0, flags.0, lock_owner.map(|o| o.0)))
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsync(&self, req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.fsync(ino.0))
     }
 
@@ -285,7 +296,8 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         }
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.fsync(ino.0))
     }
 
@@ -298,7 +310,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -306,6 +318,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.setxattr(ino.0, name.as_bytes(), value, flags))
     }
 
@@ -317,7 +330,8 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         xattr(reply, self.fs.listxattr(ino.0, size))
     }
 
-    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        crate::files::serving(req.pid());
         empty(reply, self.fs.removexattr(ino.0, name.as_bytes()))
     }
 
@@ -331,6 +345,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        crate::files::serving(req.pid());
         match self.fs.create(parent.0, name.as_bytes(), mode, umask, flags, req.uid(), req.gid()) {
             Ok((e, flags)) => reply.created(&e.ttl, &e.attr, Generation(0), FileHandle(0), flags),
             Err(e) => reply.error(e),

@@ -311,3 +311,20 @@ mod tests {
         assert_eq!(v.setattr_by(d.ino, give, Caller::ROOT, false).expect("chgrp").perm, 0o2775);
     }
 }
+
+thread_local! {
+    static CALLING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Notes that this thread now serves a request of process (thread) `pid`,
+/// as the kernel gave it; the FUSE adapters call it before a change or an
+/// fsync, so that a [`Files`] may tell which caller a loss belongs to.
+pub fn serving(pid: u32) {
+    CALLING.with(|c| c.set(pid));
+}
+
+/// The pid (a thread id, as FUSE gives it) of the request this thread
+/// serves, or 0 if unknown.
+pub fn calling_pid() -> u32 {
+    CALLING.with(|c| c.get())
+}

@@ -699,6 +699,7 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
     let h = &r.head;
     let ino = h.nodeid;
     let p = r.payload;
+    crate::files::serving(h.pid);
     match h.opcode {
         op::LOOKUP => entry(fs.lookup(ino, name(p)?.0)),
         op::GETATTR => attr(fs.attr_ttl(), fs.getattr(ino)),

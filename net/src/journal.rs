@@ -62,7 +62,27 @@ struct Entry {
     ino: Option<u64>,
     /// For another change: the files and folders it altered.
     touched: Vec<u64>,
+    /// Who made it.
+    by: Who,
 }
+
+/// A caller as the kernel names it: its process and its thread (0, 0:
+/// unknown).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Who {
+    pub process: u32,
+    pub thread: u32,
+}
+
+/// A lost change of one file or folder, and the threads told of it.
+#[derive(Debug)]
+pub struct Loss {
+    by: Who,
+    told: HashSet<u32>,
+}
+
+/// Lost changes kept per file or folder, oldest dropped first.
+const LOSSES_KEPT: usize = 64;
 
 /// What the owner answered and no fsync has covered, and what was lost.
 #[derive(Default)]
@@ -72,8 +92,10 @@ pub struct Journal {
     /// Files whose answered writes the owner lost: their next fsync fails.
     pub lost: HashSet<u64>,
     /// Files and folders an answered change other than a write altered
-    /// (a folder for its names) that was lost: their next fsync fails.
-    pub lost_changes: HashSet<u64>,
+    /// (a folder for its names) that was lost, with who made it: the next
+    /// fsync of each by every thread of that process fails, once per
+    /// thread (by anyone's, for an unknown caller).
+    pub lost_changes: HashMap<u64, Vec<Loss>>,
     /// Files this mount had open that did not survive an owner restart:
     /// reads and writes through those open files fail with EIO (their
     /// inode number may name another file now) until the file is opened
@@ -102,24 +124,47 @@ impl Journal {
     /// answer from an owner before the one reconciled with (read late,
     /// from a socket, after another thread met the new owner) counts only
     /// if the new owner had the request; else it is lost at once.
-    pub fn answered(&mut self, tag: RequestTag, ino: Option<u64>, touched: Vec<u64>, epoch: u64) {
+    pub fn answered(&mut self, tag: RequestTag, ino: Option<u64>, touched: Vec<u64>, by: Who, epoch: u64) {
         if self.epoch != 0 && epoch != self.epoch {
             if self.floors.get(&tag.slot).is_none_or(|&f| tag.seq > f) {
-                self.mark_lost(ino, touched);
+                self.mark_lost(ino, touched, by);
             }
             return;
         }
-        self.entries.push_back(Entry { pos: self.next_pos, tag, ino, touched });
+        self.entries.push_back(Entry { pos: self.next_pos, tag, ino, touched, by });
         self.next_pos += 1;
     }
 
-    fn mark_lost(&mut self, ino: Option<u64>, touched: Vec<u64>) {
+    fn mark_lost(&mut self, ino: Option<u64>, touched: Vec<u64>, by: Who) {
         match ino {
             Some(ino) => {
                 self.lost.insert(ino);
             }
-            None => self.lost_changes.extend(touched),
+            None => {
+                for t in touched {
+                    let losses = self.lost_changes.entry(t).or_default();
+                    if losses.len() >= LOSSES_KEPT {
+                        losses.remove(0);
+                    }
+                    losses.push(Loss { by, told: HashSet::new() });
+                }
+            }
         }
+    }
+
+    /// Whether the fsync of `ino` by `caller` must report a lost change:
+    /// one its process made (or an unknown caller), not yet reported to
+    /// this thread. It is reported now.
+    pub fn take_lost_change(&mut self, ino: u64, caller: Who) -> bool {
+        let Some(losses) = self.lost_changes.get_mut(&ino) else { return false };
+        let mut hit = false;
+        for l in losses.iter_mut() {
+            let theirs = l.by.process == 0 || caller.process == 0 || l.by.process == caller.process;
+            if theirs && l.told.insert(caller.thread) {
+                hit = true;
+            }
+        }
+        hit
     }
 
     /// Where the journal is now: an fsync sent after this covers every
@@ -154,7 +199,7 @@ impl Journal {
                 continue;
             }
             lost += 1;
-            self.mark_lost(e.ino, e.touched);
+            self.mark_lost(e.ino, e.touched, e.by);
         }
         self.epoch = epoch;
         self.floors = floors.clone();
@@ -181,22 +226,35 @@ mod tests {
     fn what_the_new_owner_lacks_is_lost_and_nothing_is_sent_again() {
         let mut j = Journal::default();
         j.met(1);
-        j.answered(tag(0, 1), None, vec![1], 1);
-        j.answered(tag(1, 4), Some(10), vec![], 1);
-        j.answered(tag(1, 5), Some(11), vec![], 1);
-        j.answered(tag(2, 9), None, vec![4, 5], 1);
+        j.answered(tag(0, 1), None, vec![1], Who::default(), 1);
+        j.answered(tag(1, 4), Some(10), vec![], Who::default(), 1);
+        j.answered(tag(1, 5), Some(11), vec![], Who::default(), 1);
+        j.answered(tag(2, 9), None, vec![4, 5], Who { process: 7, thread: 70 }, 1);
         let floors = HashMap::from([(0, 1), (1, 4), (1 << 31, 7)]);
         assert_eq!(j.reconcile(&floors, 2), 2);
         assert!(j.is_empty());
         assert_eq!(j.lost, HashSet::from([11]));
-        assert_eq!(j.lost_changes, HashSet::from([4, 5]), "slot 2's change is not in the new owner's state");
+        assert_eq!(
+            j.lost_changes.keys().copied().collect::<HashSet<u64>>(),
+            HashSet::from([4, 5]),
+            "slot 2's change is lost"
+        );
+        // Reported to each thread of the process that made it, at each
+        // folder it changed, once.
+        let (other, maker, sibling) =
+            (Who { process: 8, thread: 80 }, Who { process: 7, thread: 70 }, Who { process: 7, thread: 71 });
+        assert!(!j.take_lost_change(4, other), "another process's fsync of the folder");
+        assert!(j.take_lost_change(4, sibling), "a thread of the same process");
+        assert!(j.take_lost_change(4, maker), "the maker, after its sibling was told");
+        assert!(!j.take_lost_change(4, maker), "reported once to each thread");
+        assert!(j.take_lost_change(5, Who::default()), "a caller the kernel did not name hears of it");
         // Answers of the old owner read after the new one was met: kept
         // only if the new owner had them, and never journalled.
-        j.answered(tag(1 << 31, 7), Some(20), vec![], 1);
-        j.answered(tag(1 << 31, 8), Some(21), vec![], 1);
+        j.answered(tag(1 << 31, 7), Some(20), vec![], Who::default(), 1);
+        j.answered(tag(1 << 31, 8), Some(21), vec![], Who::default(), 1);
         assert!(j.is_empty());
         assert_eq!(j.lost, HashSet::from([11, 21]));
-        j.answered(tag(1 << 31, 9), Some(22), vec![], 2);
+        j.answered(tag(1 << 31, 9), Some(22), vec![], Who::default(), 2);
         assert_eq!(j.len(), 1);
     }
 
@@ -204,9 +262,9 @@ mod tests {
     fn an_fsync_covers_what_was_answered_before_it_was_sent() {
         let mut j = Journal::default();
         j.met(1);
-        j.answered(tag(0, 1), None, vec![1], 1);
+        j.answered(tag(0, 1), None, vec![1], Who::default(), 1);
         let upto = j.position();
-        j.answered(tag(0, 2), Some(3), vec![], 1);
+        j.answered(tag(0, 2), Some(3), vec![], Who::default(), 1);
         j.synced(upto);
         assert_eq!(j.len(), 1);
         // After an owner change with nothing of slot 0 past 1, the write is lost.

@@ -53,7 +53,7 @@
 use crate::client::connect;
 use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH};
 use crate::frames::Written;
-use crate::journal::{Journal, SlotTable, JOURNAL_MAX};
+use crate::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
 use crate::reads::DirectReads;
 use crate::requests::PIPELINED_SLOT;
 use arbor_engine::env::Timestamp;
@@ -79,6 +79,25 @@ use std::time::{Duration, Instant};
 pub type Locate = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// The process (thread group) of the request this thread serves, from the
+/// thread id FUSE gives; 0 if unknown. Losses of changes are reported to
+/// the fsyncs of the process that made them, as the kernel reports
+/// writeback errors to each open file: another process's fsync of the same
+/// folder does not use the report up.
+fn calling_process() -> Who {
+    let tid = arbor_fs::files::calling_pid();
+    if tid == 0 {
+        return Who::default();
+    }
+    // A thread id this process cannot see (another PID namespace) stands
+    // for itself.
+    let process = std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .and_then(|st| st.lines().find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok())))
+        .unwrap_or(tid);
+    Who { process, thread: tid }
+}
+
 /// How often a hard mount waiting for an answer checks whether the branch
 /// has a new owner (the one it waits for may be paused, or cut off, and
 /// deposed).
@@ -602,10 +621,11 @@ impl Inner {
             (crate::frames::Request::Op { op, .. }, None) => op.touches(),
             _ => Vec::new(),
         };
-        let mut by = 0;
-        let out = self.call_req(&mut req, bound, &mut by);
+        let by = if touched.is_empty() { Who::default() } else { calling_process() };
+        let mut epoch = 0;
+        let out = self.call_req(&mut req, bound, &mut epoch);
         if let (Ok(_), Some(tag)) = (&out, tag) {
-            self.answered(tag, ino, touched, by);
+            self.answered(tag, ino, touched, by, epoch);
         }
         match req {
             crate::frames::Request::Op { op, .. } => (out, op),
@@ -615,10 +635,10 @@ impl Inner {
 
     /// Notes request `tag` answered with success; a journal grown past
     /// [`JOURNAL_MAX`] is made durable at once.
-    fn answered(&self, tag: RequestTag, ino: Option<u64>, touched: Vec<u64>, epoch: u64) {
+    fn answered(&self, tag: RequestTag, ino: Option<u64>, touched: Vec<u64>, by: Who, epoch: u64) {
         let over = {
             let mut j = self.journal.lock();
-            j.answered(tag, ino, touched, epoch);
+            j.answered(tag, ino, touched, by, epoch);
             j.len() > JOURNAL_MAX
         };
         if over {
@@ -814,7 +834,9 @@ impl Inner {
     /// The owner's answer to write `tag` of `len` bytes to `ino`.
     fn written(&self, tag: RequestTag, ino: u64, len: usize, reply: Reply, epoch: u64) {
         let errno = match reply {
-            Ok(Out::Written(n)) if n as usize == len => return self.answered(tag, Some(ino), Vec::new(), epoch),
+            Ok(Out::Written(n)) if n as usize == len => {
+                return self.answered(tag, Some(ino), Vec::new(), Who::default(), epoch)
+            }
             // The volume writes all or nothing; anything else is a fault.
             Ok(_) => libc::EIO,
             Err(errno) => errno,
@@ -844,7 +866,7 @@ impl Inner {
                 Err(e) if e.errno() == libc::ESTALE => {
                     let epoch = (*self.session.lock()).map_or(0, |s| s.epoch);
                     if self.owner_had(epoch, w.tag) {
-                        self.answered(w.tag, Some(ino), Vec::new(), epoch);
+                        self.answered(w.tag, Some(ino), Vec::new(), Who::default(), epoch);
                     } else {
                         tracing::warn!(
                             ino,
@@ -1266,7 +1288,7 @@ impl Files for RemoteFiles {
         j.synced(upto);
         let failed = j.failed.remove(&ino);
         let lost = j.lost.remove(&ino);
-        if j.lost_changes.remove(&ino) || lost {
+        if j.take_lost_change(ino, calling_process()) || lost {
             return Err(errno_error(libc::EIO));
         }
         match failed {

@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 
 const TOKEN: &str = "fault-schedule-token";
 const WRITERS_PER_MOUNT: usize = 2;
+/// How long the writers go on after the last fault, each to succeed again.
+const QUIET: Duration = Duration::from_secs(12);
 
 /// What one writer did: saves it made durable (written, fsynced, renamed,
 /// folder fsynced), saves it removed durably, and the versions of its
@@ -33,20 +35,51 @@ struct History {
     removed: BTreeSet<u64>,
     /// Removals that failed: done or not.
     maybe_removed: BTreeSet<u64>,
-    /// Every version of `rw-<w>` tried, in order, and whether its fsync
-    /// returned.
-    versions: Vec<(u64, bool)>,
     errors: u64,
+    /// When an operation of this writer last succeeded.
+    last_ok: Option<Instant>,
 }
+
+/// One try at a version of a rewritten file: when its rewrite began, when
+/// it ended, and whether its fsync returned.
+#[derive(Clone, Copy)]
+struct Try {
+    id: u64,
+    start: Instant,
+    end: Instant,
+    acked: bool,
+}
+
+/// The tries at each rewritten file, by every writer: `rw-<w>` by its own
+/// writer, `shared` by all of them (on both mounts).
+type Rewrites = Arc<Mutex<BTreeMap<String, Vec<Try>>>>;
 
 fn save_body(w: usize, i: u64) -> Vec<u8> {
     pattern(48 << 10, (w as u32) << 20 | i as u32)
 }
 
-fn version_body(w: usize, v: u64) -> Vec<u8> {
+fn version_body(id: u64) -> Vec<u8> {
     // Versions differ in length too, so a stale tail shows.
-    let len = 4096 + ((v * 7919) % 64) as usize * 1024;
-    pattern(len, 0x4000_0000 | (w as u32) << 20 | v as u32)
+    let len = 4096 + ((id * 7919) % 64) as usize * 1024;
+    pattern(len, 0x4000_0000 | id as u32)
+}
+
+/// Rewrites `path` in place as version `id` (sometimes 1 MiB first, then
+/// truncated), fsyncs it, and notes the try in `rewrites`.
+fn rewrite(dir: &Path, name: &str, id: u64, big: bool, rewrites: &Rewrites) -> std::io::Result<()> {
+    let start = Instant::now();
+    let path = dir.join(name);
+    let done = (|| {
+        if big {
+            std::fs::write(&path, pattern(1 << 20, 99))?;
+        }
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&path)?;
+        f.write_all(&version_body(id))?;
+        f.sync_all()
+    })();
+    let t = Try { id, start, end: Instant::now(), acked: done.is_ok() };
+    rewrites.lock().expect("rewrites").entry(name.to_string()).or_default().push(t);
+    done
 }
 
 fn fsync_dir(dir: &Path) -> std::io::Result<()> {
@@ -56,9 +89,17 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
 /// One writer's loop until `stop`: saves as a training job saves a
 /// checkpoint (tmp, fsync, rename, folder fsync), removes old saves, and
 /// rewrites one file in place (sometimes 1 MiB first, then truncated).
-fn writer(dir: PathBuf, w: usize, seed: u64, stop: Arc<AtomicBool>, h: Arc<Mutex<History>>) {
+fn writer(
+    dir: PathBuf,
+    w: usize,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+    h: Arc<Mutex<History>>,
+    rewrites: Rewrites,
+    ids: Arc<std::sync::atomic::AtomicU64>,
+) {
     let mut rng = Rng(seed);
-    let (mut i, mut v) = (0u64, 0u64);
+    let mut i = 0u64;
     // Bounded by `stop`, which the schedule sets; each step's FUSE calls
     // end within the mounts' --timeout.
     while !stop.load(Ordering::Relaxed) {
@@ -77,6 +118,7 @@ fn writer(dir: PathBuf, w: usize, seed: u64, stop: Arc<AtomicBool>, h: Arc<Mutex
                 match done {
                     Ok(()) => {
                         h.saved.insert(i);
+                        h.last_ok = Some(Instant::now());
                     }
                     Err(_) => h.errors += 1,
                 }
@@ -92,6 +134,7 @@ fn writer(dir: PathBuf, w: usize, seed: u64, stop: Arc<AtomicBool>, h: Arc<Mutex
                 match done {
                     Ok(()) => {
                         h.removed.insert(old);
+                        h.last_ok = Some(Instant::now());
                     }
                     Err(_) => {
                         h.maybe_removed.insert(old);
@@ -100,25 +143,14 @@ fn writer(dir: PathBuf, w: usize, seed: u64, stop: Arc<AtomicBool>, h: Arc<Mutex
                 }
             }
             _ => {
-                v += 1;
-                h.lock().expect("history").versions.push((v, false));
-                let path = dir.join(format!("rw-{w}"));
-                let big = rng.range(0, 3) == 0;
-                let done = (|| {
-                    if big {
-                        std::fs::write(&path, pattern(1 << 20, 99))?;
-                    }
-                    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&path)?;
-                    f.write_all(&version_body(w, v))?;
-                    f.sync_all()
-                })();
+                // Its own file, or the one every writer on both mounts
+                // rewrites.
+                let name = if rng.range(0, 2) == 0 { format!("rw-{w}") } else { "shared".to_string() };
+                let id = ids.fetch_add(1, Ordering::Relaxed);
+                let done = rewrite(&dir, &name, id, rng.range(0, 3) == 0, &rewrites);
                 let mut h = h.lock().expect("history");
                 match done {
-                    Ok(()) => {
-                        if let Some(last) = h.versions.last_mut() {
-                            last.1 = true;
-                        }
-                    }
+                    Ok(()) => h.last_ok = Some(Instant::now()),
                     Err(_) => h.errors += 1,
                 }
             }
@@ -133,6 +165,14 @@ struct Owner {
     argv_tail: Vec<String>,
     log: PathBuf,
     listen: u16,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        if self.pgid > 0 {
+            signal_group(self.pgid, libc::SIGKILL);
+        }
+    }
 }
 
 impl Owner {
@@ -157,6 +197,16 @@ impl Owner {
             );
             self.ready_lines() > before && std::net::TcpStream::connect(&addr).is_ok()
         });
+    }
+
+    /// An owner that stepped down exits; its supervisor (here) starts it
+    /// again.
+    fn supervise(&mut self, launcher: &mut Launcher) -> bool {
+        if group_alive(self.pgid) {
+            return false;
+        }
+        self.start(launcher, &[]);
+        true
     }
 
     fn kill9(&self) {
@@ -229,27 +279,36 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
     };
     owner.start(&mut launcher, &[]);
 
-    let mounts: Vec<Mount> = ["a", "b"]
+    // "a" gives up after 20 s without the owner (EIO); "b" is a hard
+    // mount, which waits for as long as it takes.
+    let mounts: Vec<Mount> = [("a", Some("20s")), ("b", None)]
         .iter()
-        .map(|name| {
+        .map(|(name, timeout)| {
             let mnt = s.dir.path().join(name);
             std::fs::create_dir_all(&mnt).expect("mkdir");
-            Mount::start(s.disk_str(), &mnt, &["--token-file", token.to_str().expect("utf8"), "--timeout", "20s"])
+            let mut args = vec!["--token-file", token.to_str().expect("utf8")];
+            if let Some(t) = timeout {
+                args.extend(["--timeout", t]);
+            }
+            Mount::start(s.disk_str(), &mnt, &args)
         })
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
     let histories: Vec<Arc<Mutex<History>>> =
         (0..mounts.len() * WRITERS_PER_MOUNT).map(|_| Arc::new(Mutex::new(History::default()))).collect();
     let mut rng = Rng(seed);
-    let threads: Vec<_> = histories
-        .iter()
-        .enumerate()
-        .map(|(w, h)| {
-            let dir = mounts[w % mounts.len()].mnt.clone();
-            let (stop, h, seed) = (stop.clone(), h.clone(), rng.draw());
-            std::thread::spawn(move || writer(dir, w, seed, stop, h))
-        })
-        .collect();
+    let rewrites: Rewrites = Arc::default();
+    let ids = Arc::new(std::sync::atomic::AtomicU64::new(1));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for (w, h) in histories.iter().enumerate() {
+        let dir = mounts[w % mounts.len()].mnt.clone();
+        let (stop, h, seed, rewrites, ids) = (stop.clone(), h.clone(), rng.draw(), rewrites.clone(), ids.clone());
+        let done = done_tx.clone();
+        std::thread::spawn(move || {
+            writer(dir, w, seed, stop, h, rewrites, ids);
+            let _ = done.send(w);
+        });
+    }
 
     // The schedule.
     let end = Instant::now() + Duration::from_secs(secs);
@@ -257,6 +316,9 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
     // Bounded by `end`: each turn sleeps and injects one fault.
     while Instant::now() < end {
         std::thread::sleep(Duration::from_millis(rng.range(500, 2000)));
+        if owner.supervise(&mut launcher) {
+            println!("the owner had stepped down and exited; started again");
+        }
         let kind = rng.range(0, 7);
         let kind = only.unwrap_or(kind);
         let fault = match kind {
@@ -320,11 +382,25 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
         println!("{:>6.1}s {fault}", secs as f64 - end.saturating_duration_since(Instant::now()).as_secs_f64());
         *faults.entry(fault).or_default() += 1;
     }
+    // A quiet end: with every fault healed, every writer gets on again.
+    let quiet = Instant::now();
+    while quiet.elapsed() < QUIET {
+        std::thread::sleep(Duration::from_millis(200));
+        if owner.supervise(&mut launcher) {
+            println!("the owner had stepped down and exited; started again");
+        }
+    }
     stop.store(true, Ordering::Relaxed);
-    for t in threads {
-        t.join().expect("writer");
+    for _ in &histories {
+        // The hard mount's writers wait as long as the owner does: bounded
+        // here so that a writer stuck for good fails the test.
+        done_rx.recv_timeout(Duration::from_secs(120)).expect("a writer is stuck after every fault healed");
     }
     println!("faults: {faults:?}");
+    for (w, h) in histories.iter().enumerate() {
+        let last = h.lock().expect("history").last_ok;
+        assert!(last.is_some_and(|t| t > quiet), "writer {w} did nothing in the {QUIET:?} after the last fault");
+    }
 
     // Clean shutdown, then the branch read from a fresh local mount.
     for m in mounts {
@@ -355,34 +431,40 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
                 violations.push(format!("save-{w}-{i}: its removal was acknowledged, and it came back"));
             }
         }
-        // rw-<w> holds the last acknowledged version or one tried after
-        // it — never an older one, never a mix.
-        let acked = h.versions.iter().rposition(|(_, ok)| *ok);
-        let allowed: Vec<u64> = match acked {
-            Some(k) => h.versions[k..].iter().map(|(v, _)| *v).collect(),
-            None => h.versions.iter().map(|(v, _)| *v).collect(),
-        };
-        let got = std::fs::read(check.mnt.join(format!("rw-{w}")));
-        match (&got, acked) {
-            (Err(_), None) => {}
-            (Err(e), Some(k)) => violations.push(format!("rw-{w}: version {} acknowledged, now {e}", h.versions[k].0)),
-            (Ok(b), _) => {
-                let which = allowed.iter().find(|v| version_body(w, **v) == *b);
-                // A version tried after the last acknowledged one may have
-                // stopped after its truncation or its 1 MiB first write.
-                let later_tried = acked.is_none() || allowed.len() > 1;
-                let between = b.is_empty() || *b == pattern(1 << 20, 99);
-                if which.is_none() && !(later_tried && between) {
-                    let older = h.versions.iter().find(|(v, _)| version_body(w, *v) == *b);
-                    violations.push(match older {
-                        Some((v, _)) => format!("rw-{w}: an overwritten version {v} came back (allowed {allowed:?})"),
-                        None => format!("rw-{w}: {} bytes that are no version (allowed {allowed:?})", b.len()),
-                    });
+    }
+    // A rewritten file holds a version no acknowledged version overwrote:
+    // version X whose fsync returned is overwritten once another version
+    // whose rewrite began after that returns too. Between versions it may
+    // be empty or the 1 MiB first write of a try that failed.
+    let rewrites = rewrites.lock().expect("rewrites");
+    for (name, tries) in rewrites.iter() {
+        let got = std::fs::read(check.mnt.join(name));
+        let overwritten = |x: &Try| x.acked && tries.iter().any(|y| y.acked && y.id != x.id && y.start > x.end);
+        match got {
+            Err(e) => {
+                if tries.iter().any(|t| t.acked) {
+                    violations.push(format!("{name}: versions acknowledged, now {e}"));
                 }
             }
+            Ok(b) => match tries.iter().find(|t| version_body(t.id) == b) {
+                Some(x) if overwritten(x) => {
+                    violations.push(format!("{name}: version {} came back over a newer acknowledged one", x.id))
+                }
+                Some(_) => {}
+                None => {
+                    let between = b.is_empty() || b == pattern(1 << 20, 99);
+                    if !(between && tries.iter().any(|t| !t.acked)) {
+                        violations.push(format!("{name}: {} bytes that are no version", b.len()));
+                    }
+                }
+            },
         }
     }
-    println!("checked: {saved} saves, {removed} removals; {errors} operations failed (not acknowledged)");
+    let acked_rewrites: usize = rewrites.values().map(|t| t.iter().filter(|t| t.acked).count()).sum();
+    println!(
+        "checked: {saved} saves, {removed} removals, {acked_rewrites} rewrites of {} files; {errors} operations failed (not acknowledged)",
+        rewrites.len()
+    );
     check.unmount();
     assert!(violations.is_empty(), "seed {seed}: {violations:#?}");
     let fsck = arbor(&["fsck", s.disk_str()]);
