@@ -373,7 +373,7 @@ impl Inner {
 
     /// A new framed connection to `addr`, past the hello.
     fn dial(&self, addr: &str) -> std::result::Result<Conn, Failed> {
-        use crate::frames::{read_frame, write_frame, Hello, Welcome, MAGIC, VERSION};
+        use crate::frames::{read_frame, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let broke = |e: std::io::Error| Failed::Transport(format!("{addr}: {e}"));
         let stream = crate::frames::dial(addr, CONNECT_TIMEOUT).map_err(broke)?;
@@ -382,7 +382,7 @@ impl Inner {
         let hello =
             Hello { version: VERSION, token: self.opts.token.as_bytes().to_vec(), branch: self.opts.branch.clone() };
         c.stream.write_all(&MAGIC).map_err(broke)?;
-        write_frame(&mut c.stream, &mut c.wbuf, &hello).map_err(broke)?;
+        write_hello(&mut c.stream, &mut c.wbuf, &hello).map_err(broke)?;
         match read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(broke)? {
             Welcome::Ok => {}
             Welcome::Refused => return Err(Failed::Refused),
