@@ -91,7 +91,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         _ => None,
     };
     let listener =
-        std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
+        arbor_net::server::listen(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let advertised = crate::shared::advertised(addr, args.owner.advertise.as_deref());

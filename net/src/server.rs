@@ -774,10 +774,41 @@ pub struct Running {
     thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
 }
 
+/// Connections the kernel queues for the accept loop (at most
+/// `net.core.somaxconn`): a cluster's clients connecting at once, an owner
+/// restarted say, wait in the queue rather than resend their SYN a second
+/// later, as past the 128 the standard library's listener asks for.
+pub const LISTEN_BACKLOG: i32 = 4096;
+
+/// A listening socket on `addr` (`HOST:PORT`, the first address it
+/// resolves to that binds), queueing [`LISTEN_BACKLOG`] connections.
+pub fn listen(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match listen_on(a) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other(format!("{addr} resolves to no address"))))
+}
+
+fn listen_on(a: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(a), Type::STREAM, None)?;
+    // As the standard library's listener: a restarted server binds its
+    // port while the old one's connections linger in TIME_WAIT.
+    s.set_reuse_address(true)?;
+    s.bind(&a.into())?;
+    s.listen(LISTEN_BACKLOG)?;
+    Ok(s.into())
+}
+
 impl CacheServer {
     /// Serves on `listen` (e.g. `127.0.0.1:0`) from a thread of its own.
     pub fn spawn(self: Arc<Self>, listen: &str) -> std::io::Result<Running> {
-        let listener = std::net::TcpListener::bind(listen)?;
+        let listener = self::listen(listen)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
