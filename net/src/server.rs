@@ -377,7 +377,13 @@ impl CacheServer {
                 return Ok(());
             }
             let answer = match req {
-                Request::Session => Answer::Session(b.open_session()),
+                Request::Session => match b.open_session() {
+                    Some(info) => Answer::Session(info),
+                    None => {
+                        tracing::warn!(branch = %b.name(), "as many sessions as a branch keeps; closing a client's connection");
+                        return Ok(());
+                    }
+                },
                 Request::Op { session, .. } if !b.touch(session) => Answer::UnknownSession,
                 Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true }, .. }
                     if lock.typ != libc::F_UNLCK =>

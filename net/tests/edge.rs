@@ -2,7 +2,8 @@
 //! on 127.0.0.1 and connections that never give a token. They must cost no
 //! thread and little memory, be closed at their hello's deadline (or at
 //! once, past a cap or with a hello too large to read), and leave a client
-//! with the token served.
+//! with the token served; and an authenticated request's sizes and counts
+//! are bounded.
 //!
 //! Threads and resident memory are read from /proc/self/status: server
 //! and connections share this process, so the tests here take turns.
@@ -10,10 +11,13 @@
 use arbor_engine::device::SimDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_net::files::{Op, Out};
+use arbor_fs::Files;
+use arbor_net::files::{Op, Out, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
 use arbor_net::frames::{read_answer, read_frame, write_frame, write_request, Answer, Hello, Request, Welcome};
 use arbor_net::frames::{HELLO_MAX, MAGIC, MAX_FRAME, VERSION};
-use arbor_net::{metric_sample, CacheServer, ConnLimits, Running, ServerOptions, SharedBranch};
+use arbor_net::{
+    metric_sample, CacheServer, ConnLimits, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch,
+};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -251,4 +255,66 @@ fn connections_past_a_peers_cap_or_the_servers_are_closed_at_once() {
     std::thread::sleep(Duration::from_millis(100));
     let (mut c, session) = client(server.addr);
     assert!(matches!(ask(&mut c, session, Op::GetAttr { ino: ROOT_INO }), Answer::Reply(Ok(Out::Attr(_)))));
+}
+
+#[test]
+fn reads_opens_and_listings_past_their_bounds_are_refused_before_any_work() {
+    let _turn = ONE_AT_A_TIME.lock();
+    let (vol, server) = owner(ConnLimits::default());
+    // A sparse file larger than one read may ask for.
+    let f = vol.create(ROOT_INO, b"sparse", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    vol.write(f.ino, 64 * MIB - 1, b"x").expect("write");
+    // Were a count of u32::MAX looped over, the server's thread would
+    // spin for hours and stopping it would wait for that: it is only
+    // stopped (dropped) once every check passed.
+    let server = std::mem::ManuallyDrop::new(server);
+    let (mut c, session) = client(server.addr);
+    let started = Instant::now();
+    let (_, rss0) = threads_and_rss();
+    let read = |len| Op::Read { ino: f.ino, off: 0, len };
+    assert!(matches!(ask(&mut c, session, read(u32::MAX)), Answer::Reply(Err(libc::EINVAL))));
+    assert!(matches!(ask(&mut c, session, read(MAX_READ + 1)), Answer::Reply(Err(libc::EINVAL))));
+    let open = |count| Op::Open { ino: f.ino, count };
+    assert!(matches!(ask(&mut c, session, open(u32::MAX)), Answer::Reply(Err(libc::EINVAL))));
+    let list = |max| Op::ReadDir { ino: ROOT_INO, offset: 0, max };
+    assert!(matches!(ask(&mut c, session, list(u32::MAX)), Answer::Reply(Err(libc::EINVAL))));
+    let (_, rss1) = threads_and_rss();
+    assert!(started.elapsed() < Duration::from_secs(2), "refusals took {:?}", started.elapsed());
+    assert!(rss1 < rss0 + 8 * MIB, "resident {rss0} -> {rss1} for refused requests");
+    // The connection goes on, and the bounds themselves are served.
+    match ask(&mut c, session, read(MAX_READ)) {
+        Answer::Reply(Ok(Out::Bytes(b))) => assert_eq!(b.len(), MAX_READ as usize),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(ask(&mut c, session, open(MAX_OPEN_COUNT)), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(ask(&mut c, session, list(READDIR_BATCH)), Answer::Reply(Ok(Out::Entries(_)))));
+    drop(c);
+    drop(std::mem::ManuallyDrop::into_inner(server));
+}
+
+#[test]
+fn a_client_reads_more_than_one_request_may_ask_for_in_pieces() {
+    let _turn = ONE_AT_A_TIME.lock();
+    let (vol, server) = owner(ConnLimits::default());
+    let f = vol.create(ROOT_INO, b"big", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    let len = MAX_READ as u64 + 4 * MIB;
+    let head: Vec<u8> = (0..MIB as u32).map(|i| (i * 7 + 1) as u8).collect();
+    let tail: Vec<u8> = (0..MIB as u32).map(|i| (i * 13 + 5) as u8).collect();
+    vol.write(f.ino, 0, &head).expect("write");
+    vol.write(f.ino, len - MIB, &tail).expect("write");
+    let addr = server.addr.to_string();
+    let c = RemoteFiles::connect(RemoteOptions {
+        branch: "main".into(),
+        token: TOKEN.into(),
+        locate: Arc::new(move || Some(addr.clone())),
+        timeout: Some(Duration::from_secs(10)),
+        // Every read through the owner.
+        segments: None,
+    })
+    .expect("connect");
+    let got = c.read(f.ino, 0, len as usize + 100).expect("read");
+    assert_eq!(got.len() as u64, len, "short of the end of the file");
+    assert!(got[..MIB as usize] == head[..]);
+    assert!(got[(len - MIB) as usize..] == tail[..]);
+    assert!(got[MIB as usize..(len - MIB) as usize].iter().all(|&b| b == 0), "the hole between");
 }
