@@ -19,8 +19,10 @@
 //! the cache server's port tells the two apart by its first bytes. Then:
 //!
 //! - the client sends a [`Hello`] (protocol version, the shared token, the
-//!   branch) and the owner answers a [`Welcome`]; with a wrong token the
-//!   answer is [`Welcome::Refused`] and the connection is closed;
+//!   branch; at most [`HELLO_MAX`] bytes, within
+//!   [`HELLO_DEADLINE`](crate::admission::HELLO_DEADLINE) of connecting)
+//!   and the owner answers a [`Welcome`]; with a wrong token the answer is
+//!   [`Welcome::Refused`] and the connection is closed;
 //! - then any number of [`Request`]s, each answered by one [`Answer`].
 //!
 //! A Hello that names no branch opens a *chunk connection* instead: any
