@@ -91,7 +91,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         _ => None,
     };
     let listener =
-        std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
+        arbor_net::server::listen(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let advertised = crate::shared::advertised(addr, args.owner.advertise.as_deref());
@@ -129,7 +129,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         let sources = Arc::new(arbor_engine::source::EnvSources::default());
         Arc::new(arbor_engine::source::SourceReader::serving(sources, args.object_memory, object_files))
     });
-    let opts = ServerOptions { token, fault: args.fault, keep_for: args.keep_for, objects };
+    let opts = ServerOptions { token, fault: args.fault, keep_for: args.keep_for, objects, ..ServerOptions::default() };
     let server = CacheServer::owner(cache, shared, opts);
     if let Some(f) = args.fault {
         tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");

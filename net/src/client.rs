@@ -690,7 +690,7 @@ impl Inner {
     /// A new chunk connection to `peer`, its Hello answered; every read
     /// and write on it bounded by the timeout.
     fn connect_framed(&self, peer: &Peer) -> Result<ChunkConn, ChunkConnError> {
-        use crate::frames::{read_frame, write_frame, Hello, Welcome, MAGIC, VERSION};
+        use crate::frames::{read_frame, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let io = ChunkConnError::Io;
         let stream = crate::frames::dial(&peer.addr, self.timeout).map_err(io)?;
@@ -701,7 +701,7 @@ impl Inner {
         // The magic and the Hello in one write: the server sorts its
         // connections by their first bytes.
         let mut first = MAGIC.to_vec();
-        write_frame(&mut first, &mut c.wbuf, &hello).map_err(io)?;
+        write_hello(&mut first, &mut c.wbuf, &hello).map_err(io)?;
         c.stream.write_all(&first).map_err(io)?;
         let welcome = read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(|e| match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ChunkConnError::Slow,

@@ -68,8 +68,17 @@ pub const EVENT_WAIT: Duration = Duration::from_secs(5);
 pub const SESSION_IDLE: Duration = Duration::from_secs(15);
 /// Events kept for clients that poll late.
 pub const EVENT_RING: usize = 8192;
-/// Entries one `ReadDir` answers at most.
+/// Entries one `ReadDir` answers at most; a larger `max` is refused.
 pub const READDIR_BATCH: u32 = 1024;
+/// Bytes one `Op::Read` asks for at most (its answer travels as one
+/// payload); a larger `len` is refused with EINVAL before anything is read.
+pub const MAX_READ: u32 = crate::frames::MAX_FRAME as u32;
+/// Opens one `Op::Open` takes at most; a client that holds a file open
+/// more often sends several.
+pub const MAX_OPEN_COUNT: u32 = 1 << 16;
+/// Sessions a branch keeps at once: a session lives [`SESSION_IDLE`]
+/// past its client's last word, so this is many clients' worth.
+pub const MAX_SESSIONS: usize = 16_384;
 
 /// One file operation, in the engine's terms.
 #[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
@@ -229,6 +238,19 @@ pub enum Op {
 }
 
 impl Op {
+    /// EINVAL for a size or count past what an owner does for one
+    /// request, checked before anything is allocated or done. (A `Vec`
+    /// in a request is bounded by its frame; `Locate` answers at most
+    /// [`LOCATE_MAX_SPANS`] whatever its `len`.)
+    pub fn check(&self) -> Result<(), i32> {
+        match *self {
+            Op::Read { len, .. } if len > MAX_READ => Err(libc::EINVAL),
+            Op::Open { count, .. } if count > MAX_OPEN_COUNT => Err(libc::EINVAL),
+            Op::ReadDir { max, .. } if max > READDIR_BATCH => Err(libc::EINVAL),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether the operation changes the branch: such a request carries a
     /// tag, so that a copy sent again is not applied twice.
     /// The files and folders a change alters (a folder for a change of
@@ -474,14 +496,18 @@ impl SharedBranch {
         self.state.lock().locks.values().map(Vec::len).sum()
     }
 
-    pub fn open_session(&self) -> SessionInfo {
+    /// A new session, or `None` when the branch keeps [`MAX_SESSIONS`].
+    pub fn open_session(&self) -> Option<SessionInfo> {
         let mut st = self.state.lock();
+        if st.sessions.len() >= MAX_SESSIONS {
+            return None;
+        }
         let mut id = splitmix(self.epoch ^ st.next_seq ^ ((st.sessions.len() as u64) << 32));
         while id == 0 || st.sessions.contains_key(&id) {
             id = splitmix(id);
         }
         st.sessions.insert(id, Session { last_seen: Instant::now(), open: HashMap::new(), client: None });
-        SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1 }
+        Some(SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1 })
     }
 
     /// Marks `session` as heard from; false if it is unknown.
@@ -607,6 +633,8 @@ impl SharedBranch {
     /// Applies request `op` for `session` at most once: a copy of a tagged
     /// request gets the first copy's answer (see [`crate::requests`]).
     pub fn apply_request(&self, session: u64, tag: Option<RequestTag>, op: Op) -> Reply {
+        // Before the tag: a refused request leaves nothing in the reply cache.
+        op.check()?;
         if let Op::Slots { client } = op {
             self.speaks_for(session, client)?;
         }
@@ -668,6 +696,7 @@ impl SharedBranch {
     /// lock waits are [`SharedBranch::set_lock`]).
     pub fn apply(&self, session: u64, op: Op) -> Reply {
         use Event::{Entry, Inode};
+        op.check()?;
         let v = &self.vol;
         let out = match op {
             Op::Lookup { parent, name } => v.lookup(parent, &name).map(Out::Attr),
@@ -691,7 +720,7 @@ impl SharedBranch {
             Op::ListXattr { ino } => v.listxattr(ino).map(Out::Names),
             Op::ReadDir { ino, offset, max } => {
                 let mut entries = Vec::new();
-                let max = max.clamp(1, READDIR_BATCH) as usize;
+                let max = max.max(1) as usize;
                 v.readdir(ino, offset, |e| {
                     entries.push(e);
                     entries.len() < max
@@ -826,17 +855,22 @@ impl SharedBranch {
                 }
             }
         }
-        let mut st = self.state.lock();
-        match st.sessions.get_mut(&session) {
-            Some(s) => *s.open.entry(ino).or_default() += taken,
-            None => {
-                // The session was dropped meanwhile: nobody will release these.
-                drop(st);
-                for _ in 0..taken {
-                    let _ = self.vol.release(ino);
+        let kept = {
+            let mut st = self.state.lock();
+            match st.sessions.get_mut(&session) {
+                Some(s) => {
+                    let held = s.open.entry(ino).or_default();
+                    held.checked_add(taken).map(|n| *held = n).ok_or(libc::EMFILE)
                 }
-                return Err(Error::Io(std::io::Error::from_raw_os_error(libc::ESTALE)));
+                // The session was dropped meanwhile: nobody will release these.
+                None => Err(libc::ESTALE),
             }
+        };
+        if let Err(errno) = kept {
+            for _ in 0..taken {
+                let _ = self.vol.release(ino);
+            }
+            return Err(Error::Io(std::io::Error::from_raw_os_error(errno)));
         }
         attr.ok_or(Error::NotFound)
     }
@@ -954,6 +988,25 @@ mod tests {
         let left = cut(held, 1, 7, &l(10, 19, libc::F_UNLCK));
         let ranges: Vec<(u64, u64)> = left.iter().map(|h| (h.lock.start, h.lock.end)).collect();
         assert_eq!(ranges, vec![(0, 9), (20, 99)]);
+    }
+
+    #[test]
+    fn a_branch_keeps_at_most_its_sessions_and_makes_room_as_they_go() {
+        let cfg = arbor_engine::volume::Config {
+            commit_interval: None,
+            env: arbor_engine::env::TestEnv::new(3),
+            ..Default::default()
+        };
+        let vol = Volume::open(Arc::new(arbor_engine::device::SimDevice::new()), cfg).expect("open");
+        let b = SharedBranch::new("main", vol, None, crate::policy::Policy::default());
+        for _ in 0..MAX_SESSIONS {
+            b.open_session().expect("a session under the cap");
+        }
+        assert!(b.open_session().is_none(), "one past the cap");
+        std::thread::sleep(Duration::from_millis(2));
+        b.reap_idle(Duration::from_millis(1));
+        assert_eq!(b.sessions(), 0);
+        assert!(b.open_session().is_some(), "room once they went");
     }
 
     #[test]

@@ -37,6 +37,7 @@
 //! bucket (through its chunk cache and these servers) after asking the
 //! owner where they are: see [`reads`].
 
+pub mod admission;
 pub mod client;
 pub mod files;
 pub mod frames;
@@ -49,6 +50,7 @@ pub mod remote;
 pub mod requests;
 pub mod server;
 
+pub use admission::ConnLimits;
 pub use client::{CacheClient, ClientOptions, ServerStats};
 pub use files::SharedBranch;
 pub use policy::Policy;

@@ -56,6 +56,12 @@ pub(crate) struct Metrics {
     pub unauthorized: AtomicU64,
     /// Chunk connections opened (framed connections for parts).
     pub chunk_connections: AtomicU64,
+    /// Connections closed as they were accepted: their peer, or the
+    /// server, held as many as it may.
+    pub refused_connections: AtomicU64,
+    /// Connections closed before their first request: nothing said by
+    /// the hello deadline, or a framed hello too large, garbled or late.
+    pub failed_hellos: AtomicU64,
     pub latency: Histogram,
 }
 
@@ -66,6 +72,8 @@ pub(crate) struct CacheGauges {
     pub resident_bytes: u64,
     pub capacity: u64,
     pub evicted_bytes: u64,
+    /// Connections open now (not the cache's, but read at the same time).
+    pub open_connections: u64,
 }
 
 impl Metrics {
@@ -117,11 +125,24 @@ impl Metrics {
             "Framed connections opened for parts of chunks.",
             get(&self.chunk_connections),
         );
+        counter(
+            &mut out,
+            "arbor_cache_refused_connections_total",
+            "Connections closed at once: their peer, or the server, held as many as it may.",
+            get(&self.refused_connections),
+        );
+        counter(
+            &mut out,
+            "arbor_cache_failed_hellos_total",
+            "Connections closed before their first request: silent, or a hello too large, garbled or late.",
+            get(&self.failed_hellos),
+        );
         counter(&mut out, "arbor_cache_bucket_bytes_total", "Bytes fetched from the bucket.", cache.bucket_bytes);
         counter(&mut out, "arbor_cache_bucket_gets_total", "GET requests sent to the bucket.", cache.bucket_gets);
         counter(&mut out, "arbor_cache_evicted_bytes_total", "Bytes evicted from the cache.", cache.evicted_bytes);
         gauge(&mut out, "arbor_cache_resident_bytes", "Bytes of chunks in the cache.", cache.resident_bytes);
         gauge(&mut out, "arbor_cache_capacity_bytes", "The cache's size limit.", cache.capacity);
+        gauge(&mut out, "arbor_open_connections", "Connections open now, of every kind.", cache.open_connections);
         self.latency.render("arbor_cache_request_seconds", "Time to answer a chunk request.", &mut out);
         out
     }
@@ -149,6 +170,7 @@ mod tests {
             resident_bytes: 5,
             capacity: 10,
             evicted_bytes: 0,
+            open_connections: 0,
         });
         assert!(text.contains("arbor_cache_request_seconds_bucket{le=\"0.0001\"} 1\n"), "{text}");
         assert!(text.contains("arbor_cache_request_seconds_bucket{le=\"0.0005\"} 2\n"), "{text}");

@@ -51,7 +51,7 @@
 //! whether it has them.
 
 use crate::client::connect;
-use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, READDIR_BATCH};
+use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
 use crate::frames::Written;
 use crate::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
 use crate::reads::DirectReads;
@@ -401,7 +401,7 @@ impl Inner {
 
     /// A new framed connection to `addr`, past the hello.
     fn dial(&self, addr: &str) -> std::result::Result<Conn, Failed> {
-        use crate::frames::{read_frame, write_frame, Hello, Welcome, MAGIC, VERSION};
+        use crate::frames::{read_frame, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let broke = |e: std::io::Error| Failed::Transport(format!("{addr}: {e}"));
         let stream = crate::frames::dial(addr, CONNECT_TIMEOUT).map_err(broke)?;
@@ -410,7 +410,7 @@ impl Inner {
         let hello =
             Hello { version: VERSION, token: self.opts.token.as_bytes().to_vec(), branch: self.opts.branch.clone() };
         c.stream.write_all(&MAGIC).map_err(broke)?;
-        write_frame(&mut c.stream, &mut c.wbuf, &hello).map_err(broke)?;
+        write_hello(&mut c.stream, &mut c.wbuf, &hello).map_err(broke)?;
         match read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(broke)? {
             Welcome::Ok => {}
             Welcome::Refused => return Err(Failed::Refused),
@@ -520,8 +520,7 @@ impl Inner {
         }
         let reopen: Vec<(u64, OpenFile)> = self.open.lock().iter().map(|(&i, &f)| (i, f)).collect();
         for (ino, f) in reopen {
-            let r = self.send(info.session, &Op::Open { ino, count: f.count })?;
-            match r {
+            match self.reopen(info.session, ino, f.count)? {
                 Ok(Out::Attr(a)) if a.crtime == f.crtime => {}
                 Ok(_) => {
                     // Another file got the number: ours is gone.
@@ -540,6 +539,22 @@ impl Inner {
         *self.epoch.lock() = Some(info.epoch);
         *self.session.lock() = Some(info);
         Ok(info)
+    }
+
+    /// Opens `ino` `count` times under `session`, at most
+    /// [`MAX_OPEN_COUNT`] a request: what the last request gave, or the
+    /// first refusal.
+    fn reopen(&self, session: u64, ino: u64, count: u32) -> std::result::Result<Reply, Failed> {
+        let mut left = count.max(1);
+        // Bounded: each round takes at least one open off `left`.
+        loop {
+            let n = left.min(MAX_OPEN_COUNT);
+            let r = self.send(session, &Op::Open { ino, count: n })?;
+            left -= n;
+            if left == 0 || r.is_err() {
+                return Ok(r);
+            }
+        }
     }
 
     /// One operation under `session`, not retried.
@@ -1260,12 +1275,21 @@ impl Files for RemoteFiles {
                 }
             }
         }
-        let len = buf.len().min(u32::MAX as usize) as u32;
-        let b = bytes(self.call(Op::Read { ino, off, len }))?;
-        self.inner.owner_reads.fetch_add(1, Ordering::Relaxed);
-        self.inner.owner_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
-        let n = b.len().min(buf.len());
-        buf[..n].copy_from_slice(&b[..n]);
+        // A read larger than an owner answers at once goes in pieces;
+        // bounded: each round fills more of `buf` or ends.
+        let mut n = 0;
+        while n < buf.len() {
+            let len = (buf.len() - n).min(MAX_READ as usize) as u32;
+            let b = bytes(self.call(Op::Read { ino, off: off + n as u64, len }))?;
+            self.inner.owner_reads.fetch_add(1, Ordering::Relaxed);
+            self.inner.owner_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+            let got = b.len().min(len as usize);
+            buf[n..n + got].copy_from_slice(&b[..got]);
+            n += got;
+            if got < len as usize {
+                break;
+            }
+        }
         Ok(n)
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {

@@ -1,8 +1,15 @@
 //! `arbor serve`: answers chunk requests from a [`SegmentCache`] on chunk
 //! connections (framed, see [`crate::frames`]) and over HTTP/2 (and
 //! HTTP/1.1: footers, source objects, `/metrics`), behind a shared token.
+//!
+//! A connection is admitted under caps per peer and in total, and a framed
+//! one says its hello on the runtime, within a deadline, before it gets a
+//! thread (see [`crate::admission`]): one without the token costs a task
+//! and a few KiB.
 
+use crate::admission::{Admission, Admitted, ConnLimits};
 use crate::files::{Op, SharedBranch, EVENT_WAIT};
+use crate::frames::{Hello, Welcome};
 use crate::metrics::{CacheGauges, Metrics};
 use crate::{authorized, CACHE_HEADER, CRC_HEADER};
 use arbor_engine::format::{encode_value, SegId};
@@ -51,6 +58,8 @@ pub struct ServerOptions {
     /// Serves chunks of imported files' source objects, from this reader
     /// (its own buckets and cache).
     pub objects: Option<Arc<SourceReader>>,
+    /// The connections admitted at once, and the hello's deadline.
+    pub limits: ConnLimits,
 }
 
 /// What a chunk request found: the bytes and whether they were cached
@@ -87,6 +96,8 @@ pub struct CacheServer {
     branches: HashMap<String, Arc<SharedBranch>>,
     opts: ServerOptions,
     metrics: Metrics,
+    /// The connections open now, under their caps.
+    admission: Arc<Admission>,
     /// The framed connections being served, each on a thread of its own.
     framed: parking_lot::Mutex<FramedConns>,
 }
@@ -155,6 +166,7 @@ impl CacheServer {
         Arc::new(CacheServer {
             cache,
             branches,
+            admission: Admission::new(opts.limits),
             opts,
             metrics: Metrics::default(),
             framed: parking_lot::Mutex::new(FramedConns::default()),
@@ -204,14 +216,25 @@ impl CacheServer {
                     return Ok(());
                 }
             };
+            let Some(admitted) = self.admission.admit(peer.ip()) else {
+                // Closed at once (dropped): it costs nothing more.
+                self.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%peer, "a connection over the caps; closed");
+                continue;
+            };
+            let hello_by = tokio::time::Instant::now() + self.admission.limits().hello_deadline;
             let _ = stream.set_nodelay(true);
             let (me, builder) = (self.clone(), builder.clone());
             next_conn += 1;
             let conn = next_conn;
             tokio::spawn(async move {
-                if is_framed(&stream).await {
-                    me.serve_framed(stream, conn);
-                    return;
+                match is_framed(&stream, hello_by).await {
+                    Some(true) => return me.admit_framed(stream, conn, admitted, hello_by).await,
+                    Some(false) => {}
+                    None => {
+                        me.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
                 }
                 let service = hyper::service::service_fn(move |req| {
                     let me = me.clone();
@@ -220,12 +243,66 @@ impl CacheServer {
                 if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
                     tracing::debug!(%peer, error = %e, "connection ended");
                 }
+                drop(admitted);
             });
         }
     }
 
-    /// Hands a framed connection to a thread of its own (see [`crate::frames`]).
-    fn serve_framed(self: Arc<Self>, stream: tokio::net::TcpStream, conn: u64) {
+    /// Reads a framed connection's hello by `hello_by` and answers it, on
+    /// the runtime: only a connection with the token is handed to a thread
+    /// ([`CacheServer::serve_framed`]); any other is closed here.
+    async fn admit_framed(
+        self: Arc<Self>,
+        mut stream: tokio::net::TcpStream,
+        conn: u64,
+        admitted: Admitted,
+        hello_by: tokio::time::Instant,
+    ) {
+        use tokio::io::AsyncWriteExt;
+        let hello = match tokio::time::timeout_at(hello_by, crate::admission::read_hello(&mut stream)).await {
+            Ok(Ok(hello)) => hello,
+            Ok(Err(e)) => {
+                self.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(conn, error = %e, "a framed connection without a good hello; closed");
+                return;
+            }
+            Err(_) => {
+                self.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(conn, "a framed connection without a hello by its deadline; closed");
+                return;
+            }
+        };
+        let welcome = self.welcome(&hello);
+        let mut frame = Vec::new();
+        if crate::frames::write_frame(&mut frame, &mut Vec::new(), &welcome).is_err() {
+            return;
+        }
+        match tokio::time::timeout_at(hello_by, stream.write_all(&frame)).await {
+            Ok(Ok(())) if welcome == Welcome::Ok => self.serve_framed(stream, conn, hello, admitted),
+            _ => {}
+        }
+    }
+
+    /// What the server answers `hello`.
+    fn welcome(&self, hello: &Hello) -> Welcome {
+        // A Hello that names no branch opens a chunk connection.
+        let chunks = hello.branch.is_empty();
+        if !crate::token_matches(&hello.token, &self.opts.token) {
+            self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
+            Welcome::Refused
+        } else if hello.version != crate::frames::VERSION {
+            Welcome::Version(crate::frames::VERSION)
+        } else if !chunks && self.branches.get(&hello.branch).is_none_or(|b| b.stepped_down()) {
+            Welcome::NoBranch
+        } else {
+            Welcome::Ok
+        }
+    }
+
+    /// Hands a framed connection whose hello was welcomed to a thread of
+    /// its own (see [`crate::frames`]), which holds its place under the
+    /// caps until it ends.
+    fn serve_framed(self: Arc<Self>, stream: tokio::net::TcpStream, conn: u64, hello: Hello, admitted: Admitted) {
         let stream = match stream.into_std().and_then(|s| s.set_nonblocking(false).map(|()| s)) {
             Ok(s) => s,
             Err(e) => {
@@ -244,10 +321,11 @@ impl CacheServer {
         framed.open.insert(conn, handle);
         let me = self.clone();
         let spawned = std::thread::Builder::new().name("arbor-files".into()).spawn(move || {
-            if let Err(e) = me.framed_connection(stream, &rt) {
+            if let Err(e) = me.framed_connection(stream, &hello, &rt) {
                 tracing::debug!(conn, error = %e, "a framed connection ended");
             }
             me.framed.lock().open.remove(&conn);
+            drop(admitted);
         });
         match spawned {
             Ok(t) => framed.threads.push(t),
@@ -258,36 +336,33 @@ impl CacheServer {
         }
     }
 
-    /// Answers one framed connection until it closes.
-    fn framed_connection(&self, mut stream: std::net::TcpStream, rt: &tokio::runtime::Handle) -> std::io::Result<()> {
-        use crate::frames::{read_frame, read_request, write_answer, write_frame, Answer, Hello, Request, Welcome};
-        use crate::frames::{MAGIC, VERSION};
-        use std::io::Read;
-        let mut magic = [0u8; 4];
-        stream.read_exact(&mut magic)?;
-        let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
-        let hello: Hello = read_frame(&mut stream, &mut rbuf)?;
-        // A Hello that names no branch opens a chunk connection.
-        let chunks = hello.branch.is_empty();
-        let welcome = if !crate::token_matches(&hello.token, &self.opts.token) {
-            self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
-            Welcome::Refused
-        } else if hello.version != VERSION {
-            Welcome::Version(VERSION)
-        } else if !chunks && self.branches.get(&hello.branch).is_none_or(|b| b.stepped_down()) {
-            Welcome::NoBranch
-        } else {
-            Welcome::Ok
-        };
-        write_frame(&mut stream, &mut wbuf, &welcome)?;
-        debug_assert_eq!(magic, MAGIC);
-        if chunks && welcome == Welcome::Ok {
+    /// Answers one framed connection, its `hello` welcomed, until it closes.
+    fn framed_connection(
+        &self,
+        stream: std::net::TcpStream,
+        hello: &Hello,
+        rt: &tokio::runtime::Handle,
+    ) -> std::io::Result<()> {
+        if hello.branch.is_empty() {
             self.metrics.chunk_connections.fetch_add(1, Ordering::Relaxed);
-            return self.chunk_connection(stream, rbuf, wbuf);
+            return self.chunk_connection(stream, Vec::new(), Vec::new());
         }
-        let Some(b) = self.branches.get(&hello.branch).filter(|_| welcome == Welcome::Ok) else {
-            return Ok(());
-        };
+        match self.branches.get(&hello.branch) {
+            Some(b) => self.branch_connection(stream, b, rt),
+            None => Ok(()),
+        }
+    }
+
+    /// Answers the [`Request`](crate::frames::Request)s of one framed
+    /// connection to branch `b`, each on this thread, until it closes.
+    fn branch_connection(
+        &self,
+        mut stream: std::net::TcpStream,
+        b: &SharedBranch,
+        rt: &tokio::runtime::Handle,
+    ) -> std::io::Result<()> {
+        use crate::frames::{read_request, write_answer, Answer, Request};
+        let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
         loop {
             let req: Request = match read_request(&mut stream, &mut rbuf) {
                 Ok(r) => r,
@@ -302,7 +377,13 @@ impl CacheServer {
                 return Ok(());
             }
             let answer = match req {
-                Request::Session => Answer::Session(b.open_session()),
+                Request::Session => match b.open_session() {
+                    Some(info) => Answer::Session(info),
+                    None => {
+                        tracing::warn!(branch = %b.name(), "as many sessions as a branch keeps; closing a client's connection");
+                        return Ok(());
+                    }
+                },
                 Request::Op { session, .. } if !b.touch(session) => Answer::UnknownSession,
                 Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true }, .. }
                     if lock.typ != libc::F_UNLCK =>
@@ -657,6 +738,7 @@ impl CacheServer {
             resident_bytes: s.cached_bytes,
             capacity: s.capacity,
             evicted_bytes: s.evicted_bytes,
+            open_connections: self.admission.open() as u64,
         })
     }
 }
@@ -714,27 +796,28 @@ pub(crate) fn object_query(src: &Source) -> String {
 }
 
 /// Whether `stream` starts with [`crate::frames::MAGIC`] (a framed
-/// connection) rather than an HTTP request. Waits up to 10 s for the first
-/// four bytes; a connection that sends nothing is left to HTTP.
-async fn is_framed(stream: &tokio::net::TcpStream) -> bool {
+/// connection) rather than an HTTP request, looked at without taking the
+/// bytes. `None` when it sent nothing by `by`: both protocols start with
+/// the client speaking, so such a connection is closed.
+async fn is_framed(stream: &tokio::net::TcpStream, by: tokio::time::Instant) -> Option<bool> {
     use crate::frames::MAGIC;
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
     let mut first = [0u8; 4];
-    // Bounded: each round waits for more bytes or gives up at the deadline.
+    // Bounded: each round waits for more bytes or gives up at `by`.
     for _ in 0..100 {
-        let n = match tokio::time::timeout_at(deadline, stream.peek(&mut first)).await {
+        let n = match tokio::time::timeout_at(by, stream.peek(&mut first)).await {
             Ok(Ok(n)) => n,
-            _ => return false,
+            Ok(Err(_)) => return Some(false),
+            Err(_) => return None,
         };
         if n == 0 || first[..n] != MAGIC[..n] {
-            return false;
+            return Some(false);
         }
         if n == MAGIC.len() {
-            return true;
+            return Some(true);
         }
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
-    false
+    Some(false)
 }
 
 /// Drops the sessions of clients that went away, every second.
@@ -774,10 +857,41 @@ pub struct Running {
     thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
 }
 
+/// Connections the kernel queues for the accept loop (at most
+/// `net.core.somaxconn`): a cluster's clients connecting at once, an owner
+/// restarted say, wait in the queue rather than resend their SYN a second
+/// later, as past the 128 the standard library's listener asks for.
+pub const LISTEN_BACKLOG: i32 = 4096;
+
+/// A listening socket on `addr` (`HOST:PORT`, the first address it
+/// resolves to that binds), queueing [`LISTEN_BACKLOG`] connections.
+pub fn listen(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for a in addr.to_socket_addrs()? {
+        match listen_on(a) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other(format!("{addr} resolves to no address"))))
+}
+
+fn listen_on(a: std::net::SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::for_address(a), Type::STREAM, None)?;
+    // As the standard library's listener: a restarted server binds its
+    // port while the old one's connections linger in TIME_WAIT.
+    s.set_reuse_address(true)?;
+    s.bind(&a.into())?;
+    s.listen(LISTEN_BACKLOG)?;
+    Ok(s.into())
+}
+
 impl CacheServer {
     /// Serves on `listen` (e.g. `127.0.0.1:0`) from a thread of its own.
     pub fn spawn(self: Arc<Self>, listen: &str) -> std::io::Result<Running> {
-        let listener = std::net::TcpListener::bind(listen)?;
+        let listener = self::listen(listen)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

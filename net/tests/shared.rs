@@ -167,7 +167,7 @@ fn a_file_the_owner_lost_fails_its_fsync_and_its_reads() {
 fn other_sessions_hear_of_changes_and_not_of_their_own() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let b = SharedBranch::new("main", vol, None, Policy::default());
-    let (s1, s2) = (b.open_session(), b.open_session());
+    let (s1, s2) = (b.open_session().expect("session"), b.open_session().expect("session"));
     let made = b.apply(s1.session, Op::Mkdir { parent: ROOT_INO, name: b"d".to_vec(), perm: 0o755, uid: 0, gid: 0 });
     let Ok(Out::Attr(d)) = made else { panic!("mkdir: {made:?}") };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
@@ -196,7 +196,7 @@ fn other_sessions_hear_of_changes_and_not_of_their_own() {
 fn a_dropped_session_gives_back_its_open_files_and_locks() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let b = SharedBranch::new("main", vol.clone(), None, Policy::default());
-    let (s1, s2) = (b.open_session(), b.open_session());
+    let (s1, s2) = (b.open_session().expect("session"), b.open_session().expect("session"));
     let Ok(Out::Attr(f)) =
         b.apply(s1.session, Op::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })
     else {
