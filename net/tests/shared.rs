@@ -765,10 +765,9 @@ fn silent_owner() -> std::net::SocketAddr {
     addr
 }
 
-#[test]
-fn a_hard_mount_waiting_on_a_paused_owner_moves_to_its_successor() {
-    let (vol, real) = owner(&SimDevice::new());
-    vol.mkdir(ROOT_INO, b"here", 0o755, 0, 0).expect("mkdir");
+/// A hard mount (no timeout) connected to a paused owner, whose successor
+/// `real` is recorded half a second later.
+fn hard_client_of_a_paused_owner(real: &Running) -> RemoteFiles {
     let at = Arc::new(Mutex::new(silent_owner().to_string()));
     let find = at.clone();
     let c = RemoteFiles::connect(RemoteOptions {
@@ -779,12 +778,19 @@ fn a_hard_mount_waiting_on_a_paused_owner_moves_to_its_successor() {
         segments: None,
     })
     .expect("connect to the paused owner");
-    // The paused owner is deposed; its successor is recorded a moment later.
-    let (moved, next) = (at.clone(), real.addr.to_string());
+    let next = real.addr.to_string();
     std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(500));
-        *moved.lock() = next;
+        *at.lock() = next;
     });
+    c
+}
+
+#[test]
+fn a_hard_mount_waiting_on_a_paused_owner_moves_to_its_successor() {
+    let (vol, real) = owner(&SimDevice::new());
+    vol.mkdir(ROOT_INO, b"here", 0o755, 0, 0).expect("mkdir");
+    let c = hard_client_of_a_paused_owner(&real);
     let started = std::time::Instant::now();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -795,7 +801,7 @@ fn a_hard_mount_waiting_on_a_paused_owner_moves_to_its_successor() {
     println!("answered by the successor after {:?}", started.elapsed());
 }
 
-/// Review 2: a lost rename must fail the fsync of the process that
+/// A lost rename must fail the fsync of the process that
 /// renamed, not only whichever fsync of the mount comes first. Here a
 /// second writer's fsync of its own file eats the report, and the saver's
 /// folder fsync then acknowledges a rename the new owner never had.
@@ -823,27 +829,13 @@ fn a_lost_rename_is_reported_to_the_folder_fsync_even_after_another_files_fsync(
     );
 }
 
-/// Review 2: the 10 s owner check covers requests awaited on the pool,
-/// not writes in flight on a lane: a hard mount with a write in flight to
-/// a paused owner waits on it even after a successor is recorded.
+/// The 10 s owner check covers writes in flight on a lane too: a hard
+/// mount with a write in flight to a paused owner moves on once a
+/// successor is recorded.
 #[test]
 fn a_hard_mount_with_a_write_in_flight_to_a_paused_owner_moves_to_its_successor() {
     let (_vol, real) = owner(&SimDevice::new());
-    let at = Arc::new(Mutex::new(silent_owner().to_string()));
-    let find = at.clone();
-    let c = RemoteFiles::connect(RemoteOptions {
-        branch: "main".into(),
-        token: TOKEN.into(),
-        locate: Arc::new(move || Some(find.lock().clone())),
-        timeout: None,
-        segments: None,
-    })
-    .expect("connect to the paused owner");
-    let (moved, next) = (at.clone(), real.addr.to_string());
-    std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(500));
-        *moved.lock() = next;
-    });
+    let c = hard_client_of_a_paused_owner(&real);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         // Sent on its lane at once; the fsync waits for its answer.
