@@ -81,6 +81,19 @@ pub struct Loss {
     told: HashSet<u32>,
 }
 
+/// The process (thread group) of thread `tid` as FUSE names it, from
+/// `/proc`; 0 (unknown: every caller hears of the loss) if it cannot be
+/// read — a thread that exited, or one of another PID namespace.
+fn process_of(tid: u32) -> u32 {
+    if tid == 0 {
+        return 0;
+    }
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()
+        .and_then(|st| st.lines().find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok())))
+        .unwrap_or(0)
+}
+
 /// Lost changes kept per file or folder, oldest dropped first.
 const LOSSES_KEPT: usize = 64;
 
@@ -135,7 +148,12 @@ impl Journal {
         self.next_pos += 1;
     }
 
-    fn mark_lost(&mut self, ino: Option<u64>, touched: Vec<u64>, by: Who) {
+    fn mark_lost(&mut self, ino: Option<u64>, touched: Vec<u64>, mut by: Who) {
+        // Which process a thread belongs to is asked only now, when a
+        // change was lost (rare), not for every request.
+        if by.process == 0 {
+            by.process = process_of(by.thread);
+        }
         match ino {
             Some(ino) => {
                 self.lost.insert(ino);
@@ -155,8 +173,11 @@ impl Journal {
     /// Whether the fsync of `ino` by `caller` must report a lost change:
     /// one its process made (or an unknown caller), not yet reported to
     /// this thread. It is reported now.
-    pub fn take_lost_change(&mut self, ino: u64, caller: Who) -> bool {
+    pub fn take_lost_change(&mut self, ino: u64, mut caller: Who) -> bool {
         let Some(losses) = self.lost_changes.get_mut(&ino) else { return false };
+        if caller.process == 0 {
+            caller.process = process_of(caller.thread);
+        }
         let mut hit = false;
         for l in losses.iter_mut() {
             let theirs = l.by.process == 0 || caller.process == 0 || l.by.process == caller.process;

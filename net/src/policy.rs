@@ -91,19 +91,6 @@ fn squash(id: u32) -> u32 {
     }
 }
 
-fn kind_of(mode: u32) -> Option<FileKind> {
-    Some(match mode & libc::S_IFMT {
-        libc::S_IFREG => FileKind::Regular,
-        libc::S_IFDIR => FileKind::Directory,
-        libc::S_IFLNK => FileKind::Symlink,
-        libc::S_IFIFO => FileKind::Fifo,
-        libc::S_IFSOCK => FileKind::Socket,
-        libc::S_IFCHR => FileKind::CharDevice,
-        libc::S_IFBLK => FileKind::BlockDevice,
-        _ => return None,
-    })
-}
-
 impl Policy {
     /// `caller` as the owner treats it.
     pub fn caller(&self, caller: Caller) -> Caller {
@@ -118,7 +105,7 @@ impl Policy {
     /// refuses. An unknown type is the volume's to refuse.
     pub fn create(&self, mode: u32, creator: Caller) -> Result<Caller, Refused> {
         if !self.allow_suid_devices {
-            if let Some(kind) = kind_of(mode) {
+            if let Some(kind) = FileKind::from_mode(mode) {
                 let device = matches!(kind, FileKind::CharDevice | FileKind::BlockDevice);
                 if device || privileges(kind, (mode & 0o7777) as u16) != 0 {
                     return Err(libc::EPERM);

@@ -79,23 +79,10 @@ use std::time::{Duration, Instant};
 pub type Locate = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// The process (thread group) of the request this thread serves, from the
-/// thread id FUSE gives; 0 if unknown. Losses of changes are reported to
-/// the fsyncs of the process that made them, as the kernel reports
-/// writeback errors to each open file: another process's fsync of the same
-/// folder does not use the report up.
+/// Who the request this thread serves is for: its thread as FUSE names it
+/// (its process is looked up only if a change of it is lost).
 fn calling_process() -> Who {
-    let tid = arbor_fs::files::calling_pid();
-    if tid == 0 {
-        return Who::default();
-    }
-    // A thread id this process cannot see (another PID namespace) stands
-    // for itself.
-    let process = std::fs::read_to_string(format!("/proc/{tid}/status"))
-        .ok()
-        .and_then(|st| st.lines().find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok())))
-        .unwrap_or(tid);
-    Who { process, thread: tid }
+    Who { process: 0, thread: arbor_fs::files::calling_pid() }
 }
 
 /// How often a hard mount waiting for an answer checks whether the branch
@@ -423,7 +410,7 @@ impl Inner {
                 return Err(Failed::Transport(format!("{addr}: the owner speaks protocol version {v}")))
             }
         }
-        c.stream.set_read_timeout(self.opts.timeout).map_err(broke)?;
+        c.stream.set_read_timeout(self.read_timeout()).map_err(broke)?;
         Ok(c)
     }
 
@@ -451,7 +438,7 @@ impl Inner {
             }
             let a = read_answer(&mut c.stream, &mut c.rbuf)?;
             if waits {
-                c.stream.set_read_timeout(self.opts.timeout)?;
+                c.stream.set_read_timeout(self.read_timeout())?;
             }
             Ok::<_, std::io::Error>(a)
         })();
@@ -476,7 +463,6 @@ impl Inner {
     /// owner, which applies a tagged request at most once).
     fn await_answer(&self, c: &mut Conn, addr: &str) -> std::io::Result<()> {
         use std::io::ErrorKind::{TimedOut, WouldBlock};
-        c.stream.set_read_timeout(Some(OWNER_CHECK))?;
         let mut first = [0u8; 1];
         // Each turn ends with an answer, an error, or OWNER_CHECK spent.
         loop {
@@ -491,7 +477,14 @@ impl Inner {
                 Err(e) => return Err(e),
             }
         }
-        c.stream.set_read_timeout(None)
+        Ok(())
+    }
+
+    /// A connection's read timeout: the mount's `--timeout`, or, on a hard
+    /// mount, [`OWNER_CHECK`], after which [`Inner::await_answer`] looks
+    /// for a new owner and waits on.
+    fn read_timeout(&self) -> Option<Duration> {
+        self.opts.timeout.or(Some(OWNER_CHECK))
     }
 
     /// Our session, opened (and our open files opened again, our unsynced
