@@ -9,7 +9,7 @@
 //! gains nothing there, and on
 //! ext4 it hands buffered writes and syncs to its worker threads, one more
 //! hop each: sequential writes through the mount measured 10-25 % slower
-//! with it (see README, "Benchmarks").
+//! with it (see docs/benchmarks.md).
 
 mod syscall;
 mod uring;
