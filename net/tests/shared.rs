@@ -622,7 +622,7 @@ fn a_write_answered_by_the_old_owner_but_read_after_the_new_owner_was_met_fails_
 }
 
 #[test]
-#[ignore = "not built: locks live in the owner's memory, with no reclaim period after a restart (README, "What works today")"]
+#[ignore = "not built: locks live in the owner's memory, with no reclaim period after a restart (README, What works today)"]
 fn a_lock_held_before_an_owner_restart_is_not_granted_to_another_client_after_it() {
     let dev = SimDevice::new();
     let (vol, first) = owner(&dev);
