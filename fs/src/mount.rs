@@ -55,17 +55,33 @@ impl Default for MountOptions {
 
 pub struct MountHandle {
     session: Option<fuser::BackgroundSession>,
+    mountpoint: std::path::PathBuf,
     transport: Arc<Transport>,
     counters: Arc<Counters>,
 }
 
 impl MountHandle {
     /// Unmounts (which commits the volume) and waits for the session to end.
+    ///
+    /// A mount point is busy for a moment whenever any process on the node
+    /// forks while it holds a file open there (the child has a copy of the
+    /// descriptor until it execs), so a busy unmount is tried again for up
+    /// to [`BUSY_UNMOUNT`]. A mount still busy after that has files open:
+    /// it is detached (gone from the namespace; the open files fail once
+    /// the volume closes) and this says so in its error.
     pub fn unmount(mut self) -> io::Result<()> {
-        match self.session.take() {
-            Some(s) => s.umount_and_join(),
-            None => Ok(()),
+        let Some(s) = self.session.take() else { return Ok(()) };
+        // Already unmounted from outside: something else may be mounted
+        // there now.
+        if s.guard.is_finished() {
+            return s.join();
         }
+        if let Err(e) = unmount_when_idle(&self.mountpoint, BUSY_UNMOUNT) {
+            // The session thread ends when the last open file closes.
+            drop(s);
+            return Err(e);
+        }
+        s.umount_and_join()
     }
 
     /// Waits until the file system is unmounted from outside (for example
@@ -189,7 +205,44 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     let session = session.spawn()?;
     let counters = fs.counters().clone();
     counters.kernel_read_ahead.store(kernel_read_ahead.unwrap_or(0).into(), std::sync::atomic::Ordering::Relaxed);
-    Ok(MountHandle { session: Some(session), transport, counters })
+    Ok(MountHandle { session: Some(session), mountpoint: mountpoint.to_path_buf(), transport, counters })
+}
+
+/// How long an unmount waits for a busy mount point to become idle.
+pub const BUSY_UNMOUNT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Unmounts `mountpoint` as root would, trying again while it is busy for
+/// up to `wait`, then detaching it. Without the privilege (EPERM) it does
+/// nothing and leaves the unmount to `fusermount3 -u`; a mount point no
+/// longer mounted (EINVAL) is fine.
+fn unmount_when_idle(mountpoint: &Path, wait: std::time::Duration) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())?;
+    let started = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_millis(5);
+    loop {
+        // SAFETY: a NUL-terminated path.
+        if unsafe { libc::umount2(c.as_ptr(), 0) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EBUSY) if started.elapsed() < wait => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(200));
+            }
+            Some(libc::EBUSY) => {
+                // SAFETY: as above.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+                return Err(io::Error::other(format!(
+                    "{} stayed busy for {} s (files open there); detached it: those files now fail",
+                    mountpoint.display(),
+                    wait.as_secs()
+                )));
+            }
+            _ => return Ok(()),
+        }
+    }
 }
 
 /// The kernel's read-ahead for the mount: the most it reads ahead of a

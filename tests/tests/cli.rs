@@ -396,8 +396,15 @@ fn foreground_mounts_and_servers_tell_systemd_when_they_are_ready_and_when_they_
     assert!(is_mounted(&s.mnt) && statfs_ok(&s.mnt), "ready before it was mounted");
     assert!(arbor_ok(&["status", mnt]).contains("branch"));
     std::fs::write(s.mnt.join("kept.txt"), b"kept").expect("write");
+    // A file still open when the stop comes (as any fork on the node
+    // briefly holds one): the unmount waits for it instead of leaving the
+    // mount behind.
+    let held = std::fs::File::open(s.mnt.join("kept.txt")).expect("open");
     sigterm(&mount.child);
     assert_eq!(notification(&sock, Duration::from_secs(60)).as_deref(), Some("STOPPING=1"));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(is_mounted(&s.mnt), "unmounted under an open file");
+    drop(held);
     let status = mount.child.wait().expect("wait");
     assert!(status.success(), "{status}: {}", std::fs::read_to_string(&mount.log).unwrap_or_default());
     std::mem::forget(mount);
