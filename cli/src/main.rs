@@ -334,6 +334,13 @@ struct ServeCmd {
     /// it stops acknowledging writes.
     #[arg(long, default_value = "60s")]
     lease_ttl: disk::Span,
+    /// For --branch: after this owner starts, how long only the locks its
+    /// clients held under the owner before are granted (they take them
+    /// back); other lock requests wait. Only when the branch may have locks
+    /// from before. 0 gives up locks from before at once (their holders'
+    /// next fsync fails with EIO).
+    #[arg(long, default_value_t = disk::Span(arbor_net::locks::LOCK_GRACE))]
+    lock_grace: disk::Span,
     /// For --branch: local (fsync durable on this node) or bucket.
     #[arg(long, default_value = "local")]
     durability: arbor_engine::tier::Durability,
@@ -538,6 +545,7 @@ fn run(cli: Cli) -> Result<()> {
                     advertise: c.advertise,
                     take_over: c.take_over,
                     lease_ttl: c.lease_ttl.0,
+                    lock_grace: c.lock_grace.0,
                     durability: c.durability,
                     segment_size: c.segment_size.0,
                     policy: arbor_net::Policy {

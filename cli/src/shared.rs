@@ -27,6 +27,8 @@ pub struct OwnerArgs {
     pub take_over: bool,
     /// The life of the owner's lease on its branches.
     pub lease_ttl: std::time::Duration,
+    /// How long a new owner grants only the locks clients take back.
+    pub lock_grace: std::time::Duration,
     pub durability: arbor_engine::tier::Durability,
     pub segment_size: u64,
     /// What clients may do to owners and privileges.
@@ -84,13 +86,16 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
             .map(|c| json!({"name": c.name, "commit": addr_json(c.commit)}).to_string())
             .map_err(|e| e.to_string())
     });
-    Ok(Owned {
-        shared: SharedBranch::new(name, vol, Some(checkpoint), a.policy),
-        catalog,
-        owner,
-        _disk: d,
-        _lock: lock,
-    })
+    let shared = SharedBranch::new(name, vol, Some(checkpoint), a.policy);
+    shared.set_lock_grace(a.lock_grace);
+    if shared.in_lock_grace() {
+        tracing::info!(
+            branch = name,
+            grace_s = a.lock_grace.as_secs(),
+            "the branch may have locks from its owner before; granting only their holders' locks for the grace period"
+        );
+    }
+    Ok(Owned { shared, catalog, owner, _disk: d, _lock: lock })
 }
 
 impl Owned {

@@ -49,6 +49,7 @@
 //! [`Policy`] first (see [`crate::policy`]): by default no set-ID bits,
 //! capabilities or device nodes from clients, and root squashed to nobody.
 
+use crate::locks::{conflicts, overlaps, CLEARED_SLOT, GRANTED_SLOT, IN_GRACE, LOCKS_CLIENT, LOCK_GRACE};
 use crate::policy::{Change, Policy};
 use crate::requests::{Begin, Replies};
 use arbor_engine::volume::XattrFlags;
@@ -205,11 +206,14 @@ pub enum Op {
         owner: u64,
         lock: Lock,
     },
+    /// `reclaim`: a lock the client held under the owner before this one
+    /// (see [`crate::locks`]).
     SetLk {
         ino: u64,
         owner: u64,
         lock: Lock,
         wait: bool,
+        reclaim: bool,
     },
     /// Drops every lock `owner` holds on `ino`.
     UnlockAll {
@@ -247,12 +251,12 @@ impl Op {
             Op::Read { len, .. } if len > MAX_READ => Err(libc::EINVAL),
             Op::Open { count, .. } if count > MAX_OPEN_COUNT => Err(libc::EINVAL),
             Op::ReadDir { max, .. } if max > READDIR_BATCH => Err(libc::EINVAL),
+            Op::SetLk { wait: true, reclaim: true, .. } => Err(libc::EINVAL),
+            Op::Slots { client } if client == LOCKS_CLIENT => Err(libc::EPERM),
             _ => Ok(()),
         }
     }
 
-    /// Whether the operation changes the branch: such a request carries a
-    /// tag, so that a copy sent again is not applied twice.
     /// The files and folders a change alters (a folder for a change of
     /// its names): whose fsync must report the change if it is lost.
     pub fn touches(&self) -> Vec<u64> {
@@ -271,6 +275,8 @@ impl Op {
         }
     }
 
+    /// Whether the operation changes the branch: such a request carries a
+    /// tag, so that a copy sent again is not applied twice.
     pub fn changes(&self) -> bool {
         matches!(
             self,
@@ -411,6 +417,67 @@ pub struct SharedBranch {
     replies: Replies,
     /// Woken when an event is recorded or a lock is dropped.
     changed: tokio::sync::Notify,
+    /// The lock grace period and the branch's durable mark of locks.
+    grace: Mutex<Grace>,
+}
+
+/// Whether this owner grants only reclaims, and what the branch records of
+/// locks (see [`crate::locks`]).
+struct Grace {
+    /// When this owner began to serve.
+    started: Instant,
+    /// How long its grace period is.
+    length: Duration,
+    /// The branch may have locks from an owner before this one: a grace
+    /// period applies until `started + length`.
+    from_before: bool,
+    /// The mark's two counts as this owner knows them.
+    granted: u64,
+    cleared: u64,
+    /// This owner made the mark (before its first grant).
+    marked: bool,
+}
+
+impl Grace {
+    /// What `vol` records of locks: a grace period of [`LOCK_GRACE`] if an
+    /// owner before may have granted some.
+    fn read(vol: &Volume) -> Grace {
+        let slots = vol.request_slots(LOCKS_CLIENT).unwrap_or_else(|e| {
+            // Unreadable: assume locks from before (a grace period costs
+            // only waiting).
+            tracing::warn!(error = %e, "cannot read the branch's mark of locks; assuming locks from before");
+            vec![(GRANTED_SLOT, 1)]
+        });
+        let count = |slot| slots.iter().find(|(s, _)| *s == slot).map_or(0, |&(_, n)| n);
+        let (granted, cleared) = (count(GRANTED_SLOT), count(CLEARED_SLOT));
+        Grace {
+            started: Instant::now(),
+            length: LOCK_GRACE,
+            from_before: granted > cleared,
+            granted,
+            cleared,
+            marked: false,
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.from_before && self.started.elapsed() < self.length
+    }
+
+    /// Records, durably and once, that this owner grants locks.
+    fn mark(&mut self, vol: &Volume) -> Result<(), Error> {
+        if self.marked {
+            return Ok(());
+        }
+        if self.granted <= self.cleared {
+            let seq = self.granted.max(self.cleared) + 1;
+            vol.tagged(RequestTag { client: LOCKS_CLIENT, slot: GRANTED_SLOT, seq }, Takes::Operation, |_| Ok(()))?;
+            vol.sync_all()?;
+            self.granted = seq;
+        }
+        self.marked = true;
+        Ok(())
+    }
 }
 
 fn errno(e: &Error) -> i32 {
@@ -423,14 +490,6 @@ fn errno(e: &Error) -> i32 {
 /// An errno the policy answered, as the volume's errors carry one.
 fn refused(n: i32) -> Error {
     Error::Io(std::io::Error::from_raw_os_error(n))
-}
-
-fn overlaps(a: &Lock, b: &Lock) -> bool {
-    a.start <= b.end && b.start <= a.end
-}
-
-fn conflicts(a: &Lock, b: &Lock) -> bool {
-    overlaps(a, b) && (a.typ == libc::F_WRLCK || b.typ == libc::F_WRLCK)
 }
 
 /// `held` (one owner's locks on one file) with `range` taken out.
@@ -462,6 +521,7 @@ impl SharedBranch {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
                 ^ ((std::process::id() as u64) << 40);
         let epoch = if drawn.is_ok() { u64::from_le_bytes(random) | 1 } else { fallback };
+        let vol_for_grace = vol.clone();
         Arc::new(SharedBranch {
             name: name.into(),
             vol,
@@ -471,7 +531,19 @@ impl SharedBranch {
             state: Mutex::new(State { next_seq: 1, ..State::default() }),
             replies: Replies::default(),
             changed: tokio::sync::Notify::new(),
+            grace: Mutex::new(Grace::read(&vol_for_grace)),
         })
+    }
+
+    /// Sets the lock grace period (see [`crate::locks`]); zero turns it
+    /// off, which lets locks from before be granted to others at once.
+    pub fn set_lock_grace(&self, length: Duration) {
+        self.grace.lock().length = length;
+    }
+
+    /// Whether this owner is in its lock grace period.
+    pub fn in_lock_grace(&self) -> bool {
+        self.grace.lock().active()
     }
 
     pub fn name(&self) -> &str {
@@ -537,6 +609,7 @@ impl SharedBranch {
     /// Drops the sessions not heard from for longer than `idle`.
     pub fn reap_idle(&self, idle: Duration) {
         self.replies.reap();
+        self.clear_lock_mark();
         let now = Instant::now();
         let gone: Vec<(u64, Session)> = {
             let mut st = self.state.lock();
@@ -661,6 +734,9 @@ impl SharedBranch {
     /// (EPERM) a session that speaks for another client than it did: one
     /// token holder cannot move another mount's request slots.
     fn speaks_for(&self, session: u64, client: u64) -> Result<(), i32> {
+        if client == LOCKS_CLIENT {
+            return Err(libc::EPERM);
+        }
         let mut st = self.state.lock();
         let s = st.sessions.get_mut(&session).ok_or(libc::ESTALE)?;
         match s.client {
@@ -816,9 +892,14 @@ impl SharedBranch {
                 self.record(session, [Inode(ino)]);
                 r
             }
-            Op::GetLk { ino, owner, lock } => return Ok(Out::Lock(self.get_lock(session, ino, owner, &lock))),
-            Op::SetLk { ino, owner, lock, .. } => {
-                return self.try_lock(session, ino, owner, lock);
+            Op::GetLk { ino, owner, lock } => {
+                if self.in_lock_grace() {
+                    return Err(IN_GRACE);
+                }
+                return Ok(Out::Lock(self.get_lock(session, ino, owner, &lock)));
+            }
+            Op::SetLk { ino, owner, lock, reclaim, .. } => {
+                return self.take_lock(session, ino, owner, lock, reclaim);
             }
             Op::Commit => v.commit().and_then(|()| v.last_commit().ok_or(Error::ReadOnly)).map(|a| Out::Commit {
                 writer: a.seg.writer,
@@ -894,6 +975,45 @@ impl SharedBranch {
         self.vol.release(ino)
     }
 
+    /// Whether a lock may be granted now: a reclaim only in the grace
+    /// period, anything else only after it; never by an owner that lost
+    /// the branch or whose lease lapsed (its grants could meet a new
+    /// owner's). The branch is marked as having locks first.
+    fn may_grant(&self, reclaim: bool) -> Result<(), i32> {
+        let mut g = self.grace.lock();
+        match (reclaim, g.active()) {
+            (true, false) => return Err(libc::ENOLCK),
+            (false, true) => return Err(IN_GRACE),
+            _ => {}
+        }
+        if self.vol.is_fenced() {
+            return Err(libc::ENOLCK);
+        }
+        g.mark(&self.vol).map_err(|e| {
+            tracing::error!(branch = %self.name, error = %e, "cannot record that the branch has locks; refusing the lock");
+            libc::ENOLCK
+        })
+    }
+
+    /// Clears the branch's mark of locks once the grace period ended with
+    /// none granted by this owner and none held.
+    fn clear_lock_mark(&self) {
+        let none_held = self.state.lock().locks.is_empty();
+        let mut g = self.grace.lock();
+        if !none_held || g.marked || !g.from_before || g.active() {
+            return;
+        }
+        let tag = RequestTag { client: LOCKS_CLIENT, slot: CLEARED_SLOT, seq: g.granted };
+        match self.vol.tagged(tag, Takes::Operation, |_| Ok(())) {
+            Ok(()) => {
+                g.cleared = g.granted;
+                g.from_before = false;
+                tracing::info!(branch = %self.name, "lock grace period over; no lock was reclaimed");
+            }
+            Err(e) => tracing::warn!(branch = %self.name, error = %e, "cannot clear the branch's mark of locks"),
+        }
+    }
+
     fn get_lock(&self, session: u64, ino: u64, owner: u64, lock: &Lock) -> Option<Lock> {
         let st = self.state.lock();
         st.locks
@@ -906,8 +1026,19 @@ impl SharedBranch {
             })
     }
 
-    /// Takes or drops `lock` now, or EAGAIN.
+    /// Takes or drops `lock` now, or EAGAIN ([`IN_GRACE`] in the lock
+    /// grace period).
     pub fn try_lock(&self, session: u64, ino: u64, owner: u64, lock: Lock) -> Reply {
+        self.take_lock(session, ino, owner, lock, false)
+    }
+
+    /// [`SharedBranch::try_lock`], or with `reclaim` a lock the client held
+    /// under the owner before: granted only in the grace period (ENOLCK
+    /// after it), and the only locks granted then.
+    fn take_lock(&self, session: u64, ino: u64, owner: u64, lock: Lock, reclaim: bool) -> Reply {
+        if lock.typ != libc::F_UNLCK {
+            self.may_grant(reclaim)?;
+        }
         let mut st = self.state.lock();
         if !st.sessions.contains_key(&session) {
             return Err(libc::ESTALE);
@@ -957,7 +1088,7 @@ impl SharedBranch {
             tokio::pin!(notified);
             notified.as_mut().enable();
             match self.try_lock(session, ino, owner, lock) {
-                Err(libc::EAGAIN) => {}
+                Err(libc::EAGAIN | IN_GRACE) => {}
                 r => return r,
             }
             // A lock is dropped with a notification; the timeout covers a

@@ -53,7 +53,7 @@ use std::io::{self, Read, Write};
 /// The first bytes of a framed connection.
 pub const MAGIC: [u8; 4] = *b"ARBF";
 /// The version of the requests and answers below.
-pub const VERSION: u32 = 6;
+pub const VERSION: u32 = 7;
 /// The largest frame either side accepts (a 1 MiB write or read fits many
 /// times).
 pub const MAX_FRAME: usize = 16 << 20;

@@ -42,6 +42,7 @@ pub mod client;
 pub mod files;
 pub mod frames;
 pub mod journal;
+pub mod locks;
 mod metrics;
 pub mod policy;
 pub mod reads;

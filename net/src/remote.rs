@@ -54,6 +54,7 @@ use crate::client::connect;
 use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
 use crate::frames::Written;
 use crate::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
+use crate::locks::{HeldLocks, IN_GRACE, LOCK_GRACE, RECLAIM_WINDOW};
 use crate::reads::DirectReads;
 use crate::requests::PIPELINED_SLOT;
 use arbor_engine::env::Timestamp;
@@ -257,6 +258,12 @@ struct Inner {
     journal: Mutex<Journal>,
     /// What the owner of this epoch had of each slot when we met it.
     floors: Mutex<(u64, HashMap<u32, u64>)>,
+    /// The locks the owner granted this mount (see [`crate::locks`]).
+    locks: Mutex<HeldLocks>,
+    /// When the newest request the owner answered under our session was
+    /// sent, by this node's monotonic clock: whether we may reclaim our
+    /// locks from a new owner.
+    heard: Mutex<Option<Instant>>,
     /// Writes in flight, by lane.
     lanes: [Mutex<Lane>; WRITE_LANES],
     /// Held while a new session is set up (writes are resent under it).
@@ -497,6 +504,9 @@ impl Inner {
         if let Some(s) = *self.session.lock() {
             return Ok(s);
         }
+        // Before this exchange: when the old owner last answered us.
+        let heard = *self.heard.lock();
+        let had_session = self.epoch.lock().is_some();
         let info = match self.exchange(&crate::frames::Request::Session)? {
             crate::frames::Answer::Session(info) => info,
             _ => return Err(Failed::Transport("a garbled session answer".into())),
@@ -525,6 +535,11 @@ impl Inner {
                     self.lose(ino);
                 }
             }
+        }
+        if had_session {
+            self.reclaim_locks(info, restarted, heard)?;
+        } else {
+            self.locks.lock().epoch = info.epoch;
         }
         if self.sessions.fetch_add(1, Ordering::Relaxed) > 0 {
             tracing::info!(session = format!("{:016x}", info.session), "a new session with the owner");
@@ -592,6 +607,84 @@ impl Inner {
     fn owner_had(&self, epoch: u64, tag: RequestTag) -> bool {
         let floors = self.floors.lock();
         floors.0 == epoch && floors.1.get(&tag.slot).is_some_and(|&f| tag.seq <= f)
+    }
+
+    /// The owner answered, under our session, a request sent at `sent`.
+    fn heard_at(&self, sent: Instant) {
+        let mut h = self.heard.lock();
+        if h.is_none_or(|t| t < sent) {
+            *h = Some(sent);
+        }
+    }
+
+    /// Takes back from a new owner (epoch changed: `restarted`) the locks
+    /// this mount held, if the old owner cannot have dropped our session
+    /// (`heard`: when the newest request it answered was sent, see
+    /// [`crate::locks`]); the rest are lost, and reported. After the same
+    /// owner dropped our session, every lock is lost.
+    /// The table stays locked throughout: a grant read meanwhile from the
+    /// old owner is then seen to come from it, and refused.
+    fn reclaim_locks(
+        &self,
+        info: SessionInfo,
+        restarted: bool,
+        heard: Option<Instant>,
+    ) -> std::result::Result<(), Failed> {
+        let mut locks = self.locks.lock();
+        let held = locks.all();
+        let session = info.session;
+        if held.is_empty() {
+            locks.epoch = info.epoch;
+            return Ok(());
+        }
+        let in_window = restarted && heard.is_some_and(|t| t.elapsed() < RECLAIM_WINDOW);
+        let mut lost: Vec<(u64, u64)> = Vec::new();
+        for (ino, owner, lock) in held {
+            if lost.contains(&(ino, owner)) {
+                continue;
+            }
+            let kept =
+                in_window && self.send(session, &Op::SetLk { ino, owner, lock, wait: false, reclaim: true })?.is_ok();
+            if !kept {
+                lost.push((ino, owner));
+            }
+        }
+        locks.epoch = info.epoch;
+        if lost.is_empty() {
+            tracing::info!("the owner changed; this mount took back every lock it held");
+            return Ok(());
+        }
+        tracing::error!(
+            lost = lost.len(),
+            reclaimed_in_time = in_window,
+            "locks this mount held were lost with the owner's session; \
+             the next fsync of their files fails with EIO, the next lock request of their holders with ENOLCK"
+        );
+        let mut journal = self.journal.lock();
+        for (ino, owner) in lost {
+            locks.lose(ino, owner);
+            journal.lost.insert(ino);
+        }
+        Ok(())
+    }
+
+    /// A lock request, asked again while the owner is in its lock grace
+    /// period (bounded: the period ends), and the epoch of the owner that
+    /// answered.
+    fn lock_call(&self, op: Op) -> Result<(Out, u64)> {
+        self.settle_all();
+        let until = Instant::now() + LOCK_GRACE + Duration::from_secs(5);
+        loop {
+            let mut req = crate::frames::Request::Op { session: 0, op: op.clone(), tag: None };
+            let mut epoch = 0;
+            match self.call_req(&mut req, None, &mut epoch) {
+                Err(e) if e.errno() == IN_GRACE && Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) if e.errno() == IN_GRACE => return Err(errno_error(libc::ENOLCK)),
+                out => return out.map(|o| (o, epoch)),
+            }
+        }
     }
 
     /// Sends `op` until the owner answers it (or the timeout passes), once
@@ -678,7 +771,12 @@ impl Inner {
                         }
                     }
                 }
-                self.exchange(req)
+                let sent = Instant::now();
+                let answer = self.exchange(req);
+                if let Ok(crate::frames::Answer::Reply(_)) = &answer {
+                    self.heard_at(sent);
+                }
+                answer
             });
             match attempt {
                 Ok(crate::frames::Answer::Reply(reply)) => {
@@ -968,6 +1066,8 @@ impl RemoteFiles {
             slots: SlotTable::default(),
             journal: Mutex::new(Journal::default()),
             floors: Mutex::new((0, HashMap::new())),
+            locks: Mutex::new(HeldLocks::default()),
+            heard: Mutex::new(None),
             lanes: Default::default(),
             opening: Mutex::new(()),
             retries: AtomicU64::new(0),
@@ -1035,6 +1135,7 @@ impl RemoteFiles {
                 // The session is opened outside the runtime: finding the
                 // owner may read the bucket, which blocks on a runtime of
                 // its own, and a new owner is asked about our requests.
+                let sent = Instant::now();
                 let polled = match inner.session() {
                     Ok(s) => {
                         let poll = inner.poll(s, after);
@@ -1053,6 +1154,7 @@ impl RemoteFiles {
                 };
                 match polled {
                     Ok((_, ev)) => {
+                        inner.heard_at(sent);
                         if backoff != BACKOFF_MIN {
                             inner.locator.answered();
                         }
@@ -1384,16 +1486,35 @@ impl Files for RemoteFiles {
         true
     }
     fn getlk(&self, ino: u64, owner: u64, lock: Lock) -> Result<Option<Lock>> {
-        match self.call(Op::GetLk { ino, owner, lock })? {
+        match self.inner.lock_call(Op::GetLk { ino, owner, lock })?.0 {
             Out::Lock(l) => Ok(l),
             _ => Err(errno_error(libc::EPROTO)),
         }
     }
     fn setlk(&self, ino: u64, owner: u64, lock: Lock, wait: bool) -> Result<()> {
-        unit(self.call(Op::SetLk { ino, owner, lock, wait }))
+        let inner = &self.inner;
+        if lock.typ == libc::F_UNLCK {
+            // Believed dropped before it is: holding less is safe to believe.
+            inner.locks.lock().apply(ino, owner, lock);
+            inner.locks.lock().take_lost(ino, owner);
+            return unit(inner.call(Op::SetLk { ino, owner, lock, wait, reclaim: false }));
+        }
+        if inner.locks.lock().take_lost(ino, owner) {
+            return Err(errno_error(libc::ENOLCK));
+        }
+        let (_, epoch) = inner.lock_call(Op::SetLk { ino, owner, lock, wait, reclaim: false })?;
+        let mut locks = inner.locks.lock();
+        if locks.epoch != epoch {
+            // Granted by an owner that is gone (its answer read late): the
+            // owner now has no such lock.
+            return Err(errno_error(libc::ENOLCK));
+        }
+        locks.apply(ino, owner, lock);
+        Ok(())
     }
     fn unlock_all(&self, ino: u64, owner: u64) -> Result<()> {
-        unit(self.call(Op::UnlockAll { ino, owner }))
+        self.inner.locks.lock().unlock_all(ino, owner);
+        unit(self.inner.call(Op::UnlockAll { ino, owner }))
     }
 }
 

@@ -385,7 +385,7 @@ impl CacheServer {
                     }
                 },
                 Request::Op { session, .. } if !b.touch(session) => Answer::UnknownSession,
-                Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true }, .. }
+                Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true, reclaim: false }, .. }
                     if lock.typ != libc::F_UNLCK =>
                 {
                     let go_on = || !self.framed.lock().stopping;

@@ -28,9 +28,20 @@ fn owner(dev: &SimDevice) -> (Arc<Volume>, Running) {
 
 /// `vol` served as branch `main`, on a port of its own.
 fn serve(vol: &Arc<Volume>) -> Running {
+    serve_branch(vol).1
+}
+
+/// The lock grace period of the owners here: long enough for a client to
+/// take its locks back, short enough to wait out.
+const GRACE: Duration = Duration::from_secs(2);
+
+/// [`serve`], and the branch it serves.
+fn serve_branch(vol: &Arc<Volume>) -> (Arc<SharedBranch>, Running) {
     let branch = SharedBranch::new("main", vol.clone(), None, Policy::default());
-    let server = CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() });
-    server.spawn("127.0.0.1:0").expect("serve")
+    branch.set_lock_grace(GRACE);
+    let server =
+        CacheServer::owner(None, vec![branch.clone()], ServerOptions { token: TOKEN.into(), ..Default::default() });
+    (branch, server.spawn("127.0.0.1:0").expect("serve"))
 }
 
 /// Where clients find the owner: `server` now, changed by a test that
@@ -621,26 +632,107 @@ fn a_write_answered_by_the_old_owner_but_read_after_the_new_owner_was_met_fails_
     assert_eq!(synced, Err(libc::EIO), "an fsync acknowledged a write the owner lost");
 }
 
+const WHOLE: arbor_fs::Lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+
+fn unlock() -> arbor_fs::Lock {
+    arbor_fs::Lock { typ: libc::F_UNLCK, ..WHOLE }
+}
+
 #[test]
-#[ignore = "not built: locks live in the owner's memory, with no reclaim period after a restart (README, What works today)"]
-fn a_lock_held_before_an_owner_restart_is_not_granted_to_another_client_after_it() {
+fn a_lock_held_before_an_owner_crash_is_taken_back_and_not_granted_to_another() {
     let dev = SimDevice::new();
-    let (vol, first) = owner(&dev);
-    let at = found_at(&first);
+    let first = owner(&dev);
+    let at = found_at(&first.1);
     let (a, b) = (client(&at), client(&at));
     let f = a.create_open(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0).expect("create");
     a.fsync(f.ino).expect("fsync");
-    let all = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
-    a.setlk(f.ino, 1, all, false).expect("a takes the lock");
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
     b.open(f.ino).expect("open");
-    assert_eq!(b.setlk(f.ino, 2, all, false).map_err(|e| e.errno()), Err(libc::EAGAIN));
-    // A clean owner restart: same volume, new process (new epoch).
+    assert_eq!(b.setlk(f.ino, 2, WHOLE, false).map_err(|e| e.errno()), Err(libc::EAGAIN));
+    // The owner's node loses power; a new owner process opens the branch.
+    // That the branch has locks was made durable before the first grant.
+    let (_vol, second) = crash_and_restart(&dev, first, &at);
+    a.getattr(f.ino).expect("a goes on, and takes its lock back");
+    // b asks in the grace period: it waits for its end, then finds a's lock.
+    assert_eq!(b.setlk(f.ino, 2, WHOLE, false).map_err(|e| e.errno()), Err(libc::EAGAIN), "two holders of one lock");
+    assert_eq!(b.getlk(f.ino, 2, WHOLE).expect("getlk").map(|l| l.typ), Some(libc::F_WRLCK));
+    a.fsync(f.ino).expect("a's lock was kept: nothing to report");
+    a.setlk(f.ino, 1, unlock(), false).expect("a lets go");
+    b.setlk(f.ino, 2, WHOLE, false).expect("b takes it once a let go");
+    drop(second);
+}
+
+#[test]
+fn a_lock_request_in_the_grace_period_waits_for_its_end() {
+    let dev = SimDevice::new();
+    let (vol, first) = owner(&dev);
+    let at = found_at(&first);
+    let a = client(&at);
+    let f = a.create_open(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.setlk(f.ino, 1, WHOLE, false).expect("lock");
+    a.setlk(f.ino, 1, unlock(), false).expect("unlock");
     drop(first);
-    let second = serve(&vol);
-    *at.lock() = second.addr.to_string();
-    a.getattr(f.ino).expect("a goes on, still holding its lock as far as it knows");
-    // a was never told its lock went: b must not get it.
-    assert_eq!(b.setlk(f.ino, 2, all, false).map_err(|e| e.errno()), Err(libc::EAGAIN), "two holders of one lock");
+    let (branch, _second) = serve_branch(&vol);
+    *at.lock() = _second.addr.to_string();
+    assert!(branch.in_lock_grace(), "the branch had locks: the new owner starts in a grace period");
+    // A client new to this owner has nothing to take back: its lock
+    // waits for the grace period, so that no holder from before loses out.
+    let c = client(&at);
+    let started = std::time::Instant::now();
+    c.setlk(f.ino, 3, WHOLE, false).expect("granted after the grace period");
+    assert!(started.elapsed() >= GRACE / 2, "granted {:?} into a {GRACE:?} grace period", started.elapsed());
+    assert!(!branch.in_lock_grace());
+}
+
+#[test]
+fn a_branch_with_no_locks_from_before_starts_without_a_grace_period() {
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (branch, first) = serve_branch(&vol);
+    assert!(!branch.in_lock_grace(), "a new branch");
+    drop((branch, first));
+    let (branch, first) = serve_branch(&vol);
+    assert!(!branch.in_lock_grace(), "its first owner granted no lock");
+    // A lock granted and released: the next owner cannot know it was
+    // released, so it gives the holders a grace period...
+    let s = branch.open_session().expect("session");
+    let Ok(Out::Attr(f)) = branch
+        .apply(s.session, Op::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })
+    else {
+        panic!("create")
+    };
+    assert!(branch.try_lock(s.session, f.ino, 7, WHOLE).is_ok());
+    assert!(branch.try_lock(s.session, f.ino, 7, unlock()).is_ok());
+    drop((branch, first));
+    let (branch, first) = serve_branch(&vol);
+    assert!(branch.in_lock_grace());
+    // ...and once that ends with nothing taken back, the mark is cleared.
+    std::thread::sleep(GRACE + Duration::from_millis(100));
+    branch.reap();
+    drop((branch, first));
+    let (branch, _first) = serve_branch(&vol);
+    assert!(!branch.in_lock_grace(), "nothing was held after the last grace period");
+}
+
+#[test]
+fn a_client_whose_session_the_owner_dropped_loses_its_locks_and_hears_of_it() {
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (branch, running) = serve_branch(&vol);
+    let at = found_at(&running);
+    let (a, b) = (client(&at), client(&at));
+    let f = a.create_open(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
+    b.open(f.ino).expect("open");
+    // a is silent past its session's life (paused, cut off): the owner
+    // drops its session, and its lock goes to b.
+    std::thread::sleep(Duration::from_millis(300));
+    b.getattr(f.ino).expect("b is heard from");
+    branch.reap_idle(Duration::from_millis(200));
+    b.setlk(f.ino, 2, WHOLE, false).expect("b takes the lock a's session held");
+    // a comes back: it must not go on as if it held the lock.
+    assert_eq!(a.fsync(f.ino).map_err(|e| e.errno()), Err(libc::EIO), "a's fsync under a lost lock");
+    assert_eq!(a.setlk(f.ino, 1, WHOLE, false).map_err(|e| e.errno()), Err(libc::ENOLCK), "told once");
+    assert_eq!(a.setlk(f.ino, 1, WHOLE, false).map_err(|e| e.errno()), Err(libc::EAGAIN), "b holds it");
 }
 
 #[test]

@@ -211,7 +211,7 @@ impl Drop for Mount {
 
 /// Runs a Python client script from `tests/clients` with arguments.
 pub fn python(script: &str, args: &[&str]) -> Output {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("clients").join(script);
+    let path = manifest_dir().join("clients").join(script);
     Command::new("python3").arg(path).args(args).output().expect("python3")
 }
 
@@ -696,4 +696,10 @@ pub fn assert_writes_and_chown_clear_set_id_bits(f: &Path) {
     set(f, 0o6755);
     std::os::unix::fs::chown(f, Some(65534), None).expect("chown");
     assert_eq!(mode(f), 0o0755);
+}
+
+/// This package's folder: where cargo says when it runs the test (the
+/// build may have been made in another clone of the repository).
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
 }

@@ -273,7 +273,7 @@ fn the_sweep_walkthrough_runs_as_written() {
         return;
     }
     let s = Scratch::new();
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/sweep.sh");
+    let script = arbor_tests::manifest_dir().join("../examples/sweep.sh");
     let work = s.dir.path().join("sweep");
     let out = std::process::Command::new("bash")
         .arg(script)

@@ -38,7 +38,7 @@ fn fsynced_data_survives_kill_9_of_the_mount() {
     let s = Scratch::new();
     let m = Mount::start(s.disk_str(), &s.mnt, &[]);
     let path = s.mnt.join("weights.bin");
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/fsync_then_wait.py");
+    let script = arbor_tests::manifest_dir().join("clients/fsync_then_wait.py");
     let mut client = Command::new("python3")
         .arg(script)
         .args([path.to_str().expect("utf8"), "24"])
@@ -65,7 +65,7 @@ fn a_kill_9_mid_stream_leaves_a_prefix_with_everything_fsynced() {
     }
     let s = Scratch::new();
     let m = Mount::start(s.disk_str(), &s.mnt, &[]);
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/write_rename_stream.py");
+    let script = arbor_tests::manifest_dir().join("clients/write_rename_stream.py");
     let mut client = Command::new("python3")
         .arg(script)
         .arg(s.mnt.to_str().expect("utf8"))
