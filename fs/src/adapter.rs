@@ -458,7 +458,23 @@ impl<F: Files + ?Sized> ArborFs<F> {
         if l.typ != libc::F_UNLCK {
             self.locked.lock().insert(ino);
         }
-        answer(self.vol.setlk(ino, lock_owner, l, sleep))
+        answer(self.vol.setlk(ino, lock_owner, l, sleep))?;
+        if l.typ != libc::F_UNLCK && self.vol.is_shared() {
+            // A lock taken on a tree other nodes change: what the kernel
+            // cached of the file may predate the last holder's writes.
+            // Read afresh, as an NFS client revalidates on a lock.
+            self.drop_cached_file(ino);
+        }
+        Ok(())
+    }
+
+    /// Drops the attributes and pages the kernel cached for `ino`.
+    fn drop_cached_file(&self, ino: u64) {
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), 0, 0) {
+                tracing::debug!(ino, error = %e, "dropping the kernel's cache of a locked file failed");
+            }
+        }
     }
 
     /// No ioctl is supported. ENOTTY is what a file system without the

@@ -37,8 +37,9 @@
 //!
 //! A lost lock is reported, never silent: the file's next fsync on that
 //! client fails with EIO (what it wrote under the lock may have met
-//! another writer's), and the lock owner's next lock request on that
-//! file fails with ENOLCK once.
+//! another writer's), its reads and writes there fail with EIO, and the
+//! lock owner's next lock request on that file fails with ENOLCK once
+//! (after which the file works again: the holder knows).
 
 use arbor_fs::Lock;
 use std::collections::{HashMap, HashSet};
@@ -147,6 +148,13 @@ impl HeldLocks {
         self.lost.insert((ino, owner));
     }
 
+    /// Whether reads and writes of `ino` fail: a lock on it was lost and
+    /// its holder has not asked for a lock since (what it writes could
+    /// land over what the lock's next holder wrote).
+    pub fn writes_refused(&self, ino: u64) -> bool {
+        !self.lost.is_empty() && self.lost.iter().any(|&(i, _)| i == ino)
+    }
+
     /// Whether `owner` lost its locks on `ino` and has not been told; it
     /// is told now.
     pub fn take_lost(&mut self, ino: u64, owner: u64) -> bool {
@@ -185,8 +193,10 @@ mod tests {
         h.lose(5, 1);
         assert!(h.is_empty());
         assert!(!h.take_lost(5, 2), "another lock owner lost nothing");
+        assert!(h.writes_refused(5) && !h.writes_refused(6));
         assert!(h.take_lost(5, 1));
         assert!(!h.take_lost(5, 1), "told once");
+        assert!(!h.writes_refused(5), "its holder knows now");
     }
 
     #[test]

@@ -765,8 +765,11 @@ impl Inner {
                     *session = s.session;
                     // A new session may have found the file gone: its
                     // number may name another file now.
+                    // Nor does a write go to a file whose lock was lost with
+                    // the session: it could land over what the lock's next
+                    // holder wrote.
                     if let Op::Write { ino, .. } = op {
-                        if self.journal.lock().gone.contains(ino) {
+                        if self.journal.lock().gone.contains(ino) || self.locks.lock().writes_refused(*ino) {
                             return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
@@ -1225,9 +1228,10 @@ impl RemoteFiles {
         }
     }
 
-    /// EIO for a file that did not survive an owner restart.
+    /// EIO for a file that did not survive an owner restart, or whose
+    /// lock this mount lost (until its holder hears so).
     fn check_alive(&self, ino: u64) -> Result<()> {
-        if self.inner.journal.lock().gone.contains(&ino) {
+        if self.inner.journal.lock().gone.contains(&ino) || self.inner.locks.lock().writes_refused(ino) {
             return Err(errno_error(libc::EIO));
         }
         Ok(())

@@ -729,8 +729,13 @@ fn a_client_whose_session_the_owner_dropped_loses_its_locks_and_hears_of_it() {
     b.getattr(f.ino).expect("b is heard from");
     branch.reap_idle(Duration::from_millis(200));
     b.setlk(f.ino, 2, WHOLE, false).expect("b takes the lock a's session held");
-    // a comes back: it must not go on as if it held the lock.
+    b.write(f.ino, 0, b"b's").expect("b writes under its lock");
+    b.fsync(f.ino).expect("fsync");
+    // a comes back: it must not go on as if it held the lock, nor write
+    // over what b wrote under it.
     assert_eq!(a.fsync(f.ino).map_err(|e| e.errno()), Err(libc::EIO), "a's fsync under a lost lock");
+    assert_eq!(a.write(f.ino, 0, b"a's").map_err(|e| e.errno()), Err(libc::EIO), "a's write under a lost lock");
+    assert_eq!(vol.read(f.ino, 0, 10).expect("read"), b"b's");
     assert_eq!(a.setlk(f.ino, 1, WHOLE, false).map_err(|e| e.errno()), Err(libc::ENOLCK), "told once");
     assert_eq!(a.setlk(f.ino, 1, WHOLE, false).map_err(|e| e.errno()), Err(libc::EAGAIN), "b holds it");
 }

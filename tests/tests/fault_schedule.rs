@@ -36,6 +36,10 @@ struct History {
     /// Removals that failed: done or not.
     maybe_removed: BTreeSet<u64>,
     errors: u64,
+    /// Increments of the shared counter under `flock` that returned (its
+    /// fsync and unlock too), and those tried that did not.
+    increments: u64,
+    increments_failed: u64,
     /// When an operation of this writer last succeeded.
     last_ok: Option<Instant>,
 }
@@ -86,6 +90,37 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// The counter every writer increments under `flock`.
+const COUNTER: &str = "counter";
+
+/// Adds one to the counter in `dir` holding its `flock` (a blocking one:
+/// the lock's holder may be on the other mount), fsyncs it, and lets go.
+fn increment(dir: &Path) -> std::io::Result<()> {
+    use std::io::{Read, Seek};
+    use std::os::fd::AsRawFd;
+    let mut f =
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(dir.join(COUNTER))?;
+    // SAFETY: flock on a descriptor this function owns.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut text = String::new();
+    f.read_to_string(&mut text)?;
+    let n: u64 = if text.is_empty() {
+        0
+    } else {
+        text.trim().parse().map_err(|_| std::io::Error::other(format!("the counter holds {text:?}")))?
+    };
+    f.seek(std::io::SeekFrom::Start(0))?;
+    f.write_all(format!("{:020}", n + 1).as_bytes())?;
+    f.sync_all()?;
+    // SAFETY: as above.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// One writer's loop until `stop`: saves as a training job saves a
 /// checkpoint (tmp, fsync, rename, folder fsync), removes old saves, and
 /// rewrites one file in place (sometimes 1 MiB first, then truncated).
@@ -103,7 +138,7 @@ fn writer(
     // Bounded by `stop`, which the schedule sets; each step's FUSE calls
     // end within the mounts' --timeout.
     while !stop.load(Ordering::Relaxed) {
-        match rng.range(0, 10) {
+        match rng.range(0, 12) {
             0..=4 => {
                 i += 1;
                 let tmp = dir.join(format!("save-{w}-{i}.tmp"));
@@ -138,6 +173,20 @@ fn writer(
                     }
                     Err(_) => {
                         h.maybe_removed.insert(old);
+                        h.errors += 1;
+                    }
+                }
+            }
+            10..=11 => {
+                let done = increment(&dir);
+                let mut h = h.lock().expect("history");
+                match done {
+                    Ok(()) => {
+                        h.increments += 1;
+                        h.last_ok = Some(Instant::now());
+                    }
+                    Err(_) => {
+                        h.increments_failed += 1;
                         h.errors += 1;
                     }
                 }
@@ -269,6 +318,9 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
             token.to_str().expect("utf8"),
             "--lease-ttl",
             "3s",
+            // Clients here find a new owner within a second or two.
+            "--lock-grace",
+            "5s",
             "--foreground",
         ]
         .iter()
@@ -460,9 +512,24 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
             },
         }
     }
+    // The counter: every acknowledged increment is in it (two holders of
+    // the lock at once would both have added one to the same value), and
+    // nothing more than was tried.
+    let (acked, tried) = histories.iter().fold((0, 0), |(a, t), h| {
+        let h = h.lock().expect("history");
+        (a + h.increments, t + h.increments + h.increments_failed)
+    });
+    let counter = std::fs::read_to_string(check.mnt.join(COUNTER)).unwrap_or_default();
+    let counted: u64 = if counter.is_empty() { 0 } else { counter.trim().parse().unwrap_or(u64::MAX) };
+    if counted < acked || counted > tried {
+        violations.push(format!(
+            "counter: {counted:?} ({counter:?}) after {acked} acknowledged increments of {tried} tried under flock"
+        ));
+    }
     let acked_rewrites: usize = rewrites.values().map(|t| t.iter().filter(|t| t.acked).count()).sum();
     println!(
-        "checked: {saved} saves, {removed} removals, {acked_rewrites} rewrites of {} files; {errors} operations failed (not acknowledged)",
+        "checked: {saved} saves, {removed} removals, {acked_rewrites} rewrites of {} files, \
+         {acked} increments under flock (counter {counted}); {errors} operations failed (not acknowledged)",
         rewrites.len()
     );
     check.unmount();
