@@ -341,8 +341,13 @@ struct ServeCmd {
     /// next fsync fails with EIO).
     #[arg(long, default_value_t = disk::Span(arbor_net::locks::LOCK_GRACE))]
     lock_grace: disk::Span,
-    /// For --branch: local (fsync durable on this node) or bucket.
-    #[arg(long, default_value = "local")]
+    /// For --branch on an s3:// disk: bucket (the default: a client's
+    /// fsync returns once the bytes are in the bucket, so it survives the
+    /// loss of this node) or local (durable on this node's disk only until
+    /// the bytes are uploaded: losing this node loses clients' fsynced
+    /// writes since the last upload, and a client hears of it only for
+    /// writes it has not fsynced yet).
+    #[arg(long, default_value = "bucket")]
     durability: arbor_engine::tier::Durability,
     /// For --branch: how large a log segment grows before it is sealed (and,
     /// on an s3:// disk, uploaded, after which clients read its bytes from

@@ -69,9 +69,27 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
     // Imported files its clients read keep their chunks in the owner's
     // cache folder, as a mount's do.
     let cfg = Config { source_files: d.source_files()?, segment_size: a.segment_size, ..Config::default() };
-    let (vol, lock) = open_branch(&catalog, name, cfg, &format!("arbor serve at {addr}"))?;
+    // Recorded before the branch is opened (which may wait for an old
+    // lease to lapse): a client mount started meanwhile finds the record,
+    // never takes the branch itself, and waits for this owner to answer.
     let owner = Owner { addr: addr.to_string(), host: crate::node::hostname(), pid: std::process::id() };
+    let before = catalog.owner_of(name).ok().flatten();
     catalog.record_owner(name, &owner).with_context(|| format!("cannot record where branch {name} is served"))?;
+    let (vol, lock) = match open_branch(&catalog, name, cfg, &format!("arbor serve at {addr}")) {
+        Ok(opened) => opened,
+        Err(e) => {
+            // Not ours after all: the record goes back to what it was (a
+            // live owner's clients must still find it).
+            let restored = match &before {
+                Some(b) => catalog.record_owner(name, b),
+                None => catalog.clear_owner(name, &owner),
+            };
+            if let Err(r) = restored {
+                tracing::warn!(branch = name, error = %r, "cannot restore the owner record");
+            }
+            return Err(e);
+        }
+    };
     tracing::info!(
         branch = name,
         addr,
@@ -117,7 +135,7 @@ impl Owned {
 }
 
 /// For a branch mount: the owner to mount through, if the branch is served
-/// by another process (`--server`, or an owner record beside a live lease).
+/// by another process (`--server`, or an owner record: see below).
 pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locate>> {
     let name = args.branch.clone().unwrap_or_else(|| "main".into());
     if let Some(addr) = &args.server {
@@ -126,15 +144,14 @@ pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locat
     let catalog = d.catalog()?;
     let recorded = match &args.server {
         Some(_) => None,
-        None => {
-            if catalog.lease_of(&name)?.is_none() {
-                return Ok(None);
-            }
-            match catalog.owner_of(&name)? {
-                Some(o) => Some(o),
-                None => return Ok(None),
-            }
-        }
+        // A branch with an owner record is mounted through its owner,
+        // whatever its lease says: the owner may be starting (it records
+        // itself before it claims the branch) or restarting. Only a clean
+        // stop of the owner removes the record.
+        None => match catalog.owner_of(&name)? {
+            Some(o) => Some(o),
+            None => return Ok(None),
+        },
     };
     if args.token_file.is_none() {
         let at = args.server.clone().or(recorded.map(|o| o.addr)).unwrap_or_default();

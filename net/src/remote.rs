@@ -280,6 +280,10 @@ struct Inner {
     owner_bytes: AtomicU64,
 }
 
+/// How long a new client mount waits for an owner that does not answer
+/// yet (starting, restarting) when it has no `--timeout`.
+pub const OWNER_START_WAIT: Duration = Duration::from_secs(45);
+
 pub struct RemoteFiles {
     inner: Arc<Inner>,
     rt: tokio::runtime::Runtime,
@@ -1080,7 +1084,25 @@ impl RemoteFiles {
             owner_reads: AtomicU64::new(0),
             owner_bytes: AtomicU64::new(0),
         });
-        let first = inner.session();
+        // An owner starting (or restarting) does not answer yet: waited
+        // for, up to the mount's timeout or OWNER_START_WAIT.
+        let wait = inner.opts.timeout.unwrap_or(OWNER_START_WAIT);
+        let started = Instant::now();
+        let mut first = inner.session();
+        let mut told = false;
+        // Bounded by `wait`.
+        while let Err(Failed::Transport(e)) = &first {
+            if started.elapsed() >= wait {
+                break;
+            }
+            if !told {
+                tracing::warn!(error = %e, wait_s = wait.as_secs(), "the owner does not answer yet; waiting for it");
+                told = true;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+            inner.forget_owner();
+            first = inner.session();
+        }
         match first {
             Ok(_) => {}
             Err(Failed::Refused) => {

@@ -451,6 +451,14 @@ impl Serve {
         self.wait_ready(before);
     }
 
+    /// The same command again (after [`Serve::kill9_only`]), waiting until
+    /// it is ready.
+    pub fn start_again(&mut self) {
+        let before = Self::ready_lines(&self.log);
+        self.child = Self::spawn(&self.argv, &self.env, &self.log);
+        self.wait_ready(before);
+    }
+
     /// kill -9, and nothing else.
     pub fn kill9_only(&mut self) {
         let _ = self.child.kill();

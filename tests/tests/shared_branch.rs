@@ -510,6 +510,30 @@ fn a_new_owner_takes_over_and_clients_follow_it() {
     m.unmount();
 }
 
+/// A client mount started while its owner is down (killed, its lease not
+/// renewed, not started again yet) waits for it: it never takes the branch
+/// itself, which would leave the owner unable to start.
+#[test]
+fn a_client_mount_started_while_its_owner_is_down_waits_for_it() {
+    let Some(mut w) = SharedWorld::start() else { return };
+    let a = w.client("a");
+    write_synced(&a.mnt.join("before"), b"through the owner");
+    w.owner.kill9_only();
+    let mnt = w.s.dir.path().join("c");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    let (disk, token) = (w.s.disk_str().to_string(), w.token.to_str().expect("utf8").to_string());
+    let c = std::thread::spawn(move || Mount::start(&disk, &mnt, &["--token-file", &token]));
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!c.is_finished(), "the mount did not wait for the owner");
+    w.owner.start_again();
+    let c = c.join().expect("the mount came up once the owner did");
+    write_synced(&c.mnt.join("from-c"), b"through the owner again");
+    assert_eq!(std::fs::read(a.mnt.join("from-c")).expect("a reads it"), b"through the owner again");
+    assert_eq!(std::fs::read(c.mnt.join("before")).expect("c reads it"), b"through the owner");
+    c.unmount();
+    a.unmount();
+}
+
 /// Owners on other hosts (another UTS namespace and network namespace):
 /// their leases are judged by watching them, never by their pids or
 /// clocks. A second owner is refused while the first renews its lease;
