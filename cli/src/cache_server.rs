@@ -113,6 +113,11 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         }
     }
     let shared: Vec<_> = owned.iter().map(|o| o.shared.clone()).collect();
+    // Every branch is open (a later one may have waited for a lease to
+    // lapse): the lock grace periods start now, as clients can be served.
+    for b in &shared {
+        b.start_lock_grace();
+    }
     // An owner that stepped down (another writer took its branch, or it
     // could not keep its lease) cannot serve it again in this process: it
     // exits, so that a supervisor starts it anew and it claims the branch

@@ -59,6 +59,9 @@ pub fn advertised(addr: std::net::SocketAddr, advertise: Option<&str>) -> String
 pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owned> {
     arbor_snapshot::check_name(name)?;
     crate::serve::check_segment_size(a.segment_size)?;
+    if a.lock_grace > arbor_net::locks::MAX_LOCK_GRACE {
+        anyhow::bail!("--lock-grace must be at most {}s", arbor_net::locks::MAX_LOCK_GRACE.as_secs());
+    }
     let cache = disk::CacheOptions { durability: a.durability, ..disk::CacheOptions::default() };
     let d = Arc::new(disk::open_for_owner(disk_arg, name, cache, a.take_over, a.lease_ttl)?);
     d.make_private()?;

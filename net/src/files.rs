@@ -49,7 +49,9 @@
 //! [`Policy`] first (see [`crate::policy`]): by default no set-ID bits,
 //! capabilities or device nodes from clients, and root squashed to nobody.
 
-use crate::locks::{conflicts, overlaps, CLEARED_SLOT, GRANTED_SLOT, IN_GRACE, LOCKS_CLIENT, LOCK_GRACE};
+use crate::locks::{
+    conflicts, overlaps, CLEARED_SLOT, GENERATION_SLOT, GRANTED_SLOT, IN_GRACE, LOCKS_CLIENT, LOCK_GRACE,
+};
 use crate::policy::{Change, Policy};
 use crate::requests::{Begin, Replies};
 use arbor_engine::volume::XattrFlags;
@@ -359,6 +361,10 @@ pub struct SessionInfo {
     pub epoch: u64,
     /// The newest event now: the session polls for what comes after it.
     pub seq: u64,
+    /// How many owners the branch had, this one included (durable before
+    /// it answers): a client takes back only locks the owner just before
+    /// this one granted it.
+    pub generation: u64,
 }
 
 /// Something another node changed.
@@ -436,39 +442,54 @@ struct Grace {
     cleared: u64,
     /// This owner made the mark (before its first grant).
     marked: bool,
+    /// This owner's generation (see [`SessionInfo::generation`]).
+    generation: u64,
 }
 
 impl Grace {
     /// What `vol` records of locks: a grace period of [`LOCK_GRACE`] if an
     /// owner before may have granted some.
     fn read(vol: &Volume) -> Grace {
-        let slots = vol.request_slots(LOCKS_CLIENT).unwrap_or_else(|e| {
-            // Unreadable: assume locks from before (a grace period costs
-            // only waiting).
-            tracing::warn!(error = %e, "cannot read the branch's mark of locks; assuming locks from before");
-            vec![(GRANTED_SLOT, 1)]
-        });
-        let count = |slot| slots.iter().find(|(s, _)| *s == slot).map_or(0, |&(_, n)| n);
+        let slots = match vol.request_slots(LOCKS_CLIENT) {
+            Ok(slots) => Some(slots),
+            Err(e) => {
+                // Unreadable: locks from before assumed (a grace period
+                // costs only waiting), none taken back (a generation no
+                // client can follow), the mark read again before a grant.
+                tracing::warn!(error = %e, "cannot read the branch's mark of locks; assuming locks from before");
+                None
+            }
+        };
+        let count = |slot| slots.as_ref().and_then(|v| v.iter().find(|(s, _)| *s == slot)).map_or(0, |&(_, n)| n);
         let (granted, cleared) = (count(GRANTED_SLOT), count(CLEARED_SLOT));
-        Grace {
-            started: Instant::now(),
-            length: LOCK_GRACE,
-            from_before: granted > cleared,
-            granted,
-            cleared,
-            marked: false,
-        }
+        // One more owner, durably before any answer; u64::MAX (no
+        // reclaim matches) if it cannot be recorded.
+        let generation = count(GENERATION_SLOT).saturating_add(1);
+        let tag = RequestTag { client: LOCKS_CLIENT, slot: GENERATION_SLOT, seq: generation };
+        let generation = match slots {
+            Some(_) => vol
+                .tagged(tag, Takes::Operation, |_| Ok(()))
+                .and_then(|()| vol.sync_all())
+                .map_or(u64::MAX, |()| generation),
+            None => u64::MAX,
+        };
+        let from_before = slots.is_none() || granted > cleared;
+        Grace { started: Instant::now(), length: LOCK_GRACE, from_before, granted, cleared, marked: false, generation }
     }
 
     fn active(&self) -> bool {
         self.from_before && self.started.elapsed() < self.length
     }
 
-    /// Records, durably and once, that this owner grants locks.
+    /// Records, durably and once, that this owner grants locks. The counts
+    /// are read again first: those read at the start may not have been.
     fn mark(&mut self, vol: &Volume) -> Result<(), Error> {
         if self.marked {
             return Ok(());
         }
+        let slots = vol.request_slots(LOCKS_CLIENT)?;
+        let count = |slot| slots.iter().find(|(s, _)| *s == slot).map_or(0, |&(_, n)| n);
+        (self.granted, self.cleared) = (count(GRANTED_SLOT), count(CLEARED_SLOT));
         if self.granted <= self.cleared {
             let seq = self.granted.max(self.cleared) + 1;
             vol.tagged(RequestTag { client: LOCKS_CLIENT, slot: GRANTED_SLOT, seq }, Takes::Operation, |_| Ok(()))?;
@@ -538,7 +559,12 @@ impl SharedBranch {
     /// Sets the lock grace period (see [`crate::locks`]); zero turns it
     /// off, which lets locks from before be granted to others at once.
     pub fn set_lock_grace(&self, length: Duration) {
-        self.grace.lock().length = length;
+        self.grace.lock().length = length.min(crate::locks::MAX_LOCK_GRACE);
+    }
+
+    /// Starts the grace period now (when clients can first be served).
+    pub fn start_lock_grace(&self) {
+        self.grace.lock().started = Instant::now();
     }
 
     /// Whether this owner is in its lock grace period.
@@ -579,7 +605,8 @@ impl SharedBranch {
             id = splitmix(id);
         }
         st.sessions.insert(id, Session { last_seen: Instant::now(), open: HashMap::new(), client: None });
-        Some(SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1 })
+        let generation = self.grace.lock().generation;
+        Some(SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1, generation })
     }
 
     /// Marks `session` as heard from; false if it is unknown.

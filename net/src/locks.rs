@@ -23,23 +23,42 @@
 //!   loses its locks and says so (below).
 //! - **No lock is granted before the reclaims are in.** A client sends
 //!   its reclaims within [`RECLAIM_WINDOW`] of its last answer from the
-//!   old owner, which came before the new owner started, so every reclaim
-//!   arrives within the grace period, and the grace period grants nothing
-//!   else.
+//!   old owner, which came before the new owner started, so with the
+//!   default grace period every reclaim arrives within it, and the grace
+//!   period grants nothing else.
+//! - **Nobody held the lock in between.** Every owner counts itself in the
+//!   branch (a durable *generation*, before it answers anyone) and tells
+//!   clients its number with each session. A client takes back only locks
+//!   granted by the owner just before the one it meets: if an owner came
+//!   and went in between (its grace period may have been short, or ended
+//!   before this client came back, and another client may have taken the
+//!   lock from it), the locks are lost instead. A grant is kept only if it
+//!   came from the owner *and session* the client's locks are held under,
+//!   so a grant read late — from an owner that is gone, or under a session
+//!   the same owner already dropped — is refused (ENOLCK).
 //!
 //! Whether a branch may have locks from before is kept in the branch
-//! itself, so that a branch that never used a lock (or whose last owner
-//! ended with none held) starts without a grace period: the first lock an
+//! itself, so that a branch that never used a lock (or whose last grace
+//! period ended with none taken back, and no lock granted since) starts
+//! without a grace period: the first lock an
 //! owner grants makes a durable mark first (two request slots of a
 //! reserved client id, [`LOCKS_CLIENT`]: slot 0 counts owners that granted
-//! a lock, slot 1 how many of those were cleared), and an owner whose
-//! grace period ended with no lock granted clears it.
+//! a lock, slot 1 how many of those were cleared, slot 2 is the
+//! generation), and an owner whose grace period ended with no lock granted
+//! clears it. With `--durability local` the mark is durable on the owner's
+//! node only until it is uploaded; an owner started elsewhere before that
+//! may start without a grace period (a reclaim then fails and is reported).
+//!
+//! An owner taken over with `--take-over` while still alive may grant locks
+//! until it learns it was replaced (its next lease renewal): `--take-over`
+//! is for an owner known to be dead.
 //!
 //! A lost lock is reported, never silent: the file's next fsync on that
 //! client fails with EIO (what it wrote under the lock may have met
 //! another writer's), its reads and writes there fail with EIO, and the
 //! lock owner's next lock request on that file fails with ENOLCK once
-//! (after which the file works again: the holder knows).
+//! (after which the file works again: the holder knows; so does a close of
+//! the file by that holder). A truncate there fails with EIO too.
 
 use arbor_fs::Lock;
 use std::collections::{HashMap, HashSet};
@@ -48,6 +67,10 @@ use std::time::Duration;
 /// How long a new owner grants only reclaims, when the branch may have
 /// locks from before. It must be at least [`RECLAIM_WINDOW`].
 pub const LOCK_GRACE: Duration = Duration::from_secs(15);
+
+/// The longest grace period an owner may be given: how long a client asks
+/// again while an owner says it is in one.
+pub const MAX_LOCK_GRACE: Duration = Duration::from_secs(600);
 
 /// How recent a client's last answer from the old owner must be (by the
 /// client's own clock) for it to reclaim its locks: comfortably inside
@@ -68,6 +91,8 @@ pub const LOCKS_CLIENT: u64 = u64::MAX;
 pub const GRANTED_SLOT: u32 = 0;
 /// [`LOCKS_CLIENT`]'s slot counting how many of those were cleared.
 pub const CLEARED_SLOT: u32 = 1;
+/// [`LOCKS_CLIENT`]'s slot counting the branch's owners.
+pub const GENERATION_SLOT: u32 = 2;
 
 pub fn overlaps(a: &Lock, b: &Lock) -> bool {
     a.start <= b.end && b.start <= a.end
@@ -103,6 +128,12 @@ pub struct HeldLocks {
     /// The owner (its epoch) that holds them for us: a grant from another
     /// is not kept.
     pub epoch: u64,
+    /// The session (of that owner) under which they are held: a grant
+    /// under an earlier session (which the same owner may have dropped,
+    /// and with it the lock) is not kept either.
+    pub session: u64,
+    /// That owner's generation: only its successor takes them back.
+    pub generation: u64,
     /// Ranges by (file, lock owner).
     held: HashMap<(u64, u64), Vec<Lock>>,
     /// (file, lock owner) whose locks were lost and not yet told.

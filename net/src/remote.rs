@@ -54,7 +54,7 @@ use crate::client::connect;
 use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
 use crate::frames::Written;
 use crate::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
-use crate::locks::{HeldLocks, IN_GRACE, LOCK_GRACE, RECLAIM_WINDOW};
+use crate::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
 use crate::reads::DirectReads;
 use crate::requests::PIPELINED_SLOT;
 use arbor_engine::env::Timestamp;
@@ -525,6 +525,16 @@ impl Inner {
         } else {
             self.journal.lock().met(info.epoch);
         }
+        // Locks first: a reclaim must reach the new owner within its grace
+        // period, however many files there are to open again.
+        if had_session {
+            self.reclaim_locks(info, restarted, heard)?;
+        } else {
+            let mut l = self.locks.lock();
+            l.epoch = info.epoch;
+            l.session = info.session;
+            l.generation = info.generation;
+        }
         let reopen: Vec<(u64, OpenFile)> = self.open.lock().iter().map(|(&i, &f)| (i, f)).collect();
         for (ino, f) in reopen {
             match self.reopen(info.session, ino, f.count)? {
@@ -539,11 +549,6 @@ impl Inner {
                     self.lose(ino);
                 }
             }
-        }
-        if had_session {
-            self.reclaim_locks(info, restarted, heard)?;
-        } else {
-            self.locks.lock().epoch = info.epoch;
         }
         if self.sessions.fetch_add(1, Ordering::Relaxed) > 0 {
             tracing::info!(session = format!("{:016x}", info.session), "a new session with the owner");
@@ -613,6 +618,15 @@ impl Inner {
         floors.0 == epoch && floors.1.get(&tag.slot).is_some_and(|&f| tag.seq <= f)
     }
 
+    /// Forgets our session if it is still `used` (0: whatever it is): an
+    /// answer about an older one must not drop a newer one.
+    fn drop_session(&self, used: u64) {
+        let mut s = self.session.lock();
+        if used == 0 || s.is_some_and(|c| c.session == used) {
+            *s = None;
+        }
+    }
+
     /// The owner answered, under our session, a request sent at `sent`.
     fn heard_at(&self, sent: Instant) {
         let mut h = self.heard.lock();
@@ -639,9 +653,13 @@ impl Inner {
         let session = info.session;
         if held.is_empty() {
             locks.epoch = info.epoch;
+            locks.session = info.session;
+            locks.generation = info.generation;
             return Ok(());
         }
-        let in_window = restarted && heard.is_some_and(|t| t.elapsed() < RECLAIM_WINDOW);
+        let in_window = restarted
+            && heard.is_some_and(|t| t.elapsed() < RECLAIM_WINDOW)
+            && info.generation == locks.generation.saturating_add(1);
         let mut lost: Vec<(u64, u64)> = Vec::new();
         for (ino, owner, lock) in held {
             if lost.contains(&(ino, owner)) {
@@ -654,6 +672,8 @@ impl Inner {
             }
         }
         locks.epoch = info.epoch;
+        locks.session = info.session;
+        locks.generation = info.generation;
         if lost.is_empty() {
             tracing::info!("the owner changed; this mount took back every lock it held");
             return Ok(());
@@ -675,9 +695,9 @@ impl Inner {
     /// A lock request, asked again while the owner is in its lock grace
     /// period (bounded: the period ends), and the epoch of the owner that
     /// answered.
-    fn lock_call(&self, op: Op) -> Result<(Out, u64)> {
+    fn lock_call(&self, op: Op) -> Result<(Out, u64, u64)> {
         self.settle_all();
-        let until = Instant::now() + LOCK_GRACE + Duration::from_secs(5);
+        let until = Instant::now() + MAX_LOCK_GRACE + Duration::from_secs(5);
         loop {
             let mut req = crate::frames::Request::Op { session: 0, op: op.clone(), tag: None };
             let mut epoch = 0;
@@ -686,7 +706,13 @@ impl Inner {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 Err(e) if e.errno() == IN_GRACE => return Err(errno_error(libc::ENOLCK)),
-                out => return out.map(|o| (o, epoch)),
+                out => {
+                    let session = match &req {
+                        crate::frames::Request::Op { session, .. } => *session,
+                        _ => 0,
+                    };
+                    return out.map(|o| (o, epoch, session));
+                }
             }
         }
     }
@@ -760,7 +786,9 @@ impl Inner {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
+            let mut used = 0;
             let attempt = self.session().and_then(|s| {
+                used = s.session;
                 if bound.is_some_and(|e| e != s.epoch) {
                     return Ok(crate::frames::Answer::Reply(Err(libc::ESTALE)));
                 }
@@ -774,6 +802,12 @@ impl Inner {
                     // holder wrote.
                     if let Op::Write { ino, .. } = op {
                         if self.journal.lock().gone.contains(ino) || self.locks.lock().writes_refused(*ino) {
+                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                        }
+                    }
+                    // Nor does a truncate.
+                    if let Op::SetAttr { ino, change, .. } = op {
+                        if change.size.is_some() && self.locks.lock().writes_refused(*ino) {
                             return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
@@ -794,7 +828,7 @@ impl Inner {
                     return reply.map_err(errno_error);
                 }
                 Ok(crate::frames::Answer::UnknownSession) => {
-                    *self.session.lock() = None;
+                    self.drop_session(used);
                 }
                 Ok(crate::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
                 Err(Failed::Refused) => {
@@ -802,7 +836,7 @@ impl Inner {
                     return Err(errno_error(libc::EACCES));
                 }
                 Err(Failed::Session) => {
-                    *self.session.lock() = None;
+                    self.drop_session(used);
                 }
                 Err(Failed::Transport(e)) => {
                     if !self.outage.swap(true, Ordering::Relaxed) {
@@ -833,6 +867,11 @@ impl Inner {
         let slot = PIPELINED_SLOT | (ino as usize % WRITE_LANES) as u32;
         let tag = RequestTag { client: self.client, slot, seq: lane.seq + 1 };
         let sent = self.session().ok().and_then(|session| {
+            // Checked again under the session the write goes out on: setting
+            // it up may have found the file's lock lost.
+            if self.journal.lock().gone.contains(&ino) || self.locks.lock().writes_refused(ino) {
+                return None;
+            }
             if lane.conn.is_none() {
                 let (addr, c) = self.take_conn().ok()?;
                 if self.opts.timeout.is_none() {
@@ -1161,8 +1200,10 @@ impl RemoteFiles {
                 // owner may read the bucket, which blocks on a runtime of
                 // its own, and a new owner is asked about our requests.
                 let sent = Instant::now();
+                let mut used = 0;
                 let polled = match inner.session() {
                     Ok(s) => {
+                        used = s.session;
                         let poll = inner.poll(s, after);
                         let got = handle.block_on(async {
                             tokio::select! {
@@ -1187,7 +1228,7 @@ impl RemoteFiles {
                         inner.invalidate(&notifier, ev, &mut after);
                     }
                     Err(Failed::Session) => {
-                        *inner.session.lock() = None;
+                        inner.drop_session(used);
                         after = 0;
                     }
                     Err(_) => {
@@ -1528,18 +1569,27 @@ impl Files for RemoteFiles {
         if inner.locks.lock().take_lost(ino, owner) {
             return Err(errno_error(libc::ENOLCK));
         }
-        let (_, epoch) = inner.lock_call(Op::SetLk { ino, owner, lock, wait, reclaim: false })?;
+        let (_, epoch, session) = inner.lock_call(Op::SetLk { ino, owner, lock, wait, reclaim: false })?;
         let mut locks = inner.locks.lock();
-        if locks.epoch != epoch {
+        if locks.epoch != epoch || locks.session != session {
             // Granted by an owner that is gone (its answer read late): the
             // owner now has no such lock.
             return Err(errno_error(libc::ENOLCK));
         }
         locks.apply(ino, owner, lock);
+        // A loss found while this lock was asked for is over: the lock is
+        // held anew (and the kernel's cache of the file dropped); what was
+        // written under the lost one fails its fsync.
+        locks.take_lost(ino, owner);
         Ok(())
     }
     fn unlock_all(&self, ino: u64, owner: u64) -> Result<()> {
-        self.inner.locks.lock().unlock_all(ino, owner);
+        {
+            let mut locks = self.inner.locks.lock();
+            locks.unlock_all(ino, owner);
+            // Its close (flush) reported the loss already, with EIO.
+            locks.take_lost(ino, owner);
+        }
         unit(self.inner.call(Op::UnlockAll { ino, owner }))
     }
 }

@@ -848,7 +848,7 @@ fn silent_owner() -> std::net::SocketAddr {
                 let _ = write_frame(&mut s, &mut w, &Welcome::Ok);
                 while let Ok(req) = read_request(&mut s, &mut r) {
                     if let Request::Session = req {
-                        let info = SessionInfo { session: 1, epoch: 0xdead, seq: 0 };
+                        let info = SessionInfo { session: 1, epoch: 0xdead, seq: 0, generation: 1 };
                         let _ = write_frame(&mut s, &mut w, &Answer::Session(info));
                     } else {
                         // Paused: holds the connection, answers nothing.
@@ -943,4 +943,309 @@ fn a_hard_mount_with_a_write_in_flight_to_a_paused_owner_moves_to_its_successor(
         rx.recv_timeout(Duration::from_secs(45)).expect("the hard mount still waits on the paused owner's lane");
     assert_eq!(w, Ok(9));
     assert_eq!(fsync, Err(libc::EIO), "the write in flight to the deposed owner is lost, and its fsync says so");
+}
+
+/// Two clients of one owner after a lost its lock on file `ino` to b.
+struct LostLock {
+    vol: Arc<Volume>,
+    _owner: (Arc<SharedBranch>, Running),
+    a: RemoteFiles,
+    b: RemoteFiles,
+    ino: u64,
+}
+
+/// a takes the lock, goes silent past its session's life; the owner drops
+/// the session and b takes the lock and writes under it.
+fn a_loses_its_lock_to_b(name: &[u8]) -> LostLock {
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (branch, running) = serve_branch(&vol);
+    let at = found_at(&running);
+    let (a, b) = (client(&at), client(&at));
+    let f = a.create_open(ROOT_INO, name, libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
+    b.open(f.ino).expect("open");
+    std::thread::sleep(Duration::from_millis(300));
+    b.getattr(f.ino).expect("b is heard from");
+    branch.reap_idle(Duration::from_millis(200));
+    b.setlk(f.ino, 2, WHOLE, false).expect("b takes the lock a's session held");
+    b.write(f.ino, 0, b"b's").expect("b writes under its lock");
+    b.fsync(f.ino).expect("fsync");
+    LostLock { vol, _owner: (branch, running), a, b, ino: f.ino }
+}
+
+#[test]
+fn a_client_that_lost_its_lock_cannot_truncate_what_the_next_holder_wrote() {
+    let LostLock { vol, a, ino, _owner, .. } = a_loses_its_lock_to_b(b"trunc");
+    // a comes back and, believing it holds the lock, truncates the file
+    // to rewrite it (ftruncate, or open with O_TRUNC).
+    let cut = a
+        .setattr(ino, arbor_engine::SetAttr { size: Some(0), ..Default::default() })
+        .map(|_| ())
+        .map_err(|e| e.errno());
+    assert_eq!(
+        vol.read(ino, 0, 10).expect("read"),
+        b"b's",
+        "a's truncate ({cut:?}) under a lost lock wiped what b wrote"
+    );
+}
+
+#[test]
+fn a_file_whose_lost_lock_was_heard_of_and_dropped_works_again() {
+    let LostLock { a, b, ino, _owner, .. } = a_loses_its_lock_to_b(b"closed");
+    b.setlk(ino, 2, unlock(), false).expect("b lets go");
+    assert_eq!(a.fsync(ino).map_err(|e| e.errno()), Err(libc::EIO), "a hears of the loss");
+    // Its holder closes the file: flush/release drop its locks there.
+    a.unlock_all(ino, 1).expect("close drops the holder's locks");
+    // Another process on a's node takes the lock anew and reads the file.
+    a.setlk(ino, 3, WHOLE, false).expect("another lock owner takes the lock");
+    assert_eq!(a.read(ino, 0, 10).map_err(|e| e.errno()), Ok(b"b's".to_vec()), "the file stays unreadable on a's node");
+}
+
+#[test]
+fn a_write_racing_the_discovery_of_a_lost_lock_does_not_land() {
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (branch, running) = serve_branch(&vol);
+    let at = found_at(&running);
+    let (a, b) = (Arc::new(client(&at)), client(&at));
+    let f = a.create_open(ROOT_INO, b"race", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    // Files a holds open: its next session opens each again, which takes a while.
+    for i in 0..300 {
+        a.create_open(ROOT_INO, format!("open{i}").as_bytes(), libc::S_IFREG | 0o644, 0, 0).expect("create");
+    }
+    a.fsync(f.ino).expect("fsync");
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
+    b.open(f.ino).expect("open");
+    std::thread::sleep(Duration::from_millis(300));
+    b.getattr(f.ino).expect("b is heard from");
+    branch.reap_idle(Duration::from_millis(200));
+    b.setlk(f.ino, 2, WHOLE, false).expect("b takes the lock a's session held");
+    b.write(f.ino, 0, b"bbbb").expect("b writes under its lock");
+    b.fsync(f.ino).expect("fsync");
+    // a comes back on two threads (its event poll, a writer): one finds
+    // the session gone and sets up the next; the other writes meanwhile.
+    let a2 = a.clone();
+    let meets = std::thread::spawn(move || a2.getattr(ROOT_INO).map(|_| ()).map_err(|e| e.errno()));
+    std::thread::sleep(Duration::from_millis(5));
+    let mut answers = Vec::new();
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    while std::time::Instant::now() < until {
+        let r = a.write(f.ino, 0, b"AAAA").map(|_| ()).map_err(|e| e.errno());
+        answers.push(r);
+        if r.is_err() {
+            break;
+        }
+    }
+    let _ = meets.join();
+    let _ = a.fsync(f.ino);
+    assert_eq!(
+        vol.read(f.ino, 0, 4).expect("read"),
+        b"bbbb",
+        "a's write landed over b's after a lost its lock: {answers:?}"
+    );
+}
+
+#[test]
+fn a_lock_another_took_after_a_grace_period_is_not_taken_back_from_the_owner_after() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let (a, b) = (client(&at), client(&at));
+    let f = a.create_open(ROOT_INO, b"chain", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
+    b.open(f.ino).expect("open");
+    // The owner crashes; a is cut off through the next owner's grace period.
+    let second = crash_and_restart(&dev, first, &at);
+    std::thread::sleep(GRACE + Duration::from_millis(200));
+    b.setlk(f.ino, 2, WHOLE, false).expect("b takes the lock nobody took back");
+    b.write(f.ino, 0, b"b's").expect("b writes under it");
+    b.fsync(f.ino).expect("fsync");
+    // That owner goes too; a comes back within RECLAIM_WINDOW of its last
+    // answer from the first owner and meets the third.
+    let (_vol, _third) = crash_and_restart(&dev, second, &at);
+    a.getattr(f.ino).expect("a meets the third owner");
+    assert_eq!(
+        a.fsync(f.ino).map_err(|e| e.errno()),
+        Err(libc::EIO),
+        "a took back a lock b held in between, and was told nothing"
+    );
+}
+
+/// A TCP relay to `upstream`: while `hold` is set, what the server sends
+/// on connections opened before `frozen_below` is held back.
+struct Relay {
+    addr: String,
+    hold: Arc<std::sync::atomic::AtomicBool>,
+    frozen_below: Arc<std::sync::atomic::AtomicUsize>,
+    opened: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+fn relay(upstream: std::net::SocketAddr) -> Relay {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let hold = Arc::new(AtomicBool::new(false));
+    let frozen_below = Arc::new(AtomicUsize::new(0));
+    let opened = Arc::new(AtomicUsize::new(0));
+    let (h, fb, o) = (hold.clone(), frozen_below.clone(), opened.clone());
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(c) = c else { return };
+            let id = o.fetch_add(1, SeqCst);
+            let Ok(up) = std::net::TcpStream::connect(upstream) else { continue };
+            let _ = (c.set_nodelay(true), up.set_nodelay(true));
+            let (mut c_r, mut up_w) = (c.try_clone().expect("clone"), up.try_clone().expect("clone"));
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c_r, &mut up_w);
+                let _ = up_w.shutdown(std::net::Shutdown::Write);
+            });
+            let (h, fb) = (h.clone(), fb.clone());
+            let (mut up_r, mut c_w) = (up, c);
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let n = match up_r.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    while h.load(SeqCst) && id < fb.load(SeqCst) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    if c_w.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = c_w.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    Relay { addr, hold, frozen_below, opened }
+}
+
+#[test]
+fn a_grant_read_after_the_same_owner_dropped_the_session_is_not_believed() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (branch, running) = serve_branch(&vol);
+    let r = relay(running.addr);
+    let via = Arc::new(Mutex::new(r.addr.clone()));
+    let at = found_at(&running);
+    let a = Arc::new(client(&via));
+    let b = client(&at);
+    let f = a.create_open(ROOT_INO, b"late", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    b.open(f.ino).expect("open");
+    // a asks for the lock; the owner grants it; the answer is delayed on
+    // the way (a partition TCP outlives, or a paused client).
+    r.frozen_below.store(r.opened.load(SeqCst), SeqCst);
+    r.hold.store(true, SeqCst);
+    let a2 = a.clone();
+    let ino = f.ino;
+    let asks = std::thread::spawn(move || a2.setlk(ino, 1, WHOLE, false).map_err(|e| e.errno()));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(branch.locks(), 1, "the owner granted a's lock");
+    // a is heard from no more: the owner drops its session; b takes the lock.
+    b.getattr(f.ino).expect("b is heard from");
+    branch.reap_idle(Duration::from_millis(200));
+    b.setlk(f.ino, 2, WHOLE, false).expect("b takes the lock a's session held");
+    b.write(f.ino, 0, b"b's").expect("write");
+    b.fsync(f.ino).expect("fsync");
+    // a meets the same owner again on another connection (a new session),
+    // then reads the grant.
+    a.getattr(ROOT_INO).expect("a meets the owner again");
+    r.hold.store(false, SeqCst);
+    let granted = asks.join().expect("join");
+    // a writes only if told it holds the lock.
+    let wrote = granted.map(|()| a.write(f.ino, 0, b"AAA").map(|_| ()).map_err(|e| e.errno()));
+    let _ = a.fsync(f.ino);
+    assert_eq!(
+        vol.read(f.ino, 0, 3).expect("read"),
+        b"b's",
+        "a believed a grant ({granted:?}) its dropped session got, and wrote over b ({wrote:?})"
+    );
+}
+
+#[test]
+fn a_lock_granted_anew_after_a_loss_lets_its_holder_write() {
+    let LostLock { vol, a, b, ino, _owner } = a_loses_its_lock_to_b(b"anew");
+    b.setlk(ino, 2, unlock(), false).expect("b lets go");
+    // a's first word after its session was dropped is a lock request: it
+    // is granted (b let go), under a's new session.
+    a.setlk(ino, 1, WHOLE, false).expect("a takes the lock again");
+    let wrote = a.write(ino, 0, b"a's").map(|_| ()).map_err(|e| e.errno());
+    let _ = a.fsync(ino);
+    assert_eq!(
+        (wrote, vol.read(ino, 0, 3).expect("read")),
+        (Ok(()), b"a's".to_vec()),
+        "a holds the lock and cannot write"
+    );
+}
+
+#[test]
+fn an_owner_with_no_grace_period_then_one_with_does_not_let_a_lock_be_taken_back_after_another_held_it() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let (a, b) = (client(&at), client(&at));
+    let f = a.create_open(ROOT_INO, b"zero", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
+    b.open(f.ino).expect("open");
+    // The owner crashes; the next is started with --lock-grace 0 ("gives up
+    // locks from before at once").
+    dev.crash(CrashMode::DropUnsynced);
+    drop(first);
+    let vol = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
+    let branch = SharedBranch::new("main", vol.clone(), None, Policy::default());
+    branch.set_lock_grace(Duration::ZERO);
+    let second = (
+        vol,
+        CacheServer::owner(None, vec![branch], ServerOptions { token: TOKEN.into(), ..Default::default() })
+            .spawn("127.0.0.1:0")
+            .expect("serve"),
+    );
+    *at.lock() = second.1.addr.to_string();
+    b.setlk(f.ino, 2, WHOLE, false).expect("b takes the lock at once");
+    b.write(f.ino, 0, b"b's").expect("b writes under it");
+    b.fsync(f.ino).expect("fsync");
+    // That owner is restarted with the default grace period; a, back
+    // within seconds, meets it.
+    let (_vol, _third) = crash_and_restart(&dev, second, &at);
+    a.getattr(f.ino).expect("a meets the third owner");
+    assert_eq!(
+        a.fsync(f.ino).map_err(|e| e.errno()),
+        Err(libc::EIO),
+        "a took back a lock b held in between, and was told nothing"
+    );
+}
+
+#[test]
+fn a_late_unknown_session_answer_does_not_drop_the_newer_session_and_its_locks() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (branch, running) = serve_branch(&vol);
+    let r = relay(running.addr);
+    let via = Arc::new(Mutex::new(r.addr.clone()));
+    let a = Arc::new(client(&via));
+    let f = a.create_open(ROOT_INO, b"late-unknown", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    // a is silent past its session's life; it held no lock then.
+    std::thread::sleep(Duration::from_millis(300));
+    branch.reap_idle(Duration::from_millis(200));
+    // One thread's request meets the dropped session; that answer is slow.
+    r.frozen_below.store(r.opened.load(SeqCst), SeqCst);
+    r.hold.store(true, SeqCst);
+    let a2 = a.clone();
+    let slow = std::thread::spawn(move || a2.getattr(ROOT_INO).map(|_| ()).map_err(|e| e.errno()));
+    std::thread::sleep(Duration::from_millis(200));
+    // Another thread meets the owner again (a new session) and takes a lock.
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock under its new session");
+    r.hold.store(false, SeqCst);
+    let _ = slow.join();
+    // a holds the lock: it may write under it.
+    let wrote = a.write(f.ino, 0, b"a's").map(|_| ()).map_err(|e| e.errno());
+    let synced = a.fsync(f.ino).map_err(|e| e.errno());
+    assert_eq!((wrote, synced), (Ok(()), Ok(())), "a lock held under the current session was dropped as lost");
 }
