@@ -127,6 +127,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// How an open with `flags` of a file with attributes `a` may use the
     /// kernel's cache (write-only opens: not at all, see [`DirectWrites`]).
     fn open_flags(&self, a: &Attr, flags: i32) -> FopenFlags {
+        if self.vol.is_shared() && flags & libc::O_APPEND != 0 {
+            // Its writes land where the owner's end of file is, which the
+            // kernel does not know: none of them may go into its pages.
+            return FopenFlags::FOPEN_DIRECT_IO;
+        }
         if self.direct.opened(a.ino, flags) {
             self.counters.direct_opens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return FopenFlags::FOPEN_DIRECT_IO;
@@ -280,8 +285,16 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     /// `kill_suidgid`: the kernel's FUSE_WRITE_KILL_SUIDGID (a write by a
-    /// caller without CAP_FSETID; see [`Self::setattr`]).
-    pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool) -> Answer<u32> {
+    /// caller without CAP_FSETID; see [`Self::setattr`]). `append`: by an
+    /// `O_APPEND` descriptor; on a shared tree it goes at the end of the
+    /// file as the owner has it (the kernel placed it at the end it last
+    /// saw), and the kernel's cached size is dropped.
+    pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool, append: bool) -> Answer<u32> {
+        if append && self.vol.is_shared() {
+            let (n, _) = answer(self.vol.write_appending(ino, offset, data, kill_suidgid))?;
+            self.drop_cached_attrs(ino);
+            return Ok(n as u32);
+        }
         let n = if kill_suidgid {
             let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
             if changed {

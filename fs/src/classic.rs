@@ -242,13 +242,14 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         offset: u64,
         data: &[u8],
         write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         crate::files::serving(req.pid());
         let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
-        match self.fs.write(ino.0, offset, data, kill) {
+        let append = flags.0 & libc::O_APPEND != 0;
+        match self.fs.write(ino.0, offset, data, kill, append) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
         }

@@ -93,6 +93,19 @@ pub trait Files: Send + Sync + 'static {
         let (_, changed) = clear_privileges(self, self.getattr(ino)?)?;
         Ok((self.write(ino, off, data)?, changed))
     }
+    /// A write by an `O_APPEND` descriptor, which the kernel placed at
+    /// `off`: the end of the file as it last saw it. A tree only this node
+    /// changes writes there; one other nodes change too appends at the end
+    /// of the file as it is. `unprivileged`: as in
+    /// [`write_unprivileged`](Files::write_unprivileged), whose answer this
+    /// gives.
+    fn write_appending(&self, ino: u64, off: u64, data: &[u8], unprivileged: bool) -> Result<(usize, bool)> {
+        if unprivileged {
+            self.write_unprivileged(ino, off, data)
+        } else {
+            Ok((self.write(ino, off, data)?, false))
+        }
+    }
     fn fsync(&self, ino: u64) -> Result<()>;
     /// Entries from `offset` on, until `f` returns false.
     fn readdir(&self, ino: u64, offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()>;

@@ -736,7 +736,8 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
             let a: IoIn = arg(r.op)?;
             let data = p.get(..a.size as usize).ok_or(Errno::EINVAL)?;
             let kill = a.io_flags & WRITE_KILL_SUIDGID != 0;
-            fs.write(ino, a.offset, data, kill).map(|n| WriteOut { size: n, padding: 0 }.as_bytes().to_vec())
+            let append = a.flags & libc::O_APPEND as u32 != 0;
+            fs.write(ino, a.offset, data, kill, append).map(|n| WriteOut { size: n, padding: 0 }.as_bytes().to_vec())
         }
         op::STATFS => fs.statfs().map(|s| {
             let out = StatfsOut {

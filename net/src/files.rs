@@ -176,6 +176,9 @@ pub enum Op {
         off: u64,
         data: Vec<u8>,
         unprivileged: bool,
+        /// At the end of the file as the owner has it (`O_APPEND`: the
+        /// client's kernel only knows the size it last saw), not at `off`.
+        append: bool,
     },
     Fsync {
         ino: u64,
@@ -835,7 +838,17 @@ impl SharedBranch {
                 self.record(session, [Inode(ino)]);
                 r
             }
-            Op::Write { ino, off, data, unprivileged } => {
+            Op::Write { ino, data, unprivileged, append: true, .. } => {
+                let cleared = if self.policy.write_clears_set_id(unprivileged) {
+                    v.getattr(ino).and_then(|a| arbor_fs::files::clear_privileges(&**v, a)).map(|_| ())
+                } else {
+                    drop_capabilities(&**v, ino)
+                };
+                let r = cleared.and_then(|()| v.append(ino, &data)).map(|n| Out::Written(n as u64));
+                self.record(session, [Inode(ino)]);
+                r
+            }
+            Op::Write { ino, off, data, unprivileged, .. } => {
                 // A client's kernel checks a file's capabilities once and
                 // then trusts its mark (another node may have set them
                 // since), so the owner drops them on every write.

@@ -120,6 +120,7 @@ enum RequestHead<'a> {
         off: u64,
         len: u32,
         unprivileged: bool,
+        append: bool,
         tag: Option<RequestTag>,
     },
 }
@@ -128,7 +129,7 @@ enum RequestHead<'a> {
 enum RequestFrame {
     Session,
     Op { session: u64, op: Op, tag: Option<RequestTag> },
-    WriteData { session: u64, ino: u64, off: u64, len: u32, unprivileged: bool, tag: Option<RequestTag> },
+    WriteData { session: u64, ino: u64, off: u64, len: u32, unprivileged: bool, append: bool, tag: Option<RequestTag> },
 }
 
 /// An answer as its frame carries it (as [`AnswerFrame`] reads it).
@@ -372,8 +373,8 @@ fn write_with_payload<T: bincode::Encode>(
 /// Sends `req`, a write's data after its frame.
 pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io::Result<()> {
     match req {
-        Request::Op { session, op: Op::Write { ino, off, data, unprivileged }, tag } => {
-            let at = Written { ino: *ino, off: *off, unprivileged: *unprivileged };
+        Request::Op { session, op: Op::Write { ino, off, data, unprivileged, append }, tag } => {
+            let at = Written { ino: *ino, off: *off, unprivileged: *unprivileged, append: *append };
             write_data(w, buf, *session, *tag, at, data)
         }
         Request::Op { session, op, tag } => write_frame(w, buf, &RequestHead::Op { session: *session, op, tag: *tag }),
@@ -387,12 +388,14 @@ pub struct Written {
     pub ino: u64,
     pub off: u64,
     pub unprivileged: bool,
+    /// At the owner's end of the file (`O_APPEND`), not at `off`.
+    pub append: bool,
 }
 
 impl Written {
     /// The operation that writes `data` here.
     pub fn op(self, data: Vec<u8>) -> Op {
-        Op::Write { ino: self.ino, off: self.off, data, unprivileged: self.unprivileged }
+        Op::Write { ino: self.ino, off: self.off, data, unprivileged: self.unprivileged, append: self.append }
     }
 }
 
@@ -406,15 +409,16 @@ pub fn write_data(
     data: &[u8],
 ) -> io::Result<()> {
     let len = u32::try_from(data.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    let Written { ino, off, unprivileged } = at;
-    write_with_payload(w, buf, &RequestHead::WriteData { session, ino, off, len, unprivileged, tag }, data)
+    let Written { ino, off, unprivileged, append } = at;
+    write_with_payload(w, buf, &RequestHead::WriteData { session, ino, off, len, unprivileged, append, tag }, data)
 }
 
 /// Reads a request, a write's data included.
 pub fn read_request(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Request> {
     Ok(match read_frame::<RequestFrame>(r, buf)? {
-        RequestFrame::WriteData { session, ino, off, len, unprivileged, tag } => {
-            Request::Op { session, op: Op::Write { ino, off, data: read_payload(r, len)?, unprivileged }, tag }
+        RequestFrame::WriteData { session, ino, off, len, unprivileged, append, tag } => {
+            let op = Op::Write { ino, off, data: read_payload(r, len)?, unprivileged, append };
+            Request::Op { session, op, tag }
         }
         RequestFrame::Op { session, op, tag } => Request::Op { session, op, tag },
         RequestFrame::Session => Request::Session,
@@ -503,7 +507,7 @@ mod tests {
         let mut buf = Vec::new();
         let write = Request::Op {
             session: 7,
-            op: Op::Write { ino: 3, off: 9, data: vec![0xab; 100_000], unprivileged: false },
+            op: Op::Write { ino: 3, off: 9, data: vec![0xab; 100_000], unprivileged: false, append: false },
             tag: None,
         };
         write_frame(&mut wire, &mut buf, &write).expect("write");
@@ -512,7 +516,11 @@ mod tests {
         let mut r = &wire[..];
         let mut rbuf = Vec::new();
         match read_frame::<Request>(&mut r, &mut rbuf).expect("read") {
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data, unprivileged: false }, tag: None } => {
+            Request::Op {
+                session: 7,
+                op: Op::Write { ino: 3, off: 9, data, unprivileged: false, append: false },
+                tag: None,
+            } => {
                 assert_eq!(data, vec![0xab; 100_000])
             }
             other => panic!("{other:?}"),
@@ -529,8 +537,11 @@ mod tests {
         let data: Vec<u8> = (0..1_048_576u32).map(|i| (i * 7 + 3) as u8).collect();
         let (mut wire, mut buf) = (Vec::new(), Vec::new());
         let tag = Some(RequestTag { client: 5, slot: crate::requests::PIPELINED_SLOT, seq: 11 });
-        let write =
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true }, tag };
+        let write = Request::Op {
+            session: 7,
+            op: Op::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true, append: true },
+            tag,
+        };
         write_request(&mut wire, &mut buf, &write).expect("write");
         // The frame names the write; the bytes follow it raw.
         let frame = u32::from_le_bytes([wire[0], wire[1], wire[2], wire[3]]) as usize;
@@ -545,7 +556,11 @@ mod tests {
         let mut rbuf = Vec::new();
         match read_request(&mut r, &mut rbuf).expect("read") {
             // Who wrote it travels in the frame.
-            Request::Op { session: 7, op: Op::Write { ino: 3, off: 9, data: got, unprivileged: true }, tag: t } => {
+            Request::Op {
+                session: 7,
+                op: Op::Write { ino: 3, off: 9, data: got, unprivileged: true, append: true },
+                tag: t,
+            } => {
                 assert!(got == data);
                 assert_eq!(t, tag, "the tag travels with the write");
             }

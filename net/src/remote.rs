@@ -1455,13 +1455,17 @@ impl Files for RemoteFiles {
         Ok(n)
     }
     fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
-        self.write_as(Written { ino, off, unprivileged: false }, data)
+        self.write_as(Written { ino, off, unprivileged: false, append: false }, data)
     }
     /// One request: the owner clears the file's privileges as it applies
     /// the write, answered later like any write. The kernel's cached mode
     /// is dropped whatever it was (the answer comes later).
     fn write_unprivileged(&self, ino: u64, off: u64, data: &[u8]) -> Result<(usize, bool)> {
-        Ok((self.write_as(Written { ino, off, unprivileged: true }, data)?, true))
+        Ok((self.write_as(Written { ino, off, unprivileged: true, append: false }, data)?, true))
+    }
+    /// At the owner's end of the file, in flight like any write.
+    fn write_appending(&self, ino: u64, off: u64, data: &[u8], unprivileged: bool) -> Result<(usize, bool)> {
+        Ok((self.write_as(Written { ino, off, unprivileged, append: true }, data)?, unprivileged))
     }
     fn fsync(&self, ino: u64) -> Result<()> {
         self.inner.settle_all();

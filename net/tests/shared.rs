@@ -755,7 +755,7 @@ fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
     let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
     let lane = arbor_net::requests::PIPELINED_SLOT;
     let mut send = |ino: u64, off: u64, seq: u64| {
-        let op = Op::Write { ino, off, data: vec![b'w'; 100], unprivileged: false };
+        let op = Op::Write { ino, off, data: vec![b'w'; 100], unprivileged: false, append: false };
         let tag = RequestTag { client: 99, slot: lane, seq };
         write_request(&mut s, &mut b, &Request::Op { session: info.session, op, tag: Some(tag) }).expect("send");
         match read_frame::<Answer>(&mut s, &mut r).expect("answer") {
@@ -1248,4 +1248,27 @@ fn a_late_unknown_session_answer_does_not_drop_the_newer_session_and_its_locks()
     let wrote = a.write(f.ino, 0, b"a's").map(|_| ()).map_err(|e| e.errno());
     let synced = a.fsync(f.ino).map_err(|e| e.errno());
     assert_eq!((wrote, synced), (Ok(()), Ok(())), "a lock held under the current session was dropped as lost");
+}
+
+#[test]
+fn appends_from_two_clients_land_at_the_owners_end_of_the_file() {
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (_branch, running) = serve_branch(&vol);
+    let at = found_at(&running);
+    let (a, b) = (client(&at), client(&at));
+    let f = a.create_open(ROOT_INO, b"log", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    b.open(f.ino).expect("open");
+    // Each client's kernel places an O_APPEND write at the end of the file
+    // as it last saw it: 0 for both here.
+    a.write_appending(f.ino, 0, b"from a\n", false).expect("append");
+    a.fsync(f.ino).expect("fsync");
+    b.write_appending(f.ino, 0, b"from b\n", false).expect("append");
+    b.fsync(f.ino).expect("fsync");
+    a.write_appending(f.ino, 7, b"a again\n", true).expect("append");
+    a.fsync(f.ino).expect("fsync");
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"from a\nfrom b\na again\n");
+    // A plain write still goes where it is told.
+    b.write(f.ino, 0, b"FROM").expect("write");
+    b.fsync(f.ino).expect("fsync");
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"FROM a\nfrom b\na again\n");
 }

@@ -534,6 +534,38 @@ fn a_client_mount_started_while_its_owner_is_down_waits_for_it() {
     a.unmount();
 }
 
+/// Two nodes appending to one log through `O_APPEND` descriptors: each
+/// kernel knows only the size it last saw, and the owner appends at the
+/// end it has, so no line overwrites another.
+#[test]
+fn appends_from_two_nodes_keep_every_line() {
+    let Some(w) = SharedWorld::start() else { return };
+    let (a, b) = (w.client("a"), w.client("b"));
+    std::fs::write(a.mnt.join("log"), b"").expect("create");
+    wait_until("b to see the log", Duration::from_secs(10), || b.mnt.join("log").exists());
+    let open = |p: std::path::PathBuf| std::fs::OpenOptions::new().append(true).open(p).expect("open O_APPEND");
+    let (mut fa, mut fb) = (open(a.mnt.join("log")), open(b.mnt.join("log")));
+    let mut want = Vec::new();
+    for i in 0..25 {
+        for (f, who) in [(&mut fa, "a"), (&mut fb, "b")] {
+            let line = format!("{who}{i:03}\n");
+            f.write_all(line.as_bytes()).expect("append");
+            want.push(line);
+        }
+    }
+    fa.sync_all().expect("fsync");
+    fb.sync_all().expect("fsync");
+    let got = String::from_utf8(std::fs::read(b.mnt.join("log")).expect("read")).expect("utf8");
+    let mut lines: Vec<String> = got.split_inclusive('\n').map(str::to_string).collect();
+    assert_eq!(got.len(), want.len() * 5, "{got:?}");
+    lines.sort();
+    want.sort();
+    assert_eq!(lines, want);
+    drop((fa, fb));
+    a.unmount();
+    b.unmount();
+}
+
 /// Owners on other hosts (another UTS namespace and network namespace):
 /// their leases are judged by watching them, never by their pids or
 /// clocks. A second owner is refused while the first renews its lease;

@@ -520,12 +520,28 @@ impl Volume {
 
     /// Writes `data` at `off`; returns the bytes written (all of them).
     pub fn write(&self, ino: u64, off: u64, data: &[u8]) -> Result<usize> {
-        if off.checked_add(data.len() as u64).is_none_or(|end| end > MAX_FILE_SIZE) {
+        self.write_where(ino, Some(off), data)
+    }
+
+    /// Writes `data` at the end of file `ino` as it is when the write
+    /// runs (`O_APPEND` as this volume sees it, whatever size a caller
+    /// last saw): a number of bytes written, as [`Volume::write`].
+    pub fn append(&self, ino: u64, data: &[u8]) -> Result<usize> {
+        self.write_where(ino, None, data)
+    }
+
+    /// [`Volume::write`] at `off`, or at the end of the file (`None`).
+    fn write_where(&self, ino: u64, off: Option<u64>, data: &[u8]) -> Result<usize> {
+        if off.unwrap_or(0).checked_add(data.len() as u64).is_none_or(|end| end > MAX_FILE_SIZE) {
             return Err(Error::TooBig);
         }
         self.log()?;
         let mut st = self.state.write();
         let i = self.view(&st).inode(ino)?;
+        let off = off.unwrap_or(i.size);
+        if off.checked_add(data.len() as u64).is_none_or(|end| end > MAX_FILE_SIZE) {
+            return Err(Error::TooBig);
+        }
         match i.kind {
             FileKind::Regular => {}
             FileKind::Directory => return Err(Error::IsDir),
