@@ -166,17 +166,57 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         server.run(listener, stop).await
     });
     rt.shutdown_timeout(Duration::from_secs(5));
-    let mut closed = Ok(());
-    for o in owned {
-        if let Err(e) = o.close() {
-            tracing::error!(error = %format!("{e:#}"), "closing a branch failed");
-            closed = Err(e);
-        }
-    }
     served?;
-    closed?;
+    close_within(owned, args.owner.stop_timeout)?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Closes the branches (each a last commit and its upload), for up to
+/// `wait`: a bucket that is away does not hold a stop forever. What
+/// clients fsynced is durable either way (in the bucket, or with local
+/// durability in this node's log, which the next owner here uploads).
+fn close_within(owned: Vec<crate::shared::Owned>, wait: Duration) -> Result<()> {
+    let names: Vec<String> = owned.iter().map(|o| o.shared.name().to_string()).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let closing = std::thread::Builder::new().name("arbor-close".into()).spawn(move || {
+        let mut closed = Ok(());
+        for o in owned {
+            let pending = o.pending_upload();
+            let _ = tx.send(Err((o.shared.name().to_string(), pending)));
+            if let Err(e) = o.close() {
+                tracing::error!(error = %format!("{e:#}"), "closing a branch failed");
+                closed = Err(e);
+            }
+        }
+        let _ = tx.send(Ok(closed));
+    })?;
+    let deadline = std::time::Instant::now() + wait;
+    let mut at = None;
+    // Bounded by `deadline`; each message is one branch begun, or the end.
+    loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now())) {
+            Ok(Ok(closed)) => {
+                let _ = closing.join();
+                return closed;
+            }
+            Ok(Err(branch)) => at = Some(branch),
+            Err(_) => break,
+        }
+    }
+    let (branch, pending) = at.unwrap_or_default();
+    tracing::error!(
+        branch,
+        pending_bytes = pending,
+        waited_s = wait.as_secs(),
+        "stopping without the last upload: what clients fsynced is durable (in the bucket, or with local durability in this node's log, which the next owner here uploads); what they had not fsynced is lost"
+    );
+    anyhow::bail!(
+        "stopped after {} s without closing branch {branch} ({} not uploaded; the bucket did not take it); branches: {}",
+        wait.as_secs(),
+        disk::Size(pending),
+        names.join(",")
+    )
 }
 
 /// The address given to clients must read as one.

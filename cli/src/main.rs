@@ -341,6 +341,11 @@ struct ServeCmd {
     /// next fsync fails with EIO).
     #[arg(long, default_value_t = disk::Span(arbor_net::locks::LOCK_GRACE))]
     lock_grace: disk::Span,
+    /// For --branch: how long a stop (SIGTERM) waits for the bucket to take
+    /// the branches' last bytes before the process exits anyway (non-zero,
+    /// saying what is durable where).
+    #[arg(long, default_value_t = disk::Span(shared::STOP_WAIT))]
+    stop_timeout: disk::Span,
     /// For --branch on an s3:// disk: bucket (the default: a client's
     /// fsync returns once the bytes are in the bucket, so it survives the
     /// loss of this node) or local (durable on this node's disk only until
@@ -551,6 +556,7 @@ fn run(cli: Cli) -> Result<()> {
                     take_over: c.take_over,
                     lease_ttl: c.lease_ttl.0,
                     lock_grace: c.lock_grace.0,
+                    stop_timeout: c.stop_timeout.0,
                     durability: c.durability,
                     segment_size: c.segment_size.0,
                     policy: arbor_net::Policy {

@@ -29,6 +29,8 @@ pub struct OwnerArgs {
     pub lease_ttl: std::time::Duration,
     /// How long a new owner grants only the locks clients take back.
     pub lock_grace: std::time::Duration,
+    /// How long a stop waits for the bucket.
+    pub stop_timeout: std::time::Duration,
     pub durability: arbor_engine::tier::Durability,
     pub segment_size: u64,
     /// What clients may do to owners and privileges.
@@ -119,7 +121,17 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
     Ok(Owned { shared, catalog, owner, _disk: d, _lock: lock })
 }
 
+/// How long a stopping owner waits for the bucket to take its branches'
+/// last bytes.
+pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl Owned {
+    /// Bytes of this branch's log not in the bucket yet (0 on a
+    /// local-folder disk).
+    pub fn pending_upload(&self) -> u64 {
+        self._disk.tier_stats().map_or(0, |t| t.pending_bytes)
+    }
+
     /// The chunks the branch's device holds (on an s3 disk): what this
     /// process's cache server gives clients before asking the bucket.
     pub fn cached_chunks(&self) -> Option<Arc<dyn arbor_engine::tier::ChunkSource>> {

@@ -460,3 +460,56 @@ fn a_memory_only_branch_mount_writes_through_to_the_bucket_and_keeps_nothing_on_
     let left: Vec<_> = std::fs::read_dir(&mine).into_iter().flatten().flatten().map(|e| e.path()).collect();
     assert!(left.is_empty(), "left in {}: {left:?}", mine.display());
 }
+
+/// An owner told to stop while its bucket is away stops within its
+/// `--stop-timeout` and says what it left; what a client fsynced is in the
+/// bucket (bucket durability, an owner's default), where the next owner
+/// finds it.
+#[test]
+fn an_owner_told_to_stop_while_its_bucket_is_away_stops_in_bounded_time() {
+    use arbor_tests::faults::{FaultProxy, Mode};
+    let Some(w) = S3World::start() else { return };
+    let disk = format!("s3://{S3_BUCKET}/disks/stopping");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let proxy = FaultProxy::start(w.s3_addr());
+    let env = w.env_via(&format!("http://{}", proxy.addr));
+    let tok = token_file(&w);
+    let tok = tok.to_str().expect("utf8");
+    let owner =
+        Serve::start(&w, &env, &disk, &w.dir.path().join("owner-cache"), &["--branch", "main", "--stop-timeout", "3s"]);
+    let mnt = w.mnt("client");
+    let c = Mount::start_env(&disk, &mnt, &["--token-file", tok], &env);
+    write_synced(&mnt.join("kept"), b"fsynced through the owner");
+    std::fs::write(mnt.join("unsynced"), pattern(4 << 20, 7)).expect("write");
+
+    // The bucket goes away; the owner is told to stop.
+    proxy.set(Mode::Partition);
+    proxy.cut_all();
+    let told = std::time::Instant::now();
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(owner.child.id() as libc::pid_t, libc::SIGTERM) };
+    let mut owner = owner;
+    let status = loop {
+        if let Some(st) = owner.child.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(told.elapsed() < Duration::from_secs(60), "the owner ignored SIGTERM with its bucket away");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = told.elapsed();
+    let log = std::fs::read_to_string(&owner.log).unwrap_or_default();
+    println!("the owner stopped {took:?} after SIGTERM: {status}");
+    assert!(!status.success(), "it could not close its branch: {log}");
+    assert!(log.contains("stopping without the last upload"), "{log}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    c.kill9();
+
+    // The bucket back, a new owner: what was fsynced is there.
+    proxy.set(Mode::Pass);
+    let owner = Serve::start(&w, &w.env, &disk, &w.dir.path().join("owner-cache-2"), &["--branch", "main"]);
+    let again = w.mnt("again");
+    let c = Mount::start_env(&disk, &again, &["--token-file", tok], &w.env);
+    assert_eq!(std::fs::read(again.join("kept")).expect("read"), b"fsynced through the owner");
+    c.unmount_env(&w.env);
+    drop(owner);
+}
