@@ -200,3 +200,24 @@ fn repeated_kill_9_on_a_bucket_durable_disk_loses_nothing_and_leaves_no_wal_behi
     let fsck = arbor_env_ok(&["fsck", &disk, "--json"], &w.env);
     assert!(fsck.contains("\"problems\":[]"), "{fsck}");
 }
+
+/// gc on a node that never held a segment judges its age by the bucket:
+/// a segment another node's writer uploaded a moment ago (not in any head
+/// yet) is kept for the grace period, and deleted once past it.
+#[test]
+fn gc_elsewhere_keeps_a_segment_just_uploaded_by_another_node() {
+    let Some(w) = S3World::start() else { return };
+    let disk = format!("s3://{S3_BUCKET}/disks/gc-age");
+    arbor_env_ok(&["init", &disk], &w.env);
+    // What another node's writer just uploaded: a segment no head reaches.
+    let seg = arbor_engine::format::SegId { writer: 0xdead_beef, seq: 3 };
+    let key = format!("disks/gc-age/{}", arbor_engine::layout::segment_key(seg));
+    let segments = "disks/gc-age/segments";
+    let before = w.objects_under(segments);
+    w.put_as_file(&key, &pattern(1 << 20, 5));
+    w.lose_the_cache();
+    let out = arbor_env_ok(&["gc", &disk], &w.env);
+    assert_eq!(w.objects_under(segments), before + 1, "gc deleted a segment uploaded a moment ago: {out}");
+    let out = arbor_env_ok(&["gc", &disk, "--grace", "0"], &w.env);
+    assert_eq!(w.objects_under(segments), before, "past its grace period it goes: {out}");
+}

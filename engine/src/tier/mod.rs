@@ -619,8 +619,21 @@ impl Device for BucketDevice {
         self.shared.local.io_name()
     }
 
+    /// When the segment was last written: here, or else in the bucket
+    /// (its object, or its newest WAL piece), so that gc on a node that
+    /// never held a segment still gives a writer elsewhere its grace
+    /// period. The bucket's time is the store's own `LastModified`.
     fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
-        self.shared.local.segment_modified(id)
+        if let Some(t) = self.shared.local.segment_modified(id)? {
+            return Ok(Some(t));
+        }
+        let mut newest = None;
+        for prefix in [crate::layout::segment_key(id), crate::layout::wal_prefix(id)] {
+            for o in self.shared.store.list_objects(&prefix)? {
+                newest = newest.max(o.modified);
+            }
+        }
+        Ok(newest)
     }
 
     fn free_bytes(&self) -> Option<u64> {
