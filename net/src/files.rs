@@ -50,7 +50,8 @@
 //! capabilities or device nodes from clients, and root squashed to nobody.
 
 use crate::locks::{
-    conflicts, overlaps, CLEARED_SLOT, GENERATION_SLOT, GRANTED_SLOT, IN_GRACE, LOCKS_CLIENT, LOCK_GRACE,
+    conflicts, overlaps, reserved_client, CLEARED_SLOT, GENERATION_SLOT, GRANTED_SLOT, INODES_CLIENT, IN_GRACE,
+    LOCKS_CLIENT, LOCK_GRACE,
 };
 use crate::policy::{Change, Policy};
 use crate::requests::{Begin, Replies};
@@ -257,7 +258,7 @@ impl Op {
             Op::Open { count, .. } if count > MAX_OPEN_COUNT => Err(libc::EINVAL),
             Op::ReadDir { max, .. } if max > READDIR_BATCH => Err(libc::EINVAL),
             Op::SetLk { wait: true, reclaim: true, .. } => Err(libc::EINVAL),
-            Op::Slots { client } if client == LOCKS_CLIENT => Err(libc::EPERM),
+            Op::Slots { client } if reserved_client(client) => Err(libc::EPERM),
             _ => Ok(()),
         }
     }
@@ -428,7 +429,14 @@ pub struct SharedBranch {
     changed: tokio::sync::Notify,
     /// The lock grace period and the branch's durable mark of locks.
     grace: Mutex<Grace>,
+    /// Inode numbers are given out below this only: it is durable before
+    /// a number near it is (see [`SharedBranch::reserve_inodes`]).
+    inodes_reserved: Mutex<u64>,
 }
+
+/// Inode numbers reserved at once: one durable record (and sync) per this
+/// many new files.
+pub const INODE_BLOCK: u64 = 1 << 16;
 
 /// Whether this owner grants only reclaims, and what the branch records of
 /// locks (see [`crate::locks`]).
@@ -556,7 +564,26 @@ impl SharedBranch {
             replies: Replies::default(),
             changed: tokio::sync::Notify::new(),
             grace: Mutex::new(Grace::read(&vol_for_grace)),
+            inodes_reserved: Mutex::new(reserved_inodes(&vol_for_grace)),
         })
+    }
+
+    /// Makes sure the next new file's number is reserved durably, so that
+    /// a crash of this owner never lets the next one give a number out
+    /// again (a client may hold the lost file open under it): a reserved
+    /// record and a sync once per [`INODE_BLOCK`] new files.
+    fn reserve_inodes(&self) -> Result<(), Error> {
+        let next = self.vol.next_inode();
+        let mut reserved = self.inodes_reserved.lock();
+        if next.saturating_add(INODE_BLOCK / 2) < *reserved {
+            return Ok(());
+        }
+        let upto = next.saturating_add(INODE_BLOCK);
+        let tag = RequestTag { client: INODES_CLIENT, slot: 0, seq: upto };
+        self.vol.tagged(tag, Takes::Operation, |_| Ok(()))?;
+        self.vol.sync_all()?;
+        *reserved = upto;
+        Ok(())
     }
 
     /// Sets the lock grace period (see [`crate::locks`]); zero turns it
@@ -738,6 +765,10 @@ impl SharedBranch {
     pub fn apply_request(&self, session: u64, tag: Option<RequestTag>, op: Op) -> Reply {
         // Before the tag: a refused request leaves nothing in the reply cache.
         op.check()?;
+        if matches!(op, Op::Create { .. } | Op::CreateOpen { .. } | Op::Mkdir { .. } | Op::Symlink { .. }) {
+            // Outside the request's own tagged call, which it must not nest in.
+            self.reserve_inodes().map_err(|e| errno(&e))?;
+        }
         if let Op::Slots { client } = op {
             self.speaks_for(session, client)?;
         }
@@ -764,7 +795,7 @@ impl SharedBranch {
     /// (EPERM) a session that speaks for another client than it did: one
     /// token holder cannot move another mount's request slots.
     fn speaks_for(&self, session: u64, client: u64) -> Result<(), i32> {
-        if client == LOCKS_CLIENT {
+        if reserved_client(client) {
             return Err(libc::EPERM);
         }
         let mut st = self.state.lock();
@@ -1136,6 +1167,18 @@ impl SharedBranch {
             let _ = tokio::time::timeout(Duration::from_millis(500), notified).await;
         }
     }
+}
+
+/// How far inode numbers were reserved on `vol`; numbers below that are
+/// skipped from now on (an owner before may have given them out).
+fn reserved_inodes(vol: &Volume) -> u64 {
+    let reserved = vol
+        .request_slots(INODES_CLIENT)
+        .ok()
+        .and_then(|slots| slots.iter().find(|(s, _)| *s == 0).map(|&(_, n)| n))
+        .unwrap_or(0);
+    vol.skip_inodes_to(reserved);
+    reserved
 }
 
 fn splitmix(mut x: u64) -> u64 {

@@ -87,6 +87,16 @@ pub const IN_GRACE: i32 = -1001;
 /// locks from before; no client may speak for it.
 pub const LOCKS_CLIENT: u64 = u64::MAX;
 
+/// The client id whose request slot 0 records how far inode numbers are
+/// reserved (see `SharedBranch`'s inode reservation); no client may speak
+/// for it either.
+pub const INODES_CLIENT: u64 = u64::MAX - 1;
+
+/// Whether `client` is one of the ids the owner keeps for itself.
+pub fn reserved_client(client: u64) -> bool {
+    client >= INODES_CLIENT
+}
+
 /// [`LOCKS_CLIENT`]'s slot counting owners that granted a lock.
 pub const GRANTED_SLOT: u32 = 0;
 /// [`LOCKS_CLIENT`]'s slot counting how many of those were cleared.

@@ -1272,3 +1272,21 @@ fn appends_from_two_clients_land_at_the_owners_end_of_the_file() {
     b.fsync(f.ino).expect("fsync");
     assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"FROM a\nfrom b\na again\n");
 }
+
+#[test]
+fn a_new_owner_never_gives_out_again_the_number_of_a_file_a_crash_took() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    let kept = c.create_open(ROOT_INO, b"kept", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.fsync(ROOT_INO).expect("fsync");
+    // Answered, never synced: the crash takes it, and this client still
+    // has it open under its number.
+    let lost = c.create_open(ROOT_INO, b"lost", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    let (vol, _second) = crash_and_restart(&dev, first, &at);
+    assert!(vol.lookup(ROOT_INO, b"lost").is_err(), "the crash took it");
+    let other = client(&at);
+    let new = other.create_open(ROOT_INO, b"new", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    assert!(new.ino != lost.ino && new.ino != kept.ino, "{} given out again", new.ino);
+}

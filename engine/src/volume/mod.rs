@@ -226,6 +226,19 @@ impl Volume {
         self.poisoned.load(Ordering::Acquire) || self.nodes.log.get().is_some_and(|l| l.is_poisoned())
     }
 
+    /// The inode number the next new file gets.
+    pub fn next_inode(&self) -> u64 {
+        self.state.read().next_ino
+    }
+
+    /// Gives no new file a number below `n` from now on: numbers a writer
+    /// before this one handed out and then lost in a crash (kept from the
+    /// next commit on).
+    pub fn skip_inodes_to(&self, n: u64) {
+        let mut st = self.state.write();
+        st.next_ino = st.next_ino.max(n);
+    }
+
     /// Whether another writer took this volume's branch (or this writer's
     /// lease could not be kept): it then refuses every write and fsync.
     pub fn is_fenced(&self) -> bool {
