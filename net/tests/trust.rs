@@ -7,6 +7,7 @@
 use arbor_engine::bucket::{open_s3, MemObjectStore, ObjectStore, RetryPolicy};
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::S3Server;
 use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
@@ -113,4 +114,115 @@ fn a_rogue_cache_server_with_forged_footers_never_gets_its_bytes_read() {
     drop(running);
     let got = read_file(&bucket, &cache, None).expect("a remount reads the bucket's bytes");
     assert!(got == right, "a remount read bytes the rogue server left in its cache");
+}
+
+/// A bucket that answers every read with its own bytes, whatever the ETag
+/// asked for: what a rogue server's reads of an imported object give.
+struct Lying {
+    body: Vec<u8>,
+}
+
+impl ObjectStore for Lying {
+    fn put(&self, _key: &str, _body: &[u8]) -> arbor_engine::Result<String> {
+        Err(arbor_engine::Error::Invalid("read only"))
+    }
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> arbor_engine::Result<String> {
+        self.put(key, body)
+    }
+    fn put_if_match(&self, key: &str, body: &[u8], _etag: &str) -> arbor_engine::Result<String> {
+        self.put(key, body)
+    }
+    fn get(&self, _key: &str) -> arbor_engine::Result<(Vec<u8>, String)> {
+        Ok((self.body.clone(), "\"any\"".into()))
+    }
+    fn get_range(&self, _key: &str, range: std::ops::Range<u64>) -> arbor_engine::Result<Vec<u8>> {
+        let end = range.end.min(self.body.len() as u64);
+        Ok(self.body[range.start as usize..end as usize].to_vec())
+    }
+    fn get_range_if(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+        _etag: &str,
+        _version: Option<&str>,
+    ) -> arbor_engine::Result<Vec<u8>> {
+        self.get_range(key, range)
+    }
+    fn list(&self, _prefix: &str) -> arbor_engine::Result<Vec<String>> {
+        Ok(Vec::new())
+    }
+    fn size(&self, _key: &str) -> arbor_engine::Result<u64> {
+        Ok(self.body.len() as u64)
+    }
+    fn delete(&self, _key: &str) -> arbor_engine::Result<()> {
+        Ok(())
+    }
+}
+
+/// A volume on a local folder with `object` imported as file "data",
+/// reading sources from `bucket` (as bucket "corpus") and `servers`.
+fn imported(
+    dir: &Path,
+    bucket: &Arc<dyn ObjectStore>,
+    object: &Source,
+    servers: Option<Arc<CacheClient>>,
+) -> (Arc<Volume>, u64) {
+    let dev = arbor_engine::device::FileDevice::open(dir, arbor_engine::io::IoMode::Auto).expect("device");
+    let cfg = Config {
+        sources: FixedSources::with("corpus", bucket.clone()),
+        source_servers: servers.map(|c| c as Arc<dyn ChunkSource>),
+        ..vol_cfg(false)
+    };
+    let vol = Volume::open(dev, cfg).expect("volume");
+    let ino = match vol.lookup(ROOT_INO, b"data") {
+        Ok(attr) => attr.ino,
+        Err(_) => {
+            let now = arbor_engine::env::Timestamp { secs: 0, nanos: 0 };
+            vol.import(ROOT_INO, b"data", 0o644, (0, 0), object.clone(), now).expect("import").ino
+        }
+    };
+    (vol, ino)
+}
+
+#[test]
+fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data_dir = dir.path().join("s3-data");
+    std::fs::create_dir_all(&data_dir).expect("mkdir");
+    let Some(s3) = S3Server::start(&data_dir).expect("s3s-fs") else { return };
+    let policy = RetryPolicy { attempts: 4, base: Duration::from_millis(1), max_backoff: Duration::from_millis(10) };
+    let bucket = open_s3(&s3.config("corpus"), policy).expect("bucket");
+    let right = pattern(200 << 10, 5);
+    let etag = bucket.put("shards/small.json", &right).expect("put");
+    let object = Source {
+        bucket: "corpus".into(),
+        key: "shards/small.json".into(),
+        size: right.len() as u64,
+        etag,
+        version: None,
+    };
+
+    let wrong = pattern(right.len(), 6);
+    let lies: Arc<dyn ObjectStore> = Arc::new(Lying { body: wrong.clone() });
+    let objects = SourceReader::serving(FixedSources::with("corpus", lies), 64 << 20, None);
+    let cache = SegmentCache::in_memory(Arc::new(MemObjectStore::new()), 1 << 20).expect("cache");
+    let rogue = CacheServer::new(
+        cache,
+        ServerOptions { token: TOKEN.into(), objects: Some(Arc::new(objects)), ..ServerOptions::default() },
+    );
+    let running = rogue.spawn("127.0.0.1:0").expect("serve");
+    let c = client(&running.addr.to_string());
+    let vol_dir = dir.path().join("vol");
+    let (vol, ino) = imported(&vol_dir, &bucket, &object, Some(c.clone()));
+    let got = vol.read(ino, 0, right.len()).expect("read");
+    assert!(got == right, "a reader got bytes the bucket does not hold");
+    let s = vol.source_stats();
+    assert_eq!((s.server_rejected, s.from_servers), (1, 0), "the server's copy was refused: {s:?}");
+    assert_eq!(c.stats()[0].rejected, 1, "and the server counted: {:?}", c.stats());
+    vol.close().expect("close");
+    drop(vol);
+    drop(running);
+    // Opened again without the server: nothing the rogue sent was kept.
+    let (vol, ino) = imported(&vol_dir, &bucket, &object, None);
+    assert!(vol.read(ino, 0, right.len()).expect("read") == right);
 }
