@@ -10,7 +10,9 @@ use arbor_engine::testkit::{bytes_under, http_get};
 use arbor_engine::tier::{BucketDevice, ChunkRequest, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_engine::Result;
-use arbor_net::{metric_sample, CacheClient, CacheServer, ClientOptions, Fault, Running, ServerOptions, ServerStats};
+use arbor_net::{
+    metric_sample, CacheClient, CacheServer, ClientOptions, Fault, ObjectScope, Running, ServerOptions, ServerStats,
+};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -639,6 +641,7 @@ fn imported_files_read_through_a_server_pull_each_object_chunk_from_the_bucket_o
         token: TOKEN.into(),
         fault,
         objects: Some(Arc::new(SourceReader::serving(sources.clone(), 64 << 20, None))),
+        object_scope: Some(Arc::new(ObjectScope::fixed(vec![("corpus".into(), "shards/".into())]))),
         ..ServerOptions::default()
     };
     let cache = SegmentCache::in_memory(store.clone(), 1 << 30).expect("cache");

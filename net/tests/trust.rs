@@ -208,7 +208,12 @@ fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
     let cache = SegmentCache::in_memory(Arc::new(MemObjectStore::new()), 1 << 20).expect("cache");
     let rogue = CacheServer::new(
         cache,
-        ServerOptions { token: TOKEN.into(), objects: Some(Arc::new(objects)), ..ServerOptions::default() },
+        ServerOptions {
+            token: TOKEN.into(),
+            objects: Some(Arc::new(objects)),
+            object_scope: Some(Arc::new(arbor_net::ObjectScope::fixed(vec![("corpus".into(), "shards/".into())]))),
+            ..ServerOptions::default()
+        },
     );
     let running = rogue.spawn("127.0.0.1:0").expect("serve");
     let c = client(&running.addr.to_string());

@@ -404,6 +404,45 @@ fn imported_files_are_pulled_from_their_bucket_once_through_the_server() {
     assert!(proxy.sent() - before < len / 20, "from its own disk, not the bucket");
 }
 
+/// The query of a `/v1/objects/…` request (quotes and slashes escaped).
+fn object_query(bucket: &str, key: &str, etag: &str, size: usize) -> String {
+    let esc = |v: &str| v.replace('%', "%25").replace('"', "%22").replace('/', "%2F").replace('&', "%26");
+    format!("bucket={}&key={}&etag={}&size={size}", esc(bucket), esc(key), esc(etag))
+}
+
+#[test]
+fn a_server_fetches_only_objects_an_import_of_its_disk_names() {
+    let Some(w) = S3World::start() else { return };
+    let body = "the tokens of an imported corpus\n";
+    let etag = w.bucket().put("corpus/tokens.txt", body.as_bytes()).expect("put");
+    let secret = "not imported by anyone\n";
+    let secret_etag = w.bucket().put("private/keys.txt", secret.as_bytes()).expect("put");
+    let disk = format!("s3://{S3_BUCKET}/disks/scoped");
+    arbor_env_ok(&["init", &disk], &w.env);
+    arbor_env_ok(&["import", &disk, &format!("s3://{S3_BUCKET}/corpus")], &w.env);
+    let server = Serve::start(&w, &w.env, &disk, &w.dir.path().join("server-cache"), &[]);
+    let auth = format!("Bearer {TOKEN}");
+    let get = |bucket: &str, key: &str, etag: &str, size: usize| {
+        let path = format!("/v1/objects/0?{}", object_query(bucket, key, etag, size));
+        http_get(&server.addr, &path, Some(&auth)).expect("GET")
+    };
+    let (status, got) = get(S3_BUCKET, "corpus/tokens.txt", &etag, body.len());
+    assert!(status.contains(" 200 "), "an imported object is served: {status} {got}");
+    assert_eq!(got, body);
+    // A key of the same bucket that no import names: refused, one line.
+    let (status, why) = get(S3_BUCKET, "private/keys.txt", &secret_etag, secret.len());
+    assert!(status.contains(" 403 "), "{status} {why}");
+    assert!(why.contains("is not under an import") && why.trim_end().lines().count() == 1, "{why}");
+    assert!(!why.contains(secret.trim_end()));
+    // A sibling prefix that merely starts like the imported one, and
+    // another bucket.
+    let (status, _) = get(S3_BUCKET, "corpus-private/keys.txt", &secret_etag, secret.len());
+    assert!(status.contains(" 403 "), "{status}");
+    let (status, why) = get("another-bucket", "corpus/tokens.txt", &etag, body.len());
+    assert!(status.contains(" 403 ") && why.contains("s3://another-bucket/corpus/tokens.txt"), "{status} {why}");
+    assert_eq!(server.metric("arbor_cache_refused_objects_total"), 3);
+}
+
 /// A node without a local SSD writes a branch: `--cache-dir none` with
 /// `--durability bucket` keeps the log in memory (a tmpfs) only until the
 /// bucket has it, reads what went up through the memory cache, leaves
