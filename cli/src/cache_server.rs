@@ -95,6 +95,10 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let advertised = crate::shared::advertised(addr, args.owner.advertise.as_deref());
+    if !branches.is_empty() {
+        // An owner's branch heads and leases rest on conditional writes.
+        d.check_conditional_writes()?;
+    }
     let mut owned = Vec::new();
     for b in branches {
         match crate::shared::own(&args.disk, b, &advertised, &args.owner) {

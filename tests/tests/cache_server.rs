@@ -499,3 +499,111 @@ fn a_memory_only_branch_mount_writes_through_to_the_bucket_and_keeps_nothing_on_
     let left: Vec<_> = std::fs::read_dir(&mine).into_iter().flatten().flatten().map(|e| e.path()).collect();
     assert!(left.is_empty(), "left in {}: {left:?}", mine.display());
 }
+
+/// A stand-in for a bucket that ignores conditional writes: a proxy in
+/// front of the S3 server that turns every "412 Precondition Failed" into
+/// "200 OK", so a PUT whose condition failed is reported as done (the
+/// request itself reaches the server as signed). Stops with the test.
+fn conditions_ignored(upstream: std::net::SocketAddr) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(client) = conn else { continue };
+            let Ok(server) = std::net::TcpStream::connect(upstream) else { continue };
+            let (Ok(mut c2), Ok(mut s2)) = (client.try_clone(), server.try_clone()) else { continue };
+            let (mut client, mut server) = (client, server);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut client, &mut s2);
+                let _ = s2.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut buf = vec![0u8; 1 << 16];
+                // Bytes of a refused answer's body still to drop.
+                let mut skip = 0usize;
+                while let Ok(n) = server.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut text = &buf[..n];
+                    let dropped = skip.min(text.len());
+                    text = &text[dropped..];
+                    skip -= dropped;
+                    let out = if text.starts_with(b"HTTP/1.1 412 ") {
+                        // The whole answer becomes an empty success.
+                        let head_end = text.windows(4).position(|w| w == b"\r\n\r\n").map_or(text.len(), |p| p + 4);
+                        let head = String::from_utf8_lossy(&text[..head_end]).to_ascii_lowercase();
+                        let len = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        let body_here = (text.len() - head_end).min(len);
+                        skip = len - body_here;
+                        let rest = &text[head_end + body_here..];
+                        let ok = b"HTTP/1.1 200 OK\r\nETag: \"0123456789abcdef0123456789abcdef\"\r\nContent-Length: 0\r\n\r\n";
+                        [ok.as_slice(), rest].concat()
+                    } else {
+                        text.to_vec()
+                    };
+                    if c2.write_all(&out).is_err() {
+                        break;
+                    }
+                }
+                let _ = c2.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn a_bucket_that_ignores_conditional_writes_is_refused_by_init_and_by_a_branch_owner() {
+    let Some(w) = S3World::start() else { return };
+    let ignoring = w.env_via(&conditions_ignored(w.s3_addr()));
+    // arbor init probes the bucket before it makes the disk.
+    let out = arbor_env(&["init", &format!("s3://{S3_BUCKET}/disks/never")], &ignoring);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("does not honour conditional writes"), "{err}");
+    // A disk made where the bucket honours them, then served through one
+    // that does not: a plain cache server starts (it writes nothing), an
+    // owner of a branch refuses to, with one line and a non-zero exit.
+    let disk = format!("s3://{S3_BUCKET}/disks/owned");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let cache = Serve::start(&w, &ignoring, &disk, &w.dir.path().join("plain-cache"), &[]);
+    drop(cache);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let token = token_file(&w);
+    let owner_cache = w.dir.path().join("owner-cache");
+    // (Under `timeout`: an owner that did start would serve until killed.)
+    let out = Command::new("timeout")
+        .arg("60")
+        .arg(arbor_bin())
+        .args([
+            "serve",
+            &disk,
+            "--listen",
+            &listen,
+            "--token-file",
+            token.to_str().expect("utf8"),
+            "--cache-dir",
+            owner_cache.to_str().expect("utf8"),
+            "--branch",
+            "main",
+            "--foreground",
+        ])
+        .envs(ignoring.iter().map(|(k, v)| (*k, v)))
+        .output()
+        .expect("run arbor serve");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an owner started on a bucket that ignores conditional writes: {err}");
+    let lines: Vec<&str> =
+        err.lines().filter(|l| l.starts_with("arbor: ") && l.contains("does not honour conditional writes")).collect();
+    assert_eq!(lines.len(), 1, "one line says why: {err}");
+    assert!(lines[0].contains("If-None-Match"), "{err}");
+    assert_eq!(w.objects_under("disks/owned/probe"), 0, "the probe objects are removed");
+    // Where the bucket honours them, the same owner starts.
+    let owner = Serve::start(&w, &w.env, &disk, &owner_cache, &["--branch", "main"]);
+    drop(owner);
+}
