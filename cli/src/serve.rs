@@ -215,6 +215,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "evicted_bytes": t.cache.evicted_bytes,
             "checksum_retries": t.cache.checksum_retries,
             "kept_footers": t.cache.kept_footers,
+            "bucket_footers": t.cache.bucket_footers,
         })),
         "recovery": recovery,
         "cache_servers": cache_servers_json(p.cache_client.as_deref()),
