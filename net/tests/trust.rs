@@ -9,7 +9,7 @@ use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::S3Server;
-use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
+use arbor_engine::tier::{BucketDevice, CacheStats, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_net::{CacheClient, CacheServer, ClientOptions, Running, ServerOptions};
 use std::path::Path;
@@ -41,25 +41,39 @@ fn write_disk(store: &Arc<dyn ObjectStore>, dir: &Path, data: &[u8]) {
 }
 
 /// Reads the whole file of the disk in `store` through the chunk cache in
-/// `cache` (and `peers`): its bytes, or the first error.
+/// `cache` (and `peers`): its bytes, or the first error. `stats` gets the
+/// chunk cache's counters at the end.
+fn read_file_counted(
+    store: &Arc<dyn ObjectStore>,
+    cache: &Path,
+    peers: Option<Arc<CacheClient>>,
+    stats: &mut CacheStats,
+) -> arbor_engine::Result<Vec<u8>> {
+    let tier = TierConfig { peers: peers.map(|c| c as Arc<dyn ChunkSource>), ..TierConfig::default() };
+    let dev = BucketDevice::open(store.clone(), cache, tier)?;
+    let got = (|| {
+        let vol = Volume::open(HeadDevice::new(dev.clone(), store.clone(), "main"), vol_cfg(true))?;
+        let ino = vol.lookup(ROOT_INO, b"data")?.ino;
+        let mut got = Vec::with_capacity(FILE_LEN);
+        while got.len() < FILE_LEN {
+            let part = vol.read(ino, got.len() as u64, MIB)?;
+            if part.is_empty() {
+                break;
+            }
+            got.extend_from_slice(&part);
+        }
+        Ok(got)
+    })();
+    *stats = dev.stats().cache;
+    got
+}
+
 fn read_file(
     store: &Arc<dyn ObjectStore>,
     cache: &Path,
     peers: Option<Arc<CacheClient>>,
 ) -> arbor_engine::Result<Vec<u8>> {
-    let tier = TierConfig { peers: peers.map(|c| c as Arc<dyn ChunkSource>), ..TierConfig::default() };
-    let dev = BucketDevice::open(store.clone(), cache, tier)?;
-    let vol = Volume::open(HeadDevice::new(dev, store.clone(), "main"), vol_cfg(true))?;
-    let ino = vol.lookup(ROOT_INO, b"data")?.ino;
-    let mut got = Vec::with_capacity(FILE_LEN);
-    while got.len() < FILE_LEN {
-        let part = vol.read(ino, got.len() as u64, MIB)?;
-        if part.is_empty() {
-            break;
-        }
-        got.extend_from_slice(&part);
-    }
-    Ok(got)
+    read_file_counted(store, cache, peers, &mut CacheStats::default())
 }
 
 fn client(addr: &str) -> Arc<CacheClient> {
@@ -103,17 +117,23 @@ fn a_rogue_cache_server_with_forged_footers_never_gets_its_bytes_read() {
 
     let cache = dir.path().join("client");
     let c = client(&addr);
-    match read_file(&bucket, &cache, Some(c.clone())) {
+    let mut stats = CacheStats::default();
+    match read_file_counted(&bucket, &cache, Some(c.clone()), &mut stats) {
         Ok(got) => assert!(got == right, "a reader through the rogue server got bytes the bucket does not hold"),
         Err(e) => eprintln!("the read through the rogue server failed (never wrong bytes): {e}"),
     }
     let s = c.stats()[0].clone();
     assert!(s.rejected >= 1, "the server that sent bad bytes is counted: {s:?}");
+    // Each segment's footer came from the bucket, one GET a segment.
+    let segments = real_segments.len() as u64;
+    assert!(stats.peer_footers == 0 && s.footers == 0, "{stats:?} {s:?}");
+    assert!(stats.bucket_footers >= 1 && stats.bucket_footers <= segments, "{stats:?}, {segments} segments");
 
     // A remount with no server trusts nothing the rogue left behind.
     drop(running);
-    let got = read_file(&bucket, &cache, None).expect("a remount reads the bucket's bytes");
+    let got = read_file_counted(&bucket, &cache, None, &mut stats).expect("a remount reads the bucket's bytes");
     assert!(got == right, "a remount read bytes the rogue server left in its cache");
+    assert_eq!(stats.bucket_footers, 0, "the footers kept were the bucket's: {stats:?}");
 }
 
 /// A bucket that answers every read with its own bytes, whatever the ETag

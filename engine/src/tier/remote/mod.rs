@@ -108,7 +108,8 @@ pub struct CacheStats {
     /// earlier process after it read them from the bucket (each saving a
     /// bucket GET).
     pub kept_footers: u64,
-    /// Segment footers read from the bucket (one GET each).
+    /// Segment footer reads from the bucket that found the object (one
+    /// GET each, two for a footer longer than 16 KiB).
     pub bucket_footers: u64,
 }
 
@@ -739,8 +740,8 @@ impl Remote {
         let mut last = None;
         for _ in 0..GET_TRIES {
             let attempt = (|| {
-                self.bucket_footers.fetch_add(1, Ordering::Relaxed);
                 let (tail, size) = self.store.get_tail(key, FOOTER_GUESS)?;
+                self.bucket_footers.fetch_add(1, Ordering::Relaxed);
                 if size < TRAILER_LEN as u64 {
                     return Err(Error::corrupted("segment object (too short)", key));
                 }
