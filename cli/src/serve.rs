@@ -235,6 +235,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
 fn imported_json(i: arbor_engine::source::SourceStats) -> Value {
     json!({"gets": i.gets, "fetched_bytes": i.fetched_bytes, "hits": i.hits, "misses": i.misses,
            "changed": i.changed, "errors": i.errors, "from_servers": i.from_servers, "from_disk": i.from_disk,
+           "server_checked": i.server_checked, "server_rejected": i.server_rejected,
            "disk_bytes": i.disk_bytes, "disk_capacity": i.disk_capacity, "disk_damaged": i.disk_damaged})
 }
 
