@@ -95,6 +95,10 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let advertised = crate::shared::advertised(addr, args.owner.advertise.as_deref());
+    if !branches.is_empty() {
+        // An owner's branch heads and leases rest on conditional writes.
+        d.check_conditional_writes()?;
+    }
     let mut owned = Vec::new();
     for b in branches {
         match crate::shared::own(&args.disk, b, &advertised, &args.owner) {
@@ -134,7 +138,20 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         let sources = Arc::new(arbor_engine::source::EnvSources::default());
         Arc::new(arbor_engine::source::SourceReader::serving(sources, args.object_memory, object_files))
     });
-    let opts = ServerOptions { token, fault: args.fault, keep_for: args.keep_for, objects, ..ServerOptions::default() };
+    // Source objects are fetched with this server's credentials: only
+    // those an import of the disk names.
+    let records = d.store().clone();
+    let object_scope = Arc::new(arbor_net::ObjectScope::new(Box::new(move || {
+        crate::import::imported_prefixes(records.as_ref()).map_err(|e| format!("{e:#}"))
+    })));
+    let opts = ServerOptions {
+        token,
+        fault: args.fault,
+        keep_for: args.keep_for,
+        objects,
+        object_scope: Some(object_scope),
+        ..ServerOptions::default()
+    };
     let server = CacheServer::owner(cache, shared, opts);
     if let Some(f) = args.fault {
         tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");

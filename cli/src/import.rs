@@ -310,8 +310,28 @@ pub fn record(store: &dyn ObjectStore, branch: &str, source: &str, at: &str, own
 
 /// The imports recorded for `branch`.
 pub fn recorded(store: &dyn ObjectStore, branch: &str) -> Result<Vec<Recorded>> {
+    records_under(store, &format!("imports/{branch}/"))
+}
+
+/// The (bucket, key prefix) of every import recorded for any branch of
+/// the disk in `store`: the objects its imported trees may name (a branch
+/// or checkpoint made from a branch holds that branch's imports).
+pub fn imported_prefixes(store: &dyn ObjectStore) -> Result<Vec<(String, String)>> {
     let mut out = Vec::new();
-    for key in store.list(&format!("imports/{branch}/"))? {
+    for r in records_under(store, "imports/")? {
+        match parse_source(&r.source) {
+            Ok(p) => out.push(p),
+            Err(e) => tracing::debug!(source = %r.source, error = %e, "an import record names no source"),
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+fn records_under(store: &dyn ObjectStore, prefix: &str) -> Result<Vec<Recorded>> {
+    let mut out = Vec::new();
+    for key in store.list(prefix)? {
         let Ok((body, _)) = store.get(&key) else { continue };
         let Ok(v) = serde_json::from_slice::<Value>(&body) else { continue };
         let (Some(source), Some(at)) = (v["source"].as_str(), v["at"].as_str()) else { continue };

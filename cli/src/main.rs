@@ -580,13 +580,12 @@ fn print_cache_servers(s: &serde_json::Value) {
     for c in s["cache_servers"].as_array().into_iter().flatten() {
         let n = |k: &str| c[k].as_u64().unwrap_or(0);
         println!(
-            "cache server {}: {} chunks ({}), {} hits, {} parts of chunks for small reads, {} segment footers; to the bucket instead: {} down, {} timed out, {} errors, {} not there, {} rejected (bad checksum)",
+            "cache server {}: {} chunks ({}), {} hits, {} parts of chunks for small reads; to the bucket instead: {} down, {} timed out, {} errors, {} not there, {} rejected (bad checksum)",
             c["addr"].as_str().unwrap_or("?"),
             n("chunks"),
             HumanBytes(n("bytes")),
             n("hits"),
             n("parts"),
-            n("footers"),
             n("fallback_down"),
             n("fallback_timeout"),
             n("fallback_error"),
@@ -669,12 +668,13 @@ fn print_status(s: &serde_json::Value) {
         }
         let c = &s["cache"];
         println!(
-            "cache        {} of {}, {} fetched in {} GETs, {} segment footers found kept here",
+            "cache        {} of {}, {} fetched in {} GETs, {} segment footers found kept here, {} read from the bucket",
             HumanBytes(c["bytes"].as_u64().unwrap_or(0)),
             HumanBytes(c["capacity"].as_u64().unwrap_or(0)),
             HumanBytes(c["fetched_bytes"].as_u64().unwrap_or(0)),
             c["gets"].as_u64().unwrap_or(0),
-            c["kept_footers"].as_u64().unwrap_or(0)
+            c["kept_footers"].as_u64().unwrap_or(0),
+            c["bucket_footers"].as_u64().unwrap_or(0)
         );
     }
     let i = &s["imported"];

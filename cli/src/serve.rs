@@ -215,6 +215,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
             "evicted_bytes": t.cache.evicted_bytes,
             "checksum_retries": t.cache.checksum_retries,
             "kept_footers": t.cache.kept_footers,
+            "bucket_footers": t.cache.bucket_footers,
         })),
         "recovery": recovery,
         "cache_servers": cache_servers_json(p.cache_client.as_deref()),
@@ -234,6 +235,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
 fn imported_json(i: arbor_engine::source::SourceStats) -> Value {
     json!({"gets": i.gets, "fetched_bytes": i.fetched_bytes, "hits": i.hits, "misses": i.misses,
            "changed": i.changed, "errors": i.errors, "from_servers": i.from_servers, "from_disk": i.from_disk,
+           "server_checked": i.server_checked, "server_rejected": i.server_rejected,
            "disk_bytes": i.disk_bytes, "disk_capacity": i.disk_capacity, "disk_damaged": i.disk_damaged})
 }
 

@@ -29,8 +29,9 @@ use crate::format::SegId;
 pub const IDENTITY: &str = "disk";
 /// What the identity object starts with.
 pub const FORMAT: &str = "arbor-disk v1";
-/// The object `arbor init` uses to check that the bucket honours
-/// conditional writes.
+/// The start of the objects `arbor init` and a branch's owner use to check
+/// that the bucket honours conditional writes (this, `-<pid>-<time>`;
+/// removed after the check).
 pub const PROBE: &str = "probe/conditional-writes";
 pub const BRANCHES: &str = "branches/";
 pub const CHECKPOINTS: &str = "checkpoints/";

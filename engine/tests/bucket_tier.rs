@@ -163,7 +163,7 @@ fn unadopt_all(cache: &Path) -> Vec<std::path::PathBuf> {
     let mut moved = Vec::new();
     for e in std::fs::read_dir(cache.join("chunks")).expect("chunks") {
         let from = e.expect("entry").path();
-        if from.to_string_lossy().ends_with(".footer") {
+        if from.to_string_lossy().ends_with(".bucket-footer") {
             // Kept when the segment became a cached copy: not yet, then.
             std::fs::remove_file(&from).expect("remove footer");
             continue;
@@ -274,6 +274,34 @@ fn read_through(store: &Arc<dyn ObjectStore>, cache: &Path, files: &[(String, Ve
 }
 
 #[test]
+fn footers_kept_by_an_earlier_build_are_never_read() {
+    // An earlier build kept footers a cache server gave as `….footer`:
+    // such a footer may vouch for bytes the bucket does not hold, so it is
+    // removed and the bucket's footer read instead.
+    let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("cache");
+    let files = some_files(4, 13);
+    write_and_close(&store, &cache.path().join("writer"), &files);
+    let reader = cache.path().join("reader");
+    let (first, _) = read_through(&store, &reader, &files);
+    let mut old = Vec::new();
+    for e in std::fs::read_dir(reader.join("chunks")).expect("chunks") {
+        let p = e.expect("entry").path();
+        let name = p.to_string_lossy().to_string();
+        if let Some(stem) = name.strip_suffix(".bucket-footer") {
+            let to = std::path::PathBuf::from(format!("{stem}.footer"));
+            std::fs::rename(&p, &to).expect("rename");
+            old.push(to);
+        }
+    }
+    assert!(!old.is_empty(), "no footer was kept");
+    let (calls, kept) = read_through(&store, &reader, &files);
+    assert_eq!(kept, 0, "an old kept footer was taken");
+    assert_eq!(calls as usize, old.len(), "one bucket GET per footer, no chunk again ({first} on an empty cache)");
+    assert!(old.iter().all(|p| !p.exists()), "the old footers are removed");
+}
+
+#[test]
 fn a_cache_opened_again_finds_its_segment_footers_and_asks_the_bucket_nothing() {
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");
@@ -295,7 +323,7 @@ fn a_cache_opened_again_finds_its_segment_footers_and_asks_the_bucket_nothing() 
     let footer = std::fs::read_dir(reader.join("chunks"))
         .expect("chunks")
         .map(|e| e.expect("entry").path())
-        .find(|p| p.to_string_lossy().ends_with(".footer"))
+        .find(|p| p.to_string_lossy().ends_with(".bucket-footer"))
         .expect("a kept footer");
     let good = std::fs::read(&footer).expect("read");
     let mut bad = good.clone();

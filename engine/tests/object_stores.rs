@@ -50,6 +50,10 @@ fn conformance(store: &dyn ObjectStore) {
     assert!(store.get_range("segments/ef/big", 100_000..2_900_000).expect("range") == big[100_000..2_900_000]);
     assert!(store.get_range("segments/ef/big", 3_000_000..3_000_001).is_err());
     assert!(matches!(store.size("segments/none"), Err(Error::NoSuchObject(_))));
+    // The tail of an object and its length, in one request where it can.
+    assert_eq!(store.get_tail("segments/ef/big", 10).expect("tail"), (big[big.len() - 10..].to_vec(), 3_000_000));
+    assert_eq!(store.get_tail("segments/cd/seg-2", 16 << 10).expect("whole"), (b"x".to_vec(), 1));
+    assert!(matches!(store.get_tail("segments/none", 10), Err(Error::NoSuchObject(_))));
     // A body past the multipart threshold (16 MiB) arrives whole.
     let large: Vec<u8> = (0..(20u32 << 20) + 12_345).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
     store.put_large("segments/ef/large", &large).expect("put large");

@@ -254,10 +254,46 @@ pub fn read_chunk_answer(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Chu
     })
 }
 
-/// The decoding of every frame: a length a frame claims for a `Vec` or a
-/// `String` is refused past [`MAX_FRAME`] bytes before it is allocated.
+/// The encoding of every frame.
 fn config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<MAX_FRAME>()
+}
+
+/// How much memory the lengths inside a frame may claim, as a multiple of
+/// the frame's own bytes: a list of small items takes more room decoded
+/// than on the wire (an empty name is one byte there and 24 in memory),
+/// but never this much more.
+pub const CLAIM_FACTOR: usize = 64;
+
+/// Decodes a frame of `buf.len()` bytes. What its lengths claim for a
+/// `Vec` or a `String` is refused before it is allocated past the first
+/// power of two from 4 KiB that holds [`CLAIM_FACTOR`] times the frame (at
+/// most [`MAX_FRAME`]): a frame of a few bytes that claims 16 MiB is
+/// garbled, and allocates nothing of it.
+fn decode_frame<T: bincode::Decode<()>>(buf: &[u8]) -> Result<(T, usize), bincode::error::DecodeError> {
+    macro_rules! limited {
+        ($($limit:expr),*) => {{
+            let want = buf.len().saturating_mul(CLAIM_FACTOR);
+            $(if want <= $limit {
+                return bincode::decode_from_slice(buf, bincode::config::standard().with_limit::<{ $limit }>());
+            })*
+            bincode::decode_from_slice(buf, config())
+        }};
+    }
+    limited!(
+        4 << 10,
+        8 << 10,
+        16 << 10,
+        32 << 10,
+        64 << 10,
+        128 << 10,
+        256 << 10,
+        512 << 10,
+        1 << 20,
+        2 << 20,
+        4 << 20,
+        8 << 20
+    )
 }
 
 /// The length of a hello frame from its 4-byte head, refused (as
@@ -335,7 +371,7 @@ pub fn read_frame<T: bincode::Decode<()>>(r: &mut impl Read, buf: &mut Vec<u8>) 
     }
     buf.clear();
     read_growing(r, buf, len)?;
-    match bincode::decode_from_slice(buf, config()) {
+    match decode_frame(buf) {
         Ok((v, used)) if used == len => Ok(v),
         _ => Err(io::Error::new(io::ErrorKind::InvalidData, "a garbled frame")),
     }
@@ -690,6 +726,45 @@ mod tests {
             let _ = read_frame::<Welcome>(&mut &wire[..], &mut rbuf);
             let _ = decode_hello(&wire[4..]);
             assert!(rbuf.capacity() <= RESERVED_AHEAD.max(64 + 4), "{} bytes held", rbuf.capacity());
+        }
+    }
+
+    #[test]
+    fn a_small_frame_claiming_much_memory_is_refused_and_dense_lists_still_decode() {
+        // A 6-byte frame: Answer::Reply(Ok(Out::Message(Ok(String)))) of a
+        // string claiming 16 MiB.
+        let mut claim = Vec::new();
+        write_frame(&mut claim, &mut Vec::new(), &AnswerHead::Reply(&Ok(Out::Message(Ok(String::new())))))
+            .expect("write");
+        let body_len = claim.len() - 4;
+        claim.truncate(claim.len() - 1);
+        claim.extend_from_slice(&[253, 0, 0, 0, 1, 0, 0, 0, 0]); // varint u64: 16 MiB
+        let n = (claim.len() - 4) as u32;
+        claim[..4].copy_from_slice(&n.to_le_bytes());
+        assert!(body_len < 8);
+        let err = read_answer(&mut &claim[..], &mut Vec::new()).expect_err("claims too much");
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        // Lists of the smallest items a peer sends decode whatever their
+        // count: each is larger in memory than on the wire, by far less
+        // than CLAIM_FACTOR.
+        let entry = arbor_engine::volume::DirEntryOut {
+            ino: 0,
+            kind: arbor_engine::volume::FileKind::Regular,
+            name: Vec::new(),
+            offset: 0,
+        };
+        let span = crate::files::Span { at: 0, len: 0, extent: None };
+        let replies = [
+            Out::Names(vec![Vec::new(); 100_000]),
+            Out::Entries(vec![entry; 50_000]),
+            Out::Slots(vec![(0, 0); 50_000]),
+            Out::Located(crate::files::Located { size: 0, end: 0, spans: vec![span; 50_000] }),
+        ];
+        for out in replies {
+            let (mut wire, mut buf) = (Vec::new(), Vec::new());
+            write_answer(&mut wire, &mut buf, &Answer::Reply(Ok(out.clone()))).expect("write");
+            let back = read_answer(&mut &wire[..], &mut buf).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+            assert!(matches!(back, Answer::Reply(Ok(_))));
         }
     }
 

@@ -49,6 +49,7 @@ pub mod reads;
 pub use metrics::sample as metric_sample;
 pub mod remote;
 pub mod requests;
+pub mod scope;
 pub mod server;
 
 pub use admission::ConnLimits;
@@ -56,6 +57,7 @@ pub use client::{CacheClient, ClientOptions, ServerStats};
 pub use files::SharedBranch;
 pub use policy::Policy;
 pub use remote::{RemoteFiles, RemoteOptions, RemoteStats};
+pub use scope::ObjectScope;
 pub use server::{CacheServer, Fault, Running, ServerOptions};
 
 use std::path::Path;

@@ -54,6 +54,8 @@ pub(crate) struct Metrics {
     pub not_found: AtomicU64,
     pub errors: AtomicU64,
     pub unauthorized: AtomicU64,
+    /// Source-object requests refused: no import of the disk names them.
+    pub refused_objects: AtomicU64,
     /// Chunk connections opened (framed connections for parts).
     pub chunk_connections: AtomicU64,
     /// Connections closed as they were accepted: their peer, or the
@@ -101,6 +103,12 @@ impl Metrics {
         );
         counter(&mut out, "arbor_cache_footer_requests_total", "Segment footers sent.", get(&self.footers));
         counter(&mut out, "arbor_cache_served_bytes_total", "Chunk bytes sent to clients.", get(&self.served_bytes));
+        counter(
+            &mut out,
+            "arbor_cache_refused_objects_total",
+            "Source-object requests refused: no import of the disk names the object.",
+            get(&self.refused_objects),
+        );
         counter(
             &mut out,
             "arbor_cache_not_found_total",

@@ -58,6 +58,9 @@ pub struct ServerOptions {
     /// Serves chunks of imported files' source objects, from this reader
     /// (its own buckets and cache).
     pub objects: Option<Arc<SourceReader>>,
+    /// The source objects it serves: those an import of its disk names
+    /// (none without a scope).
+    pub object_scope: Option<Arc<crate::ObjectScope>>,
     /// The connections admitted at once, and the hello's deadline.
     pub limits: ConnLimits,
 }
@@ -617,6 +620,20 @@ impl CacheServer {
                     let Some(objects) = self.opts.objects.clone() else {
                         return reply(StatusCode::NOT_FOUND, "this server does not serve source objects\n");
                     };
+                    // Fetched with the server's credentials: only what an
+                    // import of its disk names.
+                    let scope = self.opts.object_scope.clone();
+                    let asked = src.clone();
+                    let verdict = tokio::task::spawn_blocking(move || match scope {
+                        Some(scope) => scope.check(&asked),
+                        None => Err("this server serves no source objects of its disk".into()),
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("the check failed: {e}")));
+                    if let Err(why) = verdict {
+                        self.metrics.refused_objects.fetch_add(1, Ordering::Relaxed);
+                        return reply(StatusCode::FORBIDDEN, format!("{why}\n"));
+                    }
                     let what = format!("chunk {index} of {}", src.url());
                     self.chunk(what, true, move || match objects.chunk(&src, index) {
                         Ok((bytes, hit)) => Ok(Some((bytes, Some(hit)))),

@@ -327,8 +327,14 @@ impl Disk {
     }
 
     /// Branch heads are only safe where a conditional PUT is refused when
-    /// its condition fails; a bucket that ignores the condition is refused.
-    fn check_conditional_writes(&self) -> Result<()> {
+    /// its condition fails; a bucket that ignores the condition is refused
+    /// (`arbor init`, and every process that starts owning a branch). The
+    /// probe object is this process's own, so two processes probing at
+    /// once do not see each other's writes.
+    pub fn check_conditional_writes(&self) -> Result<()> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let probe = format!("{PROBE}-{}-{nanos}", std::process::id());
+        let probe = probe.as_str();
         let refuse = |what: &str| {
             fail(
                 libc::ENOTSUP,
@@ -339,22 +345,21 @@ impl Disk {
                 ),
             )
         };
-        let _ = self.store.delete(PROBE);
-        self.store.put_if_absent(PROBE, b"1").map_err(|e| self.bucket_error(e, "cannot write a probe object"))?;
+        self.store.put_if_absent(probe, b"1").map_err(|e| self.bucket_error(e, "cannot write a probe object"))?;
         let outcome = (|| {
-            match self.store.put_if_absent(PROBE, b"2") {
+            match self.store.put_if_absent(probe, b"2") {
                 Err(EngineError::AlreadyExists(_)) => {}
                 Ok(_) => return Err(refuse("If-None-Match")),
                 Err(e) => return Err(self.bucket_error(e, "cannot write a probe object")),
             }
             // A well-formed tag no object of ours has (the probe holds "2" or "1").
-            match self.store.put_if_match(PROBE, b"3", "\"00000000000000000000000000000000\"") {
+            match self.store.put_if_match(probe, b"3", "\"00000000000000000000000000000000\"") {
                 Err(EngineError::PreconditionFailed(_)) => Ok(()),
                 Ok(_) => Err(refuse("If-Match")),
                 Err(e) => Err(self.bucket_error(e, "cannot write a probe object")),
             }
         })();
-        let _ = self.store.delete(PROBE);
+        let _ = self.store.delete(probe);
         outcome
     }
 

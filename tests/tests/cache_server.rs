@@ -404,6 +404,45 @@ fn imported_files_are_pulled_from_their_bucket_once_through_the_server() {
     assert!(proxy.sent() - before < len / 20, "from its own disk, not the bucket");
 }
 
+/// The query of a `/v1/objects/…` request (quotes and slashes escaped).
+fn object_query(bucket: &str, key: &str, etag: &str, size: usize) -> String {
+    let esc = |v: &str| v.replace('%', "%25").replace('"', "%22").replace('/', "%2F").replace('&', "%26");
+    format!("bucket={}&key={}&etag={}&size={size}", esc(bucket), esc(key), esc(etag))
+}
+
+#[test]
+fn a_server_fetches_only_objects_an_import_of_its_disk_names() {
+    let Some(w) = S3World::start() else { return };
+    let body = "the tokens of an imported corpus\n";
+    let etag = w.bucket().put("corpus/tokens.txt", body.as_bytes()).expect("put");
+    let secret = "not imported by anyone\n";
+    let secret_etag = w.bucket().put("private/keys.txt", secret.as_bytes()).expect("put");
+    let disk = format!("s3://{S3_BUCKET}/disks/scoped");
+    arbor_env_ok(&["init", &disk], &w.env);
+    arbor_env_ok(&["import", &disk, &format!("s3://{S3_BUCKET}/corpus")], &w.env);
+    let server = Serve::start(&w, &w.env, &disk, &w.dir.path().join("server-cache"), &[]);
+    let auth = format!("Bearer {TOKEN}");
+    let get = |bucket: &str, key: &str, etag: &str, size: usize| {
+        let path = format!("/v1/objects/0?{}", object_query(bucket, key, etag, size));
+        http_get(&server.addr, &path, Some(&auth)).expect("GET")
+    };
+    let (status, got) = get(S3_BUCKET, "corpus/tokens.txt", &etag, body.len());
+    assert!(status.contains(" 200 "), "an imported object is served: {status} {got}");
+    assert_eq!(got, body);
+    // A key of the same bucket that no import names: refused, one line.
+    let (status, why) = get(S3_BUCKET, "private/keys.txt", &secret_etag, secret.len());
+    assert!(status.contains(" 403 "), "{status} {why}");
+    assert!(why.contains("is not under an import") && why.trim_end().lines().count() == 1, "{why}");
+    assert!(!why.contains(secret.trim_end()));
+    // A sibling prefix that merely starts like the imported one, and
+    // another bucket.
+    let (status, _) = get(S3_BUCKET, "corpus-private/keys.txt", &secret_etag, secret.len());
+    assert!(status.contains(" 403 "), "{status}");
+    let (status, why) = get("another-bucket", "corpus/tokens.txt", &etag, body.len());
+    assert!(status.contains(" 403 ") && why.contains("s3://another-bucket/corpus/tokens.txt"), "{status} {why}");
+    assert_eq!(server.metric("arbor_cache_refused_objects_total"), 3);
+}
+
 /// A node without a local SSD writes a branch: `--cache-dir none` with
 /// `--durability bucket` keeps the log in memory (a tmpfs) only until the
 /// bucket has it, reads what went up through the memory cache, leaves
@@ -511,5 +550,113 @@ fn an_owner_told_to_stop_while_its_bucket_is_away_stops_in_bounded_time() {
     let c = Mount::start_env(&disk, &again, &["--token-file", tok], &w.env);
     assert_eq!(std::fs::read(again.join("kept")).expect("read"), b"fsynced through the owner");
     c.unmount_env(&w.env);
+    drop(owner);
+}
+
+/// A stand-in for a bucket that ignores conditional writes: a proxy in
+/// front of the S3 server that turns every "412 Precondition Failed" into
+/// "200 OK", so a PUT whose condition failed is reported as done (the
+/// request itself reaches the server as signed). Stops with the test.
+fn conditions_ignored(upstream: std::net::SocketAddr) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(client) = conn else { continue };
+            let Ok(server) = std::net::TcpStream::connect(upstream) else { continue };
+            let (Ok(mut c2), Ok(mut s2)) = (client.try_clone(), server.try_clone()) else { continue };
+            let (mut client, mut server) = (client, server);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut client, &mut s2);
+                let _ = s2.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut buf = vec![0u8; 1 << 16];
+                // Bytes of a refused answer's body still to drop.
+                let mut skip = 0usize;
+                while let Ok(n) = server.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut text = &buf[..n];
+                    let dropped = skip.min(text.len());
+                    text = &text[dropped..];
+                    skip -= dropped;
+                    let out = if text.starts_with(b"HTTP/1.1 412 ") {
+                        // The whole answer becomes an empty success.
+                        let head_end = text.windows(4).position(|w| w == b"\r\n\r\n").map_or(text.len(), |p| p + 4);
+                        let head = String::from_utf8_lossy(&text[..head_end]).to_ascii_lowercase();
+                        let len = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        let body_here = (text.len() - head_end).min(len);
+                        skip = len - body_here;
+                        let rest = &text[head_end + body_here..];
+                        let ok = b"HTTP/1.1 200 OK\r\nETag: \"0123456789abcdef0123456789abcdef\"\r\nContent-Length: 0\r\n\r\n";
+                        [ok.as_slice(), rest].concat()
+                    } else {
+                        text.to_vec()
+                    };
+                    if c2.write_all(&out).is_err() {
+                        break;
+                    }
+                }
+                let _ = c2.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn a_bucket_that_ignores_conditional_writes_is_refused_by_init_and_by_a_branch_owner() {
+    let Some(w) = S3World::start() else { return };
+    let ignoring = w.env_via(&conditions_ignored(w.s3_addr()));
+    // arbor init probes the bucket before it makes the disk.
+    let out = arbor_env(&["init", &format!("s3://{S3_BUCKET}/disks/never")], &ignoring);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("does not honour conditional writes"), "{err}");
+    // A disk made where the bucket honours them, then served through one
+    // that does not: a plain cache server starts (it writes nothing), an
+    // owner of a branch refuses to, with one line and a non-zero exit.
+    let disk = format!("s3://{S3_BUCKET}/disks/owned");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let cache = Serve::start(&w, &ignoring, &disk, &w.dir.path().join("plain-cache"), &[]);
+    drop(cache);
+    let listen = format!("127.0.0.1:{}", free_port());
+    let token = token_file(&w);
+    let owner_cache = w.dir.path().join("owner-cache");
+    // (Under `timeout`: an owner that did start would serve until killed.)
+    let out = Command::new("timeout")
+        .arg("60")
+        .arg(arbor_bin())
+        .args([
+            "serve",
+            &disk,
+            "--listen",
+            &listen,
+            "--token-file",
+            token.to_str().expect("utf8"),
+            "--cache-dir",
+            owner_cache.to_str().expect("utf8"),
+            "--branch",
+            "main",
+            "--foreground",
+        ])
+        .envs(ignoring.iter().map(|(k, v)| (*k, v)))
+        .output()
+        .expect("run arbor serve");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "an owner started on a bucket that ignores conditional writes: {err}");
+    let lines: Vec<&str> =
+        err.lines().filter(|l| l.starts_with("arbor: ") && l.contains("does not honour conditional writes")).collect();
+    assert_eq!(lines.len(), 1, "one line says why: {err}");
+    assert!(lines[0].contains("If-None-Match"), "{err}");
+    assert_eq!(w.objects_under("disks/owned/probe"), 0, "the probe objects are removed");
+    // Where the bucket honours them, the same owner starts.
+    let owner = Serve::start(&w, &w.env, &disk, &owner_cache, &["--branch", "main"]);
     drop(owner);
 }

@@ -89,6 +89,16 @@ pub trait ObjectStore: Send + Sync {
     }
     /// The length of `key` in bytes.
     fn size(&self, key: &str) -> Result<u64>;
+    /// The last `len` bytes of `key` (all of it when shorter) and the
+    /// object's length: one request where the store takes a suffix range
+    /// (S3), the length and then the bytes elsewhere.
+    fn get_tail(&self, key: &str, len: u64) -> Result<(Vec<u8>, u64)> {
+        let size = self.size(key)?;
+        if size == 0 || len == 0 {
+            return Ok((Vec::new(), size));
+        }
+        Ok((self.get_range(key, size.saturating_sub(len)..size)?, size))
+    }
     /// Creates or replaces `key` with a body too large for one request;
     /// the object appears whole or not at all. Stores without a multipart
     /// API upload it in one piece.

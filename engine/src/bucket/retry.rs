@@ -157,6 +157,10 @@ impl ObjectStore for RetryStore {
         self.run("head", key, |_| self.inner.size(key))
     }
 
+    fn get_tail(&self, key: &str, len: u64) -> Result<(Vec<u8>, u64)> {
+        self.run("ranged get", key, |_| self.inner.get_tail(key, len))
+    }
+
     fn delete(&self, key: &str) -> Result<()> {
         self.run("delete", key, |_| self.inner.delete(key))
     }

@@ -502,6 +502,42 @@ impl ObjectStore for S3Store {
         Ok(out)
     }
 
+    /// One GET of a suffix range; the object's length from its
+    /// `Content-Range` (or, when the whole object came, its body).
+    fn get_tail(&self, key: &str, len: u64) -> Result<(Vec<u8>, u64)> {
+        if len == 0 {
+            return Ok((Vec::new(), self.size(key)?));
+        }
+        let full = self.key(key)?;
+        let req = self.client.get_object().bucket(&self.bucket).key(&full).range(format!("bytes=-{len}"));
+        let task = self.rt.spawn(async move {
+            let out = req.send().await?;
+            let total = out.content_range().and_then(|r| r.rsplit('/').next()).and_then(|t| t.parse::<u64>().ok());
+            Ok::<_, SdkError<_, _>>(out.body.collect().await.map(|b| (b.into_bytes(), total)))
+        });
+        let joined = self.rt.block_on(task).map_err(|e| Error::Io(std::io::Error::other(format!("S3 task: {e}"))))?;
+        match joined {
+            Ok(Ok((bytes, Some(total)))) if bytes.len() as u64 <= total => Ok((Vec::from(bytes), total)),
+            // No total named: the whole object came only if it is shorter.
+            Ok(Ok((bytes, None))) if (bytes.len() as u64) < len => {
+                let n = bytes.len() as u64;
+                Ok((Vec::from(bytes), n))
+            }
+            Ok(Err(e)) => Err(Error::Io(std::io::Error::other(format!("S3 ranged get body: {e}")))),
+            Err(e) if status(&e) == Some(404) => Err(Error::NoSuchObject(key.into())),
+            // No total named, or a server that takes no suffix range longer
+            // than the object (s3s-fs answers 500) or none at all: the
+            // length, then the bytes.
+            _ => {
+                let size = self.size(key)?;
+                if size == 0 {
+                    return Ok((Vec::new(), 0));
+                }
+                Ok((self.get_range(key, size.saturating_sub(len)..size)?, size))
+            }
+        }
+    }
+
     fn size(&self, key: &str) -> Result<u64> {
         let full = self.key(key)?;
         match self.rt.block_on(self.client.head_object().bucket(&self.bucket).key(&full).send()) {

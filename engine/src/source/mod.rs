@@ -12,7 +12,13 @@
 //! before the bucket: the server keeps it keyed by (bucket, key, ETag,
 //! index), which names one version's bytes forever, so it needs no
 //! invalidation either. A chunk the server does not give, or gives with
-//! the wrong length, is read from the bucket.
+//! the wrong length, is read from the bucket. What a server gives is
+//! checked against the bucket only where the bucket says something about
+//! it: an object of one chunk whose ETag is the MD5 of its body (put in one
+//! piece, without KMS) is checked whole. The chunks of larger objects, and
+//! of objects whose ETag is no MD5 (multipart uploads, KMS, and every
+//! object of a bucket seen to name other ETags), have no checksum in the
+//! bucket: those are taken from the server on its word (its token).
 //!
 //! A mount (and a server) also keeps the chunks it fetched on local disk
 //! ([`ChunkFiles`], in its cache folder): memory, then disk, then the
@@ -204,6 +210,11 @@ pub struct SourceStats {
     pub from_servers: u64,
     /// Chunks found in the local chunk files.
     pub from_disk: u64,
+    /// Of `from_servers`, those checked against the object's ETag (an
+    /// object of one chunk with an MD5 ETag); the rest were taken unchecked.
+    pub server_checked: u64,
+    /// Chunks a server gave that failed that check (read from the bucket).
+    pub server_rejected: u64,
     /// The local chunk files: bytes held, the most they may hold, and
     /// files that failed their checks.
     pub disk_bytes: u64,
@@ -221,6 +232,12 @@ struct Counters {
     errors: AtomicU64,
     from_servers: AtomicU64,
     from_disk: AtomicU64,
+    /// Of `from_servers`, those checked against the object's ETag (MD5).
+    server_checked: AtomicU64,
+    /// Chunks a server gave that failed that check.
+    server_rejected: AtomicU64,
+    /// Buckets whose ETags were seen not to be the MD5 of the bytes.
+    etags_not_md5: Mutex<std::collections::HashSet<String>>,
 }
 
 /// A reader of source objects: a volume's, or a cache server's.
@@ -334,6 +351,8 @@ impl SourceReader {
             errors: get(&c.errors),
             from_servers: get(&c.from_servers),
             from_disk: get(&c.from_disk),
+            server_checked: get(&c.server_checked),
+            server_rejected: get(&c.server_rejected),
             ..self.files.as_ref().map_or_else(SourceStats::default, |f| {
                 let s = f.stats();
                 SourceStats {
@@ -512,6 +531,9 @@ impl SourceReader {
                 };
                 match got {
                     Ok(bytes) => {
+                        if *first == 0 && bytes.len() as u64 == src.size && src.size <= CHUNK {
+                            counters.learn_etags(&src, &bytes);
+                        }
                         let body = Arc::new(bytes);
                         let chunks: Vec<(u64, Chunk)> = rest
                             .iter()
@@ -606,6 +628,19 @@ fn from_servers<'a>(
         let (i, p) = entry;
         match given.next().flatten() {
             Some(bytes) if bytes.len() as u64 == chunk_len(src.size, *i) => {
+                match counters.etag_check(src, &bytes) {
+                    Some(false) => {
+                        tracing::warn!(object = %src.url(), chunk = i, "an object from a cache server is not what its ETag names; reading it from the bucket");
+                        counters.server_rejected.fetch_add(1, Ordering::Relaxed);
+                        servers.object_rejected(src, *i);
+                        rest.push(entry);
+                        continue;
+                    }
+                    Some(true) => {
+                        counters.server_checked.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => {}
+                }
                 counters.from_servers.fetch_add(1, Ordering::Relaxed);
                 let chunk = Chunk { start: 0, len: bytes.len(), body: Arc::new(bytes) };
                 finish(cache, object, *i, p, Ok(chunk.clone()));
@@ -624,6 +659,51 @@ fn from_servers<'a>(
         }
     }
     rest
+}
+
+/// The MD5 an ETag names: 32 hex digits (quoted or not), as S3 gives for an
+/// object put in one piece without KMS; `None` for any other ETag.
+fn etag_md5(etag: &str) -> Option<[u8; 16]> {
+    let hex = etag.trim_matches('"');
+    if hex.len() != 32 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+fn md5(bytes: &[u8]) -> [u8; 16] {
+    use md5::Digest;
+    md5::Md5::digest(bytes).into()
+}
+
+impl Counters {
+    /// Checks `body`, all of `src` as a cache server gave it, against the
+    /// bucket's ETag: `Some(true)` if it is the MD5 the ETag names,
+    /// `Some(false)` if not, `None` where the ETag says nothing (an object
+    /// of more than one chunk, an ETag that is no MD5, a bucket seen to name
+    /// other ETags).
+    fn etag_check(&self, src: &Source, body: &[u8]) -> Option<bool> {
+        if src.size > CHUNK || body.len() as u64 != src.size || self.etags_not_md5.lock().contains(&src.bucket) {
+            return None;
+        }
+        let want = etag_md5(&src.etag)?;
+        Some(md5(body) == want)
+    }
+
+    /// `body`, all of `src` as the bucket gave it (a GET conditional on its
+    /// ETag): if it is not the MD5 its ETag names, that bucket's ETags are
+    /// something else (KMS, another store) and say nothing of a server's copy.
+    fn learn_etags(&self, src: &Source, body: &[u8]) {
+        if etag_md5(&src.etag).is_some_and(|want| md5(body) != want)
+            && self.etags_not_md5.lock().insert(src.bucket.clone())
+        {
+            tracing::info!(bucket = %src.bucket, "this bucket's ETags are not MD5s of the bytes: objects from cache servers are taken unchecked");
+        }
+    }
 }
 
 /// Records a fetch's result: cached if it worked, then its waiters woken.
@@ -649,5 +729,31 @@ fn changed(src: &Source, e: Error) -> Error {
             Error::SourceChanged(format!("{} ({why} since import)", src.url()))
         }
         e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_etag_of_32_hex_digits_names_an_md5() {
+        let body = b"hello";
+        let etag = "\"5d41402abc4b2a76b9719d911017c592\"";
+        assert_eq!(etag_md5(etag), Some(md5(body)));
+        assert_eq!(etag_md5(etag.trim_matches('"')), Some(md5(body)));
+        assert_eq!(etag_md5("\"5d41402abc4b2a76b9719d911017c592-2\""), None, "multipart");
+        assert_eq!(etag_md5("\"1\""), None);
+        assert_eq!(etag_md5("\"zz41402abc4b2a76b9719d911017c592\""), None);
+        let src = Source { bucket: "b".into(), key: "k".into(), size: 5, etag: etag.into(), version: None };
+        let c = Counters::default();
+        assert_eq!(c.etag_check(&src, body), Some(true));
+        assert_eq!(c.etag_check(&src, b"jello"), Some(false));
+        // A bucket whose own bytes do not match their ETag: nothing checked there.
+        let kms = Source { etag: "\"00000000000000000000000000000000\"".into(), ..src.clone() };
+        c.learn_etags(&kms, body);
+        assert_eq!(c.etag_check(&src, b"jello"), None);
+        let big = Source { size: CHUNK + 1, ..src };
+        assert_eq!(Counters::default().etag_check(&big, body), None);
     }
 }

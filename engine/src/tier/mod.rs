@@ -201,10 +201,10 @@ impl BucketDevice {
         for id in local.list_segments()? {
             let path = local.path_of(id);
             match store.size(&object::segment_key(id)) {
-                Ok(size) => {
+                Ok(_) => {
                     // Uploaded, but the move into the cache did not happen:
                     // kept if it is the object's data, else dropped.
-                    if !remote.adopt_uploaded(id, &path, size) {
+                    if !remote.adopt_uploaded(id, &path) {
                         std::fs::remove_file(&path)?;
                     }
                     continue;

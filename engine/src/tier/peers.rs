@@ -2,8 +2,9 @@
 //! (`arbor serve`). A sealed segment's object is immutable and its name is
 //! never reused, so a chunk is a pure function of (segment, index): any
 //! server may hold a copy, and the reader checks every byte it is given
-//! against the footer it read from the bucket. A chunk a server did not
-//! give, or gave wrong, is read from the bucket.
+//! against the footer it read from the bucket itself (never one a server
+//! gave: a server could then vouch for its own bytes). A chunk a server
+//! did not give, or gave wrong, is read from the bucket.
 
 use crate::format::SegId;
 use crate::source::Source;
@@ -36,8 +37,9 @@ pub trait ChunkSource: Send + Sync {
     fn rejected(&self, seg: SegId, index: u32);
     /// The footer of sealed segment `seg` as its object ends (the crc
     /// table and the trailer, checked by its own crc32c): a reader opening
-    /// a segment asks this before two round trips to the bucket; `None`
-    /// when this source cannot give it now.
+    /// a segment asks this of a source that [`ChunkSource::is_local`] (and
+    /// no other) before a GET of the bucket; `None` when this source cannot
+    /// give it now.
     fn fetch_footer(&self, _seg: SegId) -> Option<Vec<u8>> {
         None
     }

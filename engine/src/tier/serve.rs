@@ -40,8 +40,8 @@ impl SegmentCache {
     }
 
     /// A cache in `dir` (in memory when `None`) that asks `sources` for a
-    /// chunk or a footer before the bucket, checking what they give as it
-    /// checks a GET.
+    /// chunk before the bucket, checking what they give as it checks a GET
+    /// (and for a footer, where they are caches of this process).
     pub fn with_sources(
         store: Arc<dyn ObjectStore>,
         dir: Option<&Path>,

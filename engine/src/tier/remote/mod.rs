@@ -57,7 +57,11 @@ const GET_TRIES: usize = 4;
 /// WAL pieces fetched at once when a segment is read from them.
 const PIECE_FETCHES: usize = 16;
 /// A kept segment footer's name: the segment's cache file name and this.
-const FOOTER_SUFFIX: &str = ".footer";
+/// Only footers read from the bucket (or written by this node) are kept.
+const FOOTER_SUFFIX: &str = ".bucket-footer";
+/// Kept footers of earlier builds, which may have come from a cache
+/// server: never read, removed when their segment is opened.
+const OLD_FOOTER_SUFFIX: &str = ".footer";
 /// The largest read a cache server answers with part of a chunk (larger
 /// ones fetch the whole chunk): a quarter chunk, more than the kernel's
 /// read-ahead for one random read.
@@ -96,11 +100,17 @@ pub struct CacheStats {
     pub peer_parts: u64,
     pub peer_part_bytes: u64,
     pub part_rejected: u64,
-    /// Segment footers cache servers gave (each saving two bucket trips).
+    /// Segment footers another cache of this process gave (each saving
+    /// a bucket GET). A cache server's footers are never taken: a footer
+    /// is what every chunk is checked against, so it comes from the bucket.
     pub peer_footers: u64,
     /// Segment footers read from this cache's own folder, kept there by an
-    /// earlier process (each saving two bucket trips, or one to a server).
+    /// earlier process after it read them from the bucket (each saving a
+    /// bucket GET).
     pub kept_footers: u64,
+    /// Segment footer reads from the bucket that found the object (one
+    /// GET each, two for a footer longer than 16 KiB).
+    pub bucket_footers: u64,
 }
 
 pub(crate) struct Remote {
@@ -146,6 +156,7 @@ pub(crate) struct Remote {
     part_rejected: AtomicU64,
     peer_footers: AtomicU64,
     kept_footers: AtomicU64,
+    bucket_footers: AtomicU64,
 }
 
 impl Remote {
@@ -190,6 +201,7 @@ impl Remote {
             part_rejected: AtomicU64::new(0),
             peer_footers: AtomicU64::new(0),
             kept_footers: AtomicU64::new(0),
+            bucket_footers: AtomicU64::new(0),
         }))
     }
 
@@ -243,6 +255,7 @@ impl Remote {
             part_rejected: self.part_rejected.load(Ordering::Relaxed),
             peer_footers: self.peer_footers.load(Ordering::Relaxed),
             kept_footers: self.kept_footers.load(Ordering::Relaxed),
+            bucket_footers: self.bucket_footers.load(Ordering::Relaxed),
         }
     }
 
@@ -366,12 +379,12 @@ impl Remote {
     /// fetched again. `false` where it is not kept (a memory-only cache, a
     /// file that differs from the object, or the footer out of reach): the
     /// caller drops the file and the bucket's copy is read instead.
-    pub(crate) fn adopt_uploaded(self: &Arc<Self>, id: SegId, local: &std::path::Path, size: u64) -> bool {
+    pub(crate) fn adopt_uploaded(self: &Arc<Self>, id: SegId, local: &std::path::Path) -> bool {
         if self.memory {
             return false;
         }
         let same = (|| -> Result<Option<Footer>> {
-            let footer = self.read_footer(&segment_key(id), size)?;
+            let footer = self.read_footer(&segment_key(id))?;
             let file = File::open(local)?;
             if file.metadata()?.len() != footer.data_len {
                 return Ok(None);
@@ -594,26 +607,23 @@ impl Remote {
             let file = self.cache_file(id, &footer)?;
             return Ok(Some(self.insert_seg(id, footer, Source::Object { file })));
         }
-        if let Some(footer) = self.footer_from_peers(id, &key) {
-            self.keep_footer(id, &footer);
-            let file = self.cache_file(id, &footer)?;
-            return Ok(Some(self.insert_seg(id, footer, Source::Object { file })));
-        }
-        let size = match self.store.size(&key) {
-            Ok(size) => size,
-            Err(Error::NoSuchObject(_)) if !wal => return Ok(None),
-            Err(Error::NoSuchObject(_)) => match self.open_wal(id)? {
-                Some(seg) => return Ok(Some(seg)),
-                // Gone, or sealed and uploaded between the two looks.
-                None => match self.store.size(&key) {
-                    Ok(size) => size,
-                    Err(Error::NoSuchObject(_)) => return Ok(None),
-                    Err(e) => return Err(e),
+        let footer = match self.footer_from_local_peers(id, &key) {
+            Some(footer) => footer,
+            None => match self.read_footer(&key) {
+                Ok(footer) => footer,
+                Err(Error::NoSuchObject(_)) if !wal => return Ok(None),
+                Err(Error::NoSuchObject(_)) => match self.open_wal(id)? {
+                    Some(seg) => return Ok(Some(seg)),
+                    // Gone, or sealed and uploaded between the two looks.
+                    None => match self.read_footer(&key) {
+                        Ok(footer) => footer,
+                        Err(Error::NoSuchObject(_)) => return Ok(None),
+                        Err(e) => return Err(e),
+                    },
                 },
+                Err(e) => return Err(e),
             },
-            Err(e) => return Err(e),
         };
-        let footer = self.read_footer(&key, size)?;
         self.keep_footer(id, &footer);
         let file = self.cache_file(id, &footer)?;
         Ok(Some(self.insert_seg(id, footer, Source::Object { file })))
@@ -622,7 +632,9 @@ impl Remote {
     /// Where the footer of sealed segment `id` is kept beside its cache
     /// file, so that a later process opens the segment without asking
     /// anyone (a segment object never changes and its name is never
-    /// reused, so a footer once read stays true).
+    /// reused, so a footer once read from the bucket stays true). The
+    /// folder is private to its owner, and nothing but a footer read from
+    /// the bucket or written by this node is kept here.
     fn footer_path(&self, id: SegId) -> PathBuf {
         self.dir.join(format!("{}{FOOTER_SUFFIX}", id.file_name()))
     }
@@ -632,6 +644,10 @@ impl Remote {
     fn kept_footer(&self, id: SegId, key: &str) -> Option<Footer> {
         if self.memory {
             return None;
+        }
+        let old = self.dir.join(format!("{}{OLD_FOOTER_SUFFIX}", id.file_name()));
+        if fs::remove_file(&old).is_ok() {
+            tracing::debug!(seg = %id, "removed a kept footer of an earlier build (it may have come from a cache server)");
         }
         let path = self.footer_path(id);
         let bytes = fs::read(&path).ok()?;
@@ -659,7 +675,7 @@ impl Remote {
         let mut bytes = Vec::with_capacity(footer.encoded_len());
         footer.encode(&mut bytes);
         let path = self.footer_path(id);
-        let aside = path.with_extension("footer-new");
+        let aside = path.with_extension("bucket-footer-new");
         // Private to the cache's owner, as the cache files are.
         let kept = crate::private::create(&aside)
             .and_then(|mut f| std::io::Write::write_all(&mut f, &bytes))
@@ -670,11 +686,13 @@ impl Remote {
         }
     }
 
-    /// The footer of sealed segment `id` from its cache server, checked
-    /// (its own crc32c, its lengths): one round trip to a server nearby
-    /// instead of two to the bucket (the object's size, then its tail).
-    fn footer_from_peers(&self, id: SegId, key: &str) -> Option<Footer> {
-        let peers = self.peers.as_ref()?;
+    /// The footer of sealed segment `id` from another cache of this
+    /// process (whose footers came from the bucket, or from the segment's
+    /// own writer here), checked (its own crc32c, its lengths). A cache
+    /// server is never asked: every chunk it gives is checked against the
+    /// footer, so a footer it gave would let it vouch for itself.
+    fn footer_from_local_peers(&self, id: SegId, key: &str) -> Option<Footer> {
+        let peers = self.peers.as_ref().filter(|p| p.is_local())?;
         let bytes = peers.fetch_footer(id)?;
         match Footer::decode(&bytes, key) {
             Ok(footer) => {
@@ -682,7 +700,7 @@ impl Remote {
                 Some(footer)
             }
             Err(e) => {
-                tracing::warn!(seg = %id, error = %e, "a segment footer from a cache server failed its check; reading it from the bucket");
+                tracing::warn!(seg = %id, error = %e, "a segment footer from this node's own cache failed its check; reading it from the bucket");
                 peers.footer_rejected(id);
                 None
             }
@@ -715,17 +733,19 @@ impl Remote {
         Ok(file)
     }
 
-    fn read_footer(&self, key: &str, size: u64) -> Result<Footer> {
+    /// The footer of segment object `key`, read from the bucket: one GET
+    /// of the object's tail (a suffix range) holds the whole footer of any
+    /// segment up to FOOTER_GUESS / 4 chunks; larger ones take two.
+    fn read_footer(&self, key: &str) -> Result<Footer> {
         let mut last = None;
         for _ in 0..GET_TRIES {
             let attempt = (|| {
+                let (tail, size) = self.store.get_tail(key, FOOTER_GUESS)?;
+                self.bucket_footers.fetch_add(1, Ordering::Relaxed);
                 if size < TRAILER_LEN as u64 {
                     return Err(Error::corrupted("segment object (too short)", key));
                 }
-                // One GET of the object's tail holds the whole footer of any
-                // segment up to FOOTER_GUESS / 4 chunks; larger ones take two.
                 let guess = size.min(FOOTER_GUESS);
-                let tail = self.store.get_range(key, size - guess..size)?;
                 if tail.len() as u64 != guess {
                     return Err(Error::corrupted("segment object footer (short read)", key));
                 }
@@ -871,5 +891,6 @@ impl Remote {
         self.chunks.forget_where(|k| k.0 == id);
         let _ = fs::remove_file(self.path(id));
         let _ = fs::remove_file(self.footer_path(id));
+        let _ = fs::remove_file(self.dir.join(format!("{}{OLD_FOOTER_SUFFIX}", id.file_name())));
     }
 }
