@@ -253,6 +253,21 @@ pub fn read_chunk_answer(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Chu
     })
 }
 
+/// Reads the [`Welcome`] that answers a hello. A server that speaks TLS
+/// answers a clear-text hello with a TLS alert record: said so.
+pub fn read_welcome(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Welcome> {
+    let mut head = [0u8; 4];
+    r.read_exact(&mut head)?;
+    // A TLS record: content type alert (21), then version 3.x.
+    if head[..2] == [0x15, 0x03] {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the server speaks TLS: give --tls-ca or --tls-fingerprint",
+        ));
+    }
+    read_frame(&mut Read::chain(&head[..], r), buf)
+}
+
 /// The decoding of every frame: a length a frame claims for a `Vec` or a
 /// `String` is refused past [`MAX_FRAME`] bytes before it is allocated.
 fn config() -> impl bincode::config::Config {
