@@ -85,10 +85,10 @@ pub(crate) fn check(der: &[u8]) -> Result<(), String> {
     let (before, after) = validity(der).ok_or("holds something that is not an X.509 certificate")?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
     if now > after {
-        return Err(format!("its certificate expired on {}", date(after)));
+        return Err(format!("expired on {}", date(after)));
     }
     if now < before {
-        return Err(format!("its certificate is not valid before {}", date(before)));
+        return Err(format!("not valid before {}", date(before)));
     }
     Ok(())
 }
