@@ -220,6 +220,10 @@ impl Stream {
         let Some(tls) = tls else { return Ok(Stream::plain(tcp)) };
         tcp.set_read_timeout(Some(timeout))?;
         tcp.set_write_timeout(Some(timeout))?;
-        tls.dial(addr, tcp)
+        let s = tls.dial(addr, tcp)?;
+        // As a plain connection comes: the caller sets its own timeouts.
+        s.tcp.set_read_timeout(None)?;
+        s.tcp.set_write_timeout(None)?;
+        Ok(s)
     }
 }
