@@ -202,7 +202,7 @@ fn a_wrong_ca_clear_text_and_tls_to_a_clear_server_are_refused_with_their_reason
     // No fallback the other way: a TLS client of a clear-text owner.
     let (_vol2, clear) = owner(None, TOKEN, ConnLimits::default());
     let e = remote(&clear.addr.to_string(), Some(pki.trusting()), TOKEN).err().expect("no fallback");
-    assert!(e.contains("TLS"), "{e}");
+    assert!(e.contains("does not speak TLS"), "{e}");
     // Each failure is one line.
     assert!(!e.contains('\n'), "{e}");
 }
@@ -298,7 +298,7 @@ fn a_read_through_a_tls_cache_server_gets_every_chunk_from_it() {
     assert!(problem.contains("not signed by the CA"), "{problem}");
     let clear = cache_client(&addr, None);
     let problem = clear.check(Duration::from_secs(5)).remove(0).1.expect("a problem");
-    assert!(problem.contains("TLS"), "{problem}");
+    assert!(problem.contains("speaks TLS"), "{problem}");
     // And their reads come from the bucket, whole.
     assert!(read_through(&store, &dir.path().join("clear"), clear.clone()) == data);
     assert_eq!(clear.stats()[0].bytes, 0);
