@@ -1,5 +1,6 @@
-//! The framed transport: length-prefixed bincode frames on a plain TCP
-//! connection, answered one at a time, in order. It carries file
+//! The framed transport: length-prefixed bincode frames on a TCP
+//! connection (inside TLS when the server has a certificate, see
+//! [`crate::stream`]), answered one at a time, in order. It carries file
 //! operations to a branch's owner and segment chunks from a cache server.
 //!
 //! A client mount keeps a small pool of these connections and a FUSE

@@ -34,7 +34,8 @@
 //!
 //! File operations on a branch this process owns use framed connections
 //! to the same port instead (see [`frames`]): a connection that starts
-//! with `ARBF` is one of those, anything else is HTTP.
+//! with `ARBF` is one of those, anything else is HTTP (inside TLS, the
+//! protocol the client names in its handshake, ALPN, tells them apart).
 //! A client mount reads the file bytes the bucket already holds from the
 //! bucket (through its chunk cache and these servers) after asking the
 //! owner where they are: see [`reads`].
