@@ -304,6 +304,41 @@ fn a_read_through_a_tls_cache_server_gets_every_chunk_from_it() {
     assert_eq!(clear.stats()[0].bytes, 0);
 }
 
+#[test]
+fn a_cache_server_takes_a_client_certificate_instead_of_the_token_on_both_protocols() {
+    let _turn = ONE_AT_A_TIME.lock();
+    let pki = Pki::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, data) = bucket_with_file(dir.path(), 3);
+    let cache = SegmentCache::open(store.clone(), &dir.path().join("server"), 1 << 30).expect("cache");
+    let opts = ServerOptions { token: String::new(), tls: Some(pki.server(true)), ..ServerOptions::default() };
+    let server = CacheServer::new(cache, opts).spawn("127.0.0.1:0").expect("serve");
+    let addr = server.addr.to_string();
+    let client = |tls: ClientTls| {
+        let opts = ClientOptions {
+            servers: vec![addr.clone()],
+            token: String::new(),
+            timeout: Duration::from_secs(5),
+            tls: Some(tls),
+        };
+        Arc::new(CacheClient::new(opts).expect("client"))
+    };
+    // With the certificate: the health check (HTTP/2) and every chunk
+    // (framed) and footer (HTTP/2) come from the server.
+    let known = client(pki.client(Trust::Ca(pki.ca.clone()), Some((&pki.client_cert, &pki.client_key))));
+    assert_eq!(known.check(Duration::from_secs(5)), vec![(addr.clone(), None)]);
+    assert!(read_through(&store, &dir.path().join("known"), known.clone()) == data);
+    let s = &known.stats()[0];
+    assert!(s.bytes >= data.len() as u64 && s.footers > 0, "{s:?}");
+    assert_eq!(s.fallback_error + s.fallback_timeout, 0, "{s:?}");
+    // Without one (and no token): refused on both, read from the bucket.
+    let unknown = client(pki.trusting());
+    let problem = unknown.check(Duration::from_secs(5)).remove(0).1.expect("refused");
+    assert!(problem.contains("refused our token"), "{problem}");
+    assert!(read_through(&store, &dir.path().join("unknown"), unknown.clone()) == data);
+    assert_eq!(unknown.stats()[0].bytes, 0);
+}
+
 /// A forwarder from a port of its own to `upstream` that keeps every byte
 /// it passes, both ways.
 struct Recorder {
