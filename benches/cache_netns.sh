@@ -8,10 +8,17 @@
 # sequential reads against the bucket and the client's own cache, the
 # memory of a memory-only client, and the CPU each read cost.
 #
-#   benches/cache_netns.sh [MIB]     (root; s3s-fs; arbor and delay_proxy built)
+#   benches/cache_netns.sh [MIB]     (root; s3s-fs; openssl; arbor and delay_proxy built)
 #
 # ARBOR / PROXY point at the binaries (default: target/release). Everything
 # it starts it stops, and it removes its namespaces, bridge and folders.
+#
+# TLS=on: the cache server speaks TLS (a CA and a certificate made here
+# with openssl) and every client trusts its CA (default: off). Whatever
+# TLS is, phase H reads the dataset through the warm server with TLS off
+# and on, TLS_ROUNDS times each (default 3, alternating; 0: no phase H),
+# and reports the median of each and their ratio. ONLY_TLS=1 runs only
+# what phase H needs (the writer, the cold server of phase B, then H).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 mib=${1:-256}
@@ -23,6 +30,18 @@ bucket_ip=10.77.0.2 cache_ip=10.77.0.3
 
 start_bucket "$bucket_ip"
 disk=s3://arbor-test/netns
+tls_rounds=${TLS_ROUNDS:-3}
+only_tls=${ONLY_TLS:-0}
+server_tls=${TLS:-off} client_tls=${TLS:-off}
+
+# A CA and the cache server's certificate, for its address.
+mkdir -p "$work/tls"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=arbor-bench-ca \
+  -keyout "$work/tls/ca.key" -out "$work/tls/ca.pem" 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=cache \
+  -keyout "$work/tls/server.key" -out "$work/tls/server.csr" 2>/dev/null
+openssl x509 -req -in "$work/tls/server.csr" -CA "$work/tls/ca.pem" -CAkey "$work/tls/ca.key" -CAcreateserial -days 2 \
+  -extfile <(printf 'subjectAltName=IP:%s\n' "$cache_ip") -out "$work/tls/server.pem" 2>/dev/null
 
 # The writer: a dataset, checkpoint v1, unmount (uploads everything).
 XDG_CACHE_HOME=$(node writer) on writer "$arbor" init "$disk" >/dev/null
@@ -36,9 +55,11 @@ XDG_CACHE_HOME=$(node writer) "$arbor" unmount "$work/mnt-writer" >/dev/null
 dataset=$(( mib * 1048576 ))
 
 mount_client() { # host name [extra args…]: mounts checkpoint v1 on a fresh cache
-  local h=$1 name=$2; shift 2
+  local h=$1 name=$2 tls=(); shift 2
+  # A client of the cache server trusts its CA when the server speaks TLS.
+  case " $* " in *" --cache-server="*) [ "$client_tls" = on ] && tls=(--tls-ca "$work/tls/ca.pem") ;; esac
   mkdir -p "$work/mnt-$name"
-  XDG_CACHE_HOME=$(node "$name") on "$h" "$arbor" mount "$disk" "$work/mnt-$name" --checkpoint v1 "$@" >/dev/null
+  XDG_CACHE_HOME=$(node "$name") on "$h" "$arbor" mount "$disk" "$work/mnt-$name" --checkpoint v1 "$@" "${tls[@]}" >/dev/null
   mounts+=("$work/mnt-$name")
 }
 check() { (cd "$work/mnt-$1" && sha256sum -c --quiet "$work/sums") || { echo "client $1 read wrong bytes" >&2; exit 1; }; }
@@ -47,20 +68,24 @@ rows=()
 row() { rows+=("| $1 | $(echo "scale=3; $2 / $dataset" | bc)× the dataset ($2 B) | $(printf %.1f "$3") s | $4 |"); }
 
 start_server() {
+  local tls=()
+  [ "$server_tls" = on ] && tls=(--tls-cert "$work/tls/server.pem" --tls-key "$work/tls/server.key")
   # nsenter itself, not the `on` function (a subshell): $! must be the server.
   XDG_CACHE_HOME=$(node cache) nsenter --net=/run/netns/arb-cache "$arbor" serve "$disk" --listen "$cache_ip:7070" --cache-dir "$work/server-cache" \
-    --token-file "$work/token" --foreground 2>>"$work/serve.log" & server_pid=$!; pids+=($server_pid)
+    --token-file "$work/token" "${tls[@]}" --foreground 2>>"$work/serve.log" & server_pid=$!; pids+=($server_pid)
   wait_port c1 "$cache_ip" 7070
 }
 servers="--cache-server=$cache_ip:7071"
 on cache "$proxy" "$cache_ip:7071" "$cache_ip:7070" 100 "$work/served-bytes" & pids+=($!)
 
 # A: two clients, no server.
+if [ "$only_tls" = 0 ]; then
 b0=$(bucket_bytes); t0=$(now)
 mount_client c1 a1; mount_client c2 a2
 check a1 & r1=$!; check a2 & r2=$!; wait "$r1"; wait "$r2"
 row "2 clients, no cache server" $(( $(bucket_bytes) - b0 )) "$(echo "$(now) - $t0" | bc)" "each pulls the whole dataset"
 unmount_client a1; unmount_client a2
+fi
 
 # B: two clients through one cold server.
 start_server
@@ -70,6 +95,7 @@ check b1 & r1=$!; check b2 & r2=$!; wait "$r1"; wait "$r2"
 row "2 clients through a cold server" $(( $(bucket_bytes) - b0 )) "$(echo "$(now) - $t0" | bc)" "each chunk from the bucket once"
 unmount_client b1; unmount_client b2
 
+if [ "$only_tls" = 0 ]; then
 # C: a new client, the server warm, then killed -9 in the middle of its
 # reads (once it has sent a quarter of the dataset to this client).
 b0=$(bucket_bytes); t0=$(now); s0=$(cat "$work/served-bytes")
@@ -128,6 +154,7 @@ mount_client c2 e2
 got=$(random_reads e2 $(( n_random / 4 ))); read -r b50 b99 <<< "$got"
 unmount_client e2
 random_row="| $n_random × 4 KiB random reads on a new client (FUSE) | p50 $p50 µs, p99 $p99 µs through the warm server | p50 $b50 µs, p99 $b99 µs from the bucket ($(( n_random / 4 )) reads) | target p50 ≤ 500 µs |"
+fi
 
 # F: cold sequential reads through FUSE, each phase on touched memory
 # (common.sh): a new client through the warm server; a client without one
@@ -164,6 +191,8 @@ seq_read() { # name: "MiB/s bucket-bytes client server proxy machine busy-%" (CP
   [ -z "$perf" ] || { kill -INT "$perf"; wait "$perf" || true; }
   echo "$(rate "$mib" "$t0" "$t1") $(( $(bucket_bytes) - b0 )) $(per_mib $c) $(per_mib $s) $(per_mib $p) $(per_mib $(( m1 - m0 ))) $(( 100 * (m1 - m0) / (a1 - a0 > 0 ? a1 - a0 : 1) ))"
 }
+ratio() { python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$@"; }
+if [ "$only_tls" = 0 ]; then
 mount_client c1 f1 "$servers" --token-file "$work/token"
 read -r seq_server bytes_server cpu_server <<< "$(seq_read f1)"; check f1; unmount_client f1
 mount_client c2 f2
@@ -173,7 +202,6 @@ read -r seq_local bytes_local cpu_local <<< "$(seq_read f2)"; check f2; unmount_
 drop_caches
 mount_client c2 f2
 read -r seq_disk bytes_disk cpu_disk <<< "$(seq_read f2)"; check f2; unmount_client f2
-ratio() { python3 -c "import sys; print(f'{float(sys.argv[1]) / float(sys.argv[2]):.2f}')" "$@"; }
 
 # G: a memory-only client (no cache folder, chunks in anonymous memory
 # files) with a memory cache a quarter of the dataset reads all of it
@@ -209,9 +237,44 @@ hwm=$(awk '/^VmHWM:/{print $2 * 1024}' "/proc/$client/status")
 mem_served=$(( $(cat "$work/served-bytes") - s0 )); mem_bucket=$(( $(bucket_bytes) - b0 ))
 unmount_client g1
 mem_row="| a memory-only client, \`--cache-memory ${cache_mem}M\`, reading the $mib MiB once through the warm server | $(( peak_sum >> 20 )) MiB at most (resident $(( peak_rss >> 20 )) MiB, peak $(( hwm >> 20 )) MiB; memory files $(( peak_mem >> 20 )) MiB) | $(( mem_served >> 20 )) MiB from the server, $mem_bucket B from the bucket | the cache size plus a fixed overhead |"
+fi
+
+# H: TLS off against on. Each round restarts the warm server on its cache
+# folder without TLS, then with it, and a new client reads the dataset
+# through it; the medians of the rounds, and on ÷ off.
+median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+tls_rates=() plain_rates=() tls_cpu=() plain_cpu=() tls_bucket=0 plain_bucket=0
+for round in $(seq "$tls_rounds"); do
+  for mode in off on; do
+    kill -TERM "$server_pid"; wait "$server_pid" 2>/dev/null || true
+    server_tls=$mode client_tls=$mode
+    start_server
+    mount_client c1 "h$round$mode" "$servers" --token-file "$work/token"
+    read -r rate from_bucket _ srv _ <<< "$(seq_read "h$round$mode")"; check "h$round$mode"; unmount_client "h$round$mode"
+    if [ "$mode" = on ]; then
+      tls_rates+=("$rate"); tls_cpu+=("$srv"); tls_bucket=$(( tls_bucket + from_bucket ))
+    else
+      plain_rates+=("$rate"); plain_cpu+=("$srv"); plain_bucket=$(( plain_bucket + from_bucket ))
+    fi
+  done
+done
+server_tls=${TLS:-off} client_tls=${TLS:-off}
+if [ "$tls_rounds" -gt 0 ]; then
+  tls_med=$(median "${tls_rates[@]}") plain_med=$(median "${plain_rates[@]}")
+  tls_row="| TLS off | ${plain_rates[*]} | $plain_med | $(median "${plain_cpu[@]}") | $plain_bucket B | — |"
+  tls_row2="| TLS on | ${tls_rates[*]} | $tls_med | $(median "${tls_cpu[@]}") | $tls_bucket B | $(ratio "$tls_med" "$plain_med")× |"
+fi
 
 echo
-echo "### arbor serve across network namespaces ($mib MiB dataset; bucket 20 ms away, server 0.2 ms)"
+echo "### arbor serve across network namespaces ($mib MiB dataset; bucket 20 ms away, server 0.2 ms; TLS ${TLS:-off})"
+if [ "$tls_rounds" -gt 0 ]; then
+  echo
+  echo "| a new client reading $mib MiB through the warm server (FUSE, cold client) | MiB/s, each round | median MiB/s | server CPU per MiB (ms, median) | from the bucket, all rounds | on ÷ off |"
+  echo "| --- | ---: | ---: | ---: | ---: | ---: |"
+  echo "$tls_row"
+  echo "$tls_row2"
+fi
+[ "$only_tls" = 0 ] || exit 0
 echo
 echo "| phase | bytes the bucket served (counted by its proxy) | time | note |"
 echo "| --- | ---: | ---: | --- |"

@@ -20,7 +20,9 @@ pub struct ServeArgs {
     pub cache_size: u64,
     /// Memory for chunks of imported files' source objects (0: not served).
     pub object_memory: u64,
-    pub token_file: PathBuf,
+    /// `None`: only client certificates the client CA signed get in.
+    pub token_file: Option<PathBuf>,
+    pub tls: Option<arbor_net::tls::ServerFiles>,
     pub fault: Option<Fault>,
     /// Evict what nobody read for this long (`None`: by size alone).
     pub keep_for: Option<Duration>,
@@ -54,7 +56,7 @@ fn cache_dir(args: &ServeArgs, d: &disk::Disk) -> Result<PathBuf> {
 
 /// Runs the server until SIGINT or SIGTERM.
 pub fn run_foreground(args: &ServeArgs) -> Result<()> {
-    let token = arbor_net::read_token(&args.token_file)?;
+    let (token, tls) = server_auth(args)?;
     check_advertise(args)?;
     let d = disk::open(&args.disk)?;
     let branches = &args.owner.branches;
@@ -150,6 +152,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         keep_for: args.keep_for,
         objects,
         object_scope: Some(object_scope),
+        tls,
         ..ServerOptions::default()
     };
     let server = CacheServer::owner(cache, shared, opts);
@@ -163,6 +166,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         size = %disk::Size(args.cache_size),
         objects = %disk::Size(args.object_memory),
         branches = ?branches,
+        tls = args.tls.as_ref().map_or("off", |t| if t.client_ca.is_some() { "on, client certificates" } else { "on" }),
         "serving"
     );
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("arbor-serve").build()?;
@@ -248,7 +252,7 @@ fn check_advertise(args: &ServeArgs) -> Result<()> {
 /// connections: (pid, log).
 pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
     // Refuse what the child would refuse, here, with the message on the terminal.
-    arbor_net::read_token(&args.token_file)?;
+    server_auth(args)?;
     check_advertise(args)?;
     let log_path = disk::open(&args.disk)?.log_path("serve");
     for b in &args.owner.branches {
@@ -267,17 +271,53 @@ pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
     Ok((pid, log_path))
 }
 
-/// The client a mount reads through, from `--cache-server` and `--token-file`.
-pub fn client(servers: &[String], token_file: Option<&Path>) -> Result<Option<Arc<CacheClient>>> {
+/// The token `arbor serve` asks for (empty: none, client certificates
+/// only) and its TLS, loaded and checked.
+fn server_auth(args: &ServeArgs) -> Result<(String, Option<arbor_net::ServerTls>)> {
+    let token = match &args.token_file {
+        Some(f) => arbor_net::read_token(f)?,
+        None if args.tls.as_ref().is_some_and(|t| t.client_ca.is_some()) => String::new(),
+        None => bail!("give --token-file (or ARBOR_TOKEN_FILE), or --tls-cert/--tls-key with --tls-client-ca"),
+    };
+    let tls = args.tls.as_ref().map(arbor_net::ServerTls::load).transpose()?;
+    Ok((token, tls))
+}
+
+/// How a client proves itself to `arbor serve`: `--token-file`, and TLS
+/// (`--tls-ca`/`--tls-fingerprint`, with `--tls-cert`/`--tls-key` a
+/// certificate that may stand for the token).
+#[derive(Clone, Copy)]
+pub struct ClientAuth<'a> {
+    pub token_file: Option<&'a Path>,
+    pub tls: Option<&'a arbor_net::tls::ClientFiles>,
+}
+
+impl ClientAuth<'_> {
+    /// The token (empty: none, a client certificate instead) and the TLS
+    /// to speak, loaded and checked.
+    pub fn load(&self) -> Result<(String, Option<arbor_net::ClientTls>)> {
+        let token = match self.token_file {
+            Some(f) => arbor_net::read_token(f)?,
+            None if crate::tls::has_identity(self.tls) => String::new(),
+            None => bail!(
+                "give --token-file (or ARBOR_TOKEN_FILE): the servers' shared token (or --tls-cert/--tls-key, for servers started with --tls-client-ca)"
+            ),
+        };
+        let tls = self.tls.map(arbor_net::ClientTls::load).transpose()?;
+        Ok((token, tls))
+    }
+}
+
+/// The client a mount reads through, from `--cache-server`, `--token-file`
+/// and the TLS options.
+pub fn client(servers: &[String], auth: ClientAuth<'_>) -> Result<Option<Arc<CacheClient>>> {
     let servers: Vec<String> = servers.iter().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if servers.is_empty() {
         return Ok(None);
     }
-    let Some(token_file) = token_file else {
-        bail!("--cache-server needs --token-file (or ARBOR_TOKEN_FILE): the servers' shared token");
-    };
-    let token = arbor_net::read_token(token_file)?;
-    let client = CacheClient::new(ClientOptions { servers, token, timeout: arbor_net::client::timeout_from_env() })?;
+    let (token, tls) = auth.load().context("--cache-server")?;
+    let timeout = arbor_net::client::timeout_from_env();
+    let client = CacheClient::new(ClientOptions { servers, token, timeout, tls })?;
     Ok(Some(Arc::new(client)))
 }
 
@@ -307,11 +347,11 @@ pub fn warm(
     checkpoint: &str,
     paths: &[String],
     servers: &[String],
-    token_file: Option<&Path>,
+    auth: ClientAuth<'_>,
 ) -> Result<()> {
     use arbor_engine::volume::FileKind;
     use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
-    let Some(client) = client(servers, token_file)? else {
+    let Some(client) = client(servers, auth)? else {
         bail!("arbor warm needs --cache-server HOST:PORT,… (or ARBOR_CACHE_SERVERS)");
     };
     match check_servers(&client) {

@@ -10,6 +10,7 @@ mod node;
 mod prefetch;
 mod serve;
 mod shared;
+mod tls;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -273,6 +274,8 @@ struct CacheServers {
     /// A file holding the cache servers' token.
     #[arg(long, env = "ARBOR_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    #[command(flatten)]
+    tls: tls::ClientTlsArgs,
 }
 
 /// `--cache-dir none`: a cache in memory only.
@@ -302,9 +305,12 @@ struct ServeCmd {
     /// their buckets).
     #[arg(long, default_value = "1G")]
     object_memory: disk::Size,
-    /// A file holding the token every client must present.
-    #[arg(long, env = "ARBOR_TOKEN_FILE")]
-    token_file: PathBuf,
+    /// A file holding the token every client must present (optional with
+    /// --tls-client-ca: a client certificate is then the only way in).
+    #[arg(long, env = "ARBOR_TOKEN_FILE", required_unless_present = "tls_client_ca")]
+    token_file: Option<PathBuf>,
+    #[command(flatten)]
+    tls: tls::ServerTlsArgs,
     /// Stay attached and log to stderr (for systemd and containers).
     #[arg(long)]
     foreground: bool,
@@ -448,7 +454,9 @@ fn run(cli: Cli) -> Result<()> {
             // Through an owner (a token given) a branch mount keeps no log
             // here; that is known for sure once the disk is open.
             let bucket_durable = m.durability == arbor_engine::tier::Durability::Bucket;
-            if memory && m.checkpoint.is_none() && m.servers.token_file.is_none() && !bucket_durable {
+            let client_tls = m.servers.tls.files()?;
+            let through_owner = m.servers.token_file.is_some() || tls::has_identity(client_tls.as_ref());
+            if memory && m.checkpoint.is_none() && !through_owner && !bucket_durable {
                 anyhow::bail!(MEMORY_ONLY_BRANCH);
             }
             let args = serve::MountArgs {
@@ -473,6 +481,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 cache_servers: m.servers.cache_server,
                 token_file: m.servers.token_file.map(std::path::absolute).transpose()?,
+                tls: client_tls,
                 server: m.server,
                 timeout: m.timeout.map(|t| t.0),
                 allow_suid_devices: m.allow_suid_devices,
@@ -535,7 +544,9 @@ fn run(cli: Cli) -> Result<()> {
             commands::import(&target, &source, &at, branch.as_deref(), refresh, json)?
         }
         Command::Warm { disk, checkpoint, paths, servers } => {
-            cache_server::warm(&disk, &checkpoint, &paths, &servers.cache_server, servers.token_file.as_deref())?
+            let tls = servers.tls.files()?;
+            let auth = cache_server::ClientAuth { token_file: servers.token_file.as_deref(), tls: tls.as_ref() };
+            cache_server::warm(&disk, &checkpoint, &paths, &servers.cache_server, auth)?
         }
         Command::Serve(c) => {
             let memory = memory_only(&c.cache_dir);
@@ -548,6 +559,7 @@ fn run(cli: Cli) -> Result<()> {
                 memory,
                 object_memory: c.object_memory.0,
                 token_file: c.token_file,
+                tls: c.tls.files()?,
                 fault: c.fault,
                 keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),
                 owner: shared::OwnerArgs {

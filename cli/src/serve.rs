@@ -33,6 +33,8 @@ pub struct MountArgs {
     pub cache: disk::CacheOptions,
     pub cache_servers: Vec<String>,
     pub token_file: Option<PathBuf>,
+    /// TLS to the cache servers and the owner (`None`: clear text).
+    pub tls: Option<arbor_net::tls::ClientFiles>,
     /// The owner of the branch to mount through (else found in the bucket).
     pub server: Option<String>,
     /// Through an owner: fail with EIO after this long without an answer
@@ -124,7 +126,8 @@ const SERVERS_CHECKED: &str = "ARBOR_CACHE_SERVERS_CHECKED";
 fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_name(args.root_name())?;
     check_segment_size(args.segment_size)?;
-    let cache_client = crate::cache_server::client(&args.cache_servers, args.token_file.as_deref())?;
+    let auth = crate::cache_server::ClientAuth { token_file: args.token_file.as_deref(), tls: args.tls.as_ref() };
+    let cache_client = crate::cache_server::client(&args.cache_servers, auth)?;
     // Checked once, by the command a user runs: not again by the mount
     // process it starts in the background.
     if let (Some(c), None) = (&cache_client, std::env::var_os(SERVERS_CHECKED)) {

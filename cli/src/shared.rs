@@ -168,7 +168,7 @@ pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locat
             None => return Ok(None),
         },
     };
-    if args.token_file.is_none() {
+    if args.token_file.is_none() && !crate::tls::has_identity(args.tls.as_ref()) {
         let at = args.server.clone().or(recorded.map(|o| o.addr)).unwrap_or_default();
         bail!("branch {name} is served by arbor serve at {at}: give its token with --token-file (or ARBOR_TOKEN_FILE) to mount it through the owner");
     }
@@ -188,8 +188,8 @@ pub fn mount_remote(
     cache_client: Option<Arc<arbor_net::CacheClient>>,
 ) -> Result<()> {
     let name = args.branch.clone().unwrap_or_else(|| "main".into());
-    let token_file = args.token_file.as_deref().context("--token-file is needed to mount through the owner")?;
-    let token = arbor_net::read_token(token_file)?;
+    let auth = crate::cache_server::ClientAuth { token_file: args.token_file.as_deref(), tls: args.tls.as_ref() };
+    let (token, tls) = auth.load().context("to mount through the owner")?;
     // File bytes already in the bucket (or the disk's folder) are read
     // from there, through this node's chunk cache and cache servers;
     // ARBOR_READ_THROUGH_OWNER=1 sends every read to the owner instead.
@@ -201,6 +201,7 @@ pub fn mount_remote(
         locate,
         timeout: args.timeout,
         segments,
+        tls,
     })?);
     let control = control::Server::bind(mountpoint)?;
     let opts = MountOptions {

@@ -5,7 +5,9 @@
 //! hello is read on the runtime, within [`HELLO_DEADLINE`] of the accept
 //! and in at most [`HELLO_MAX`](crate::frames::HELLO_MAX) bytes, before
 //! anything is spawned for it: a thread of its own comes only with the
-//! token (see [`crate::server`]).
+//! token (see [`crate::server`]). On a server with TLS the handshake is
+//! inside the same deadline: it starts at the accept and the hello must
+//! be read by the deadline too.
 //!
 //! This module reads nothing past the hello and decides nothing about the
 //! token; it counts and reads.
@@ -118,7 +120,7 @@ fn peer_key(peer: IpAddr) -> IpAddr {
 /// them: at most 8 bytes and [`HELLO_MAX`](crate::frames::HELLO_MAX)
 /// more, into a buffer that grows as they arrive. The caller bounds the
 /// time.
-pub(crate) async fn read_hello(stream: &mut tokio::net::TcpStream) -> io::Result<Hello> {
+pub(crate) async fn read_hello(stream: &mut (impl tokio::io::AsyncRead + Unpin)) -> io::Result<Hello> {
     let mut head = [0u8; 4];
     stream.read_exact(&mut head).await?;
     if head != MAGIC {

@@ -55,6 +55,8 @@ pub struct ClientOptions {
     pub token: String,
     /// How long one chunk request may take.
     pub timeout: Duration,
+    /// Speak TLS to every server, trusting it this way (never clear text).
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 /// What one server gave this client, and why it was passed over.
@@ -119,7 +121,7 @@ struct Peer {
 /// A chunk connection: a framed connection whose Hello names no branch,
 /// answering [`ChunkAsk`]s one at a time.
 struct ChunkConn {
-    stream: std::net::TcpStream,
+    stream: crate::stream::Stream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
 }
@@ -132,6 +134,7 @@ struct Inner {
     auth: HeaderValue,
     token: Vec<u8>,
     timeout: Duration,
+    tls: Option<crate::tls::ClientTls>,
 }
 
 pub struct CacheClient {
@@ -182,7 +185,8 @@ impl CacheClient {
         let auth = crate::bearer(&opts.token)?;
         let rt = crate::client_runtime("arbor-cache-client")?;
         let token = opts.token.as_bytes().to_vec();
-        let client = CacheClient { inner: Arc::new(Inner { peers, auth, token, timeout: opts.timeout }), rt };
+        let inner = Inner { peers, auth, token, timeout: opts.timeout, tls: opts.tls };
+        let client = CacheClient { inner: Arc::new(inner), rt };
         if std::env::var("ARBOR_CACHE_WIRE").is_ok_and(|w| w == "http") {
             client.set_framed(false);
         }
@@ -217,7 +221,7 @@ impl CacheClient {
                     tokio::spawn(async move {
                         let addr = inner.peers[i].addr.clone();
                         let attempt = async {
-                            let mut send = connect(&addr, timeout).await?;
+                            let mut send = connect(&addr, timeout, inner.tls.as_ref()).await?;
                             let req = Request::get(format!("http://{addr}/v1/health"))
                                 .header(AUTHORIZATION, inner.auth.clone())
                                 .body(Full::new(Bytes::new()))
@@ -229,6 +233,9 @@ impl CacheClient {
                             Ok(Ok(StatusCode::OK)) => None,
                             Ok(Ok(StatusCode::UNAUTHORIZED)) => Some("refused our token (check --token-file)".into()),
                             Ok(Ok(status)) => Some(format!("answered {status}")),
+                            Ok(Err(_)) if inner.tls.is_none() && speaks_tls(&addr, timeout).await => {
+                                Some("speaks TLS: give --tls-ca or --tls-fingerprint".into())
+                            }
                             Ok(Err(e)) => Some(format!("not reachable: {e}")),
                             Err(_) => Some(format!("no answer within {} ms", timeout.as_millis())),
                         }
@@ -305,7 +312,7 @@ impl Inner {
         let uri = format!("http://{}{path}", peer.addr);
         // A server that cannot be reached is left alone for a while; one
         // that is slow or answers an error loses only this chunk.
-        let mut send = match peer.sender(self.timeout).await {
+        let mut send = match peer.sender(self.timeout, self.tls.as_ref()).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
@@ -398,14 +405,18 @@ impl Peer {
     }
 
     /// The connection to this server, made anew when there is none.
-    async fn sender(&self, timeout: Duration) -> Result<SendRequest<Full<Bytes>>, String> {
+    async fn sender(
+        &self,
+        timeout: Duration,
+        tls: Option<&crate::tls::ClientTls>,
+    ) -> Result<SendRequest<Full<Bytes>>, String> {
         let mut conn = self.conn.lock().await;
         if let Some(s) = conn.as_ref() {
             if !s.is_closed() {
                 return Ok(s.clone());
             }
         }
-        let send = connect(&self.addr, timeout).await?;
+        let send = connect(&self.addr, timeout, tls).await?;
         *conn = Some(send.clone());
         Ok(send)
     }
@@ -420,13 +431,43 @@ impl Peer {
 
 /// An HTTP/2 connection to `addr`, with windows sized for 1 MiB bodies
 /// and pings that notice a peer gone silent (a partition, a dead host),
-/// driven by a task of its own.
-pub(crate) async fn connect(addr: &str, timeout: Duration) -> Result<SendRequest<Full<Bytes>>, String> {
-    let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
-        .await
-        .map_err(|_| "connect timed out".to_string())?
-        .map_err(|e| e.to_string())?;
-    let _ = stream.set_nodelay(true);
+/// driven by a task of its own; inside TLS when `tls` is given (connected
+/// and past the handshake within `timeout`).
+pub(crate) async fn connect(
+    addr: &str,
+    timeout: Duration,
+    tls: Option<&crate::tls::ClientTls>,
+) -> Result<SendRequest<Full<Bytes>>, String> {
+    let attempt = async {
+        let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        match tls {
+            Some(tls) => handshake(addr, tls.connect(addr, stream).await.map_err(|e| e.to_string())?).await,
+            None => handshake(addr, stream).await,
+        }
+    };
+    tokio::time::timeout(timeout, attempt).await.map_err(|_| "connect timed out".to_string())?
+}
+
+/// Whether the server at `addr` answers clear text with a TLS alert
+/// record (content type 21, version 3.x): a server that speaks TLS.
+async fn speaks_tls(addr: &str, timeout: Duration) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await?;
+        let mut head = [0u8; 2];
+        s.read_exact(&mut head).await?;
+        Ok::<_, std::io::Error>(head == [0x15, 0x03])
+    };
+    matches!(tokio::time::timeout(timeout, probe).await, Ok(Ok(true)))
+}
+
+/// HTTP/2 on `io`, a connection to `addr`.
+async fn handshake<I>(addr: &str, io: I) -> Result<SendRequest<Full<Bytes>>, String>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (send, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
         .timer(hyper_util::rt::TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(5))
@@ -435,7 +476,7 @@ pub(crate) async fn connect(addr: &str, timeout: Duration) -> Result<SendRequest
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
-        .handshake(TokioIo::new(stream))
+        .handshake(TokioIo::new(io))
         .await
         .map_err(|e| e.to_string())?;
     let addr = addr.to_string();
@@ -690,12 +731,12 @@ impl Inner {
     /// A new chunk connection to `peer`, its Hello answered; every read
     /// and write on it bounded by the timeout.
     fn connect_framed(&self, peer: &Peer) -> Result<ChunkConn, ChunkConnError> {
-        use crate::frames::{read_frame, write_hello, Hello, Welcome, MAGIC, VERSION};
+        use crate::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let io = ChunkConnError::Io;
-        let stream = crate::frames::dial(&peer.addr, self.timeout).map_err(io)?;
-        stream.set_read_timeout(Some(self.timeout)).map_err(io)?;
-        stream.set_write_timeout(Some(self.timeout)).map_err(io)?;
+        let stream = crate::stream::Stream::dial(&peer.addr, self.timeout, self.tls.as_ref()).map_err(io)?;
+        stream.tcp().set_read_timeout(Some(self.timeout)).map_err(io)?;
+        stream.tcp().set_write_timeout(Some(self.timeout)).map_err(io)?;
         let mut c = ChunkConn { stream, rbuf: Vec::new(), wbuf: Vec::new() };
         let hello = Hello { version: VERSION, token: self.token.clone(), branch: String::new() };
         // The magic and the Hello in one write: the server sorts its
@@ -703,7 +744,7 @@ impl Inner {
         let mut first = MAGIC.to_vec();
         write_hello(&mut first, &mut c.wbuf, &hello).map_err(io)?;
         c.stream.write_all(&first).map_err(io)?;
-        let welcome = read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(|e| match e.kind() {
+        let welcome = read_welcome(&mut c.stream, &mut c.rbuf).map_err(|e| match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ChunkConnError::Slow,
             _ => io(e),
         });
@@ -737,6 +778,7 @@ mod tests {
             servers: servers.iter().map(|s| s.to_string()).collect(),
             token: "t".into(),
             timeout: TIMEOUT,
+            tls: None,
         })
         .expect("client")
     }
@@ -781,6 +823,7 @@ mod tests {
             servers: vec![addr],
             token: "t".into(),
             timeout: Duration::from_millis(300),
+            tls: None,
         })
         .expect("client");
         let t = Instant::now();
@@ -803,11 +846,13 @@ mod tests {
         let s = &c.stats()[0];
         assert_eq!(s.fallback_error + s.fallback_down, 2, "{s:?}");
         assert_eq!(s.chunks, 0);
-        assert!(CacheClient::new(ClientOptions { servers: vec![], token: "t".into(), timeout: TIMEOUT }).is_err());
+        assert!(CacheClient::new(ClientOptions { servers: vec![], token: "t".into(), timeout: TIMEOUT, tls: None })
+            .is_err());
         assert!(CacheClient::new(ClientOptions {
             servers: vec!["nohost".into()],
             token: "t".into(),
-            timeout: TIMEOUT
+            timeout: TIMEOUT,
+            tls: None,
         })
         .is_err());
     }

@@ -1,5 +1,6 @@
-//! The framed transport: length-prefixed bincode frames on a plain TCP
-//! connection, answered one at a time, in order. It carries file
+//! The framed transport: length-prefixed bincode frames on a TCP
+//! connection (inside TLS when the server has a certificate, see
+//! [`crate::stream`]), answered one at a time, in order. It carries file
 //! operations to a branch's owner and segment chunks from a cache server.
 //!
 //! A client mount keeps a small pool of these connections and a FUSE
@@ -252,6 +253,21 @@ pub fn read_chunk_answer(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Chu
         ChunkHead::NotFound => ChunkAnswer::NotFound,
         ChunkHead::Failed(why) => ChunkAnswer::Failed(why),
     })
+}
+
+/// Reads the [`Welcome`] that answers a hello. A server that speaks TLS
+/// answers a clear-text hello with a TLS alert record: said so.
+pub fn read_welcome(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Welcome> {
+    let mut head = [0u8; 4];
+    r.read_exact(&mut head)?;
+    // A TLS record: content type alert (21), then version 3.x.
+    if head[..2] == [0x15, 0x03] {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the server speaks TLS: give --tls-ca or --tls-fingerprint",
+        ));
+    }
+    read_frame(&mut Read::chain(&head[..], r), buf)
 }
 
 /// The encoding of every frame.

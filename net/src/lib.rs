@@ -16,11 +16,13 @@
 //!
 //! # Wire protocol
 //!
-//! HTTP/2 over TCP without TLS (prior knowledge; the server also answers
-//! HTTP/1.1, so `curl` works). One connection per client and server,
-//! many requests in flight on it. Every request carries the shared token
-//! as `Authorization: Bearer <token>`; without it the answer is `401` and
-//! an empty body, whatever was asked.
+//! HTTP/2 over TCP (prior knowledge; the server also answers HTTP/1.1, so
+//! `curl` works), in clear or, when the server has a certificate, inside
+//! TLS 1.3 (see [`tls`]). One connection per client and server, many
+//! requests in flight on it. Every request carries the shared token as
+//! `Authorization: Bearer <token>` (or the connection a client certificate
+//! the server's client CA signed); without it the answer is `401` and an
+//! empty body, whatever was asked.
 //!
 //! | request | answer |
 //! | --- | --- |
@@ -32,7 +34,8 @@
 //!
 //! File operations on a branch this process owns use framed connections
 //! to the same port instead (see [`frames`]): a connection that starts
-//! with `ARBF` is one of those, anything else is HTTP.
+//! with `ARBF` is one of those, anything else is HTTP (inside TLS, the
+//! protocol the client names in its handshake, ALPN, tells them apart).
 //! A client mount reads the file bytes the bucket already holds from the
 //! bucket (through its chunk cache and these servers) after asking the
 //! owner where they are: see [`reads`].
@@ -51,6 +54,9 @@ pub mod remote;
 pub mod requests;
 pub mod scope;
 pub mod server;
+pub mod stream;
+pub mod tls;
+mod validity;
 
 pub use admission::ConnLimits;
 pub use client::{CacheClient, ClientOptions, ServerStats};
@@ -59,6 +65,7 @@ pub use policy::Policy;
 pub use remote::{RemoteFiles, RemoteOptions, RemoteStats};
 pub use scope::ObjectScope;
 pub use server::{CacheServer, Fault, Running, ServerOptions};
+pub use tls::{ClientTls, ServerTls};
 
 use std::path::Path;
 
@@ -74,6 +81,8 @@ pub const CRC_HEADER: &str = "x-arbor-crc32c";
 pub enum Error {
     #[error("token file {path}: {cause}")]
     Token { path: String, cause: String },
+    #[error("{what} {path}: {cause}")]
+    Tls { what: &'static str, path: String, cause: String },
     #[error("{0}")]
     Config(String),
     #[error(transparent)]
@@ -126,9 +135,13 @@ pub(crate) fn client_runtime(name: &str) -> std::io::Result<tokio::runtime::Runt
 }
 
 /// Whether `got` is the `Authorization` header for `token`, compared in
-/// constant time.
+/// constant time. An empty token (a server that takes client certificates
+/// alone) matches nothing.
 pub(crate) fn authorized(got: Option<&[u8]>, token: &str) -> bool {
     use subtle::ConstantTimeEq;
+    if token.is_empty() {
+        return false;
+    }
     let want = format!("Bearer {token}");
     match got {
         Some(got) => bool::from(got.ct_eq(want.as_bytes())),
@@ -136,9 +149,13 @@ pub(crate) fn authorized(got: Option<&[u8]>, token: &str) -> bool {
     }
 }
 
-/// Whether `got` is `token`, compared in constant time.
+/// Whether `got` is `token`, compared in constant time; an empty token
+/// matches nothing.
 pub(crate) fn token_matches(got: &[u8], token: &str) -> bool {
     use subtle::ConstantTimeEq;
+    if token.is_empty() {
+        return false;
+    }
     bool::from(got.ct_eq(token.as_bytes()))
 }
 
@@ -185,5 +202,7 @@ mod tests {
             assert!(!authorized(Some(bad), "abc"), "{bad:?}");
         }
         assert!(!authorized(None, "abc"));
+        assert!(!authorized(Some(b"Bearer "), ""), "an empty token matches nothing");
+        assert!(!token_matches(b"", ""), "an empty token matches nothing");
     }
 }

@@ -57,6 +57,7 @@ use crate::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
 use crate::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
 use crate::reads::DirectReads;
 use crate::requests::PIPELINED_SLOT;
+use crate::stream::Stream;
 use arbor_engine::env::Timestamp;
 use arbor_engine::format::decode_value;
 use arbor_engine::volume::RequestTag;
@@ -70,7 +71,6 @@ use hyper::header::{HeaderValue, AUTHORIZATION};
 use hyper::{Method, Request, StatusCode};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -164,6 +164,8 @@ pub struct RemoteOptions {
     /// read from them, not through the owner ([`crate::reads`]). `None`:
     /// every read goes to the owner.
     pub segments: Option<Arc<dyn arbor_engine::device::Device>>,
+    /// Speak TLS to the owner, trusting it this way (never clear text).
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 /// What went wrong with one attempt.
@@ -187,7 +189,7 @@ struct OpenFile {
 /// A framed connection to the owner (see [`crate::frames`]) and its
 /// buffers, reused from operation to operation.
 struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
 }
@@ -336,7 +338,9 @@ impl Inner {
             .ok()
             .flatten()
             .ok_or_else(|| Failed::Transport("no owner is recorded for the branch".into()))?;
-        let send = connect(&addr, CONNECT_TIMEOUT).await.map_err(|e| Failed::Transport(format!("{addr}: {e}")))?;
+        let send = connect(&addr, CONNECT_TIMEOUT, self.opts.tls.as_ref())
+            .await
+            .map_err(|e| Failed::Transport(format!("{addr}: {e}")))?;
         *conn = Some((addr.clone(), send.clone()));
         Ok((addr, send))
     }
@@ -399,17 +403,17 @@ impl Inner {
 
     /// A new framed connection to `addr`, past the hello.
     fn dial(&self, addr: &str) -> std::result::Result<Conn, Failed> {
-        use crate::frames::{read_frame, write_hello, Hello, Welcome, MAGIC, VERSION};
+        use crate::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let broke = |e: std::io::Error| Failed::Transport(format!("{addr}: {e}"));
-        let stream = crate::frames::dial(addr, CONNECT_TIMEOUT).map_err(broke)?;
-        stream.set_read_timeout(self.opts.timeout.or(Some(CONNECT_TIMEOUT))).map_err(broke)?;
+        let stream = Stream::dial(addr, CONNECT_TIMEOUT, self.opts.tls.as_ref()).map_err(broke)?;
+        stream.tcp().set_read_timeout(self.opts.timeout.or(Some(CONNECT_TIMEOUT))).map_err(broke)?;
         let mut c = Conn { stream, rbuf: Vec::new(), wbuf: Vec::new() };
         let hello =
             Hello { version: VERSION, token: self.opts.token.as_bytes().to_vec(), branch: self.opts.branch.clone() };
         c.stream.write_all(&MAGIC).map_err(broke)?;
         write_hello(&mut c.stream, &mut c.wbuf, &hello).map_err(broke)?;
-        match read_frame::<Welcome>(&mut c.stream, &mut c.rbuf).map_err(broke)? {
+        match read_welcome(&mut c.stream, &mut c.rbuf).map_err(broke)? {
             Welcome::Ok => {}
             Welcome::Refused => return Err(Failed::Refused),
             Welcome::NoBranch => {
@@ -421,7 +425,7 @@ impl Inner {
                 return Err(Failed::Transport(format!("{addr}: the owner speaks protocol version {v}")))
             }
         }
-        c.stream.set_read_timeout(self.read_timeout()).map_err(broke)?;
+        c.stream.tcp().set_read_timeout(self.read_timeout()).map_err(broke)?;
         Ok(c)
     }
 
@@ -441,7 +445,7 @@ impl Inner {
         let waits = matches!(req, Request::Op { op: Op::SetLk { wait: true, .. }, .. });
         let result = (|| {
             if waits {
-                c.stream.set_read_timeout(None)?;
+                c.stream.tcp().set_read_timeout(None)?;
             }
             write_request(&mut c.stream, &mut c.wbuf, req)?;
             if !waits && self.opts.timeout.is_none() {
@@ -449,7 +453,7 @@ impl Inner {
             }
             let a = read_answer(&mut c.stream, &mut c.rbuf)?;
             if waits {
-                c.stream.set_read_timeout(self.read_timeout())?;
+                c.stream.tcp().set_read_timeout(self.read_timeout())?;
             }
             Ok::<_, std::io::Error>(a)
         })();
@@ -474,10 +478,9 @@ impl Inner {
     /// owner, which applies a tagged request at most once).
     fn await_answer(&self, c: &mut Conn, addr: &str) -> std::io::Result<()> {
         use std::io::ErrorKind::{TimedOut, WouldBlock};
-        let mut first = [0u8; 1];
         // Each turn ends with an answer, an error, or OWNER_CHECK spent.
         loop {
-            match c.stream.peek(&mut first) {
+            match c.stream.wait_readable() {
                 Ok(_) => break,
                 Err(e) if matches!(e.kind(), TimedOut | WouldBlock) => {
                     if let Some(now) = (self.opts.locate)().filter(|now| now != addr) {
@@ -877,7 +880,7 @@ impl Inner {
                 if self.opts.timeout.is_none() {
                     // A paused owner's kernel still takes bytes, then stops:
                     // a hard mount checks for a successor (see read_one).
-                    c.stream.set_write_timeout(Some(OWNER_CHECK)).ok()?;
+                    c.stream.tcp().set_write_timeout(Some(OWNER_CHECK)).ok()?;
                 }
                 lane.addr = addr;
                 lane.conn = Some(c);

@@ -5,12 +5,17 @@
 //! A connection is admitted under caps per peer and in total, and a framed
 //! one says its hello on the runtime, within a deadline, before it gets a
 //! thread (see [`crate::admission`]): one without the token costs a task
-//! and a few KiB.
+//! and a few KiB. With TLS ([`ServerOptions::tls`]) every connection's
+//! handshake is done on the runtime too, by the same deadline; a framed
+//! connection then goes to its thread as a blocking TLS stream
+//! ([`crate::stream`]), and chunks are read and encrypted, not sent with
+//! `sendfile`.
 
 use crate::admission::{Admission, Admitted, ConnLimits};
 use crate::files::{Op, SharedBranch, EVENT_WAIT};
 use crate::frames::{Hello, Welcome};
 use crate::metrics::{CacheGauges, Metrics};
+use crate::stream::{AcceptedStream, Stream};
 use crate::{authorized, CACHE_HEADER, CRC_HEADER};
 use arbor_engine::format::{encode_value, SegId};
 use arbor_engine::source::{Source, SourceReader};
@@ -63,6 +68,8 @@ pub struct ServerOptions {
     pub object_scope: Option<Arc<crate::ObjectScope>>,
     /// The connections admitted at once, and the hello's deadline.
     pub limits: ConnLimits,
+    /// Every connection speaks TLS (see [`crate::tls`]).
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 /// What a chunk request found: the bytes and whether they were cached
@@ -121,6 +128,18 @@ pub(crate) const CONNECTION_WINDOW: u32 = 256 << 20;
 pub(crate) const MAX_FRAME: u32 = 1 << 20;
 
 type Reply = Response<Full<Bytes>>;
+
+/// How the server speaks HTTP (HTTP/2 or HTTP/1.1, by what the client sends).
+type Http = hyper_util::server::conn::auto::Builder<TokioExecutor>;
+
+/// A connection accepted under the caps: its place there (given back when
+/// this is dropped), its number and peer, and its hello's deadline.
+struct Accepted {
+    conn: u64,
+    peer: std::net::SocketAddr,
+    admitted: Admitted,
+    hello_by: tokio::time::Instant,
+}
 
 /// Every quarter of `keep_for` (from 0.1 s to a minute) reads the cache's
 /// clock, and evicts what was not used since the reading `keep_for` ago.
@@ -229,39 +248,82 @@ impl CacheServer {
             let _ = stream.set_nodelay(true);
             let (me, builder) = (self.clone(), builder.clone());
             next_conn += 1;
-            let conn = next_conn;
+            let conn = Accepted { conn: next_conn, peer, admitted, hello_by };
             tokio::spawn(async move {
-                match is_framed(&stream, hello_by).await {
-                    Some(true) => return me.admit_framed(stream, conn, admitted, hello_by).await,
-                    Some(false) => {}
-                    None => {
-                        me.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
-                        return;
-                    }
+                match me.opts.tls.clone() {
+                    Some(tls) => me.tls_connection(stream, conn, &tls, builder).await,
+                    None => me.plain_connection(stream, conn, builder).await,
                 }
-                let service = hyper::service::service_fn(move |req| {
-                    let me = me.clone();
-                    async move { Ok::<_, Infallible>(me.handle(req).await) }
-                });
-                if let Err(e) = builder.serve_connection(TokioIo::new(stream), service).await {
-                    tracing::debug!(%peer, error = %e, "connection ended");
-                }
-                drop(admitted);
             });
         }
+    }
+
+    /// Serves a connection in clear: framed or HTTP, by its first bytes.
+    async fn plain_connection(self: Arc<Self>, stream: tokio::net::TcpStream, conn: Accepted, builder: Arc<Http>) {
+        match is_framed(&stream, conn.hello_by).await {
+            Some(true) => self.admit_framed(stream, conn).await,
+            Some(false) => self.serve_http(stream, false, conn, &builder).await,
+            None => {
+                self.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Serves a connection inside TLS: its handshake done by the hello's
+    /// deadline (a client that never finishes it costs a task until then),
+    /// then framed or HTTP by the protocol its client named (ALPN).
+    async fn tls_connection(
+        self: Arc<Self>,
+        stream: tokio::net::TcpStream,
+        conn: Accepted,
+        tls: &crate::tls::ServerTls,
+        builder: Arc<Http>,
+    ) {
+        let stream = match tokio::time::timeout_at(conn.hello_by, tls.acceptor().accept(stream)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                self.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(peer = %conn.peer, error = %e, "a TLS handshake failed; closed");
+                return;
+            }
+            Err(_) => {
+                self.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(peer = %conn.peer, "no TLS handshake by the deadline; closed");
+                return;
+            }
+        };
+        let session = stream.get_ref().1;
+        let certified = session.peer_certificates().is_some_and(|c| !c.is_empty());
+        if session.alpn_protocol() == Some(crate::tls::ALPN_FRAMES) {
+            self.admit_framed(stream, conn).await
+        } else {
+            self.serve_http(stream, certified, conn, &builder).await
+        }
+    }
+
+    /// Answers HTTP requests on a connection until it closes; `certified`:
+    /// its client showed a certificate the client CA signed.
+    async fn serve_http<I>(self: Arc<Self>, io: I, certified: bool, conn: Accepted, builder: &Http)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let me = self.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let me = me.clone();
+            async move { Ok::<_, Infallible>(me.handle(req, certified).await) }
+        });
+        if let Err(e) = builder.serve_connection(TokioIo::new(io), service).await {
+            tracing::debug!(peer = %conn.peer, error = %e, "connection ended");
+        }
+        drop(conn);
     }
 
     /// Reads a framed connection's hello by `hello_by` and answers it, on
     /// the runtime: only a connection with the token is handed to a thread
     /// ([`CacheServer::serve_framed`]); any other is closed here.
-    async fn admit_framed(
-        self: Arc<Self>,
-        mut stream: tokio::net::TcpStream,
-        conn: u64,
-        admitted: Admitted,
-        hello_by: tokio::time::Instant,
-    ) {
+    async fn admit_framed(self: Arc<Self>, mut stream: impl AcceptedStream, accepted: Accepted) {
         use tokio::io::AsyncWriteExt;
+        let Accepted { conn, hello_by, admitted, .. } = accepted;
         let hello = match tokio::time::timeout_at(hello_by, crate::admission::read_hello(&mut stream)).await {
             Ok(Ok(hello)) => hello,
             Ok(Err(e)) => {
@@ -275,22 +337,30 @@ impl CacheServer {
                 return;
             }
         };
-        let welcome = self.welcome(&hello);
+        let welcome = self.welcome(&hello, stream.certified());
         let mut frame = Vec::new();
         if crate::frames::write_frame(&mut frame, &mut Vec::new(), &welcome).is_err() {
             return;
         }
-        match tokio::time::timeout_at(hello_by, stream.write_all(&frame)).await {
-            Ok(Ok(())) if welcome == Welcome::Ok => self.serve_framed(stream, conn, hello, admitted),
+        let sent = async {
+            stream.write_all(&frame).await?;
+            stream.flush().await
+        };
+        match tokio::time::timeout_at(hello_by, sent).await {
+            Ok(Ok(())) if welcome == Welcome::Ok => match stream.into_blocking() {
+                Ok(stream) => self.serve_framed(stream, conn, hello, admitted),
+                Err(e) => tracing::warn!(error = %e, "cannot take a framed connection"),
+            },
             _ => {}
         }
     }
 
-    /// What the server answers `hello`.
-    fn welcome(&self, hello: &Hello) -> Welcome {
+    /// What the server answers `hello`; `certified`: its client showed a
+    /// certificate the client CA signed, which stands for the token.
+    fn welcome(&self, hello: &Hello, certified: bool) -> Welcome {
         // A Hello that names no branch opens a chunk connection.
         let chunks = hello.branch.is_empty();
-        if !crate::token_matches(&hello.token, &self.opts.token) {
+        if !certified && !crate::token_matches(&hello.token, &self.opts.token) {
             self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
             Welcome::Refused
         } else if hello.version != crate::frames::VERSION {
@@ -305,19 +375,12 @@ impl CacheServer {
     /// Hands a framed connection whose hello was welcomed to a thread of
     /// its own (see [`crate::frames`]), which holds its place under the
     /// caps until it ends.
-    fn serve_framed(self: Arc<Self>, stream: tokio::net::TcpStream, conn: u64, hello: Hello, admitted: Admitted) {
-        let stream = match stream.into_std().and_then(|s| s.set_nonblocking(false).map(|()| s)) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot take a framed connection");
-                return;
-            }
-        };
-        crate::frames::keep_alive(&stream);
+    fn serve_framed(self: Arc<Self>, stream: Stream, conn: u64, hello: Hello, admitted: Admitted) {
+        crate::frames::keep_alive(stream.tcp());
         let rt = tokio::runtime::Handle::current();
         let mut framed = self.framed.lock();
         framed.threads.retain(|t| !t.is_finished());
-        let Ok(handle) = stream.try_clone() else { return };
+        let Ok(handle) = stream.tcp().try_clone() else { return };
         if framed.stopping {
             return;
         }
@@ -340,12 +403,7 @@ impl CacheServer {
     }
 
     /// Answers one framed connection, its `hello` welcomed, until it closes.
-    fn framed_connection(
-        &self,
-        stream: std::net::TcpStream,
-        hello: &Hello,
-        rt: &tokio::runtime::Handle,
-    ) -> std::io::Result<()> {
+    fn framed_connection(&self, stream: Stream, hello: &Hello, rt: &tokio::runtime::Handle) -> std::io::Result<()> {
         if hello.branch.is_empty() {
             self.metrics.chunk_connections.fetch_add(1, Ordering::Relaxed);
             return self.chunk_connection(stream, Vec::new(), Vec::new());
@@ -360,7 +418,7 @@ impl CacheServer {
     /// connection to branch `b`, each on this thread, until it closes.
     fn branch_connection(
         &self,
-        mut stream: std::net::TcpStream,
+        mut stream: Stream,
         b: &SharedBranch,
         rt: &tokio::runtime::Handle,
     ) -> std::io::Result<()> {
@@ -402,12 +460,7 @@ impl CacheServer {
 
     /// Answers the [`ChunkAsk`](crate::frames::ChunkAsk)s of one chunk connection, each on this
     /// thread, until it closes.
-    fn chunk_connection(
-        &self,
-        mut stream: std::net::TcpStream,
-        mut rbuf: Vec<u8>,
-        mut wbuf: Vec<u8>,
-    ) -> std::io::Result<()> {
+    fn chunk_connection(&self, mut stream: Stream, mut rbuf: Vec<u8>, mut wbuf: Vec<u8>) -> std::io::Result<()> {
         use crate::frames::{read_frame, write_chunk_answer, ChunkAnswer, ChunkAsk};
         loop {
             let ask: ChunkAsk = match read_frame(&mut stream, &mut rbuf) {
@@ -421,7 +474,7 @@ impl CacheServer {
             // ones are read here; all are answered in order.
             let mut asks = vec![ask];
             for _ in 1..crate::frames::MAX_PIPELINED {
-                if !crate::frames::frame_waiting(&stream) {
+                if !stream.frame_waiting() {
                     break;
                 }
                 asks.push(read_frame(&mut stream, &mut rbuf)?);
@@ -462,15 +515,19 @@ impl CacheServer {
     /// `sendfile` when it is at least [`SEND_FILE_MIN`] bytes, cached and
     /// checked: the server neither copies the bytes into a buffer of its
     /// own nor out of it into the socket (most of a warm server's time
-    /// went there). False when it did not (not cached, small, or the fault
-    /// switch is on, which needs the bytes in hand); an error when the
+    /// went there). False when it did not (not cached, small, the fault
+    /// switch is on, which needs the bytes in hand, or the connection is
+    /// TLS, whose bytes this process encrypts); an error when the
     /// connection broke.
     fn send_cached(
         &self,
-        stream: &mut std::net::TcpStream,
+        stream: &mut Stream,
         wbuf: &mut Vec<u8>,
         ask: crate::frames::ChunkAsk,
     ) -> std::io::Result<bool> {
+        if stream.is_tls() {
+            return Ok(false);
+        }
         let Some(cache) = self.cache.as_ref().filter(|_| self.opts.fault.is_none()) else { return Ok(false) };
         let within = match ask.part {
             Some((_, len)) if (len as usize) < SEND_FILE_MIN => return Ok(false),
@@ -488,7 +545,7 @@ impl CacheServer {
             let head = u32::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput));
             Some(head.and_then(|len32| {
                 crate::frames::write_chunk_head(stream, wbuf, true, len32)?;
-                crate::frames::send_file(stream, file, off, len)
+                crate::frames::send_file(stream.tcp(), file, off, len)
             }))
         });
         let m = &self.metrics;
@@ -553,9 +610,9 @@ impl CacheServer {
         .await;
     }
 
-    async fn handle(&self, req: Request<Incoming>) -> Reply {
+    async fn handle(&self, req: Request<Incoming>, certified: bool) -> Reply {
         let auth = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
-        if !authorized(auth, &self.opts.token) {
+        if !certified && !authorized(auth, &self.opts.token) {
             self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
             return reply(StatusCode::UNAUTHORIZED, Bytes::new());
         }

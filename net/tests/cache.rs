@@ -187,6 +187,7 @@ fn client(servers: &[&Server]) -> Arc<CacheClient> {
             servers: servers.iter().map(|s| s.addr.clone()).collect(),
             token: TOKEN.into(),
             timeout: Duration::from_secs(5),
+            tls: None,
         })
         .expect("client"),
     )
@@ -565,6 +566,7 @@ fn a_client_with_the_wrong_token_reads_the_bucket_and_stops_asking() {
             servers: vec![server.addr.clone()],
             token: "not-the-token".into(),
             timeout: Duration::from_secs(5),
+            tls: None,
         })
         .expect("client"),
     );
@@ -576,6 +578,7 @@ fn a_client_with_the_wrong_token_reads_the_bucket_and_stops_asking() {
             servers: vec![server.addr.clone(), down.addr.clone()],
             token: token.into(),
             timeout: Duration::from_secs(5),
+            tls: None,
         })
         .expect("client");
         c.check(Duration::from_secs(5))

@@ -310,6 +310,7 @@ fn a_client_reads_more_than_one_request_may_ask_for_in_pieces() {
         timeout: Some(Duration::from_secs(10)),
         // Every read through the owner.
         segments: None,
+        tls: None,
     })
     .expect("connect");
     let got = c.read(f.ino, 0, len as usize + 100).expect("read");

@@ -56,7 +56,8 @@ fn seeds() -> Vec<Vec<u8>> {
         write_request(w, b, &Request::Op { session: 7, op: read, tag: None }).expect("write");
     });
     let answers = one(&|w, b| {
-        write_answer(w, b, &Answer::Session(SessionInfo { session: 7, epoch: 2, seq: 11, generation: 3 })).expect("write");
+        write_answer(w, b, &Answer::Session(SessionInfo { session: 7, epoch: 2, seq: 11, generation: 3 }))
+            .expect("write");
         write_answer(w, b, &Answer::Reply(Ok(Out::Bytes(vec![1; 200])))).expect("write");
         write_answer(w, b, &Answer::Reply(Ok(Out::Names(vec![b"a".to_vec(), Vec::new()])))).expect("write");
         let spans = vec![Span { at: 0, len: 10, extent: Some(vec![9; 20]) }, Span { at: 10, len: 5, extent: None }];

@@ -69,6 +69,7 @@ fn client_over(at: &Arc<Mutex<String>>, segments: Option<Arc<dyn arbor_engine::d
         locate: Arc::new(move || Some(at.lock().clone())),
         timeout: Some(Duration::from_secs(20)),
         segments,
+        tls: None,
     })
     .expect("connect")
 }
@@ -515,6 +516,7 @@ fn threads_waiting_for_their_owner_share_each_lookup_of_it() {
         }),
         timeout: Some(Duration::from_secs(2)),
         segments: None,
+        tls: None,
     })
     .expect("connect");
     c.getattr(ROOT_INO).expect("getattr");
@@ -873,6 +875,7 @@ fn hard_client_of_a_paused_owner(real: &Running) -> RemoteFiles {
         locate: Arc::new(move || Some(find.lock().clone())),
         timeout: None,
         segments: None,
+        tls: None,
     })
     .expect("connect to the paused owner");
     let next = real.addr.to_string();

@@ -82,6 +82,7 @@ fn client(addr: &str) -> Arc<CacheClient> {
             servers: vec![addr.to_string()],
             token: TOKEN.into(),
             timeout: Duration::from_secs(5),
+            tls: None,
         })
         .expect("client"),
     )

@@ -874,3 +874,52 @@ fn clients_read_uploaded_bytes_through_the_chunk_cache_not_the_owner() {
     }
     assert!(left.is_empty(), "cache folders left behind: {left:?}");
 }
+
+/// A CA and a certificate for 127.0.0.1 it signed, written under `dir`:
+/// (ca.pem, server.pem, server.key).
+fn tls_files(dir: &Path) -> (String, String, String) {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(rcgen::DnType::CommonName, "arbor test CA");
+    let ca = rcgen::CertifiedIssuer::self_signed(ca, rcgen::KeyPair::generate().expect("key")).expect("ca");
+    let key = rcgen::KeyPair::generate().expect("key");
+    let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("params");
+    let cert = params.signed_by(&key, &ca).expect("sign");
+    let write = |name: &str, pem: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, pem).expect("write");
+        p.to_str().expect("utf8").to_string()
+    };
+    (write("ca.pem", ca.pem()), write("server.pem", cert.pem()), write("server.key", key.serialize_pem()))
+}
+
+#[test]
+fn a_mount_through_an_owner_speaking_tls_writes_syncs_and_reads_back_and_clear_text_is_refused() {
+    let certs = tempfile::tempdir().expect("tempdir");
+    let (ca, cert, key) = tls_files(certs.path());
+    let Some(w) = SharedWorld::start_with(&["--tls-cert", &cert, "--tls-key", &key]) else { return };
+    let a = w.client_with("a", &["--tls-ca", &ca]);
+    let data = pattern(3 << 20, 9);
+    write_synced(&a.mnt.join("over-tls"), &data);
+    assert_eq!(std::fs::read(a.mnt.join("over-tls")).expect("read back"), data);
+    // A mount without TLS is refused with a reason, and mounts nothing.
+    let mnt = w.s.dir.path().join("clear");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    let (mnt_s, token) = (mnt.to_str().expect("utf8"), w.token.to_str().expect("utf8"));
+    let out = arbor(&["mount", w.s.disk_str(), mnt_s, "--token-file", token, "--server", &w.owner.addr]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("speaks TLS"), "{err}");
+    assert!(!is_mounted(&mnt));
+    a.unmount();
+    w.owner.stop();
+    // A key that is not the certificate's: refused before serving, naming it.
+    let port = free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let bad = ["serve", w.s.disk_str(), "--listen", &listen, "--token-file", token, "--tls-cert", &cert, "--tls-key"];
+    let out = arbor(&[&bad[..], &[ca.as_str()]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let said: Vec<&str> = err.lines().filter(|l| l.starts_with("arbor:")).collect();
+    assert!(said.len() == 1 && said[0].contains("ca.pem") && said[0].contains("private key"), "{err}");
+}

@@ -165,6 +165,7 @@ fn client(addrs: &[String]) -> Arc<CacheClient> {
             servers: addrs.to_vec(),
             token: TOKEN.into(),
             timeout: Duration::from_secs(10),
+            tls: None,
         })
         .expect("client"),
     )

@@ -108,6 +108,7 @@ fn main() {
         locate: Arc::new(move || Some(addr.clone())),
         timeout: Some(Duration::from_secs(30)),
         segments: None,
+        tls: None,
     })
     .expect("connect");
 
