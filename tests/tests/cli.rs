@@ -443,3 +443,78 @@ fn foreground_mounts_and_servers_tell_systemd_when_they_are_ready_and_when_they_
     assert_eq!(heard, None);
     assert_eq!(kept.expect("read"), b"kept");
 }
+
+/// docs/configuration.md names every flag of every command (in that
+/// command's section) and every `ARBOR_…` variable the code reads.
+#[test]
+fn the_configuration_page_lists_every_flag_and_variable() {
+    let root = arbor_tests::manifest_dir().join("..");
+    let doc = std::fs::read_to_string(root.join("docs/configuration.md")).expect("docs/configuration.md");
+    let commands: &[&[&str]] = &[
+        &["init"],
+        &["mount"],
+        &["unmount"],
+        &["status"],
+        &["checkpoints", "create"],
+        &["checkpoints", "list"],
+        &["checkpoints", "delete"],
+        &["branches", "create"],
+        &["branches", "list"],
+        &["branches", "delete"],
+        &["branches", "reset"],
+        &["branches", "rename"],
+        &["diff"],
+        &["prefetch"],
+        &["gc"],
+        &["compact"],
+        &["serve"],
+        &["warm"],
+        &["import"],
+        &["export"],
+        &["fsck"],
+    ];
+    let mut missing = Vec::new();
+    for cmd in commands {
+        let mut args = cmd.to_vec();
+        args.push("--help");
+        let help = arbor_ok(&args);
+        let options = help.split("Options:").nth(1).unwrap_or_default();
+        let heading = format!("## arbor {}\n", cmd.join(" "));
+        let section = doc.split(&heading).nth(1).map(|s| s.split("\n## ").next().unwrap_or_default());
+        for line in options.lines() {
+            let Some(flag) = line.trim_start().trim_start_matches("-h, ").split([' ', '<']).next() else { continue };
+            if !flag.starts_with("--") || flag == "--help" || flag == "--version" {
+                continue;
+            }
+            if !section.is_some_and(|s| s.contains(&format!("`{flag}`"))) {
+                missing.push(format!("arbor {} {flag}", cmd.join(" ")));
+            }
+        }
+    }
+    // Every ARBOR_ variable a crate's code names.
+    for krate in ["engine", "fs", "net", "cli", "snapshot"] {
+        let mut stack = vec![root.join(krate).join("src")];
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).expect("read_dir").flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                    continue;
+                }
+                let text = std::fs::read_to_string(&p).unwrap_or_default();
+                for piece in text.split('"').skip(1).step_by(2) {
+                    let name = piece.split('=').next().unwrap_or_default();
+                    let var = name.len() > 6
+                        && name.starts_with("ARBOR_")
+                        && name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+                    if var && !doc.contains(name) {
+                        missing.push(format!("{name} ({})", p.display()));
+                    }
+                }
+            }
+        }
+    }
+    missing.sort();
+    missing.dedup();
+    assert!(missing.is_empty(), "not in docs/configuration.md (python3 docs/configuration.py): {missing:#?}");
+}
