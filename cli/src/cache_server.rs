@@ -129,8 +129,21 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     // exits, so that a supervisor starts it anew and it claims the branch
     // again (or finds the new owner holds it).
     let watched = shared.clone();
+    // The owner records are kept naming this process (every 5 s) until it
+    // stops: another owner that lost the race for a branch may put back a
+    // stale record.
+    let keepers: Vec<_> = owned.iter().map(|o| o.record_keeper()).collect();
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopping_seen = stopping.clone();
+    let mut turn = 0u64;
     std::thread::Builder::new().name("arbor-step-down".into()).spawn(move || loop {
         std::thread::sleep(std::time::Duration::from_millis(250));
+        turn += 1;
+        if turn % 20 == 1 && !stopping_seen.load(std::sync::atomic::Ordering::Acquire) {
+            for k in &keepers {
+                k();
+            }
+        }
         if let Some(b) = watched.iter().find(|b| b.stepped_down()) {
             tracing::error!(branch = %b.name(), "no longer the branch's owner; exiting so that a supervisor starts this owner again");
             std::process::exit(75);
@@ -159,16 +172,20 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     if let Some(f) = args.fault {
         tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");
     }
-    tracing::info!(
-        disk = %d.url,
-        listen = %addr,
-        cache = %place,
-        size = %disk::Size(args.cache_size),
-        objects = %disk::Size(args.object_memory),
-        branches = ?branches,
-        tls = args.tls.as_ref().map_or("off", |t| if t.client_ca.is_some() { "on, client certificates" } else { "on" }),
-        "serving"
-    );
+    // Said once the stop signals are handled (tests and supervisors wait
+    // for this line before they may stop it).
+    let announce = || {
+        tracing::info!(
+            disk = %d.url,
+            listen = %addr,
+            cache = %place,
+            size = %disk::Size(args.cache_size),
+            objects = %disk::Size(args.object_memory),
+            branches = ?branches,
+            tls = args.tls.as_ref().map_or("off", |t| if t.client_ca.is_some() { "on, client certificates" } else { "on" }),
+            "serving"
+        );
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("arbor-serve").build()?;
     let served = rt.block_on(async move {
         let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -183,9 +200,11 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
             }
             crate::serve::tell_systemd(sd_notify::NotifyState::Stopping);
         };
+        announce();
         crate::serve::tell_systemd(sd_notify::NotifyState::Ready);
         server.run(listener, stop).await
     });
+    stopping.store(true, std::sync::atomic::Ordering::Release);
     rt.shutdown_timeout(Duration::from_secs(5));
     served?;
     close_within(owned, args.owner.stop_timeout)?;

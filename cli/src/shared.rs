@@ -85,8 +85,15 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
         Err(e) => {
             // Not ours after all: the record goes back to what it was (a
             // live owner's clients must still find it).
+            // Only a record that is still ours is put back: another
+            // owner that started meanwhile may have won the branch and
+            // recorded itself (it also re-asserts its record, see
+            // Owned::keep_record).
             let restored = match &before {
-                Some(b) => catalog.record_owner(name, b),
+                Some(b) if catalog.owner_of(name).ok().flatten().as_ref() == Some(&owner) => {
+                    catalog.record_owner(name, b)
+                }
+                Some(_) => Ok(()),
                 None => catalog.clear_owner(name, &owner),
             };
             if let Err(r) = restored {
@@ -95,6 +102,11 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
             return Err(e);
         }
     };
+    // Ours now: recorded again, over whatever an owner that lost the race
+    // put back meanwhile.
+    if let Err(e) = catalog.record_owner(name, &owner) {
+        tracing::warn!(branch = name, error = %e, "cannot record where the branch is served");
+    }
     tracing::info!(
         branch = name,
         addr,
@@ -126,6 +138,23 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
 pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Owned {
+    /// Records this owner again when called if the record names another
+    /// (an owner that lost the race for the branch may have put back the
+    /// record it read before it started, a stale one).
+    pub fn record_keeper(&self) -> impl Fn() + Send + 'static {
+        let (catalog, owner, name) = (self.catalog.clone(), self.owner.clone(), self.shared.name().to_string());
+        move || match catalog.owner_of(&name) {
+            Ok(Some(o)) if o == owner => {}
+            Ok(_) => {
+                tracing::warn!(branch = %name, "the owner record named another owner; recording this one again");
+                if let Err(e) = catalog.record_owner(&name, &owner) {
+                    tracing::warn!(branch = %name, error = %e, "cannot record where the branch is served");
+                }
+            }
+            Err(e) => tracing::debug!(branch = %name, error = %e, "cannot read the owner record"),
+        }
+    }
+
     /// Bytes of this branch's log not in the bucket yet (0 on a
     /// local-folder disk).
     pub fn pending_upload(&self) -> u64 {
@@ -165,6 +194,16 @@ pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locat
         // stop of the owner removes the record.
         None => match catalog.owner_of(&name)? {
             Some(o) => Some(o),
+            // A mount given the owner's credentials and no cache servers
+            // (which the token would be for) means to go through an owner:
+            // one stopped cleanly (a restart, an upgrade) has no record
+            // for a moment, and the mount must not become the branch's
+            // writer and lock its owner out. It waits for a record.
+            None if (args.token_file.is_some() || crate::tls::has_identity(args.tls.as_ref()))
+                && args.cache_servers.is_empty() =>
+            {
+                Some(wait_for_owner(&catalog, &name, args.timeout.unwrap_or(arbor_net::remote::OWNER_START_WAIT))?)
+            }
             None => return Ok(None),
         },
     };
@@ -176,6 +215,26 @@ pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locat
         Some(addr) => Arc::new(move || Some(addr.clone())),
         None => Arc::new(move || catalog.owner_of(&name).ok().flatten().map(|o| o.addr)),
     }))
+}
+
+/// The owner record of branch `name` once one appears, for up to `wait`.
+fn wait_for_owner(catalog: &Catalog, name: &str, wait: std::time::Duration) -> Result<Owner> {
+    let started = std::time::Instant::now();
+    tracing::warn!(branch = %name, wait_s = wait.as_secs(), "the branch has no owner recorded; waiting for one");
+    // Bounded by `wait`.
+    loop {
+        if let Some(o) = catalog.owner_of(name)? {
+            return Ok(o);
+        }
+        if started.elapsed() >= wait {
+            bail!(
+                "branch {name} has no owner (no arbor serve --branch {name} recorded itself within {} s); \
+                 mount it without --token-file to write it from this node",
+                wait.as_secs()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
 }
 
 /// Mounts branch `args.branch` at `mountpoint` through its owner, and

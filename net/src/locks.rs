@@ -90,7 +90,7 @@ pub const LOCKS_CLIENT: u64 = u64::MAX;
 /// The client id whose request slot 0 records how far inode numbers are
 /// reserved (see `SharedBranch`'s inode reservation); no client may speak
 /// for it either.
-pub const INODES_CLIENT: u64 = u64::MAX - 1;
+pub const INODES_CLIENT: u64 = arbor_engine::volume::INODES_RESERVED_CLIENT;
 
 /// Whether `client` is one of the ids the owner keeps for itself.
 pub fn reserved_client(client: u64) -> bool {

@@ -662,7 +662,8 @@ impl Inner {
         }
         let in_window = restarted
             && heard.is_some_and(|t| t.elapsed() < RECLAIM_WINDOW)
-            && info.generation == locks.generation.saturating_add(1);
+            && locks.generation != u64::MAX
+            && info.generation == locks.generation + 1;
         let mut lost: Vec<(u64, u64)> = Vec::new();
         for (ino, owner, lock) in held {
             if lost.contains(&(ino, owner)) {

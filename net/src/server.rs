@@ -308,11 +308,35 @@ impl CacheServer {
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let me = self.clone();
+        // A connection that has not made one authorized request by the
+        // hello's deadline is closed, as a framed one is.
+        let trusted = Arc::new(std::sync::atomic::AtomicBool::new(certified));
+        let seen = trusted.clone();
         let service = hyper::service::service_fn(move |req| {
-            let me = me.clone();
-            async move { Ok::<_, Infallible>(me.handle(req, certified).await) }
+            let (me, seen) = (me.clone(), seen.clone());
+            async move {
+                if certified || authorized(req.headers().get(AUTHORIZATION).map(|v| v.as_bytes()), &me.opts.token) {
+                    seen.store(true, Ordering::Relaxed);
+                }
+                Ok::<_, Infallible>(me.handle(req, certified).await)
+            }
         });
-        if let Err(e) = builder.serve_connection(TokioIo::new(io), service).await {
+        let served = builder.serve_connection(TokioIo::new(io), service);
+        tokio::pin!(served);
+        let ended = tokio::select! {
+            r = &mut served => Some(r),
+            () = tokio::time::sleep_until(conn.hello_by) => None,
+        };
+        let ended = match ended {
+            Some(r) => r,
+            None if trusted.load(Ordering::Relaxed) => served.await,
+            None => {
+                self.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(peer = %conn.peer, "an HTTP connection without an authorized request by the deadline; closed");
+                return;
+            }
+        };
+        if let Err(e) = ended {
             tracing::debug!(peer = %conn.peer, error = %e, "connection ended");
         }
         drop(conn);

@@ -1293,3 +1293,94 @@ fn a_new_owner_never_gives_out_again_the_number_of_a_file_a_crash_took() {
     let new = other.create_open(ROOT_INO, b"new", libc::S_IFREG | 0o644, 0, 0).expect("create");
     assert!(new.ino != lost.ino && new.ino != kept.ino, "{} given out again", new.ino);
 }
+
+#[test]
+fn an_append_sent_again_after_a_lost_reply_or_an_owner_crash_lands_once() {
+    use arbor_net::frames::Answer;
+    let dev = SimDevice::new();
+    let (vol, server) = owner(&dev);
+    let f = vol.create(ROOT_INO, b"log", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    let lane = arbor_net::requests::PIPELINED_SLOT | 1;
+    let append = |data: &[u8]| Op::Write { ino: f.ino, off: 0, data: data.to_vec(), unprivileged: false, append: true };
+    let t1 = RequestTag { client: 4242, slot: lane, seq: 1 };
+    assert!(matches!(tagged_request(server.addr, append(b"one\n"), t1), Answer::Reply(Ok(Out::Written(4)))));
+    // The reply was lost: the same append comes again on another connection.
+    assert!(matches!(tagged_request(server.addr, append(b"one\n"), t1), Answer::Reply(Ok(Out::Written(4)))));
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"one\n");
+    // Another node appends meanwhile; then this lane's next append.
+    vol.append(f.ino, b"other\n").expect("append");
+    let t2 = RequestTag { seq: 2, ..t1 };
+    assert!(matches!(tagged_request(server.addr, append(b"two\n"), t2), Answer::Reply(Ok(Out::Written(4)))));
+    vol.sync_all().expect("sync");
+    // A crash, a new owner: both appends are answered from the tags, not
+    // appended again.
+    let (vol2, server2) = {
+        let at = Arc::new(Mutex::new(String::new()));
+        crash_and_restart(&dev, (vol, server), &at)
+    };
+    assert!(matches!(tagged_request(server2.addr, append(b"one\n"), t1), Answer::Reply(Ok(Out::Written(4)))));
+    assert!(matches!(tagged_request(server2.addr, append(b"two\n"), t2), Answer::Reply(Ok(Out::Written(4)))));
+    assert_eq!(vol2.read(f.ino, 0, 100).expect("read"), b"one\nother\ntwo\n");
+}
+
+/// What `arbor import` (or any writer that opens the branch itself, such
+/// as a plain mount after a clean owner stop) does between two owners: it
+/// opens the volume without a `SharedBranch`, so it never skips the
+/// reserved numbers.
+#[test]
+fn a_writer_between_owners_does_not_give_out_a_lost_files_number_again() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    c.create_open(ROOT_INO, b"kept", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.fsync(ROOT_INO).expect("fsync");
+    // Answered, never synced: the crash takes it; the client keeps it open.
+    let lost = c.create_open(ROOT_INO, b"lost", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    dev.crash(CrashMode::DropUnsynced);
+    drop(first);
+    // A writer of the branch that is not an owner (arbor import).
+    let local = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
+    let imported = local.create(ROOT_INO, b"imported", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    local.sync_all().expect("sync");
+    drop(local);
+    assert_ne!(imported.ino, lost.ino, "a writer between owners gave the lost file's number out again");
+}
+
+/// The harm of a number given out again (the test before): a descriptor of the
+/// file the crash took writes into the file the writer in between made.
+#[test]
+fn a_descriptor_of_a_lost_file_never_writes_into_another_file() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    c.create_open(ROOT_INO, b"kept", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.fsync(ROOT_INO).expect("fsync");
+    let lost = c.create_open(ROOT_INO, b"lost", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    dev.crash(CrashMode::DropUnsynced);
+    drop(first);
+    let local = Volume::open(Arc::new(dev.clone()), cfg()).expect("open");
+    let imported = local.create(ROOT_INO, b"imported", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    local.write(imported.ino, 0, b"imported bytes").expect("write");
+    local.close().expect("close");
+    drop(local);
+    let (vol2, _second) = owner(&dev);
+    *at.lock() = _second.addr.to_string();
+    // The descriptor of the lost file: its write fails (the file is gone).
+    assert_eq!(c.write(lost.ino, 0, b"OLD").map_err(|e| e.errno()), Err(libc::EIO));
+    // Another process on the client opens `imported` by name.
+    let a = c.lookup(ROOT_INO, b"imported").expect("lookup");
+    c.open(a.ino).expect("open");
+    // The old descriptor (the kernel knows it only by its number) writes
+    // again and fsyncs.
+    let wrote = c.write(lost.ino, 0, b"OLD");
+    let synced = c.fsync(lost.ino);
+    assert_eq!(
+        vol2.read(imported.ino, 0, 100).expect("read"),
+        b"imported bytes",
+        "a descriptor of the lost file wrote into another file (write {:?}, fsync {:?})",
+        wrote.map_err(|e| e.errno()),
+        synced.map_err(|e| e.errno())
+    );
+}

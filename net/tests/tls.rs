@@ -514,3 +514,65 @@ fn garbage_expired_and_mismatched_files_are_refused_naming_the_file() {
     refused(client(Trust::Ca(expired.clone())).expect("refused"), "expired.pem", "expired on 2020-01-01");
     assert!(said.iter().all(|e| !e.contains('\n')), "each on one line: {said:?}");
 }
+
+/// An HTTP connection (clear text, or TLS with ALPN h2 / none) that sends
+/// no authorized request is bound by the hello's deadline too: it does not
+/// keep its place under the caps, and real clients get in.
+#[test]
+fn idle_http_connections_without_a_token_are_closed_at_the_deadline() {
+    let _turn = ONE_AT_A_TIME.lock();
+    let pki = Pki::new();
+    let limits = ConnLimits { per_peer: 4, total: 4, ..ConnLimits::default() };
+    // Clear text: "GET / HTTP/1.1\r\n" and nothing more.
+    let (_vol, plain) = owner(None, TOKEN, limits);
+    let mut held: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut s = connect_from([127, 0, 0, 4], plain.addr);
+            s.write_all(b"GET /metrics HTTP/1.1\r\n").expect("half a request");
+            s
+        })
+        .collect();
+    // TLS: a complete handshake (no client certificate, no token), ALPN h2,
+    // then nothing.
+    let (_vol2, tls) = owner(Some(pki.server(false)), TOKEN, limits);
+    let mut config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("versions")
+            .with_root_certificates({
+                let mut r = rustls::RootCertStore::empty();
+                for c in
+                    <rustls::pki_types::CertificateDer as rustls::pki_types::pem::PemObject>::pem_file_iter(&pki.ca)
+                        .expect("ca")
+                {
+                    r.add(c.expect("cert")).expect("add");
+                }
+                r
+            })
+            .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let config = Arc::new(config);
+    let mut tls_held = Vec::new();
+    for _ in 0..4 {
+        let mut s = connect_from([127, 0, 0, 5], tls.addr);
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+        let mut conn = rustls::ClientConnection::new(config.clone(), name).expect("conn");
+        while conn.is_handshaking() {
+            conn.complete_io(&mut s).expect("handshake");
+        }
+        tls_held.push((s, conn));
+    }
+    std::thread::sleep(Duration::from_secs(5));
+    let open = metric_sample(&plain.server.metrics_text(), "arbor_open_connections").expect("open");
+    let open_tls = metric_sample(&tls.server.metrics_text(), "arbor_open_connections").expect("open");
+    let still = held.iter_mut().filter(|s| !closed(s)).count();
+    let still_tls = tls_held.iter_mut().filter(|(s, _)| !closed(s)).count();
+    // A real client is refused: every place is held by a peer with no token.
+    let refused = remote(&plain.addr.to_string(), None, TOKEN).is_err();
+    let refused_tls = remote(&tls.addr.to_string(), Some(pki.trusting()), TOKEN).is_err();
+    assert!(
+        still == 0 && still_tls == 0 && open == 0.0 && open_tls == 0.0 && !refused && !refused_tls,
+        "5 s after connecting, tokenless HTTP connections still open: clear {still} (open {open}), \
+         tls {still_tls} (open {open_tls}); a real client refused: clear {refused}, tls {refused_tls}"
+    );
+}

@@ -277,8 +277,12 @@ fn one_warm_dataset_for_every_node_and_job() {
     mem_env.push(("XDG_CACHE_HOME", mem_node.display().to_string()));
     let tok = token_file(&w);
     let mem_args = ["--cache-dir", "none", "--cache-memory", "8M", "--token-file", tok.to_str().expect("utf8")];
-    let refused =
-        arbor_env(&[&["mount", &disk, w.mnt("mem-branch").to_str().expect("utf8")][..], &mem_args].concat(), &mem_env);
+    // (Without the token: a mount given one and no cache server means to go
+    // through the branch's owner, and waits for one.)
+    let refused = arbor_env(
+        &["mount", &disk, w.mnt("mem-branch").to_str().expect("utf8"), "--cache-dir", "none", "--cache-memory", "8M"],
+        &mem_env,
+    );
     assert!(!refused.status.success(), "a memory-only branch mount is refused");
     assert!(String::from_utf8_lossy(&refused.stderr).contains("for checkpoint mounts"), "{refused:?}");
     let mnt = w.mnt("mem");

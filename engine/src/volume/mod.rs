@@ -17,7 +17,7 @@ pub use open::Recovery;
 mod ops;
 mod read;
 mod requests;
-pub use requests::{RequestTag, Takes};
+pub use requests::{RequestTag, Takes, INODES_RESERVED_CLIENT};
 mod txn;
 mod types;
 

@@ -122,6 +122,7 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
     st.last_commit = Some(sb.commit);
     let mut last_seq = commit.seq;
     if !sb.replay {
+        skip_reserved_inodes(nodes, st)?;
         return Ok(last_seq);
     }
     report.segments.push(sb.commit.seg);
@@ -185,7 +186,20 @@ fn replay(nodes: &Nodes, st: &mut State, sb: &Superblock, read_only: bool, repor
     if !parts.is_empty() {
         tracing::warn!(pieces = parts.len(), "the log ends inside a write: dropping its pieces");
     }
+    skip_reserved_inodes(nodes, st)?;
     Ok(last_seq)
+}
+
+/// Numbers an owner reserved may be held by its clients for files a crash
+/// took: no writer of this branch (owner or not) gives them out again.
+fn skip_reserved_inodes(nodes: &Nodes, st: &mut State) -> Result<()> {
+    let key = super::keys::request(super::requests::INODES_RESERVED_CLIENT, 0);
+    let reserved =
+        st.tree.get(nodes, &key)?.and_then(|v| v.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes));
+    if let Some(r) = reserved {
+        st.next_ino = st.next_ino.max(r);
+    }
+    Ok(())
 }
 
 /// A writer id no segment on this device uses yet.

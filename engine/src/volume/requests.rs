@@ -41,6 +41,10 @@ pub struct RequestTag {
     pub seq: u64,
 }
 
+/// The client id whose slot 0 records how far a branch's owner reserved
+/// inode numbers (every writer starts past it, see `open::replay`).
+pub const INODES_RESERVED_CLIENT: u64 = u64::MAX - 1;
+
 /// Which intent of a tagged call takes the tag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Takes {
