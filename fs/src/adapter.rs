@@ -55,6 +55,9 @@ pub struct Entry {
 /// classic `/dev/fuse` loop in `classic.rs`, FUSE over io_uring in
 /// [`crate::ring`]) only decode requests and encode these answers, so both
 /// run the same code for every operation.
+/// One (file, lock owner)'s gate: see `ArborFs::gates`.
+type Gate = std::sync::Arc<parking_lot::Mutex<()>>;
+
 pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     vol: Arc<F>,
     read_ahead: u32,
@@ -66,6 +69,16 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     /// Shared trees: files this node ever took a lock on, whose closes must
     /// drop the closer's locks at the owner.
     locked: parking_lot::Mutex<std::collections::HashSet<u64>>,
+    /// The open file (its handle) each (file, lock owner) last took a lock
+    /// through: a release drops the owner's locks only if it is that
+    /// open's (see [`Self::release`]).
+    lockers: parking_lot::Mutex<std::collections::HashMap<(u64, u64), u64>>,
+    /// One gate per (file, lock owner) while a lock is asked for or a
+    /// release drops locks: the release of an earlier open with the same
+    /// owner id cannot reach the owner after this open's lock and drop it.
+    gates: parking_lot::Mutex<std::collections::HashMap<(u64, u64), Gate>>,
+    /// The next open file's handle.
+    next_handle: std::sync::atomic::AtomicU64,
     counters: Arc<Counters>,
     /// Where a change the kernel cannot know of is pushed into its caches.
     notifier: std::sync::OnceLock<fuser::Notifier>,
@@ -96,6 +109,9 @@ impl<F: Files + ?Sized> ArborFs<F> {
             ttl,
             opened: parking_lot::Mutex::new(HashMap::new()),
             locked: parking_lot::Mutex::new(Default::default()),
+            lockers: parking_lot::Mutex::new(Default::default()),
+            gates: parking_lot::Mutex::new(Default::default()),
+            next_handle: std::sync::atomic::AtomicU64::new(1),
             counters: Arc::default(),
             notifier: std::sync::OnceLock::new(),
             direct: DirectWrites::new(),
@@ -327,16 +343,52 @@ impl<F: Files + ?Sized> ArborFs<F> {
         Err(Errno::ENOSYS)
     }
 
-    /// `flags`: those the file was opened with.
-    pub fn release(&self, ino: u64, flags: i32, lock_owner: Option<u64>) -> Answer<()> {
+    /// A handle for a new open file, unique in this mount.
+    pub fn new_handle(&self) -> u64 {
+        self.next_handle.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `flags`: those the file was opened with; `fh`: its handle.
+    pub fn release(&self, ino: u64, fh: u64, flags: i32, lock_owner: Option<u64>) -> Answer<()> {
         self.direct.released(ino, flags);
-        // The last close of an open file drops its flock.
-        if let Some(owner) = lock_owner.filter(|_| self.locked.lock().contains(&ino)) {
-            if let Err(e) = self.vol.unlock_all(ino, owner) {
-                tracing::warn!(ino, error = %e, "dropping a closed file's locks failed");
+        // The last close of an open file drops its flock. The kernel sends
+        // this after close returned, and names the lock owner by the open
+        // file's address, which a new open may already reuse: only the
+        // open that took the lock lets go of it, never a newer one's.
+        if let Some(owner) = lock_owner {
+            let gate = self.gate(ino, owner);
+            let _held = gate.lock();
+            let ours = {
+                let mut lockers = self.lockers.lock();
+                let ours = lockers.get(&(ino, owner)) == Some(&fh);
+                if ours {
+                    lockers.remove(&(ino, owner));
+                }
+                ours
+            };
+            if ours && self.locked.lock().contains(&ino) {
+                if let Err(e) = self.vol.unlock_all(ino, owner) {
+                    tracing::warn!(ino, error = %e, "dropping a closed file's locks failed");
+                }
             }
+            drop(_held);
+            self.ungate(ino, owner, gate);
         }
         answer(self.vol.release(ino))
+    }
+
+    /// The gate of (file, lock owner) (see `gates`).
+    fn gate(&self, ino: u64, owner: u64) -> Gate {
+        self.gates.lock().entry((ino, owner)).or_default().clone()
+    }
+
+    /// Forgets a gate nobody else holds.
+    fn ungate(&self, ino: u64, owner: u64, gate: Gate) {
+        let mut gates = self.gates.lock();
+        // Ours and the map's: no other call waits on it.
+        if std::sync::Arc::strong_count(&gate) == 2 {
+            gates.remove(&(ino, owner));
+        }
     }
 
     pub fn fsync(&self, ino: u64) -> Answer<()> {
@@ -466,12 +518,25 @@ impl<F: Files + ?Sized> ArborFs<F> {
         }
     }
 
-    pub fn setlk(&self, ino: u64, lock_owner: u64, lock: Lock, sleep: bool) -> Answer<()> {
+    /// `fh`: the handle of the open file the lock is taken through.
+    pub fn setlk(&self, ino: u64, fh: u64, lock_owner: u64, lock: Lock, sleep: bool) -> Answer<()> {
         let l = checked_lock(lock)?;
         if l.typ != libc::F_UNLCK {
             self.locked.lock().insert(ino);
+            // Through the gate: a release of an earlier open with the same
+            // owner id, running meanwhile on another thread, reaches the
+            // owner before this lock or finds this open named and drops
+            // nothing.
+            let gate = self.gate(ino, lock_owner);
+            let held = gate.lock();
+            self.lockers.lock().insert((ino, lock_owner), fh);
+            let r = answer(self.vol.setlk(ino, lock_owner, l, sleep));
+            drop(held);
+            self.ungate(ino, lock_owner, gate);
+            r?;
+        } else {
+            answer(self.vol.setlk(ino, lock_owner, l, sleep))?;
         }
-        answer(self.vol.setlk(ino, lock_owner, l, sleep))?;
         if l.typ != libc::F_UNLCK && self.vol.is_shared() {
             // A lock taken on a tree other nodes change: what the kernel
             // cached of the file may predate the last holder's writes.

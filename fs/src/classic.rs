@@ -56,9 +56,9 @@ fn xattr(reply: ReplyXattr, r: Result<Xattr, Errno>) {
     }
 }
 
-fn opened(reply: ReplyOpen, r: Result<FopenFlags, Errno>) {
+fn opened(reply: ReplyOpen, fh: u64, r: Result<FopenFlags, Errno>) {
     match r {
-        Ok(flags) => reply.opened(FileHandle(0), flags),
+        Ok(flags) => reply.opened(FileHandle(fh), flags),
         Err(e) => reply.error(e),
     }
 }
@@ -204,11 +204,11 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        opened(reply, self.fs.open(ino.0, flags.0))
+        opened(reply, self.fs.new_handle(), self.fs.open(ino.0, flags.0))
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        opened(reply, self.fs.opendir(ino.0))
+        opened(reply, 0, self.fs.opendir(ino.0))
     }
 
     fn read(
@@ -264,13 +264,13 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         flags: OpenFlags,
         lock_owner: Option<LockOwner>,
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        empty(reply, self.fs.release(ino.0, flags.0, lock_owner.map(|o| o.0)))
+        empty(reply, self.fs.release(ino.0, fh.0, flags.0, lock_owner.map(|o| o.0)))
     }
 
     fn fsync(&self, req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
@@ -348,7 +348,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     ) {
         crate::files::serving(req.pid());
         match self.fs.create(parent.0, name.as_bytes(), mode, umask, flags, req.uid(), req.gid()) {
-            Ok((e, flags)) => reply.created(&e.ttl, &e.attr, Generation(0), FileHandle(0), flags),
+            Ok((e, flags)) => reply.created(&e.ttl, &e.attr, Generation(0), FileHandle(self.fs.new_handle()), flags),
             Err(e) => reply.error(e),
         }
     }
@@ -388,7 +388,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         lock_owner: LockOwner,
         start: u64,
         end: u64,
@@ -397,7 +397,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         sleep: bool,
         reply: ReplyEmpty,
     ) {
-        empty(reply, self.fs.setlk(ino.0, lock_owner.0, Lock { start, end, typ, pid }, sleep))
+        empty(reply, self.fs.setlk(ino.0, fh.0, lock_owner.0, Lock { start, end, typ, pid }, sleep))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -593,8 +593,8 @@ fn attr(ttl: Duration, r: Result<FileAttr, Errno>) -> Reply {
     r.map(|a| AttrReply { attr_valid: secs, attr_valid_nsec: nsecs, dummy: 0, attr: attr_out(&a) }.as_bytes().to_vec())
 }
 
-fn opened(r: Result<fuser::FopenFlags, Errno>) -> Reply {
-    r.map(|f| OpenOut { fh: 0, open_flags: f.bits(), backing_id: 0 }.as_bytes().to_vec())
+fn opened(fh: u64, r: Result<fuser::FopenFlags, Errno>) -> Reply {
+    r.map(|f| OpenOut { fh, open_flags: f.bits(), backing_id: 0 }.as_bytes().to_vec())
 }
 
 fn xattr(r: Result<Xattr, Errno>) -> Reply {
@@ -730,8 +730,8 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
             empty(fs.rename(ino, from, newdir, name(rest)?.0, flags))
         }
         op::LINK => entry(fs.link(arg::<u64>(r.op)?, ino, name(p)?.0)),
-        op::OPEN => opened(fs.open(ino, arg::<[u32; 2]>(r.op)?[0] as i32)),
-        op::OPENDIR => opened(fs.opendir(ino)),
+        op::OPEN => opened(fs.new_handle(), fs.open(ino, arg::<[u32; 2]>(r.op)?[0] as i32)),
+        op::OPENDIR => opened(0, fs.opendir(ino)),
         op::WRITE => {
             let a: IoIn = arg(r.op)?;
             let data = p.get(..a.size as usize).ok_or(Errno::EINVAL)?;
@@ -756,7 +756,7 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
         op::RELEASE => {
             let a: ReleaseIn = arg(r.op)?;
             let owner = (a.release_flags & RELEASE_FLOCK_UNLOCK != 0).then_some(a.lock_owner);
-            empty(fs.release(ino, a.flags as i32, owner))
+            empty(fs.release(ino, a.fh, a.flags as i32, owner))
         }
         op::RELEASEDIR => Ok(Vec::new()),
         op::FSYNC | op::FSYNCDIR => empty(fs.fsync(ino)),
@@ -792,13 +792,13 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
         }
         op::SETLK | op::SETLKW => {
             let a: LkIn = arg(r.op)?;
-            empty(fs.setlk(ino, a.owner, lock_of(&a.lk), h.opcode == op::SETLKW))
+            empty(fs.setlk(ino, a.fh, a.owner, lock_of(&a.lk), h.opcode == op::SETLKW))
         }
         op::CREATE => {
             let [open, mode, umask, _] = arg::<[u32; 4]>(r.op)?;
             let (e, flags) = fs.create(ino, name(p)?.0, mode, umask, open as i32, h.uid, h.gid)?;
             let mut out = entry_out(&e).as_bytes().to_vec();
-            out.extend_from_slice(OpenOut { fh: 0, open_flags: flags.bits(), backing_id: 0 }.as_bytes());
+            out.extend_from_slice(OpenOut { fh: fs.new_handle(), open_flags: flags.bits(), backing_id: 0 }.as_bytes());
             Ok(out)
         }
         op::IOCTL => empty(fs.ioctl()),

@@ -711,3 +711,15 @@ pub fn assert_writes_and_chown_clear_set_id_bits(f: &Path) {
 pub fn manifest_dir() -> PathBuf {
     std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
 }
+
+/// A command prefix that runs a program with its clock 40 s ahead
+/// (libfaketime preloaded; the `faketime` wrapper's named semaphore can
+/// clash with one a killed run left behind), or `None` where libfaketime
+/// is not installed.
+pub fn clock_40s_ahead() -> Option<Vec<String>> {
+    let lib = std::fs::read_dir("/usr/lib").ok()?.flatten().find_map(|d| {
+        let p = d.path().join("faketime/libfaketime.so.1");
+        p.exists().then_some(p)
+    })?;
+    Some(vec!["env".into(), format!("LD_PRELOAD={}", lib.display()), "FAKETIME=+40s".into()])
+}

@@ -40,6 +40,9 @@ struct History {
     /// fsync and unlock too), and those tried that did not.
     increments: u64,
     increments_failed: u64,
+    /// Each acknowledged increment: the value it read, and when (seconds
+    /// into the run) it held the lock and when it let go.
+    counted: Vec<(u64, f64, f64)>,
     /// When an operation of this writer last succeeded.
     last_ok: Option<Instant>,
 }
@@ -95,7 +98,15 @@ const COUNTER: &str = "counter";
 
 /// Adds one to the counter in `dir` holding its `flock` (a blocking one:
 /// the lock's holder may be on the other mount), fsyncs it, and lets go.
-fn increment(dir: &Path) -> std::io::Result<()> {
+/// When the run began: the times its histories print are from here.
+static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
+fn since_start() -> f64 {
+    T0.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
+
+/// [`increment`]'s value read, and when the lock was held and let go.
+fn increment(dir: &Path) -> std::io::Result<(u64, f64, f64)> {
     use std::io::{Read, Seek};
     use std::os::fd::AsRawFd;
     let mut f =
@@ -104,6 +115,7 @@ fn increment(dir: &Path) -> std::io::Result<()> {
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    let locked = since_start();
     let mut text = String::new();
     f.read_to_string(&mut text)?;
     let n: u64 = if text.is_empty() {
@@ -118,7 +130,7 @@ fn increment(dir: &Path) -> std::io::Result<()> {
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(())
+    Ok((n, locked, since_start()))
 }
 
 /// One writer's loop until `stop`: saves as a training job saves a
@@ -181,8 +193,9 @@ fn writer(
                 let done = increment(&dir);
                 let mut h = h.lock().expect("history");
                 match done {
-                    Ok(()) => {
+                    Ok(c) => {
                         h.increments += 1;
+                        h.counted.push(c);
                         h.last_ok = Some(Instant::now());
                     }
                     Err(_) => {
@@ -288,12 +301,18 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
     let secs: u64 = std::env::var("ARBOR_FAULT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
     println!("ARBOR_FAULT_SEED={seed} ARBOR_FAULT_SECS={secs}");
     let have = |cmd: &[&str]| Command::new(cmd[0]).args(&cmd[1..]).status().is_ok_and(|s| s.success());
-    let faketime = have(&["faketime", "-f", "+40s", "true"]);
+    let ahead = clock_40s_ahead();
+    let faketime = ahead.as_ref().is_some_and(|a| {
+        let mut cmd: Vec<&str> = a.iter().map(String::as_str).collect();
+        cmd.push("true");
+        have(&cmd)
+    });
     let pidns = have(&["unshare", "-pf", "true"]);
     if std::env::var_os("CI").is_some() {
         assert!(faketime && pidns, "CI needs faketime and unshare -p");
     }
 
+    since_start();
     let s = Scratch::new();
     let token = s.dir.path().join("token");
     std::fs::write(&token, format!("{TOKEN}\n")).expect("token");
@@ -421,7 +440,8 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
             }
             5 if faketime => {
                 owner.kill9();
-                owner.start(&mut launcher, &["faketime", "-f", "+40s"]);
+                let wrapper: Vec<&str> = ahead.iter().flatten().map(String::as_str).collect();
+                owner.start(&mut launcher, &wrapper);
                 "kill -9, restart with the clock 40 s ahead"
             }
             6 if pidns => {
@@ -431,7 +451,11 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
             }
             _ => "nothing",
         };
-        println!("{:>6.1}s {fault}", secs as f64 - end.saturating_duration_since(Instant::now()).as_secs_f64());
+        println!(
+            "{:>6.1}s {fault} (at {:.3}s of the run)",
+            secs as f64 - end.saturating_duration_since(Instant::now()).as_secs_f64(),
+            since_start()
+        );
         *faults.entry(fault).or_default() += 1;
     }
     // A quiet end: with every fault healed, every writer gets on again.
@@ -525,6 +549,20 @@ fn a_shared_branch_under_a_fault_schedule_loses_nothing_acknowledged_and_brings_
         violations.push(format!(
             "counter: {counted:?} ({counter:?}) after {acked} acknowledged increments of {tried} tried under flock"
         ));
+        // The history: acknowledged increments that read the same value.
+        let mut all: Vec<(u64, f64, f64, usize)> = Vec::new();
+        for (w, h) in histories.iter().enumerate() {
+            all.extend(h.lock().expect("history").counted.iter().map(|&(v, a, b)| (v, a, b, w)));
+        }
+        all.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.total_cmp(&y.1)));
+        for pair in all.windows(2).filter(|p| p[0].0 == p[1].0) {
+            for (v, a, b, w) in pair {
+                println!("writer {w} read {v} holding the lock from {a:.3}s to {b:.3}s");
+            }
+        }
+        let read: std::collections::BTreeSet<u64> = all.iter().map(|x| x.0).collect();
+        let skipped: Vec<u64> = (0..counted).filter(|v| !read.contains(v)).take(10).collect();
+        println!("values no acknowledged increment read: {skipped:?}");
     }
     let acked_rewrites: usize = rewrites.values().map(|t| t.iter().filter(|t| t.acked).count()).sum();
     println!(
