@@ -217,9 +217,16 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// carries none, and the kernel keeps the mode it had, so `stat` (and
     /// exec) would still see bits a write cleared.
     fn drop_cached_attrs(&self, ino: u64) {
+        self.drop_cached(ino, -1);
+    }
+
+    /// Drops what the kernel cached of `ino`: its attributes, and its pages
+    /// from `from` on (-1: none; not from a READ or WRITE of that file,
+    /// whose pages the kernel holds locked).
+    fn drop_cached(&self, ino: u64, from: i64) {
         if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), -1, 0) {
-                tracing::warn!(ino, error = %e, "dropping the kernel's cached mode failed");
+            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), from, 0) {
+                tracing::warn!(ino, error = %e, "dropping what the kernel cached of a file failed");
             }
         }
     }
@@ -541,18 +548,9 @@ impl<F: Files + ?Sized> ArborFs<F> {
             // A lock taken on a tree other nodes change: what the kernel
             // cached of the file may predate the last holder's writes.
             // Read afresh, as an NFS client revalidates on a lock.
-            self.drop_cached_file(ino);
+            self.drop_cached(ino, 0);
         }
         Ok(())
-    }
-
-    /// Drops the attributes and pages the kernel cached for `ino`.
-    fn drop_cached_file(&self, ino: u64) {
-        if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), 0, 0) {
-                tracing::debug!(ino, error = %e, "dropping the kernel's cache of a locked file failed");
-            }
-        }
     }
 
     /// No ioctl is supported. ENOTTY is what a file system without the

@@ -1169,16 +1169,13 @@ impl SharedBranch {
     }
 }
 
-/// How far inode numbers were reserved on `vol`; numbers below that are
-/// skipped from now on (an owner before may have given them out).
+/// How far inode numbers were reserved on `vol` (the volume itself gives
+/// none out below that once opened, see `Volume::open`).
 fn reserved_inodes(vol: &Volume) -> u64 {
-    let reserved = vol
-        .request_slots(INODES_CLIENT)
+    vol.request_slots(INODES_CLIENT)
         .ok()
         .and_then(|slots| slots.iter().find(|(s, _)| *s == 0).map(|&(_, n)| n))
-        .unwrap_or(0);
-    vol.skip_inodes_to(reserved);
-    reserved
+        .unwrap_or(0)
 }
 
 fn splitmix(mut x: u64) -> u64 {

@@ -636,6 +636,20 @@ fn a_write_answered_by_the_old_owner_but_read_after_the_new_owner_was_met_fails_
 
 const WHOLE: arbor_fs::Lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
 
+/// Two clients of the owner `at` names: a made file `name`, made it
+/// durable and holds its whole-file lock; b has it open.
+fn a_holds_the_lock_b_has_the_file_open(
+    at: &Arc<Mutex<String>>,
+    name: &[u8],
+) -> (RemoteFiles, RemoteFiles, arbor_engine::volume::Attr) {
+    let (a, b) = (client(at), client(at));
+    let f = a.create_open(ROOT_INO, name, libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.fsync(f.ino).expect("fsync");
+    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
+    b.open(f.ino).expect("open");
+    (a, b, f)
+}
+
 fn unlock() -> arbor_fs::Lock {
     arbor_fs::Lock { typ: libc::F_UNLCK, ..WHOLE }
 }
@@ -645,11 +659,7 @@ fn a_lock_held_before_an_owner_crash_is_taken_back_and_not_granted_to_another() 
     let dev = SimDevice::new();
     let first = owner(&dev);
     let at = found_at(&first.1);
-    let (a, b) = (client(&at), client(&at));
-    let f = a.create_open(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0).expect("create");
-    a.fsync(f.ino).expect("fsync");
-    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
-    b.open(f.ino).expect("open");
+    let (a, b, f) = a_holds_the_lock_b_has_the_file_open(&at, b"lockfile");
     assert_eq!(b.setlk(f.ino, 2, WHOLE, false).map_err(|e| e.errno()), Err(libc::EAGAIN));
     // The owner's node loses power; a new owner process opens the branch.
     // That the branch has locks was made durable before the first grant.
@@ -720,11 +730,7 @@ fn a_client_whose_session_the_owner_dropped_loses_its_locks_and_hears_of_it() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let (branch, running) = serve_branch(&vol);
     let at = found_at(&running);
-    let (a, b) = (client(&at), client(&at));
-    let f = a.create_open(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0).expect("create");
-    a.fsync(f.ino).expect("fsync");
-    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
-    b.open(f.ino).expect("open");
+    let (a, b, f) = a_holds_the_lock_b_has_the_file_open(&at, b"lockfile");
     // a is silent past its session's life (paused, cut off): the owner
     // drops its session, and its lock goes to b.
     std::thread::sleep(Duration::from_millis(300));
@@ -963,11 +969,7 @@ fn a_loses_its_lock_to_b(name: &[u8]) -> LostLock {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let (branch, running) = serve_branch(&vol);
     let at = found_at(&running);
-    let (a, b) = (client(&at), client(&at));
-    let f = a.create_open(ROOT_INO, name, libc::S_IFREG | 0o644, 0, 0).expect("create");
-    a.fsync(f.ino).expect("fsync");
-    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
-    b.open(f.ino).expect("open");
+    let (a, b, f) = a_holds_the_lock_b_has_the_file_open(&at, name);
     std::thread::sleep(Duration::from_millis(300));
     b.getattr(f.ino).expect("b is heard from");
     branch.reap_idle(Duration::from_millis(200));
@@ -1053,11 +1055,7 @@ fn a_lock_another_took_after_a_grace_period_is_not_taken_back_from_the_owner_aft
     let dev = SimDevice::new();
     let first = owner(&dev);
     let at = found_at(&first.1);
-    let (a, b) = (client(&at), client(&at));
-    let f = a.create_open(ROOT_INO, b"chain", libc::S_IFREG | 0o644, 0, 0).expect("create");
-    a.fsync(f.ino).expect("fsync");
-    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
-    b.open(f.ino).expect("open");
+    let (a, b, f) = a_holds_the_lock_b_has_the_file_open(&at, b"chain");
     // The owner crashes; a is cut off through the next owner's grace period.
     let second = crash_and_restart(&dev, first, &at);
     std::thread::sleep(GRACE + Duration::from_millis(200));
@@ -1191,11 +1189,7 @@ fn an_owner_with_no_grace_period_then_one_with_does_not_let_a_lock_be_taken_back
     let dev = SimDevice::new();
     let first = owner(&dev);
     let at = found_at(&first.1);
-    let (a, b) = (client(&at), client(&at));
-    let f = a.create_open(ROOT_INO, b"zero", libc::S_IFREG | 0o644, 0, 0).expect("create");
-    a.fsync(f.ino).expect("fsync");
-    a.setlk(f.ino, 1, WHOLE, false).expect("a takes the lock");
-    b.open(f.ino).expect("open");
+    let (a, b, f) = a_holds_the_lock_b_has_the_file_open(&at, b"zero");
     // The owner crashes; the next is started with --lock-grace 0 ("gives up
     // locks from before at once").
     dev.crash(CrashMode::DropUnsynced);

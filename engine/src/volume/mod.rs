@@ -231,14 +231,6 @@ impl Volume {
         self.state.read().next_ino
     }
 
-    /// Gives no new file a number below `n` from now on: numbers a writer
-    /// before this one handed out and then lost in a crash (kept from the
-    /// next commit on).
-    pub fn skip_inodes_to(&self, n: u64) {
-        let mut st = self.state.write();
-        st.next_ino = st.next_ino.max(n);
-    }
-
     /// Whether another writer took this volume's branch (or this writer's
     /// lease could not be kept): it then refuses every write and fsync.
     pub fn is_fenced(&self) -> bool {
