@@ -139,14 +139,16 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     std::thread::Builder::new().name("arbor-step-down".into()).spawn(move || loop {
         std::thread::sleep(std::time::Duration::from_millis(250));
         turn += 1;
+        // Stepping down is looked at first: a deposed owner must not
+        // record itself again over its successor on its way out.
+        if let Some(b) = watched.iter().find(|b| b.stepped_down()) {
+            tracing::error!(branch = %b.name(), "no longer the branch's owner; exiting so that a supervisor starts this owner again");
+            std::process::exit(75);
+        }
         if turn % 20 == 1 && !stopping_seen.load(std::sync::atomic::Ordering::Acquire) {
             for k in &keepers {
                 k();
             }
-        }
-        if let Some(b) = watched.iter().find(|b| b.stepped_down()) {
-            tracing::error!(branch = %b.name(), "no longer the branch's owner; exiting so that a supervisor starts this owner again");
-            std::process::exit(75);
         }
     })?;
     let objects = (args.object_memory > 0).then(|| {

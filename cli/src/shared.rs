@@ -143,7 +143,12 @@ impl Owned {
     /// record it read before it started, a stale one).
     pub fn record_keeper(&self) -> impl Fn() + Send + 'static {
         let (catalog, owner, name) = (self.catalog.clone(), self.owner.clone(), self.shared.name().to_string());
+        let shared = self.shared.clone();
+        // An owner deposed (fenced, or its log failed) must not put its
+        // name back over its successor's: it is about to exit. Asked again
+        // after the read, which may have taken a while.
         move || match catalog.owner_of(&name) {
+            _ if shared.stepped_down() => {}
             Ok(Some(o)) if o == owner => {}
             Ok(_) => {
                 tracing::warn!(branch = %name, "the owner record named another owner; recording this one again");

@@ -6,6 +6,7 @@
 //! writer of the same branch is fenced off instead of corrupting it.
 
 use crate::bucket::{ETag, ObjectStore};
+use crate::clock::BootInstant;
 use crate::device::{Device, Replica, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{Addr, SegId};
@@ -184,7 +185,7 @@ pub struct HeadDevice {
     /// The lease found at open, if any.
     found: Mutex<Option<Lease>>,
     /// The superblock last written, and when (for renewals and release).
-    last: Mutex<Option<(Superblock, std::time::Instant)>>,
+    last: Mutex<Option<(Superblock, BootInstant)>>,
     /// Set when another writer took the branch.
     fenced: Mutex<Option<String>>,
     released: std::sync::atomic::AtomicBool,
@@ -192,12 +193,14 @@ pub struct HeadDevice {
     renewals: std::sync::atomic::AtomicU64,
     /// When the last head write that succeeded was sent: the lease holds
     /// from then for its life, by this process's clock.
-    renewed_at: Mutex<Option<std::time::Instant>>,
+    renewed_at: Mutex<Option<BootInstant>>,
     /// Whether the head names a commit of this writer's own log yet.
     own_head: std::sync::atomic::AtomicBool,
-    /// The head body this writer last tried to write: one whose reply was
-    /// lost may be in the bucket all the same.
-    tried: Mutex<Option<Vec<u8>>>,
+    /// The head bodies this writer sent since its last head write that it
+    /// knows landed (at most [`TRIES_KEPT`]): one whose reply was lost may
+    /// be in the bucket all the same. Each is unique to this writer and
+    /// try (its lease's renewal count).
+    tried: Mutex<std::collections::VecDeque<Vec<u8>>>,
 }
 
 impl HeadDevice {
@@ -229,7 +232,7 @@ impl HeadDevice {
             renewals: std::sync::atomic::AtomicU64::new(0),
             renewed_at: Mutex::new(None),
             own_head: std::sync::atomic::AtomicBool::new(false),
-            tried: Mutex::new(None),
+            tried: Mutex::new(std::collections::VecDeque::new()),
         })
     }
 
@@ -254,7 +257,7 @@ impl HeadDevice {
         let Some(cfg) = &self.lease else { return };
         let every = (cfg.ttl / 3).max(std::time::Duration::from_millis(100));
         let me = self.me.clone();
-        let mut retry_at = std::time::Instant::now();
+        let mut retry_at = BootInstant::now();
         let spawned = std::thread::Builder::new().name("arbor-lease".into()).spawn(move || loop {
             // Wakes every 100 ms (by the clock, so a pause counts whole):
             // renews when a third of the lease passed since the last head
@@ -263,7 +266,7 @@ impl HeadDevice {
             if me.strong_count() == 0 {
                 return;
             }
-            if std::time::Instant::now() < retry_at {
+            if BootInstant::now() < retry_at {
                 continue;
             }
             let Some(head) = me.upgrade() else { return };
@@ -283,7 +286,7 @@ impl HeadDevice {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "renewing the branch lease failed; trying again in a second");
-                    retry_at = std::time::Instant::now() + std::time::Duration::from_secs(1);
+                    retry_at = BootInstant::now() + std::time::Duration::from_secs(1);
                 }
             }
         });
@@ -334,7 +337,7 @@ impl HeadDevice {
             branch = %self.key, pid = held.pid, host = %held.host, secs = wait.as_secs_f64(),
             "the branch holds a lease from another process; waiting to see it renewed or lapse"
         );
-        let start = std::time::Instant::now();
+        let start = BootInstant::now();
         // Bounded by `wait` (at most LAPSE_WAIT_MAX).
         while start.elapsed() < wait {
             std::thread::sleep((wait - start.elapsed()).min(std::time::Duration::from_millis(250)));
@@ -376,10 +379,19 @@ impl HeadDevice {
     /// Whether the head in the bucket is still the one this writer last
     /// wrote; fences this writer off if not.
     fn check_still_ours(&self) -> Result<()> {
-        let seen = self.seen.lock();
+        let mut seen = self.seen.lock();
         let Some(mine) = seen.as_deref() else { return Ok(()) };
         let fenced = match self.catalog.get(&self.key) {
             Ok((_, tag)) if tag == mine => return Ok(()),
+            // A head write whose reply was lost (an error to this writer)
+            // may have landed all the same: the head then holds bytes this
+            // writer sent (no other writer's), and the branch is still
+            // ours, on that tag.
+            Ok((body, tag)) if self.tried.lock().contains(&body) => {
+                self.tried.lock().clear();
+                *seen = Some(tag);
+                return Ok(());
+            }
             Ok(_) | Err(Error::NoSuchObject(_)) => {
                 format!("{} was taken by another writer; this one stops and acknowledges nothing more", self.key)
             }
@@ -412,35 +424,43 @@ impl HeadDevice {
 
     fn swap_locked(&self, seen: &mut Option<ETag>, superblock: &Superblock) -> Result<()> {
         let body = encode_head(&superblock.encode(), self.lease_for(superblock).as_ref());
-        let prev = self.tried.lock().replace(body.clone());
-        let sent = std::time::Instant::now();
+        {
+            let mut tried = self.tried.lock();
+            if tried.len() >= TRIES_KEPT {
+                tried.pop_front();
+            }
+            tried.push_back(body.clone());
+        }
+        let sent = BootInstant::now();
         let written = match seen.as_deref() {
             Some(tag) => self.catalog.put_if_match(&self.key, &body, tag),
             None => self.catalog.put_if_absent(&self.key, &body),
         };
         match written {
             Ok(tag) => {
+                self.tried.lock().clear();
                 *seen = Some(tag);
-                *self.last.lock() = Some((superblock.clone(), std::time::Instant::now()));
+                *self.last.lock() = Some((superblock.clone(), BootInstant::now()));
                 *self.renewed_at.lock() = Some(sent);
                 Ok(())
             }
             Err(Error::PreconditionFailed(_) | Error::AlreadyExists(_) | Error::NoSuchObject(_)) => {
                 // A PUT whose reply was lost and that was sent again meets
                 // its own first landing: the head then holds these bytes.
-                // One whose every reply was lost left the head as this
-                // writer's earlier try: replaced again, on that tag.
+                // One whose every reply was lost left the head as one of
+                // this writer's earlier tries: replaced again, on that tag.
                 if let Ok((now, tag)) = self.catalog.get(&self.key) {
                     let again = if now == body {
                         Ok(tag)
-                    } else if prev.as_ref() == Some(&now) {
+                    } else if self.tried.lock().contains(&now) {
                         self.catalog.put_if_match(&self.key, &body, &tag)
                     } else {
                         Err(Error::PreconditionFailed(self.key.clone()))
                     };
                     if let Ok(tag) = again {
+                        self.tried.lock().clear();
                         *seen = Some(tag);
-                        *self.last.lock() = Some((superblock.clone(), std::time::Instant::now()));
+                        *self.last.lock() = Some((superblock.clone(), BootInstant::now()));
                         *self.renewed_at.lock() = Some(sent);
                         return Ok(());
                     }
@@ -453,6 +473,9 @@ impl HeadDevice {
         }
     }
 }
+
+/// Head bodies a writer remembers having sent without knowing they landed.
+const TRIES_KEPT: usize = 64;
 
 macro_rules! delegate_segments {
     () => {
@@ -735,6 +758,53 @@ mod tests {
         }
     }
 
+    /// Loses the reply to the next head replacement it is told to: the
+    /// PUT lands, the writer hears an error (a timeout after the bucket
+    /// took the body).
+    struct LostReply {
+        inner: Arc<dyn ObjectStore>,
+        lose_next: std::sync::atomic::AtomicBool,
+        /// Head replacements refused (not landing) after the lost reply:
+        /// the writer's retries meet a bucket that is away for a while.
+        refuse_after: std::sync::atomic::AtomicI64,
+    }
+
+    impl ObjectStore for LostReply {
+        fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
+            self.inner.put(key, body)
+        }
+        fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
+            self.inner.put_if_absent(key, body)
+        }
+        fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
+            use std::sync::atomic::Ordering::SeqCst;
+            let head = key.starts_with("branches/");
+            if head && !self.lose_next.load(SeqCst) && self.refuse_after.fetch_sub(1, SeqCst) > 0 {
+                return Err(Error::Io(std::io::Error::other("injected: the bucket is away")));
+            }
+            let landed = self.inner.put_if_match(key, body, etag)?;
+            if head && self.lose_next.swap(false, SeqCst) {
+                return Err(Error::Io(std::io::Error::other("injected: the head PUT landed, its reply was lost")));
+            }
+            Ok(landed)
+        }
+        fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
+            self.inner.get(key)
+        }
+        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Vec<u8>> {
+            self.inner.get_range(key, range)
+        }
+        fn list(&self, prefix: &str) -> Result<Vec<String>> {
+            self.inner.list(prefix)
+        }
+        fn size(&self, key: &str) -> Result<u64> {
+            self.inner.size(key)
+        }
+        fn delete(&self, key: &str) -> Result<()> {
+            self.inner.delete(key)
+        }
+    }
+
     fn tier(durability: crate::tier::Durability) -> crate::tier::TierConfig {
         crate::tier::TierConfig {
             durability,
@@ -827,5 +897,48 @@ mod tests {
         let published = a.commit().and_then(|_| da.drain());
         assert!(published.is_err(), "node-a's head write went through: {published:?}");
         assert!(a.fsync(f.ino).is_err(), "a deposed writer acknowledged an fsync after its head write failed");
+    }
+
+    #[test]
+    fn a_head_write_whose_reply_was_lost_does_not_fence_its_own_writer() {
+        use crate::tier::Durability::Bucket;
+        let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+        let lossy = Arc::new(LostReply { inner: store.clone(), lose_next: false.into(), refuse_after: 0.into() });
+        let dir = tempfile::tempdir().expect("dir");
+        let (a, da) = bucket_writer(&store, lossy.clone(), &dir.path().join("a"), Bucket, leased("node-a", false));
+        a.create(ROOT_INO, b"first", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        a.sync_all().expect("sync");
+        a.commit().expect("commit");
+        da.drain().expect("drain");
+        // The next head replacement lands in the bucket; its writer hears
+        // an error. Then an fsync asks the bucket whether the branch is
+        // still this writer's: the head's tag is not the one it last saw,
+        // but its body is the one it last sent.
+        lossy.refuse_after.store(1_000_000, std::sync::atomic::Ordering::SeqCst);
+        lossy.lose_next.store(true, std::sync::atomic::Ordering::SeqCst);
+        let f = a.create(ROOT_INO, b"second", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+        a.fsync(f.ino).expect("fsync before the lost reply");
+        a.commit().expect("commit (its head is published by the uploader)");
+        // Bounded: 10 s for the uploader to publish.
+        for _ in 0..1000 {
+            if !lossy.lose_next.load(std::sync::atomic::Ordering::SeqCst) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(!lossy.lose_next.load(std::sync::atomic::Ordering::SeqCst), "no head write was made");
+        // Its retries of the head write (new bodies) fail meanwhile.
+        let f = a.create(ROOT_INO, b"after", libc::S_IFREG | 0o644, 0, 0, 0).expect("create after the lost reply");
+        a.write(f.ino, 0, b"acknowledged").expect("write");
+        a.fsync(f.ino).expect("the writer fenced itself off over its own head write");
+        assert!(!a.is_poisoned());
+        lossy.refuse_after.store(0, std::sync::atomic::Ordering::SeqCst);
+        a.commit().expect("commit on the adopted tag");
+        da.drain().expect("drain");
+        drop(a);
+        drop(da);
+        let (b, _db) = bucket_writer(&store, store.clone(), &dir.path().join("b"), Bucket, leased("node-b", true));
+        let got = b.lookup(ROOT_INO, b"after").map(|x| b.read(x.ino, 0, 100).expect("read"));
+        assert_eq!(got.ok(), Some(b"acknowledged".to_vec()));
     }
 }

@@ -55,6 +55,7 @@ use crate::locks::{
 };
 use crate::policy::{Change, Policy};
 use crate::requests::{Begin, Replies};
+use arbor_engine::clock::BootInstant;
 use arbor_engine::volume::XattrFlags;
 use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, RequestTag, SetAttr, StatFs, Takes, Volume};
 use arbor_engine::Error;
@@ -63,7 +64,7 @@ use arbor_fs::{Caller, Files, Lock};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long an event poll waits for something to happen.
 pub const EVENT_WAIT: Duration = Duration::from_secs(5);
@@ -281,8 +282,20 @@ impl Op {
         }
     }
 
-    /// Whether the operation changes the branch: such a request carries a
-    /// tag, so that a copy sent again is not applied twice.
+    /// Whether a copy of the request sent again (after a lost reply) must
+    /// be answered, not applied twice: a change of the branch, or of the
+    /// session's open files and locks. An open or release applied twice
+    /// leaves a file's open count wrong (a deleted file kept forever, or
+    /// freed while still open), and an unlock arriving late, after a newer
+    /// lock of the same owner, would drop that lock while its holder
+    /// believes it held. Such requests carry a tag.
+    pub fn once(&self) -> bool {
+        self.changes() || matches!(self, Op::Open { .. } | Op::Release { .. } | Op::SetLk { .. } | Op::UnlockAll { .. })
+    }
+
+    /// Whether the operation changes the branch: such a request's tag is
+    /// recorded in the branch with it, so that a later owner, too, knows
+    /// it applied.
     pub fn changes(&self) -> bool {
         matches!(
             self,
@@ -397,7 +410,7 @@ struct Held {
 }
 
 struct Session {
-    last_seen: Instant,
+    last_seen: BootInstant,
     open: HashMap<u64, u32>,
     /// The client id its first tagged request or slots question named:
     /// the only one it may speak for afterwards.
@@ -442,7 +455,7 @@ pub const INODE_BLOCK: u64 = 1 << 16;
 /// locks (see [`crate::locks`]).
 struct Grace {
     /// When this owner began to serve.
-    started: Instant,
+    started: BootInstant,
     /// How long its grace period is.
     length: Duration,
     /// The branch may have locks from an owner before this one: a grace
@@ -485,7 +498,15 @@ impl Grace {
             None => u64::MAX,
         };
         let from_before = slots.is_none() || granted > cleared;
-        Grace { started: Instant::now(), length: LOCK_GRACE, from_before, granted, cleared, marked: false, generation }
+        Grace {
+            started: BootInstant::now(),
+            length: LOCK_GRACE,
+            from_before,
+            granted,
+            cleared,
+            marked: false,
+            generation,
+        }
     }
 
     fn active(&self) -> bool {
@@ -594,7 +615,7 @@ impl SharedBranch {
 
     /// Starts the grace period now (when clients can first be served).
     pub fn start_lock_grace(&self) {
-        self.grace.lock().started = Instant::now();
+        self.grace.lock().started = BootInstant::now();
     }
 
     /// Whether this owner is in its lock grace period.
@@ -634,7 +655,7 @@ impl SharedBranch {
         while id == 0 || st.sessions.contains_key(&id) {
             id = splitmix(id);
         }
-        st.sessions.insert(id, Session { last_seen: Instant::now(), open: HashMap::new(), client: None });
+        st.sessions.insert(id, Session { last_seen: BootInstant::now(), open: HashMap::new(), client: None });
         let generation = self.grace.lock().generation;
         Some(SessionInfo { session: id, epoch: self.epoch, seq: st.next_seq - 1, generation })
     }
@@ -644,7 +665,7 @@ impl SharedBranch {
         let mut st = self.state.lock();
         match st.sessions.get_mut(&session) {
             Some(s) => {
-                s.last_seen = Instant::now();
+                s.last_seen = BootInstant::now();
                 true
             }
             None => false,
@@ -667,7 +688,7 @@ impl SharedBranch {
     pub fn reap_idle(&self, idle: Duration) {
         self.replies.reap();
         self.clear_lock_mark();
-        let now = Instant::now();
+        let now = BootInstant::now();
         let gone: Vec<(u64, Session)> = {
             let mut st = self.state.lock();
             let dead: Vec<u64> =
@@ -772,13 +793,21 @@ impl SharedBranch {
         if let Op::Slots { client } = op {
             self.speaks_for(session, client)?;
         }
-        let Some(tag) = tag.filter(|_| op.changes()) else { return self.apply(session, op) };
+        let Some(tag) = tag.filter(|_| op.once()) else { return self.apply(session, op) };
         self.speaks_for(session, tag.client)?;
         let floors = || self.vol.request_slots(tag.client).map_err(|e| errno(&e));
         match self.replies.begin(tag, floors)? {
             Begin::Answered(reply) => return reply,
             Begin::AppliedBefore => return self.answer_again(session, &op),
             Begin::Run => {}
+        }
+        if !op.changes() {
+            // Opens and locks live in the session, which dies with this
+            // owner: the reply cache is all a copy needs, and the branch
+            // records nothing.
+            let reply = self.apply(session, op);
+            self.replies.finish(tag, &reply);
+            return reply;
         }
         let takes = if matches!(op, Op::Write { .. }) { Takes::Write } else { Takes::Operation };
         let reply = self
@@ -823,7 +852,7 @@ impl SharedBranch {
             Op::CreateOpen { parent, name, .. } => {
                 v.lookup(*parent, name).and_then(|a| self.open(session, a.ino, 1)).map(Out::Attr)
             }
-            Op::SetAttr { ino, .. } => v.getattr(*ino).map(Out::Attr),
+            Op::SetAttr { ino, .. } | Op::Open { ino, .. } => v.getattr(*ino).map(Out::Attr),
             _ => Ok(Out::Unit),
         };
         out.map_err(|e| errno(&e))

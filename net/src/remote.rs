@@ -58,6 +58,7 @@ use crate::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
 use crate::reads::DirectReads;
 use crate::requests::PIPELINED_SLOT;
 use crate::stream::Stream;
+use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
 use arbor_engine::format::decode_value;
 use arbor_engine::volume::RequestTag;
@@ -216,8 +217,12 @@ pub const IN_FLIGHT_WRITES: usize = 1024;
 /// A write sent on a lane whose answer has not been read.
 struct Sent {
     tag: RequestTag,
-    /// The owner's epoch it was sent to: only that owner may get it again.
+    /// The owner's epoch it was sent to.
     epoch: u64,
+    /// The session it was sent under: only under that session is it sent
+    /// again (a new session, of the same owner or another, is asked
+    /// instead whether it has it).
+    session: u64,
     at: Written,
     data: Bytes,
 }
@@ -265,9 +270,16 @@ struct Inner {
     /// When the newest request the owner answered under our session was
     /// sent, by this node's monotonic clock: whether we may reclaim our
     /// locks from a new owner.
-    heard: Mutex<Option<Instant>>,
+    heard: Mutex<Option<BootInstant>>,
     /// Writes in flight, by lane.
     lanes: [Mutex<Lane>; WRITE_LANES],
+    /// Each lane's newest sequence, readable while a lane's holder waits
+    /// for the owner.
+    lane_seqs: [AtomicU64; WRITE_LANES],
+    /// Files whose close gave up on writes in flight (the owner did not
+    /// answer them), with their lane's newest sequence then: those writes
+    /// are never sent again (see [`Inner::abandon`]).
+    abandoned: Mutex<HashMap<u64, u64>>,
     /// Held while a new session is set up (writes are resent under it).
     opening: Mutex<()>,
     retries: AtomicU64,
@@ -522,9 +534,13 @@ impl Inner {
         if let Some(d) = &self.direct {
             d.forget_all();
         }
-        if restarted {
+        if had_session {
+            // A new owner, or the same one after our session expired: it is
+            // asked which of our requests it has, and writes in flight under
+            // the old session are never sent again (another node may have
+            // written over them meanwhile).
             self.owner_changed.store(true, Ordering::Release);
-            self.reconcile(info)?;
+            self.reconcile(info, restarted)?;
         } else {
             self.journal.lock().met(info.epoch);
         }
@@ -596,7 +612,7 @@ impl Inner {
 
     /// A new owner (epoch `info.epoch`): learns which of our answered
     /// requests it has, and marks the rest lost. Nothing is sent again.
-    fn reconcile(&self, info: SessionInfo) -> std::result::Result<(), Failed> {
+    fn reconcile(&self, info: SessionInfo, restarted: bool) -> std::result::Result<(), Failed> {
         let floors: HashMap<u32, u64> = match self.send(info.session, &Op::Slots { client: self.client })? {
             Ok(Out::Slots(v)) => v.into_iter().collect(),
             _ => return Err(Failed::Transport("a garbled answer about our requests".into())),
@@ -608,8 +624,10 @@ impl Inner {
                 "the owner changed and lost requests it had answered (not made durable); \
                  the next fsync of their files (of any file, for changes of names) fails with EIO"
             );
-        } else {
+        } else if restarted {
             tracing::info!("the owner changed; it has every request this mount was answered");
+        } else {
+            tracing::info!("a new session with the same owner; it has every request this mount was answered");
         }
         *self.floors.lock() = (info.epoch, floors);
         Ok(())
@@ -631,7 +649,7 @@ impl Inner {
     }
 
     /// The owner answered, under our session, a request sent at `sent`.
-    fn heard_at(&self, sent: Instant) {
+    fn heard_at(&self, sent: BootInstant) {
         let mut h = self.heard.lock();
         if h.is_none_or(|t| t < sent) {
             *h = Some(sent);
@@ -649,7 +667,7 @@ impl Inner {
         &self,
         info: SessionInfo,
         restarted: bool,
-        heard: Option<Instant>,
+        heard: Option<BootInstant>,
     ) -> std::result::Result<(), Failed> {
         let mut locks = self.locks.lock();
         let held = locks.all();
@@ -703,9 +721,14 @@ impl Inner {
         self.settle_all();
         let until = Instant::now() + MAX_LOCK_GRACE + Duration::from_secs(5);
         loop {
-            let mut req = crate::frames::Request::Op { session: 0, op: op.clone(), tag: None };
+            // A fresh tag each round: a refusal (in grace, a conflict) is
+            // kept as the answer to its tag.
+            let tag = self.slots.take(self.client);
+            let mut req = crate::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
             let mut epoch = 0;
-            match self.call_req(&mut req, None, &mut epoch) {
+            let answered = self.call_req(&mut req, None, &mut epoch);
+            self.slots.give(tag);
+            match answered {
                 Err(e) if e.errno() == IN_GRACE && Instant::now() < until => {
                     std::thread::sleep(Duration::from_millis(100));
                 }
@@ -736,7 +759,7 @@ impl Inner {
     /// [`Inner::call_raw`], giving the operation back (a write keeps its
     /// buffer). A change of the branch takes a slot for its tag.
     fn call_back(&self, op: Op) -> (Result<Out>, Op) {
-        let tag = op.changes().then(|| self.slots.take(self.client));
+        let tag = op.once().then(|| self.slots.take(self.client));
         let out = self.call_tagged(op, tag, None);
         if let Some(tag) = tag {
             self.slots.give(tag);
@@ -745,7 +768,7 @@ impl Inner {
     }
 
     /// Sends `op` as request `tag` until it is answered; with `bound`, only
-    /// to the owner of that epoch (ESTALE once another owner answers).
+    /// under that session (ESTALE once we have another).
     fn call_tagged(&self, op: Op, tag: Option<RequestTag>, bound: Option<u64>) -> (Result<Out>, Op) {
         let ino = match &op {
             Op::Write { ino, .. } => Some(*ino),
@@ -757,9 +780,12 @@ impl Inner {
             _ => Vec::new(),
         };
         let by = if touched.is_empty() { Who::default() } else { calling_process() };
+        // Only changes of the branch are journaled until an fsync: opens and
+        // locks are tagged too, but live in the session, not the branch.
+        let changes = matches!(&req, crate::frames::Request::Op { op, .. } if op.changes());
         let mut epoch = 0;
         let out = self.call_req(&mut req, bound, &mut epoch);
-        if let (Ok(_), Some(tag)) = (&out, tag) {
+        if let (Ok(_), Some(tag), true) = (&out, tag, changes) {
             self.answered(tag, ino, touched, by, epoch);
         }
         match req {
@@ -793,12 +819,20 @@ impl Inner {
             let mut used = 0;
             let attempt = self.session().and_then(|s| {
                 used = s.session;
-                if bound.is_some_and(|e| e != s.epoch) {
+                if bound.is_some_and(|b| b != s.session) {
                     return Ok(crate::frames::Answer::Reply(Err(libc::ESTALE)));
                 }
                 *by = s.epoch;
-                if let crate::frames::Request::Op { session, op, .. } = req {
+                if let crate::frames::Request::Op { session, op, tag } = req {
                     *session = s.session;
+                    // Nor is a write sent again whose file's close gave up
+                    // on it: reported lost there, it could now land over
+                    // what another node wrote since.
+                    if let (Op::Write { ino, .. }, Some(t)) = (&*op, *tag) {
+                        if self.abandoned(*ino, t) {
+                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                        }
+                    }
                     // A new session may have found the file gone: its
                     // number may name another file now.
                     // Nor does a write go to a file whose lock was lost with
@@ -816,7 +850,7 @@ impl Inner {
                         }
                     }
                 }
-                let sent = Instant::now();
+                let sent = BootInstant::now();
                 let answer = self.exchange(req);
                 if let Ok(crate::frames::Answer::Reply(_)) = &answer {
                     self.heard_at(sent);
@@ -888,9 +922,9 @@ impl Inner {
             }
             let c = lane.conn.as_mut()?;
             crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
-            Some(session.epoch)
+            Some((session.epoch, session.session))
         });
-        let Some(epoch) = sent else {
+        let Some((epoch, session)) = sent else {
             // Part of it may have gone. The lane's earlier writes are sent
             // again, and the caller sends this one the retrying way after
             // them, so the owner sees them in order.
@@ -901,9 +935,10 @@ impl Inner {
             return false;
         };
         lane.seq = tag.seq;
+        self.lane_seqs[ino as usize % WRITE_LANES].store(tag.seq, Ordering::Release);
         let data = Bytes::copy_from_slice(data);
         lane.bytes += data.len();
-        lane.sent.push_back(Sent { tag, epoch, at, data });
+        lane.sent.push_back(Sent { tag, epoch, session, at, data });
         true
     }
 
@@ -922,8 +957,8 @@ impl Inner {
     /// for the next operation to send again. A `close` waits this way: it
     /// must not wait out an owner's absence, because a process that starts
     /// the next owner closes descriptors it inherited (every exec does) and
-    /// would wait for itself.
-    fn settle_reachable(&self, ino: u64) {
+    /// would wait for itself. Whether no write to `ino` is left in flight.
+    fn settle_reachable(&self, ino: u64) -> bool {
         let lane = &self.lanes[ino as usize % WRITE_LANES];
         // Bounded by the lane's holder: it sends or reads a few MiB, or is
         // retrying, which marks an outage.
@@ -932,17 +967,36 @@ impl Inner {
                 break l;
             }
             if self.outage.load(Ordering::Relaxed) {
-                // Its holder is waiting for the owner.
-                return;
+                // Its holder is waiting for the owner (with writes in
+                // flight, perhaps some of this file's).
+                return false;
             }
         };
         // Each turn answers one write or stops.
         while !lane.sent.is_empty() {
             if self.read_one(&mut lane).is_err() {
                 lane.conn = None;
-                return;
+                return !lane.sent.iter().any(|w| w.at.ino == ino);
             }
         }
+        true
+    }
+
+    /// Gives up on the writes to `ino` in flight now, which a close could
+    /// not have answered: reported lost (the close fails with EIO, and so
+    /// does the file's next fsync) and never sent again. Sent later, after
+    /// the close returned, one could land over what another node wrote to
+    /// the file since (close-to-open), whichever owner takes it.
+    fn abandon(&self, ino: u64) {
+        let upto = self.lane_seqs[ino as usize % WRITE_LANES].load(Ordering::Acquire);
+        self.abandoned.lock().insert(ino, upto);
+        self.journal.lock().lost.insert(ino);
+        tracing::warn!(ino, "a file was closed while the owner had not answered its writes; they count as lost");
+    }
+
+    /// Whether write `tag` to `ino` was given up by its file's close.
+    fn abandoned(&self, ino: u64, tag: RequestTag) -> bool {
+        tag.slot & PIPELINED_SLOT != 0 && self.abandoned.lock().get(&ino).is_some_and(|&upto| tag.seq <= upto)
     }
 
     /// Reads the answers to every write in flight on `lane`.
@@ -1016,9 +1070,14 @@ impl Inner {
                 // the number may name another file now.
                 continue;
             }
+            if self.abandoned(ino, w.tag) {
+                // Its file's close reported it lost.
+                continue;
+            }
             let len = w.data.len();
-            let (out, _) = self.call_tagged(w.at.op(w.data.to_vec()), Some(w.tag), Some(w.epoch));
+            let (out, _) = self.call_tagged(w.at.op(w.data.to_vec()), Some(w.tag), Some(w.session));
             match out {
+                Err(_) if self.abandoned(ino, w.tag) => {}
                 Err(e) if e.errno() == libc::ESTALE => {
                     let epoch = (*self.session.lock()).map_or(0, |s| s.epoch);
                     if self.owner_had(epoch, w.tag) {
@@ -1026,7 +1085,7 @@ impl Inner {
                     } else {
                         tracing::warn!(
                             ino,
-                            "a write in flight was lost with the owner; its file's fsync and close fail"
+                            "a write in flight was lost with the owner or our session; its file's fsync and close fail"
                         );
                         let mut j = self.journal.lock();
                         j.lost.insert(ino);
@@ -1119,6 +1178,8 @@ impl RemoteFiles {
             locks: Mutex::new(HeldLocks::default()),
             heard: Mutex::new(None),
             lanes: Default::default(),
+            lane_seqs: Default::default(),
+            abandoned: Mutex::new(HashMap::new()),
             opening: Mutex::new(()),
             retries: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
@@ -1203,7 +1264,7 @@ impl RemoteFiles {
                 // The session is opened outside the runtime: finding the
                 // owner may read the bucket, which blocks on a runtime of
                 // its own, and a new owner is asked about our requests.
-                let sent = Instant::now();
+                let sent = BootInstant::now();
                 let mut used = 0;
                 let polled = match inner.session() {
                     Ok(s) => {
@@ -1492,8 +1553,12 @@ impl Files for RemoteFiles {
     }
     fn flush(&self, ino: u64) -> Result<()> {
         // Close-to-open: what was written is at the owner before close
-        // returns, and a write it refused or lost is reported here.
-        self.inner.settle_reachable(ino);
+        // returns, and a write it refused or lost is reported here. Writes
+        // the owner did not answer are given up, not left to land later.
+        if !self.inner.settle_reachable(ino) {
+            self.inner.abandon(ino);
+            return Err(errno_error(libc::EIO));
+        }
         self.inner.take_failed(ino)?;
         // Reported, and kept for the file's next fsync: a close by one
         // process does not hide the loss from another's fsync.

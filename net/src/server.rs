@@ -615,17 +615,34 @@ impl CacheServer {
         }
     }
 
-    /// Stops serving framed connections: each is shut, and its thread
-    /// joined once it has answered what it was doing.
+    /// Stops serving framed connections, drained rather than cut: what a
+    /// client already sent (a lane's writes in flight, which it counts as
+    /// written) is read, applied and answered, so a clean stop loses
+    /// nothing; a connection then idle for [`DRAIN_IDLE`] ends, and any
+    /// left after [`DRAIN_MAX`] is shut. Each thread is joined once it has
+    /// answered what it was doing.
     async fn stop_framed(&self) {
         let threads = {
             let mut framed = self.framed.lock();
             framed.stopping = true;
             for s in framed.open.values() {
-                let _ = s.shutdown(std::net::Shutdown::Both);
+                if s.set_read_timeout(Some(DRAIN_IDLE)).is_err() {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
             }
             std::mem::take(&mut framed.threads)
         };
+        let deadline = Instant::now() + DRAIN_MAX;
+        // Bounded by DRAIN_MAX, then by the shut connections' threads.
+        while !threads.iter().all(|t| t.is_finished()) {
+            if Instant::now() >= deadline {
+                for s in self.framed.lock().open.values() {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
         let _ = tokio::task::spawn_blocking(move || {
             for t in threads {
                 let _ = t.join();
@@ -960,6 +977,12 @@ pub struct Running {
 /// restarted say, wait in the queue rather than resend their SYN a second
 /// later, as past the 128 the standard library's listener asks for.
 pub const LISTEN_BACKLOG: i32 = 4096;
+
+/// A stopping owner ends a framed connection once it sent nothing for this
+/// long (its requests in flight are answered first).
+pub const DRAIN_IDLE: std::time::Duration = std::time::Duration::from_millis(250);
+/// The longest a stopping owner drains its framed connections.
+pub const DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// A listening socket on `addr` (`HOST:PORT`, the first address it
 /// resolves to that binds), queueing [`LISTEN_BACKLOG`] connections.
