@@ -200,7 +200,7 @@ pub struct HeadDevice {
     /// knows landed (at most [`TRIES_KEPT`]): one whose reply was lost may
     /// be in the bucket all the same. Each is unique to this writer and
     /// try (its lease's renewal count).
-    tried: Mutex<std::collections::VecDeque<Vec<u8>>>,
+    tried: Mutex<std::collections::VecDeque<(Vec<u8>, Superblock)>>,
 }
 
 impl HeadDevice {
@@ -387,8 +387,14 @@ impl HeadDevice {
             // may have landed all the same: the head then holds bytes this
             // writer sent (no other writer's), and the branch is still
             // ours, on that tag.
-            Ok((body, tag)) if self.tried.lock().contains(&body) => {
-                self.tried.lock().clear();
+            Ok((body, tag)) if self.tried.lock().iter().any(|(b, _)| *b == body) => {
+                let mut tried = self.tried.lock();
+                // The head names that try's superblock: renewals write it
+                // (or a newer one), never an older one over it.
+                if let Some((_, sb)) = tried.iter().find(|(b, _)| *b == body) {
+                    *self.last.lock() = Some((sb.clone(), BootInstant::now()));
+                }
+                tried.clear();
                 *seen = Some(tag);
                 return Ok(());
             }
@@ -429,7 +435,7 @@ impl HeadDevice {
             if tried.len() >= TRIES_KEPT {
                 tried.pop_front();
             }
-            tried.push_back(body.clone());
+            tried.push_back((body.clone(), superblock.clone()));
         }
         let sent = BootInstant::now();
         let written = match seen.as_deref() {
@@ -452,7 +458,7 @@ impl HeadDevice {
                 if let Ok((now, tag)) = self.catalog.get(&self.key) {
                     let again = if now == body {
                         Ok(tag)
-                    } else if self.tried.lock().contains(&now) {
+                    } else if self.tried.lock().iter().any(|(b, _)| *b == now) {
                         self.catalog.put_if_match(&self.key, &body, &tag)
                     } else {
                         Err(Error::PreconditionFailed(self.key.clone()))

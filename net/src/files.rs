@@ -425,6 +425,10 @@ struct State {
     /// (sequence, session it came from, event), oldest first.
     events: VecDeque<(u64, u64, Event)>,
     next_seq: u64,
+    /// Sessions opened so far: each gets a number never given before in
+    /// this owner's life (a client resends writes only under the session
+    /// they went out on, so an id must not come back).
+    sessions_made: u64,
 }
 
 /// One branch this process owns.
@@ -446,6 +450,10 @@ pub struct SharedBranch {
     /// a number near it is (see [`SharedBranch::reserve_inodes`]).
     inodes_reserved: Mutex<u64>,
 }
+
+/// Mixed into the client id of a session's opens and locks in the reply
+/// cache (see [`SharedBranch::apply_request`]).
+const SESSION_KEYED: u64 = 0x5e55_10e0_0000_0001;
 
 /// Inode numbers reserved at once: one durable record (and sync) per this
 /// many new files.
@@ -651,9 +659,12 @@ impl SharedBranch {
         if st.sessions.len() >= MAX_SESSIONS {
             return None;
         }
-        let mut id = splitmix(self.epoch ^ st.next_seq ^ ((st.sessions.len() as u64) << 32));
-        while id == 0 || st.sessions.contains_key(&id) {
-            id = splitmix(id);
+        // splitmix is a bijection: a new count gives an id never seen.
+        st.sessions_made += 1;
+        let mut id = splitmix(self.epoch ^ st.sessions_made);
+        while id == 0 {
+            st.sessions_made += 1;
+            id = splitmix(self.epoch ^ st.sessions_made);
         }
         st.sessions.insert(id, Session { last_seen: BootInstant::now(), open: HashMap::new(), client: None });
         let generation = self.grace.lock().generation;
@@ -793,8 +804,15 @@ impl SharedBranch {
         if let Op::Slots { client } = op {
             self.speaks_for(session, client)?;
         }
-        let Some(tag) = tag.filter(|_| op.once()) else { return self.apply(session, op) };
+        let Some(mut tag) = tag.filter(|_| op.once()) else { return self.apply(session, op) };
         self.speaks_for(session, tag.client)?;
+        if !op.changes() {
+            // Opens and locks belong to the session: their replies are kept
+            // per session, so a copy sent again under a newer session (the
+            // old one expired, its locks given away) is applied there, not
+            // answered with what the old session got.
+            tag.client ^= session.rotate_left(32) ^ SESSION_KEYED;
+        }
         let floors = || self.vol.request_slots(tag.client).map_err(|e| errno(&e));
         match self.replies.begin(tag, floors)? {
             Begin::Answered(reply) => return reply,
@@ -852,7 +870,10 @@ impl SharedBranch {
             Op::CreateOpen { parent, name, .. } => {
                 v.lookup(*parent, name).and_then(|a| self.open(session, a.ino, 1)).map(Out::Attr)
             }
-            Op::SetAttr { ino, .. } | Op::Open { ino, .. } => v.getattr(*ino).map(Out::Attr),
+            Op::SetAttr { ino, .. } => v.getattr(*ino).map(Out::Attr),
+            // An open or lock older than the session's newest: not applied
+            // now, and nothing was taken for this copy.
+            Op::Open { .. } | Op::SetLk { .. } => return Err(libc::ESTALE),
             _ => Ok(Out::Unit),
         };
         out.map_err(|e| errno(&e))

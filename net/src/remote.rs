@@ -957,7 +957,8 @@ impl Inner {
     /// for the next operation to send again. A `close` waits this way: it
     /// must not wait out an owner's absence, because a process that starts
     /// the next owner closes descriptors it inherited (every exec does) and
-    /// would wait for itself. Whether no write to `ino` is left in flight.
+    /// would wait for itself. Whether no write to `ino` is left in flight;
+    /// if some are, they are given up ([`Inner::abandon`]).
     fn settle_reachable(&self, ino: u64) -> bool {
         let lane = &self.lanes[ino as usize % WRITE_LANES];
         // Bounded by the lane's holder: it sends or reads a few MiB, or is
@@ -969,6 +970,7 @@ impl Inner {
             if self.outage.load(Ordering::Relaxed) {
                 // Its holder is waiting for the owner (with writes in
                 // flight, perhaps some of this file's).
+                self.abandon(ino);
                 return false;
             }
         };
@@ -976,7 +978,13 @@ impl Inner {
         while !lane.sent.is_empty() {
             if self.read_one(&mut lane).is_err() {
                 lane.conn = None;
-                return !lane.sent.iter().any(|w| w.at.ino == ino);
+                if lane.sent.iter().any(|w| w.at.ino == ino) {
+                    // Given up while the lane is held: no other thread can
+                    // send them again in between.
+                    self.abandon(ino);
+                    return false;
+                }
+                return true;
             }
         }
         true
@@ -1080,7 +1088,12 @@ impl Inner {
                 Err(_) if self.abandoned(ino, w.tag) => {}
                 Err(e) if e.errno() == libc::ESTALE => {
                     let epoch = (*self.session.lock()).map_or(0, |s| s.epoch);
-                    if self.owner_had(epoch, w.tag) {
+                    // The same owner under a new session (ours expired):
+                    // its floor says the lane got that far, not whether
+                    // this write succeeded, and its refusal may have been
+                    // the answer we lost. Counted lost: a false alarm at
+                    // worst, never a refused write acknowledged.
+                    if epoch != w.epoch && self.owner_had(epoch, w.tag) {
                         self.answered(w.tag, Some(ino), Vec::new(), Who::default(), epoch);
                     } else {
                         tracing::warn!(
@@ -1556,7 +1569,6 @@ impl Files for RemoteFiles {
         // returns, and a write it refused or lost is reported here. Writes
         // the owner did not answer are given up, not left to land later.
         if !self.inner.settle_reachable(ino) {
-            self.inner.abandon(ino);
             return Err(errno_error(libc::EIO));
         }
         self.inner.take_failed(ino)?;

@@ -1501,3 +1501,42 @@ fn an_open_or_release_sent_again_after_a_lost_reply_counts_once() {
     assert!(matches!(call(Op::Release { ino: y.ino }, 6), Answer::Reply(Ok(Out::Unit))));
     assert!(vol.getattr(y.ino).is_err(), "the last release frees it");
 }
+
+/// A new session of `addr`'s owner, opened on a connection of its own.
+fn new_session(addr: std::net::SocketAddr) -> u64 {
+    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    let (mut s, w) = hello(addr, TOKEN, "main");
+    assert_eq!(w, Welcome::Ok);
+    let (mut r, mut b) = (Vec::new(), Vec::new());
+    write_request(&mut s, &mut b, &Request::Session).expect("send");
+    let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
+    info.session
+}
+
+/// A lock granted under a session that then expired (its reply lost, the
+/// lock given to another) must not be answered granted again when the
+/// same request comes under the client's next session.
+#[test]
+fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
+    use arbor_net::frames::Answer;
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let (branch, server) = serve_branch(&vol);
+    let f = vol.create(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    let lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let take = Op::SetLk { ino: f.ino, owner: 5, lock, wait: false, reclaim: false };
+    let tag = RequestTag { client: 93, slot: 0, seq: 1 };
+    let first = new_session(server.addr);
+    assert!(matches!(in_session(server.addr, first, take.clone(), tag), Answer::Reply(Ok(_))));
+    // The client goes silent past the session's life: the owner drops
+    // the session, and another client takes the lock.
+    std::thread::sleep(Duration::from_millis(20));
+    branch.reap_idle(Duration::from_millis(10));
+    let other = new_session(server.addr);
+    let theirs = RequestTag { client: 94, slot: 0, seq: 1 };
+    assert!(matches!(in_session(server.addr, other, take.clone(), theirs), Answer::Reply(Ok(_))));
+    // The first client's copy of its request, under its new session.
+    let second = new_session(server.addr);
+    assert_ne!(second, first, "a session id came back");
+    let again = in_session(server.addr, second, take, tag);
+    assert!(!matches!(again, Answer::Reply(Ok(_))), "two holders of one lock: {again:?}");
+}
