@@ -506,6 +506,12 @@ macro_rules! delegate_segments {
         fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
             self.segments.segment_modified(id)
         }
+        fn clocks(&self) -> Result<crate::device::Clocks> {
+            self.segments.clocks()
+        }
+        fn segment_age(&self, id: SegId, at: crate::device::Clocks) -> Result<Option<std::time::Duration>> {
+            self.segments.segment_age(id, at)
+        }
         fn free_bytes(&self) -> Option<u64> {
             self.segments.free_bytes()
         }

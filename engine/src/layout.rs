@@ -11,6 +11,7 @@
 //!   branches/<name>              branch heads (superblock + writer lease)
 //!   checkpoints/<name>           checkpoints (created once, never replaced)
 //!   owners/<name>                where `arbor serve --branch` serves a branch
+//!   clock                        rewritten by gc to read the bucket's clock
 //!
 //! <node folder>/                 a local disk's own folder, or
 //!                                $XDG_CACHE_HOME/arbor/<disk-id>/ for s3
@@ -38,6 +39,9 @@ pub const CHECKPOINTS: &str = "checkpoints/";
 pub const SEGMENTS: &str = "segments/";
 pub const WAL: &str = "wal/";
 pub const OWNERS: &str = "owners/";
+/// An empty object gc writes to learn the time by the bucket's own clock
+/// (its `LastModified`), against which it ages segments in the bucket.
+pub const CLOCK: &str = "clock";
 
 /// A local disk's segment folder (inside the disk's folder).
 pub const SEGMENT_DIR: &str = "segments";

@@ -436,6 +436,65 @@ pub fn takes_direct_writes(dir: &Path) -> bool {
     ok
 }
 
+/// The linear part of crc32c over `d` (what XOR-ing `d` into a message
+/// changes in its crc32c, whatever surrounds it).
+pub fn crc_lin(d: &[u8]) -> u32 {
+    crate::crc::crc32c(d) ^ crate::crc::crc32c(&vec![0u8; d.len()])
+}
+
+/// Rewrites `block` to start with `evil` and keeps its crc32c, by choosing
+/// its last 4 bytes (a 32x32 system over GF(2)). Then every crc32c over
+/// any range holding the whole block is kept too (the chunk's, the
+/// block's).
+pub fn forge_keeping_crc(block: &mut [u8], evil: &[u8]) {
+    let n = block.len();
+    let mut diff = vec![0u8; n];
+    for (i, &b) in evil.iter().enumerate() {
+        diff[i] = block[i] ^ b;
+    }
+    let target = crc_lin(&diff);
+    // Columns: the crc change of each of the 32 bits of the last 4 bytes.
+    let cols: Vec<u32> = (0..32)
+        .map(|bit| {
+            let mut e = vec![0u8; n];
+            e[n - 4 + bit / 8] = 1 << (bit % 8);
+            crc_lin(&e)
+        })
+        .collect();
+    // Solve sum(x_j * cols[j]) = target: rows are the 32 crc bits.
+    let mut rows: Vec<(u32, bool)> =
+        (0..32).map(|r| ((0..32).fold(0u32, |a, j| a | (((cols[j] >> r) & 1) << j)), (target >> r) & 1 == 1)).collect();
+    let mut pivots = Vec::new();
+    let mut r0 = 0;
+    for j in 0..32 {
+        let Some(p) = (r0..32).find(|&r| (rows[r].0 >> j) & 1 == 1) else { continue };
+        rows.swap(r0, p);
+        for r in 0..32 {
+            if r != r0 && (rows[r].0 >> j) & 1 == 1 {
+                rows[r].0 ^= rows[r0].0;
+                rows[r].1 ^= rows[r0].1;
+            }
+        }
+        pivots.push((r0, j));
+        r0 += 1;
+    }
+    let mut x = 0u32;
+    for (r, j) in pivots {
+        if rows[r].1 {
+            x |= 1 << j;
+        }
+    }
+    for bit in 0..32 {
+        if (x >> bit) & 1 == 1 {
+            diff[n - 4 + bit / 8] ^= 1 << (bit % 8);
+        }
+    }
+    assert_eq!(crc_lin(&diff), 0, "the forgery keeps the crc");
+    for (b, d) in block.iter_mut().zip(&diff) {
+        *b ^= d;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

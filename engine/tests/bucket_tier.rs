@@ -868,3 +868,62 @@ fn a_reader_follows_a_live_writers_segment_while_its_wal_pieces_are_retired() {
     let gone = arbor_engine::format::SegId { writer: open_seg.writer, seq: open_seg.seq + 1000 };
     assert!(racing.open_segment(gone).expect("open").is_none());
 }
+
+/// A bucket whose clock runs an hour behind this node's.
+struct SlowClock(Arc<dyn ObjectStore>);
+
+const BEHIND: Duration = Duration::from_secs(3600);
+
+impl ObjectStore for SlowClock {
+    fn put(&self, key: &str, body: &[u8]) -> arbor_engine::Result<arbor_engine::bucket::ETag> {
+        self.0.put(key, body)
+    }
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> arbor_engine::Result<arbor_engine::bucket::ETag> {
+        self.0.put_if_absent(key, body)
+    }
+    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> arbor_engine::Result<arbor_engine::bucket::ETag> {
+        self.0.put_if_match(key, body, etag)
+    }
+    fn get(&self, key: &str) -> arbor_engine::Result<(Vec<u8>, arbor_engine::bucket::ETag)> {
+        self.0.get(key)
+    }
+    fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> arbor_engine::Result<Vec<u8>> {
+        self.0.get_range(key, range)
+    }
+    fn list(&self, prefix: &str) -> arbor_engine::Result<Vec<String>> {
+        self.0.list(prefix)
+    }
+    fn list_objects(&self, prefix: &str) -> arbor_engine::Result<Vec<arbor_engine::bucket::ObjectInfo>> {
+        let mut objects = self.0.list_objects(prefix)?;
+        for o in &mut objects {
+            o.modified = Some(o.modified.unwrap_or_else(std::time::SystemTime::now) - BEHIND);
+        }
+        Ok(objects)
+    }
+    fn size(&self, key: &str) -> arbor_engine::Result<u64> {
+        self.0.size(key)
+    }
+    fn delete(&self, key: &str) -> arbor_engine::Result<()> {
+        self.0.delete(key)
+    }
+}
+
+/// gc ages a segment that is only in the bucket by the bucket's clock: a
+/// node whose clock runs an hour ahead of the bucket's does not take a
+/// segment another node wrote a moment ago for an hour old one.
+#[test]
+fn a_segment_in_the_bucket_is_aged_by_the_buckets_clock() {
+    let dir = tempfile::tempdir().expect("dir");
+    let store: Arc<dyn ObjectStore> = Arc::new(SlowClock(Arc::new(MemObjectStore::new())));
+    // Another node's segment, just written.
+    let id = arbor_engine::format::SegId { writer: 0xabc, seq: 7 };
+    store.put(&arbor_engine::layout::segment_key(id), b"a segment").expect("put");
+    let dev = BucketDevice::open(store.clone(), dir.path(), tier(Durability::Local)).expect("device");
+    let at = dev.clocks().expect("clocks");
+    let stamped = dev.segment_modified(id).expect("modified").expect("the bucket says when");
+    // By this node's clock it looks an hour old ...
+    assert!(at.here.duration_since(stamped).unwrap_or_default() >= BEHIND - Duration::from_secs(60));
+    // ... by the bucket's, it is new.
+    let age = dev.segment_age(id, at).expect("age").expect("an age");
+    assert!(age < Duration::from_secs(60), "aged by this node's clock: {age:?}");
+}

@@ -488,6 +488,24 @@ where
     Ok(send)
 }
 
+impl CacheClient {
+    /// Bytes `within` of chunk `index` of `seg` from the server that holds
+    /// it; `proved`: with the chunk's leaf hashes after them.
+    fn part(&self, seg: SegId, index: u32, within: std::ops::Range<u64>, proved: bool) -> Option<Vec<u8>> {
+        let owner = self.inner.owner(seg, index);
+        if self.inner.peers[owner].takes_chunk_conns.load(Ordering::Relaxed) {
+            let len = u32::try_from(within.end.saturating_sub(within.start)).ok()?;
+            let ask = ChunkAsk { seg, index, part: Some((within.start, len)), proved };
+            let mut part = None;
+            if self.inner.framed(owner, &[ask], Ask::Part, &mut |_, bytes| part = bytes) {
+                return part;
+            }
+        }
+        let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::server::part_query(&within, proved));
+        self.rt.block_on(self.inner.clone().get(owner, path, Ask::Part))
+    }
+}
+
 impl ChunkSource for CacheClient {
     fn fetch(&self, seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
         let inner = &self.inner;
@@ -527,17 +545,11 @@ impl ChunkSource for CacheClient {
     }
 
     fn fetch_part(&self, seg: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
-        let owner = self.inner.owner(seg, index);
-        if self.inner.peers[owner].takes_chunk_conns.load(Ordering::Relaxed) {
-            let len = u32::try_from(within.end.saturating_sub(within.start)).ok()?;
-            let ask = ChunkAsk { seg, index, part: Some((within.start, len)) };
-            let mut part = None;
-            if self.inner.framed(owner, &[ask], Ask::Part, &mut |_, bytes| part = bytes) {
-                return part;
-            }
-        }
-        let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::server::part_query(&within));
-        self.rt.block_on(self.inner.clone().get(owner, path, Ask::Part))
+        self.part(seg, index, within, false)
+    }
+
+    fn fetch_proved_part(&self, seg: SegId, index: u32, leaves: std::ops::Range<u64>) -> Option<Vec<u8>> {
+        self.part(seg, index, leaves, true)
     }
 
     fn fetch_object(&self, src: &Source, wanted: &[u64]) -> Vec<Option<Vec<u8>>> {
@@ -699,7 +711,7 @@ impl Inner {
             }
         }
         let asks_of = |ks: &[usize]| -> Vec<ChunkAsk> {
-            ks.iter().map(|&k| ChunkAsk { seg, index: wanted[k].index, part: None }).collect()
+            ks.iter().map(|&k| ChunkAsk { seg, index: wanted[k].index, part: None, proved: false }).collect()
         };
         if let [(owner, ks)] = shares.as_slice() {
             return self.framed(*owner, &asks_of(ks), Ask::Chunk, &mut |n, bytes| got(ks[n], bytes));

@@ -403,6 +403,7 @@ pub struct Events {
     pub items: Vec<Event>,
 }
 
+#[derive(Clone)]
 struct Held {
     session: u64,
     owner: u64,
@@ -1164,7 +1165,23 @@ impl SharedBranch {
         if !st.sessions.contains_key(&session) {
             return Err(libc::ESTALE);
         }
-        let held = st.locks.remove(&ino).unwrap_or_default();
+        let mut held = st.locks.remove(&ino).unwrap_or_default();
+        if reclaim {
+            // A reclaim taken by an earlier session of the same client (its
+            // reclaims broke off when the owner went away again; that
+            // session is abandoned, and dies in SESSION_IDLE) is the same
+            // holder's: it moves to this session rather than conflict.
+            let client = st.sessions.get(&session).and_then(|s| s.client);
+            let mine = |h: &Held| {
+                h.owner == owner
+                    && h.session != session
+                    && client.is_some()
+                    && st.sessions.get(&h.session).and_then(|s| s.client) == client
+            };
+            let moved: Vec<Held> = held.iter().filter(|h| mine(h)).cloned().collect();
+            held.retain(|h| !mine(h));
+            held.extend(moved.into_iter().map(|h| Held { session, ..h }));
+        }
         if lock.typ != libc::F_UNLCK
             && held.iter().any(|h| !(h.session == session && h.owner == owner) && conflicts(&h.lock, &lock))
         {

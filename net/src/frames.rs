@@ -54,7 +54,7 @@ use std::io::{self, Read, Write};
 /// The first bytes of a framed connection.
 pub const MAGIC: [u8; 4] = *b"ARBF";
 /// The version of the requests and answers below.
-pub const VERSION: u32 = 7;
+pub const VERSION: u32 = 8;
 /// The largest frame either side accepts (a 1 MiB write or read fits many
 /// times).
 pub const MAX_FRAME: usize = 16 << 20;
@@ -160,6 +160,9 @@ pub struct ChunkAsk {
     pub seg: arbor_engine::format::SegId,
     pub index: u32,
     pub part: Option<(u64, u32)>,
+    /// A part proved against the chunk's digest: the part (whole 16 KiB
+    /// leaves) followed by the hashes of all the chunk's leaves.
+    pub proved: bool,
 }
 
 /// What a chunk connection answers a [`ChunkAsk`].
@@ -643,7 +646,7 @@ mod tests {
     #[test]
     fn parts_of_chunks_travel_after_their_frames_and_come_back_whole() {
         let seg = arbor_engine::format::SegId { writer: 0xfeed, seq: 9 };
-        let ask = ChunkAsk { seg, index: 3, part: Some((4096, 4096)) };
+        let ask = ChunkAsk { seg, index: 3, part: Some((4096, 4096)), proved: true };
         let bytes: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 1) as u8).collect();
         let (mut wire, mut buf) = (Vec::new(), Vec::new());
         write_frame(&mut wire, &mut buf, &ask).expect("ask");

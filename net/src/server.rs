@@ -116,8 +116,10 @@ pub struct CacheServer {
 struct FramedConns {
     /// Set when the server stops: lock waits give up, no new connection is taken.
     stopping: bool,
-    /// A handle on each open connection, to shut it when the server stops.
-    open: HashMap<u64, std::net::TcpStream>,
+    /// A handle on each open connection, to shut it when the server stops,
+    /// and whether its thread waits for the next request (set before a
+    /// read, cleared once a request is read).
+    open: HashMap<u64, (std::net::TcpStream, Arc<std::sync::atomic::AtomicBool>)>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -408,10 +410,11 @@ impl CacheServer {
         if framed.stopping {
             return;
         }
-        framed.open.insert(conn, handle);
+        let idle = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        framed.open.insert(conn, (handle, idle.clone()));
         let me = self.clone();
         let spawned = std::thread::Builder::new().name("arbor-files".into()).spawn(move || {
-            if let Err(e) = me.framed_connection(stream, &hello, &rt) {
+            if let Err(e) = me.framed_connection(stream, &hello, &rt, &idle) {
                 tracing::debug!(conn, error = %e, "a framed connection ended");
             }
             me.framed.lock().open.remove(&conn);
@@ -427,13 +430,19 @@ impl CacheServer {
     }
 
     /// Answers one framed connection, its `hello` welcomed, until it closes.
-    fn framed_connection(&self, stream: Stream, hello: &Hello, rt: &tokio::runtime::Handle) -> std::io::Result<()> {
+    fn framed_connection(
+        &self,
+        stream: Stream,
+        hello: &Hello,
+        rt: &tokio::runtime::Handle,
+        idle: &std::sync::atomic::AtomicBool,
+    ) -> std::io::Result<()> {
         if hello.branch.is_empty() {
             self.metrics.chunk_connections.fetch_add(1, Ordering::Relaxed);
             return self.chunk_connection(stream, Vec::new(), Vec::new());
         }
         match self.branches.get(&hello.branch) {
-            Some(b) => self.branch_connection(stream, b, rt),
+            Some(b) => self.branch_connection(stream, b, rt, idle),
             None => Ok(()),
         }
     }
@@ -445,15 +454,18 @@ impl CacheServer {
         mut stream: Stream,
         b: &SharedBranch,
         rt: &tokio::runtime::Handle,
+        idle: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<()> {
         use crate::frames::{read_request, write_answer, Answer, Request};
         let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
         loop {
+            idle.store(true, Ordering::Release);
             let req: Request = match read_request(&mut stream, &mut rbuf) {
                 Ok(r) => r,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             };
+            idle.store(false, Ordering::Release);
             if b.stepped_down() {
                 // Another writer took the branch (or the log failed): the
                 // client looks for the owner again rather than be answered
@@ -473,8 +485,29 @@ impl CacheServer {
                 Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true, reclaim: false }, .. }
                     if lock.typ != libc::F_UNLCK =>
                 {
-                    let go_on = || !self.framed.lock().stopping;
-                    Answer::Reply(rt.block_on(b.set_lock_while(session, ino, owner, lock, go_on)))
+                    // A wait ends when the owner stops or the client hung up
+                    // (a lock granted then would be held by nobody who knows).
+                    let tcp = stream.tcp();
+                    let go_on = || !self.framed.lock().stopping && !peer_closed(tcp);
+                    match rt.block_on(b.set_lock_while(session, ino, owner, lock, go_on)) {
+                        // Not answered: the client asks the next owner, as
+                        // a blocking F_SETLKW must not fail with EINTR
+                        // because its owner restarts.
+                        Err(libc::EINTR) => return Ok(()),
+                        r => Answer::Reply(r),
+                    }
+                }
+                Request::Op { tag: Some(t), .. }
+                    if t.slot & crate::requests::PIPELINED_SLOT != 0 && peer_closed(stream.tcp()) =>
+                {
+                    // A lane's write read after its client closed the
+                    // connection: the client gave it up (a close that could
+                    // not get its answer reported it lost) or will send it
+                    // again under its session. Applied now, it could land
+                    // after that close returned, over another node's newer
+                    // bytes; so the rest of this connection is dropped.
+                    tracing::debug!("a client closed a write connection with writes unread; not applying them");
+                    return Ok(());
                 }
                 Request::Op { session, op, tag } => Answer::Reply(b.apply_request(session, tag, op)),
             };
@@ -553,6 +586,10 @@ impl CacheServer {
             return Ok(false);
         }
         let Some(cache) = self.cache.as_ref().filter(|_| self.opts.fault.is_none()) else { return Ok(false) };
+        if ask.proved {
+            // The leaf hashes are made from the bytes, not sent from the file.
+            return Ok(false);
+        }
         let within = match ask.part {
             Some((_, len)) if (len as usize) < SEND_FILE_MIN => return Ok(false),
             Some((at, len)) => match at.checked_add(len as u64) {
@@ -601,9 +638,15 @@ impl CacheServer {
             None => None,
         };
         let started = Instant::now();
-        let got = match cache.cached_part(ask.seg, ask.index, within.clone()) {
-            Some(c) => Ok(Some((c.bytes, Some(c.hit)))),
-            None => cache.chunk_part(ask.seg, ask.index, within.clone()).map(|c| c.map(|c| (c.bytes, Some(c.hit)))),
+        let got = match (ask.proved, within.clone()) {
+            (true, Some(leaves)) => {
+                cache.proved_part(ask.seg, ask.index, leaves).map(|c| c.map(|c| (c.bytes, Some(c.hit))))
+            }
+            (true, None) => Ok(None),
+            (false, _) => match cache.cached_part(ask.seg, ask.index, within.clone()) {
+                Some(c) => Ok(Some((c.bytes, Some(c.hit)))),
+                None => cache.chunk_part(ask.seg, ask.index, within.clone()).map(|c| c.map(|c| (c.bytes, Some(c.hit)))),
+            },
         };
         if within.is_some() {
             self.metrics.parts.fetch_add(1, Ordering::Relaxed);
@@ -625,8 +668,12 @@ impl CacheServer {
         let threads = {
             let mut framed = self.framed.lock();
             framed.stopping = true;
-            for s in framed.open.values() {
-                if s.set_read_timeout(Some(DRAIN_IDLE)).is_err() {
+            for (s, idle) in framed.open.values() {
+                // A thread waiting for a request with none arrived has
+                // nothing to drain (a timeout set now would not end its
+                // wait, which began before); the others finish theirs.
+                let waiting = idle.load(Ordering::Acquire) && unread(s) == Some(0);
+                if waiting || s.set_read_timeout(Some(DRAIN_IDLE)).is_err() {
                     let _ = s.shutdown(std::net::Shutdown::Both);
                 }
             }
@@ -636,7 +683,7 @@ impl CacheServer {
         // Bounded by DRAIN_MAX, then by the shut connections' threads.
         while !threads.iter().all(|t| t.is_finished()) {
             if Instant::now() >= deadline {
-                for s in self.framed.lock().open.values() {
+                for (s, _) in self.framed.lock().open.values() {
                     let _ = s.shutdown(std::net::Shutdown::Both);
                 }
                 break;
@@ -682,13 +729,18 @@ impl CacheServer {
             ["v1", "chunks", seg, index] => match (SegId::parse_file_name(seg), index.parse::<u32>()) {
                 (Some(seg), Ok(index)) => {
                     let Some(cache) = self.cache.clone() else { return reply(StatusCode::NOT_FOUND, Bytes::new()) };
-                    let Ok(within) = chunk_part(req.uri().query()) else {
-                        return reply(StatusCode::BAD_REQUEST, "?at=OFFSET&len=LENGTH inside the chunk\n");
+                    let Ok((within, proved)) = chunk_part(req.uri().query()) else {
+                        return reply(StatusCode::BAD_REQUEST, "?at=OFFSET&len=LENGTH[&proved=1] inside the chunk\n");
                     };
                     if within.is_some() {
                         self.metrics.parts.fetch_add(1, Ordering::Relaxed);
                     }
                     let what = format!("chunk {index} of {seg}");
+                    if let (true, Some(leaves)) = (proved, within.clone()) {
+                        let get =
+                            move || cache.proved_part(seg, index, leaves).map(|c| c.map(|c| (c.bytes, Some(c.hit))));
+                        return self.chunk(what, false, get).await;
+                    }
                     // A small part of a cached chunk is one read of the
                     // cache: answered here, not handed to a blocking thread
                     // and back (two wake-ups, most of a part's latency).
@@ -860,26 +912,30 @@ impl CacheServer {
 
 /// The part of a chunk a `/v1/chunks/…?at=…&len=…` request asks for
 /// (offsets inside the chunk); `None` for the whole chunk.
-fn chunk_part(query: Option<&str>) -> Result<Option<std::ops::Range<u64>>, ()> {
-    let Some(query) = query else { return Ok(None) };
-    let (mut at, mut len) = (None, None);
+/// `&proved=1` asks for a proved part (see [`crate::frames::ChunkAsk`]).
+fn chunk_part(query: Option<&str>) -> Result<(Option<std::ops::Range<u64>>, bool), ()> {
+    let Some(query) = query else { return Ok((None, false)) };
+    let (mut at, mut len, mut proved) = (None, None, false);
     for (k, v) in form_urlencoded::parse(query.as_bytes()) {
         match &*k {
             "at" => at = Some(v.parse::<u64>().map_err(|_| ())?),
             "len" => len = Some(v.parse::<u64>().map_err(|_| ())?),
+            "proved" if v == "1" => proved = true,
             _ => return Err(()),
         }
     }
     match (at, len) {
-        (None, None) => Ok(None),
-        (Some(at), Some(len)) if len > 0 => Ok(Some(at..at.checked_add(len).ok_or(())?)),
+        (None, None) if !proved => Ok((None, false)),
+        (Some(at), Some(len)) if len > 0 => Ok((Some(at..at.checked_add(len).ok_or(())?), proved)),
         _ => Err(()),
     }
 }
 
-/// The query that asks for bytes `within` of a chunk.
-pub(crate) fn part_query(within: &std::ops::Range<u64>) -> String {
-    format!("at={}&len={}", within.start, within.end - within.start)
+/// The query that asks for bytes `within` of a chunk (`proved`: with the
+/// chunk's leaf hashes).
+pub(crate) fn part_query(within: &std::ops::Range<u64>, proved: bool) -> String {
+    let proof = if proved { "&proved=1" } else { "" };
+    format!("at={}&len={}{proof}", within.start, within.end - within.start)
 }
 
 /// The source object a `/v1/objects/…` request names in its query.
@@ -978,6 +1034,25 @@ pub struct Running {
 /// later, as past the 128 the standard library's listener asks for.
 pub const LISTEN_BACKLOG: i32 = 4096;
 
+/// Whether the peer of `s` has shut its side (its FIN arrived), whatever
+/// is still unread.
+fn peer_closed(s: &std::net::TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Bytes received on `s` and not read yet.
+fn unread(s: &std::net::TcpStream) -> Option<usize> {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    let rc = unsafe { libc::ioctl(s.as_raw_fd(), libc::FIONREAD, &mut n) };
+    (rc == 0).then_some(n.max(0) as usize)
+}
+
 /// A stopping owner ends a framed connection once it sent nothing for this
 /// long (its requests in flight are answered first).
 pub const DRAIN_IDLE: std::time::Duration = std::time::Duration::from_millis(250);
@@ -1070,10 +1145,12 @@ mod tests {
 
     #[test]
     fn a_part_query_round_trips_and_nonsense_is_refused() {
-        assert_eq!(chunk_part(None), Ok(None));
-        assert_eq!(chunk_part(Some("")), Ok(None));
+        assert_eq!(chunk_part(None), Ok((None, false)));
+        assert_eq!(chunk_part(Some("")), Ok((None, false)));
         let within = 4096..12_288;
-        assert_eq!(chunk_part(Some(&part_query(&within))), Ok(Some(within)));
+        assert_eq!(chunk_part(Some(&part_query(&within, false))), Ok((Some(within.clone()), false)));
+        assert_eq!(chunk_part(Some(&part_query(&within, true))), Ok((Some(within), true)));
+        assert_eq!(chunk_part(Some("proved=1")), Err(()));
         for bad in ["at=1", "len=4", "at=1&len=0", "at=x&len=4", "at=1&len=4&what=2", "at=18446744073709551615&len=2"] {
             assert_eq!(chunk_part(Some(bad)), Err(()), "{bad}");
         }

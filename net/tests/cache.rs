@@ -466,7 +466,7 @@ fn parts_go_over_one_kept_chunk_connection_which_a_restarted_server_replaces() {
     let hello = Hello { version: VERSION, token: b"not-the-token".to_vec(), branch: String::new() };
     write_frame(&mut raw, &mut wbuf, &hello).expect("hello");
     assert_eq!(read_frame::<Welcome>(&mut raw, &mut rbuf).expect("welcome"), Welcome::Refused);
-    let _ = write_frame(&mut raw, &mut wbuf, &ChunkAsk { seg, index: 0, part: Some((0, 4096)) });
+    let _ = write_frame(&mut raw, &mut wbuf, &ChunkAsk { seg, index: 0, part: Some((0, 4096)), proved: false });
     assert!(read_chunk_answer(&mut raw, &mut rbuf).is_err(), "nothing answered");
     assert_eq!(server.metric("arbor_cache_unauthorized_total"), 1);
     assert_eq!(server.metric("arbor_cache_part_requests_total"), 1, "only the client's part was answered");

@@ -71,8 +71,8 @@ fn seeds() -> Vec<Vec<u8>> {
         write_chunk_answer(w, b, &ChunkAnswer::Failed("the bucket is away".into())).expect("write");
     });
     let asks = one(&|w, b| {
-        write_frame(w, b, &ChunkAsk { seg, index: 3, part: None }).expect("write");
-        write_frame(w, b, &ChunkAsk { seg, index: 4, part: Some((4096, 8192)) }).expect("write");
+        write_frame(w, b, &ChunkAsk { seg, index: 3, part: None, proved: false }).expect("write");
+        write_frame(w, b, &ChunkAsk { seg, index: 4, part: Some((4096, 8192)), proved: true }).expect("write");
         write_frame(w, b, &Welcome::Version(VERSION)).expect("write");
     });
     let hello = one(&|w, b| {

@@ -1540,3 +1540,123 @@ fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
     let again = in_session(server.addr, second, take, tag);
     assert!(!matches!(again, Answer::Reply(Ok(_))), "two holders of one lock: {again:?}");
 }
+
+/// A relay to `upstream` that, once `hold` is set, keeps what a client
+/// sends next, cuts the client off, and passes the kept bytes on (with the
+/// connection's end right behind them) only when `release` is set: a
+/// request that reaches the owner after the client gave it up, as from an
+/// owner paused with the request in its socket buffer.
+fn holding_relay(
+    upstream: std::net::SocketAddr,
+) -> (String, Arc<std::sync::atomic::AtomicBool>, Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let (hold, release) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let (h, r) = (hold.clone(), release.clone());
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(c) = c else { return };
+            let Ok(up) = std::net::TcpStream::connect(upstream) else { continue };
+            let _ = (c.set_nodelay(true), up.set_nodelay(true));
+            let (mut c_r, mut up_w) = (c.try_clone().expect("clone"), up.try_clone().expect("clone"));
+            let (h, r) = (h.clone(), r.clone());
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let n = match c_r.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    if h.load(SeqCst) {
+                        let _ = c_r.shutdown(std::net::Shutdown::Both);
+                        // Bounded: 30 s for the test to release.
+                        for _ in 0..3000 {
+                            if r.load(SeqCst) {
+                                break;
+                            }
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
+                        let _ = up_w.write_all(&buf[..n]);
+                        break;
+                    }
+                    if up_w.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = up_w.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut up_r, mut c_w) = (up, c);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut up_r, &mut c_w);
+                let _ = c_w.shutdown(std::net::Shutdown::Both);
+            });
+        }
+    });
+    (addr, hold, release)
+}
+
+/// The owner does not apply a lane's write it reads after the client
+/// closed that connection: the client's close gave the write up (EIO),
+/// and another node has written the file since.
+#[test]
+fn a_write_reaching_the_owner_after_its_close_gave_it_up_is_not_applied() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (vol, server) = owner(&SimDevice::new());
+    let (relayed, hold, release) = holding_relay(server.addr);
+    let a = client(&Arc::new(Mutex::new(relayed)));
+    let b = client(&found_at(&server));
+    let f = a.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    a.write(f.ino, 0, b"first").expect("write");
+    a.fsync(f.ino).expect("fsync");
+    hold.store(true, SeqCst);
+    a.write(f.ino, 0, b"stale").expect("a write on its way");
+    assert_eq!(a.flush(f.ino).map_err(|e| e.errno()), Err(libc::EIO));
+    let fb = b.open(f.ino).expect("open");
+    b.write(fb.ino, 0, b"NEWER").expect("write");
+    b.fsync(fb.ino).expect("fsync");
+    // The given-up write reaches the owner now, its connection closed.
+    release.store(true, SeqCst);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"NEWER", "a given-up write was applied over newer bytes");
+}
+
+/// A client whose reclaims broke off half way (the new owner went away
+/// again before it answered them all) takes them back under its next
+/// session: the locks its abandoned session holds are its own. Another
+/// client's reclaim of them still conflicts.
+#[test]
+fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one() {
+    use arbor_net::frames::Answer;
+    let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
+    let f = vol.create(ROOT_INO, b"locked", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    let lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let tag = |client, seq| RequestTag { client, slot: 0, seq };
+    // An owner grants the lock, then stops: the next one starts in its
+    // grace period, when only reclaims are granted.
+    {
+        let (_branch, first) = serve_branch(&vol);
+        let s = new_session(first.addr);
+        let take = Op::SetLk { ino: f.ino, owner: 8, lock, wait: false, reclaim: false };
+        assert!(matches!(in_session(first.addr, s, take, tag(95, 50)), Answer::Reply(Ok(_))));
+    }
+    let (_branch, server) = serve_branch(&vol);
+    let reclaim = Op::SetLk { ino: f.ino, owner: 8, lock, wait: false, reclaim: true };
+    // Each session first asks for its client's slots, as a client does
+    // after an owner change: that binds the session to the client.
+    let session_of = |client: u64| {
+        let s = new_session(server.addr);
+        let a = in_session(server.addr, s, Op::Slots { client }, tag(client, 100));
+        assert!(matches!(a, Answer::Reply(Ok(Out::Slots(_)))), "{a:?}");
+        s
+    };
+    let abandoned = session_of(95);
+    assert!(matches!(in_session(server.addr, abandoned, reclaim.clone(), tag(95, 1)), Answer::Reply(Ok(_))));
+    let next = session_of(95);
+    let again = in_session(server.addr, next, reclaim.clone(), tag(95, 2));
+    assert!(matches!(again, Answer::Reply(Ok(_))), "the client's own abandoned reclaim conflicted: {again:?}");
+    let other = session_of(96);
+    let theirs = in_session(server.addr, other, reclaim, tag(96, 1));
+    assert!(!matches!(theirs, Answer::Reply(Ok(_))), "another client took a reclaimed lock: {theirs:?}");
+}

@@ -15,9 +15,10 @@
 
 use crate::catalog::Catalog;
 use crate::error::Result;
+use arbor_engine::device::Clocks;
 use arbor_engine::format::{Addr, SegId};
 use std::collections::HashSet;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 /// How old an unreachable segment must be before gc deletes it, by
 /// default: a live writer's newest segments may not be in any head yet.
@@ -28,7 +29,8 @@ pub struct GcPlan {
     candidates: Vec<SegId>,
     live: HashSet<SegId>,
     seen_nodes: HashSet<Addr>,
-    started: SystemTime,
+    /// When the plan was made, by this node's clock and the store's.
+    started: Clocks,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -54,7 +56,7 @@ impl Catalog {
 
     /// Lists the candidates, then marks everything every root reaches.
     pub fn gc_plan(&self) -> Result<GcPlan> {
-        let started = SystemTime::now();
+        let started = self.segments().clocks()?;
         let candidates = self.segments().list_segments()?;
         let mut plan = GcPlan { candidates, live: HashSet::new(), seen_nodes: HashSet::new(), started };
         self.mark_roots(&mut plan.live, &mut plan.seen_nodes)?;
@@ -66,7 +68,6 @@ impl Catalog {
     pub fn gc_sweep(&self, mut plan: GcPlan, grace: Duration) -> Result<GcReport> {
         let writers = self.mark_roots(&mut plan.live, &mut plan.seen_nodes)?;
         let mut report = GcReport { segments: plan.candidates.len(), ..GcReport::default() };
-        let cutoff = plan.started.checked_sub(grace).unwrap_or(SystemTime::UNIX_EPOCH);
         for seg in plan.candidates {
             if plan.live.contains(&seg) {
                 report.reachable += 1;
@@ -76,7 +77,9 @@ impl Catalog {
                 report.kept_for_writers += 1;
                 continue;
             }
-            if self.segments().segment_modified(seg)?.is_some_and(|m| m > cutoff) {
+            // Written less than `grace` before the plan, on the clock that
+            // stamped it (a bucket's own for a segment only there).
+            if self.segments().segment_age(seg, plan.started)?.is_some_and(|age| age < grace) {
                 report.kept_for_writers += 1;
                 continue;
             }

@@ -114,6 +114,17 @@ pub trait Device: Send + Sync {
     fn segment_modified(&self, _id: SegId) -> Result<Option<std::time::SystemTime>> {
         Ok(None)
     }
+    /// Now, by this node's clock and by the clock of the store segments
+    /// are kept in (a bucket's own), where that is another.
+    fn clocks(&self) -> Result<Clocks> {
+        Ok(Clocks { here: std::time::SystemTime::now(), store: None })
+    }
+    /// How long before `at` segment `id` was last written, each time read
+    /// on the clock that stamped it: a node whose clock is off does not
+    /// take a segment another node just wrote to the bucket for an old one.
+    fn segment_age(&self, id: SegId, at: Clocks) -> Result<Option<std::time::Duration>> {
+        Ok(self.segment_modified(id)?.map(|m| at.here.duration_since(m).unwrap_or_default()))
+    }
     /// Bytes free for new segments, where the device can tell.
     fn free_bytes(&self) -> Option<u64> {
         None
@@ -187,6 +198,15 @@ pub fn durable_step(dev: &dyn Device, name: &'static str) -> Result<()> {
 
 /// Runs `publish` once every byte through `upto` is in the bucket, or at
 /// once where the device is its own durable copy.
+/// The time now on two clocks: this node's, and the segment store's.
+#[derive(Clone, Copy, Debug)]
+pub struct Clocks {
+    pub here: std::time::SystemTime,
+    /// `None`: the store's clock is this node's (a local folder), or the
+    /// store does not say.
+    pub store: Option<std::time::SystemTime>,
+}
+
 pub fn publish_when_stored(dev: &dyn Device, upto: Addr, publish: Box<dyn Fn() -> Result<()> + Send>) -> Result<()> {
     match dev.replica() {
         Some(r) => r.publish_when_stored(upto, publish),

@@ -627,13 +627,27 @@ impl Device for BucketDevice {
         if let Some(t) = self.shared.local.segment_modified(id)? {
             return Ok(Some(t));
         }
-        let mut newest = None;
-        for prefix in [crate::layout::segment_key(id), crate::layout::wal_prefix(id)] {
-            for o in self.shared.store.list_objects(&prefix)? {
-                newest = newest.max(o.modified);
-            }
+        self.bucket_modified(id)
+    }
+
+    /// The bucket's time, read as the `LastModified` of an empty object
+    /// written now.
+    fn clocks(&self) -> Result<crate::device::Clocks> {
+        let here = std::time::SystemTime::now();
+        let key = crate::layout::CLOCK;
+        self.shared.store.put(key, b"")?;
+        let store = self.shared.store.list_objects(key)?.into_iter().find(|o| o.key == key).and_then(|o| o.modified);
+        Ok(crate::device::Clocks { here, store })
+    }
+
+    /// A segment in this cache is aged by this node's clock; one only in
+    /// the bucket by the bucket's.
+    fn segment_age(&self, id: SegId, at: crate::device::Clocks) -> Result<Option<std::time::Duration>> {
+        if let Some(t) = self.shared.local.segment_modified(id)? {
+            return Ok(Some(at.here.duration_since(t).unwrap_or_default()));
         }
-        Ok(newest)
+        let now = at.store.unwrap_or(at.here);
+        Ok(self.bucket_modified(id)?.map(|m| now.duration_since(m).unwrap_or_default()))
     }
 
     fn free_bytes(&self) -> Option<u64> {
@@ -642,6 +656,20 @@ impl Device for BucketDevice {
 
     fn replica(&self) -> Option<&dyn Replica> {
         Some(self)
+    }
+}
+
+impl BucketDevice {
+    /// When segment `id` was last written in the bucket (its object, or its
+    /// newest WAL piece), by the bucket's clock.
+    fn bucket_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
+        let mut newest = None;
+        for prefix in [crate::layout::segment_key(id), crate::layout::wal_prefix(id)] {
+            for o in self.shared.store.list_objects(&prefix)? {
+                newest = newest.max(o.modified);
+            }
+        }
+        Ok(newest)
     }
 }
 

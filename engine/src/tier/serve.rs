@@ -99,6 +99,21 @@ impl SegmentCache {
         Ok(Some(ServedChunk { bytes, hit: true }))
     }
 
+    /// Bytes `leaves` of chunk `index` of `seg` with the hashes of all the
+    /// chunk's leaves, which a reader checks against the chunk's digest
+    /// ([`crate::tier::object::prove_part`]); the whole chunk is read (and
+    /// cached) for its hashes.
+    pub fn proved_part(&self, seg: SegId, index: u32, leaves: Range<u64>) -> Result<Option<ServedChunk>> {
+        let whole = match self.cached_part(seg, index, None) {
+            Some(c) => c,
+            None => match self.chunk_part(seg, index, None)? {
+                Some(c) => c,
+                None => return Ok(None),
+            },
+        };
+        Ok(super::object::prove_part(&whole.bytes, leaves).map(|bytes| ServedChunk { bytes, hit: whole.hit }))
+    }
+
     /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
     /// they are cached and checked now: answered without blocking on anything but a read of
     /// the cache (`None`: ask [`SegmentCache::chunk_part`]).

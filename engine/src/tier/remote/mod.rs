@@ -735,7 +735,8 @@ impl Remote {
 
     /// The footer of segment object `key`, read from the bucket: one GET
     /// of the object's tail (a suffix range) holds the whole footer of any
-    /// segment up to FOOTER_GUESS / 4 chunks; larger ones take two.
+    /// segment up to 454 chunks (36 bytes each, crc32c and digest);
+    /// larger ones take two.
     fn read_footer(&self, key: &str) -> Result<Footer> {
         let mut last = None;
         for _ in 0..GET_TRIES {

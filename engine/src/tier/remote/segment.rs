@@ -215,7 +215,24 @@ impl RemoteSeg {
             return false;
         }
         let cstart = self.footer.chunk_range(i).0;
-        let Some(bytes) = peers.fetch_part(self.id, i as u32, off - cstart..end - cstart) else { return false };
+        let within = off - cstart..end - cstart;
+        let bytes = if self.footer.hashed() {
+            // Whole leaves and the chunk's leaf hashes, checked here against
+            // the digest from the bucket: a server cannot forge them.
+            let leaves = self.footer.leaf_range(i, within.clone());
+            let Some(payload) = peers.fetch_proved_part(self.id, i as u32, leaves.clone()) else { return false };
+            let Some(data) = self.footer.check_proved_part(i, leaves.clone(), &payload) else {
+                tracing::warn!(seg = %self.id, chunk = i, "a cache server sent a part of a chunk that fails its digest; reading the chunk");
+                peers.rejected(self.id, i as u32);
+                r.part_rejected.fetch_add(1, Ordering::Relaxed);
+                return false;
+            };
+            let from = (within.start - leaves.start) as usize;
+            data[from..from + buf.len()].to_vec()
+        } else {
+            let Some(bytes) = peers.fetch_part(self.id, i as u32, within) else { return false };
+            bytes
+        };
         if bytes.len() != buf.len() {
             tracing::warn!(seg = %self.id, chunk = i, got = bytes.len(), want = buf.len(), "a cache server sent a part of a chunk of the wrong length; reading the chunk");
             peers.rejected(self.id, i as u32);
