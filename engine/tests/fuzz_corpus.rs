@@ -56,7 +56,21 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("values", encode_value(&commit)),
         ("values", Superblock::new(addr).encode()),
         ("tree_vs_btreemap", (0..600u32).map(|i| (i * 7919 % 251) as u8).collect()),
+        ("footer", footer_of(&segment, 4096, true)),
+        ("footer", footer_of(&segment, 1 << 20, false)),
     ]
+}
+
+/// The footer a segment object of `data` ends in (`hashed`: with digests,
+/// as written now; else crc32c only, as earlier builds wrote).
+fn footer_of(data: &[u8], chunk_size: u32, hashed: bool) -> Vec<u8> {
+    let mut f = arbor_engine::tier::Footer::of(data, chunk_size);
+    if !hashed {
+        f.hashes.clear();
+    }
+    let mut out = Vec::new();
+    f.encode(&mut out);
+    out
 }
 
 #[test]

@@ -245,6 +245,8 @@ struct Lane {
     bytes: usize,
     /// The sequence of the lane's last request (its slot is pipelined).
     seq: u64,
+    /// Which lane this is.
+    idx: usize,
 }
 
 struct Inner {
@@ -276,6 +278,9 @@ struct Inner {
     /// Each lane's newest sequence, readable while a lane's holder waits
     /// for the owner.
     lane_seqs: [AtomicU64; WRITE_LANES],
+    /// A handle on each lane's connection, to hang it up while its holder
+    /// waits for the owner (see [`Inner::abandon`]).
+    lane_socks: [Mutex<Option<std::net::TcpStream>>; WRITE_LANES],
     /// Files whose close gave up on writes in flight (the owner did not
     /// answer them), with their lane's newest sequence then: those writes
     /// are never sent again (see [`Inner::abandon`]).
@@ -897,6 +902,7 @@ impl Inner {
     fn send_write(&self, at: Written, data: &[u8]) -> bool {
         let ino = at.ino;
         let mut lane = self.lanes[ino as usize % WRITE_LANES].lock();
+        lane.idx = ino as usize % WRITE_LANES;
         while !lane.sent.is_empty()
             && (lane.conn.is_none() || lane.bytes + data.len() > IN_FLIGHT_MAX || lane.sent.len() >= IN_FLIGHT_WRITES)
         {
@@ -917,6 +923,7 @@ impl Inner {
                     // a hard mount checks for a successor (see read_one).
                     c.stream.tcp().set_write_timeout(Some(OWNER_CHECK)).ok()?;
                 }
+                *self.lane_socks[ino as usize % WRITE_LANES].lock() = c.stream.tcp().try_clone().ok();
                 lane.addr = addr;
                 lane.conn = Some(c);
             }
@@ -928,7 +935,8 @@ impl Inner {
             // Part of it may have gone. The lane's earlier writes are sent
             // again, and the caller sends this one the retrying way after
             // them, so the owner sees them in order.
-            if lane.conn.take().is_some() {
+            if lane.conn.is_some() {
+                self.drop_conn(&mut lane);
                 self.forget_owner();
             }
             self.settle_lane(&mut lane);
@@ -964,7 +972,8 @@ impl Inner {
         // Bounded by the lane's holder: it sends or reads a few MiB, or is
         // retrying, which marks an outage.
         let mut lane = loop {
-            if let Some(l) = lane.try_lock_for(Duration::from_millis(20)) {
+            if let Some(mut l) = lane.try_lock_for(Duration::from_millis(20)) {
+                l.idx = ino as usize % WRITE_LANES;
                 break l;
             }
             if self.outage.load(Ordering::Relaxed) {
@@ -977,7 +986,7 @@ impl Inner {
         // Each turn answers one write or stops.
         while !lane.sent.is_empty() {
             if self.read_one(&mut lane).is_err() {
-                lane.conn = None;
+                self.drop_conn(&mut lane);
                 if lane.sent.iter().any(|w| w.at.ino == ino) {
                     // Given up while the lane is held: no other thread can
                     // send them again in between.
@@ -990,13 +999,29 @@ impl Inner {
         true
     }
 
+    /// Drops `lane`'s connection, hanging it up (its handle in
+    /// `lane_socks` would keep it open otherwise).
+    fn drop_conn(&self, lane: &mut Lane) {
+        lane.conn = None;
+        if let Some(s) = self.lane_socks[lane.idx].lock().take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
     /// Gives up on the writes to `ino` in flight now, which a close could
     /// not have answered: reported lost (the close fails with EIO, and so
     /// does the file's next fsync) and never sent again. Sent later, after
     /// the close returned, one could land over what another node wrote to
     /// the file since (close-to-open), whichever owner takes it.
     fn abandon(&self, ino: u64) {
-        let upto = self.lane_seqs[ino as usize % WRITE_LANES].load(Ordering::Acquire);
+        let lane = ino as usize % WRITE_LANES;
+        // The lane's connection is hung up: an owner applies nothing it
+        // reads from a connection its client hung up (it may be paused
+        // with these writes in its socket buffer).
+        if let Some(s) = self.lane_socks[lane].lock().take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let upto = self.lane_seqs[lane].load(Ordering::Acquire);
         self.abandoned.lock().insert(ino, upto);
         self.journal.lock().lost.insert(ino);
         tracing::warn!(ino, "a file was closed while the owner had not answered its writes; they count as lost");
@@ -1019,7 +1044,7 @@ impl Inner {
     /// connection broke, sends every write in flight again instead.
     fn settle_one(&self, lane: &mut Lane) {
         if let Err(broken) = self.read_one(lane) {
-            lane.conn = None;
+            self.drop_conn(lane);
             match broken {
                 Broken::Session => *self.session.lock() = None,
                 Broken::Connection => self.forget_owner(),
@@ -1192,6 +1217,7 @@ impl RemoteFiles {
             heard: Mutex::new(None),
             lanes: Default::default(),
             lane_seqs: Default::default(),
+            lane_socks: Default::default(),
             abandoned: Mutex::new(HashMap::new()),
             opening: Mutex::new(()),
             retries: AtomicU64::new(0),

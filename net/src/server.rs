@@ -439,7 +439,7 @@ impl CacheServer {
     ) -> std::io::Result<()> {
         if hello.branch.is_empty() {
             self.metrics.chunk_connections.fetch_add(1, Ordering::Relaxed);
-            return self.chunk_connection(stream, Vec::new(), Vec::new());
+            return self.chunk_connection(stream, Vec::new(), Vec::new(), idle);
         }
         match self.branches.get(&hello.branch) {
             Some(b) => self.branch_connection(stream, b, rt, idle),
@@ -459,13 +459,17 @@ impl CacheServer {
         use crate::frames::{read_request, write_answer, Answer, Request};
         let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
         loop {
+            // Idle only until a request's first byte: a stop shuts an idle
+            // connection with nothing unread at once, and must not cut one
+            // whose request is half read.
             idle.store(true, Ordering::Release);
+            stream.wait_readable()?;
+            idle.store(false, Ordering::Release);
             let req: Request = match read_request(&mut stream, &mut rbuf) {
                 Ok(r) => r,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             };
-            idle.store(false, Ordering::Release);
             if b.stepped_down() {
                 // Another writer took the branch (or the log failed): the
                 // client looks for the owner again rather than be answered
@@ -517,9 +521,18 @@ impl CacheServer {
 
     /// Answers the [`ChunkAsk`](crate::frames::ChunkAsk)s of one chunk connection, each on this
     /// thread, until it closes.
-    fn chunk_connection(&self, mut stream: Stream, mut rbuf: Vec<u8>, mut wbuf: Vec<u8>) -> std::io::Result<()> {
+    fn chunk_connection(
+        &self,
+        mut stream: Stream,
+        mut rbuf: Vec<u8>,
+        mut wbuf: Vec<u8>,
+        idle: &std::sync::atomic::AtomicBool,
+    ) -> std::io::Result<()> {
         use crate::frames::{read_frame, write_chunk_answer, ChunkAnswer, ChunkAsk};
         loop {
+            idle.store(true, Ordering::Release);
+            stream.wait_readable()?;
+            idle.store(false, Ordering::Release);
             let ask: ChunkAsk = match read_frame(&mut stream, &mut rbuf) {
                 Ok(r) => r,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),

@@ -10,7 +10,7 @@ use arbor_engine::env::TestEnv;
 use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::forge_keeping_crc;
 use arbor_engine::testkit::S3Server;
-use arbor_engine::tier::{BucketDevice, CacheStats, ChunkSource, SegmentCache, TierConfig};
+use arbor_engine::tier::{BucketDevice, CacheStats, ChunkSource, Footer, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_net::{CacheClient, CacheServer, ClientOptions, Running, ServerOptions};
 use std::path::Path;
@@ -278,6 +278,16 @@ fn a_rogue_server_forging_crc32c_never_gets_its_bytes_read() {
             if let Some(at) = body.windows(needle.len()).position(|w| w == needle) {
                 forge_keeping_crc(&mut body[at..at + 4096], evil);
                 planted += 1;
+                // The rogue's copy ends in a footer of its own bytes (the
+                // crcs are the same; the digests are not), so its own
+                // cache serves them. The client's footer is the bucket's.
+                let trailer = &body[body.len() - 24..];
+                let chunk_size = u32::from_le_bytes(trailer[0..4].try_into().expect("4 bytes"));
+                let data_len = u64::from_le_bytes(trailer[8..16].try_into().expect("8 bytes")) as usize;
+                let data = body[..data_len].to_vec();
+                let footer = Footer::of(&data, chunk_size);
+                body = data;
+                footer.encode(&mut body);
             }
         }
         forged.put(&key, &body).expect("put");

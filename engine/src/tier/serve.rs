@@ -24,7 +24,13 @@ pub struct ServedChunk {
 
 pub struct SegmentCache {
     remote: Arc<Remote>,
+    /// The leaf hashes of chunks parts were proved of (2 KiB a 1 MiB
+    /// chunk): a chunk is hashed once, not for each small read of it.
+    leaves: quick_cache::sync::Cache<(SegId, u32), Arc<Vec<u8>>>,
 }
+
+/// Chunks whose leaf hashes a cache server keeps.
+const LEAF_HASHES_KEPT: usize = 8192;
 
 impl SegmentCache {
     /// Opens the cache in `dir` (its only user while open) in front of
@@ -52,7 +58,10 @@ impl SegmentCache {
             Some(d) => (d.to_path_buf(), false),
             None => (std::path::PathBuf::new(), true),
         };
-        Ok(SegmentCache { remote: Remote::new(store, dir, capacity, 0, 1, memory, sources)? })
+        Ok(SegmentCache {
+            remote: Remote::new(store, dir, capacity, 0, 1, memory, sources)?,
+            leaves: quick_cache::sync::Cache::new(LEAF_HASHES_KEPT),
+        })
     }
 
     /// Chunk `index` of sealed segment `seg`; `None` when the segment has
@@ -103,15 +112,37 @@ impl SegmentCache {
     /// chunk's leaves, which a reader checks against the chunk's digest
     /// ([`crate::tier::object::prove_part`]); the whole chunk is read (and
     /// cached) for its hashes.
+    /// A range not starting on a leaf is refused (`None`).
     pub fn proved_part(&self, seg: SegId, index: u32, leaves: Range<u64>) -> Result<Option<ServedChunk>> {
-        let whole = match self.cached_part(seg, index, None) {
+        use super::object::{leaf_hashes, LEAF};
+        if !leaves.start.is_multiple_of(LEAF) || leaves.start >= leaves.end {
+            return Ok(None);
+        }
+        let hashes = match self.leaves.get(&(seg, index)) {
+            Some(h) => h,
+            None => {
+                let whole = match self.cached_part(seg, index, None) {
+                    Some(c) => c,
+                    None => match self.chunk_part(seg, index, None)? {
+                        Some(c) => c,
+                        None => return Ok(None),
+                    },
+                };
+                let h = Arc::new(leaf_hashes(&whole.bytes));
+                self.leaves.insert((seg, index), h.clone());
+                h
+            }
+        };
+        let part = match self.cached_part(seg, index, Some(leaves.clone())) {
             Some(c) => c,
-            None => match self.chunk_part(seg, index, None)? {
+            None => match self.chunk_part(seg, index, Some(leaves))? {
                 Some(c) => c,
                 None => return Ok(None),
             },
         };
-        Ok(super::object::prove_part(&whole.bytes, leaves).map(|bytes| ServedChunk { bytes, hit: whole.hit }))
+        let mut bytes = part.bytes;
+        bytes.extend_from_slice(&hashes);
+        Ok(Some(ServedChunk { bytes, hit: part.hit }))
     }
 
     /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
