@@ -732,12 +732,22 @@ mod tests {
         assert_eq!(snap.create(ROOT_INO, b"x", libc::S_IFREG, 0, 0, 0).expect_err("ro").errno(), libc::EROFS);
     }
 
-    /// Lets the first `allowed` replacements of branch heads through, then
-    /// fails every other one (a head PUT that meets a 503, a writer killed
-    /// before its uploader published): everything else passes.
+    /// Faults on replacements of branch heads: the first `allowed` go
+    /// through, every later one fails without landing (a head PUT that
+    /// meets a 503, a writer killed before its uploader published); and
+    /// with `lose_next`, the next one lands and its writer hears an error
+    /// (a reply lost after the bucket took the body). Everything else
+    /// passes.
     struct HeadGate {
         inner: Arc<dyn ObjectStore>,
         allowed: std::sync::atomic::AtomicI64,
+        lose_next: std::sync::atomic::AtomicBool,
+    }
+
+    impl HeadGate {
+        fn new(inner: &Arc<dyn ObjectStore>, allowed: i64) -> Arc<HeadGate> {
+            Arc::new(HeadGate { inner: inner.clone(), allowed: allowed.into(), lose_next: false.into() })
+        }
     }
 
     impl ObjectStore for HeadGate {
@@ -748,57 +758,18 @@ mod tests {
             self.inner.put_if_absent(key, body)
         }
         fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
-            if key.starts_with("branches/") && self.allowed.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) <= 0 {
+            use std::sync::atomic::Ordering::SeqCst;
+            if !key.starts_with("branches/") {
+                return self.inner.put_if_match(key, body, etag);
+            }
+            if self.lose_next.swap(false, SeqCst) {
+                self.inner.put_if_match(key, body, etag)?;
+                return Err(Error::Io(std::io::Error::other("injected: the head PUT landed, its reply was lost")));
+            }
+            if self.allowed.fetch_sub(1, SeqCst) <= 0 {
                 return Err(Error::Io(std::io::Error::other("injected: the head PUT did not happen")));
             }
             self.inner.put_if_match(key, body, etag)
-        }
-        fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
-            self.inner.get(key)
-        }
-        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Vec<u8>> {
-            self.inner.get_range(key, range)
-        }
-        fn list(&self, prefix: &str) -> Result<Vec<String>> {
-            self.inner.list(prefix)
-        }
-        fn size(&self, key: &str) -> Result<u64> {
-            self.inner.size(key)
-        }
-        fn delete(&self, key: &str) -> Result<()> {
-            self.inner.delete(key)
-        }
-    }
-
-    /// Loses the reply to the next head replacement it is told to: the
-    /// PUT lands, the writer hears an error (a timeout after the bucket
-    /// took the body).
-    struct LostReply {
-        inner: Arc<dyn ObjectStore>,
-        lose_next: std::sync::atomic::AtomicBool,
-        /// Head replacements refused (not landing) after the lost reply:
-        /// the writer's retries meet a bucket that is away for a while.
-        refuse_after: std::sync::atomic::AtomicI64,
-    }
-
-    impl ObjectStore for LostReply {
-        fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
-            self.inner.put(key, body)
-        }
-        fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
-            self.inner.put_if_absent(key, body)
-        }
-        fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
-            use std::sync::atomic::Ordering::SeqCst;
-            let head = key.starts_with("branches/");
-            if head && !self.lose_next.load(SeqCst) && self.refuse_after.fetch_sub(1, SeqCst) > 0 {
-                return Err(Error::Io(std::io::Error::other("injected: the bucket is away")));
-            }
-            let landed = self.inner.put_if_match(key, body, etag)?;
-            if head && self.lose_next.swap(false, SeqCst) {
-                return Err(Error::Io(std::io::Error::other("injected: the head PUT landed, its reply was lost")));
-            }
-            Ok(landed)
         }
         fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
             self.inner.get(key)
@@ -859,8 +830,7 @@ mod tests {
         // node-b takes the branch: its claim is a head write; its first
         // commit's head is published later, by its uploader, and that PUT
         // does not happen before node-b dies too.
-        let gate: Arc<dyn ObjectStore> =
-            Arc::new(HeadGate { inner: store.clone(), allowed: std::sync::atomic::AtomicI64::new(1) });
+        let gate: Arc<dyn ObjectStore> = HeadGate::new(&store, 1);
         // node-b's open publishes its first head itself, so with that PUT
         // refused the open fails and nothing is acknowledged; with it let
         // through (and every later one refused), what node-b acknowledges
@@ -872,8 +842,7 @@ mod tests {
             "opened without its own head"
         );
         drop(dev);
-        let gate: Arc<dyn ObjectStore> =
-            Arc::new(HeadGate { inner: store.clone(), allowed: std::sync::atomic::AtomicI64::new(2) });
+        let gate: Arc<dyn ObjectStore> = HeadGate::new(&store, 2);
         let (b, db) = bucket_writer(&store, gate, &dir.path().join("b"), Bucket, leased("node-b", true));
         let f = b.create(ROOT_INO, b"from-b", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
         b.write(f.ino, 0, b"acknowledged").expect("write");
@@ -915,7 +884,7 @@ mod tests {
     fn a_head_write_whose_reply_was_lost_does_not_fence_its_own_writer() {
         use crate::tier::Durability::Bucket;
         let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
-        let lossy = Arc::new(LostReply { inner: store.clone(), lose_next: false.into(), refuse_after: 0.into() });
+        let lossy = HeadGate::new(&store, i64::MAX);
         let dir = tempfile::tempdir().expect("dir");
         let (a, da) = bucket_writer(&store, lossy.clone(), &dir.path().join("a"), Bucket, leased("node-a", false));
         a.create(ROOT_INO, b"first", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
@@ -926,7 +895,7 @@ mod tests {
         // an error. Then an fsync asks the bucket whether the branch is
         // still this writer's: the head's tag is not the one it last saw,
         // but its body is the one it last sent.
-        lossy.refuse_after.store(1_000_000, std::sync::atomic::Ordering::SeqCst);
+        lossy.allowed.store(0, std::sync::atomic::Ordering::SeqCst);
         lossy.lose_next.store(true, std::sync::atomic::Ordering::SeqCst);
         let f = a.create(ROOT_INO, b"second", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
         a.fsync(f.ino).expect("fsync before the lost reply");
@@ -944,7 +913,7 @@ mod tests {
         a.write(f.ino, 0, b"acknowledged").expect("write");
         a.fsync(f.ino).expect("the writer fenced itself off over its own head write");
         assert!(!a.is_poisoned());
-        lossy.refuse_after.store(0, std::sync::atomic::Ordering::SeqCst);
+        lossy.allowed.store(i64::MAX, std::sync::atomic::Ordering::SeqCst);
         a.commit().expect("commit on the adopted tag");
         da.drain().expect("drain");
         drop(a);

@@ -1376,51 +1376,6 @@ fn a_descriptor_of_a_lost_file_never_writes_into_another_file() {
     );
 }
 
-/// A relay to `upstream` that, while `cut` is set, swallows what a client
-/// sends and closes the connection it came on (a partition that takes a
-/// request and answers nothing): connections made while it is unset pass
-/// bytes both ways.
-fn cutting_relay(upstream: std::net::SocketAddr) -> (String, Arc<std::sync::atomic::AtomicBool>) {
-    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = l.local_addr().expect("addr").to_string();
-    let cut = Arc::new(AtomicBool::new(false));
-    let cutting = cut.clone();
-    std::thread::spawn(move || {
-        for c in l.incoming() {
-            let Ok(c) = c else { return };
-            let Ok(up) = std::net::TcpStream::connect(upstream) else { continue };
-            let _ = (c.set_nodelay(true), up.set_nodelay(true));
-            let (mut c_r, mut up_w) = (c.try_clone().expect("clone"), up.try_clone().expect("clone"));
-            let cutting = cutting.clone();
-            std::thread::spawn(move || {
-                use std::io::{Read, Write};
-                let mut buf = vec![0u8; 1 << 16];
-                loop {
-                    let n = match c_r.read(&mut buf) {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => n,
-                    };
-                    if cutting.load(SeqCst) {
-                        let _ = c_r.shutdown(std::net::Shutdown::Both);
-                        break;
-                    }
-                    if up_w.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-                let _ = up_w.shutdown(std::net::Shutdown::Both);
-            });
-            let (mut up_r, mut c_w) = (up, c);
-            std::thread::spawn(move || {
-                let _ = std::io::copy(&mut up_r, &mut c_w);
-                let _ = c_w.shutdown(std::net::Shutdown::Both);
-            });
-        }
-    });
-    (addr, cut)
-}
-
 /// A close that could not learn whether the owner took a write reports
 /// it (EIO) and gives it up: sent again later, by then over another
 /// node's newer, fsynced bytes, it would bring back what was overwritten.
@@ -1429,7 +1384,8 @@ fn a_write_a_close_could_not_confirm_is_reported_and_never_lands_over_newer_byte
     use std::sync::atomic::Ordering::SeqCst;
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
-    let (relayed, cut) = cutting_relay(server.addr);
+    // Held, never released: the write is swallowed and its connection cut.
+    let (relayed, cut, _release) = holding_relay(server.addr);
     let a = client(&Arc::new(Mutex::new(relayed)));
     let b = client(&found_at(&server));
     let f = a.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
@@ -1541,11 +1497,13 @@ fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
     assert!(!matches!(again, Answer::Reply(Ok(_))), "two holders of one lock: {again:?}");
 }
 
-/// A relay to `upstream` that, once `hold` is set, keeps what a client
+/// A relay to `upstream` that, while `hold` is set, keeps what a client
 /// sends next, cuts the client off, and passes the kept bytes on (with the
-/// connection's end right behind them) only when `release` is set: a
-/// request that reaches the owner after the client gave it up, as from an
-/// owner paused with the request in its socket buffer.
+/// connection's end right behind them) only if `release` is set: a request
+/// that reaches the owner after the client gave it up, as from an owner
+/// paused with the request in its socket buffer, or (never released) a
+/// partition that takes a request and answers nothing. Connections made
+/// while `hold` is unset pass bytes both ways.
 fn holding_relay(
     upstream: std::net::SocketAddr,
 ) -> (String, Arc<std::sync::atomic::AtomicBool>, Arc<std::sync::atomic::AtomicBool>) {
@@ -1574,11 +1532,11 @@ fn holding_relay(
                         // Bounded: 30 s for the test to release.
                         for _ in 0..3000 {
                             if r.load(SeqCst) {
+                                let _ = up_w.write_all(&buf[..n]);
                                 break;
                             }
                             std::thread::sleep(Duration::from_millis(10));
                         }
-                        let _ = up_w.write_all(&buf[..n]);
                         break;
                     }
                     if up_w.write_all(&buf[..n]).is_err() {
