@@ -254,6 +254,50 @@ fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
     assert!(vol.read(ino, 0, right.len()).expect("read") == right);
 }
 
+/// What a client accepts where the bucket gives nothing to check against:
+/// an imported object over 1 MiB (its ETag is no MD5 of a part a reader
+/// fetches), from a cache server holding the token, is taken as the server
+/// gives it, as README ("What a client trusts") says. If this starts to
+/// fail, the client checks such objects now: say so there.
+#[test]
+fn a_large_imported_object_from_a_rogue_server_is_taken_on_the_tokens_trust() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data_dir = dir.path().join("s3-data");
+    std::fs::create_dir_all(&data_dir).expect("mkdir");
+    let Some(s3) = S3Server::start(&data_dir).expect("s3s-fs") else { return };
+    let policy = RetryPolicy { attempts: 4, base: Duration::from_millis(1), max_backoff: Duration::from_millis(10) };
+    let bucket = open_s3(&s3.config("corpus"), policy).expect("bucket");
+    let right = pattern(2 * MIB, 5);
+    let etag = bucket.put("shards/large.bin", &right).expect("put");
+    let object = Source {
+        bucket: "corpus".into(),
+        key: "shards/large.bin".into(),
+        size: right.len() as u64,
+        etag,
+        version: None,
+    };
+    let wrong = pattern(right.len(), 6);
+    let lies: Arc<dyn ObjectStore> = Arc::new(Lying { body: wrong.clone() });
+    let objects = SourceReader::serving(FixedSources::with("corpus", lies), 64 << 20, None);
+    let cache = SegmentCache::in_memory(Arc::new(MemObjectStore::new()), 1 << 20).expect("cache");
+    let rogue = CacheServer::new(
+        cache,
+        ServerOptions {
+            token: TOKEN.into(),
+            objects: Some(Arc::new(objects)),
+            object_scope: Some(Arc::new(arbor_net::ObjectScope::fixed(vec![("corpus".into(), "shards/".into())]))),
+            ..ServerOptions::default()
+        },
+    );
+    let running = rogue.spawn("127.0.0.1:0").expect("serve");
+    let c = client(&running.addr.to_string());
+    let (vol, ino) = imported(&dir.path().join("vol"), &bucket, &object, Some(c.clone()));
+    let got = vol.read(ino, 0, right.len()).expect("read");
+    let s = vol.source_stats();
+    assert!(s.from_servers >= 1, "the server's chunks were not taken: {s:?}");
+    assert!(got != right && got == wrong, "the server's bytes were not what the reader got: {s:?}");
+}
+
 /// crc32c is no defence against a server (or, without TLS, anyone on the
 /// path) that means harm: a block rewritten with 4 bytes chosen passes both
 /// the chunk's crc in the footer and the block's crc. The footer from the

@@ -25,7 +25,9 @@ mod peers;
 mod remote;
 mod serve;
 
-pub use object::{chunk_digest, prove_part, segment_key, segment_of_key, wal_key, wal_prefix, Footer};
+pub use object::{
+    chunk_digest, leaf_hashes, prove_part, segment_key, segment_of_key, wal_key, wal_prefix, Footer, LEAF,
+};
 pub use peers::{ChunkRequest, ChunkSource, LateSources};
 pub use remote::CacheStats;
 pub use serve::{SegmentCache, ServedChunk};
