@@ -1376,38 +1376,54 @@ fn a_descriptor_of_a_lost_file_never_writes_into_another_file() {
     );
 }
 
+/// Client `a` (through a [`holding_relay`]) writes file `f` and fsyncs it,
+/// then writes "stale" into a held connection, and its close gives the
+/// write up (EIO); client `b` then writes "NEWER" there and fsyncs.
+struct GivenUp {
+    vol: Arc<Volume>,
+    _server: Running,
+    a: RemoteFiles,
+    f: u64,
+    release: Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn a_write_given_up_then_newer_bytes() -> GivenUp {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (vol, server) = owner(&SimDevice::new());
+    let (relayed, hold, release) = holding_relay(server.addr);
+    let a = client(&Arc::new(Mutex::new(relayed)));
+    let b = client(&found_at(&server));
+    let f = a.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create").ino;
+    a.write(f, 0, b"first").expect("write");
+    a.fsync(f).expect("fsync");
+    // The next write goes out on its lane and is held there.
+    hold.store(true, SeqCst);
+    a.write(f, 0, b"stale").expect("a write on its way");
+    assert_eq!(a.flush(f).map_err(|e| e.errno()), Err(libc::EIO), "the close confirmed a write nobody answered");
+    // Later connections pass (the held one waits for `release`).
+    hold.store(false, SeqCst);
+    // Another node writes the file afterwards, and makes it durable.
+    let fb = b.open(f).expect("open");
+    b.write(fb.ino, 0, b"NEWER").expect("write");
+    b.fsync(fb.ino).expect("fsync");
+    GivenUp { vol, _server: server, a, f, release }
+}
+
 /// A close that could not learn whether the owner took a write reports
 /// it (EIO) and gives it up: sent again later, by then over another
 /// node's newer, fsynced bytes, it would bring back what was overwritten.
 #[test]
 fn a_write_a_close_could_not_confirm_is_reported_and_never_lands_over_newer_bytes() {
-    use std::sync::atomic::Ordering::SeqCst;
-    let dev = SimDevice::new();
-    let (vol, server) = owner(&dev);
     // Held, never released: the write is swallowed and its connection cut.
-    let (relayed, cut, _release) = holding_relay(server.addr);
-    let a = client(&Arc::new(Mutex::new(relayed)));
-    let b = client(&found_at(&server));
-    let f = a.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
-    a.write(f.ino, 0, b"first").expect("write");
-    a.fsync(f.ino).expect("fsync");
-    // The next write goes out on its lane and meets the partition.
-    cut.store(true, SeqCst);
-    a.write(f.ino, 0, b"stale").expect("a write on its way");
-    assert_eq!(a.flush(f.ino).map_err(|e| e.errno()), Err(libc::EIO), "the close confirmed a write nobody answered");
-    cut.store(false, SeqCst);
-    // Another node writes the file afterwards, and makes it durable.
-    let fb = b.open(f.ino).expect("open");
-    b.write(fb.ino, 0, b"NEWER").expect("write");
-    b.fsync(fb.ino).expect("fsync");
+    let GivenUp { vol, _server, a, f, .. } = a_write_given_up_then_newer_bytes();
     // The first node reaches the owner again: its next operations on the
     // lane (an fsync) must not send the given-up write.
-    assert_eq!(a.fsync(f.ino).map_err(|e| e.errno()), Err(libc::EIO), "the loss is reported to the fsync too");
-    a.fsync(f.ino).expect("reported once");
+    assert_eq!(a.fsync(f).map_err(|e| e.errno()), Err(libc::EIO), "the loss is reported to the fsync too");
+    a.fsync(f).expect("reported once");
     let g = a.create_open(ROOT_INO, b"g", libc::S_IFREG | 0o644, 0, 0).expect("create after the partition");
     a.write(g.ino, 0, b"fine").expect("write");
     a.fsync(g.ino).expect("fsync");
-    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"NEWER", "a given-up write landed over newer bytes");
+    assert_eq!(vol.read(f, 0, 100).expect("read"), b"NEWER", "a given-up write landed over newer bytes");
     assert_eq!(vol.read(g.ino, 0, 100).expect("read"), b"fine");
 }
 
@@ -1560,24 +1576,11 @@ fn holding_relay(
 /// and another node has written the file since.
 #[test]
 fn a_write_reaching_the_owner_after_its_close_gave_it_up_is_not_applied() {
-    use std::sync::atomic::Ordering::SeqCst;
-    let (vol, server) = owner(&SimDevice::new());
-    let (relayed, hold, release) = holding_relay(server.addr);
-    let a = client(&Arc::new(Mutex::new(relayed)));
-    let b = client(&found_at(&server));
-    let f = a.create_open(ROOT_INO, b"f", libc::S_IFREG | 0o644, 0, 0).expect("create");
-    a.write(f.ino, 0, b"first").expect("write");
-    a.fsync(f.ino).expect("fsync");
-    hold.store(true, SeqCst);
-    a.write(f.ino, 0, b"stale").expect("a write on its way");
-    assert_eq!(a.flush(f.ino).map_err(|e| e.errno()), Err(libc::EIO));
-    let fb = b.open(f.ino).expect("open");
-    b.write(fb.ino, 0, b"NEWER").expect("write");
-    b.fsync(fb.ino).expect("fsync");
+    let GivenUp { vol, _server, f, release, .. } = a_write_given_up_then_newer_bytes();
     // The given-up write reaches the owner now, its connection closed.
-    release.store(true, SeqCst);
+    release.store(true, std::sync::atomic::Ordering::SeqCst);
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(vol.read(f.ino, 0, 100).expect("read"), b"NEWER", "a given-up write was applied over newer bytes");
+    assert_eq!(vol.read(f, 0, 100).expect("read"), b"NEWER", "a given-up write was applied over newer bytes");
 }
 
 /// A client whose reclaims broke off half way (the new owner went away

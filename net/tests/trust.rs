@@ -206,26 +206,25 @@ fn imported(
     (vol, ino)
 }
 
-#[test]
-fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data_dir = dir.path().join("s3-data");
+/// `right` put as `key` of bucket "corpus" on an s3s-fs of the test's own,
+/// and a rogue cache server (with the token) that gives `wrong` for it.
+struct RogueObject {
+    _s3: S3Server,
+    bucket: Arc<dyn ObjectStore>,
+    object: Source,
+    running: Running,
+    client: Arc<CacheClient>,
+}
+
+fn rogue_object(dir: &Path, key: &str, right: &[u8], wrong: &[u8]) -> Option<RogueObject> {
+    let data_dir = dir.join("s3-data");
     std::fs::create_dir_all(&data_dir).expect("mkdir");
-    let Some(s3) = S3Server::start(&data_dir).expect("s3s-fs") else { return };
+    let s3 = S3Server::start(&data_dir).expect("s3s-fs")?;
     let policy = RetryPolicy { attempts: 4, base: Duration::from_millis(1), max_backoff: Duration::from_millis(10) };
     let bucket = open_s3(&s3.config("corpus"), policy).expect("bucket");
-    let right = pattern(200 << 10, 5);
-    let etag = bucket.put("shards/small.json", &right).expect("put");
-    let object = Source {
-        bucket: "corpus".into(),
-        key: "shards/small.json".into(),
-        size: right.len() as u64,
-        etag,
-        version: None,
-    };
-
-    let wrong = pattern(right.len(), 6);
-    let lies: Arc<dyn ObjectStore> = Arc::new(Lying { body: wrong.clone() });
+    let etag = bucket.put(key, right).expect("put");
+    let object = Source { bucket: "corpus".into(), key: key.into(), size: right.len() as u64, etag, version: None };
+    let lies: Arc<dyn ObjectStore> = Arc::new(Lying { body: wrong.to_vec() });
     let objects = SourceReader::serving(FixedSources::with("corpus", lies), 64 << 20, None);
     let cache = SegmentCache::in_memory(Arc::new(MemObjectStore::new()), 1 << 20).expect("cache");
     let rogue = CacheServer::new(
@@ -238,9 +237,19 @@ fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
         },
     );
     let running = rogue.spawn("127.0.0.1:0").expect("serve");
-    let c = client(&running.addr.to_string());
+    let client = client(&running.addr.to_string());
+    Some(RogueObject { _s3: s3, bucket, object, running, client })
+}
+
+#[test]
+fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let right = pattern(200 << 10, 5);
+    let wrong = pattern(right.len(), 6);
+    let Some(r) = rogue_object(dir.path(), "shards/small.json", &right, &wrong) else { return };
+    let c = r.client.clone();
     let vol_dir = dir.path().join("vol");
-    let (vol, ino) = imported(&vol_dir, &bucket, &object, Some(c.clone()));
+    let (vol, ino) = imported(&vol_dir, &r.bucket, &r.object, Some(c.clone()));
     let got = vol.read(ino, 0, right.len()).expect("read");
     assert!(got == right, "a reader got bytes the bucket does not hold");
     let s = vol.source_stats();
@@ -248,9 +257,9 @@ fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
     assert_eq!(c.stats()[0].rejected, 1, "and the server counted: {:?}", c.stats());
     vol.close().expect("close");
     drop(vol);
-    drop(running);
+    drop(r.running);
     // Opened again without the server: nothing the rogue sent was kept.
-    let (vol, ino) = imported(&vol_dir, &bucket, &object, None);
+    let (vol, ino) = imported(&vol_dir, &r.bucket, &r.object, None);
     assert!(vol.read(ino, 0, right.len()).expect("read") == right);
 }
 
@@ -262,36 +271,10 @@ fn a_small_imported_object_from_a_rogue_server_is_checked_against_its_etag() {
 #[test]
 fn a_large_imported_object_from_a_rogue_server_is_taken_on_the_tokens_trust() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let data_dir = dir.path().join("s3-data");
-    std::fs::create_dir_all(&data_dir).expect("mkdir");
-    let Some(s3) = S3Server::start(&data_dir).expect("s3s-fs") else { return };
-    let policy = RetryPolicy { attempts: 4, base: Duration::from_millis(1), max_backoff: Duration::from_millis(10) };
-    let bucket = open_s3(&s3.config("corpus"), policy).expect("bucket");
     let right = pattern(2 * MIB, 5);
-    let etag = bucket.put("shards/large.bin", &right).expect("put");
-    let object = Source {
-        bucket: "corpus".into(),
-        key: "shards/large.bin".into(),
-        size: right.len() as u64,
-        etag,
-        version: None,
-    };
     let wrong = pattern(right.len(), 6);
-    let lies: Arc<dyn ObjectStore> = Arc::new(Lying { body: wrong.clone() });
-    let objects = SourceReader::serving(FixedSources::with("corpus", lies), 64 << 20, None);
-    let cache = SegmentCache::in_memory(Arc::new(MemObjectStore::new()), 1 << 20).expect("cache");
-    let rogue = CacheServer::new(
-        cache,
-        ServerOptions {
-            token: TOKEN.into(),
-            objects: Some(Arc::new(objects)),
-            object_scope: Some(Arc::new(arbor_net::ObjectScope::fixed(vec![("corpus".into(), "shards/".into())]))),
-            ..ServerOptions::default()
-        },
-    );
-    let running = rogue.spawn("127.0.0.1:0").expect("serve");
-    let c = client(&running.addr.to_string());
-    let (vol, ino) = imported(&dir.path().join("vol"), &bucket, &object, Some(c.clone()));
+    let Some(r) = rogue_object(dir.path(), "shards/large.bin", &right, &wrong) else { return };
+    let (vol, ino) = imported(&dir.path().join("vol"), &r.bucket, &r.object, Some(r.client.clone()));
     let got = vol.read(ino, 0, right.len()).expect("read");
     let s = vol.source_stats();
     assert!(s.from_servers >= 1, "the server's chunks were not taken: {s:?}");
