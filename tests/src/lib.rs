@@ -181,6 +181,10 @@ impl Mount {
     pub fn kill9(mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // The kernel keeps a killed mount's dead connection mounted: it is
+        // detached, as an operator would, so that nothing the test started
+        // outlives it.
+        let _ = Command::new("fusermount3").arg("-uz").arg(&self.mnt).output();
         std::mem::forget(self);
     }
 
