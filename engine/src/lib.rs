@@ -20,6 +20,7 @@ pub mod layout;
 pub mod log;
 pub mod private;
 pub mod source;
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 pub mod tier;
 pub mod tree;

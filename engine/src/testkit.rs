@@ -3,6 +3,10 @@
 //! stopped when dropped; a TCP proxy that counts what a server sends and
 //! can hold it back like a network path; a plain HTTP GET; disk usage;
 //! whether a folder's file system takes O_DIRECT writes.
+//!
+//! Compiled only into the engine's own tests and, through the `testkit`
+//! feature, into the test and benchmark crates: never into a build of the
+//! `arbor` binary on its own (`cargo build -p arbor-cli`).
 
 use crate::bucket::S3Config;
 use std::net::TcpStream;
