@@ -34,6 +34,35 @@ ENV = [
 ]
 
 
+# Written by hand: what tests, benchmarks and scripts read.
+TESTS_SECTION = """## Tests, benchmarks and scripts
+
+Variables the test suites, the benchmark harnesses and `scripts/` read
+(not the `arbor` binary). How to run them: [testing.md](testing.md),
+[benchmarks.md](benchmarks.md).
+
+| variable | read by | meaning |
+| --- | --- | --- |
+| `ARBOR_BIN` | `tests/` | the `arbor` binary the end-to-end tests spawn, in place of the workspace's build |
+| `ARBOR_TEST_DIR` | `tests/` | where the end-to-end tests make their scratch folders (default: `e2e-scratch` in the target folder) |
+| `ARBOR_FAULT_SEED`, `ARBOR_FAULT_SECS`, `ARBOR_FAULT_ONLY` | `tests/tests/fault_schedule.rs` | the fault schedule's seed, its length in seconds (default 30; a longer soak: 600), and `N`: keep one kind of fault |
+| `ARBOR_TEST_REQUIRE_URING` | `engine` unit tests | set: a kernel without io_uring fails the ring's test instead of skipping it (`.ci/run` sets it) |
+| `ARBOR_FUZZ_CASES` | `net/tests/fuzz_frames.rs` | how many cases (default 20,000) |
+| `ARBOR_WRITE_SEEDS` | `net/tests/fuzz_frames.rs`, `engine/tests/fuzz_corpus.rs` | `1`: write the seed corpora |
+| `ARBOR_WRITE_FIXTURE` | `engine/tests/format_fixture.rs` | `1`: write the format fixture anew |
+| `ARBOR_BENCH_MIB`, `ARBOR_BENCH_RUNS` | `engine_compare`, `bucket_bench`, `import_bench`, `cache_bench`, `compact_bench` | the data size in MiB and the runs per row |
+| `ARBOR_BENCH_FILES`, `ARBOR_BENCH_READS`, `ARBOR_BENCH_COLD` | `engine_compare` | small files (10,000), random reads (100,000); `0`: no cold-cache rows |
+| `ARBOR_BENCH_SIZES`, `ARBOR_BENCH_REPS`, `ARBOR_BENCH_COLD_REPS`, `ARBOR_BENCH_DIFF_REPS` | `snapshot_bench` | disk sizes (`1000,100000,1000000`), creates per cell (30), cold and warm diffs (300 each) |
+| `ARBOR_BENCH_REPS`, `ARBOR_BENCH_ROWS` | `remote_ops` | operations per row (2000); only the rows whose name contains it |
+| `ARBOR_BENCH_RANGE_MIB` | the plain parallel ranged download the bucket benches compare against (`benches/src/lib.rs`) | its GET size in MiB (8) |
+| `ARBOR_BENCH_READ_AHEAD_MIB` | `bucket_bench` | arbor's read-ahead in MiB |
+| `ARBOR_BENCH_OBJECTS` | `import_bench` | objects imported (20,000) |
+| `ARBOR_BENCH_RANDOM`, `ARBOR_BENCH_SERVER_US`, `ARBOR_BENCH_SKIP_N` | `cache_bench` | random reads per path (300); the proxy's delay in front of the server (`0`: no proxy); `1`: skip the N-clients rows |
+| `ARBOR_BENCH_ROUNDS` | `compact_bench` | shards (8) |
+| `TOUCH`, `RUNS`, `FILES`, `CLIENTS`, `CKPT_MIB`, `SIZE_GIB`, `TLS`, `ONLY_TLS`, `TLS_ROUNDS`, `PERF_OUT` | `benches/*.sh` | touched memory before each phase (`0`: off); runs, files, client mounts, checkpoint MiB, file GiB; TLS phases; a system-wide profile's output |
+| `ARBOR_DISK`, `ARBOR_MNT` | `scripts/quickstart.sh` | where the disk lives (`./arbor-disk`) and where it is mounted (`./arbor-mnt`) |"""
+
+
 def options(cmd):
     out = subprocess.run([ARBOR, *cmd, "--help"], capture_output=True, text=True, check=True).stdout
     rows, cur = [], None
@@ -69,3 +98,6 @@ for cmd in COMMANDS:
     for flag, desc in rows:
         cell = desc.replace("|", "\\|")
         print(f"| `{flag}` | {cell} |")
+
+print()
+print(TESTS_SECTION)
