@@ -200,10 +200,10 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
                 _ = int.recv() => {}
                 _ = term.recv() => {}
             }
-            crate::serve::tell_systemd(sd_notify::NotifyState::Stopping);
+            crate::mount::tell_systemd(sd_notify::NotifyState::Stopping);
         };
         announce();
-        crate::serve::tell_systemd(sd_notify::NotifyState::Ready);
+        crate::mount::tell_systemd(sd_notify::NotifyState::Ready);
         server.run(listener, stop).await
     });
     stopping.store(true, std::sync::atomic::Ordering::Release);
@@ -286,7 +286,7 @@ pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
         bail!("--listen {}: give a port (port 0 is for --foreground, which logs the one it got)", args.listen);
     }
     drop(std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?);
-    let pid = crate::serve::spawn_detached(&log_path, "arbor serve", &[], || {
+    let pid = crate::mount::spawn_detached(&log_path, "arbor serve", &[], || {
         std::net::TcpStream::connect(&args.listen).is_ok()
     })?;
     Ok((pid, log_path))

@@ -4,7 +4,7 @@
 
 use crate::control;
 use crate::disk::{self, quiet_config, Disk};
-use crate::serve::{addr_json, compact_json};
+use crate::mount::{addr_json, compact_json};
 use anyhow::{anyhow, bail, Context, Result};
 use arbor_engine::disk::FixedRootDevice;
 use arbor_engine::env::Timestamp;

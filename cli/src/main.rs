@@ -6,9 +6,9 @@ mod control;
 mod disk;
 mod export;
 mod import;
+mod mount;
 mod node;
 mod prefetch;
-mod serve;
 mod shared;
 mod tls;
 
@@ -459,7 +459,7 @@ fn run(cli: Cli) -> Result<()> {
             if memory && m.checkpoint.is_none() && !through_owner && !bucket_durable {
                 anyhow::bail!(MEMORY_ONLY_BRANCH);
             }
-            let args = serve::MountArgs {
+            let args = mount::MountArgs {
                 disk: m.disk,
                 mountpoint: m.mountpoint,
                 branch: m.branch,
@@ -487,9 +487,9 @@ fn run(cli: Cli) -> Result<()> {
                 allow_suid_devices: m.allow_suid_devices,
             };
             if m.foreground {
-                serve::run_foreground(&args)?;
+                mount::run_foreground(&args)?;
             } else {
-                let (log, fuse) = serve::spawn_background(&args)?;
+                let (log, fuse) = mount::spawn_background(&args)?;
                 let what = match &args.checkpoint {
                     Some(c) => format!("checkpoint {c}, read-only"),
                     None => format!("branch {}", args.branch.as_deref().unwrap_or("main")),
@@ -503,7 +503,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Unmount { mountpoint } => {
-            serve::unmount(&mountpoint)?;
+            mount::unmount(&mountpoint)?;
             println!("unmounted {}", mountpoint.display());
         }
         Command::Status { mountpoint, json } => {
@@ -550,7 +550,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve(c) => {
             let memory = memory_only(&c.cache_dir);
-            serve::check_segment_size(c.segment_size.0)?;
+            mount::check_segment_size(c.segment_size.0)?;
             let args = cache_server::ServeArgs {
                 disk: c.disk,
                 listen: c.listen,

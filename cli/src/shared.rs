@@ -4,7 +4,7 @@
 
 use crate::control;
 use crate::disk::{self, Disk};
-use crate::serve::{addr_json, open_branch, serve_until_stopped, unmount_request, MountArgs};
+use crate::mount::{addr_json, open_branch, serve_until_stopped, unmount_request, MountArgs};
 use anyhow::{bail, Context, Result};
 use arbor_engine::volume::{Config, Volume};
 use arbor_fs::{Files, MountOptions};
@@ -60,7 +60,7 @@ pub fn advertised(addr: std::net::SocketAddr, advertise: Option<&str>) -> String
 /// where it is served.
 pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owned> {
     arbor_snapshot::check_name(name)?;
-    crate::serve::check_segment_size(a.segment_size)?;
+    crate::mount::check_segment_size(a.segment_size)?;
     if a.lock_grace > arbor_net::locks::MAX_LOCK_GRACE {
         anyhow::bail!("--lock-grace must be at most {}s", arbor_net::locks::MAX_LOCK_GRACE.as_secs());
     }
@@ -308,9 +308,9 @@ pub fn mount_remote(
                     "locates": s.locates,
                     "segment_reads_failed": s.direct_failed,
                 },
-                "cache_servers": crate::serve::cache_servers_json(cache_client.as_deref()),
+                "cache_servers": crate::mount::cache_servers_json(cache_client.as_deref()),
             });
-            crate::serve::with_fuse(&mut result, &fuse);
+            crate::mount::with_fuse(&mut result, &fuse);
             (json!({"ok": true, "result": result}), false)
         }
         Some("unmount") => unmount_request(tx),
