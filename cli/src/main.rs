@@ -1,6 +1,6 @@
 //! `arbor`: mount a disk made of a bucket (or a local folder), and manage it.
 
-mod cache_server;
+mod cache_client;
 mod commands;
 mod control;
 mod disk;
@@ -9,8 +9,10 @@ mod import;
 mod mount;
 mod node;
 mod prefetch;
+mod serve;
 mod shared;
 mod tls;
+mod warm;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -545,13 +547,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Warm { disk, checkpoint, paths, servers } => {
             let tls = servers.tls.files()?;
-            let auth = cache_server::ClientAuth { token_file: servers.token_file.as_deref(), tls: tls.as_ref() };
-            cache_server::warm(&disk, &checkpoint, &paths, &servers.cache_server, auth)?
+            let auth = cache_client::ClientAuth { token_file: servers.token_file.as_deref(), tls: tls.as_ref() };
+            warm::warm(&disk, &checkpoint, &paths, &servers.cache_server, auth)?
         }
         Command::Serve(c) => {
             let memory = memory_only(&c.cache_dir);
             mount::check_segment_size(c.segment_size.0)?;
-            let args = cache_server::ServeArgs {
+            let args = serve::ServeArgs {
                 disk: c.disk,
                 listen: c.listen,
                 cache_size: if memory { c.cache_memory.0 } else { c.cache_size.0 },
@@ -578,9 +580,9 @@ fn run(cli: Cli) -> Result<()> {
                 },
             };
             if c.foreground {
-                cache_server::run_foreground(&args)?;
+                serve::run_foreground(&args)?;
             } else {
-                let (pid, log) = cache_server::spawn_background(&args)?;
+                let (pid, log) = serve::spawn_background(&args)?;
                 println!("serving {} on {} (pid {pid}); log: {}", args.disk, args.listen, log.display());
             }
         }

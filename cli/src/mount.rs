@@ -126,12 +126,12 @@ const SERVERS_CHECKED: &str = "ARBOR_CACHE_SERVERS_CHECKED";
 fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_name(args.root_name())?;
     check_segment_size(args.segment_size)?;
-    let auth = crate::cache_server::ClientAuth { token_file: args.token_file.as_deref(), tls: args.tls.as_ref() };
-    let cache_client = crate::cache_server::client(&args.cache_servers, auth)?;
+    let auth = crate::cache_client::ClientAuth { token_file: args.token_file.as_deref(), tls: args.tls.as_ref() };
+    let cache_client = crate::cache_client::client(&args.cache_servers, auth)?;
     // Checked once, by the command a user runs: not again by the mount
     // process it starts in the background.
     if let (Some(c), None) = (&cache_client, std::env::var_os(SERVERS_CHECKED)) {
-        crate::cache_server::warn_about_servers(&crate::cache_server::check_servers(c).1);
+        crate::cache_client::warn_about_servers(&crate::cache_client::check_servers(c).1);
     }
     let mut cache = args.cache.clone();
     cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>);

@@ -252,7 +252,7 @@ pub fn mount_remote(
     cache_client: Option<Arc<arbor_net::CacheClient>>,
 ) -> Result<()> {
     let name = args.branch.clone().unwrap_or_else(|| "main".into());
-    let auth = crate::cache_server::ClientAuth { token_file: args.token_file.as_deref(), tls: args.tls.as_ref() };
+    let auth = crate::cache_client::ClientAuth { token_file: args.token_file.as_deref(), tls: args.tls.as_ref() };
     let (token, tls) = auth.load().context("to mount through the owner")?;
     // File bytes already in the bucket (or the disk's folder) are read
     // from there, through this node's chunk cache and cache servers;
