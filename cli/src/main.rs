@@ -1,18 +1,20 @@
 //! `arbor`: mount a disk made of a bucket (or a local folder), and manage it.
 
-mod cache_client;
 mod commands;
 mod control;
-mod disk;
 mod export;
 mod import;
+mod json;
 mod mount;
-mod node;
+mod owner;
 mod prefetch;
+mod remote_mount;
 mod serve;
-mod shared;
+mod session;
 mod tls;
 mod warm;
+
+use arbor_node::disk;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -352,7 +354,7 @@ struct ServeCmd {
     /// For --branch: how long a stop (SIGTERM) waits for the bucket to take
     /// the branches' last bytes before the process exits anyway (non-zero,
     /// saying what is durable where).
-    #[arg(long, default_value_t = disk::Span(shared::STOP_WAIT))]
+    #[arg(long, default_value_t = disk::Span(owner::STOP_WAIT))]
     stop_timeout: disk::Span,
     /// For --branch on an s3:// disk: bucket (the default: a client's
     /// fsync returns once the bytes are in the bucket, so it survives the
@@ -443,8 +445,6 @@ fn init_logging(default: &str) {
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
-const MEMORY_ONLY_BRANCH: &str = "--cache-dir none (memory only) is for checkpoint mounts, mounts through a branch's owner (arbor serve --branch) and branch mounts with --durability bucket (fsync then means the bucket has it); with local durability a branch mount needs a cache folder for its log";
-
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Init { disk } => {
@@ -457,9 +457,10 @@ fn run(cli: Cli) -> Result<()> {
             // here; that is known for sure once the disk is open.
             let bucket_durable = m.durability == arbor_engine::tier::Durability::Bucket;
             let client_tls = m.servers.tls.files()?;
-            let through_owner = m.servers.token_file.is_some() || tls::has_identity(client_tls.as_ref());
+            let through_owner =
+                m.servers.token_file.is_some() || arbor_node::cache_client::has_identity(client_tls.as_ref());
             if memory && m.checkpoint.is_none() && !through_owner && !bucket_durable {
-                anyhow::bail!(MEMORY_ONLY_BRANCH);
+                anyhow::bail!(arbor_node::MEMORY_ONLY_BRANCH);
             }
             let args = mount::MountArgs {
                 disk: m.disk,
@@ -547,12 +548,12 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Warm { disk, checkpoint, paths, servers } => {
             let tls = servers.tls.files()?;
-            let auth = cache_client::ClientAuth { token_file: servers.token_file.as_deref(), tls: tls.as_ref() };
-            warm::warm(&disk, &checkpoint, &paths, &servers.cache_server, auth)?
+            let auth = arbor_node::cache_client::ClientAuth { token_file: servers.token_file, tls };
+            warm::warm(&disk, &checkpoint, &paths, &servers.cache_server, &auth)?
         }
         Command::Serve(c) => {
             let memory = memory_only(&c.cache_dir);
-            mount::check_segment_size(c.segment_size.0)?;
+            arbor_node::check_segment_size(c.segment_size.0)?;
             let args = serve::ServeArgs {
                 disk: c.disk,
                 listen: c.listen,
@@ -564,7 +565,7 @@ fn run(cli: Cli) -> Result<()> {
                 tls: c.tls.files()?,
                 fault: c.fault,
                 keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),
-                owner: shared::OwnerArgs {
+                owner: owner::OwnerArgs {
                     branches: c.branch,
                     advertise: c.advertise,
                     take_over: c.take_over,

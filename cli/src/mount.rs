@@ -1,11 +1,15 @@
 //! `arbor mount`: the process that serves one branch or checkpoint.
 
 use crate::control;
-use crate::disk::{self, Disk};
+use crate::json::{addr_json, cache_servers_json, compact_json, with_fuse, Fuse};
+use crate::session::{serve_until_stopped, spawn_detached, unmount_request, Event};
 use anyhow::{bail, Context, Result};
-use arbor_engine::volume::{Config, Volume, MAX_LIVE};
+use arbor_engine::volume::{Volume, MAX_LIVE};
 use arbor_fs::MountOptions;
-use arbor_snapshot::{check_name, Error as CatalogError, GC_GRACE};
+use arbor_node::cache_client::{self, ClientAuth};
+use arbor_node::disk::{self, Disk};
+use arbor_node::{Node, OpenOptions, Opened, OwnerOptions, Root};
+use arbor_snapshot::{check_name, GC_GRACE};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc};
@@ -48,75 +52,25 @@ impl MountArgs {
     fn root_name(&self) -> &str {
         self.checkpoint.as_deref().or(self.branch.as_deref()).unwrap_or("main")
     }
-}
 
-pub enum Event {
-    Stop(&'static str),
-    /// Unmount, then report how closing the volume went.
-    Unmount(mpsc::Sender<Result<(), String>>),
+    fn root(&self) -> Root {
+        match &self.checkpoint {
+            Some(c) => Root::Checkpoint(c.clone()),
+            None => Root::Branch(self.root_name().to_string()),
+        }
+    }
+
+    fn auth(&self) -> ClientAuth {
+        ClientAuth { token_file: self.token_file.clone(), tls: self.tls.clone() }
+    }
 }
 
 #[derive(Clone)]
 struct Prepared {
+    node: Arc<Node>,
     disk: Arc<Disk>,
     mountpoint: PathBuf,
     cache_client: Option<Arc<arbor_net::CacheClient>>,
-}
-
-/// Segment sizes a mount accepts: addresses hold 32-bit offsets, and a
-/// segment much smaller than a FUSE write would be mostly headers.
-const SEGMENT_SIZES: std::ops::RangeInclusive<u64> = (1 << 20)..=(1 << 31);
-
-/// Adds what `status` says of a mount's FUSE side to `status`: the
-/// transport, its requests, and what reached arbor.
-pub fn with_fuse(status: &mut Value, (transport, c): &Fuse) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let fuse = json!({
-        "fuse_transport": transport.describe(),
-        "fuse_ring_requests": transport.ring_requests(),
-        "fuse_read_requests": c.reads.load(Relaxed),
-        "fuse_lookup_requests": c.lookups.load(Relaxed),
-        "fuse_getxattr_requests": c.getxattrs.load(Relaxed),
-        "fuse_direct_write_opens": c.direct_opens.load(Relaxed),
-        "kernel_read_ahead": c.kernel_read_ahead.load(Relaxed),
-    });
-    if let (Some(to), Value::Object(from)) = (status.as_object_mut(), fuse) {
-        to.extend(from);
-    }
-}
-
-/// What `status` says of each cache server a mount reads through.
-pub fn cache_servers_json(client: Option<&arbor_net::CacheClient>) -> serde_json::Value {
-    let Some(c) = client else { return serde_json::Value::Null };
-    c.stats()
-        .into_iter()
-        .map(|s| {
-            json!({
-                "addr": s.addr,
-                "chunks": s.chunks,
-                "bytes": s.bytes,
-                "hits": s.hits,
-                "parts": s.parts,
-                "footers": s.footers,
-                "fallback_down": s.fallback_down,
-                "fallback_timeout": s.fallback_timeout,
-                "fallback_error": s.fallback_error,
-                "fallback_not_found": s.fallback_not_found,
-                "rejected": s.rejected,
-            })
-        })
-        .collect()
-}
-
-pub fn check_segment_size(size: u64) -> Result<()> {
-    if !SEGMENT_SIZES.contains(&size) {
-        bail!(
-            "--segment-size must be between {} and {}",
-            disk::Size(*SEGMENT_SIZES.start()),
-            disk::Size(*SEGMENT_SIZES.end())
-        );
-    }
-    Ok(())
 }
 
 /// Set for a mount process started in the background by a command that
@@ -125,17 +79,15 @@ const SERVERS_CHECKED: &str = "ARBOR_CACHE_SERVERS_CHECKED";
 
 fn prepare(args: &MountArgs) -> Result<Prepared> {
     check_name(args.root_name())?;
-    check_segment_size(args.segment_size)?;
-    let auth = crate::cache_client::ClientAuth { token_file: args.token_file.as_deref(), tls: args.tls.as_ref() };
-    let cache_client = crate::cache_client::client(&args.cache_servers, auth)?;
+    arbor_node::check_segment_size(args.segment_size)?;
+    let cache_client = cache_client::client(&args.cache_servers, &args.auth())?;
     // Checked once, by the command a user runs: not again by the mount
     // process it starts in the background.
     if let (Some(c), None) = (&cache_client, std::env::var_os(SERVERS_CHECKED)) {
-        crate::cache_client::warn_about_servers(&crate::cache_client::check_servers(c).1);
+        crate::warm::warn_about_servers(&cache_client::check_servers(c).1);
     }
-    let mut cache = args.cache.clone();
-    cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>);
-    let disk = disk::open_for_mount(&args.disk, args.root_name(), cache)?;
+    let node = Node::open(&args.disk, &args.root(), args.cache.clone(), cache_client.clone())?;
+    let disk = node.disk().clone();
     if !disk.is_s3() && args.cache.durability != arbor_engine::tier::Durability::Local {
         eprintln!("note: a local-folder disk is its own durable copy; --durability applies to s3:// disks");
     }
@@ -144,16 +96,10 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
             "note: a local-folder disk's segments are read in place; --cache-dir and --cache-server hold only imported files' chunks"
         );
     }
-    let catalog = disk.catalog()?;
-    match (&args.branch, &args.checkpoint) {
-        (Some(_), Some(_)) => bail!("give --branch or --checkpoint, not both"),
-        (_, Some(c)) => {
-            catalog.checkpoint(c)?;
-        }
-        (b, None) => {
-            catalog.branch_head(b.as_deref().unwrap_or("main"))?;
-        }
+    if args.branch.is_some() && args.checkpoint.is_some() {
+        bail!("give --branch or --checkpoint, not both");
     }
+    node.find(&args.root())?;
     let mountpoint = arbor_fs::mount_path(&args.mountpoint);
     arbor_fs::recover_stale_mount(&mountpoint)?;
     match std::fs::metadata(&mountpoint) {
@@ -167,7 +113,7 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     if arbor_fs::is_mountpoint(&mountpoint) {
         bail!("{} is busy: something is already mounted there", mountpoint.display());
     }
-    Ok(Prepared { disk: Arc::new(disk), mountpoint, cache_client })
+    Ok(Prepared { node: Arc::new(node), disk, mountpoint, cache_client })
 }
 
 fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
@@ -242,14 +188,6 @@ fn imported_json(i: arbor_engine::source::SourceStats) -> Value {
            "disk_bytes": i.disk_bytes, "disk_capacity": i.disk_capacity, "disk_damaged": i.disk_damaged})
 }
 
-pub fn compact_json(r: arbor_engine::volume::CompactReport) -> Value {
-    json!({"segments": r.segments.len(), "nodes": r.nodes, "bytes": r.bytes, "data_bytes": r.data_bytes})
-}
-
-pub fn addr_json(a: arbor_engine::format::Addr) -> Value {
-    json!({"writer": a.seg.writer, "seq": a.seg.seq, "off": a.off, "len": a.len})
-}
-
 /// One background maintenance run: compaction of the mounted branch, then
 /// gc with the same grace as `arbor gc`.
 fn maintain(vol: &Volume, disk: &Disk) -> Result<()> {
@@ -270,56 +208,32 @@ fn reply<T>(r: Result<T, impl std::fmt::Display>, ok: impl FnOnce(T) -> Value) -
     }
 }
 
-/// Opens branch `name` for writing in this process, noting `holder`
-/// (a mountpoint, or where it is served) for other commands on this node.
-pub fn open_branch(
-    catalog: &arbor_snapshot::Catalog,
-    name: &str,
-    cfg: Config,
-    holder: &str,
-) -> Result<(Arc<Volume>, arbor_snapshot::BranchLock)> {
-    let (v, mut l) = catalog.open_branch(name, cfg).map_err(|e| match e {
-        CatalogError::Open(_) => match catalog.holder_of(name) {
-            Some(mp) if mp.starts_with('/') => anyhow::anyhow!("branch {name} is already mounted read-write at {mp}"),
-            Some(by) if !by.is_empty() => anyhow::anyhow!("branch {name} is already open read-write by {by}"),
-            _ => anyhow::anyhow!("branch {name} is already mounted read-write"),
-        },
-        e => anyhow::Error::from(e).context(format!("cannot open branch {name}")),
-    })?;
-    l.record_holder(holder)?;
-    Ok((v, l))
-}
-
 /// Mounts and serves until unmounted, signalled, or asked to stop.
 pub fn run_foreground(args: &MountArgs) -> Result<()> {
     let p = prepare(args)?;
-    let catalog = p.disk.catalog()?;
-    if args.checkpoint.is_none() {
-        if let Some(owner) = crate::shared::owner_to_mount_through(&p.disk, args)? {
-            return crate::shared::mount_remote(&p.disk, &p.mountpoint, args, owner, p.cache_client.clone());
-        }
-        if args.cache.memory && args.cache.durability != arbor_engine::tier::Durability::Bucket {
-            bail!(crate::MEMORY_ONLY_BRANCH);
-        }
-    }
-    if args.checkpoint.is_none() {
-        p.disk.make_private()?;
-    }
-    let cfg = Config {
+    let opts = OpenOptions {
         segment_size: args.segment_size,
-        source_servers: p.cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>),
-        source_files: p.disk.source_files()?,
-        ..Config::default()
+        owner: OwnerOptions { server: args.server.clone(), timeout: args.timeout, auth: args.auth() },
+        holder: p.mountpoint.display().to_string(),
     };
-    let opening = Instant::now();
-    let (vol, _lock) = match &args.checkpoint {
-        Some(c) => (catalog.open_checkpoint(c, cfg)?, None),
-        None => {
-            let (v, l) = open_branch(&catalog, args.root_name(), cfg, &p.mountpoint.display().to_string())?;
-            (v, Some(l))
+    let local = match p.node.open_root(&args.root(), &opts)? {
+        Opened::Local(local) => local,
+        Opened::Owner(files) => {
+            let fuse_opts = MountOptions {
+                allow_other: args.allow_other,
+                read_ahead: args.read_ahead,
+                threads: args.threads,
+                // Any node that writes the branch could have made a set-user-ID
+                // file or a device node.
+                suid_devices: args.allow_suid_devices,
+                ..MountOptions::default()
+            };
+            let name = args.root_name().to_string();
+            return crate::remote_mount::mount(&p.disk, &p.mountpoint, name, files, &fuse_opts, p.cache_client.clone());
         }
     };
-    let _ = OPEN_MS.set(opening.elapsed().as_millis() as u64);
+    let (vol, _lock) = (local.volume, local.lock);
+    let _ = OPEN_MS.set(local.opened_in.as_millis() as u64);
     let control = control::Server::bind(&p.mountpoint)?;
     let opts = MountOptions {
         allow_other: args.allow_other,
@@ -415,103 +329,12 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     Ok(())
 }
 
-/// How a mount was stopped: who waits to hear how closing went.
-pub struct Stopped {
-    ack: Option<mpsc::Sender<Result<(), String>>>,
-    replied: mpsc::Receiver<()>,
-}
-
-impl Stopped {
-    /// Tells an `arbor unmount` waiting on the control socket how closing went.
-    pub fn report(self, closed: Result<(), String>) {
-        if let Some(a) = self.ack {
-            let _ = a.send(closed);
-            let _ = self.replied.recv_timeout(Duration::from_secs(5));
-        }
-    }
-}
-
-/// Answers control requests with `handle` until a signal, an unmount
-/// request, or an unmount from outside, then unmounts.
-pub fn serve_until_stopped(
-    handle: arbor_fs::MountHandle,
-    control: control::Server,
-    handle_req: impl Fn(&Value, &mpsc::Sender<Event>) -> (Value, bool) + Send + Sync + 'static,
-) -> Result<Stopped> {
-    let (tx, rx) = mpsc::channel();
-    let sig_tx = tx.clone();
-    let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
-    std::thread::spawn(move || {
-        if signals.forever().next().is_some() {
-            let _ = sig_tx.send(Event::Stop("signal"));
-        }
-    });
-    let (replied_tx, replied_rx) = mpsc::channel::<()>();
-    std::thread::spawn(move || {
-        control.serve(|req| handle_req(req, &tx));
-        let _ = replied_tx.send(());
-    });
-    // Mounted, and its control socket bound: `arbor status` answers.
-    tell_systemd(sd_notify::NotifyState::Ready);
-    let mut ack = None;
-    let unmount = loop {
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(Event::Stop(why)) => {
-                tracing::info!(why, "unmounting");
-                break true;
-            }
-            Ok(Event::Unmount(a)) => {
-                ack = Some(a);
-                break true;
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) if handle.is_finished() => break false,
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => break true,
-        }
-    };
-    tell_systemd(sd_notify::NotifyState::Stopping);
-    let ended = if unmount { handle.unmount() } else { handle.join() };
-    if let Err(e) = ended {
-        tracing::warn!(error = %e, "session ended with an error");
-    }
-    Ok(Stopped { ack, replied: replied_rx })
-}
-
-/// Tells the service manager how this foreground process stands, when it
-/// runs as a `Type=notify` systemd unit (`NOTIFY_SOCKET` set): ready once
-/// it serves, stopping once it begins to close. Nothing otherwise.
-pub fn tell_systemd(state: sd_notify::NotifyState<'_>) {
-    if let Err(e) = sd_notify::notify(&[state]) {
-        tracing::warn!(error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
-    }
-}
-
-/// The `unmount` control request: unmounts, and answers once closing is done.
-pub fn unmount_request(tx: &mpsc::Sender<Event>) -> (Value, bool) {
-    let (ack_tx, ack_rx) = mpsc::channel();
-    let _ = tx.send(Event::Unmount(ack_tx));
-    match ack_rx.recv_timeout(Duration::from_secs(600)) {
-        Ok(Ok(())) => (json!({"ok": true, "result": null}), true),
-        Ok(Err(e)) => (json!({"ok": false, "error": format!("unmounted, but closing failed: {e}")}), true),
-        Err(_) => (
-            json!({"ok": false, "error": format!(
-                "unmounted, but still uploading after 10 minutes; the server (pid {}) keeps trying: see its log",
-                std::process::id()
-            )}),
-            true,
-        ),
-    }
-}
-
 struct ControlState {
     p: Prepared,
     vol: Arc<Volume>,
     fuse: Fuse,
     invalidate: Arc<arbor_fs::Invalidator>,
 }
-
-/// A mount's transport and what reached it.
-pub type Fuse = (Arc<arbor_fs::Transport>, Arc<arbor_fs::Counters>);
 
 impl ControlState {
     fn handle(&self, args: &MountArgs, req: &Value, tx: &mpsc::Sender<Event>) -> (Value, bool) {
@@ -583,46 +406,6 @@ pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
     Ok((log_path, fuse))
 }
 
-/// Runs this command again with `--foreground` (and `env`) as a process of
-/// its own session, logging to `log_path`, and returns its pid once `ready` says
-/// so (within 60 s); a child that exits first fails with its last log line.
-pub fn spawn_detached(
-    log_path: &Path,
-    what: &str,
-    env: &[(&str, &str)],
-    mut ready: impl FnMut() -> bool,
-) -> Result<u32> {
-    use std::os::unix::process::CommandExt;
-    arbor_engine::private::create_dir_all(log_path.parent().unwrap_or(Path::new(".")))?;
-    let log = arbor_engine::private::options().create(true).append(true).open(log_path)?;
-    let mut cmd = std::process::Command::new(std::env::current_exe()?);
-    cmd.args(std::env::args_os().skip(1)).arg("--foreground").envs(env.iter().copied());
-    // The child is not the process a service manager started: readiness
-    // is this process's exit (a `Type=forking` unit).
-    cmd.env_remove("NOTIFY_SOCKET");
-    cmd.stdin(std::process::Stdio::null()).stdout(log.try_clone()?).stderr(log);
-    // SAFETY: setsid is async-signal-safe; it detaches the child from our terminal.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().with_context(|| format!("cannot start the {what} process"))?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if let Some(status) = child.try_wait()? {
-            bail!("{what} failed ({status}): {}", last_line(log_path));
-        }
-        if ready() {
-            return Ok(child.id());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    bail!("{what} did not answer within 60 s; see {}", log_path.display())
-}
-
 /// While an unmount waits for the bucket, shows what is left to upload.
 fn show_upload_progress<T>(mountpoint: &Path, req: &std::thread::ScopedJoinHandle<'_, T>) {
     use indicatif::{ProgressBar, ProgressStyle};
@@ -659,12 +442,6 @@ fn show_upload_progress<T>(mountpoint: &Path, req: &std::thread::ScopedJoinHandl
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-}
-
-fn last_line(log: &Path) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let line = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no log output");
-    line.split_once("arbor: ").map_or(line, |(_, msg)| msg).to_string()
 }
 
 /// Unmounts through the control socket (which waits for the final

@@ -2,10 +2,10 @@
 //! that mounts it (see `arbor_net`), and the owner of the branches it is
 //! given (see `crate::shared`).
 
-use crate::disk;
 use anyhow::{bail, Context, Result};
 use arbor_engine::tier::SegmentCache;
 use arbor_net::{CacheServer, Fault, ServerOptions};
+use arbor_node::disk;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +27,7 @@ pub struct ServeArgs {
     /// Evict what nobody read for this long (`None`: by size alone).
     pub keep_for: Option<Duration>,
     /// The branches to own and serve.
-    pub owner: crate::shared::OwnerArgs,
+    pub owner: crate::owner::OwnerArgs,
 }
 
 /// The lock that keeps a second server off a cache folder.
@@ -96,14 +96,14 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         arbor_net::server::listen(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let advertised = crate::shared::advertised(addr, args.owner.advertise.as_deref());
+    let advertised = crate::owner::advertised(addr, args.owner.advertise.as_deref());
     if !branches.is_empty() {
         // An owner's branch heads and leases rest on conditional writes.
         d.check_conditional_writes()?;
     }
     let mut owned = Vec::new();
     for b in branches {
-        match crate::shared::own(&args.disk, b, &advertised, &args.owner) {
+        match crate::owner::own(&args.disk, b, &advertised, &args.owner) {
             Ok(o) => {
                 if let Some(c) = o.cached_chunks() {
                     own_chunks.add(c);
@@ -200,10 +200,10 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
                 _ = int.recv() => {}
                 _ = term.recv() => {}
             }
-            crate::mount::tell_systemd(sd_notify::NotifyState::Stopping);
+            crate::session::tell_systemd(sd_notify::NotifyState::Stopping);
         };
         announce();
-        crate::mount::tell_systemd(sd_notify::NotifyState::Ready);
+        crate::session::tell_systemd(sd_notify::NotifyState::Ready);
         server.run(listener, stop).await
     });
     stopping.store(true, std::sync::atomic::Ordering::Release);
@@ -218,7 +218,7 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
 /// `wait`: a bucket that is away does not hold a stop forever. What
 /// clients fsynced is durable either way (in the bucket, or with local
 /// durability in this node's log, which the next owner here uploads).
-fn close_within(owned: Vec<crate::shared::Owned>, wait: Duration) -> Result<()> {
+fn close_within(owned: Vec<crate::owner::Owned>, wait: Duration) -> Result<()> {
     let names: Vec<String> = owned.iter().map(|o| o.shared.name().to_string()).collect();
     let (tx, rx) = std::sync::mpsc::channel();
     let closing = std::thread::Builder::new().name("arbor-close".into()).spawn(move || {
@@ -286,7 +286,7 @@ pub fn spawn_background(args: &ServeArgs) -> Result<(u32, PathBuf)> {
         bail!("--listen {}: give a port (port 0 is for --foreground, which logs the one it got)", args.listen);
     }
     drop(std::net::TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?);
-    let pid = crate::mount::spawn_detached(&log_path, "arbor serve", &[], || {
+    let pid = crate::session::spawn_detached(&log_path, "arbor serve", &[], || {
         std::net::TcpStream::connect(&args.listen).is_ok()
     })?;
     Ok((pid, log_path))

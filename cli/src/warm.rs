@@ -1,22 +1,24 @@
 //! `arbor warm`: a checkpoint's files read through the cache servers
 //! ahead of the jobs that need them.
 
-use crate::cache_client::{check_servers, client, warn_about_servers, ClientAuth};
-use crate::disk;
 use anyhow::{bail, Context, Result};
+use arbor_node::cache_client::{check_servers, client, ClientAuth};
+use arbor_node::disk;
 use std::sync::Arc;
+
+/// Says on stderr which cache servers do not answer or refuse the token:
+/// their chunks come from the bucket until they do.
+pub fn warn_about_servers(problems: &[String]) {
+    for p in problems {
+        eprintln!("warning: cache server {p}; the chunks it owns come from the bucket until it answers");
+    }
+}
 
 /// `arbor warm`: reads `paths` of checkpoint `checkpoint` through the cache
 /// servers, so that each chunk is fetched from the bucket by its owner
 /// before a job needs it. Needs no mount; keeps nothing on this node (its
 /// own cache is a small one in memory).
-pub fn warm(
-    disk_arg: &str,
-    checkpoint: &str,
-    paths: &[String],
-    servers: &[String],
-    auth: ClientAuth<'_>,
-) -> Result<()> {
+pub fn warm(disk_arg: &str, checkpoint: &str, paths: &[String], servers: &[String], auth: &ClientAuth) -> Result<()> {
     use arbor_engine::volume::FileKind;
     use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
     let Some(client) = client(servers, auth)? else {
