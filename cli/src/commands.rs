@@ -3,13 +3,13 @@
 //! state matters) or directly on an unmounted DISK.
 
 use crate::control;
-use crate::disk::{self, quiet_config, Disk};
-use crate::serve::{addr_json, compact_json};
+use crate::json::{addr_json, compact_json};
 use anyhow::{anyhow, bail, Context, Result};
 use arbor_engine::disk::FixedRootDevice;
 use arbor_engine::env::Timestamp;
 use arbor_engine::format::{Addr, SegId};
 use arbor_engine::volume::{ChangeKind, Config, Volume};
+use arbor_node::disk::{self, quiet_config, Disk};
 use arbor_snapshot::{Catalog, Error as CatalogError, Root};
 use indicatif::{HumanBytes, HumanDuration, ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
@@ -43,7 +43,7 @@ pub fn resolve(arg: &str) -> Result<Target> {
     if !arg.contains("://") {
         if let Err(e) = std::fs::metadata(path) {
             if e.kind() != std::io::ErrorKind::NotFound {
-                bail!("{arg}: {}", crate::disk::io_cause(&e));
+                bail!("{arg}: {}", arbor_node::disk::io_cause(&e));
             }
         }
     }

@@ -121,7 +121,7 @@ pub fn request(mountpoint: &Path, req: Value) -> Result<Value> {
         std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
             anyhow!("{} is not an arbor mount served on this node", mountpoint.display())
         }
-        _ => anyhow!("cannot reach the arbor mount at {}: {}", mountpoint.display(), crate::disk::io_cause(&e)),
+        _ => anyhow!("cannot reach the arbor mount at {}: {}", mountpoint.display(), arbor_node::disk::io_cause(&e)),
     })?;
     writeln!(stream, "{req}")?;
     let mut line = String::new();

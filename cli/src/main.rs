@@ -1,16 +1,20 @@
 //! `arbor`: mount a disk made of a bucket (or a local folder), and manage it.
 
-mod cache_server;
 mod commands;
 mod control;
-mod disk;
 mod export;
 mod import;
-mod node;
+mod json;
+mod mount;
+mod owner;
 mod prefetch;
+mod remote_mount;
 mod serve;
-mod shared;
+mod session;
 mod tls;
+mod warm;
+
+use arbor_node::disk;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -350,7 +354,7 @@ struct ServeCmd {
     /// For --branch: how long a stop (SIGTERM) waits for the bucket to take
     /// the branches' last bytes before the process exits anyway (non-zero,
     /// saying what is durable where).
-    #[arg(long, default_value_t = disk::Span(shared::STOP_WAIT))]
+    #[arg(long, default_value_t = disk::Span(owner::STOP_WAIT))]
     stop_timeout: disk::Span,
     /// For --branch on an s3:// disk: bucket (the default: a client's
     /// fsync returns once the bytes are in the bucket, so it survives the
@@ -441,8 +445,6 @@ fn init_logging(default: &str) {
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
 }
 
-const MEMORY_ONLY_BRANCH: &str = "--cache-dir none (memory only) is for checkpoint mounts, mounts through a branch's owner (arbor serve --branch) and branch mounts with --durability bucket (fsync then means the bucket has it); with local durability a branch mount needs a cache folder for its log";
-
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Init { disk } => {
@@ -455,11 +457,12 @@ fn run(cli: Cli) -> Result<()> {
             // here; that is known for sure once the disk is open.
             let bucket_durable = m.durability == arbor_engine::tier::Durability::Bucket;
             let client_tls = m.servers.tls.files()?;
-            let through_owner = m.servers.token_file.is_some() || tls::has_identity(client_tls.as_ref());
+            let through_owner =
+                m.servers.token_file.is_some() || arbor_node::cache_client::has_identity(client_tls.as_ref());
             if memory && m.checkpoint.is_none() && !through_owner && !bucket_durable {
-                anyhow::bail!(MEMORY_ONLY_BRANCH);
+                anyhow::bail!(arbor_node::MEMORY_ONLY_BRANCH);
             }
-            let args = serve::MountArgs {
+            let args = mount::MountArgs {
                 disk: m.disk,
                 mountpoint: m.mountpoint,
                 branch: m.branch,
@@ -487,9 +490,9 @@ fn run(cli: Cli) -> Result<()> {
                 allow_suid_devices: m.allow_suid_devices,
             };
             if m.foreground {
-                serve::run_foreground(&args)?;
+                mount::run_foreground(&args)?;
             } else {
-                let (log, fuse) = serve::spawn_background(&args)?;
+                let (log, fuse) = mount::spawn_background(&args)?;
                 let what = match &args.checkpoint {
                     Some(c) => format!("checkpoint {c}, read-only"),
                     None => format!("branch {}", args.branch.as_deref().unwrap_or("main")),
@@ -503,7 +506,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Unmount { mountpoint } => {
-            serve::unmount(&mountpoint)?;
+            mount::unmount(&mountpoint)?;
             println!("unmounted {}", mountpoint.display());
         }
         Command::Status { mountpoint, json } => {
@@ -545,13 +548,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Warm { disk, checkpoint, paths, servers } => {
             let tls = servers.tls.files()?;
-            let auth = cache_server::ClientAuth { token_file: servers.token_file.as_deref(), tls: tls.as_ref() };
-            cache_server::warm(&disk, &checkpoint, &paths, &servers.cache_server, auth)?
+            let auth = arbor_node::cache_client::ClientAuth { token_file: servers.token_file, tls };
+            warm::warm(&disk, &checkpoint, &paths, &servers.cache_server, &auth)?
         }
         Command::Serve(c) => {
             let memory = memory_only(&c.cache_dir);
-            serve::check_segment_size(c.segment_size.0)?;
-            let args = cache_server::ServeArgs {
+            arbor_node::check_segment_size(c.segment_size.0)?;
+            let args = serve::ServeArgs {
                 disk: c.disk,
                 listen: c.listen,
                 cache_size: if memory { c.cache_memory.0 } else { c.cache_size.0 },
@@ -562,7 +565,7 @@ fn run(cli: Cli) -> Result<()> {
                 tls: c.tls.files()?,
                 fault: c.fault,
                 keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),
-                owner: shared::OwnerArgs {
+                owner: owner::OwnerArgs {
                     branches: c.branch,
                     advertise: c.advertise,
                     take_over: c.take_over,
@@ -578,9 +581,9 @@ fn run(cli: Cli) -> Result<()> {
                 },
             };
             if c.foreground {
-                cache_server::run_foreground(&args)?;
+                serve::run_foreground(&args)?;
             } else {
-                let (pid, log) = cache_server::spawn_background(&args)?;
+                let (pid, log) = serve::spawn_background(&args)?;
                 println!("serving {} on {} (pid {pid}); log: {}", args.disk, args.listen, log.display());
             }
         }

@@ -78,9 +78,3 @@ impl ServerTlsArgs {
         }))
     }
 }
-
-/// Whether a client shows a certificate of its own (which may stand for
-/// the token).
-pub fn has_identity(tls: Option<&ClientFiles>) -> bool {
-    tls.is_some_and(|t| t.identity.is_some())
-}

@@ -1,15 +1,15 @@
-//! Opening disks the CLI's way: [`arbor_snapshot::disk`] does the work;
+//! Opening disks on this node: [`arbor_snapshot::disk`] does the work;
 //! this adds this process's writer lease and the environment's I/O mode,
-//! and the size and mount-table helpers the commands share.
+//! and sizes and lengths of time as a person writes them.
 
-use anyhow::Result;
+use crate::error::{Error, Result};
 pub use arbor_snapshot::disk::{io_cause, quiet_config, CacheOptions, Disk, DiskOptions};
 
 fn options(mount: Option<&str>, cache: CacheOptions) -> Result<DiskOptions> {
     Ok(DiskOptions {
         cache,
         mount: mount.map(str::to_string),
-        lease: Some(crate::node::lease()),
+        lease: Some(crate::identity::lease()),
         io: arbor_snapshot::disk::io_mode_from_env()?,
         ..DiskOptions::default()
     })
@@ -48,7 +48,7 @@ pub fn open_for_owner(
     if ttl < std::time::Duration::from_secs(1) || ttl > std::time::Duration::from_secs(500) {
         // A claimant watches a lease for at most 600 s, a fifth more than
         // its life: longer lives would let it claim too soon.
-        anyhow::bail!("--lease-ttl must be between 1s and 500s");
+        return Err(Error::Invalid("--lease-ttl must be between 1s and 500s".into()));
     }
     let mut o = options(Some(name), cache)?;
     if let Some(l) = o.lease.as_mut() {
