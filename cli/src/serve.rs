@@ -134,7 +134,7 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
         crate::cache_server::warn_about_servers(&crate::cache_server::check_servers(c).1);
     }
     let mut cache = args.cache.clone();
-    cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>);
+    cache.peers = cache_client.clone().map(|c| c as Arc<dyn arbor_engine::chunks::ChunkSource>);
     let disk = disk::open_for_mount(&args.disk, args.root_name(), cache)?;
     if !disk.is_s3() && args.cache.durability != arbor_engine::tier::Durability::Local {
         eprintln!("note: a local-folder disk is its own durable copy; --durability applies to s3:// disks");
@@ -307,7 +307,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     }
     let cfg = Config {
         segment_size: args.segment_size,
-        source_servers: p.cache_client.clone().map(|c| c as Arc<dyn arbor_engine::tier::ChunkSource>),
+        source_servers: p.cache_client.clone().map(|c| c as Arc<dyn arbor_engine::chunks::ChunkSource>),
         source_files: p.disk.source_files()?,
         ..Config::default()
     };

@@ -7,7 +7,7 @@
 //! did not give, or gave wrong, is read from the bucket.
 
 use crate::format::SegId;
-use crate::source::Source;
+use crate::format::Source;
 use std::ops::Range;
 
 /// One chunk asked of a [`ChunkSource`].
