@@ -1,22 +1,20 @@
 //! Chunks in memory: an imported object's chunks as a volume (or a cache
-//! server) last fetched them, bounded by a count of chunks. What leaves
-//! first is for [`super::policy`] to say.
+//! server) last fetched them, bounded by a count of chunks, evicted as
+//! [`super::policy::OBJECT_MEMORY`] says (first in, first out: the chunks
+//! of one GET leave together).
 
-use std::collections::{HashMap, VecDeque};
+use super::policy::{Ledger, OBJECT_MEMORY};
 use std::hash::Hash;
 
 pub struct MemoryChunks<K, V> {
     /// Chunks kept at most.
     capacity: usize,
-    chunks: HashMap<K, V>,
-    /// Oldest first; a hit moves nothing (a clock would be fairer, this
-    /// is enough for streaming readers).
-    order: VecDeque<K>,
+    chunks: Ledger<K, V>,
 }
 
-impl<K: Clone + Eq + Hash, V> MemoryChunks<K, V> {
+impl<K: Clone + Eq + Hash + Ord, V> MemoryChunks<K, V> {
     pub fn new(capacity: usize) -> MemoryChunks<K, V> {
-        MemoryChunks { capacity, chunks: HashMap::new(), order: VecDeque::new() }
+        MemoryChunks { capacity, chunks: Ledger::new(OBJECT_MEMORY) }
     }
 
     pub fn get(&self, key: &K) -> Option<&V> {
@@ -24,12 +22,7 @@ impl<K: Clone + Eq + Hash, V> MemoryChunks<K, V> {
     }
 
     pub fn insert(&mut self, key: K, value: V) {
-        if self.chunks.insert(key.clone(), value).is_none() {
-            self.order.push_back(key);
-        }
-        while self.chunks.len() > self.capacity {
-            let Some(old) = self.order.pop_front() else { break };
-            self.chunks.remove(&old);
-        }
+        self.chunks.insert(key, 1, value, false);
+        self.chunks.trim(self.capacity as u64);
     }
 }

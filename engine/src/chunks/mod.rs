@@ -14,6 +14,11 @@
 //!   one file each, kept across restarts.
 //! - `peers.rs`: [`ChunkSource`], chunks from cache servers (`arbor serve`)
 //!   or another cache of this process, asked before the bucket.
+//! - `policy.rs`: **the eviction policy of every cache here**, the one
+//!   place to change it: each cache keeps its chunks in a
+//!   [`policy::Ledger`], which ranks them and picks the victims as the
+//!   cache's [`policy::Policy`] says (the three policies are constants
+//!   there).
 //!
 //! This room imports nothing from the modules that use it (`tier`,
 //! `source`, `volume`): only the format, the error type, checksums and
@@ -23,6 +28,7 @@ mod cache;
 mod files;
 mod memory;
 mod peers;
+pub mod policy;
 
 pub(crate) use cache::{is_data, punch_hole, ChunkCache};
 pub use files::{ChunkFiles, ChunkFilesStats, FileChunk, Others};

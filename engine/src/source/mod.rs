@@ -83,9 +83,9 @@ impl Sources for FixedSources {
 pub const CHUNK: u64 = 1 << 20;
 /// Chunks a volume keeps in memory (96 MiB): more than a reader's
 /// read-ahead plus a run, so chunks fetched ahead are still there when the
-/// reader comes. Eviction is in insertion order, so the chunks of one GET
-/// leave together and at most two bodies are held in part: memory stays
-/// under 96 MiB plus two runs.
+/// reader comes. Eviction is in insertion order (`chunks::policy`), so
+/// the chunks of one GET leave together and at most two bodies are held in
+/// part: memory stays under 96 MiB plus two runs.
 const CACHED_CHUNKS: usize = 96;
 /// Chunks fetched ahead of a sequential reader, in the background (64 MiB,
 /// as much as a plain parallel download of 8 MiB ranges, 8 in flight,
