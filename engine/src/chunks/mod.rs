@@ -23,6 +23,12 @@
 //! This room imports nothing from the modules that use it (`tier`,
 //! `source`, `volume`): only the format, the error type, checksums and
 //! private files.
+//!
+//! Not here yet: fetching. Concurrent fetches of one chunk are still
+//! deduplicated, and read-ahead still run, by each reader: the segment
+//! reader's `inflight` claims and fetch workers (`tier/remote/segment.rs`,
+//! `tier/remote/prefetch.rs`), and `SourceReader`'s pending fetches
+//! (`source/mod.rs`).
 
 mod cache;
 mod files;
