@@ -165,7 +165,7 @@ impl Owned {
 
     /// The chunks the branch's device holds (on an s3 disk): what this
     /// process's cache server gives clients before asking the bucket.
-    pub fn cached_chunks(&self) -> Option<Arc<dyn arbor_engine::tier::ChunkSource>> {
+    pub fn cached_chunks(&self) -> Option<Arc<dyn arbor_engine::chunks::ChunkSource>> {
         self._disk.bucket_device().map(|d| d.cached_chunks())
     }
 

@@ -65,8 +65,8 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
     }
     // The branches this process owns cache the segments they write: a
     // client's chunk of one of those comes from there, not the bucket.
-    let own_chunks = Arc::new(arbor_engine::tier::LateSources::default());
-    let sources = (!branches.is_empty()).then(|| own_chunks.clone() as Arc<dyn arbor_engine::tier::ChunkSource>);
+    let own_chunks = Arc::new(arbor_engine::chunks::LateSources::default());
+    let sources = (!branches.is_empty()).then(|| own_chunks.clone() as Arc<dyn arbor_engine::chunks::ChunkSource>);
     let (cache, cache_lock, place) = if !d.is_s3() {
         (None, None, "none (a local-folder disk)".to_string())
     } else if args.memory {
@@ -85,8 +85,8 @@ pub fn run_foreground(args: &ServeArgs) -> Result<()> {
         (Some(segments), Some(_)) if args.object_memory > 0 => {
             let dir = cache_dir(args, &d)?.join("objects");
             let segments = segments.clone();
-            let others: arbor_engine::source::Others = Box::new(move || segments.stats().cached_bytes);
-            let files = arbor_engine::source::ChunkFiles::open(&dir, args.cache_size, Some(others))
+            let others: arbor_engine::chunks::Others = Box::new(move || segments.stats().cached_bytes);
+            let files = arbor_engine::chunks::ChunkFiles::open(&dir, args.cache_size, Some(others))
                 .with_context(|| format!("cannot open cache folder {}", dir.display()))?;
             Some(files)
         }

@@ -31,7 +31,7 @@ pub fn warm(disk_arg: &str, checkpoint: &str, paths: &[String], servers: &[Strin
     let cache = disk::CacheOptions {
         size: 256 << 20,
         memory: true,
-        peers: Some(client.clone() as Arc<dyn arbor_engine::tier::ChunkSource>),
+        peers: Some(client.clone() as Arc<dyn arbor_engine::chunks::ChunkSource>),
         ..disk::CacheOptions::default()
     };
     let d = disk::open_with_cache(disk_arg, cache)?;
@@ -39,7 +39,7 @@ pub fn warm(disk_arg: &str, checkpoint: &str, paths: &[String], servers: &[Strin
         bail!("{} is a local folder: there is no bucket to warm a cache from", d.url);
     }
     let cfg = arbor_engine::Config {
-        source_servers: Some(client.clone() as Arc<dyn arbor_engine::tier::ChunkSource>),
+        source_servers: Some(client.clone() as Arc<dyn arbor_engine::chunks::ChunkSource>),
         ..disk::quiet_config()
     };
     let vol = d.catalog()?.open_checkpoint(checkpoint, cfg)?;

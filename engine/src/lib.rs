@@ -7,6 +7,7 @@
 //! nothing of FUSE or the command line.
 
 pub mod bucket;
+pub mod chunks;
 pub mod clock;
 pub mod crc;
 pub mod device;

@@ -251,7 +251,7 @@ fn an_import_crashed_anywhere_recovers_a_prefix_and_a_rerun_completes_it() {
 
 #[test]
 fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch() {
-    use arbor_engine::source::ChunkFiles;
+    use arbor_engine::chunks::ChunkFiles;
     let w = World::new();
     let files_dir = tempfile::tempdir().expect("tempdir");
     let body = pattern((5 << 20) + 777, 3);

@@ -23,9 +23,9 @@
 use crate::frames::ChunkAsk;
 use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};
 use crate::{CACHE_HEADER, CRC_HEADER};
+use arbor_engine::chunks::{fnv1a, ChunkRequest, ChunkSource};
 use arbor_engine::format::SegId;
-use arbor_engine::source::{fnv1a, Source};
-use arbor_engine::tier::{ChunkRequest, ChunkSource};
+use arbor_engine::source::Source;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2::SendRequest;

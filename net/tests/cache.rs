@@ -3,11 +3,12 @@
 //! and a bucket that counts what it sends.
 
 use arbor_engine::bucket::{MemObjectStore, ObjectStore};
+use arbor_engine::chunks::{ChunkRequest, ChunkSource};
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::{bytes_under, http_get};
-use arbor_engine::tier::{BucketDevice, ChunkRequest, ChunkSource, SegmentCache, TierConfig};
+use arbor_engine::tier::{BucketDevice, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_engine::Result;
 use arbor_net::{

@@ -5,12 +5,13 @@
 //! match those bytes.
 
 use arbor_engine::bucket::{open_s3, MemObjectStore, ObjectStore, RetryPolicy};
+use arbor_engine::chunks::ChunkSource;
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::forge_keeping_crc;
 use arbor_engine::testkit::S3Server;
-use arbor_engine::tier::{BucketDevice, CacheStats, ChunkSource, Footer, SegmentCache, TierConfig};
+use arbor_engine::tier::{BucketDevice, CacheStats, Footer, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_net::{CacheClient, CacheServer, ClientOptions, Running, ServerOptions};
 use std::path::Path;

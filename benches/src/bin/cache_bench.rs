@@ -11,9 +11,10 @@
 
 use arbor_benches::{percentile_us, print_table, Rng, Row};
 use arbor_engine::bucket::{ObjectStore, S3Store};
+use arbor_engine::chunks::ChunkSource;
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::testkit::{Proxy, S3Server};
-use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
+use arbor_engine::tier::{BucketDevice, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_net::{CacheClient, CacheServer, ClientOptions, Running, ServerOptions};
 use std::path::{Path, PathBuf};
@@ -214,7 +215,7 @@ fn main() {
         let n = ((size / MIB as u64).saturating_sub(1)).clamp(1, 32);
         let mut lat = Vec::new();
         for i in 0..200u64 {
-            let want = [arbor_engine::tier::ChunkRequest { index: (i % n) as u32, range: 0..MIB as u64 }];
+            let want = [arbor_engine::chunks::ChunkRequest { index: (i % n) as u32, range: 0..MIB as u64 }];
             let t = Instant::now();
             let got = c.fetch(seg, &want);
             lat.push(t.elapsed());

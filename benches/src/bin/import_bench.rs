@@ -28,10 +28,11 @@
 
 use arbor_benches::{env_usize, median, print_table, Row};
 use arbor_engine::bucket::{ObjectStore, S3Store};
+use arbor_engine::chunks::ChunkFiles;
 use arbor_engine::device::FileDevice;
 use arbor_engine::env::Timestamp;
 use arbor_engine::io::IoMode;
-use arbor_engine::source::{ChunkFiles, FixedSources, Source};
+use arbor_engine::source::{FixedSources, Source};
 use arbor_engine::testkit::{S3Server, S3_BUCKET};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_snapshot::disk::{Disk, DiskOptions};

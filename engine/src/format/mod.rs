@@ -4,6 +4,7 @@
 mod address;
 mod codec;
 mod record;
+mod source;
 mod superblock;
 
 pub use address::{Addr, SegId};
@@ -12,4 +13,5 @@ pub use codec::{decode_value, encode_value, Reader, Writer};
 pub use record::{
     block_crcs, RecordHeader, RecordKind, ALIGN_DATA_MIN, BLOCK_SIZE, FORMAT_VERSION, HEADER_LEN, MAGIC, MAX_PAYLOAD,
 };
+pub use source::Source;
 pub use superblock::Superblock;

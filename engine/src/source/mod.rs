@@ -22,65 +22,18 @@
 //!
 //! A mount (and a server) also keeps the chunks it fetched on local disk
 //! ([`ChunkFiles`], in its cache folder): memory, then disk, then the
-//! servers, then the bucket.
+//! servers, then the bucket. The caches themselves, and their eviction
+//! policy, live in [`crate::chunks`].
 
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
+use crate::chunks::{ChunkFiles, ChunkSource, MemoryChunks};
 use crate::error::{Error, Result};
-use crate::tier::ChunkSource;
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-mod disk;
-pub use disk::{ChunkFiles, ChunkFilesStats, FileChunk, Others};
-
-/// FNV-1a, 64 bits: how chunk files are named and cache servers weighed
-/// (the same on every host and build).
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
-/// `'S' ino` → the object an imported file's external extents read from.
-#[derive(Clone, Debug, PartialEq, Eq, bincode::Encode, bincode::Decode)]
-pub struct Source {
-    pub bucket: String,
-    pub key: String,
-    /// The object's size when it was imported.
-    pub size: u64,
-    /// Its ETag then; every read is conditional on it.
-    pub etag: String,
-    /// Its version id, where the bucket keeps versions: reads ask for that
-    /// version, so a checkpoint reads it while the key moves on.
-    pub version: Option<String>,
-}
-
-impl Source {
-    pub fn url(&self) -> String {
-        format!("s3://{}/{}", self.bucket, self.key)
-    }
-
-    /// One version of one object: bucket, key, ETag and the version id if
-    /// any, NUL-separated. Its chunks' bytes never change, wherever they
-    /// are cached.
-    pub fn id(&self) -> String {
-        match &self.version {
-            None => format!("{}\0{}\0{}", self.bucket, self.key, self.etag),
-            Some(v) => format!("{}\0{}\0{}\0{v}", self.bucket, self.key, self.etag),
-        }
-    }
-
-    /// Whether `listed` (a listing's entry for this key) is still the
-    /// object this names: the same ETag, and the same version where both
-    /// know one (a file imported before its bucket kept versions stays
-    /// what it was while its ETag does).
-    pub fn is_listed(&self, listed: &Source) -> bool {
-        self.bucket == listed.bucket
-            && self.key == listed.key
-            && self.etag == listed.etag
-            && (self.version.is_none() || self.version == listed.version)
-    }
-}
+pub use crate::format::Source;
 
 /// Opens the bucket a source object lives in.
 pub trait Sources: Send + Sync {
@@ -130,9 +83,9 @@ impl Sources for FixedSources {
 pub const CHUNK: u64 = 1 << 20;
 /// Chunks a volume keeps in memory (96 MiB): more than a reader's
 /// read-ahead plus a run, so chunks fetched ahead are still there when the
-/// reader comes. Eviction is in insertion order, so the chunks of one GET
-/// leave together and at most two bodies are held in part: memory stays
-/// under 96 MiB plus two runs.
+/// reader comes. Eviction is in insertion order (`chunks::policy`), so
+/// the chunks of one GET leave together and at most two bodies are held in
+/// part: memory stays under 96 MiB plus two runs.
 const CACHED_CHUNKS: usize = 96;
 /// Chunks fetched ahead of a sequential reader, in the background (64 MiB,
 /// as much as a plain parallel download of 8 MiB ranges, 8 in flight,
@@ -243,7 +196,7 @@ struct Counters {
 /// A reader of source objects: a volume's, or a cache server's.
 pub struct SourceReader {
     sources: Arc<dyn Sources>,
-    cache: Arc<Mutex<ChunkCache>>,
+    cache: Arc<Mutex<Table>>,
     counters: Arc<Counters>,
     /// Chunks fetched ahead of a sequential reader.
     ahead: u64,
@@ -268,38 +221,19 @@ impl std::fmt::Debug for SourceReader {
     }
 }
 
-struct ChunkCache {
-    /// Chunks kept at most.
-    capacity: usize,
-    chunks: HashMap<ChunkId, Chunk>,
-    /// Oldest first; a hit moves nothing (a clock would be fairer, this
-    /// is enough for streaming readers).
-    order: VecDeque<ChunkId>,
+/// A reader's memory of chunks, and what it is doing.
+struct Table {
+    /// The chunks at hand.
+    memory: MemoryChunks<ChunkId, Chunk>,
     /// Fetches in flight.
     pending: HashMap<ChunkId, Arc<Pending>>,
     /// Where the last read of each object ended, to see sequential readers.
     ends: HashMap<ObjectId, u64>,
 }
 
-impl ChunkCache {
-    fn new(capacity: usize) -> ChunkCache {
-        ChunkCache {
-            capacity,
-            chunks: HashMap::new(),
-            order: VecDeque::new(),
-            pending: HashMap::new(),
-            ends: HashMap::new(),
-        }
-    }
-
-    fn insert(&mut self, id: ChunkId, bytes: Chunk) {
-        if self.chunks.insert(id.clone(), bytes).is_none() {
-            self.order.push_back(id);
-        }
-        while self.chunks.len() > self.capacity {
-            let Some(old) = self.order.pop_front() else { break };
-            self.chunks.remove(&old);
-        }
+impl Table {
+    fn new(capacity: usize) -> Table {
+        Table { memory: MemoryChunks::new(capacity), pending: HashMap::new(), ends: HashMap::new() }
     }
 }
 
@@ -314,7 +248,7 @@ impl SourceReader {
     ) -> SourceReader {
         SourceReader {
             sources,
-            cache: Arc::new(Mutex::new(ChunkCache::new(CACHED_CHUNKS))),
+            cache: Arc::new(Mutex::new(Table::new(CACHED_CHUNKS))),
             counters: Arc::default(),
             ahead: AHEAD,
             servers,
@@ -330,7 +264,7 @@ impl SourceReader {
     pub fn serving(sources: Arc<dyn Sources>, capacity: u64, files: Option<Arc<ChunkFiles>>) -> SourceReader {
         SourceReader {
             sources,
-            cache: Arc::new(Mutex::new(ChunkCache::new((capacity / CHUNK).max(1) as usize))),
+            cache: Arc::new(Mutex::new(Table::new((capacity / CHUNK).max(1) as usize))),
             counters: Arc::default(),
             ahead: 0,
             servers: None,
@@ -430,7 +364,7 @@ impl SourceReader {
             for i in first..=(last + ahead).min(chunks - 1) {
                 let id = (object.clone(), i);
                 let needed = i <= last;
-                if let Some(b) = c.chunks.get(&id) {
+                if let Some(b) = c.memory.get(&id) {
                     if needed {
                         have.push((i, b.clone()));
                     }
@@ -585,7 +519,7 @@ fn from_files<'a>(
     files: &ChunkFiles,
     object: &ObjectId,
     run: Vec<&'a (u64, Arc<Pending>)>,
-    cache: &Mutex<ChunkCache>,
+    cache: &Mutex<Table>,
     counters: &Counters,
 ) -> Vec<&'a (u64, Arc<Pending>)> {
     let mut rest = Vec::new();
@@ -616,7 +550,7 @@ fn from_servers<'a>(
     src: &Source,
     object: &ObjectId,
     run: Vec<&'a (u64, Arc<Pending>)>,
-    cache: &Mutex<ChunkCache>,
+    cache: &Mutex<Table>,
     counters: &Counters,
     files: Option<&ChunkFiles>,
 ) -> Vec<&'a (u64, Arc<Pending>)> {
@@ -707,13 +641,13 @@ impl Counters {
 }
 
 /// Records a fetch's result: cached if it worked, then its waiters woken.
-fn finish(cache: &Mutex<ChunkCache>, object: &ObjectId, i: u64, p: &Pending, got: std::result::Result<Chunk, Failed>) {
+fn finish(cache: &Mutex<Table>, object: &ObjectId, i: u64, p: &Pending, got: std::result::Result<Chunk, Failed>) {
     {
         let mut c = cache.lock();
         let id = (object.clone(), i);
         c.pending.remove(&id);
         if let Ok(b) = &got {
-            c.insert(id, b.clone());
+            c.memory.insert(id, b.clone());
         }
     }
     *p.done.lock() = Some(got);

@@ -21,18 +21,17 @@
 //!   until `max_pending` bytes wait for upload, then block.
 
 mod object;
-mod peers;
 mod remote;
 mod serve;
 
 pub use object::{
     chunk_digest, leaf_hashes, prove_part, segment_key, segment_of_key, wal_key, wal_prefix, Footer, LEAF,
 };
-pub use peers::{ChunkRequest, ChunkSource, LateSources};
 pub use remote::CacheStats;
 pub use serve::{SegmentCache, ServedChunk};
 
 use crate::bucket::ObjectStore;
+use crate::chunks::{ChunkRequest, ChunkSource};
 use crate::device::{Device, FileDevice, Replica, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{Addr, SegId};

@@ -7,8 +7,8 @@
 //! each asks only for its own share.
 
 use super::remote::{CacheStats, Remote};
-use super::ChunkSource;
 use crate::bucket::ObjectStore;
+use crate::chunks::ChunkSource;
 use crate::error::Result;
 use crate::format::SegId;
 use std::ops::Range;

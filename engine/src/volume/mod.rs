@@ -89,9 +89,9 @@ pub struct Config {
     /// Where imported files' objects are read from.
     pub sources: Arc<dyn crate::source::Sources>,
     /// Cache servers asked for an imported file's chunks before its bucket.
-    pub source_servers: Option<Arc<dyn crate::tier::ChunkSource>>,
+    pub source_servers: Option<Arc<dyn crate::chunks::ChunkSource>>,
     /// Where an imported file's chunks are kept on local disk.
-    pub source_files: Option<Arc<crate::source::ChunkFiles>>,
+    pub source_files: Option<Arc<crate::chunks::ChunkFiles>>,
 }
 
 impl Default for Config {

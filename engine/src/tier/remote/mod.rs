@@ -1,11 +1,10 @@
 //! Reading segments that live in the bucket: ranged GETs of aligned
 //! chunks, each verified against the object's footer before use, kept in
-//! a local cache bounded by bytes and evicted least-recently-used first.
+//! the chunk cache ([`crate::chunks::ChunkCache`]: which chunks are on
+//! local disk, sparse files with holes punched on eviction, and the lock
+//! that keeps a reader's pread and a hole punch apart).
 //!
 //! Rooms, one job each:
-//! - `chunks.rs`: the chunk cache, which chunks are on local disk (sparse
-//!   files, holes punched on eviction), least-recently-used eviction, and
-//!   the lock that keeps a reader's pread and a hole punch apart;
 //! - `segment.rs`: one segment in the bucket, its footer, on-demand chunk
 //!   fetches and reads (`SegmentFile`);
 //! - `prefetch.rs`: read-ahead, the fetch workers, and streaming across
@@ -18,22 +17,19 @@
 //! `segs` → `inflight` → `queued` → the chunk index → `stream`, `absent`,
 //! `adopted`, `prefetch`.
 
-mod chunks;
 mod prefetch;
 mod segment;
 
 use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
 use crate::bucket::ObjectStore;
+use crate::chunks::{is_data, punch_hole, ChunkCache, ChunkRequest, ChunkSource};
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
-use crate::tier::peers::{ChunkRequest, ChunkSource};
-use chunks::ChunkCache;
-use chunks::{is_data, punch_hole};
 use parking_lot::{Condvar, Mutex, RwLock};
 use prefetch::Run;
+use segment::Backing;
 pub(crate) use segment::RemoteSeg;
-use segment::Source;
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::path::PathBuf;
@@ -267,7 +263,7 @@ impl Remote {
     /// per segment at a time, see `RemoteSeg::landing`), then evicts if
     /// the cache grew past its capacity.
     fn land(&self, seg: &RemoteSeg, chunks: &[(ChunkKey, &[u8], u64)]) {
-        let Source::Object { file } = &seg.source else { return };
+        let Backing::Object { file } = &seg.backing else { return };
         {
             let _turn = seg.landing.lock();
             self.chunks.land(file, chunks);
@@ -316,8 +312,8 @@ impl Remote {
             for (seg, chunks) in by_seg {
                 let held = self.segs.read().get(&seg).cloned();
                 let opened;
-                let file = match held.as_deref().map(|s| &s.source) {
-                    Some(Source::Object { file }) => file,
+                let file = match held.as_deref().map(|s| &s.backing) {
+                    Some(Backing::Object { file }) => file,
                     _ => match File::options().write(true).open(self.path(seg)) {
                         Ok(f) => {
                             opened = f;
@@ -365,7 +361,7 @@ impl Remote {
                 .collect();
             self.keep_footer(id, &footer);
             self.segs.write().remove(&id);
-            self.insert_seg(id, footer, Source::Object { file });
+            self.insert_seg(id, footer, Backing::Object { file });
             self.chunks.insert(&chunks, false);
         }
         self.evict_if_over();
@@ -482,7 +478,7 @@ impl Remote {
         checked: bool,
         f: impl FnOnce(&File, u64, usize) -> Option<T>,
     ) -> Option<T> {
-        let segment::Source::Object { file } = &seg.source else { return None };
+        let segment::Backing::Object { file } = &seg.backing else { return None };
         if index as usize >= seg.footer.crcs.len() {
             return None;
         }
@@ -507,7 +503,7 @@ impl Remote {
     /// [`Remote::held`]), as its object ends.
     pub(crate) fn cached_footer(self: &Arc<Self>, id: SegId) -> Option<Vec<u8>> {
         let seg = self.held(id)?;
-        let segment::Source::Object { .. } = &seg.source else { return None };
+        let segment::Backing::Object { .. } = &seg.backing else { return None };
         let mut out = Vec::with_capacity(seg.footer.encoded_len());
         seg.footer.encode(&mut out);
         Some(out)
@@ -555,13 +551,13 @@ impl Remote {
         seg.read_at(buf, off)
     }
 
-    fn insert_seg(self: &Arc<Self>, id: SegId, footer: Footer, source: Source) -> Arc<RemoteSeg> {
+    fn insert_seg(self: &Arc<Self>, id: SegId, footer: Footer, backing: Backing) -> Arc<RemoteSeg> {
         let seg = Arc::new_cyclic(|me| RemoteSeg {
             remote: self.clone(),
             id,
             key: segment_key(id),
             footer,
-            source,
+            backing,
             last_end: AtomicU64::new(u64::MAX),
             part_run: AtomicU64::new(u64::MAX),
             window: AtomicU64::new(self.read_ahead),
@@ -583,7 +579,7 @@ impl Remote {
     /// pieces), or `None` if it has no object.
     pub(crate) fn open_object(self: &Arc<Self>, id: SegId) -> Result<Option<Arc<RemoteSeg>>> {
         match self.open_as(id, false)? {
-            Some(seg) if matches!(seg.source, Source::Wal(_)) => Ok(None),
+            Some(seg) if matches!(seg.backing, Backing::Wal(_)) => Ok(None),
             other => Ok(other),
         }
     }
@@ -591,7 +587,7 @@ impl Remote {
     /// Sealed segment `id` if it is open here already (its object's
     /// bytes, final): found without a system call.
     pub(crate) fn open_sealed(&self, id: SegId) -> Option<Arc<RemoteSeg>> {
-        self.segs.read().get(&id).filter(|s| matches!(s.source, Source::Object { .. })).cloned()
+        self.segs.read().get(&id).filter(|s| matches!(s.backing, Backing::Object { .. })).cloned()
     }
 
     fn open_as(self: &Arc<Self>, id: SegId, wal: bool) -> Result<Option<Arc<RemoteSeg>>> {
@@ -605,7 +601,7 @@ impl Remote {
         let key = segment_key(id);
         if let Some(footer) = self.kept_footer(id, &key) {
             let file = self.cache_file(id, &footer)?;
-            return Ok(Some(self.insert_seg(id, footer, Source::Object { file })));
+            return Ok(Some(self.insert_seg(id, footer, Backing::Object { file })));
         }
         let footer = match self.footer_from_local_peers(id, &key) {
             Some(footer) => footer,
@@ -626,7 +622,7 @@ impl Remote {
         };
         self.keep_footer(id, &footer);
         let file = self.cache_file(id, &footer)?;
-        Ok(Some(self.insert_seg(id, footer, Source::Object { file })))
+        Ok(Some(self.insert_seg(id, footer, Backing::Object { file })))
     }
 
     /// Where the footer of sealed segment `id` is kept beside its cache
@@ -789,7 +785,7 @@ impl Remote {
             data.extend_from_slice(&bytes);
         }
         let footer = Footer::of(&data, data.len().max(1) as u32);
-        Ok(Some(self.insert_seg(id, footer, Source::Wal(data))))
+        Ok(Some(self.insert_seg(id, footer, Backing::Wal(data))))
     }
 
     /// The verified bodies of WAL pieces `pieces`, fetched many at a time
@@ -849,9 +845,9 @@ impl Remote {
     /// The bytes of segment `id` if this process read it from its WAL
     /// pieces (its writer never sealed it).
     pub(crate) fn wal_bytes(&self, id: SegId) -> Option<Vec<u8>> {
-        match &self.segs.read().get(&id)?.source {
-            Source::Wal(data) => Some(data.clone()),
-            Source::Object { .. } => None,
+        match &self.segs.read().get(&id)?.backing {
+            Backing::Wal(data) => Some(data.clone()),
+            Backing::Object { .. } => None,
         }
     }
 
@@ -859,7 +855,7 @@ impl Remote {
     /// so the next read opens the segment object.
     pub(crate) fn forget_wal(&self, id: SegId) {
         let mut segs = self.segs.write();
-        if segs.get(&id).is_some_and(|s| matches!(s.source, Source::Wal(_))) {
+        if segs.get(&id).is_some_and(|s| matches!(s.backing, Backing::Wal(_))) {
             segs.remove(&id);
         }
     }

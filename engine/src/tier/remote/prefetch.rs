@@ -3,7 +3,7 @@
 //! [`RUN_CHUNKS`] neighbours, each one job and one GET for a pool of fetch
 //! workers, and the window runs on into the writer's next segments.
 
-use super::segment::{RemoteSeg, Source};
+use super::segment::{Backing, RemoteSeg};
 use super::{ChunkKey, Remote, RUN_CHUNKS, SPILL_SEGMENTS};
 use crate::format::SegId;
 use std::sync::atomic::Ordering;
@@ -46,7 +46,7 @@ impl RemoteSeg {
         if claimed.is_empty() {
             return;
         }
-        if matches!(self.source, Source::Object { .. }) {
+        if matches!(self.backing, Backing::Object { .. }) {
             // Cache servers first, all of the run asked at once, each chunk
             // landed (and the readers waiting for it woken) as it comes: a
             // reader right behind read-ahead waits for its chunk, not for
@@ -121,7 +121,7 @@ impl RemoteSeg {
             let first = (end / self.chunk_size()) as usize;
             r.enqueue_chunks(&me, first, self.run_end(window_end));
         }
-        if !matches!(self.source, Source::Object { .. }) {
+        if !matches!(self.backing, Backing::Object { .. }) {
             return;
         }
         // Past this segment's end the window goes on through the writer's
@@ -133,7 +133,7 @@ impl RemoteSeg {
             id = id.next();
             let known = r.segs.read().get(&id).cloned();
             match known {
-                Some(seg) if matches!(seg.source, Source::Object { .. }) => {
+                Some(seg) if matches!(seg.backing, Backing::Object { .. }) => {
                     r.enqueue_first(&seg, spill);
                     spill = spill.saturating_sub(seg.footer.data_len);
                     if spill == 0 {

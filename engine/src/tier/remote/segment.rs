@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-pub(super) enum Source {
+pub(super) enum Backing {
     /// A sealed segment object, read chunk by chunk through the cache.
     Object { file: File },
     /// The WAL pieces of a segment that was never sealed: small, read whole.
@@ -27,7 +27,7 @@ pub(crate) struct RemoteSeg {
     pub(super) id: SegId,
     pub(super) key: String,
     pub(crate) footer: Footer,
-    pub(super) source: Source,
+    pub(super) backing: Backing,
     /// End of the last read, to spot sequential readers.
     pub(super) last_end: AtomicU64,
     /// Where the reads answered with parts of chunks since the last other
@@ -68,7 +68,7 @@ impl RemoteSeg {
     /// Fetches chunk `i` from the bucket unless it is present or another
     /// thread brings it; returns its bytes when this call fetched them.
     pub(crate) fn fetch(&self, i: usize) -> Result<Option<Vec<u8>>> {
-        let Source::Object { .. } = &self.source else { return Ok(None) };
+        let Backing::Object { .. } = &self.backing else { return Ok(None) };
         let r = &self.remote;
         let key = (self.id, i as u32);
         let mut run = 1;
@@ -185,7 +185,7 @@ impl RemoteSeg {
     /// chunks and read-ahead.
     fn part_from_peers(&self, buf: &mut [u8], off: u64) -> bool {
         let r = &self.remote;
-        let (Source::Object { .. }, Some(peers)) = (&self.source, &r.peers) else { return false };
+        let (Backing::Object { .. }, Some(peers)) = (&self.backing, &r.peers) else { return false };
         let end = off + buf.len() as u64;
         let cs = self.chunk_size();
         if buf.is_empty() || buf.len() as u64 > PART_MAX || end > self.footer.data_len || off / cs != (end - 1) / cs {
@@ -252,7 +252,7 @@ impl RemoteSeg {
     fn read(&self, buf: &mut [u8], off: u64, streaming: bool) -> Result<()> {
         let end = off + buf.len() as u64;
         if end > self.footer.data_len {
-            if matches!(self.source, Source::Wal(_)) {
+            if matches!(self.backing, Backing::Wal(_)) {
                 // Read as its WAL pieces while its writer went on: the bytes
                 // asked for came later. Look again, once.
                 if let Some(fresh) = self.remote.reopen(self)? {
@@ -266,12 +266,12 @@ impl RemoteSeg {
         if buf.is_empty() {
             return Ok(());
         }
-        let file = match &self.source {
-            Source::Wal(data) => {
+        let file = match &self.backing {
+            Backing::Wal(data) => {
                 buf.copy_from_slice(&data[off as usize..end as usize]);
                 return Ok(());
             }
-            Source::Object { file } => file,
+            Backing::Object { file } => file,
         };
         let cs = self.chunk_size();
         let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();

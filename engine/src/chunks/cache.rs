@@ -1,5 +1,6 @@
 //! The chunk cache: which chunks are on local disk, bounded by bytes and
-//! evicted least-recently-used first. A chunk's bytes live in a sparse
+//! evicted as [`super::policy::SEGMENT_CHUNKS`] says (least recently used
+//! first, in batches down to 90 %). A chunk's bytes live in a sparse
 //! file (one per object, the caller's); an evicted chunk is punched out of
 //! it. The index is in memory, and rebuilt from the files' data extents
 //! (`is_data`) when an object is opened after a restart; chunks found that
@@ -12,15 +13,16 @@
 //! ([`ChunkCache::hold`]) from "is the chunk present" to the end of its
 //! pread; eviction holds it exclusively while it punches holes.
 
+use super::policy::{Ledger, SEGMENT_CHUNKS};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::collections::HashMap;
 use std::fs::File;
 use std::hash::Hash;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// One chunk on local disk.
+/// One chunk on local disk, as the tests see it.
+#[cfg(test)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Chunk {
     /// When it was last used (a tick of the cache; 0: the cold end).
@@ -32,15 +34,18 @@ pub struct Chunk {
     pub verified: bool,
 }
 
-struct Index<K> {
-    tick: u64,
-    chunks: HashMap<K, Chunk>,
-    bytes: u64,
+/// Where a chunk is, as the index keeps it (its last use is its rank in
+/// the ledger).
+#[derive(Clone, Copy)]
+struct Spot {
+    len: u32,
+    off: u64,
+    verified: bool,
 }
 
 pub struct ChunkCache<K> {
     capacity: u64,
-    index: Mutex<Index<K>>,
+    index: Mutex<Ledger<K, Spot>>,
     evicting: RwLock<()>,
     evicted: AtomicU64,
 }
@@ -49,7 +54,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
     pub fn new(capacity: u64) -> ChunkCache<K> {
         ChunkCache {
             capacity,
-            index: Mutex::new(Index { tick: 0, chunks: HashMap::new(), bytes: 0 }),
+            index: Mutex::new(Ledger::new(SEGMENT_CHUNKS)),
             evicting: RwLock::new(()),
             evicted: AtomicU64::new(0),
         }
@@ -61,7 +66,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
 
     /// Bytes of the chunks present.
     pub fn bytes(&self) -> u64 {
-        self.index.lock().bytes
+        self.index.lock().weight()
     }
 
     /// Bytes evicted so far.
@@ -80,52 +85,41 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
         self.evicting.write()
     }
 
+    #[cfg(test)]
     pub fn get(&self, key: K) -> Option<Chunk> {
-        self.index.lock().chunks.get(&key).copied()
+        let index = self.index.lock();
+        let (last_used, s) = index.ranked(&key)?;
+        Some(Chunk { last_used, len: s.len, off: s.off, verified: s.verified })
     }
 
     /// Whether chunk `key` is present and already checked in this process.
     pub fn verified(&self, key: K) -> Option<bool> {
-        self.get(key).map(|c| c.verified)
+        self.index.lock().get(&key).map(|s| s.verified)
     }
 
     pub fn mark_verified(&self, key: K) {
-        if let Some(c) = self.index.lock().chunks.get_mut(&key) {
-            c.verified = true;
+        if let Some(s) = self.index.lock().get_mut(&key) {
+            s.verified = true;
         }
     }
 
     pub fn present(&self, key: K) -> bool {
-        self.index.lock().chunks.contains_key(&key)
+        self.index.lock().contains(&key)
     }
 
     pub fn touch(&self, key: K) {
-        let mut index = self.index.lock();
-        index.tick += 1;
-        let tick = index.tick;
-        if let Some(c) = index.chunks.get_mut(&key) {
-            c.last_used = tick;
-        }
+        self.index.lock().touch(&key);
     }
 
     /// Drops one chunk (one that failed its check).
     pub fn forget(&self, key: K) {
-        let mut index = self.index.lock();
-        if let Some(c) = index.chunks.remove(&key) {
-            index.bytes -= c.len as u64;
-        }
+        self.index.lock().remove(&key);
     }
 
     /// Drops every chunk whose key `pred` picks (an object deleted, or its
     /// cache file started anew).
     pub fn forget_where(&self, pred: impl Fn(&K) -> bool) {
-        let mut index = self.index.lock();
-        let keys: Vec<K> = index.chunks.keys().filter(|k| pred(k)).copied().collect();
-        for k in keys {
-            if let Some(c) = index.chunks.remove(&k) {
-                index.bytes -= c.len as u64;
-            }
-        }
+        self.index.lock().remove_where(pred);
     }
 
     /// Marks chunks (key, length, offset) present. `old` chunks (found in
@@ -135,11 +129,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
     pub fn insert(&self, keys: &[(K, u32, u64)], old: bool) {
         let mut index = self.index.lock();
         for &(key, len, off) in keys {
-            index.tick += 1;
-            let last_used = if old { 0 } else { index.tick };
-            if index.chunks.insert(key, Chunk { last_used, len, off, verified: !old }).is_none() {
-                index.bytes += len as u64;
-            }
+            index.insert(key, len as u64, Spot { len, off, verified: !old }, old);
         }
     }
 
@@ -162,7 +152,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
 
     /// The cache's clock: the tick of the newest use so far.
     pub fn tick(&self) -> u64 {
-        self.index.lock().tick
+        self.index.lock().tick()
     }
 
     /// Drops every chunk last used before tick `before` and hands them to
@@ -170,18 +160,8 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
     /// while goes, however much room is left.
     pub fn evict_unused_since(&self, before: u64, punch: impl FnOnce(&[(K, u32, u64)])) {
         let _x = self.evicting.write();
-        let victims: Vec<(K, u32, u64)> = {
-            let mut index = self.index.lock();
-            let keys: Vec<K> = index.chunks.iter().filter(|(_, c)| c.last_used < before).map(|(k, _)| *k).collect();
-            let mut out = Vec::with_capacity(keys.len());
-            for k in keys {
-                if let Some(c) = index.chunks.remove(&k) {
-                    index.bytes -= c.len as u64;
-                    out.push((k, c.len, c.off));
-                }
-            }
-            out
-        };
+        let victims: Vec<(K, u32, u64)> =
+            self.index.lock().unused_since(before).into_iter().map(|(k, _, s)| (k, s.len, s.off)).collect();
         if victims.is_empty() {
             return;
         }
@@ -189,35 +169,20 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
         punch(&victims);
     }
 
-    /// When the cache holds more than its capacity, drops the least
-    /// recently used chunks down to 90 % of it and hands them (key,
-    /// length, offset) to `punch`, which removes their bytes, while no
-    /// reader is between its presence check and its pread.
+    /// When the cache holds more than its capacity, drops the chunks its
+    /// policy picks (the least recently used, down to 90 % of it) and
+    /// hands them (key, length, offset) to `punch`, which removes their
+    /// bytes, while no reader is between its presence check and its pread.
     pub fn evict_if_over(&self, punch: impl FnOnce(&[(K, u32, u64)])) {
-        if self.index.lock().bytes <= self.capacity {
+        if self.index.lock().weight() <= self.capacity {
             return;
         }
         let _x = self.evicting.write();
-        let victims: Vec<(K, u32, u64)> = {
-            let mut index = self.index.lock();
-            let target = self.capacity / 10 * 9;
-            if index.bytes <= self.capacity {
-                return;
-            }
-            let mut all: Vec<(u64, K, u32, u64)> =
-                index.chunks.iter().map(|(k, c)| (c.last_used, *k, c.len, c.off)).collect();
-            all.sort_unstable();
-            let mut out = Vec::new();
-            for (_, key, len, off) in all {
-                if index.bytes <= target {
-                    break;
-                }
-                index.chunks.remove(&key);
-                index.bytes -= len as u64;
-                out.push((key, len, off));
-            }
-            out
-        };
+        let victims: Vec<(K, u32, u64)> =
+            self.index.lock().trim(self.capacity).into_iter().map(|(k, _, s)| (k, s.len, s.off)).collect();
+        if victims.is_empty() {
+            return;
+        }
         self.evicted.fetch_add(victims.iter().map(|v| v.1 as u64).sum(), Ordering::Relaxed);
         punch(&victims);
     }

@@ -7,7 +7,7 @@
 //! did not give, or gave wrong, is read from the bucket.
 
 use crate::format::SegId;
-use crate::source::Source;
+use crate::format::Source;
 use std::ops::Range;
 
 /// One chunk asked of a [`ChunkSource`].
@@ -55,7 +55,7 @@ pub trait ChunkSource: Send + Sync {
     /// its block crcs; `None` when this source cannot give them now.
     /// Bytes `leaves` (whole 16 KiB leaves inside the chunk) of chunk
     /// `index` of `seg` followed by the hash of every leaf of the chunk
-    /// ([`crate::tier::object::prove_part`]), for a reader that checks
+    /// (the bucket tier's `prove_part`), for a reader that checks
     /// them against the chunk's digest; `None` when this source cannot.
     fn fetch_proved_part(&self, _seg: SegId, _index: u32, _leaves: Range<u64>) -> Option<Vec<u8>> {
         None

@@ -1,6 +1,6 @@
 //! Source-object chunks on local disk: a node's second cache behind the
-//! memory one, kept across restarts, bounded by bytes, least recently used
-//! out first.
+//! memory one, kept across restarts, bounded by bytes, evicted as
+//! [`super::policy::OBJECT_FILES`] says (least recently used out first).
 //!
 //! An object version's chunk never changes (its id names the ETag), so a
 //! cached chunk needs no invalidation; it needs only to be the bytes that
@@ -12,9 +12,9 @@
 //! bytes. Nothing is fsynced: a file lost in a crash is only a miss.
 
 use super::fnv1a;
+use super::policy::{Ledger, OBJECT_FILES};
 use crate::error::Result;
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,48 +34,12 @@ pub struct ChunkFiles {
     dir: PathBuf,
     capacity: u64,
     others: Option<Others>,
-    state: Mutex<State>,
+    /// Each chunk's file length, in the order they leave.
+    state: Mutex<Ledger<Key, ()>>,
     hits: AtomicU64,
     damaged: AtomicU64,
     /// Numbers temporary file names (two writers of one chunk never share one).
     tmp: AtomicU64,
-}
-
-#[derive(Default)]
-struct State {
-    /// Each chunk's length and last use.
-    entries: HashMap<Key, (u64, u64)>,
-    /// Last use → chunk, oldest first.
-    by_use: BTreeMap<u64, Key>,
-    bytes: u64,
-    clock: u64,
-}
-
-impl State {
-    fn touch(&mut self, key: Key) {
-        self.clock += 1;
-        let clock = self.clock;
-        if let Some((_, used)) = self.entries.get_mut(&key) {
-            self.by_use.remove(used);
-            *used = clock;
-            self.by_use.insert(clock, key);
-        }
-    }
-
-    fn add(&mut self, key: Key, len: u64) {
-        self.forget(key);
-        self.clock += 1;
-        self.entries.insert(key, (len, self.clock));
-        self.by_use.insert(self.clock, key);
-        self.bytes += len;
-    }
-
-    fn forget(&mut self, key: Key) {
-        if let Some((len, used)) = self.entries.remove(&key) {
-            self.by_use.remove(&used);
-            self.bytes -= len;
-        }
-    }
 }
 
 /// A chunk read from its file: the file's bytes, used in place.
@@ -131,9 +95,9 @@ impl ChunkFiles {
             }
         }
         found.sort();
-        let mut state = State::default();
+        let mut state = Ledger::new(OBJECT_FILES);
         for (_, key, len) in found {
-            state.add(key, len);
+            state.insert(key, len, (), false);
         }
         let files = Arc::new(ChunkFiles {
             dir: dir.to_path_buf(),
@@ -159,17 +123,17 @@ impl ChunkFiles {
     /// Chunk `index` of object `id`, if it is here and passes its checks.
     pub fn get(&self, id: &str, index: u64) -> Option<FileChunk> {
         let key = Self::key(id, index);
-        if !self.state.lock().entries.contains_key(&key) {
+        if !self.state.lock().contains(&key) {
             return None;
         }
         let path = self.path(key);
         let Ok(file) = std::fs::read(&path) else {
-            self.state.lock().forget(key);
+            self.state.lock().remove(&key);
             return None;
         };
         match check(&file, id) {
             Some(start) => {
-                self.state.lock().touch(key);
+                self.state.lock().touch(&key);
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 Some(FileChunk { file, start })
             }
@@ -181,7 +145,7 @@ impl ChunkFiles {
                     tracing::warn!(file = %path.display(), "a cached chunk failed its checksum; fetching it again");
                 }
                 let _ = std::fs::remove_file(&path);
-                self.state.lock().forget(key);
+                self.state.lock().remove(&key);
                 None
             }
         }
@@ -217,7 +181,7 @@ impl ChunkFiles {
         };
         match write() {
             Ok(()) => {
-                self.state.lock().add(key, (header.len() + body.len()) as u64);
+                self.state.lock().insert(key, (header.len() + body.len()) as u64, (), false);
                 self.trim();
             }
             Err(e) => {
@@ -227,28 +191,19 @@ impl ChunkFiles {
         }
     }
 
-    /// Removes the least recently used chunks until the budget holds.
+    /// Removes the chunks the policy picks until the budget holds.
     fn trim(&self) {
         let others = self.others.as_ref().map_or(0, |f| f());
         let budget = self.capacity.saturating_sub(others);
-        // Bounded: each round removes one entry.
-        loop {
-            let victim = {
-                let mut s = self.state.lock();
-                if s.bytes <= budget {
-                    return;
-                }
-                let Some((_, &key)) = s.by_use.iter().next() else { return };
-                s.forget(key);
-                key
-            };
-            let _ = std::fs::remove_file(self.path(victim));
+        let victims = self.state.lock().trim(budget);
+        for (key, _, ()) in victims {
+            let _ = std::fs::remove_file(self.path(key));
         }
     }
 
     pub fn stats(&self) -> ChunkFilesStats {
         ChunkFilesStats {
-            bytes: self.state.lock().bytes,
+            bytes: self.state.lock().weight(),
             capacity: self.capacity,
             hits: self.hits.load(Ordering::Relaxed),
             damaged: self.damaged.load(Ordering::Relaxed),

@@ -1,0 +1,48 @@
+//! Caches of immutable chunks: every chunk this node keeps of a sealed
+//! segment object or of an imported (source) object, and where a chunk may
+//! come from before the bucket. An immutable chunk needs no invalidation,
+//! only to be the bytes that were put: what every cache here keeps is
+//! checked by its reader (a segment chunk against its object's footer, an
+//! object chunk file against its own crc32c).
+//!
+//! - `cache.rs`: [`ChunkCache`], segment chunks in sparse files (one per
+//!   object, on the cache folder's disk or in memory files), holes punched
+//!   on eviction, and the lock that keeps a reader's pread and a punch
+//!   apart; used by the bucket tier's segment reader (`tier/remote`).
+//! - `memory.rs`: [`MemoryChunks`], imported objects' chunks in memory.
+//! - `files.rs`: [`ChunkFiles`], imported objects' chunks on local disk,
+//!   one file each, kept across restarts.
+//! - `peers.rs`: [`ChunkSource`], chunks from cache servers (`arbor serve`)
+//!   or another cache of this process, asked before the bucket.
+//! - `policy.rs`: **the eviction policy of every cache here**, the one
+//!   place to change it: each cache keeps its chunks in a
+//!   [`policy::Ledger`], which ranks them and picks the victims as the
+//!   cache's [`policy::Policy`] says (the three policies are constants
+//!   there).
+//!
+//! This room imports nothing from the modules that use it (`tier`,
+//! `source`, `volume`): only the format, the error type, checksums and
+//! private files.
+//!
+//! Not here yet: fetching. Concurrent fetches of one chunk are still
+//! deduplicated, and read-ahead still run, by each reader: the segment
+//! reader's `inflight` claims and fetch workers (`tier/remote/segment.rs`,
+//! `tier/remote/prefetch.rs`), and `SourceReader`'s pending fetches
+//! (`source/mod.rs`).
+
+mod cache;
+mod files;
+mod memory;
+mod peers;
+pub mod policy;
+
+pub(crate) use cache::{is_data, punch_hole, ChunkCache};
+pub use files::{ChunkFiles, ChunkFilesStats, FileChunk, Others};
+pub(crate) use memory::MemoryChunks;
+pub use peers::{ChunkRequest, ChunkSource, LateSources};
+
+/// FNV-1a, 64 bits: how chunk files are named and cache servers weighed
+/// (the same on every host and build).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
