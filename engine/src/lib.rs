@@ -18,6 +18,7 @@ pub mod fsck;
 pub mod io;
 pub mod layout;
 pub mod log;
+pub mod metrics;
 pub mod private;
 pub mod source;
 pub mod testkit;
