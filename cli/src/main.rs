@@ -6,6 +6,7 @@ mod control;
 mod disk;
 mod export;
 mod import;
+mod mount_metrics;
 mod node;
 mod prefetch;
 mod serve;
@@ -262,6 +263,11 @@ struct MountCmd {
     /// always honours them.)
     #[arg(long)]
     allow_suid_devices: bool,
+    /// Serve `GET /metrics` (Prometheus text: FUSE operations, bucket calls,
+    /// the chunk cache) on this address, e.g. 127.0.0.1:9101. No token: bind
+    /// it where only the scraper reaches.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// Where a client reads chunks before the bucket.
@@ -485,6 +491,7 @@ fn run(cli: Cli) -> Result<()> {
                 server: m.server,
                 timeout: m.timeout.map(|t| t.0),
                 allow_suid_devices: m.allow_suid_devices,
+                metrics: m.metrics,
             };
             if m.foreground {
                 serve::run_foreground(&args)?;
