@@ -10,15 +10,15 @@ pub type Fuse = (Arc<arbor_fs::Transport>, Arc<arbor_fs::Counters>);
 /// Adds what `status` says of a mount's FUSE side to `status`: the
 /// transport, its requests, and what reached arbor.
 pub fn with_fuse(status: &mut Value, (transport, c): &Fuse) {
-    use std::sync::atomic::Ordering::Relaxed;
+    use arbor_fs::Op;
     let fuse = json!({
         "fuse_transport": transport.describe(),
         "fuse_ring_requests": transport.ring_requests(),
-        "fuse_read_requests": c.reads.load(Relaxed),
-        "fuse_lookup_requests": c.lookups.load(Relaxed),
-        "fuse_getxattr_requests": c.getxattrs.load(Relaxed),
-        "fuse_direct_write_opens": c.direct_opens.load(Relaxed),
-        "kernel_read_ahead": c.kernel_read_ahead.load(Relaxed),
+        "fuse_read_requests": c.ops.count(Op::Read),
+        "fuse_lookup_requests": c.ops.count(Op::Lookup),
+        "fuse_getxattr_requests": c.ops.count(Op::Getxattr),
+        "fuse_direct_write_opens": c.direct_opens.get(),
+        "kernel_read_ahead": c.kernel_read_ahead.get(),
     });
     if let (Some(to), Value::Object(from)) = (status.as_object_mut(), fuse) {
         to.extend(from);

@@ -6,6 +6,7 @@ mod export;
 mod import;
 mod json;
 mod mount;
+mod mount_metrics;
 mod owner;
 mod prefetch;
 mod remote_mount;
@@ -266,6 +267,11 @@ struct MountCmd {
     /// always honours them.)
     #[arg(long)]
     allow_suid_devices: bool,
+    /// Serve `GET /metrics` (Prometheus text: FUSE operations, bucket calls,
+    /// the chunk cache) on this address, e.g. 127.0.0.1:9101. No token: bind
+    /// it where only the scraper reaches.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// Where a client reads chunks before the bucket.
@@ -488,6 +494,7 @@ fn run(cli: Cli) -> Result<()> {
                 server: m.server,
                 timeout: m.timeout.map(|t| t.0),
                 allow_suid_devices: m.allow_suid_devices,
+                metrics: m.metrics,
             };
             if m.foreground {
                 mount::run_foreground(&args)?;

@@ -46,6 +46,8 @@ pub struct MountArgs {
     pub timeout: Option<Duration>,
     /// Through an owner: the mount is `suid,dev`, not `nosuid,nodev`.
     pub allow_suid_devices: bool,
+    /// Where to serve `/metrics` (`None`: nowhere).
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl MountArgs {
@@ -229,12 +231,21 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
                 ..MountOptions::default()
             };
             let name = args.root_name().to_string();
-            return crate::remote_mount::mount(&p.disk, &p.mountpoint, name, files, &fuse_opts, p.cache_client.clone());
+            let servers = p.cache_client.clone();
+            return crate::remote_mount::mount(&p.disk, &p.mountpoint, name, files, &fuse_opts, servers, args.metrics);
         }
     };
     let (vol, _lock) = (local.volume, local.lock);
     let _ = OPEN_MS.set(local.opened_in.as_millis() as u64);
     let control = control::Server::bind(&p.mountpoint)?;
+    let fuse_counters = Arc::new(std::sync::OnceLock::new());
+    let metrics = crate::mount_metrics::Sources {
+        fuse: fuse_counters.clone(),
+        disk: p.disk.clone(),
+        vol: Some(vol.clone()),
+        servers: p.cache_client.clone(),
+    };
+    let endpoint = args.metrics.map(|addr| metrics.serve(addr)).transpose()?;
     let opts = MountOptions {
         allow_other: args.allow_other,
         read_ahead: args.read_ahead,
@@ -243,6 +254,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     };
     let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?;
+    let _ = fuse_counters.set(handle.counters().clone());
     let fuse = handle.transport().describe();
     tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.url, root = args.root_name(), %fuse, "mounted");
     if !args.pre_fetch.is_empty() {
@@ -311,6 +323,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
     let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
+    // It holds the volume: gone before the volume closes.
+    drop(endpoint);
     drop(maintain_stop);
     if let Some(t) = maintainer {
         let _ = t.join();

@@ -16,16 +16,26 @@ use std::sync::Arc;
 /// Mounts branch `name` at `mountpoint` through its owner (`files`, the
 /// client connected to it), and serves until unmounted or signalled.
 pub fn mount(
-    d: &Disk,
+    d: &Arc<Disk>,
     mountpoint: &Path,
     name: String,
     files: Arc<RemoteFiles>,
     opts: &MountOptions,
     cache_client: Option<Arc<CacheClient>>,
+    metrics: Option<std::net::SocketAddr>,
 ) -> Result<()> {
     let control = control::Server::bind(mountpoint)?;
+    let fuse_counters = Arc::new(std::sync::OnceLock::new());
+    let sources = crate::mount_metrics::Sources {
+        fuse: fuse_counters.clone(),
+        disk: d.clone(),
+        vol: None,
+        servers: cache_client.clone(),
+    };
+    let endpoint = metrics.map(|addr| sources.serve(addr)).transpose()?;
     let handle = arbor_fs::mount(files.clone(), mountpoint, opts)
         .with_context(|| format!("cannot mount at {}", mountpoint.display()))?;
+    let _ = fuse_counters.set(handle.counters().clone());
     if let Some(n) = handle.notifier() {
         files.follow(n)?;
     }
@@ -83,6 +93,7 @@ pub fn mount(
         ),
         None => (json!({"ok": false, "error": "no op"}), false),
     })?;
+    drop(endpoint);
     let closed = Files::close(&*files);
     stopped.report(closed.as_ref().map(|_| ()).map_err(|e| e.to_string()));
     closed?;

@@ -19,6 +19,7 @@ pub mod fsck;
 pub mod io;
 pub mod layout;
 pub mod log;
+pub mod metrics;
 pub mod private;
 pub mod source;
 #[cfg(any(test, feature = "testkit"))]

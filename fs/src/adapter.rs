@@ -1,5 +1,7 @@
 use crate::direct::DirectWrites;
 use crate::files::{Caller, Files, Lock};
+use crate::ops::{Op, OpMetrics};
+use arbor_engine::metrics::{Counter, Exposition, Gauge};
 use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, TimeSet, XattrFlags};
 use arbor_engine::{env::Timestamp, Error};
 use fuser::{Errno, FileAttr, FileType, FopenFlags, INodeNo, TimeOrNow};
@@ -85,19 +87,42 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     direct: DirectWrites,
 }
 
-/// What reached the file system, for `arbor status` and the tests: a READ
-/// counted here is one the kernel's page cache did not answer.
+/// What reached the file system, for `arbor status`, a mount's
+/// `/metrics` and the tests: a READ counted here is one the kernel's page
+/// cache did not answer (and a GETXATTR one the kernel did not spare: it
+/// asks for `security.capability` before a write unless it marked the
+/// file as needing no check).
 #[derive(Default, Debug)]
 pub struct Counters {
-    pub reads: std::sync::atomic::AtomicU64,
-    pub lookups: std::sync::atomic::AtomicU64,
-    /// GETXATTR requests (the kernel asks for `security.capability` before
-    /// a write unless it marked the file as needing no check).
-    pub getxattrs: std::sync::atomic::AtomicU64,
+    /// Every operation's count, errors and latency.
+    pub ops: OpMetrics,
+    /// Bytes READs answered and WRITEs took.
+    pub read_bytes: Counter,
+    pub written_bytes: Counter,
     /// Opens answered with direct I/O (write-only ones, see `direct.rs`).
-    pub direct_opens: std::sync::atomic::AtomicU64,
+    pub direct_opens: Counter,
     /// The kernel's read-ahead for the mount in bytes (0: not known).
-    pub kernel_read_ahead: std::sync::atomic::AtomicU64,
+    pub kernel_read_ahead: Gauge,
+}
+
+impl Counters {
+    pub fn render(&self, page: &mut Exposition) {
+        self.ops.render(page);
+        page.counter("arbor_fuse_read_bytes_total", "Bytes FUSE reads answered.", &[], self.read_bytes.get());
+        page.counter("arbor_fuse_written_bytes_total", "Bytes FUSE writes took.", &[], self.written_bytes.get());
+        page.counter(
+            "arbor_fuse_direct_write_opens_total",
+            "Opens answered with direct I/O (write-only ones).",
+            &[],
+            self.direct_opens.get(),
+        );
+        page.gauge(
+            "arbor_fuse_kernel_read_ahead_bytes",
+            "The kernel's read-ahead for the mount (0: not known).",
+            &[],
+            self.kernel_read_ahead.get() as f64,
+        );
+    }
 }
 
 impl<F: Files + ?Sized> ArborFs<F> {
@@ -149,7 +174,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
             return FopenFlags::FOPEN_DIRECT_IO;
         }
         if self.direct.opened(a.ino, flags) {
-            self.counters.direct_opens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.counters.direct_opens.inc();
             return FopenFlags::FOPEN_DIRECT_IO;
         }
         if !self.vol.is_shared() {
@@ -173,16 +198,17 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Answer<Entry> {
-        self.counters.lookups.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        match self.vol.lookup(parent, name) {
-            // Node 0 is "no such name, and remember that for TTL": the
-            // kernel keeps a negative entry (and drops it itself when the
-            // name is created through it), so a program probing for files
-            // that are not there (module search paths, "exists?" checks)
-            // asks us once.
-            Err(Error::NotFound) => Ok(Entry { attr: negative_attr(), ttl: self.ttl }),
-            r => self.entry(r),
-        }
+        self.counters.ops.run(Op::Lookup, parent, || {
+            match self.vol.lookup(parent, name) {
+                // Node 0 is "no such name, and remember that for TTL": the
+                // kernel keeps a negative entry (and drops it itself when the
+                // name is created through it), so a program probing for files
+                // that are not there (module search paths, "exists?" checks)
+                // asks us once.
+                Err(Error::NotFound) => Ok(Entry { attr: negative_attr(), ttl: self.ttl }),
+                r => self.entry(r),
+            }
+        })
     }
 
     pub fn forget(&self, ino: u64) {
@@ -195,7 +221,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn getattr(&self, ino: u64) -> Answer<FileAttr> {
-        answer(self.vol.getattr(ino)).map(|a| file_attr(&a))
+        self.counters.ops.run(Op::Getattr, ino, || answer(self.vol.getattr(ino)).map(|a| file_attr(&a)))
     }
 
     /// A SETATTR by `caller` (see [`Files::setattr_by`]). `kill_suidgid`:
@@ -210,7 +236,9 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// trip to the owner that also waited for every write in flight).
     /// The answer carries the attributes after: nothing cached to drop.
     pub fn setattr(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Answer<FileAttr> {
-        answer(self.vol.setattr_by(ino, change, caller, kill_suidgid)).map(|a| file_attr(&a))
+        self.counters.ops.run(Op::Setattr, ino, || {
+            answer(self.vol.setattr_by(ino, change, caller, kill_suidgid)).map(|a| file_attr(&a))
+        })
     }
 
     /// Drops the attributes the kernel cached for `ino`: a WRITE's answer
@@ -232,7 +260,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn readlink(&self, ino: u64) -> Answer<Vec<u8>> {
-        answer(self.vol.readlink(ino))
+        self.counters.ops.run(Op::Readlink, ino, || answer(self.vol.readlink(ino)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -246,65 +274,75 @@ impl<F: Files + ?Sized> ArborFs<F> {
         uid: u32,
         gid: u32,
     ) -> Answer<Entry> {
-        let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
-        self.entry(self.vol.create(parent, name, mode, uid, gid, rdev))
+        self.counters.ops.run(Op::Mknod, parent, || {
+            let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
+            self.entry(self.vol.create(parent, name, mode, uid, gid, rdev))
+        })
     }
 
     pub fn mkdir(&self, parent: u64, name: &[u8], mode: u32, umask: u32, uid: u32, gid: u32) -> Answer<Entry> {
-        let perm = (mode & 0o7777 & !umask) as u16;
-        self.entry(self.vol.mkdir(parent, name, perm, uid, gid))
+        self.counters.ops.run(Op::Mkdir, parent, || {
+            let perm = (mode & 0o7777 & !umask) as u16;
+            self.entry(self.vol.mkdir(parent, name, perm, uid, gid))
+        })
     }
 
     pub fn unlink(&self, parent: u64, name: &[u8]) -> Answer<()> {
-        answer(self.vol.unlink(parent, name))
+        self.counters.ops.run(Op::Unlink, parent, || answer(self.vol.unlink(parent, name)))
     }
 
     pub fn rmdir(&self, parent: u64, name: &[u8]) -> Answer<()> {
-        answer(self.vol.rmdir(parent, name))
+        self.counters.ops.run(Op::Rmdir, parent, || answer(self.vol.rmdir(parent, name)))
     }
 
     pub fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Answer<Entry> {
-        self.entry(self.vol.symlink(parent, name, target, uid, gid))
+        self.counters.ops.run(Op::Symlink, parent, || self.entry(self.vol.symlink(parent, name, target, uid, gid)))
     }
 
     /// `flags` are `renameat2`'s.
     pub fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], flags: u32) -> Answer<()> {
-        let mode = match flags {
-            0 => RenameMode::Plain,
-            libc::RENAME_NOREPLACE => RenameMode::NoReplace,
-            libc::RENAME_EXCHANGE => RenameMode::Exchange,
-            _ => return Err(Errno::from_i32(libc::EINVAL)),
-        };
-        answer(self.vol.rename(parent, name, new_parent, new_name, mode))
+        self.counters.ops.run(Op::Rename, parent, || {
+            let mode = match flags {
+                0 => RenameMode::Plain,
+                libc::RENAME_NOREPLACE => RenameMode::NoReplace,
+                libc::RENAME_EXCHANGE => RenameMode::Exchange,
+                _ => return Err(Errno::from_i32(libc::EINVAL)),
+            };
+            answer(self.vol.rename(parent, name, new_parent, new_name, mode))
+        })
     }
 
     pub fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Answer<Entry> {
-        self.entry(self.vol.link(ino, new_parent, new_name))
+        self.counters.ops.run(Op::Link, ino, || self.entry(self.vol.link(ino, new_parent, new_name)))
     }
 
     pub fn open(&self, ino: u64, flags: i32) -> Answer<FopenFlags> {
-        match self.vol.open(ino) {
-            Ok(a) => Ok(self.open_flags(&a, flags)),
-            // In a shared tree a name the kernel still caches can point at
-            // a file the owner no longer has (another node removed it, or
-            // the owner restarted without it). ESTALE makes the kernel
-            // look the name up again and retry the open once, as for NFS;
-            // ENOENT would fail `open(O_CREAT)` of a name that is free.
-            Err(Error::NotFound) if self.vol.is_shared() => Err(Errno::from_i32(libc::ESTALE)),
-            Err(e) => Err(to_errno(&e)),
-        }
+        self.counters.ops.run(Op::Open, ino, || {
+            match self.vol.open(ino) {
+                Ok(a) => Ok(self.open_flags(&a, flags)),
+                // In a shared tree a name the kernel still caches can point at
+                // a file the owner no longer has (another node removed it, or
+                // the owner restarted without it). ESTALE makes the kernel
+                // look the name up again and retry the open once, as for NFS;
+                // ENOENT would fail `open(O_CREAT)` of a name that is free.
+                Err(Error::NotFound) if self.vol.is_shared() => Err(Errno::from_i32(libc::ESTALE)),
+                Err(e) => Err(to_errno(&e)),
+            }
+        })
     }
 
     /// Directories need no per-open state.
-    pub fn opendir(&self, _ino: u64) -> Answer<FopenFlags> {
-        Ok(FopenFlags::empty())
+    pub fn opendir(&self, ino: u64) -> Answer<FopenFlags> {
+        self.counters.ops.run(Op::Opendir, ino, || Ok(FopenFlags::empty()))
     }
 
     /// Fills `buf` from `offset` (short at end of file) and says how much
     /// of it holds the file's bytes.
     pub fn read(&self, ino: u64, offset: u64, buf: &mut [u8]) -> Answer<usize> {
-        self.counters.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        answer(self.vol.read_into(ino, offset, buf))
+        self.counters
+            .ops
+            .run(Op::Read, ino, || answer(self.vol.read_into(ino, offset, buf)))
+            .inspect(|n| self.counters.read_bytes.add(*n as u64))
     }
 
     /// `kill_suidgid`: the kernel's FUSE_WRITE_KILL_SUIDGID (a write by a
@@ -313,41 +351,48 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// file as the owner has it (the kernel placed it at the end it last
     /// saw), and the kernel's cached size is dropped.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool, append: bool) -> Answer<u32> {
-        if append && self.vol.is_shared() {
-            let (n, _) = answer(self.vol.write_appending(ino, offset, data, kill_suidgid))?;
-            self.drop_cached_attrs(ino);
-            return Ok(n as u32);
-        }
-        let n = if kill_suidgid {
-            let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
-            if changed {
-                self.drop_cached_attrs(ino);
-            }
-            n
-        } else {
-            answer(self.vol.write(ino, offset, data))?
-        };
-        self.direct.written(ino, offset, n as u64);
-        Ok(n as u32)
+        self.counters
+            .ops
+            .run(Op::Write, ino, || {
+                if append && self.vol.is_shared() {
+                    let (n, _) = answer(self.vol.write_appending(ino, offset, data, kill_suidgid))?;
+                    self.drop_cached_attrs(ino);
+                    return Ok(n as u32);
+                }
+                let n = if kill_suidgid {
+                    let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
+                    if changed {
+                        self.drop_cached_attrs(ino);
+                    }
+                    n
+                } else {
+                    answer(self.vol.write(ino, offset, data))?
+                };
+                self.direct.written(ino, offset, n as u64);
+                Ok(n as u32)
+            })
+            .inspect(|n| self.counters.written_bytes.add(u64::from(*n)))
     }
 
     pub fn flush(&self, ino: u64, lock_owner: u64) -> Answer<()> {
-        if self.vol.is_shared() {
-            // Writes still on their way reach the owner before close
-            // returns (close-to-open).
-            let flushed = answer(self.vol.flush(ino));
-            // Closing a descriptor drops its process's fcntl locks on the
-            // file, which the owner holds; a file never locked here costs
-            // no round trip.
-            if self.locked.lock().contains(&ino) {
-                answer(self.vol.unlock_all(ino, lock_owner))?;
+        self.counters.ops.run(Op::Flush, ino, || {
+            if self.vol.is_shared() {
+                // Writes still on their way reach the owner before close
+                // returns (close-to-open).
+                let flushed = answer(self.vol.flush(ino));
+                // Closing a descriptor drops its process's fcntl locks on the
+                // file, which the owner holds; a file never locked here costs
+                // no round trip.
+                if self.locked.lock().contains(&ino) {
+                    answer(self.vol.unlock_all(ino, lock_owner))?;
+                }
+                return flushed;
             }
-            return flushed;
-        }
-        // Nothing is buffered per handle. ENOSYS tells the kernel to stop
-        // sending FLUSH on every close (it then reports success itself):
-        // one round trip fewer per file.
-        Err(Errno::ENOSYS)
+            // Nothing is buffered per handle. ENOSYS tells the kernel to stop
+            // sending FLUSH on every close (it then reports success itself):
+            // one round trip fewer per file.
+            Err(Errno::ENOSYS)
+        })
     }
 
     /// A handle for a new open file, unique in this mount.
@@ -357,31 +402,33 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     /// `flags`: those the file was opened with; `fh`: its handle.
     pub fn release(&self, ino: u64, fh: u64, flags: i32, lock_owner: Option<u64>) -> Answer<()> {
-        self.direct.released(ino, flags);
-        // The last close of an open file drops its flock. The kernel sends
-        // this after close returned, and names the lock owner by the open
-        // file's address, which a new open may already reuse: only the
-        // open that took the lock lets go of it, never a newer one's.
-        if let Some(owner) = lock_owner {
-            let gate = self.gate(ino, owner);
-            let _held = gate.lock();
-            let ours = {
-                let mut lockers = self.lockers.lock();
-                let ours = lockers.get(&(ino, owner)) == Some(&fh);
-                if ours {
-                    lockers.remove(&(ino, owner));
+        self.counters.ops.run(Op::Release, ino, || {
+            self.direct.released(ino, flags);
+            // The last close of an open file drops its flock. The kernel sends
+            // this after close returned, and names the lock owner by the open
+            // file's address, which a new open may already reuse: only the
+            // open that took the lock lets go of it, never a newer one's.
+            if let Some(owner) = lock_owner {
+                let gate = self.gate(ino, owner);
+                let _held = gate.lock();
+                let ours = {
+                    let mut lockers = self.lockers.lock();
+                    let ours = lockers.get(&(ino, owner)) == Some(&fh);
+                    if ours {
+                        lockers.remove(&(ino, owner));
+                    }
+                    ours
+                };
+                if ours && self.locked.lock().contains(&ino) {
+                    if let Err(e) = self.vol.unlock_all(ino, owner) {
+                        tracing::warn!(ino, error = %e, "dropping a closed file's locks failed");
+                    }
                 }
-                ours
-            };
-            if ours && self.locked.lock().contains(&ino) {
-                if let Err(e) = self.vol.unlock_all(ino, owner) {
-                    tracing::warn!(ino, error = %e, "dropping a closed file's locks failed");
-                }
+                drop(_held);
+                self.ungate(ino, owner, gate);
             }
-            drop(_held);
-            self.ungate(ino, owner, gate);
-        }
-        answer(self.vol.release(ino))
+            answer(self.vol.release(ino))
+        })
     }
 
     /// The gate of (file, lock owner) (see `gates`).
@@ -399,13 +446,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn fsync(&self, ino: u64) -> Answer<()> {
-        answer(self.vol.fsync(ino))
+        self.counters.ops.run(Op::Fsync, ino, || answer(self.vol.fsync(ino)))
     }
 
     /// Calls `add(entry)` for each entry from `offset` until it returns
     /// true (the reply is full).
     pub fn readdir(&self, ino: u64, offset: u64, add: &mut dyn FnMut(DirEntryOut) -> bool) -> Answer<()> {
-        answer(self.vol.readdir(ino, offset, &mut |e| !add(e)))
+        self.counters.ops.run(Op::Readdir, ino, || answer(self.vol.readdir(ino, offset, &mut |e| !add(e))))
     }
 
     /// Whether READDIRPLUS is worth offering: it costs a `getattr` per
@@ -427,59 +474,66 @@ impl<F: Files + ?Sized> ArborFs<F> {
         entry_size: fn(&[u8]) -> usize,
         add: &mut dyn FnMut(&DirEntryOut, &Entry) -> bool,
     ) -> Answer<()> {
-        // The listing first, then the attributes: no volume call runs
-        // inside another's callback.
-        let mut listed = Vec::new();
-        let mut used = 0;
-        answer(self.vol.readdir(ino, offset, &mut |e| {
-            used += entry_size(&e.name);
-            listed.push(e);
-            used < size
-        }))?;
-        for e in listed {
-            let attr = match self.vol.getattr(e.ino) {
-                Ok(a) => a,
-                Err(Error::NotFound) => continue,
-                Err(err) => return Err(to_errno(&err)),
-            };
-            if add(&e, &Entry { attr: file_attr(&attr), ttl: self.ttl }) {
-                break;
+        self.counters.ops.run(Op::Readdirplus, ino, || {
+            // The listing first, then the attributes: no volume call runs
+            // inside another's callback.
+            let mut listed = Vec::new();
+            let mut used = 0;
+            answer(self.vol.readdir(ino, offset, &mut |e| {
+                used += entry_size(&e.name);
+                listed.push(e);
+                used < size
+            }))?;
+            for e in listed {
+                let attr = match self.vol.getattr(e.ino) {
+                    Ok(a) => a,
+                    Err(Error::NotFound) => continue,
+                    Err(err) => return Err(to_errno(&err)),
+                };
+                if add(&e, &Entry { attr: file_attr(&attr), ttl: self.ttl }) {
+                    break;
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     pub fn statfs(&self) -> Answer<StatFs> {
-        answer(self.vol.statfs())
+        self.counters.ops.run(Op::Statfs, 0, || answer(self.vol.statfs()))
     }
 
     pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> Answer<()> {
-        let flags = match flags {
-            0 => XattrFlags::Any,
-            libc::XATTR_CREATE => XattrFlags::Create,
-            libc::XATTR_REPLACE => XattrFlags::Replace,
-            _ => return Err(Errno::from_i32(libc::EINVAL)),
-        };
-        answer(self.vol.setxattr(ino, name, value, flags))
+        self.counters.ops.run(Op::Setxattr, ino, || {
+            let flags = match flags {
+                0 => XattrFlags::Any,
+                libc::XATTR_CREATE => XattrFlags::Create,
+                libc::XATTR_REPLACE => XattrFlags::Replace,
+                _ => return Err(Errno::from_i32(libc::EINVAL)),
+            };
+            answer(self.vol.setxattr(ino, name, value, flags))
+        })
     }
 
     pub fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Answer<Xattr> {
-        self.counters.getxattrs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        answer(self.vol.getxattr(ino, name)).and_then(|v| xattr_answer(v, size))
+        self.counters
+            .ops
+            .run(Op::Getxattr, ino, || answer(self.vol.getxattr(ino, name)).and_then(|v| xattr_answer(v, size)))
     }
 
     pub fn listxattr(&self, ino: u64, size: u32) -> Answer<Xattr> {
-        let names = answer(self.vol.listxattr(ino))?;
-        let mut buf = Vec::new();
-        for n in names {
-            buf.extend_from_slice(&n);
-            buf.push(0);
-        }
-        xattr_answer(buf, size)
+        self.counters.ops.run(Op::Listxattr, ino, || {
+            let names = answer(self.vol.listxattr(ino))?;
+            let mut buf = Vec::new();
+            for n in names {
+                buf.extend_from_slice(&n);
+                buf.push(0);
+            }
+            xattr_answer(buf, size)
+        })
     }
 
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Answer<()> {
-        answer(self.vol.removexattr(ino, name))
+        self.counters.ops.run(Op::Removexattr, ino, || answer(self.vol.removexattr(ino, name)))
     }
 
     /// `flags`: the open's (`O_WRONLY`, `O_TRUNC`, ...).
@@ -494,70 +548,78 @@ impl<F: Files + ?Sized> ArborFs<F> {
         uid: u32,
         gid: u32,
     ) -> Answer<(Entry, FopenFlags)> {
-        let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
-        let a = answer(self.vol.create_open(parent, name, mode, uid, gid))?;
-        let flags = self.open_flags(&a, flags);
-        Ok((Entry { attr: file_attr(&a), ttl: self.ttl }, flags))
+        self.counters.ops.run(Op::Create, parent, || {
+            let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
+            let a = answer(self.vol.create_open(parent, name, mode, uid, gid))?;
+            let flags = self.open_flags(&a, flags);
+            Ok((Entry { attr: file_attr(&a), ttl: self.ttl }, flags))
+        })
     }
 
     pub fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32, caller: Caller) -> Answer<()> {
-        // Space is never reserved (holes cost nothing and the bucket has no
-        // quota to run out of); plain fallocate only extends the size.
-        if mode != 0 {
-            return Err(Errno::from_i32(libc::EOPNOTSUPP));
-        }
-        answer(self.vol.getattr(ino).and_then(|a| {
-            let end = offset.checked_add(length).ok_or(Error::TooBig)?;
-            if end > a.size {
-                self.vol.setattr_by(ino, SetAttr { size: Some(end), ..Default::default() }, caller, false)?;
+        self.counters.ops.run(Op::Fallocate, ino, || {
+            // Space is never reserved (holes cost nothing and the bucket has no
+            // quota to run out of); plain fallocate only extends the size.
+            if mode != 0 {
+                return Err(Errno::from_i32(libc::EOPNOTSUPP));
             }
-            Ok(())
-        }))
+            answer(self.vol.getattr(ino).and_then(|a| {
+                let end = offset.checked_add(length).ok_or(Error::TooBig)?;
+                if end > a.size {
+                    self.vol.setattr_by(ino, SetAttr { size: Some(end), ..Default::default() }, caller, false)?;
+                }
+                Ok(())
+            }))
+        })
     }
 
     /// The lock that would conflict with `asked`, or `asked` with type
     /// `F_UNLCK` when none would.
     pub fn getlk(&self, ino: u64, lock_owner: u64, asked: Lock) -> Answer<Lock> {
-        let asked = checked_lock(asked)?;
-        match answer(self.vol.getlk(ino, lock_owner, asked))? {
-            Some(l) => Ok(l),
-            None => Ok(Lock { typ: libc::F_UNLCK, pid: 0, ..asked }),
-        }
+        self.counters.ops.run(Op::Getlk, ino, || {
+            let asked = checked_lock(asked)?;
+            match answer(self.vol.getlk(ino, lock_owner, asked))? {
+                Some(l) => Ok(l),
+                None => Ok(Lock { typ: libc::F_UNLCK, pid: 0, ..asked }),
+            }
+        })
     }
 
     /// `fh`: the handle of the open file the lock is taken through.
     pub fn setlk(&self, ino: u64, fh: u64, lock_owner: u64, lock: Lock, sleep: bool) -> Answer<()> {
-        let l = checked_lock(lock)?;
-        if l.typ != libc::F_UNLCK {
-            self.locked.lock().insert(ino);
-            // Through the gate: a release of an earlier open with the same
-            // owner id, running meanwhile on another thread, reaches the
-            // owner before this lock or finds this open named and drops
-            // nothing.
-            let gate = self.gate(ino, lock_owner);
-            let held = gate.lock();
-            self.lockers.lock().insert((ino, lock_owner), fh);
-            let r = answer(self.vol.setlk(ino, lock_owner, l, sleep));
-            drop(held);
-            self.ungate(ino, lock_owner, gate);
-            r?;
-        } else {
-            answer(self.vol.setlk(ino, lock_owner, l, sleep))?;
-        }
-        if l.typ != libc::F_UNLCK && self.vol.is_shared() {
-            // A lock taken on a tree other nodes change: what the kernel
-            // cached of the file may predate the last holder's writes.
-            // Read afresh, as an NFS client revalidates on a lock.
-            self.drop_cached(ino, 0);
-        }
-        Ok(())
+        self.counters.ops.run(Op::Setlk, ino, || {
+            let l = checked_lock(lock)?;
+            if l.typ != libc::F_UNLCK {
+                self.locked.lock().insert(ino);
+                // Through the gate: a release of an earlier open with the same
+                // owner id, running meanwhile on another thread, reaches the
+                // owner before this lock or finds this open named and drops
+                // nothing.
+                let gate = self.gate(ino, lock_owner);
+                let held = gate.lock();
+                self.lockers.lock().insert((ino, lock_owner), fh);
+                let r = answer(self.vol.setlk(ino, lock_owner, l, sleep));
+                drop(held);
+                self.ungate(ino, lock_owner, gate);
+                r?;
+            } else {
+                answer(self.vol.setlk(ino, lock_owner, l, sleep))?;
+            }
+            if l.typ != libc::F_UNLCK && self.vol.is_shared() {
+                // A lock taken on a tree other nodes change: what the kernel
+                // cached of the file may predate the last holder's writes.
+                // Read afresh, as an NFS client revalidates on a lock.
+                self.drop_cached(ino, 0);
+            }
+            Ok(())
+        })
     }
 
     /// No ioctl is supported. ENOTTY is what a file system without the
     /// request answers (Python asks on every `open()` whether a file is a
     /// terminal); the kernel does not remember it, so it is not logged.
     pub fn ioctl(&self) -> Answer<()> {
-        Err(Errno::from_i32(libc::ENOTTY))
+        self.counters.ops.run(Op::Ioctl, 0, || Err(Errno::from_i32(libc::ENOTTY)))
     }
 
     /// The final commit, once no request can arrive any more.

@@ -8,6 +8,7 @@ mod classic;
 mod direct;
 pub mod files;
 pub mod mount;
+pub mod ops;
 pub mod ring;
 
 pub use adapter::{to_errno, ArborFs, Counters};
@@ -15,4 +16,5 @@ pub use files::{Caller, Files, Lock};
 pub use mount::{
     is_mountpoint, mount, mount_path, recover_stale_mount, Invalidator, MountHandle, MountOptions, THREADS,
 };
+pub use ops::{Op, OpMetrics};
 pub use ring::{RingChoice, Transport};

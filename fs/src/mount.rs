@@ -204,7 +204,7 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     }
     let session = session.spawn()?;
     let counters = fs.counters().clone();
-    counters.kernel_read_ahead.store(kernel_read_ahead.unwrap_or(0).into(), std::sync::atomic::Ordering::Relaxed);
+    counters.kernel_read_ahead.set(kernel_read_ahead.unwrap_or(0).into());
     Ok(MountHandle { session: Some(session), mountpoint: mountpoint.to_path_buf(), transport, counters })
 }
 

@@ -42,6 +42,7 @@
 
 pub mod admission;
 pub mod client;
+pub mod exporter;
 pub mod files;
 pub mod frames;
 pub mod journal;

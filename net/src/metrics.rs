@@ -1,46 +1,8 @@
 //! The server's counters and request latency histogram, rendered in the
-//! Prometheus text format.
+//! Prometheus text format by the engine's [`arbor_engine::metrics`].
 
-use std::fmt::Write;
+use arbor_engine::metrics::{Exposition, Histogram};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
-
-/// Upper bounds of the latency histogram's buckets, in seconds.
-const BOUNDS: [f64; 14] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0];
-
-#[derive(Default)]
-pub(crate) struct Histogram {
-    /// Non-cumulative counts per bucket, the last one for +Inf.
-    counts: [AtomicU64; BOUNDS.len() + 1],
-    sum_ns: AtomicU64,
-}
-
-impl Histogram {
-    pub(crate) fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        let i = BOUNDS.iter().position(|&b| s <= b).unwrap_or(BOUNDS.len());
-        self.counts[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    fn render(&self, name: &str, help: &str, out: &mut String) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut total = 0;
-        for (i, c) in self.counts.iter().enumerate() {
-            total += c.load(Ordering::Relaxed);
-            match BOUNDS.get(i) {
-                Some(b) => {
-                    let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {total}");
-                }
-                None => {
-                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {total}");
-                }
-            }
-        }
-        let _ = writeln!(out, "{name}_sum {}", self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9);
-        let _ = writeln!(out, "{name}_count {total}");
-    }
-}
 
 #[derive(Default)]
 pub(crate) struct Metrics {
@@ -80,13 +42,9 @@ pub(crate) struct CacheGauges {
 
 impl Metrics {
     pub(crate) fn render(&self, cache: &CacheGauges) -> String {
-        let mut out = String::new();
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
-        };
-        let gauge = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
+        let mut out = Exposition::new();
+        let counter = |out: &mut Exposition, name: &str, help: &str, v: u64| out.counter(name, help, &[], v);
+        let gauge = |out: &mut Exposition, name: &str, help: &str, v: u64| out.gauge(name, help, &[], v as f64);
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         counter(&mut out, "arbor_cache_hits_total", "Chunk requests answered from the cache.", get(&self.hits));
         counter(
@@ -151,8 +109,10 @@ impl Metrics {
         gauge(&mut out, "arbor_cache_resident_bytes", "Bytes of chunks in the cache.", cache.resident_bytes);
         gauge(&mut out, "arbor_cache_capacity_bytes", "The cache's size limit.", cache.capacity);
         gauge(&mut out, "arbor_open_connections", "Connections open now, of every kind.", cache.open_connections);
-        self.latency.render("arbor_cache_request_seconds", "Time to answer a chunk request.", &mut out);
-        out
+        out.histogram("arbor_cache_request_seconds", "Time to answer a chunk request.", &[], &self.latency.snapshot());
+        // This process's bucket calls (the cache's misses, and the rest).
+        arbor_engine::bucket::BucketMetrics::process().render(&mut out);
+        out.finish()
     }
 }
 
@@ -164,6 +124,7 @@ pub fn sample(text: &str, name: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn histogram_buckets_are_cumulative_and_sum_in_seconds() {
@@ -185,6 +146,8 @@ mod tests {
         assert!(text.contains("arbor_cache_request_seconds_bucket{le=\"5\"} 2\n"), "{text}");
         assert!(text.contains("arbor_cache_request_seconds_bucket{le=\"+Inf\"} 3\n"), "{text}");
         assert_eq!(sample(&text, "arbor_cache_request_seconds_count"), Some(3.0));
+        let parsed = arbor_engine::metrics::parse(&text).expect("Prometheus text");
+        assert_eq!(arbor_engine::metrics::find(&parsed, "arbor_cache_resident_bytes", &[]), Some(5.0));
         assert_eq!(sample(&text, "arbor_cache_hits_total"), Some(3.0));
         assert_eq!(sample(&text, "arbor_cache_bucket_bytes_total"), Some(7.0));
         let sum = sample(&text, "arbor_cache_request_seconds_sum").expect("sum");

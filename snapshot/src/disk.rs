@@ -21,7 +21,7 @@
 
 use crate::catalog::Catalog;
 use crate::error::{Error, Result};
-use arbor_engine::bucket::{LocalFolderStore, ObjectStore, RetryPolicy, RetryStore, S3Config, S3Store};
+use arbor_engine::bucket::{LocalFolderStore, ObjectStore, ObservedStore, RetryPolicy, RetryStore, S3Config, S3Store};
 use arbor_engine::chunks::{ChunkFiles, ChunkSource, Others};
 use arbor_engine::device::{Device, FileDevice};
 use arbor_engine::disk::LeaseConfig;
@@ -286,7 +286,8 @@ impl Disk {
         Ok(Disk {
             url,
             location,
-            store,
+            // Traced and counted for a mount's or a server's `/metrics`.
+            store: ObservedStore::new(store),
             node_dir,
             opts,
             catalog: OnceLock::new(),

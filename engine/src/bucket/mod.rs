@@ -5,6 +5,7 @@ mod crash;
 mod fault;
 mod local;
 mod mem;
+mod observed;
 mod retry;
 mod s3;
 
@@ -12,6 +13,7 @@ pub use crash::{CrashStore, Step};
 pub use fault::{Fault, FaultStore};
 pub use local::LocalFolderStore;
 pub use mem::MemObjectStore;
+pub use observed::{BucketMetrics, ObservedStore};
 pub use retry::{RetryPolicy, RetryStore};
 pub use s3::{S3Config, S3Store};
 
