@@ -6,8 +6,9 @@ use crate::control;
 use crate::disk::{self, Disk};
 use crate::serve::{addr_json, open_branch, serve_until_stopped, unmount_request, MountArgs};
 use anyhow::{bail, Context, Result};
+use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Volume};
-use arbor_fs::{Files, MountOptions};
+use arbor_fs::MountOptions;
 use arbor_net::remote::Locate;
 use arbor_net::{RemoteFiles, RemoteOptions, SharedBranch};
 use arbor_snapshot::{BranchLock, Catalog, Owner};
@@ -279,9 +280,7 @@ pub fn mount_remote(
     };
     let handle = arbor_fs::mount(files.clone(), mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", mountpoint.display()))?;
-    if let Some(n) = handle.notifier() {
-        files.follow(n)?;
-    }
+    files.follow(handle.invalidator())?;
     let owner = files.stats().owner.unwrap_or_default();
     let fuse = (handle.transport().clone(), handle.counters().clone());
     tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), "mounted through the owner");

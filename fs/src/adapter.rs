@@ -1,5 +1,5 @@
 use crate::direct::DirectWrites;
-use crate::files::{Caller, Files, Lock};
+use arbor_engine::files::{Caller, Files, Lock};
 use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, TimeSet, XattrFlags};
 use arbor_engine::{env::Timestamp, Error};
 use fuser::{Errno, FileAttr, FileType, FopenFlags, INodeNo, TimeOrNow};

@@ -56,11 +56,10 @@ use crate::locks::{
 use crate::policy::{Change, Policy};
 use crate::requests::{Begin, Replies};
 use arbor_engine::clock::BootInstant;
+use arbor_engine::files::{drop_capabilities, Caller, Files, Lock};
 use arbor_engine::volume::XattrFlags;
 use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, RequestTag, SetAttr, StatFs, Takes, Volume};
 use arbor_engine::Error;
-use arbor_fs::files::drop_capabilities;
-use arbor_fs::{Caller, Files, Lock};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -170,7 +169,7 @@ pub enum Op {
         len: u32,
     },
     /// `unprivileged`: written by a caller without CAP_FSETID, so the
-    /// file first loses its set-user-ID bits (`arbor_fs::files::clear_privileges`);
+    /// file first loses its set-user-ID bits ([`arbor_engine::files::clear_privileges`]);
     /// under root squash every write is.
     /// Any write drops the file's capabilities.
     Write {
@@ -922,7 +921,7 @@ impl SharedBranch {
             }
             Op::Write { ino, data, unprivileged, append: true, .. } => {
                 let cleared = if self.policy.write_clears_set_id(unprivileged) {
-                    v.getattr(ino).and_then(|a| arbor_fs::files::clear_privileges(&**v, a)).map(|_| ())
+                    v.getattr(ino).and_then(|a| arbor_engine::files::clear_privileges(&**v, a)).map(|_| ())
                 } else {
                     drop_capabilities(&**v, ino)
                 };

@@ -60,7 +60,7 @@
 //! (after which the file works again: the holder knows; so does a close of
 //! the file by that holder). A truncate there fails with EIO too.
 
-use arbor_fs::Lock;
+use arbor_engine::files::Lock;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 

@@ -60,11 +60,11 @@ use crate::requests::PIPELINED_SLOT;
 use crate::stream::Stream;
 use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
+use arbor_engine::files::{Caller, Files, Invalidate, Lock};
 use arbor_engine::format::decode_value;
 use arbor_engine::volume::RequestTag;
 use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
 use arbor_engine::{Error, Result};
-use arbor_fs::{Caller, Files, Lock};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2::SendRequest;
@@ -84,7 +84,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Who the request this thread serves is for: its thread as FUSE names it
 /// (its process is looked up only if a change of it is lost).
 fn calling_process() -> Who {
-    Who { process: 0, thread: arbor_fs::files::calling_pid() }
+    Who { process: 0, thread: arbor_engine::files::calling_pid() }
 }
 
 /// How often a hard mount waiting for an answer checks whether the branch
@@ -1147,14 +1147,13 @@ impl Inner {
 
     /// Drops what other nodes changed from the kernel's caches (and our
     /// located reads), and moves `after` past it.
-    fn invalidate(&self, notifier: &fuser::Notifier, ev: Events, after: &mut u64) {
-        use std::os::unix::ffi::OsStrExt;
+    fn invalidate(&self, kernel: &dyn Invalidate, ev: Events, after: &mut u64) {
         if self.owner_changed.swap(false, Ordering::AcqRel) {
             // The new owner may lack what the old one answered: the pages
             // and attributes the kernel keeps of open files may hold it.
             let open: Vec<u64> = self.open.lock().keys().copied().collect();
             for ino in open {
-                let _ = notifier.inval_inode(fuser::INodeNo(ino), 0, 0);
+                kernel.inode(ino);
             }
         }
         if ev.gap {
@@ -1166,18 +1165,15 @@ impl Inner {
         }
         *after = ev.next;
         for e in ev.items {
-            // ENOENT: the kernel does not hold that inode or name.
-            let _ = match e {
+            match e {
                 Event::Inode(ino) => {
                     if let Some(d) = &self.direct {
                         d.forget(ino);
                     }
-                    notifier.inval_inode(fuser::INodeNo(ino), 0, 0)
+                    kernel.inode(ino);
                 }
-                Event::Entry(parent, name) => {
-                    notifier.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(&name))
-                }
-            };
+                Event::Entry(parent, name) => kernel.entry(parent, &name),
+            }
         }
     }
 
@@ -1281,9 +1277,9 @@ impl RemoteFiles {
     }
 
     /// Polls the owner for what other nodes change and drops it from the
-    /// kernel's caches through `notifier`, until [`RemoteFiles::close`].
+    /// kernel's caches through `kernel`, until [`RemoteFiles::close`].
     /// The poll also tells the owner this mount is alive.
-    pub fn follow(&self, notifier: fuser::Notifier) -> std::io::Result<()> {
+    pub fn follow(&self, kernel: impl Invalidate + 'static) -> std::io::Result<()> {
         let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
         let inner = self.inner.clone();
         let handle = self.rt.handle().clone();
@@ -1329,7 +1325,7 @@ impl RemoteFiles {
                             inner.locator.answered();
                         }
                         backoff = BACKOFF_MIN;
-                        inner.invalidate(&notifier, ev, &mut after);
+                        inner.invalidate(&kernel, ev, &mut after);
                     }
                     Err(Failed::Session) => {
                         inner.drop_session(used);

@@ -5,8 +5,8 @@
 
 use arbor_engine::device::{CrashMode, SimDevice};
 use arbor_engine::env::TestEnv;
+use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Place, RenameMode, RequestTag, Volume, ROOT_INO};
-use arbor_fs::Files;
 use arbor_net::files::{Event, Op, Out};
 use arbor_net::{CacheServer, Policy, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
 use parking_lot::Mutex;
@@ -214,7 +214,7 @@ fn a_dropped_session_gives_back_its_open_files_and_locks() {
     else {
         panic!("create")
     };
-    let all = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let all = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
     assert!(b.try_lock(s1.session, f.ino, 7, all).is_ok());
     assert_eq!(b.try_lock(s2.session, f.ino, 9, all).err(), Some(libc::EAGAIN));
     // Unlinked while s1 has it open: still there for s1.
@@ -631,7 +631,8 @@ fn a_write_answered_by_the_old_owner_but_read_after_the_new_owner_was_met_fails_
     assert_eq!(synced, Err(libc::EIO), "an fsync acknowledged a write the owner lost");
 }
 
-const WHOLE: arbor_fs::Lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+const WHOLE: arbor_engine::files::Lock =
+    arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
 
 /// Two clients of the owner `at` names: a made file `name`, made it
 /// durable and holds its whole-file lock; b has it open.
@@ -647,8 +648,8 @@ fn a_holds_the_lock_b_has_the_file_open(
     (a, b, f)
 }
 
-fn unlock() -> arbor_fs::Lock {
-    arbor_fs::Lock { typ: libc::F_UNLCK, ..WHOLE }
+fn unlock() -> arbor_engine::files::Lock {
+    arbor_engine::files::Lock { typ: libc::F_UNLCK, ..WHOLE }
 }
 
 #[test]
@@ -1494,7 +1495,7 @@ fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let (branch, server) = serve_branch(&vol);
     let f = vol.create(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-    let lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let lock = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
     let take = Op::SetLk { ino: f.ino, owner: 5, lock, wait: false, reclaim: false };
     let tag = RequestTag { client: 93, slot: 0, seq: 1 };
     let first = new_session(server.addr);
@@ -1592,7 +1593,7 @@ fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one(
     use arbor_net::frames::Answer;
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let f = vol.create(ROOT_INO, b"locked", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-    let lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let lock = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
     let tag = |client, seq| RequestTag { client, slot: 0, seq };
     // An owner grants the lock, then stops: the next one starts in its
     // grace period, when only reclaims are granted.

@@ -8,9 +8,9 @@ use arbor_engine::bucket::{MemObjectStore, ObjectStore};
 use arbor_engine::device::SimDevice;
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::files::Files;
 use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_fs::Files;
 use arbor_net::tls::{ClientFiles, ServerFiles, Trust};
 use arbor_net::{
     metric_sample, CacheClient, CacheServer, ClientOptions, ClientTls, ConnLimits, RemoteFiles, RemoteOptions, Running,

@@ -10,9 +10,9 @@
 
 use arbor_benches::{env_usize, percentile_us, print_table, Row};
 use arbor_engine::device::FileDevice;
+use arbor_engine::files::Files;
 use arbor_engine::io::IoMode;
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_fs::Files;
 use arbor_net::{CacheServer, RemoteFiles, RemoteOptions, ServerOptions, SharedBranch};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
