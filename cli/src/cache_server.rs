@@ -337,7 +337,7 @@ pub fn client(servers: &[String], auth: ClientAuth<'_>) -> Result<Option<Arc<Cac
         return Ok(None);
     }
     let (token, tls) = auth.load().context("--cache-server")?;
-    let timeout = arbor_net::client::timeout_from_env();
+    let timeout = arbor_net::cache::client::timeout_from_env();
     let client = CacheClient::new(ClientOptions { servers, token, timeout, tls })?;
     Ok(Some(Arc::new(client)))
 }
@@ -345,7 +345,7 @@ pub fn client(servers: &[String], auth: ClientAuth<'_>) -> Result<Option<Arc<Cac
 /// Asks every cache server whether it answers and takes the token:
 /// (how many do, what is wrong with each of the others, as "ADDR PROBLEM").
 pub fn check_servers(client: &CacheClient) -> (usize, Vec<String>) {
-    let checked = client.check(arbor_net::client::timeout_from_env());
+    let checked = client.check(arbor_net::cache::client::timeout_from_env());
     let ok = checked.iter().filter(|(_, p)| p.is_none()).count();
     let problems = checked.into_iter().filter_map(|(addr, p)| Some(format!("{addr} {}", p?))).collect();
     (ok, problems)
@@ -442,8 +442,9 @@ pub fn warm(
     // What a server should have taken and did not: its share is not warm.
     // (A server saying it has no such segment is no failure: opening a
     // checkpoint looks for the segment after its last one.)
-    let failed =
-        |s: &arbor_net::client::ServerStats| s.fallback_down + s.fallback_timeout + s.fallback_error + s.rejected;
+    let failed = |s: &arbor_net::cache::client::ServerStats| {
+        s.fallback_down + s.fallback_timeout + s.fallback_error + s.rejected
+    };
     let fallbacks: u64 = stats.iter().map(failed).sum();
     if given == 0 && fallbacks > 0 {
         bail!(
@@ -468,7 +469,7 @@ pub fn warm(
 }
 
 /// Why a cache server's chunks came from the bucket: "3 down, 1 timed out".
-fn failure_reasons(s: &arbor_net::client::ServerStats) -> String {
+fn failure_reasons(s: &arbor_net::cache::client::ServerStats) -> String {
     let reasons = [
         (s.fallback_down, "down (not answering)"),
         (s.fallback_timeout, "timed out"),

@@ -1,6 +1,6 @@
 //! Shared branches: `arbor serve --branch` owns a branch and applies what
 //! mounts on other nodes send it; `arbor mount` of a branch another
-//! process owns mounts it through that owner (see `arbor_net::files`).
+//! process owns mounts it through that owner (see `arbor_net::branch::owner`).
 
 use crate::control;
 use crate::disk::{self, Disk};
@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Volume};
 use arbor_fs::MountOptions;
-use arbor_net::remote::Locate;
-use arbor_net::{RemoteFiles, RemoteOptions, SharedBranch};
+use arbor_net::branch::client::Locate;
+use arbor_net::{BranchClient, BranchClientOptions, SharedBranch};
 use arbor_snapshot::{BranchLock, Catalog, Owner};
 use serde_json::json;
 use std::path::Path;
@@ -62,8 +62,8 @@ pub fn advertised(addr: std::net::SocketAddr, advertise: Option<&str>) -> String
 pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owned> {
     arbor_snapshot::check_name(name)?;
     crate::serve::check_segment_size(a.segment_size)?;
-    if a.lock_grace > arbor_net::locks::MAX_LOCK_GRACE {
-        anyhow::bail!("--lock-grace must be at most {}s", arbor_net::locks::MAX_LOCK_GRACE.as_secs());
+    if a.lock_grace > arbor_net::branch::locks::MAX_LOCK_GRACE {
+        anyhow::bail!("--lock-grace must be at most {}s", arbor_net::branch::locks::MAX_LOCK_GRACE.as_secs());
     }
     let cache = disk::CacheOptions { durability: a.durability, ..disk::CacheOptions::default() };
     let d = Arc::new(disk::open_for_owner(disk_arg, name, cache, a.take_over, a.lease_ttl)?);
@@ -116,7 +116,7 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
         "owning branch"
     );
     let (cp_catalog, cp_vol, branch) = (catalog.clone(), vol.clone(), name.to_string());
-    let checkpoint: arbor_net::files::Checkpointer = Arc::new(move |cp: &str| {
+    let checkpoint: arbor_net::branch::owner::Checkpointer = Arc::new(move |cp: &str| {
         cp_catalog
             .checkpoint_volume(cp, &branch, &cp_vol)
             .map(|c| json!({"name": c.name, "commit": addr_json(c.commit)}).to_string())
@@ -208,7 +208,11 @@ pub fn owner_to_mount_through(d: &Disk, args: &MountArgs) -> Result<Option<Locat
             None if (args.token_file.is_some() || crate::tls::has_identity(args.tls.as_ref()))
                 && args.cache_servers.is_empty() =>
             {
-                Some(wait_for_owner(&catalog, &name, args.timeout.unwrap_or(arbor_net::remote::OWNER_START_WAIT))?)
+                Some(wait_for_owner(
+                    &catalog,
+                    &name,
+                    args.timeout.unwrap_or(arbor_net::branch::client::OWNER_START_WAIT),
+                )?)
             }
             None => return Ok(None),
         },
@@ -260,7 +264,7 @@ pub fn mount_remote(
     // ARBOR_READ_THROUGH_OWNER=1 sends every read to the owner instead.
     let through_owner = std::env::var("ARBOR_READ_THROUGH_OWNER").is_ok_and(|v| v == "1");
     let segments = if through_owner { None } else { Some(d.catalog()?.segments().clone()) };
-    let files = Arc::new(RemoteFiles::connect(RemoteOptions {
+    let files = Arc::new(BranchClient::connect(BranchClientOptions {
         branch: name.clone(),
         token,
         locate,

@@ -30,7 +30,7 @@
 //! | `GET /v1/objects/<index>?bucket=…&key=…&etag=…&size=…` | chunk `index` of an imported file's source object (that version: the GET to the bucket is conditional on the ETag): `200` as above; `404` no such chunk; `409` the object changed or is gone; `502` the bucket failed |
 //! | `GET /metrics` | Prometheus text: hits, misses, bucket bytes, bytes served, evictions, resident bytes, request latency |
 //! | `GET /v1/health` | `200 ok` |
-//! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`files`] |
+//! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`branch::owner`] |
 //!
 //! File operations on a branch this process owns use framed connections
 //! to the same port instead (see [`frames`]): a connection that starts
@@ -38,32 +38,44 @@
 //! protocol the client names in its handshake, ALPN, tells them apart).
 //! A client mount reads the file bytes the bucket already holds from the
 //! bucket (through its chunk cache and these servers) after asking the
-//! owner where they are: see [`reads`].
+//! owner where they are: see [`branch::reads`].
+//!
+//! # Rooms
+//!
+//! - [`branch`]: a branch's owner ([`SharedBranch`]) and its client
+//!   ([`BranchClient`]), with the journal, locks, reply cache, located
+//!   reads and the owner's policy.
+//! - [`cache`]: the chunk cache's client ([`CacheClient`]), the server's
+//!   counters and the scope of imported objects it may fetch.
+//! - the transports, still at the top: [`frames`] (framed connections:
+//!   hello, chunk asks, and a branch's requests and answers),
+//!   [`stream`] and [`tls`] (a connection, plain or TLS), [`admission`]
+//!   (caps and the hello deadline);
+//! - [`server`]: the listener; it tells framed connections from HTTP and
+//!   answers chunks from the cache and file operations from a branch.
+//!
+//! Imports between them: `server` → `cache`, `branch`, the transports;
+//! `branch` → the transports, and `cache::client` for its HTTP/2
+//! connection; `cache` → the transports, and `server` for the HTTP/2
+//! windows and the query strings of its routes; [`frames`] → `branch`
+//! for the file operations its requests carry (the one import that
+//! still runs from a transport into a service).
 
 pub mod admission;
-pub mod client;
-pub mod files;
+pub mod branch;
+pub mod cache;
 pub mod frames;
-pub mod journal;
-pub mod locks;
-mod metrics;
-pub mod policy;
-pub mod reads;
-pub use metrics::sample as metric_sample;
-pub mod remote;
-pub mod requests;
-pub mod scope;
 pub mod server;
 pub mod stream;
 pub mod tls;
 mod validity;
 
 pub use admission::ConnLimits;
-pub use client::{CacheClient, ClientOptions, ServerStats};
-pub use files::SharedBranch;
-pub use policy::Policy;
-pub use remote::{RemoteFiles, RemoteOptions, RemoteStats};
-pub use scope::ObjectScope;
+pub use branch::policy::Policy;
+pub use branch::{BranchClient, BranchClientOptions, BranchClientStats, SharedBranch};
+pub use cache::metrics::sample as metric_sample;
+pub use cache::scope::ObjectScope;
+pub use cache::{CacheClient, ClientOptions, ServerStats};
 pub use server::{CacheServer, Fault, Running, ServerOptions};
 pub use tls::{ClientTls, ServerTls};
 

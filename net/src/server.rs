@@ -12,9 +12,9 @@
 //! `sendfile`.
 
 use crate::admission::{Admission, Admitted, ConnLimits};
-use crate::files::{Op, SharedBranch, EVENT_WAIT};
+use crate::branch::owner::{Op, SharedBranch, EVENT_WAIT};
+use crate::cache::metrics::{CacheGauges, Metrics};
 use crate::frames::{Hello, Welcome};
-use crate::metrics::{CacheGauges, Metrics};
 use crate::stream::{AcceptedStream, Stream};
 use crate::{authorized, CACHE_HEADER, CRC_HEADER};
 use arbor_engine::format::{encode_value, SegId};
@@ -502,7 +502,7 @@ impl CacheServer {
                     }
                 }
                 Request::Op { tag: Some(t), .. }
-                    if t.slot & crate::requests::PIPELINED_SLOT != 0 && peer_closed(stream.tcp()) =>
+                    if t.slot & crate::branch::requests::PIPELINED_SLOT != 0 && peer_closed(stream.tcp()) =>
                 {
                     // A lane's write read after its client closed the
                     // connection: the client gave it up (a close that could

@@ -1,14 +1,14 @@
 //! Shared branches in one process: an owner (`SharedBranch` behind a
 //! `CacheServer` on 127.0.0.1) over a volume on a device that can lose
-//! its unsynced bytes, and `RemoteFiles` clients. What the end-to-end tests
+//! its unsynced bytes, and `BranchClient` clients. What the end-to-end tests
 //! cannot force: an owner that loses acknowledged writes in a crash.
 
 use arbor_engine::device::{CrashMode, SimDevice};
 use arbor_engine::env::TestEnv;
 use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Place, RenameMode, RequestTag, Volume, ROOT_INO};
-use arbor_net::files::{Event, Op, Out};
-use arbor_net::{CacheServer, Policy, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
+use arbor_net::branch::owner::{Event, Op, Out};
+use arbor_net::{BranchClient, BranchClientOptions, CacheServer, Policy, Running, ServerOptions, SharedBranch};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,18 +52,18 @@ fn found_at(server: &Running) -> Arc<Mutex<String>> {
 
 /// A client finding the owner at whatever `at` holds, reading every
 /// file's bytes through it.
-fn client(at: &Arc<Mutex<String>>) -> RemoteFiles {
+fn client(at: &Arc<Mutex<String>>) -> BranchClient {
     client_over(at, None)
 }
 
 /// A client that reads the bytes the owner locates from `segments` itself.
-fn reading_client(at: &Arc<Mutex<String>>, segments: SimDevice) -> RemoteFiles {
+fn reading_client(at: &Arc<Mutex<String>>, segments: SimDevice) -> BranchClient {
     client_over(at, Some(Arc::new(segments)))
 }
 
-fn client_over(at: &Arc<Mutex<String>>, segments: Option<Arc<dyn arbor_engine::device::Device>>) -> RemoteFiles {
+fn client_over(at: &Arc<Mutex<String>>, segments: Option<Arc<dyn arbor_engine::device::Device>>) -> BranchClient {
     let at = at.clone();
-    RemoteFiles::connect(RemoteOptions {
+    BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || Some(at.lock().clone())),
@@ -312,7 +312,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 /// Writes `data` from offset 0 in 1 MiB writes, each answered at once (on
 /// its way to the owner, not applied yet).
-fn write_in_mib(c: &RemoteFiles, ino: u64, data: &[u8]) {
+fn write_in_mib(c: &BranchClient, ino: u64, data: &[u8]) {
     for (i, piece) in data.chunks(1 << 20).enumerate() {
         assert_eq!(c.write(ino, (i << 20) as u64, piece).expect("write"), piece.len());
     }
@@ -320,7 +320,7 @@ fn write_in_mib(c: &RemoteFiles, ino: u64, data: &[u8]) {
 
 /// Reads through a buffer filled with junk first, as a FUSE answer's is:
 /// holes must come back as zeros all the same.
-fn read_all(c: &RemoteFiles, ino: u64, len: usize, piece: usize) -> Vec<u8> {
+fn read_all(c: &BranchClient, ino: u64, len: usize, piece: usize) -> Vec<u8> {
     let mut out = Vec::new();
     let mut buf = vec![0xeeu8; piece];
     while out.len() < len {
@@ -504,7 +504,7 @@ fn threads_waiting_for_their_owner_share_each_lookup_of_it() {
     let addr = running.addr.to_string();
     let lookups = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counted = lookups.clone();
-    let c = RemoteFiles::connect(RemoteOptions {
+    let c = BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || {
@@ -588,7 +588,7 @@ fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
 
 /// Two files of `c` on different write lanes (a lane is `ino % 2`): the
 /// first on lane 1, the second on lane 0, made durable.
-fn files_on_lanes(c: &RemoteFiles) -> (arbor_engine::volume::Attr, arbor_engine::volume::Attr) {
+fn files_on_lanes(c: &BranchClient) -> (arbor_engine::volume::Attr, arbor_engine::volume::Attr) {
     let (mut odd, mut even) = (None, None);
     for i in 0..8 {
         let a = c.create_open(ROOT_INO, format!("lane{i}").as_bytes(), libc::S_IFREG | 0o644, 0, 0).expect("create");
@@ -639,7 +639,7 @@ const WHOLE: arbor_engine::files::Lock =
 fn a_holds_the_lock_b_has_the_file_open(
     at: &Arc<Mutex<String>>,
     name: &[u8],
-) -> (RemoteFiles, RemoteFiles, arbor_engine::volume::Attr) {
+) -> (BranchClient, BranchClient, arbor_engine::volume::Attr) {
     let (a, b) = (client(at), client(at));
     let f = a.create_open(ROOT_INO, name, libc::S_IFREG | 0o644, 0, 0).expect("create");
     a.fsync(f.ino).expect("fsync");
@@ -759,7 +759,7 @@ fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
     let (mut r, mut b) = (Vec::new(), Vec::new());
     write_request(&mut s, &mut b, &Request::Session).expect("send");
     let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
-    let lane = arbor_net::requests::PIPELINED_SLOT;
+    let lane = arbor_net::branch::requests::PIPELINED_SLOT;
     let mut send = |ino: u64, off: u64, seq: u64| {
         let op = Op::Write { ino, off, data: vec![b'w'; 100], unprivileged: false, append: false };
         let tag = RequestTag { client: 99, slot: lane, seq };
@@ -830,7 +830,7 @@ fn a_session_speaks_for_one_client_only() {
 /// An owner that says hello and gives sessions, then answers nothing else,
 /// as one paused (SIGSTOP) with its sockets open does. Stops within 60 s.
 fn silent_owner() -> std::net::SocketAddr {
-    use arbor_net::files::SessionInfo;
+    use arbor_net::branch::owner::SessionInfo;
     use arbor_net::frames::{read_frame, read_request, write_frame, Answer, Hello, Request, Welcome};
     use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -870,10 +870,10 @@ fn silent_owner() -> std::net::SocketAddr {
 
 /// A hard mount (no timeout) connected to a paused owner, whose successor
 /// `real` is recorded half a second later.
-fn hard_client_of_a_paused_owner(real: &Running) -> RemoteFiles {
+fn hard_client_of_a_paused_owner(real: &Running) -> BranchClient {
     let at = Arc::new(Mutex::new(silent_owner().to_string()));
     let find = at.clone();
-    let c = RemoteFiles::connect(RemoteOptions {
+    let c = BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || Some(find.lock().clone())),
@@ -956,8 +956,8 @@ fn a_hard_mount_with_a_write_in_flight_to_a_paused_owner_moves_to_its_successor(
 struct LostLock {
     vol: Arc<Volume>,
     _owner: (Arc<SharedBranch>, Running),
-    a: RemoteFiles,
-    b: RemoteFiles,
+    a: BranchClient,
+    b: BranchClient,
     ino: u64,
 }
 
@@ -1292,7 +1292,7 @@ fn an_append_sent_again_after_a_lost_reply_or_an_owner_crash_lands_once() {
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     let f = vol.create(ROOT_INO, b"log", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-    let lane = arbor_net::requests::PIPELINED_SLOT | 1;
+    let lane = arbor_net::branch::requests::PIPELINED_SLOT | 1;
     let append = |data: &[u8]| Op::Write { ino: f.ino, off: 0, data: data.to_vec(), unprivileged: false, append: true };
     let t1 = RequestTag { client: 4242, slot: lane, seq: 1 };
     assert!(matches!(tagged_request(server.addr, append(b"one\n"), t1), Answer::Reply(Ok(Out::Written(4)))));
@@ -1383,7 +1383,7 @@ fn a_descriptor_of_a_lost_file_never_writes_into_another_file() {
 struct GivenUp {
     vol: Arc<Volume>,
     _server: Running,
-    a: RemoteFiles,
+    a: BranchClient,
     f: u64,
     release: Arc<std::sync::atomic::AtomicBool>,
 }

@@ -1,6 +1,6 @@
 //! Shared branches: the client's side. A mount of a branch another process
-//! owns serves the kernel through [`RemoteFiles`]: every operation is sent
-//! to the owner (see [`crate::files`]) and its answer, errno included,
+//! owns serves the kernel through [`BranchClient`]: every operation is sent
+//! to the owner (see [`crate::branch::owner`]) and its answer, errno included,
 //! returned as the owner's volume gave it.
 //!
 //! The mount is "hard": when the owner cannot be reached, an operation
@@ -16,7 +16,7 @@
 //!
 //! Every request that changes the branch carries a tag (this mount's
 //! client id, a slot, the slot's sequence), kept when it is sent again, so
-//! the owner applies it at most once ([`crate::requests`]). An owner
+//! the owner applies it at most once ([`crate::branch::requests`]). An owner
 //! killed with -9 loses what it had not made durable, and a client's later
 //! `fsync` must not report those changes durable; nor may a client send
 //! them again, because another client may have changed the same file
@@ -24,11 +24,11 @@
 //! until an `fsync` (the owner's, which covers its whole log) returns, and
 //! when the owner comes back with a new epoch it asks which of them the
 //! branch includes: the rest were lost, and the next `fsync` says so with
-//! EIO ([`crate::journal`]). A clean restart loses nothing and sends
+//! EIO ([`crate::branch::journal`]). A clean restart loses nothing and sends
 //! nothing again. A file is recognised by its inode number and birth time
 //! (a file made anew after the restart may get the same number); a file
 //! that did not survive the restart is lost too. At most
-//! [`crate::journal::JOURNAL_MAX`] requests are kept; past that the client
+//! [`crate::branch::journal::JOURNAL_MAX`] requests are kept; past that the client
 //! asks the owner for an `fsync` itself.
 //!
 //! # Writes in flight
@@ -50,13 +50,13 @@
 //! goes on it — to the same owner only; a new owner is asked instead
 //! whether it has them.
 
-use crate::client::connect;
-use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
+use crate::branch::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
+use crate::branch::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
+use crate::branch::owner::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
+use crate::branch::reads::DirectReads;
+use crate::branch::requests::PIPELINED_SLOT;
+use crate::cache::client::connect;
 use crate::frames::Written;
-use crate::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
-use crate::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
-use crate::reads::DirectReads;
-use crate::requests::PIPELINED_SLOT;
 use crate::stream::Stream;
 use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
@@ -106,7 +106,7 @@ const BACKOFF_MAX: Duration = Duration::from_millis(250);
 const LOCATE_MIN: Duration = Duration::from_millis(50);
 const LOCATE_MAX: Duration = Duration::from_secs(2);
 
-/// [`RemoteOptions::locate`], shared by every thread of a mount: between
+/// [`BranchClientOptions::locate`], shared by every thread of a mount: between
 /// two lookups every caller gets the last answer.
 struct Locator {
     locate: Locate,
@@ -153,7 +153,7 @@ impl Locator {
 }
 
 #[derive(Clone)]
-pub struct RemoteOptions {
+pub struct BranchClientOptions {
     pub branch: String,
     pub token: String,
     pub locate: Locate,
@@ -162,7 +162,7 @@ pub struct RemoteOptions {
     pub timeout: Option<Duration>,
     /// The disk's segments as this node reads them (the bucket through
     /// its chunk cache, or the disk's folder): file bytes already there are
-    /// read from them, not through the owner ([`crate::reads`]). `None`:
+    /// read from them, not through the owner ([`crate::branch::reads`]). `None`:
     /// every read goes to the owner.
     pub segments: Option<Arc<dyn arbor_engine::device::Device>>,
     /// Speak TLS to the owner, trusting it this way (never clear text).
@@ -250,7 +250,7 @@ struct Lane {
 }
 
 struct Inner {
-    opts: RemoteOptions,
+    opts: BranchClientOptions,
     locator: Arc<Locator>,
     auth: HeaderValue,
     /// The connection the event poll uses (HTTP/2, long-polling).
@@ -267,7 +267,7 @@ struct Inner {
     journal: Mutex<Journal>,
     /// What the owner of this epoch had of each slot when we met it.
     floors: Mutex<(u64, HashMap<u32, u64>)>,
-    /// The locks the owner granted this mount (see [`crate::locks`]).
+    /// The locks the owner granted this mount (see [`crate::branch::locks`]).
     locks: Mutex<HeldLocks>,
     /// When the newest request the owner answered under our session was
     /// sent, by this node's monotonic clock: whether we may reclaim our
@@ -303,7 +303,7 @@ struct Inner {
 /// yet (starting, restarting) when it has no `--timeout`.
 pub const OWNER_START_WAIT: Duration = Duration::from_secs(45);
 
-pub struct RemoteFiles {
+pub struct BranchClient {
     inner: Arc<Inner>,
     rt: tokio::runtime::Runtime,
     events: Mutex<Option<(tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<()>)>>,
@@ -311,7 +311,7 @@ pub struct RemoteFiles {
 
 /// What a client mount has seen of its owner.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RemoteStats {
+pub struct BranchClientStats {
     pub owner: Option<String>,
     /// Attempts that failed and were tried again.
     pub retries: u64,
@@ -664,7 +664,7 @@ impl Inner {
     /// Takes back from a new owner (epoch changed: `restarted`) the locks
     /// this mount held, if the old owner cannot have dropped our session
     /// (`heard`: when the newest request it answered was sent, see
-    /// [`crate::locks`]); the rest are lost, and reported. After the same
+    /// [`crate::branch::locks`]); the rest are lost, and reported. After the same
     /// owner dropped our session, every lock is lost.
     /// The table stays locked throughout: a grant read meanwhile from the
     /// old owner is then seen to come from it, and refused.
@@ -1187,11 +1187,11 @@ impl Inner {
     }
 }
 
-impl RemoteFiles {
+impl BranchClient {
     /// A client of `opts.branch`'s owner; it checks at once that the owner
     /// answers and takes the token, so a mount fails with a clear message
     /// instead of hanging.
-    pub fn connect(opts: RemoteOptions) -> std::result::Result<RemoteFiles, crate::Error> {
+    pub fn connect(opts: BranchClientOptions) -> std::result::Result<BranchClient, crate::Error> {
         let auth = crate::bearer(&opts.token)?;
         let rt = crate::client_runtime("arbor-remote")?;
         let direct = opts.segments.clone().map(DirectReads::new);
@@ -1252,16 +1252,16 @@ impl RemoteFiles {
                 return Err(crate::Error::Config(format!("cannot reach the owner of the branch: {e}")))
             }
         }
-        Ok(RemoteFiles { inner, rt, events: Mutex::new(None) })
+        Ok(BranchClient { inner, rt, events: Mutex::new(None) })
     }
 
     fn call(&self, op: Op) -> Result<Out> {
         self.inner.call(op)
     }
 
-    pub fn stats(&self) -> RemoteStats {
+    pub fn stats(&self) -> BranchClientStats {
         let owner = self.inner.pool.lock().addr.clone();
-        RemoteStats {
+        BranchClientStats {
             owner,
             retries: self.inner.retries.load(Ordering::Relaxed),
             owner_lookups: self.inner.locator.lookups.load(Ordering::Relaxed),
@@ -1277,7 +1277,7 @@ impl RemoteFiles {
     }
 
     /// Polls the owner for what other nodes change and drops it from the
-    /// kernel's caches through `kernel`, until [`RemoteFiles::close`].
+    /// kernel's caches through `kernel`, until [`BranchClient::close`].
     /// The poll also tells the owner this mount is alive.
     pub fn follow(&self, kernel: impl Invalidate + 'static) -> std::io::Result<()> {
         let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -1448,7 +1448,7 @@ fn bytes(r: Result<Out>) -> Result<Vec<u8>> {
     }
 }
 
-impl Files for RemoteFiles {
+impl Files for BranchClient {
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         attr(self.call(Op::Lookup { parent, name: name.to_vec() }))
     }
@@ -1529,8 +1529,8 @@ impl Files for RemoteFiles {
             match d.read_into(ino, off, buf, locate) {
                 Ok(Some(n)) => return Ok(n),
                 Ok(None) => {}
-                Err(crate::reads::Failed::Owner(e)) => return Err(e),
-                Err(crate::reads::Failed::Here(e)) => {
+                Err(crate::branch::reads::Failed::Owner(e)) => return Err(e),
+                Err(crate::branch::reads::Failed::Here(e)) => {
                     d.forget(ino);
                     d.counters.failed.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(ino, off, error = %e, "a read from the segments failed; the owner reads it");
@@ -1701,7 +1701,7 @@ impl Files for RemoteFiles {
     }
 }
 
-impl Drop for RemoteFiles {
+impl Drop for BranchClient {
     fn drop(&mut self) {
         let _ = Files::close(self);
     }

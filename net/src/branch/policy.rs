@@ -27,7 +27,7 @@
 //!   bits, as any write by them does. Times and sizes are not checked
 //!   here: the client's kernel checked them.
 //!
-//! These rules decide; [`crate::files`] applies. What they cannot do: the
+//! These rules decide; [`crate::branch::owner`] applies. What they cannot do: the
 //! caller's uid and gid are what the client says, so the token is what
 //! keeps strangers out, and a token holder can act as any user but root
 //! (with root squash) — never make a file that grants privileges.
