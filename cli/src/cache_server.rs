@@ -22,7 +22,7 @@ pub struct ServeArgs {
     pub object_memory: u64,
     /// `None`: only client certificates the client CA signed get in.
     pub token_file: Option<PathBuf>,
-    pub tls: Option<arbor_net::tls::ServerFiles>,
+    pub tls: Option<arbor_net::wire::tls::ServerFiles>,
     pub fault: Option<Fault>,
     /// Evict what nobody read for this long (`None`: by size alone).
     pub keep_for: Option<Duration>,
@@ -310,7 +310,7 @@ fn server_auth(args: &ServeArgs) -> Result<(String, Option<arbor_net::ServerTls>
 #[derive(Clone, Copy)]
 pub struct ClientAuth<'a> {
     pub token_file: Option<&'a Path>,
-    pub tls: Option<&'a arbor_net::tls::ClientFiles>,
+    pub tls: Option<&'a arbor_net::wire::tls::ClientFiles>,
 }
 
 impl ClientAuth<'_> {

@@ -7,7 +7,7 @@
 
 use arbor_engine::format::SegId;
 use arbor_net::branch::owner::{Located, Op, Out, SessionInfo, Span};
-use arbor_net::frames::{
+use arbor_net::wire::frames::{
     write_answer, write_chunk_answer, write_frame, write_hello, write_request, Answer, ChunkAnswer, ChunkAsk, Hello,
     Request, Welcome, VERSION,
 };

@@ -11,7 +11,7 @@ use arbor_engine::env::TestEnv;
 use arbor_engine::files::Files;
 use arbor_engine::tier::{BucketDevice, ChunkSource, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_net::tls::{ClientFiles, ServerFiles, Trust};
+use arbor_net::wire::tls::{ClientFiles, ServerFiles, Trust};
 use arbor_net::{
     metric_sample, BranchClient, BranchClientOptions, CacheClient, CacheServer, ClientOptions, ClientTls, ConnLimits,
     Running, ServerOptions, ServerTls, SharedBranch,
@@ -91,8 +91,8 @@ impl Pki {
         let (server_cert, server_key, der) = leaf(d, "server", &["127.0.0.1", "localhost"], &server_ca, None);
         let (client_cert, client_key, _) = leaf(d, "client", &["node-a"], &client_ca, None);
         let (stranger_cert, stranger_key, _) = leaf(d, "stranger", &["node-b"], &other_ca, None);
-        let sha = arbor_net::tls::fingerprint(&der);
-        let server_sha256 = arbor_net::tls::parse_fingerprint(&sha).expect("fingerprint");
+        let sha = arbor_net::wire::tls::fingerprint(&der);
+        let server_sha256 = arbor_net::wire::tls::parse_fingerprint(&sha).expect("fingerprint");
         Pki {
             ca: write("ca.pem", server_ca.pem()),
             client_ca: write("client-ca.pem", client_ca.pem()),

@@ -6,7 +6,7 @@
 use arbor_engine::volume::{SetAttr, ROOT_INO};
 use arbor_net::branch::owner::{Op, Out, Reply};
 use arbor_net::branch::policy::Caller;
-use arbor_net::frames::{self, Answer, Hello, Request, Welcome};
+use arbor_net::wire::frames::{self, Answer, Hello, Request, Welcome};
 use arbor_tests::*;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;

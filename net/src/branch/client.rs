@@ -56,8 +56,8 @@ use crate::branch::owner::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_
 use crate::branch::reads::DirectReads;
 use crate::branch::requests::PIPELINED_SLOT;
 use crate::cache::client::connect;
-use crate::frames::Written;
-use crate::stream::Stream;
+use crate::wire::frames::Written;
+use crate::wire::stream::Stream;
 use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
 use arbor_engine::files::{Caller, Files, Invalidate, Lock};
@@ -166,7 +166,7 @@ pub struct BranchClientOptions {
     /// every read goes to the owner.
     pub segments: Option<Arc<dyn arbor_engine::device::Device>>,
     /// Speak TLS to the owner, trusting it this way (never clear text).
-    pub tls: Option<crate::tls::ClientTls>,
+    pub tls: Option<crate::wire::tls::ClientTls>,
 }
 
 /// What went wrong with one attempt.
@@ -187,7 +187,7 @@ struct OpenFile {
     crtime: Timestamp,
 }
 
-/// A framed connection to the owner (see [`crate::frames`]) and its
+/// A framed connection to the owner (see [`crate::wire::frames`]) and its
 /// buffers, reused from operation to operation.
 struct Conn {
     stream: Stream,
@@ -420,7 +420,7 @@ impl Inner {
 
     /// A new framed connection to `addr`, past the hello.
     fn dial(&self, addr: &str) -> std::result::Result<Conn, Failed> {
-        use crate::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
+        use crate::wire::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let broke = |e: std::io::Error| Failed::Transport(format!("{addr}: {e}"));
         let stream = Stream::dial(addr, CONNECT_TIMEOUT, self.opts.tls.as_ref()).map_err(broke)?;
@@ -455,8 +455,8 @@ impl Inner {
     }
 
     /// One request and its answer, on a connection of the pool.
-    fn exchange(&self, req: &crate::frames::Request) -> std::result::Result<crate::frames::Answer, Failed> {
-        use crate::frames::{read_answer, write_request, Request};
+    fn exchange(&self, req: &crate::wire::frames::Request) -> std::result::Result<crate::wire::frames::Answer, Failed> {
+        use crate::wire::frames::{read_answer, write_request, Request};
         let (addr, mut c) = self.take_conn()?;
         // A lock wait may take as long as the holder keeps the lock.
         let waits = matches!(req, Request::Op { op: Op::SetLk { wait: true, .. }, .. });
@@ -531,8 +531,8 @@ impl Inner {
         // Before this exchange: when the old owner last answered us.
         let heard = *self.heard.lock();
         let had_session = self.epoch.lock().is_some();
-        let info = match self.exchange(&crate::frames::Request::Session)? {
-            crate::frames::Answer::Session(info) => info,
+        let info = match self.exchange(&crate::wire::frames::Request::Session)? {
+            crate::wire::frames::Answer::Session(info) => info,
             _ => return Err(Failed::Transport("a garbled session answer".into())),
         };
         let restarted = self.epoch.lock().is_some_and(|e| e != info.epoch);
@@ -601,11 +601,11 @@ impl Inner {
     /// One operation under `session`, not retried.
     fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
         // The request owns its operation; the caller keeps its own.
-        let req = crate::frames::Request::Op { session, op: op.clone(), tag: None };
+        let req = crate::wire::frames::Request::Op { session, op: op.clone(), tag: None };
         match self.exchange(&req)? {
-            crate::frames::Answer::Reply(r) => Ok(r),
-            crate::frames::Answer::UnknownSession => Err(Failed::Session),
-            crate::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
+            crate::wire::frames::Answer::Reply(r) => Ok(r),
+            crate::wire::frames::Answer::UnknownSession => Err(Failed::Session),
+            crate::wire::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
         }
     }
 
@@ -729,7 +729,7 @@ impl Inner {
             // A fresh tag each round: a refusal (in grace, a conflict) is
             // kept as the answer to its tag.
             let tag = self.slots.take(self.client);
-            let mut req = crate::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
+            let mut req = crate::wire::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
             let mut epoch = 0;
             let answered = self.call_req(&mut req, None, &mut epoch);
             self.slots.give(tag);
@@ -740,7 +740,7 @@ impl Inner {
                 Err(e) if e.errno() == IN_GRACE => return Err(errno_error(libc::ENOLCK)),
                 out => {
                     let session = match &req {
-                        crate::frames::Request::Op { session, .. } => *session,
+                        crate::wire::frames::Request::Op { session, .. } => *session,
                         _ => 0,
                     };
                     return out.map(|o| (o, epoch, session));
@@ -779,23 +779,23 @@ impl Inner {
             Op::Write { ino, .. } => Some(*ino),
             _ => None,
         };
-        let mut req = crate::frames::Request::Op { session: 0, op, tag };
+        let mut req = crate::wire::frames::Request::Op { session: 0, op, tag };
         let touched = match (&req, ino) {
-            (crate::frames::Request::Op { op, .. }, None) => op.touches(),
+            (crate::wire::frames::Request::Op { op, .. }, None) => op.touches(),
             _ => Vec::new(),
         };
         let by = if touched.is_empty() { Who::default() } else { calling_process() };
         // Only changes of the branch are journaled until an fsync: opens and
         // locks are tagged too, but live in the session, not the branch.
-        let changes = matches!(&req, crate::frames::Request::Op { op, .. } if op.changes());
+        let changes = matches!(&req, crate::wire::frames::Request::Op { op, .. } if op.changes());
         let mut epoch = 0;
         let out = self.call_req(&mut req, bound, &mut epoch);
         if let (Ok(_), Some(tag), true) = (&out, tag, changes) {
             self.answered(tag, ino, touched, by, epoch);
         }
         match req {
-            crate::frames::Request::Op { op, .. } => (out, op),
-            crate::frames::Request::Session => (out, Op::StatFs),
+            crate::wire::frames::Request::Op { op, .. } => (out, op),
+            crate::wire::frames::Request::Session => (out, Op::StatFs),
         }
     }
 
@@ -817,7 +817,7 @@ impl Inner {
 
     /// Sends `req` until it is answered; `by` is set to the epoch of the
     /// owner that answered.
-    fn call_req(&self, req: &mut crate::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
+    fn call_req(&self, req: &mut crate::wire::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
@@ -825,17 +825,17 @@ impl Inner {
             let attempt = self.session().and_then(|s| {
                 used = s.session;
                 if bound.is_some_and(|b| b != s.session) {
-                    return Ok(crate::frames::Answer::Reply(Err(libc::ESTALE)));
+                    return Ok(crate::wire::frames::Answer::Reply(Err(libc::ESTALE)));
                 }
                 *by = s.epoch;
-                if let crate::frames::Request::Op { session, op, tag } = req {
+                if let crate::wire::frames::Request::Op { session, op, tag } = req {
                     *session = s.session;
                     // Nor is a write sent again whose file's close gave up
                     // on it: reported lost there, it could now land over
                     // what another node wrote since.
                     if let (Op::Write { ino, .. }, Some(t)) = (&*op, *tag) {
                         if self.abandoned(*ino, t) {
-                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // A new session may have found the file gone: its
@@ -845,35 +845,35 @@ impl Inner {
                     // holder wrote.
                     if let Op::Write { ino, .. } = op {
                         if self.journal.lock().gone.contains(ino) || self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // Nor does a truncate.
                     if let Op::SetAttr { ino, change, .. } = op {
                         if change.size.is_some() && self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                 }
                 let sent = BootInstant::now();
                 let answer = self.exchange(req);
-                if let Ok(crate::frames::Answer::Reply(_)) = &answer {
+                if let Ok(crate::wire::frames::Answer::Reply(_)) = &answer {
                     self.heard_at(sent);
                 }
                 answer
             });
             match attempt {
-                Ok(crate::frames::Answer::Reply(reply)) => {
+                Ok(crate::wire::frames::Answer::Reply(reply)) => {
                     if self.outage.swap(false, Ordering::Relaxed) {
                         self.locator.answered();
                         tracing::info!("the owner answers again");
                     }
                     return reply.map_err(errno_error);
                 }
-                Ok(crate::frames::Answer::UnknownSession) => {
+                Ok(crate::wire::frames::Answer::UnknownSession) => {
                     self.drop_session(used);
                 }
-                Ok(crate::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
+                Ok(crate::wire::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
                 Err(Failed::Refused) => {
                     tracing::warn!("the owner refused our token (check --token-file)");
                     return Err(errno_error(libc::EACCES));
@@ -928,7 +928,7 @@ impl Inner {
                 lane.conn = Some(c);
             }
             let c = lane.conn.as_mut()?;
-            crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
+            crate::wire::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
             Some((session.epoch, session.session))
         });
         let Some((epoch, session)) = sent else {
@@ -1055,7 +1055,7 @@ impl Inner {
 
     /// Reads the owner's answer to the oldest write in flight on `lane`.
     fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
-        use crate::frames::{read_answer, Answer};
+        use crate::wire::frames::{read_answer, Answer};
         let Some(front) = lane.sent.front() else { return Ok(()) };
         let (tag, ino, len, epoch) = (front.tag, front.at.ino, front.data.len(), front.epoch);
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;

@@ -11,8 +11,7 @@
 //!   events into the kernel; [`reads`] reads located extents from the
 //!   client's own segments.
 //!
-//! This room uses the framed transport ([`crate::frames`], [`crate::stream`],
-//! [`crate::tls`]) and never the chunk cache's internals: the one thing
+//! This room uses the wire ([`crate::wire`]) and never the chunk cache's internals: the one thing
 //! it takes from [`crate::cache`] is its HTTP/2 connection setup
 //! ([`crate::cache::client`]'s `connect`), for the owner's event polls.
 

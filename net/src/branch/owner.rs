@@ -6,7 +6,7 @@
 //! # Protocol
 //!
 //! On the cache server's port, behind the same token. File operations go
-//! on framed connections ([`crate::frames`]): a session is opened with
+//! on framed connections ([`crate::wire::frames`]): a session is opened with
 //! `Request::Session` (a [`SessionInfo`]: the session and the owner's
 //! epoch), and each [`Op`] is answered with a [`Reply`], or "unknown
 //! session" (open a new one). Changes other nodes made are long-polled
@@ -76,7 +76,7 @@ pub const EVENT_RING: usize = 8192;
 pub const READDIR_BATCH: u32 = 1024;
 /// Bytes one `Op::Read` asks for at most (its answer travels as one
 /// payload); a larger `len` is refused with EINVAL before anything is read.
-pub const MAX_READ: u32 = crate::frames::MAX_FRAME as u32;
+pub const MAX_READ: u32 = crate::wire::frames::MAX_FRAME as u32;
 /// Opens one `Op::Open` takes at most; a client that holds a file open
 /// more often sends several.
 pub const MAX_OPEN_COUNT: u32 = 1 << 16;

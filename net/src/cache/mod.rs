@@ -2,8 +2,8 @@
 //! `ChunkSource` for mounts ([`client`]); the server's counters
 //! (`metrics`); which imported objects a server may fetch ([`scope`]).
 //! The server itself ([`crate::server`]) also accepts a branch's framed
-//! connections, so it sits above this room. Nothing here imports
-//! [`crate::branch`].
+//! connections, so it sits above this room. This room imports only
+//! [`crate::wire`]: nothing of [`crate::branch`] or the server.
 
 pub mod client;
 pub(crate) mod metrics;

@@ -1,6 +1,6 @@
 //! The framed transport: length-prefixed bincode frames on a TCP
 //! connection (inside TLS when the server has a certificate, see
-//! [`crate::stream`]), answered one at a time, in order. It carries file
+//! [`crate::wire::stream`]), answered one at a time, in order. It carries file
 //! operations to a branch's owner and segment chunks from a cache server.
 //!
 //! A client mount keeps a small pool of these connections and a FUSE
@@ -21,7 +21,7 @@
 //!
 //! - the client sends a [`Hello`] (protocol version, the shared token, the
 //!   branch; at most [`HELLO_MAX`] bytes, within
-//!   [`HELLO_DEADLINE`](crate::admission::HELLO_DEADLINE) of connecting)
+//!   [`HELLO_DEADLINE`](crate::wire::admission::HELLO_DEADLINE) of connecting)
 //!   and the owner answers a [`Welcome`]; with a wrong token the answer is
 //!   [`Welcome::Refused`] and the connection is closed;
 //! - then any number of [`Request`]s, each answered by one [`Answer`].
