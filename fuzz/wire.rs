@@ -10,7 +10,7 @@
 //! which notes the largest allocation made on the thread under test.
 //! Test code: nothing here ships in arbor.
 
-use arbor_net::frames::{
+use arbor_net::wire::frames::{
     decode_hello, hello_len, read_answer, read_chunk_answer, read_frame, read_request, ChunkAsk, Welcome, CLAIM_FACTOR,
     HELLO_MAX,
 };

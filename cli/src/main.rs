@@ -355,7 +355,7 @@ struct ServeCmd {
     /// back); other lock requests wait. Only when the branch may have locks
     /// from before. 0 gives up locks from before at once (their holders'
     /// next fsync fails with EIO).
-    #[arg(long, default_value_t = disk::Span(arbor_net::locks::LOCK_GRACE))]
+    #[arg(long, default_value_t = disk::Span(arbor_net::branch::locks::LOCK_GRACE))]
     lock_grace: disk::Span,
     /// For --branch: how long a stop (SIGTERM) waits for the bucket to take
     /// the branches' last bytes before the process exits anyway (non-zero,

@@ -38,7 +38,7 @@ pub struct MountArgs {
     pub cache_servers: Vec<String>,
     pub token_file: Option<PathBuf>,
     /// TLS to the cache servers and the owner (`None`: clear text).
-    pub tls: Option<arbor_net::tls::ClientFiles>,
+    pub tls: Option<arbor_net::wire::tls::ClientFiles>,
     /// The owner of the branch to mount through (else found in the bucket).
     pub server: Option<String>,
     /// Through an owner: fail with EIO after this long without an answer

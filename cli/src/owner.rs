@@ -58,8 +58,8 @@ pub fn advertised(addr: std::net::SocketAddr, advertise: Option<&str>) -> String
 pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owned> {
     arbor_snapshot::check_name(name)?;
     arbor_node::check_segment_size(a.segment_size)?;
-    if a.lock_grace > arbor_net::locks::MAX_LOCK_GRACE {
-        anyhow::bail!("--lock-grace must be at most {}s", arbor_net::locks::MAX_LOCK_GRACE.as_secs());
+    if a.lock_grace > arbor_net::branch::locks::MAX_LOCK_GRACE {
+        anyhow::bail!("--lock-grace must be at most {}s", arbor_net::branch::locks::MAX_LOCK_GRACE.as_secs());
     }
     let cache = disk::CacheOptions { durability: a.durability, ..disk::CacheOptions::default() };
     let d = Arc::new(disk::open_for_owner(disk_arg, name, cache, a.take_over, a.lease_ttl)?);
@@ -112,7 +112,7 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnerArgs) -> Result<Owne
         "owning branch"
     );
     let (cp_catalog, cp_vol, branch) = (catalog.clone(), vol.clone(), name.to_string());
-    let checkpoint: arbor_net::files::Checkpointer = Arc::new(move |cp: &str| {
+    let checkpoint: arbor_net::branch::owner::Checkpointer = Arc::new(move |cp: &str| {
         cp_catalog
             .checkpoint_volume(cp, &branch, &cp_vol)
             .map(|c| json!({"name": c.name, "commit": addr_json(c.commit)}).to_string())

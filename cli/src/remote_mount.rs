@@ -6,8 +6,9 @@ use crate::control;
 use crate::json::{addr_json, cache_servers_json, with_fuse};
 use crate::session::{serve_until_stopped, unmount_request};
 use anyhow::{Context, Result};
-use arbor_fs::{Files, MountOptions};
-use arbor_net::{CacheClient, RemoteFiles};
+use arbor_engine::files::Files;
+use arbor_fs::MountOptions;
+use arbor_net::{BranchClient, CacheClient};
 use arbor_node::disk::Disk;
 use serde_json::json;
 use std::path::Path;
@@ -19,7 +20,7 @@ pub fn mount(
     d: &Arc<Disk>,
     mountpoint: &Path,
     name: String,
-    files: Arc<RemoteFiles>,
+    files: Arc<BranchClient>,
     opts: &MountOptions,
     cache_client: Option<Arc<CacheClient>>,
     metrics: Option<std::net::SocketAddr>,
@@ -36,9 +37,7 @@ pub fn mount(
     let handle = arbor_fs::mount(files.clone(), mountpoint, opts)
         .with_context(|| format!("cannot mount at {}", mountpoint.display()))?;
     let _ = fuse_counters.set(handle.counters().clone());
-    if let Some(n) = handle.notifier() {
-        files.follow(n)?;
-    }
+    files.follow(handle.invalidator())?;
     let owner = files.stats().owner.unwrap_or_default();
     let fuse = (handle.transport().clone(), handle.counters().clone());
     tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), "mounted through the owner");

@@ -22,7 +22,7 @@ pub struct ServeArgs {
     pub object_memory: u64,
     /// `None`: only client certificates the client CA signed get in.
     pub token_file: Option<PathBuf>,
-    pub tls: Option<arbor_net::tls::ServerFiles>,
+    pub tls: Option<arbor_net::wire::tls::ServerFiles>,
     pub fault: Option<Fault>,
     /// Evict what nobody read for this long (`None`: by size alone).
     pub keep_for: Option<Duration>,

@@ -1,9 +1,9 @@
 //! The TLS options: `arbor serve`'s certificate (and the CA of the client
 //! certificates it takes instead of the token), and how the commands that
-//! talk to it (`arbor mount`, `arbor warm`) trust it. See `arbor_net::tls`.
+//! talk to it (`arbor mount`, `arbor warm`) trust it. See `arbor_net::wire::tls`.
 
 use anyhow::{bail, Result};
-use arbor_net::tls::{ClientFiles, ServerFiles, Trust};
+use arbor_net::wire::tls::{ClientFiles, ServerFiles, Trust};
 use clap::Args;
 use std::path::PathBuf;
 
@@ -36,7 +36,7 @@ impl ClientTlsArgs {
     pub fn files(&self) -> Result<Option<ClientFiles>> {
         let trust = match (&self.tls_ca, &self.tls_fingerprint) {
             (Some(ca), _) => Trust::Ca(std::path::absolute(ca)?),
-            (None, Some(fp)) => Trust::Fingerprint(arbor_net::tls::parse_fingerprint(fp)?),
+            (None, Some(fp)) => Trust::Fingerprint(arbor_net::wire::tls::parse_fingerprint(fp)?),
             (None, None) if self.tls_cert.is_some() => {
                 bail!("--tls-cert needs --tls-ca or --tls-fingerprint: how this node trusts the server")
             }

@@ -91,8 +91,9 @@ pub fn warm(disk_arg: &str, checkpoint: &str, paths: &[String], servers: &[Strin
     // What a server should have taken and did not: its share is not warm.
     // (A server saying it has no such segment is no failure: opening a
     // checkpoint looks for the segment after its last one.)
-    let failed =
-        |s: &arbor_net::client::ServerStats| s.fallback_down + s.fallback_timeout + s.fallback_error + s.rejected;
+    let failed = |s: &arbor_net::cache::client::ServerStats| {
+        s.fallback_down + s.fallback_timeout + s.fallback_error + s.rejected
+    };
     let fallbacks: u64 = stats.iter().map(failed).sum();
     if given == 0 && fallbacks > 0 {
         bail!(
@@ -117,7 +118,7 @@ pub fn warm(disk_arg: &str, checkpoint: &str, paths: &[String], servers: &[Strin
 }
 
 /// Why a cache server's chunks came from the bucket: "3 down, 1 timed out".
-fn failure_reasons(s: &arbor_net::client::ServerStats) -> String {
+fn failure_reasons(s: &arbor_net::cache::client::ServerStats) -> String {
     let reasons = [
         (s.fallback_down, "down (not answering)"),
         (s.fallback_timeout, "timed out"),

@@ -3,8 +3,9 @@
 //! Everything that stores bytes lives here: the record format (`format`),
 //! the storage devices under the log ([`device`], [`io`]), the append-only
 //! segment log ([`log`]), the copy-on-write B+tree ([`tree`]), the POSIX-shaped
-//! [`Volume`] API, and the object-store seam ([`bucket`]). The engine knows
-//! nothing of FUSE or the command line.
+//! [`Volume`] API, the [`Files`] trait every way of serving a tree goes
+//! through ([`files`]), and the object-store seam ([`bucket`]). The engine
+//! knows nothing of FUSE or the command line.
 
 pub mod bucket;
 pub mod chunks;
@@ -14,6 +15,7 @@ pub mod device;
 pub mod disk;
 pub mod env;
 pub mod error;
+pub mod files;
 pub mod format;
 pub mod fsck;
 pub mod io;
@@ -29,4 +31,5 @@ pub mod tree;
 pub mod volume;
 
 pub use error::{Error, ErrorKind, Result};
+pub use files::{Caller, Files, Lock};
 pub use volume::{Attr, Config, FileKind, RenameMode, SetAttr, StatFs, TimeSet, Volume};

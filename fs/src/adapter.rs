@@ -1,6 +1,6 @@
 use crate::direct::DirectWrites;
-use crate::files::{Caller, Files, Lock};
 use crate::ops::{Op, OpMetrics};
+use arbor_engine::files::{Caller, Files, Lock};
 use arbor_engine::metrics::{Counter, Exposition, Gauge};
 use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, TimeSet, XattrFlags};
 use arbor_engine::{env::Timestamp, Error};

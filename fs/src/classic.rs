@@ -4,8 +4,8 @@
 //! answer; nothing else happens here.
 
 use crate::adapter::{time_set, ArborFs, Entry, Xattr};
-use crate::files::{Caller, Files, Lock};
 use crate::ring::Transport;
+use arbor_engine::files::{Caller, Files, Lock};
 use arbor_engine::volume::SetAttr;
 use fuser::{
     Errno, FileHandle, Filesystem, FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner,
@@ -132,7 +132,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         let change = SetAttr {
             perm: mode.map(|m| (m & 0o7777) as u16),
             uid,
@@ -159,27 +159,27 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     }
 
     fn mknod(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, rdev: u32, reply: ReplyEntry) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         entry(reply, self.fs.mknod(parent.0, name.as_bytes(), mode, umask, rdev, req.uid(), req.gid()))
     }
 
     fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         entry(reply, self.fs.mkdir(parent.0, name.as_bytes(), mode, umask, req.uid(), req.gid()))
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.unlink(parent.0, name.as_bytes()))
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.rmdir(parent.0, name.as_bytes()))
     }
 
     fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         let target = target.as_os_str().as_bytes();
         entry(reply, self.fs.symlink(parent.0, link_name.as_bytes(), target, req.uid(), req.gid()))
     }
@@ -194,12 +194,12 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.rename(parent.0, name.as_bytes(), newparent.0, newname.as_bytes(), flags.bits()))
     }
 
     fn link(&self, req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         entry(reply, self.fs.link(ino.0, newparent.0, newname.as_bytes()))
     }
 
@@ -246,7 +246,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         let kill = write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID);
         let append = flags.0 & libc::O_APPEND != 0;
         match self.fs.write(ino.0, offset, data, kill, append) {
@@ -256,7 +256,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     }
 
     fn flush(&self, req: &Request, ino: INodeNo, _fh: FileHandle, lock_owner: LockOwner, reply: ReplyEmpty) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.flush(ino.0, lock_owner.0))
     }
 
@@ -274,7 +274,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     }
 
     fn fsync(&self, req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.fsync(ino.0))
     }
 
@@ -298,7 +298,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     }
 
     fn fsyncdir(&self, req: &Request, ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.fsync(ino.0))
     }
 
@@ -319,7 +319,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         _position: u32,
         reply: ReplyEmpty,
     ) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.setxattr(ino.0, name.as_bytes(), value, flags))
     }
 
@@ -332,7 +332,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         empty(reply, self.fs.removexattr(ino.0, name.as_bytes()))
     }
 
@@ -346,7 +346,7 @@ impl<F: Files + ?Sized> Filesystem for Classic<F> {
         flags: i32,
         reply: ReplyCreate,
     ) {
-        crate::files::serving(req.pid());
+        arbor_engine::files::serving(req.pid());
         match self.fs.create(parent.0, name.as_bytes(), mode, umask, flags, req.uid(), req.gid()) {
             Ok((e, flags)) => reply.created(&e.ttl, &e.attr, Generation(0), FileHandle(self.fs.new_handle()), flags),
             Err(e) => reply.error(e),

@@ -6,13 +6,12 @@
 mod adapter;
 mod classic;
 mod direct;
-pub mod files;
 pub mod mount;
 pub mod ops;
 pub mod ring;
 
 pub use adapter::{to_errno, ArborFs, Counters};
-pub use files::{Caller, Files, Lock};
+pub use arbor_engine::files::{Caller, Files, Lock};
 pub use mount::{
     is_mountpoint, mount, mount_path, recover_stale_mount, Invalidator, MountHandle, MountOptions, THREADS,
 };

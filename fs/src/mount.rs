@@ -174,6 +174,17 @@ impl Invalidator {
     }
 }
 
+/// How a client of a shared branch drops what other nodes changed from
+/// this mount's kernel.
+impl arbor_engine::files::Invalidate for Invalidator {
+    fn inode(&self, ino: u64) {
+        Invalidator::inode(self, ino);
+    }
+    fn entry(&self, parent: u64, name: &[u8]) {
+        Invalidator::entry(self, parent, name);
+    }
+}
+
 /// Mounts `vol` at `mountpoint` and returns once the kernel answers, with
 /// FUSE over io_uring when the kernel offers it (see [`RingChoice`]).
 pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOptions) -> io::Result<MountHandle> {

@@ -21,7 +21,7 @@
 //! completion queue after an answer instead of sleeping was slower still.
 
 use crate::adapter::{time_set, ArborFs, Entry, Xattr};
-use crate::files::{Caller, Files, Lock};
+use arbor_engine::files::{Caller, Files, Lock};
 use arbor_engine::volume::{DirEntryOut, SetAttr};
 use fuser::{Errno, FileAttr, FileType, InitFlags, KernelConfig, TimeOrNow};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
@@ -699,7 +699,7 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
     let h = &r.head;
     let ino = h.nodeid;
     let p = r.payload;
-    crate::files::serving(h.pid);
+    arbor_engine::files::serving(h.pid);
     match h.opcode {
         op::LOOKUP => entry(fs.lookup(ino, name(p)?.0)),
         op::GETATTR => attr(fs.attr_ttl(), fs.getattr(ino)),

@@ -18,7 +18,7 @@
 //!
 //! HTTP/2 over TCP (prior knowledge; the server also answers HTTP/1.1, so
 //! `curl` works), in clear or, when the server has a certificate, inside
-//! TLS 1.3 (see [`tls`]). One connection per client and server, many
+//! TLS 1.3 (see [`wire::tls`]). One connection per client and server, many
 //! requests in flight on it. Every request carries the shared token as
 //! `Authorization: Bearer <token>` (or the connection a client certificate
 //! the server's client CA signed); without it the answer is `401` and an
@@ -30,53 +30,57 @@
 //! | `GET /v1/objects/<index>?bucket=…&key=…&etag=…&size=…` | chunk `index` of an imported file's source object (that version: the GET to the bucket is conditional on the ETag): `200` as above; `404` no such chunk; `409` the object changed or is gone; `502` the bucket failed |
 //! | `GET /metrics` | Prometheus text: hits, misses, bucket bytes, bytes served, evictions, resident bytes, request latency |
 //! | `GET /v1/health` | `200 ok` |
-//! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`files`] |
+//! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`branch::owner`] |
 //!
 //! File operations on a branch this process owns use framed connections
-//! to the same port instead (see [`frames`]): a connection that starts
+//! to the same port instead (see [`wire::frames`]): a connection that starts
 //! with `ARBF` is one of those, anything else is HTTP (inside TLS, the
 //! protocol the client names in its handshake, ALPN, tells them apart).
 //! A client mount reads the file bytes the bucket already holds from the
 //! bucket (through its chunk cache and these servers) after asking the
-//! owner where they are: see [`reads`].
+//! owner where they are: see [`branch::reads`].
+//!
+//! # Rooms
+//!
+//! - [`branch`]: a branch's owner ([`SharedBranch`]) and its client
+//!   ([`BranchClient`]), with the journal, locks, reply cache, located
+//!   reads and the owner's policy.
+//! - [`cache`]: the chunk cache's client ([`CacheClient`]), the server's
+//!   counters and the scope of imported objects it may fetch.
+//! - [`wire`]: what both services put on the wire: framed connections
+//!   ([`wire::frames`]: hello, chunk asks, a branch's request and answer
+//!   envelopes), the HTTP routes' headers, windows and queries
+//!   ([`wire::http`]), a connection's stream, plain or TLS
+//!   ([`wire::stream`], [`wire::tls`]), admission before the hello
+//!   ([`wire::admission`]).
+//! - [`server`]: the listener; it tells framed connections from HTTP and
+//!   answers chunks from the cache and file operations from a branch.
+//!
+//! Imports between them (checked with `grep crate::`): `server` → `cache`,
+//! `branch`, `wire`; `branch` → `wire`, and `cache::client`'s `connect`
+//! (the HTTP/2 connection its event polls use); `cache` → `wire` only;
+//! `wire` → nothing of `cache`, and of `branch` only the file operations
+//! ([`branch::owner::Op`], its `Reply`) that [`wire::frames`]' request and
+//! answer frames carry (and a reply slot in a test), the one import that still runs from the wire into
+//! a service.
 
-pub mod admission;
-pub mod client;
+pub mod branch;
+pub mod cache;
 pub mod exporter;
-pub mod files;
-pub mod frames;
-pub mod journal;
-pub mod locks;
-mod metrics;
-pub mod policy;
-pub mod reads;
-pub use metrics::sample as metric_sample;
-pub mod remote;
-pub mod requests;
-pub mod scope;
 pub mod server;
-pub mod stream;
-pub mod tls;
-mod validity;
+pub mod wire;
 
-pub use admission::ConnLimits;
-pub use client::{CacheClient, ClientOptions, ServerStats};
-pub use files::SharedBranch;
-pub use policy::Policy;
-pub use remote::{RemoteFiles, RemoteOptions, RemoteStats};
-pub use scope::ObjectScope;
+pub use branch::policy::Policy;
+pub use branch::{BranchClient, BranchClientOptions, BranchClientStats, SharedBranch};
+pub use cache::metrics::sample as metric_sample;
+pub use cache::scope::ObjectScope;
+pub use cache::{CacheClient, ClientOptions, ServerStats};
 pub use server::{CacheServer, Fault, Running, ServerOptions};
-pub use tls::{ClientTls, ServerTls};
+pub use wire::admission::ConnLimits;
+pub use wire::http::{CACHE_HEADER, CRC_HEADER};
+pub use wire::tls::{ClientTls, ServerTls};
 
 use std::path::Path;
-
-/// The header a server says whether a chunk was already cached in.
-pub const CACHE_HEADER: &str = "x-arbor-cache";
-/// The header with the crc32c (hex) of a source object's chunk a server
-/// sends, taken before it left the server: a client gives up a chunk that
-/// does not match. (A segment chunk has none: the client checks it against
-/// its object's footer.)
-pub const CRC_HEADER: &str = "x-arbor-crc32c";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -1,24 +1,27 @@
 //! `arbor serve`: answers chunk requests from a [`SegmentCache`] on chunk
-//! connections (framed, see [`crate::frames`]) and over HTTP/2 (and
+//! connections (framed, see [`crate::wire::frames`]) and over HTTP/2 (and
 //! HTTP/1.1: footers, source objects, `/metrics`), behind a shared token.
 //!
 //! A connection is admitted under caps per peer and in total, and a framed
 //! one says its hello on the runtime, within a deadline, before it gets a
-//! thread (see [`crate::admission`]): one without the token costs a task
+//! thread (see [`crate::wire::admission`]): one without the token costs a task
 //! and a few KiB. With TLS ([`ServerOptions::tls`]) every connection's
 //! handshake is done on the runtime too, by the same deadline; a framed
 //! connection then goes to its thread as a blocking TLS stream
-//! ([`crate::stream`]), and chunks are read and encrypted, not sent with
+//! ([`crate::wire::stream`]), and chunks are read and encrypted, not sent with
 //! `sendfile`.
 
-use crate::admission::{Admission, Admitted, ConnLimits};
-use crate::files::{Op, SharedBranch, EVENT_WAIT};
-use crate::frames::{Hello, Welcome};
-use crate::metrics::{CacheGauges, Metrics};
-use crate::stream::{AcceptedStream, Stream};
-use crate::{authorized, CACHE_HEADER, CRC_HEADER};
+use crate::authorized;
+use crate::branch::owner::{Op, SharedBranch, EVENT_WAIT};
+use crate::cache::metrics::{CacheGauges, Metrics};
+use crate::wire::admission::{Admission, Admitted, ConnLimits};
+use crate::wire::frames::{Hello, Welcome};
+use crate::wire::http::{
+    chunk_part, object_source, CACHE_HEADER, CONNECTION_WINDOW, CRC_HEADER, MAX_FRAME, STREAM_WINDOW,
+};
+use crate::wire::stream::{AcceptedStream, Stream};
 use arbor_engine::format::{encode_value, SegId};
-use arbor_engine::source::{Source, SourceReader};
+use arbor_engine::source::SourceReader;
 use arbor_engine::tier::SegmentCache;
 use bytes::Bytes;
 use http_body_util::Full;
@@ -68,8 +71,8 @@ pub struct ServerOptions {
     pub object_scope: Option<Arc<crate::ObjectScope>>,
     /// The connections admitted at once, and the hello's deadline.
     pub limits: ConnLimits,
-    /// Every connection speaks TLS (see [`crate::tls`]).
-    pub tls: Option<crate::tls::ServerTls>,
+    /// Every connection speaks TLS (see [`crate::wire::tls`]).
+    pub tls: Option<crate::wire::tls::ServerTls>,
 }
 
 /// What a chunk request found: the bytes and whether they were cached
@@ -122,12 +125,6 @@ struct FramedConns {
     open: HashMap<u64, (std::net::TcpStream, Arc<std::sync::atomic::AtomicBool>)>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
-
-/// HTTP/2 flow-control windows: a 1 MiB chunk must not wait for window
-/// updates (the protocol's default stream window is 64 KiB).
-pub(crate) const STREAM_WINDOW: u32 = 8 << 20;
-pub(crate) const CONNECTION_WINDOW: u32 = 256 << 20;
-pub(crate) const MAX_FRAME: u32 = 1 << 20;
 
 type Reply = Response<Full<Bytes>>;
 
@@ -278,7 +275,7 @@ impl CacheServer {
         self: Arc<Self>,
         stream: tokio::net::TcpStream,
         conn: Accepted,
-        tls: &crate::tls::ServerTls,
+        tls: &crate::wire::tls::ServerTls,
         builder: Arc<Http>,
     ) {
         let stream = match tokio::time::timeout_at(conn.hello_by, tls.acceptor().accept(stream)).await {
@@ -296,7 +293,7 @@ impl CacheServer {
         };
         let session = stream.get_ref().1;
         let certified = session.peer_certificates().is_some_and(|c| !c.is_empty());
-        if session.alpn_protocol() == Some(crate::tls::ALPN_FRAMES) {
+        if session.alpn_protocol() == Some(crate::wire::tls::ALPN_FRAMES) {
             self.admit_framed(stream, conn).await
         } else {
             self.serve_http(stream, certified, conn, &builder).await
@@ -350,7 +347,7 @@ impl CacheServer {
     async fn admit_framed(self: Arc<Self>, mut stream: impl AcceptedStream, accepted: Accepted) {
         use tokio::io::AsyncWriteExt;
         let Accepted { conn, hello_by, admitted, .. } = accepted;
-        let hello = match tokio::time::timeout_at(hello_by, crate::admission::read_hello(&mut stream)).await {
+        let hello = match tokio::time::timeout_at(hello_by, crate::wire::admission::read_hello(&mut stream)).await {
             Ok(Ok(hello)) => hello,
             Ok(Err(e)) => {
                 self.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
@@ -365,7 +362,7 @@ impl CacheServer {
         };
         let welcome = self.welcome(&hello, stream.certified());
         let mut frame = Vec::new();
-        if crate::frames::write_frame(&mut frame, &mut Vec::new(), &welcome).is_err() {
+        if crate::wire::frames::write_frame(&mut frame, &mut Vec::new(), &welcome).is_err() {
             return;
         }
         let sent = async {
@@ -389,8 +386,8 @@ impl CacheServer {
         if !certified && !crate::token_matches(&hello.token, &self.opts.token) {
             self.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
             Welcome::Refused
-        } else if hello.version != crate::frames::VERSION {
-            Welcome::Version(crate::frames::VERSION)
+        } else if hello.version != crate::wire::frames::VERSION {
+            Welcome::Version(crate::wire::frames::VERSION)
         } else if !chunks && self.branches.get(&hello.branch).is_none_or(|b| b.stepped_down()) {
             Welcome::NoBranch
         } else {
@@ -399,10 +396,10 @@ impl CacheServer {
     }
 
     /// Hands a framed connection whose hello was welcomed to a thread of
-    /// its own (see [`crate::frames`]), which holds its place under the
+    /// its own (see [`crate::wire::frames`]), which holds its place under the
     /// caps until it ends.
     fn serve_framed(self: Arc<Self>, stream: Stream, conn: u64, hello: Hello, admitted: Admitted) {
-        crate::frames::keep_alive(stream.tcp());
+        crate::wire::frames::keep_alive(stream.tcp());
         let rt = tokio::runtime::Handle::current();
         let mut framed = self.framed.lock();
         framed.threads.retain(|t| !t.is_finished());
@@ -447,7 +444,7 @@ impl CacheServer {
         }
     }
 
-    /// Answers the [`Request`](crate::frames::Request)s of one framed
+    /// Answers the [`Request`](crate::wire::frames::Request)s of one framed
     /// connection to branch `b`, each on this thread, until it closes.
     fn branch_connection(
         &self,
@@ -456,7 +453,7 @@ impl CacheServer {
         rt: &tokio::runtime::Handle,
         idle: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<()> {
-        use crate::frames::{read_request, write_answer, Answer, Request};
+        use crate::wire::frames::{read_request, write_answer, Answer, Request};
         let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
         loop {
             // Idle only until a request's first byte: a stop shuts an idle
@@ -502,7 +499,7 @@ impl CacheServer {
                     }
                 }
                 Request::Op { tag: Some(t), .. }
-                    if t.slot & crate::requests::PIPELINED_SLOT != 0 && peer_closed(stream.tcp()) =>
+                    if t.slot & crate::branch::requests::PIPELINED_SLOT != 0 && peer_closed(stream.tcp()) =>
                 {
                     // A lane's write read after its client closed the
                     // connection: the client gave it up (a close that could
@@ -519,7 +516,7 @@ impl CacheServer {
         }
     }
 
-    /// Answers the [`ChunkAsk`](crate::frames::ChunkAsk)s of one chunk connection, each on this
+    /// Answers the [`ChunkAsk`](crate::wire::frames::ChunkAsk)s of one chunk connection, each on this
     /// thread, until it closes.
     fn chunk_connection(
         &self,
@@ -528,7 +525,7 @@ impl CacheServer {
         mut wbuf: Vec<u8>,
         idle: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<()> {
-        use crate::frames::{read_frame, write_chunk_answer, ChunkAnswer, ChunkAsk};
+        use crate::wire::frames::{read_frame, write_chunk_answer, ChunkAnswer, ChunkAsk};
         loop {
             idle.store(true, Ordering::Release);
             stream.wait_readable()?;
@@ -543,7 +540,7 @@ impl CacheServer {
             // at once, a thread each, not one after another; the cached
             // ones are read here; all are answered in order.
             let mut asks = vec![ask];
-            for _ in 1..crate::frames::MAX_PIPELINED {
+            for _ in 1..crate::wire::frames::MAX_PIPELINED {
                 if !stream.frame_waiting() {
                     break;
                 }
@@ -593,7 +590,7 @@ impl CacheServer {
         &self,
         stream: &mut Stream,
         wbuf: &mut Vec<u8>,
-        ask: crate::frames::ChunkAsk,
+        ask: crate::wire::frames::ChunkAsk,
     ) -> std::io::Result<bool> {
         if stream.is_tls() {
             return Ok(false);
@@ -618,8 +615,8 @@ impl CacheServer {
             }
             let head = u32::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput));
             Some(head.and_then(|len32| {
-                crate::frames::write_chunk_head(stream, wbuf, true, len32)?;
-                crate::frames::send_file(stream.tcp(), file, off, len)
+                crate::wire::frames::write_chunk_head(stream, wbuf, true, len32)?;
+                crate::wire::frames::send_file(stream.tcp(), file, off, len)
             }))
         });
         let m = &self.metrics;
@@ -640,8 +637,8 @@ impl CacheServer {
 
     /// A chunk or a part of it, as a chunk connection answers it: read
     /// from the cache, or fetched (and cached whole) on this thread.
-    fn part(&self, ask: crate::frames::ChunkAsk) -> crate::frames::ChunkAnswer {
-        use crate::frames::ChunkAnswer;
+    fn part(&self, ask: crate::wire::frames::ChunkAsk) -> crate::wire::frames::ChunkAnswer {
+        use crate::wire::frames::ChunkAnswer;
         let Some(cache) = &self.cache else { return ChunkAnswer::NotFound };
         let within = match ask.part {
             Some((at, len)) => match at.checked_add(len as u64) {
@@ -923,68 +920,12 @@ impl CacheServer {
     }
 }
 
-/// The part of a chunk a `/v1/chunks/…?at=…&len=…` request asks for
-/// (offsets inside the chunk); `None` for the whole chunk.
-/// `&proved=1` asks for a proved part (see [`crate::frames::ChunkAsk`]).
-fn chunk_part(query: Option<&str>) -> Result<(Option<std::ops::Range<u64>>, bool), ()> {
-    let Some(query) = query else { return Ok((None, false)) };
-    let (mut at, mut len, mut proved) = (None, None, false);
-    for (k, v) in form_urlencoded::parse(query.as_bytes()) {
-        match &*k {
-            "at" => at = Some(v.parse::<u64>().map_err(|_| ())?),
-            "len" => len = Some(v.parse::<u64>().map_err(|_| ())?),
-            "proved" if v == "1" => proved = true,
-            _ => return Err(()),
-        }
-    }
-    match (at, len) {
-        (None, None) if !proved => Ok((None, false)),
-        (Some(at), Some(len)) if len > 0 => Ok((Some(at..at.checked_add(len).ok_or(())?), proved)),
-        _ => Err(()),
-    }
-}
-
-/// The query that asks for bytes `within` of a chunk (`proved`: with the
-/// chunk's leaf hashes).
-pub(crate) fn part_query(within: &std::ops::Range<u64>, proved: bool) -> String {
-    let proof = if proved { "&proved=1" } else { "" };
-    format!("at={}&len={}{proof}", within.start, within.end - within.start)
-}
-
-/// The source object a `/v1/objects/…` request names in its query.
-fn object_source(query: Option<&str>) -> Option<Source> {
-    let (mut bucket, mut key, mut etag, mut size, mut version) = (None, None, None, None, None);
-    for (k, v) in form_urlencoded::parse(query?.as_bytes()) {
-        match &*k {
-            "bucket" => bucket = Some(v.into_owned()),
-            "key" => key = Some(v.into_owned()),
-            "etag" => etag = Some(v.into_owned()),
-            "size" => size = v.parse::<u64>().ok(),
-            "version" => version = Some(v.into_owned()),
-            _ => {}
-        }
-    }
-    let src = Source { bucket: bucket?, key: key?, size: size?, etag: etag?, version };
-    (!src.bucket.is_empty() && !src.key.is_empty()).then_some(src)
-}
-
-/// The query of a `/v1/objects/…` request for `src`.
-pub(crate) fn object_query(src: &Source) -> String {
-    form_urlencoded::Serializer::new(String::new())
-        .append_pair("bucket", &src.bucket)
-        .append_pair("key", &src.key)
-        .append_pair("etag", &src.etag)
-        .append_pair("size", &src.size.to_string())
-        .extend_pairs(src.version.as_deref().map(|v| ("version", v)))
-        .finish()
-}
-
-/// Whether `stream` starts with [`crate::frames::MAGIC`] (a framed
+/// Whether `stream` starts with [`crate::wire::frames::MAGIC`] (a framed
 /// connection) rather than an HTTP request, looked at without taking the
 /// bytes. `None` when it sent nothing by `by`: both protocols start with
 /// the client speaking, so such a connection is closed.
 async fn is_framed(stream: &tokio::net::TcpStream, by: tokio::time::Instant) -> Option<bool> {
-    use crate::frames::MAGIC;
+    use crate::wire::frames::MAGIC;
     let mut first = [0u8; 4];
     // Bounded: each round waits for more bytes or gives up at `by`.
     for _ in 0..100 {
@@ -1127,45 +1068,6 @@ impl Drop for Running {
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_object_query_names_its_version_when_it_has_one() {
-        let src = Source {
-            bucket: "corpus".into(),
-            key: "raw/a b&c=d.bin".into(),
-            size: 12 << 20,
-            etag: "\"5eb63bbbe01eeed093cb22bb8f5acdc3\"".into(),
-            version: None,
-        };
-        let plain = object_query(&src);
-        assert!(!plain.contains("version"), "{plain}");
-        assert_eq!(object_source(Some(&plain)), Some(src.clone()));
-        let versioned = Source { version: Some("2480dfda-651d+42a0/a493".into()), ..src };
-        assert_eq!(object_source(Some(&object_query(&versioned))), Some(versioned.clone()));
-        // Another version is another object: another id, so other chunks.
-        assert_ne!(versioned.id(), Source { version: None, ..versioned.clone() }.id());
-        for bad in ["", "bucket=corpus&key=a&etag=x", "bucket=&key=a&etag=x&size=1", "bucket=c&key=a&etag=x&size=-1"] {
-            assert_eq!(object_source(Some(bad)), None, "{bad}");
-        }
-    }
-
-    #[test]
-    fn a_part_query_round_trips_and_nonsense_is_refused() {
-        assert_eq!(chunk_part(None), Ok((None, false)));
-        assert_eq!(chunk_part(Some("")), Ok((None, false)));
-        let within = 4096..12_288;
-        assert_eq!(chunk_part(Some(&part_query(&within, false))), Ok((Some(within.clone()), false)));
-        assert_eq!(chunk_part(Some(&part_query(&within, true))), Ok((Some(within), true)));
-        assert_eq!(chunk_part(Some("proved=1")), Err(()));
-        for bad in ["at=1", "len=4", "at=1&len=0", "at=x&len=4", "at=1&len=4&what=2", "at=18446744073709551615&len=2"] {
-            assert_eq!(chunk_part(Some(bad)), Err(()), "{bad}");
         }
     }
 }

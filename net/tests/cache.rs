@@ -396,7 +396,9 @@ fn two_servers_share_the_chunks_and_one_stopped_costs_only_its_share() {
 
 #[test]
 fn parts_go_over_one_kept_chunk_connection_which_a_restarted_server_replaces() {
-    use arbor_net::frames::{read_chunk_answer, read_frame, write_frame, ChunkAsk, Hello, Welcome, MAGIC, VERSION};
+    use arbor_net::wire::frames::{
+        read_chunk_answer, read_frame, write_frame, ChunkAsk, Hello, Welcome, MAGIC, VERSION,
+    };
     use std::io::Write;
     let dir = tempfile::tempdir().expect("tempdir");
     let (store, _) = bucket_with_file(dir.path(), 4);

@@ -10,13 +10,13 @@
 
 use arbor_engine::device::SimDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_fs::Files;
-use arbor_net::files::{Op, Out, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
-use arbor_net::frames::{read_answer, read_frame, write_frame, write_request, Answer, Hello, Request, Welcome};
-use arbor_net::frames::{HELLO_MAX, MAGIC, MAX_FRAME, VERSION};
+use arbor_net::branch::owner::{Op, Out, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
+use arbor_net::wire::frames::{read_answer, read_frame, write_frame, write_request, Answer, Hello, Request, Welcome};
+use arbor_net::wire::frames::{HELLO_MAX, MAGIC, MAX_FRAME, VERSION};
 use arbor_net::{
-    metric_sample, CacheServer, ConnLimits, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch,
+    metric_sample, BranchClient, BranchClientOptions, CacheServer, ConnLimits, Running, ServerOptions, SharedBranch,
 };
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -33,7 +33,7 @@ static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 fn owner(limits: ConnLimits) -> (Arc<Volume>, Running) {
     let cfg = Config { commit_interval: None, env: TestEnv::new(3), ..Config::default() };
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg).expect("open");
-    let branch = SharedBranch::new("main", vol.clone(), None, arbor_net::policy::Policy::default());
+    let branch = SharedBranch::new("main", vol.clone(), None, arbor_net::branch::policy::Policy::default());
     let opts = ServerOptions { token: TOKEN.into(), limits, ..Default::default() };
     let running = CacheServer::owner(None, vec![branch], opts).spawn("127.0.0.1:0").expect("serve");
     (vol, running)
@@ -306,7 +306,7 @@ fn a_client_reads_more_than_one_request_may_ask_for_in_pieces() {
     vol.write(f.ino, 0, &head).expect("write");
     vol.write(f.ino, len - MIB, &tail).expect("write");
     let addr = server.addr.to_string();
-    let c = RemoteFiles::connect(RemoteOptions {
+    let c = BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || Some(addr.clone())),

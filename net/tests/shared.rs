@@ -1,14 +1,14 @@
 //! Shared branches in one process: an owner (`SharedBranch` behind a
 //! `CacheServer` on 127.0.0.1) over a volume on a device that can lose
-//! its unsynced bytes, and `RemoteFiles` clients. What the end-to-end tests
+//! its unsynced bytes, and `BranchClient` clients. What the end-to-end tests
 //! cannot force: an owner that loses acknowledged writes in a crash.
 
 use arbor_engine::device::{CrashMode, SimDevice};
 use arbor_engine::env::TestEnv;
+use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Place, RenameMode, RequestTag, Volume, ROOT_INO};
-use arbor_fs::Files;
-use arbor_net::files::{Event, Op, Out};
-use arbor_net::{CacheServer, Policy, RemoteFiles, RemoteOptions, Running, ServerOptions, SharedBranch};
+use arbor_net::branch::owner::{Event, Op, Out};
+use arbor_net::{BranchClient, BranchClientOptions, CacheServer, Policy, Running, ServerOptions, SharedBranch};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,18 +52,18 @@ fn found_at(server: &Running) -> Arc<Mutex<String>> {
 
 /// A client finding the owner at whatever `at` holds, reading every
 /// file's bytes through it.
-fn client(at: &Arc<Mutex<String>>) -> RemoteFiles {
+fn client(at: &Arc<Mutex<String>>) -> BranchClient {
     client_over(at, None)
 }
 
 /// A client that reads the bytes the owner locates from `segments` itself.
-fn reading_client(at: &Arc<Mutex<String>>, segments: SimDevice) -> RemoteFiles {
+fn reading_client(at: &Arc<Mutex<String>>, segments: SimDevice) -> BranchClient {
     client_over(at, Some(Arc::new(segments)))
 }
 
-fn client_over(at: &Arc<Mutex<String>>, segments: Option<Arc<dyn arbor_engine::device::Device>>) -> RemoteFiles {
+fn client_over(at: &Arc<Mutex<String>>, segments: Option<Arc<dyn arbor_engine::device::Device>>) -> BranchClient {
     let at = at.clone();
-    RemoteFiles::connect(RemoteOptions {
+    BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || Some(at.lock().clone())),
@@ -214,7 +214,7 @@ fn a_dropped_session_gives_back_its_open_files_and_locks() {
     else {
         panic!("create")
     };
-    let all = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let all = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
     assert!(b.try_lock(s1.session, f.ino, 7, all).is_ok());
     assert_eq!(b.try_lock(s2.session, f.ino, 9, all).err(), Some(libc::EAGAIN));
     // Unlinked while s1 has it open: still there for s1.
@@ -231,8 +231,12 @@ fn a_dropped_session_gives_back_its_open_files_and_locks() {
 }
 
 /// Opens a framed connection and says hello with `token` for `branch`.
-fn hello(addr: std::net::SocketAddr, token: &str, branch: &str) -> (std::net::TcpStream, arbor_net::frames::Welcome) {
-    use arbor_net::frames::{read_frame, write_frame, Hello, MAGIC, VERSION};
+fn hello(
+    addr: std::net::SocketAddr,
+    token: &str,
+    branch: &str,
+) -> (std::net::TcpStream, arbor_net::wire::frames::Welcome) {
+    use arbor_net::wire::frames::{read_frame, write_frame, Hello, MAGIC, VERSION};
     use std::io::Write;
     let mut s = std::net::TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
@@ -245,7 +249,7 @@ fn hello(addr: std::net::SocketAddr, token: &str, branch: &str) -> (std::net::Tc
 
 #[test]
 fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
-    use arbor_net::frames::{read_frame, write_frame, Answer, Request, Welcome};
+    use arbor_net::wire::frames::{read_frame, write_frame, Answer, Request, Welcome};
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     vol.create(ROOT_INO, b"secret", libc::S_IFREG | 0o600, 0, 0, 0).expect("create");
@@ -312,7 +316,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 /// Writes `data` from offset 0 in 1 MiB writes, each answered at once (on
 /// its way to the owner, not applied yet).
-fn write_in_mib(c: &RemoteFiles, ino: u64, data: &[u8]) {
+fn write_in_mib(c: &BranchClient, ino: u64, data: &[u8]) {
     for (i, piece) in data.chunks(1 << 20).enumerate() {
         assert_eq!(c.write(ino, (i << 20) as u64, piece).expect("write"), piece.len());
     }
@@ -320,7 +324,7 @@ fn write_in_mib(c: &RemoteFiles, ino: u64, data: &[u8]) {
 
 /// Reads through a buffer filled with junk first, as a FUSE answer's is:
 /// holes must come back as zeros all the same.
-fn read_all(c: &RemoteFiles, ino: u64, len: usize, piece: usize) -> Vec<u8> {
+fn read_all(c: &BranchClient, ino: u64, len: usize, piece: usize) -> Vec<u8> {
     let mut out = Vec::new();
     let mut buf = vec![0xeeu8; piece];
     while out.len() < len {
@@ -504,7 +508,7 @@ fn threads_waiting_for_their_owner_share_each_lookup_of_it() {
     let addr = running.addr.to_string();
     let lookups = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let counted = lookups.clone();
-    let c = RemoteFiles::connect(RemoteOptions {
+    let c = BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || {
@@ -539,8 +543,8 @@ fn threads_waiting_for_their_owner_share_each_lookup_of_it() {
 
 /// Sends `op` as request `tag` under a new session of `addr`'s owner, on a
 /// connection of its own, and returns the owner's answer.
-fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_net::frames::Answer {
-    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_net::wire::frames::Answer {
+    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -552,7 +556,7 @@ fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_
 
 #[test]
 fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
-    use arbor_net::frames::Answer;
+    use arbor_net::wire::frames::Answer;
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     vol.create(ROOT_INO, b"x", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
@@ -588,7 +592,7 @@ fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
 
 /// Two files of `c` on different write lanes (a lane is `ino % 2`): the
 /// first on lane 1, the second on lane 0, made durable.
-fn files_on_lanes(c: &RemoteFiles) -> (arbor_engine::volume::Attr, arbor_engine::volume::Attr) {
+fn files_on_lanes(c: &BranchClient) -> (arbor_engine::volume::Attr, arbor_engine::volume::Attr) {
     let (mut odd, mut even) = (None, None);
     for i in 0..8 {
         let a = c.create_open(ROOT_INO, format!("lane{i}").as_bytes(), libc::S_IFREG | 0o644, 0, 0).expect("create");
@@ -631,14 +635,15 @@ fn a_write_answered_by_the_old_owner_but_read_after_the_new_owner_was_met_fails_
     assert_eq!(synced, Err(libc::EIO), "an fsync acknowledged a write the owner lost");
 }
 
-const WHOLE: arbor_fs::Lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+const WHOLE: arbor_engine::files::Lock =
+    arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
 
 /// Two clients of the owner `at` names: a made file `name`, made it
 /// durable and holds its whole-file lock; b has it open.
 fn a_holds_the_lock_b_has_the_file_open(
     at: &Arc<Mutex<String>>,
     name: &[u8],
-) -> (RemoteFiles, RemoteFiles, arbor_engine::volume::Attr) {
+) -> (BranchClient, BranchClient, arbor_engine::volume::Attr) {
     let (a, b) = (client(at), client(at));
     let f = a.create_open(ROOT_INO, name, libc::S_IFREG | 0o644, 0, 0).expect("create");
     a.fsync(f.ino).expect("fsync");
@@ -647,8 +652,8 @@ fn a_holds_the_lock_b_has_the_file_open(
     (a, b, f)
 }
 
-fn unlock() -> arbor_fs::Lock {
-    arbor_fs::Lock { typ: libc::F_UNLCK, ..WHOLE }
+fn unlock() -> arbor_engine::files::Lock {
+    arbor_engine::files::Lock { typ: libc::F_UNLCK, ..WHOLE }
 }
 
 #[test]
@@ -747,7 +752,7 @@ fn a_client_whose_session_the_owner_dropped_loses_its_locks_and_hears_of_it() {
 
 #[test]
 fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
-    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     let d = vol.mkdir(ROOT_INO, b"d", 0o755, 0, 0).expect("mkdir");
@@ -758,7 +763,7 @@ fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
     let (mut r, mut b) = (Vec::new(), Vec::new());
     write_request(&mut s, &mut b, &Request::Session).expect("send");
     let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
-    let lane = arbor_net::requests::PIPELINED_SLOT;
+    let lane = arbor_net::branch::requests::PIPELINED_SLOT;
     let mut send = |ino: u64, off: u64, seq: u64| {
         let op = Op::Write { ino, off, data: vec![b'w'; 100], unprivileged: false, append: false };
         let tag = RequestTag { client: 99, slot: lane, seq };
@@ -800,7 +805,7 @@ fn opening_a_file_again_does_not_clear_the_loss_its_other_descriptor_must_report
 
 #[test]
 fn a_session_speaks_for_one_client_only() {
-    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
     let dev = SimDevice::new();
     let (_vol, server) = owner(&dev);
     let (mut s, w) = hello(server.addr, TOKEN, "main");
@@ -829,8 +834,8 @@ fn a_session_speaks_for_one_client_only() {
 /// An owner that says hello and gives sessions, then answers nothing else,
 /// as one paused (SIGSTOP) with its sockets open does. Stops within 60 s.
 fn silent_owner() -> std::net::SocketAddr {
-    use arbor_net::files::SessionInfo;
-    use arbor_net::frames::{read_frame, read_request, write_frame, Answer, Hello, Request, Welcome};
+    use arbor_net::branch::owner::SessionInfo;
+    use arbor_net::wire::frames::{read_frame, read_request, write_frame, Answer, Hello, Request, Welcome};
     use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -869,10 +874,10 @@ fn silent_owner() -> std::net::SocketAddr {
 
 /// A hard mount (no timeout) connected to a paused owner, whose successor
 /// `real` is recorded half a second later.
-fn hard_client_of_a_paused_owner(real: &Running) -> RemoteFiles {
+fn hard_client_of_a_paused_owner(real: &Running) -> BranchClient {
     let at = Arc::new(Mutex::new(silent_owner().to_string()));
     let find = at.clone();
-    let c = RemoteFiles::connect(RemoteOptions {
+    let c = BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || Some(find.lock().clone())),
@@ -955,8 +960,8 @@ fn a_hard_mount_with_a_write_in_flight_to_a_paused_owner_moves_to_its_successor(
 struct LostLock {
     vol: Arc<Volume>,
     _owner: (Arc<SharedBranch>, Running),
-    a: RemoteFiles,
-    b: RemoteFiles,
+    a: BranchClient,
+    b: BranchClient,
     ino: u64,
 }
 
@@ -1287,11 +1292,11 @@ fn a_new_owner_never_gives_out_again_the_number_of_a_file_a_crash_took() {
 
 #[test]
 fn an_append_sent_again_after_a_lost_reply_or_an_owner_crash_lands_once() {
-    use arbor_net::frames::Answer;
+    use arbor_net::wire::frames::Answer;
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     let f = vol.create(ROOT_INO, b"log", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-    let lane = arbor_net::requests::PIPELINED_SLOT | 1;
+    let lane = arbor_net::branch::requests::PIPELINED_SLOT | 1;
     let append = |data: &[u8]| Op::Write { ino: f.ino, off: 0, data: data.to_vec(), unprivileged: false, append: true };
     let t1 = RequestTag { client: 4242, slot: lane, seq: 1 };
     assert!(matches!(tagged_request(server.addr, append(b"one\n"), t1), Answer::Reply(Ok(Out::Written(4)))));
@@ -1382,7 +1387,7 @@ fn a_descriptor_of_a_lost_file_never_writes_into_another_file() {
 struct GivenUp {
     vol: Arc<Volume>,
     _server: Running,
-    a: RemoteFiles,
+    a: BranchClient,
     f: u64,
     release: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -1428,8 +1433,8 @@ fn a_write_a_close_could_not_confirm_is_reported_and_never_lands_over_newer_byte
 }
 
 /// Sends `op` as request `tag` under `session` on a connection of its own.
-fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag) -> arbor_net::frames::Answer {
-    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag) -> arbor_net::wire::frames::Answer {
+    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -1442,7 +1447,7 @@ fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag)
 /// forever, or freed while a descriptor still reads it).
 #[test]
 fn an_open_or_release_sent_again_after_a_lost_reply_counts_once() {
-    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
     let (vol, server) = owner(&SimDevice::new());
     let (mut s, w) = hello(server.addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
@@ -1476,7 +1481,7 @@ fn an_open_or_release_sent_again_after_a_lost_reply_counts_once() {
 
 /// A new session of `addr`'s owner, opened on a connection of its own.
 fn new_session(addr: std::net::SocketAddr) -> u64 {
-    use arbor_net::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -1490,11 +1495,11 @@ fn new_session(addr: std::net::SocketAddr) -> u64 {
 /// same request comes under the client's next session.
 #[test]
 fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
-    use arbor_net::frames::Answer;
+    use arbor_net::wire::frames::Answer;
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let (branch, server) = serve_branch(&vol);
     let f = vol.create(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-    let lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let lock = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
     let take = Op::SetLk { ino: f.ino, owner: 5, lock, wait: false, reclaim: false };
     let tag = RequestTag { client: 93, slot: 0, seq: 1 };
     let first = new_session(server.addr);
@@ -1589,10 +1594,10 @@ fn a_write_reaching_the_owner_after_its_close_gave_it_up_is_not_applied() {
 /// client's reclaim of them still conflicts.
 #[test]
 fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one() {
-    use arbor_net::frames::Answer;
+    use arbor_net::wire::frames::Answer;
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let f = vol.create(ROOT_INO, b"locked", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-    let lock = arbor_fs::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
+    let lock = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
     let tag = |client, seq| RequestTag { client, slot: 0, seq };
     // An owner grants the lock, then stops: the next one starts in its
     // grace period, when only reclaims are granted.

@@ -9,13 +9,13 @@ use arbor_engine::chunks::ChunkSource;
 use arbor_engine::device::SimDevice;
 use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::files::Files;
 use arbor_engine::tier::{BucketDevice, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_fs::Files;
-use arbor_net::tls::{ClientFiles, ServerFiles, Trust};
+use arbor_net::wire::tls::{ClientFiles, ServerFiles, Trust};
 use arbor_net::{
-    metric_sample, CacheClient, CacheServer, ClientOptions, ClientTls, ConnLimits, RemoteFiles, RemoteOptions, Running,
-    ServerOptions, ServerTls, SharedBranch,
+    metric_sample, BranchClient, BranchClientOptions, CacheClient, CacheServer, ClientOptions, ClientTls, ConnLimits,
+    Running, ServerOptions, ServerTls, SharedBranch,
 };
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -92,8 +92,8 @@ impl Pki {
         let (server_cert, server_key, der) = leaf(d, "server", &["127.0.0.1", "localhost"], &server_ca, None);
         let (client_cert, client_key, _) = leaf(d, "client", &["node-a"], &client_ca, None);
         let (stranger_cert, stranger_key, _) = leaf(d, "stranger", &["node-b"], &other_ca, None);
-        let sha = arbor_net::tls::fingerprint(&der);
-        let server_sha256 = arbor_net::tls::parse_fingerprint(&sha).expect("fingerprint");
+        let sha = arbor_net::wire::tls::fingerprint(&der);
+        let server_sha256 = arbor_net::wire::tls::parse_fingerprint(&sha).expect("fingerprint");
         Pki {
             ca: write("ca.pem", server_ca.pem()),
             client_ca: write("client-ca.pem", client_ca.pem()),
@@ -132,15 +132,15 @@ impl Pki {
 fn owner(tls: Option<ServerTls>, token: &str, limits: ConnLimits) -> (Arc<Volume>, Running) {
     let cfg = Config { commit_interval: None, env: TestEnv::new(3), ..Config::default() };
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg).expect("open");
-    let branch = SharedBranch::new("main", vol.clone(), None, arbor_net::policy::Policy::default());
+    let branch = SharedBranch::new("main", vol.clone(), None, arbor_net::branch::policy::Policy::default());
     let opts = ServerOptions { token: token.into(), limits, tls, ..Default::default() };
     let running = CacheServer::owner(None, vec![branch], opts).spawn("127.0.0.1:0").expect("serve");
     (vol, running)
 }
 
-fn remote(addr: &str, tls: Option<ClientTls>, token: &str) -> Result<RemoteFiles, String> {
+fn remote(addr: &str, tls: Option<ClientTls>, token: &str) -> Result<BranchClient, String> {
     let addr = addr.to_string();
-    RemoteFiles::connect(RemoteOptions {
+    BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: token.into(),
         locate: Arc::new(move || Some(addr.clone())),
@@ -153,7 +153,7 @@ fn remote(addr: &str, tls: Option<ClientTls>, token: &str) -> Result<RemoteFiles
 
 /// Creates `name`, writes `data`, syncs, and reads it back through `c`;
 /// the owner's volume holds it too.
-fn write_sync_read(c: &RemoteFiles, vol: &Volume, name: &[u8], data: &[u8]) {
+fn write_sync_read(c: &BranchClient, vol: &Volume, name: &[u8], data: &[u8]) {
     let f = c.create_open(ROOT_INO, name, libc::S_IFREG | 0o644, 0, 0).expect("create");
     assert_eq!(c.write(f.ino, 0, data).expect("write"), data.len());
     c.fsync(f.ino).expect("fsync");

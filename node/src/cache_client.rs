@@ -3,7 +3,7 @@
 //! that the servers answer.
 
 use crate::error::{Context, Error, Result};
-use arbor_net::tls::ClientFiles;
+use arbor_net::wire::tls::ClientFiles;
 use arbor_net::{CacheClient, ClientOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -59,7 +59,7 @@ pub fn client(servers: &[String], auth: &ClientAuth) -> Result<Option<Arc<CacheC
         return Ok(None);
     }
     let (token, tls) = auth.load().context("--cache-server")?;
-    let timeout = arbor_net::client::timeout_from_env();
+    let timeout = arbor_net::cache::client::timeout_from_env();
     let client = CacheClient::new(ClientOptions { servers, token, timeout, tls })?;
     Ok(Some(Arc::new(client)))
 }
@@ -67,7 +67,7 @@ pub fn client(servers: &[String], auth: &ClientAuth) -> Result<Option<Arc<CacheC
 /// Asks every cache server whether it answers and takes the token:
 /// (how many do, what is wrong with each of the others, as "ADDR PROBLEM").
 pub fn check_servers(client: &CacheClient) -> (usize, Vec<String>) {
-    let checked = client.check(arbor_net::client::timeout_from_env());
+    let checked = client.check(arbor_net::cache::client::timeout_from_env());
     let ok = checked.iter().filter(|(_, p)| p.is_none()).count();
     let problems = checked.into_iter().filter_map(|(addr, p)| Some(format!("{addr} {}", p?))).collect();
     (ok, problems)

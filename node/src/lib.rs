@@ -41,7 +41,7 @@ mod open;
 pub mod through_owner;
 
 /// The transport-neutral file handle every front end mounts or serves.
-pub use arbor_fs::Files;
+pub use arbor_engine::Files;
 
 pub use error::{Context, Error, Result};
 pub use open::{check_segment_size, open_branch, Local, Node, OpenOptions, Opened, Root, MEMORY_ONLY_BRANCH};

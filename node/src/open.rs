@@ -9,7 +9,7 @@ use crate::Files;
 use arbor_engine::chunks::ChunkSource;
 use arbor_engine::tier::Durability;
 use arbor_engine::volume::{Config, Volume};
-use arbor_net::{CacheClient, RemoteFiles};
+use arbor_net::{BranchClient, CacheClient};
 use arbor_snapshot::{BranchLock, Catalog, Error as CatalogError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -144,7 +144,7 @@ pub enum Opened {
     /// Opened here: this process writes the branch (or reads the checkpoint).
     Local(Local),
     /// Through the process that owns the branch.
-    Owner(Arc<RemoteFiles>),
+    Owner(Arc<BranchClient>),
 }
 
 impl Opened {

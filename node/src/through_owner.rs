@@ -5,8 +5,8 @@
 use crate::cache_client::ClientAuth;
 use crate::disk::Disk;
 use crate::error::{Context, Error, Result};
-use arbor_net::remote::Locate;
-use arbor_net::{RemoteFiles, RemoteOptions};
+use arbor_net::branch::client::Locate;
+use arbor_net::{BranchClient, BranchClientOptions};
 use arbor_snapshot::{Catalog, Owner};
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,9 +47,11 @@ pub fn owner_of(
             // one stopped cleanly (a restart, an upgrade) has no record
             // for a moment, and this node must not become the branch's
             // writer and lock its owner out. It waits for a record.
-            None if opts.auth.has_credentials() && !cache_servers => {
-                Some(wait_for_owner(catalog, name, opts.timeout.unwrap_or(arbor_net::remote::OWNER_START_WAIT))?)
-            }
+            None if opts.auth.has_credentials() && !cache_servers => Some(wait_for_owner(
+                catalog,
+                name,
+                opts.timeout.unwrap_or(arbor_net::branch::client::OWNER_START_WAIT),
+            )?),
             None => return Ok(None),
         },
     };
@@ -86,14 +88,14 @@ fn wait_for_owner(catalog: &Catalog, name: &str, wait: Duration) -> Result<Owner
 }
 
 /// Connects to the owner `locate` finds of branch `name` of disk `d`.
-pub fn connect(d: &Disk, name: &str, locate: Locate, opts: &OwnerOptions) -> Result<Arc<RemoteFiles>> {
+pub fn connect(d: &Disk, name: &str, locate: Locate, opts: &OwnerOptions) -> Result<Arc<BranchClient>> {
     let (token, tls) = opts.auth.load().context("to mount through the owner")?;
     // File bytes already in the bucket (or the disk's folder) are read
     // from there, through this node's chunk cache and cache servers;
     // ARBOR_READ_THROUGH_OWNER=1 sends every read to the owner instead.
     let through_owner = std::env::var("ARBOR_READ_THROUGH_OWNER").is_ok_and(|v| v == "1");
     let segments = if through_owner { None } else { Some(d.catalog()?.segments().clone()) };
-    let files = RemoteFiles::connect(RemoteOptions {
+    let files = BranchClient::connect(BranchClientOptions {
         branch: name.to_string(),
         token,
         locate,

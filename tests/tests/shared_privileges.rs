@@ -4,9 +4,9 @@
 //! away as root, and a set-user-ID mode sent straight on the wire.
 
 use arbor_engine::volume::{SetAttr, ROOT_INO};
-use arbor_net::files::{Op, Out, Reply};
-use arbor_net::frames::{self, Answer, Hello, Request, Welcome};
-use arbor_net::policy::Caller;
+use arbor_net::branch::owner::{Op, Out, Reply};
+use arbor_net::branch::policy::Caller;
+use arbor_net::wire::frames::{self, Answer, Hello, Request, Welcome};
 use arbor_tests::*;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;

@@ -1,5 +1,5 @@
 //! One file operation at a time through a client of `arbor serve --branch`
-//! (`RemoteFiles` over 127.0.0.1, no FUSE, no added delay) beside the same
+//! (`BranchClient` over 127.0.0.1, no FUSE, no added delay) beside the same
 //! operation on the owner's volume in this process: what the transport and
 //! the owner's dispatch cost per operation.
 //!
@@ -10,10 +10,10 @@
 
 use arbor_benches::{env_usize, percentile_us, print_table, Row};
 use arbor_engine::device::FileDevice;
+use arbor_engine::files::Files;
 use arbor_engine::io::IoMode;
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_fs::Files;
-use arbor_net::{CacheServer, RemoteFiles, RemoteOptions, ServerOptions, SharedBranch};
+use arbor_net::{BranchClient, BranchClientOptions, CacheServer, ServerOptions, SharedBranch};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -102,7 +102,7 @@ fn main() {
         .spawn("127.0.0.1:0")
         .expect("serve");
     let addr = server.addr.to_string();
-    let remote = RemoteFiles::connect(RemoteOptions {
+    let remote = BranchClient::connect(BranchClientOptions {
         branch: "main".into(),
         token: TOKEN.into(),
         locate: Arc::new(move || Some(addr.clone())),

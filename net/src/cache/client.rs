@@ -13,16 +13,15 @@
 //! Its chunks are never handed to another server.
 //!
 //! Segment chunks and their parts travel on chunk connections (see
-//! [`crate::frames`]): a small pool of blocking sockets per server, the
+//! [`crate::wire::frames`]): a small pool of blocking sockets per server, the
 //! reading thread writing its asks and reading the answers itself.
 //! Footers and source-object chunks, and everything with a server that
 //! does not take chunk connections, go over one HTTP/2 connection per
 //! server. `ARBOR_CACHE_WIRE=http` sends everything over HTTP/2 (for
 //! comparing the two).
 
-use crate::frames::ChunkAsk;
-use crate::server::{CONNECTION_WINDOW, MAX_FRAME, STREAM_WINDOW};
-use crate::{CACHE_HEADER, CRC_HEADER};
+use crate::wire::frames::ChunkAsk;
+use crate::wire::http::{CACHE_HEADER, CONNECTION_WINDOW, CRC_HEADER, MAX_FRAME, STREAM_WINDOW};
 use arbor_engine::chunks::{fnv1a, ChunkRequest, ChunkSource};
 use arbor_engine::format::SegId;
 use arbor_engine::source::Source;
@@ -56,7 +55,7 @@ pub struct ClientOptions {
     /// How long one chunk request may take.
     pub timeout: Duration,
     /// Speak TLS to every server, trusting it this way (never clear text).
-    pub tls: Option<crate::tls::ClientTls>,
+    pub tls: Option<crate::wire::tls::ClientTls>,
 }
 
 /// What one server gave this client, and why it was passed over.
@@ -121,7 +120,7 @@ struct Peer {
 /// A chunk connection: a framed connection whose Hello names no branch,
 /// answering [`ChunkAsk`]s one at a time.
 struct ChunkConn {
-    stream: crate::stream::Stream,
+    stream: crate::wire::stream::Stream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
 }
@@ -134,7 +133,7 @@ struct Inner {
     auth: HeaderValue,
     token: Vec<u8>,
     timeout: Duration,
-    tls: Option<crate::tls::ClientTls>,
+    tls: Option<crate::wire::tls::ClientTls>,
 }
 
 pub struct CacheClient {
@@ -408,7 +407,7 @@ impl Peer {
     async fn sender(
         &self,
         timeout: Duration,
-        tls: Option<&crate::tls::ClientTls>,
+        tls: Option<&crate::wire::tls::ClientTls>,
     ) -> Result<SendRequest<Full<Bytes>>, String> {
         let mut conn = self.conn.lock().await;
         if let Some(s) = conn.as_ref() {
@@ -436,7 +435,7 @@ impl Peer {
 pub(crate) async fn connect(
     addr: &str,
     timeout: Duration,
-    tls: Option<&crate::tls::ClientTls>,
+    tls: Option<&crate::wire::tls::ClientTls>,
 ) -> Result<SendRequest<Full<Bytes>>, String> {
     let attempt = async {
         let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
@@ -501,7 +500,7 @@ impl CacheClient {
                 return part;
             }
         }
-        let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::server::part_query(&within, proved));
+        let path = format!("/v1/chunks/{}/{index}?{}", seg.file_name(), crate::wire::http::part_query(&within, proved));
         self.rt.block_on(self.inner.clone().get(owner, path, Ask::Part))
     }
 }
@@ -554,7 +553,7 @@ impl ChunkSource for CacheClient {
 
     fn fetch_object(&self, src: &Source, wanted: &[u64]) -> Vec<Option<Vec<u8>>> {
         let inner = &self.inner;
-        let query = crate::server::object_query(src);
+        let query = crate::wire::http::object_query(src);
         let object = fnv1a(src.id().as_bytes());
         self.rt.block_on(async {
             let asks = wanted.iter().map(|&i| (inner.object_owner(object, i), format!("/v1/objects/{i}?{query}")));
@@ -592,7 +591,7 @@ impl Inner {
     /// counts. False, and nothing handed to `got`: the server does not
     /// take chunk connections (ask it over HTTP).
     fn framed(&self, owner: usize, asks: &[ChunkAsk], ask: Ask, got: &mut dyn FnMut(usize, Option<Vec<u8>>)) -> bool {
-        use crate::frames::{read_chunk_answer, write_frame};
+        use crate::wire::frames::{read_chunk_answer, write_frame};
         let peer = &self.peers[owner];
         // The asks from `from` on get nothing: counted under `counter`.
         let fail = |from: usize, counter: &AtomicU64, down: bool, got: &mut dyn FnMut(usize, Option<Vec<u8>>)| {
@@ -673,8 +672,8 @@ impl Inner {
     }
 
     /// The bytes of one answer from `peer`, counted.
-    fn counted(&self, peer: &Peer, answer: crate::frames::ChunkAnswer, ask: Ask) -> Option<Vec<u8>> {
-        use crate::frames::ChunkAnswer;
+    fn counted(&self, peer: &Peer, answer: crate::wire::frames::ChunkAnswer, ask: Ask) -> Option<Vec<u8>> {
+        use crate::wire::frames::ChunkAnswer;
         match answer {
             ChunkAnswer::Bytes { hit, bytes } => {
                 peer.gave(ask, bytes.len(), hit);
@@ -743,10 +742,10 @@ impl Inner {
     /// A new chunk connection to `peer`, its Hello answered; every read
     /// and write on it bounded by the timeout.
     fn connect_framed(&self, peer: &Peer) -> Result<ChunkConn, ChunkConnError> {
-        use crate::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
+        use crate::wire::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let io = ChunkConnError::Io;
-        let stream = crate::stream::Stream::dial(&peer.addr, self.timeout, self.tls.as_ref()).map_err(io)?;
+        let stream = crate::wire::stream::Stream::dial(&peer.addr, self.timeout, self.tls.as_ref()).map_err(io)?;
         stream.tcp().set_read_timeout(Some(self.timeout)).map_err(io)?;
         stream.tcp().set_write_timeout(Some(self.timeout)).map_err(io)?;
         let mut c = ChunkConn { stream, rbuf: Vec::new(), wbuf: Vec::new() };

@@ -1,6 +1,6 @@
 //! The framed transport: length-prefixed bincode frames on a TCP
 //! connection (inside TLS when the server has a certificate, see
-//! [`crate::stream`]), answered one at a time, in order. It carries file
+//! [`crate::wire::stream`]), answered one at a time, in order. It carries file
 //! operations to a branch's owner and segment chunks from a cache server.
 //!
 //! A client mount keeps a small pool of these connections and a FUSE
@@ -14,14 +14,14 @@
 //! cores; see ARCHITECTURE.md for the numbers this transport gives).
 //! Writes are the exception: a client sends them on write connections
 //! without waiting for each answer (several in flight, answered in order;
-//! see [`crate::remote`]).
+//! see [`crate::branch::client`]).
 //!
 //! The connection starts with [`MAGIC`], which no HTTP request starts with:
 //! the cache server's port tells the two apart by its first bytes. Then:
 //!
 //! - the client sends a [`Hello`] (protocol version, the shared token, the
 //!   branch; at most [`HELLO_MAX`] bytes, within
-//!   [`HELLO_DEADLINE`](crate::admission::HELLO_DEADLINE) of connecting)
+//!   [`HELLO_DEADLINE`](crate::wire::admission::HELLO_DEADLINE) of connecting)
 //!   and the owner answers a [`Welcome`]; with a wrong token the answer is
 //!   [`Welcome::Refused`] and the connection is closed;
 //! - then any number of [`Request`]s, each answered by one [`Answer`].
@@ -47,7 +47,7 @@
 //! sender writes the caller's buffer to the socket and the receiver reads
 //! the socket into the buffer it hands on.
 
-use crate::files::{Op, Out, Reply, SessionInfo};
+use crate::branch::owner::{Op, Out, Reply, SessionInfo};
 use arbor_engine::volume::RequestTag;
 use std::io::{self, Read, Write};
 
@@ -92,7 +92,7 @@ pub enum Request {
     Session,
     /// One file operation under `session`; `tag` names a request that
     /// changes the branch, so a copy sent again is not applied twice
-    /// ([`crate::requests`]).
+    /// ([`crate::branch::requests`]).
     Op { session: u64, op: Op, tag: Option<RequestTag> },
 }
 
@@ -591,7 +591,7 @@ mod tests {
     fn file_data_travels_after_its_frame_and_comes_back_whole() {
         let data: Vec<u8> = (0..1_048_576u32).map(|i| (i * 7 + 3) as u8).collect();
         let (mut wire, mut buf) = (Vec::new(), Vec::new());
-        let tag = Some(RequestTag { client: 5, slot: crate::requests::PIPELINED_SLOT, seq: 11 });
+        let tag = Some(RequestTag { client: 5, slot: crate::branch::requests::PIPELINED_SLOT, seq: 11 });
         let write = Request::Op {
             session: 7,
             op: Op::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true, append: true },
@@ -772,12 +772,12 @@ mod tests {
             name: Vec::new(),
             offset: 0,
         };
-        let span = crate::files::Span { at: 0, len: 0, extent: None };
+        let span = crate::branch::owner::Span { at: 0, len: 0, extent: None };
         let replies = [
             Out::Names(vec![Vec::new(); 100_000]),
             Out::Entries(vec![entry; 50_000]),
             Out::Slots(vec![(0, 0); 50_000]),
-            Out::Located(crate::files::Located { size: 0, end: 0, spans: vec![span; 50_000] }),
+            Out::Located(crate::branch::owner::Located { size: 0, end: 0, spans: vec![span; 50_000] }),
         ];
         for out in replies {
             let (mut wire, mut buf) = (Vec::new(), Vec::new());

@@ -1,5 +1,5 @@
 //! A client mount reading file bytes without the owner: the owner says
-//! where a range's bytes are ([`Op::Locate`](crate::files::Op::Locate)),
+//! where a range's bytes are ([`Op::Locate`](crate::branch::owner::Op::Locate)),
 //! and the client reads the extents that lie in segments it can read
 //! itself (the bucket through its own chunk cache and the cache servers,
 //! or the folder that is the disk), checking every 4 KiB block against
@@ -17,7 +17,7 @@
 //! whose crc does not match) is read from the owner instead, and the
 //! file's locations are forgotten.
 
-use crate::files::{Located, Span};
+use crate::branch::owner::{Located, Span};
 use arbor_engine::device::Device;
 use arbor_engine::volume::{fill_in_order, read_extent, Extent};
 use arbor_engine::{Error, Result};

@@ -50,7 +50,7 @@ fn load_certs(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'sta
         return Err(file_error(what, path, "holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
     }
     for c in &certs {
-        crate::validity::check(c).map_err(|e| file_error(what, path, e))?;
+        crate::wire::validity::check(c).map_err(|e| file_error(what, path, e))?;
     }
     Ok(certs)
 }
@@ -226,13 +226,17 @@ impl ClientTls {
 
     /// TLS over `tcp`, a framed connection to `addr` (`HOST:PORT`), its
     /// handshake done (bounded by `tcp`'s timeouts).
-    pub(crate) fn dial(&self, addr: &str, mut tcp: std::net::TcpStream) -> std::io::Result<crate::stream::Stream> {
+    pub(crate) fn dial(
+        &self,
+        addr: &str,
+        mut tcp: std::net::TcpStream,
+    ) -> std::io::Result<crate::wire::stream::Stream> {
         let mut conn = rustls::ClientConnection::new(self.frames.clone(), server_name(addr)?).map_err(tls_io)?;
         // Each round sends or reads part of the handshake, or fails.
         while conn.is_handshaking() {
             conn.complete_io(&mut tcp).map_err(explain)?;
         }
-        Ok(crate::stream::Stream::client(tcp, conn))
+        Ok(crate::wire::stream::Stream::client(tcp, conn))
     }
 
     /// TLS over `tcp` for HTTP/2 to `addr`, its handshake done.

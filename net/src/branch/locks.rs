@@ -14,7 +14,7 @@
 //!
 //! - **The old owner had not dropped the client's session.** An owner
 //!   drops a session (and its locks, which then go to others) only after
-//!   [`SESSION_IDLE`](crate::files::SESSION_IDLE) without a word from it.
+//!   [`SESSION_IDLE`](crate::branch::owner::SESSION_IDLE) without a word from it.
 //!   A client reclaims only if it was answered, under its old session, by
 //!   a request it sent less than [`RECLAIM_WINDOW`] ago by its own
 //!   monotonic clock: the owner heard that request after it was sent, so
@@ -60,7 +60,7 @@
 //! (after which the file works again: the holder knows; so does a close of
 //! the file by that holder). A truncate there fails with EIO too.
 
-use arbor_fs::Lock;
+use arbor_engine::files::Lock;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
@@ -74,7 +74,7 @@ pub const MAX_LOCK_GRACE: Duration = Duration::from_secs(600);
 
 /// How recent a client's last answer from the old owner must be (by the
 /// client's own clock) for it to reclaim its locks: comfortably inside
-/// [`SESSION_IDLE`](crate::files::SESSION_IDLE), so that the old owner
+/// [`SESSION_IDLE`](crate::branch::owner::SESSION_IDLE), so that the old owner
 /// cannot have dropped its session, whatever the two clocks' rates.
 pub const RECLAIM_WINDOW: Duration = Duration::from_secs(12);
 

@@ -3,7 +3,7 @@
 //! connection is counted against caps per peer and in total as it is
 //! accepted (over them it is closed at once), and a framed connection's
 //! hello is read on the runtime, within [`HELLO_DEADLINE`] of the accept
-//! and in at most [`HELLO_MAX`](crate::frames::HELLO_MAX) bytes, before
+//! and in at most [`HELLO_MAX`](crate::wire::frames::HELLO_MAX) bytes, before
 //! anything is spawned for it: a thread of its own comes only with the
 //! token (see [`crate::server`]). On a server with TLS the handshake is
 //! inside the same deadline: it starts at the accept and the hello must
@@ -12,7 +12,7 @@
 //! This module reads nothing past the hello and decides nothing about the
 //! token; it counts and reads.
 
-use crate::frames::{decode_hello, hello_len, Hello, MAGIC};
+use crate::wire::frames::{decode_hello, hello_len, Hello, MAGIC};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io;
@@ -117,7 +117,7 @@ fn peer_key(peer: IpAddr) -> IpAddr {
 }
 
 /// Reads a framed connection's [`MAGIC`] and [`Hello`], and nothing after
-/// them: at most 8 bytes and [`HELLO_MAX`](crate::frames::HELLO_MAX)
+/// them: at most 8 bytes and [`HELLO_MAX`](crate::wire::frames::HELLO_MAX)
 /// more, into a buffer that grows as they arrive. The caller bounds the
 /// time.
 pub(crate) async fn read_hello(stream: &mut (impl tokio::io::AsyncRead + Unpin)) -> io::Result<Hello> {

@@ -27,19 +27,19 @@
 //!   bits, as any write by them does. Times and sizes are not checked
 //!   here: the client's kernel checked them.
 //!
-//! These rules decide; [`crate::files`] applies. What they cannot do: the
+//! These rules decide; [`crate::branch::owner`] applies. What they cannot do: the
 //! caller's uid and gid are what the client says, so the token is what
 //! keeps strangers out, and a token holder can act as any user but root
 //! (with root squash) — never make a file that grants privileges.
 
+pub use arbor_engine::files::Caller;
 use arbor_engine::volume::{Attr, FileKind, SetAttr};
-pub use arbor_fs::Caller;
 
 /// The uid and gid root is squashed to (`nobody`, `nogroup`).
 pub const NOBODY: u32 = 65534;
 
 /// The extended attribute that gives a file capabilities when run.
-pub const CAPABILITIES: &[u8] = arbor_fs::files::CAPABILITIES;
+pub const CAPABILITIES: &[u8] = arbor_engine::files::CAPABILITIES;
 
 /// An errno the owner answers instead of applying.
 pub type Refused = i32;

@@ -1,9 +1,19 @@
-//! What the FUSE adapter serves: the file operations of one branch or
-//! checkpoint. A [`Volume`] on this node is one; a client of the node that
-//! owns a branch (`arbor_net::RemoteFiles`) is another.
+//! The file operations of one branch or checkpoint, whatever carries them:
+//! the [`Files`] trait, who asks ([`Caller`]), byte-range locks ([`Lock`]),
+//! what a change takes from a file's privileges ([`clear_privileges`]), and
+//! how a tree other nodes change tells a kernel's caches what went stale
+//! ([`Invalidate`]).
+//!
+//! The trait lives in the engine, not beside the FUSE adapter, because
+//! both sides of it are outside FUSE: the engine's [`Volume`] implements
+//! it, and so does `arbor-net`'s client of a branch another node owns;
+//! the FUSE adapter (`arbor-fs`), the network owner of a branch and any
+//! library that serves files without a kernel mount all use it, and none
+//! of them should have to link FUSE for that. Nothing here knows FUSE: a
+//! transport maps requests to these calls and [`Invalidate`] to its kernel.
 
-use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
-use arbor_engine::{Error, Result};
+use crate::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, Volume, XattrFlags};
+use crate::{Error, Result};
 
 /// A POSIX byte-range lock (`fcntl`), or a whole-file `flock` (the range
 /// 0..=u64::MAX), as the kernel gives it: `typ` is `F_RDLCK`, `F_WRLCK` or
@@ -47,7 +57,7 @@ pub trait Files: Send + Sync + 'static {
     ///
     /// A mount's own kernel has checked `caller`'s rights already; a
     /// client of an owner sends `caller` along, and the owner checks it
-    /// again by its own rules (`arbor_net::policy`).
+    /// again by its own rules (the owner's policy in `arbor-net`).
     fn setattr_by(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Result<Attr> {
         let _ = caller;
         let chown = change.uid.is_some() || change.gid.is_some();
@@ -188,6 +198,34 @@ pub fn drop_capabilities<F: Files + ?Sized>(f: &F, ino: u64) -> Result<()> {
 /// The extended attribute that holds a file's capabilities.
 pub const CAPABILITIES: &[u8] = b"security.capability";
 
+thread_local! {
+    static CALLING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Notes that this thread now serves a request of process (thread) `pid`,
+/// as the kernel gave it; the FUSE adapters call it before a change or an
+/// fsync, so that a [`Files`] may tell which caller a loss belongs to.
+pub fn serving(pid: u32) {
+    CALLING.with(|c| c.set(pid));
+}
+
+/// The pid (a thread id, as FUSE gives it) of the request this thread
+/// serves, or 0 if unknown.
+pub fn calling_pid() -> u32 {
+    CALLING.with(|c| c.get())
+}
+
+/// Where a tree other nodes change too drops what they changed from the
+/// caches of whoever serves it (a FUSE mount's kernel keeps names and
+/// attributes, and pages of open files). Failures are the implementor's
+/// to log: a cache answers that it does not hold what is dropped.
+pub trait Invalidate: Send + Sync {
+    /// Inode `ino`'s attributes and cached pages (its bytes changed).
+    fn inode(&self, ino: u64);
+    /// The name `name` in directory `parent` (added, removed or replaced).
+    fn entry(&self, parent: u64, name: &[u8]);
+}
+
 impl Files for Volume {
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         Volume::lookup(self, parent, name)
@@ -269,9 +307,9 @@ impl Files for Volume {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arbor_engine::device::SimDevice;
-    use arbor_engine::env::TestEnv;
-    use arbor_engine::volume::{Config, ROOT_INO};
+    use crate::device::SimDevice;
+    use crate::env::TestEnv;
+    use crate::volume::{Config, ROOT_INO};
     use std::sync::Arc;
 
     fn volume() -> Arc<Volume> {
@@ -323,21 +361,4 @@ mod tests {
         let give = SetAttr { gid: Some(1000), ..Default::default() };
         assert_eq!(v.setattr_by(d.ino, give, Caller::ROOT, false).expect("chgrp").perm, 0o2775);
     }
-}
-
-thread_local! {
-    static CALLING: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
-/// Notes that this thread now serves a request of process (thread) `pid`,
-/// as the kernel gave it; the FUSE adapters call it before a change or an
-/// fsync, so that a [`Files`] may tell which caller a loss belongs to.
-pub fn serving(pid: u32) {
-    CALLING.with(|c| c.set(pid));
-}
-
-/// The pid (a thread id, as FUSE gives it) of the request this thread
-/// serves, or 0 if unknown.
-pub fn calling_pid() -> u32 {
-    CALLING.with(|c| c.get())
 }

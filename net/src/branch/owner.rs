@@ -6,7 +6,7 @@
 //! # Protocol
 //!
 //! On the cache server's port, behind the same token. File operations go
-//! on framed connections ([`crate::frames`]): a session is opened with
+//! on framed connections ([`crate::wire::frames`]): a session is opened with
 //! `Request::Session` (a [`SessionInfo`]: the session and the owner's
 //! epoch), and each [`Op`] is answered with a [`Reply`], or "unknown
 //! session" (open a new one). Changes other nodes made are long-polled
@@ -46,21 +46,20 @@
 //! The owner applies what any holder of the token sends, so a change of
 //! owner or mode carries its caller, and every change that could make a
 //! file grant privileges, or give it away, is checked by the owner's
-//! [`Policy`] first (see [`crate::policy`]): by default no set-ID bits,
+//! [`Policy`] first (see [`crate::branch::policy`]): by default no set-ID bits,
 //! capabilities or device nodes from clients, and root squashed to nobody.
 
-use crate::locks::{
+use crate::branch::locks::{
     conflicts, overlaps, reserved_client, CLEARED_SLOT, GENERATION_SLOT, GRANTED_SLOT, INODES_CLIENT, IN_GRACE,
     LOCKS_CLIENT, LOCK_GRACE,
 };
-use crate::policy::{Change, Policy};
-use crate::requests::{Begin, Replies};
+use crate::branch::policy::{Change, Policy};
+use crate::branch::requests::{Begin, Replies};
 use arbor_engine::clock::BootInstant;
+use arbor_engine::files::{drop_capabilities, Caller, Files, Lock};
 use arbor_engine::volume::XattrFlags;
 use arbor_engine::volume::{Attr, DirEntryOut, Place, RenameMode, RequestTag, SetAttr, StatFs, Takes, Volume};
 use arbor_engine::Error;
-use arbor_fs::files::drop_capabilities;
-use arbor_fs::{Caller, Files, Lock};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -77,7 +76,7 @@ pub const EVENT_RING: usize = 8192;
 pub const READDIR_BATCH: u32 = 1024;
 /// Bytes one `Op::Read` asks for at most (its answer travels as one
 /// payload); a larger `len` is refused with EINVAL before anything is read.
-pub const MAX_READ: u32 = crate::frames::MAX_FRAME as u32;
+pub const MAX_READ: u32 = crate::wire::frames::MAX_FRAME as u32;
 /// Opens one `Op::Open` takes at most; a client that holds a file open
 /// more often sends several.
 pub const MAX_OPEN_COUNT: u32 = 1 << 16;
@@ -170,7 +169,7 @@ pub enum Op {
         len: u32,
     },
     /// `unprivileged`: written by a caller without CAP_FSETID, so the
-    /// file first loses its set-user-ID bits (`arbor_fs::files::clear_privileges`);
+    /// file first loses its set-user-ID bits ([`arbor_engine::files::clear_privileges`]);
     /// under root squash every write is.
     /// Any write drops the file's capabilities.
     Write {
@@ -214,7 +213,7 @@ pub enum Op {
         lock: Lock,
     },
     /// `reclaim`: a lock the client held under the owner before this one
-    /// (see [`crate::locks`]).
+    /// (see [`crate::branch::locks`]).
     SetLk {
         ino: u64,
         owner: u64,
@@ -461,7 +460,7 @@ const SESSION_KEYED: u64 = 0x5e55_10e0_0000_0001;
 pub const INODE_BLOCK: u64 = 1 << 16;
 
 /// Whether this owner grants only reclaims, and what the branch records of
-/// locks (see [`crate::locks`]).
+/// locks (see [`crate::branch::locks`]).
 struct Grace {
     /// When this owner began to serve.
     started: BootInstant,
@@ -616,10 +615,10 @@ impl SharedBranch {
         Ok(())
     }
 
-    /// Sets the lock grace period (see [`crate::locks`]); zero turns it
+    /// Sets the lock grace period (see [`crate::branch::locks`]); zero turns it
     /// off, which lets locks from before be granted to others at once.
     pub fn set_lock_grace(&self, length: Duration) {
-        self.grace.lock().length = length.min(crate::locks::MAX_LOCK_GRACE);
+        self.grace.lock().length = length.min(crate::branch::locks::MAX_LOCK_GRACE);
     }
 
     /// Starts the grace period now (when clients can first be served).
@@ -794,7 +793,7 @@ impl SharedBranch {
     }
 
     /// Applies request `op` for `session` at most once: a copy of a tagged
-    /// request gets the first copy's answer (see [`crate::requests`]).
+    /// request gets the first copy's answer (see [`crate::branch::requests`]).
     pub fn apply_request(&self, session: u64, tag: Option<RequestTag>, op: Op) -> Reply {
         // Before the tag: a refused request leaves nothing in the reply cache.
         op.check()?;
@@ -922,7 +921,7 @@ impl SharedBranch {
             }
             Op::Write { ino, data, unprivileged, append: true, .. } => {
                 let cleared = if self.policy.write_clears_set_id(unprivileged) {
-                    v.getattr(ino).and_then(|a| arbor_fs::files::clear_privileges(&**v, a)).map(|_| ())
+                    v.getattr(ino).and_then(|a| arbor_engine::files::clear_privileges(&**v, a)).map(|_| ())
                 } else {
                     drop_capabilities(&**v, ino)
                 };
@@ -1276,7 +1275,7 @@ mod tests {
             ..Default::default()
         };
         let vol = Volume::open(Arc::new(arbor_engine::device::SimDevice::new()), cfg).expect("open");
-        let b = SharedBranch::new("main", vol, None, crate::policy::Policy::default());
+        let b = SharedBranch::new("main", vol, None, crate::branch::policy::Policy::default());
         for _ in 0..MAX_SESSIONS {
             b.open_session().expect("a session under the cap");
         }

@@ -1,5 +1,5 @@
 //! A framed connection's bytes on a blocking thread: plain TCP, or TLS
-//! over it (see [`crate::tls`]). Both sides of the framed transport read
+//! over it (see [`crate::wire::tls`]). Both sides of the framed transport read
 //! and write through this; the TCP socket beneath stays reachable for its
 //! timeouts and its shutdown.
 
@@ -106,7 +106,7 @@ impl Stream {
     /// without waiting.
     pub fn frame_waiting(&mut self) -> bool {
         if self.tls.is_none() {
-            return crate::frames::frame_waiting(&self.tcp);
+            return crate::wire::frames::frame_waiting(&self.tcp);
         }
         // What arrived is taken in, without waiting (bounded: a few reads).
         for _ in 0..16 {
@@ -212,11 +212,15 @@ impl AcceptedStream for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
 }
 
 impl Stream {
-    /// A framed connection to `addr` (see [`crate::frames::dial`]), inside
+    /// A framed connection to `addr` (see [`crate::wire::frames::dial`]), inside
     /// TLS when `tls` is given (its handshake done within `timeout`);
     /// never in clear when it is.
-    pub fn dial(addr: &str, timeout: std::time::Duration, tls: Option<&crate::tls::ClientTls>) -> io::Result<Stream> {
-        let tcp = crate::frames::dial(addr, timeout)?;
+    pub fn dial(
+        addr: &str,
+        timeout: std::time::Duration,
+        tls: Option<&crate::wire::tls::ClientTls>,
+    ) -> io::Result<Stream> {
+        let tcp = crate::wire::frames::dial(addr, timeout)?;
         let Some(tls) = tls else { return Ok(Stream::plain(tcp)) };
         tcp.set_read_timeout(Some(timeout))?;
         tcp.set_write_timeout(Some(timeout))?;

@@ -22,7 +22,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use crate::files::Reply;
+use crate::branch::owner::Reply;
 
 /// The bit that marks a pipelined slot (a write lane): many requests in
 /// flight, applied in order.
@@ -153,7 +153,7 @@ impl Replies {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::files::Out;
+    use crate::branch::owner::Out;
     use std::sync::Arc;
 
     fn tag(slot: u32, seq: u64) -> RequestTag {

@@ -1,6 +1,6 @@
 //! Shared branches: the client's side. A mount of a branch another process
-//! owns serves the kernel through [`RemoteFiles`]: every operation is sent
-//! to the owner (see [`crate::files`]) and its answer, errno included,
+//! owns serves the kernel through [`BranchClient`]: every operation is sent
+//! to the owner (see [`crate::branch::owner`]) and its answer, errno included,
 //! returned as the owner's volume gave it.
 //!
 //! The mount is "hard": when the owner cannot be reached, an operation
@@ -16,7 +16,7 @@
 //!
 //! Every request that changes the branch carries a tag (this mount's
 //! client id, a slot, the slot's sequence), kept when it is sent again, so
-//! the owner applies it at most once ([`crate::requests`]). An owner
+//! the owner applies it at most once ([`crate::branch::requests`]). An owner
 //! killed with -9 loses what it had not made durable, and a client's later
 //! `fsync` must not report those changes durable; nor may a client send
 //! them again, because another client may have changed the same file
@@ -24,11 +24,11 @@
 //! until an `fsync` (the owner's, which covers its whole log) returns, and
 //! when the owner comes back with a new epoch it asks which of them the
 //! branch includes: the rest were lost, and the next `fsync` says so with
-//! EIO ([`crate::journal`]). A clean restart loses nothing and sends
+//! EIO ([`crate::branch::journal`]). A clean restart loses nothing and sends
 //! nothing again. A file is recognised by its inode number and birth time
 //! (a file made anew after the restart may get the same number); a file
 //! that did not survive the restart is lost too. At most
-//! [`crate::journal::JOURNAL_MAX`] requests are kept; past that the client
+//! [`crate::branch::journal::JOURNAL_MAX`] requests are kept; past that the client
 //! asks the owner for an `fsync` itself.
 //!
 //! # Writes in flight
@@ -50,21 +50,21 @@
 //! goes on it — to the same owner only; a new owner is asked instead
 //! whether it has them.
 
-use crate::client::connect;
-use crate::files::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
-use crate::frames::Written;
-use crate::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
-use crate::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
-use crate::reads::DirectReads;
-use crate::requests::PIPELINED_SLOT;
-use crate::stream::Stream;
+use crate::branch::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
+use crate::branch::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
+use crate::branch::owner::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
+use crate::branch::reads::DirectReads;
+use crate::branch::requests::PIPELINED_SLOT;
+use crate::cache::client::connect;
+use crate::wire::frames::Written;
+use crate::wire::stream::Stream;
 use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
+use arbor_engine::files::{Caller, Files, Invalidate, Lock};
 use arbor_engine::format::decode_value;
 use arbor_engine::volume::RequestTag;
 use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
 use arbor_engine::{Error, Result};
-use arbor_fs::{Caller, Files, Lock};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2::SendRequest;
@@ -84,7 +84,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Who the request this thread serves is for: its thread as FUSE names it
 /// (its process is looked up only if a change of it is lost).
 fn calling_process() -> Who {
-    Who { process: 0, thread: arbor_fs::files::calling_pid() }
+    Who { process: 0, thread: arbor_engine::files::calling_pid() }
 }
 
 /// How often a hard mount waiting for an answer checks whether the branch
@@ -106,7 +106,7 @@ const BACKOFF_MAX: Duration = Duration::from_millis(250);
 const LOCATE_MIN: Duration = Duration::from_millis(50);
 const LOCATE_MAX: Duration = Duration::from_secs(2);
 
-/// [`RemoteOptions::locate`], shared by every thread of a mount: between
+/// [`BranchClientOptions::locate`], shared by every thread of a mount: between
 /// two lookups every caller gets the last answer.
 struct Locator {
     locate: Locate,
@@ -153,7 +153,7 @@ impl Locator {
 }
 
 #[derive(Clone)]
-pub struct RemoteOptions {
+pub struct BranchClientOptions {
     pub branch: String,
     pub token: String,
     pub locate: Locate,
@@ -162,11 +162,11 @@ pub struct RemoteOptions {
     pub timeout: Option<Duration>,
     /// The disk's segments as this node reads them (the bucket through
     /// its chunk cache, or the disk's folder): file bytes already there are
-    /// read from them, not through the owner ([`crate::reads`]). `None`:
+    /// read from them, not through the owner ([`crate::branch::reads`]). `None`:
     /// every read goes to the owner.
     pub segments: Option<Arc<dyn arbor_engine::device::Device>>,
     /// Speak TLS to the owner, trusting it this way (never clear text).
-    pub tls: Option<crate::tls::ClientTls>,
+    pub tls: Option<crate::wire::tls::ClientTls>,
 }
 
 /// What went wrong with one attempt.
@@ -187,7 +187,7 @@ struct OpenFile {
     crtime: Timestamp,
 }
 
-/// A framed connection to the owner (see [`crate::frames`]) and its
+/// A framed connection to the owner (see [`crate::wire::frames`]) and its
 /// buffers, reused from operation to operation.
 struct Conn {
     stream: Stream,
@@ -250,7 +250,7 @@ struct Lane {
 }
 
 struct Inner {
-    opts: RemoteOptions,
+    opts: BranchClientOptions,
     locator: Arc<Locator>,
     auth: HeaderValue,
     /// The connection the event poll uses (HTTP/2, long-polling).
@@ -267,7 +267,7 @@ struct Inner {
     journal: Mutex<Journal>,
     /// What the owner of this epoch had of each slot when we met it.
     floors: Mutex<(u64, HashMap<u32, u64>)>,
-    /// The locks the owner granted this mount (see [`crate::locks`]).
+    /// The locks the owner granted this mount (see [`crate::branch::locks`]).
     locks: Mutex<HeldLocks>,
     /// When the newest request the owner answered under our session was
     /// sent, by this node's monotonic clock: whether we may reclaim our
@@ -303,7 +303,7 @@ struct Inner {
 /// yet (starting, restarting) when it has no `--timeout`.
 pub const OWNER_START_WAIT: Duration = Duration::from_secs(45);
 
-pub struct RemoteFiles {
+pub struct BranchClient {
     inner: Arc<Inner>,
     rt: tokio::runtime::Runtime,
     events: Mutex<Option<(tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<()>)>>,
@@ -311,7 +311,7 @@ pub struct RemoteFiles {
 
 /// What a client mount has seen of its owner.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RemoteStats {
+pub struct BranchClientStats {
     pub owner: Option<String>,
     /// Attempts that failed and were tried again.
     pub retries: u64,
@@ -420,7 +420,7 @@ impl Inner {
 
     /// A new framed connection to `addr`, past the hello.
     fn dial(&self, addr: &str) -> std::result::Result<Conn, Failed> {
-        use crate::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
+        use crate::wire::frames::{read_welcome, write_hello, Hello, Welcome, MAGIC, VERSION};
         use std::io::Write;
         let broke = |e: std::io::Error| Failed::Transport(format!("{addr}: {e}"));
         let stream = Stream::dial(addr, CONNECT_TIMEOUT, self.opts.tls.as_ref()).map_err(broke)?;
@@ -455,8 +455,8 @@ impl Inner {
     }
 
     /// One request and its answer, on a connection of the pool.
-    fn exchange(&self, req: &crate::frames::Request) -> std::result::Result<crate::frames::Answer, Failed> {
-        use crate::frames::{read_answer, write_request, Request};
+    fn exchange(&self, req: &crate::wire::frames::Request) -> std::result::Result<crate::wire::frames::Answer, Failed> {
+        use crate::wire::frames::{read_answer, write_request, Request};
         let (addr, mut c) = self.take_conn()?;
         // A lock wait may take as long as the holder keeps the lock.
         let waits = matches!(req, Request::Op { op: Op::SetLk { wait: true, .. }, .. });
@@ -531,8 +531,8 @@ impl Inner {
         // Before this exchange: when the old owner last answered us.
         let heard = *self.heard.lock();
         let had_session = self.epoch.lock().is_some();
-        let info = match self.exchange(&crate::frames::Request::Session)? {
-            crate::frames::Answer::Session(info) => info,
+        let info = match self.exchange(&crate::wire::frames::Request::Session)? {
+            crate::wire::frames::Answer::Session(info) => info,
             _ => return Err(Failed::Transport("a garbled session answer".into())),
         };
         let restarted = self.epoch.lock().is_some_and(|e| e != info.epoch);
@@ -601,11 +601,11 @@ impl Inner {
     /// One operation under `session`, not retried.
     fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
         // The request owns its operation; the caller keeps its own.
-        let req = crate::frames::Request::Op { session, op: op.clone(), tag: None };
+        let req = crate::wire::frames::Request::Op { session, op: op.clone(), tag: None };
         match self.exchange(&req)? {
-            crate::frames::Answer::Reply(r) => Ok(r),
-            crate::frames::Answer::UnknownSession => Err(Failed::Session),
-            crate::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
+            crate::wire::frames::Answer::Reply(r) => Ok(r),
+            crate::wire::frames::Answer::UnknownSession => Err(Failed::Session),
+            crate::wire::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
         }
     }
 
@@ -664,7 +664,7 @@ impl Inner {
     /// Takes back from a new owner (epoch changed: `restarted`) the locks
     /// this mount held, if the old owner cannot have dropped our session
     /// (`heard`: when the newest request it answered was sent, see
-    /// [`crate::locks`]); the rest are lost, and reported. After the same
+    /// [`crate::branch::locks`]); the rest are lost, and reported. After the same
     /// owner dropped our session, every lock is lost.
     /// The table stays locked throughout: a grant read meanwhile from the
     /// old owner is then seen to come from it, and refused.
@@ -729,7 +729,7 @@ impl Inner {
             // A fresh tag each round: a refusal (in grace, a conflict) is
             // kept as the answer to its tag.
             let tag = self.slots.take(self.client);
-            let mut req = crate::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
+            let mut req = crate::wire::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
             let mut epoch = 0;
             let answered = self.call_req(&mut req, None, &mut epoch);
             self.slots.give(tag);
@@ -740,7 +740,7 @@ impl Inner {
                 Err(e) if e.errno() == IN_GRACE => return Err(errno_error(libc::ENOLCK)),
                 out => {
                     let session = match &req {
-                        crate::frames::Request::Op { session, .. } => *session,
+                        crate::wire::frames::Request::Op { session, .. } => *session,
                         _ => 0,
                     };
                     return out.map(|o| (o, epoch, session));
@@ -779,23 +779,23 @@ impl Inner {
             Op::Write { ino, .. } => Some(*ino),
             _ => None,
         };
-        let mut req = crate::frames::Request::Op { session: 0, op, tag };
+        let mut req = crate::wire::frames::Request::Op { session: 0, op, tag };
         let touched = match (&req, ino) {
-            (crate::frames::Request::Op { op, .. }, None) => op.touches(),
+            (crate::wire::frames::Request::Op { op, .. }, None) => op.touches(),
             _ => Vec::new(),
         };
         let by = if touched.is_empty() { Who::default() } else { calling_process() };
         // Only changes of the branch are journaled until an fsync: opens and
         // locks are tagged too, but live in the session, not the branch.
-        let changes = matches!(&req, crate::frames::Request::Op { op, .. } if op.changes());
+        let changes = matches!(&req, crate::wire::frames::Request::Op { op, .. } if op.changes());
         let mut epoch = 0;
         let out = self.call_req(&mut req, bound, &mut epoch);
         if let (Ok(_), Some(tag), true) = (&out, tag, changes) {
             self.answered(tag, ino, touched, by, epoch);
         }
         match req {
-            crate::frames::Request::Op { op, .. } => (out, op),
-            crate::frames::Request::Session => (out, Op::StatFs),
+            crate::wire::frames::Request::Op { op, .. } => (out, op),
+            crate::wire::frames::Request::Session => (out, Op::StatFs),
         }
     }
 
@@ -817,7 +817,7 @@ impl Inner {
 
     /// Sends `req` until it is answered; `by` is set to the epoch of the
     /// owner that answered.
-    fn call_req(&self, req: &mut crate::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
+    fn call_req(&self, req: &mut crate::wire::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
@@ -825,17 +825,17 @@ impl Inner {
             let attempt = self.session().and_then(|s| {
                 used = s.session;
                 if bound.is_some_and(|b| b != s.session) {
-                    return Ok(crate::frames::Answer::Reply(Err(libc::ESTALE)));
+                    return Ok(crate::wire::frames::Answer::Reply(Err(libc::ESTALE)));
                 }
                 *by = s.epoch;
-                if let crate::frames::Request::Op { session, op, tag } = req {
+                if let crate::wire::frames::Request::Op { session, op, tag } = req {
                     *session = s.session;
                     // Nor is a write sent again whose file's close gave up
                     // on it: reported lost there, it could now land over
                     // what another node wrote since.
                     if let (Op::Write { ino, .. }, Some(t)) = (&*op, *tag) {
                         if self.abandoned(*ino, t) {
-                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // A new session may have found the file gone: its
@@ -845,35 +845,35 @@ impl Inner {
                     // holder wrote.
                     if let Op::Write { ino, .. } = op {
                         if self.journal.lock().gone.contains(ino) || self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // Nor does a truncate.
                     if let Op::SetAttr { ino, change, .. } = op {
                         if change.size.is_some() && self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                 }
                 let sent = BootInstant::now();
                 let answer = self.exchange(req);
-                if let Ok(crate::frames::Answer::Reply(_)) = &answer {
+                if let Ok(crate::wire::frames::Answer::Reply(_)) = &answer {
                     self.heard_at(sent);
                 }
                 answer
             });
             match attempt {
-                Ok(crate::frames::Answer::Reply(reply)) => {
+                Ok(crate::wire::frames::Answer::Reply(reply)) => {
                     if self.outage.swap(false, Ordering::Relaxed) {
                         self.locator.answered();
                         tracing::info!("the owner answers again");
                     }
                     return reply.map_err(errno_error);
                 }
-                Ok(crate::frames::Answer::UnknownSession) => {
+                Ok(crate::wire::frames::Answer::UnknownSession) => {
                     self.drop_session(used);
                 }
-                Ok(crate::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
+                Ok(crate::wire::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
                 Err(Failed::Refused) => {
                     tracing::warn!("the owner refused our token (check --token-file)");
                     return Err(errno_error(libc::EACCES));
@@ -928,7 +928,7 @@ impl Inner {
                 lane.conn = Some(c);
             }
             let c = lane.conn.as_mut()?;
-            crate::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
+            crate::wire::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
             Some((session.epoch, session.session))
         });
         let Some((epoch, session)) = sent else {
@@ -1055,7 +1055,7 @@ impl Inner {
 
     /// Reads the owner's answer to the oldest write in flight on `lane`.
     fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
-        use crate::frames::{read_answer, Answer};
+        use crate::wire::frames::{read_answer, Answer};
         let Some(front) = lane.sent.front() else { return Ok(()) };
         let (tag, ino, len, epoch) = (front.tag, front.at.ino, front.data.len(), front.epoch);
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;
@@ -1147,14 +1147,13 @@ impl Inner {
 
     /// Drops what other nodes changed from the kernel's caches (and our
     /// located reads), and moves `after` past it.
-    fn invalidate(&self, notifier: &fuser::Notifier, ev: Events, after: &mut u64) {
-        use std::os::unix::ffi::OsStrExt;
+    fn invalidate(&self, kernel: &dyn Invalidate, ev: Events, after: &mut u64) {
         if self.owner_changed.swap(false, Ordering::AcqRel) {
             // The new owner may lack what the old one answered: the pages
             // and attributes the kernel keeps of open files may hold it.
             let open: Vec<u64> = self.open.lock().keys().copied().collect();
             for ino in open {
-                let _ = notifier.inval_inode(fuser::INodeNo(ino), 0, 0);
+                kernel.inode(ino);
             }
         }
         if ev.gap {
@@ -1166,18 +1165,15 @@ impl Inner {
         }
         *after = ev.next;
         for e in ev.items {
-            // ENOENT: the kernel does not hold that inode or name.
-            let _ = match e {
+            match e {
                 Event::Inode(ino) => {
                     if let Some(d) = &self.direct {
                         d.forget(ino);
                     }
-                    notifier.inval_inode(fuser::INodeNo(ino), 0, 0)
+                    kernel.inode(ino);
                 }
-                Event::Entry(parent, name) => {
-                    notifier.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(&name))
-                }
-            };
+                Event::Entry(parent, name) => kernel.entry(parent, &name),
+            }
         }
     }
 
@@ -1191,11 +1187,11 @@ impl Inner {
     }
 }
 
-impl RemoteFiles {
+impl BranchClient {
     /// A client of `opts.branch`'s owner; it checks at once that the owner
     /// answers and takes the token, so a mount fails with a clear message
     /// instead of hanging.
-    pub fn connect(opts: RemoteOptions) -> std::result::Result<RemoteFiles, crate::Error> {
+    pub fn connect(opts: BranchClientOptions) -> std::result::Result<BranchClient, crate::Error> {
         let auth = crate::bearer(&opts.token)?;
         let rt = crate::client_runtime("arbor-remote")?;
         let direct = opts.segments.clone().map(DirectReads::new);
@@ -1256,16 +1252,16 @@ impl RemoteFiles {
                 return Err(crate::Error::Config(format!("cannot reach the owner of the branch: {e}")))
             }
         }
-        Ok(RemoteFiles { inner, rt, events: Mutex::new(None) })
+        Ok(BranchClient { inner, rt, events: Mutex::new(None) })
     }
 
     fn call(&self, op: Op) -> Result<Out> {
         self.inner.call(op)
     }
 
-    pub fn stats(&self) -> RemoteStats {
+    pub fn stats(&self) -> BranchClientStats {
         let owner = self.inner.pool.lock().addr.clone();
-        RemoteStats {
+        BranchClientStats {
             owner,
             retries: self.inner.retries.load(Ordering::Relaxed),
             owner_lookups: self.inner.locator.lookups.load(Ordering::Relaxed),
@@ -1281,9 +1277,9 @@ impl RemoteFiles {
     }
 
     /// Polls the owner for what other nodes change and drops it from the
-    /// kernel's caches through `notifier`, until [`RemoteFiles::close`].
+    /// kernel's caches through `kernel`, until [`BranchClient::close`].
     /// The poll also tells the owner this mount is alive.
-    pub fn follow(&self, notifier: fuser::Notifier) -> std::io::Result<()> {
+    pub fn follow(&self, kernel: impl Invalidate + 'static) -> std::io::Result<()> {
         let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
         let inner = self.inner.clone();
         let handle = self.rt.handle().clone();
@@ -1329,7 +1325,7 @@ impl RemoteFiles {
                             inner.locator.answered();
                         }
                         backoff = BACKOFF_MIN;
-                        inner.invalidate(&notifier, ev, &mut after);
+                        inner.invalidate(&kernel, ev, &mut after);
                     }
                     Err(Failed::Session) => {
                         inner.drop_session(used);
@@ -1452,7 +1448,7 @@ fn bytes(r: Result<Out>) -> Result<Vec<u8>> {
     }
 }
 
-impl Files for RemoteFiles {
+impl Files for BranchClient {
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
         attr(self.call(Op::Lookup { parent, name: name.to_vec() }))
     }
@@ -1533,8 +1529,8 @@ impl Files for RemoteFiles {
             match d.read_into(ino, off, buf, locate) {
                 Ok(Some(n)) => return Ok(n),
                 Ok(None) => {}
-                Err(crate::reads::Failed::Owner(e)) => return Err(e),
-                Err(crate::reads::Failed::Here(e)) => {
+                Err(crate::branch::reads::Failed::Owner(e)) => return Err(e),
+                Err(crate::branch::reads::Failed::Here(e)) => {
                     d.forget(ino);
                     d.counters.failed.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(ino, off, error = %e, "a read from the segments failed; the owner reads it");
@@ -1705,7 +1701,7 @@ impl Files for RemoteFiles {
     }
 }
 
-impl Drop for RemoteFiles {
+impl Drop for BranchClient {
     fn drop(&mut self) {
         let _ = Files::close(self);
     }

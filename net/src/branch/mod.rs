@@ -1,0 +1,27 @@
+//! A branch this process owns, served to client mounts on other nodes, and
+//! the client such a mount uses.
+//!
+//! - [`owner`]: the owner's side ([`SharedBranch`]): the wire operations
+//!   ([`owner::Op`], [`owner::Reply`]), sessions, the lock table, the event
+//!   ring; [`requests`] is its reply cache, [`locks`] the locks that
+//!   survive an owner's restart, [`policy`] what a client's caller may do.
+//! - [`client`]: a client mount's [`Files`](arbor_engine::Files)
+//!   ([`BranchClient`]): a pool of framed connections, writes in flight,
+//!   retries, the [`journal`] of answered requests, following the owner's
+//!   events into the kernel; [`reads`] reads located extents from the
+//!   client's own segments.
+//!
+//! This room uses the wire ([`crate::wire`]) and never the chunk cache's internals: the one thing
+//! it takes from [`crate::cache`] is its HTTP/2 connection setup
+//! ([`crate::cache::client`]'s `connect`), for the owner's event polls.
+
+pub mod client;
+pub mod journal;
+pub mod locks;
+pub mod owner;
+pub mod policy;
+pub mod reads;
+pub mod requests;
+
+pub use client::{BranchClient, BranchClientOptions, BranchClientStats};
+pub use owner::SharedBranch;
