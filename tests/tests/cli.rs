@@ -492,7 +492,7 @@ fn the_configuration_page_lists_every_flag_and_variable() {
         }
     }
     // Every ARBOR_ variable a crate's code names.
-    for krate in ["engine", "fs", "net", "cli", "snapshot"] {
+    for krate in ["engine", "fs", "net", "node", "cli", "snapshot"] {
         let mut stack = vec![root.join(krate).join("src")];
         while let Some(dir) = stack.pop() {
             for e in std::fs::read_dir(&dir).expect("read_dir").flatten() {
