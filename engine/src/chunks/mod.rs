@@ -5,11 +5,11 @@
 //! checked by its reader (a segment chunk against its object's footer, an
 //! object chunk file against its own crc32c).
 //!
-//! - `cache.rs`: [`ChunkCache`], segment chunks in sparse files (one per
+//! - `cache.rs`: `ChunkCache`, segment chunks in sparse files (one per
 //!   object, on the cache folder's disk or in memory files), holes punched
 //!   on eviction, and the lock that keeps a reader's pread and a punch
 //!   apart; used by the bucket tier's segment reader (`tier/remote`).
-//! - `memory.rs`: [`MemoryChunks`], imported objects' chunks in memory.
+//! - `memory.rs`: `MemoryChunks`, imported objects' chunks in memory.
 //! - `files.rs`: [`ChunkFiles`], imported objects' chunks on local disk,
 //!   one file each, kept across restarts.
 //! - `peers.rs`: [`ChunkSource`], chunks from cache servers (`arbor serve`)
