@@ -31,6 +31,7 @@ use arbor_engine::tier::{BucketDevice, Durability, TierConfig, TierStats, CACHE_
 use arbor_engine::Error as EngineError;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Location {
@@ -141,10 +142,17 @@ fn sweep_command_caches(node_dir: &Path) {
             continue;
         };
         // SAFETY: signal 0 only asks whether the process exists.
-        let alive = pid == std::process::id() as i32
+        let exists = pid == std::process::id() as i32
             || unsafe { libc::kill(pid, 0) } == 0
             || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-        if alive {
+        // A process that started after the folder last changed is another
+        // one given the same number: the folder's own process is gone.
+        let changed = e.metadata().ok().map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            std::time::UNIX_EPOCH + Duration::new(m.ctime().max(0) as u64, m.ctime_nsec().clamp(0, 999_999_999) as u32)
+        });
+        let reused = changed.is_some_and(|c| started_after(pid, c + Duration::from_secs(1)));
+        if exists && !reused {
             continue;
         }
         let lock = std::fs::OpenOptions::new().read(true).open(e.path().join(layout::SEGMENT_DIR).join("lock"));
@@ -163,6 +171,27 @@ fn sweep_command_caches(node_dir: &Path) {
             }
         }
     }
+}
+
+/// Whether process `pid` started after `when` (`false` when that cannot
+/// be told): its start in `/proc/PID/stat` is in clock ticks since boot.
+fn started_after(pid: i32, when: std::time::SystemTime) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // Fields after the parenthesised name start at field 3; the start time
+    // is field 22.
+    let Some(ticks) = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(19)?.parse::<u64>().ok())
+    else {
+        return false;
+    };
+    // SAFETY: sysconf and clock_gettime only read.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let mut boot = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    if hz <= 0 || unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut boot) } != 0 {
+        return false;
+    }
+    let since_boot = Duration::new(boot.tv_sec as u64, boot.tv_nsec as u32);
+    let started_ago = since_boot.saturating_sub(Duration::from_millis(ticks * 1000 / hz as u64));
+    std::time::SystemTime::now().checked_sub(started_ago).is_some_and(|started| started > when)
 }
 
 /// The tmpfs a memory-only writer keeps its log in until the bucket has it.
@@ -632,6 +661,21 @@ pub fn quiet_config() -> arbor_engine::Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_given_a_dead_ones_number_is_told_apart_by_its_start() {
+        let before = std::time::SystemTime::now();
+        std::thread::sleep(Duration::from_millis(100));
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().expect("spawn");
+        let pid = child.id() as i32;
+        let started = started_after(pid, before);
+        let not_yet = started_after(pid, std::time::SystemTime::now() + Duration::from_secs(1));
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(started, "a process started after a folder changed is not its owner");
+        assert!(!not_yet);
+        assert!(!started_after(std::process::id() as i32, before), "this process started before");
+    }
 
     #[test]
     fn only_cache_folders_of_processes_that_are_gone_are_swept() {
