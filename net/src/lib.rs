@@ -33,7 +33,7 @@
 //! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`branch::owner`] |
 //!
 //! File operations on a branch this process owns use framed connections
-//! to the same port instead (see [`wire::frames`]): a connection that starts
+//! to the same port instead (see [`wire::frames`] and [`branch::frames`]): a connection that starts
 //! with `ARBF` is one of those, anything else is HTTP (inside TLS, the
 //! protocol the client names in its handshake, ALPN, tells them apart).
 //! A client mount reads the file bytes the bucket already holds from the
@@ -48,8 +48,8 @@
 //! - [`cache`]: the chunk cache's client ([`CacheClient`]), the server's
 //!   counters and the scope of imported objects it may fetch.
 //! - [`wire`]: what both services put on the wire: framed connections
-//!   ([`wire::frames`]: hello, chunk asks, a branch's request and answer
-//!   envelopes), the HTTP routes' headers, windows and queries
+//!   ([`wire::frames`]: the frame, hello, chunk asks; a branch's requests
+//!   and answers are [`branch::frames`], built on it), the HTTP routes' headers, windows and queries
 //!   ([`wire::http`]), a connection's stream, plain or TLS
 //!   ([`wire::stream`], [`wire::tls`]), admission before the hello
 //!   ([`wire::admission`]).
@@ -59,10 +59,8 @@
 //! Imports between them (checked with `grep crate::`): `server` → `cache`,
 //! `branch`, `wire`; `branch` → `wire`, and `cache::client`'s `connect`
 //! (the HTTP/2 connection its event polls use); `cache` → `wire` only;
-//! `wire` → nothing of `cache`, and of `branch` only the file operations
-//! ([`branch::owner::Op`], its `Reply`) that [`wire::frames`]' request and
-//! answer frames carry (and a reply slot in a test), the one import that still runs from the wire into
-//! a service.
+//! `wire` → nothing of `cache`, `branch` or `server`: no import runs from
+//! the wire up into a service.
 
 pub mod branch;
 pub mod cache;

@@ -444,7 +444,7 @@ impl CacheServer {
         }
     }
 
-    /// Answers the [`Request`](crate::wire::frames::Request)s of one framed
+    /// Answers the [`Request`](crate::branch::frames::Request)s of one framed
     /// connection to branch `b`, each on this thread, until it closes.
     fn branch_connection(
         &self,
@@ -453,7 +453,7 @@ impl CacheServer {
         rt: &tokio::runtime::Handle,
         idle: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<()> {
-        use crate::wire::frames::{read_request, write_answer, Answer, Request};
+        use crate::branch::frames::{read_request, write_answer, Answer, Request};
         let (mut rbuf, mut wbuf) = (Vec::new(), Vec::new());
         loop {
             // Idle only until a request's first byte: a stop shuts an idle

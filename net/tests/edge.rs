@@ -12,8 +12,9 @@ use arbor_engine::device::SimDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
+use arbor_net::branch::frames::{read_answer, write_request, Answer, Request};
 use arbor_net::branch::owner::{Op, Out, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
-use arbor_net::wire::frames::{read_answer, read_frame, write_frame, write_request, Answer, Hello, Request, Welcome};
+use arbor_net::wire::frames::{read_frame, write_frame, Hello, Welcome};
 use arbor_net::wire::frames::{HELLO_MAX, MAGIC, MAX_FRAME, VERSION};
 use arbor_net::{
     metric_sample, BranchClient, BranchClientOptions, CacheServer, ConnLimits, Running, ServerOptions, SharedBranch,

@@ -6,10 +6,10 @@
 //! Seeds: `ARBOR_WRITE_SEEDS=1 cargo test -p arbor-net --test fuzz_frames`.
 
 use arbor_engine::format::SegId;
+use arbor_net::branch::frames::{write_answer, write_request, Answer, Request};
 use arbor_net::branch::owner::{Located, Op, Out, SessionInfo, Span};
 use arbor_net::wire::frames::{
-    write_answer, write_chunk_answer, write_frame, write_hello, write_request, Answer, ChunkAnswer, ChunkAsk, Hello,
-    Request, Welcome, VERSION,
+    write_chunk_answer, write_frame, write_hello, ChunkAnswer, ChunkAsk, Hello, Welcome, VERSION,
 };
 use std::path::PathBuf;
 

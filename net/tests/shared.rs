@@ -249,7 +249,8 @@ fn hello(
 
 #[test]
 fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
-    use arbor_net::wire::frames::{read_frame, write_frame, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{Answer, Request};
+    use arbor_net::wire::frames::{read_frame, write_frame, Welcome};
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     vol.create(ROOT_INO, b"secret", libc::S_IFREG | 0o600, 0, 0, 0).expect("create");
@@ -543,8 +544,9 @@ fn threads_waiting_for_their_owner_share_each_lookup_of_it() {
 
 /// Sends `op` as request `tag` under a new session of `addr`'s owner, on a
 /// connection of its own, and returns the owner's answer.
-fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_net::wire::frames::Answer {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_net::branch::frames::Answer {
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -556,7 +558,7 @@ fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_
 
 #[test]
 fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     vol.create(ROOT_INO, b"x", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
@@ -752,7 +754,8 @@ fn a_client_whose_session_the_owner_dropped_loses_its_locks_and_hears_of_it() {
 
 #[test]
 fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     let d = vol.mkdir(ROOT_INO, b"d", 0o755, 0, 0).expect("mkdir");
@@ -805,7 +808,8 @@ fn opening_a_file_again_does_not_clear_the_loss_its_other_descriptor_must_report
 
 #[test]
 fn a_session_speaks_for_one_client_only() {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let dev = SimDevice::new();
     let (_vol, server) = owner(&dev);
     let (mut s, w) = hello(server.addr, TOKEN, "main");
@@ -834,8 +838,9 @@ fn a_session_speaks_for_one_client_only() {
 /// An owner that says hello and gives sessions, then answers nothing else,
 /// as one paused (SIGSTOP) with its sockets open does. Stops within 60 s.
 fn silent_owner() -> std::net::SocketAddr {
+    use arbor_net::branch::frames::{read_request, Answer, Request};
     use arbor_net::branch::owner::SessionInfo;
-    use arbor_net::wire::frames::{read_frame, read_request, write_frame, Answer, Hello, Request, Welcome};
+    use arbor_net::wire::frames::{read_frame, write_frame, Hello, Welcome};
     use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -1292,7 +1297,7 @@ fn a_new_owner_never_gives_out_again_the_number_of_a_file_a_crash_took() {
 
 #[test]
 fn an_append_sent_again_after_a_lost_reply_or_an_owner_crash_lands_once() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     let f = vol.create(ROOT_INO, b"log", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
@@ -1433,8 +1438,9 @@ fn a_write_a_close_could_not_confirm_is_reported_and_never_lands_over_newer_byte
 }
 
 /// Sends `op` as request `tag` under `session` on a connection of its own.
-fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag) -> arbor_net::wire::frames::Answer {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag) -> arbor_net::branch::frames::Answer {
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -1447,7 +1453,8 @@ fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag)
 /// forever, or freed while a descriptor still reads it).
 #[test]
 fn an_open_or_release_sent_again_after_a_lost_reply_counts_once() {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (vol, server) = owner(&SimDevice::new());
     let (mut s, w) = hello(server.addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
@@ -1481,7 +1488,8 @@ fn an_open_or_release_sent_again_after_a_lost_reply_counts_once() {
 
 /// A new session of `addr`'s owner, opened on a connection of its own.
 fn new_session(addr: std::net::SocketAddr) -> u64 {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -1495,7 +1503,7 @@ fn new_session(addr: std::net::SocketAddr) -> u64 {
 /// same request comes under the client's next session.
 #[test]
 fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let (branch, server) = serve_branch(&vol);
     let f = vol.create(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
@@ -1594,7 +1602,7 @@ fn a_write_reaching_the_owner_after_its_close_gave_it_up_is_not_applied() {
 /// client's reclaim of them still conflicts.
 #[test]
 fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let f = vol.create(ROOT_INO, b"locked", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
     let lock = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };

@@ -4,9 +4,10 @@
 //! away as root, and a set-user-ID mode sent straight on the wire.
 
 use arbor_engine::volume::{SetAttr, ROOT_INO};
+use arbor_net::branch::frames::{self as branch_frames, Answer, Request};
 use arbor_net::branch::owner::{Op, Out, Reply};
 use arbor_net::branch::policy::Caller;
-use arbor_net::wire::frames::{self, Answer, Hello, Request, Welcome};
+use arbor_net::wire::frames::{self, Hello, Welcome};
 use arbor_tests::*;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -196,8 +197,8 @@ impl Wire {
         let hello = Hello { version: frames::VERSION, token: TOKEN.as_bytes().to_vec(), branch: "main".into() };
         frames::write_frame(&mut stream, &mut buf, &hello).expect("hello");
         assert_eq!(frames::read_frame::<Welcome>(&mut stream, &mut buf).expect("welcome"), Welcome::Ok);
-        frames::write_request(&mut stream, &mut buf, &Request::Session).expect("session");
-        let session = match frames::read_answer(&mut stream, &mut buf).expect("answer") {
+        branch_frames::write_request(&mut stream, &mut buf, &Request::Session).expect("session");
+        let session = match branch_frames::read_answer(&mut stream, &mut buf).expect("answer") {
             Answer::Session(s) => s.session,
             other => panic!("{other:?}"),
         };
@@ -206,8 +207,8 @@ impl Wire {
 
     fn ask(&mut self, op: Op) -> Reply {
         let req = Request::Op { session: self.session, op, tag: None };
-        frames::write_request(&mut self.stream, &mut self.buf, &req).expect("request");
-        match frames::read_answer(&mut self.stream, &mut self.buf).expect("answer") {
+        branch_frames::write_request(&mut self.stream, &mut self.buf, &req).expect("request");
+        match branch_frames::read_answer(&mut self.stream, &mut self.buf).expect("answer") {
             Answer::Reply(r) => r,
             other => panic!("{other:?}"),
         }

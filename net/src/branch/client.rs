@@ -50,13 +50,13 @@
 //! goes on it — to the same owner only; a new owner is asked instead
 //! whether it has them.
 
+use crate::branch::frames::Written;
 use crate::branch::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
 use crate::branch::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
 use crate::branch::owner::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
 use crate::branch::reads::DirectReads;
 use crate::branch::requests::PIPELINED_SLOT;
 use crate::cache::client::connect;
-use crate::wire::frames::Written;
 use crate::wire::stream::Stream;
 use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
@@ -455,8 +455,11 @@ impl Inner {
     }
 
     /// One request and its answer, on a connection of the pool.
-    fn exchange(&self, req: &crate::wire::frames::Request) -> std::result::Result<crate::wire::frames::Answer, Failed> {
-        use crate::wire::frames::{read_answer, write_request, Request};
+    fn exchange(
+        &self,
+        req: &crate::branch::frames::Request,
+    ) -> std::result::Result<crate::branch::frames::Answer, Failed> {
+        use crate::branch::frames::{read_answer, write_request, Request};
         let (addr, mut c) = self.take_conn()?;
         // A lock wait may take as long as the holder keeps the lock.
         let waits = matches!(req, Request::Op { op: Op::SetLk { wait: true, .. }, .. });
@@ -531,8 +534,8 @@ impl Inner {
         // Before this exchange: when the old owner last answered us.
         let heard = *self.heard.lock();
         let had_session = self.epoch.lock().is_some();
-        let info = match self.exchange(&crate::wire::frames::Request::Session)? {
-            crate::wire::frames::Answer::Session(info) => info,
+        let info = match self.exchange(&crate::branch::frames::Request::Session)? {
+            crate::branch::frames::Answer::Session(info) => info,
             _ => return Err(Failed::Transport("a garbled session answer".into())),
         };
         let restarted = self.epoch.lock().is_some_and(|e| e != info.epoch);
@@ -601,11 +604,11 @@ impl Inner {
     /// One operation under `session`, not retried.
     fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
         // The request owns its operation; the caller keeps its own.
-        let req = crate::wire::frames::Request::Op { session, op: op.clone(), tag: None };
+        let req = crate::branch::frames::Request::Op { session, op: op.clone(), tag: None };
         match self.exchange(&req)? {
-            crate::wire::frames::Answer::Reply(r) => Ok(r),
-            crate::wire::frames::Answer::UnknownSession => Err(Failed::Session),
-            crate::wire::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
+            crate::branch::frames::Answer::Reply(r) => Ok(r),
+            crate::branch::frames::Answer::UnknownSession => Err(Failed::Session),
+            crate::branch::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
         }
     }
 
@@ -729,7 +732,7 @@ impl Inner {
             // A fresh tag each round: a refusal (in grace, a conflict) is
             // kept as the answer to its tag.
             let tag = self.slots.take(self.client);
-            let mut req = crate::wire::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
+            let mut req = crate::branch::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
             let mut epoch = 0;
             let answered = self.call_req(&mut req, None, &mut epoch);
             self.slots.give(tag);
@@ -740,7 +743,7 @@ impl Inner {
                 Err(e) if e.errno() == IN_GRACE => return Err(errno_error(libc::ENOLCK)),
                 out => {
                     let session = match &req {
-                        crate::wire::frames::Request::Op { session, .. } => *session,
+                        crate::branch::frames::Request::Op { session, .. } => *session,
                         _ => 0,
                     };
                     return out.map(|o| (o, epoch, session));
@@ -779,23 +782,23 @@ impl Inner {
             Op::Write { ino, .. } => Some(*ino),
             _ => None,
         };
-        let mut req = crate::wire::frames::Request::Op { session: 0, op, tag };
+        let mut req = crate::branch::frames::Request::Op { session: 0, op, tag };
         let touched = match (&req, ino) {
-            (crate::wire::frames::Request::Op { op, .. }, None) => op.touches(),
+            (crate::branch::frames::Request::Op { op, .. }, None) => op.touches(),
             _ => Vec::new(),
         };
         let by = if touched.is_empty() { Who::default() } else { calling_process() };
         // Only changes of the branch are journaled until an fsync: opens and
         // locks are tagged too, but live in the session, not the branch.
-        let changes = matches!(&req, crate::wire::frames::Request::Op { op, .. } if op.changes());
+        let changes = matches!(&req, crate::branch::frames::Request::Op { op, .. } if op.changes());
         let mut epoch = 0;
         let out = self.call_req(&mut req, bound, &mut epoch);
         if let (Ok(_), Some(tag), true) = (&out, tag, changes) {
             self.answered(tag, ino, touched, by, epoch);
         }
         match req {
-            crate::wire::frames::Request::Op { op, .. } => (out, op),
-            crate::wire::frames::Request::Session => (out, Op::StatFs),
+            crate::branch::frames::Request::Op { op, .. } => (out, op),
+            crate::branch::frames::Request::Session => (out, Op::StatFs),
         }
     }
 
@@ -817,7 +820,7 @@ impl Inner {
 
     /// Sends `req` until it is answered; `by` is set to the epoch of the
     /// owner that answered.
-    fn call_req(&self, req: &mut crate::wire::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
+    fn call_req(&self, req: &mut crate::branch::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
@@ -825,17 +828,17 @@ impl Inner {
             let attempt = self.session().and_then(|s| {
                 used = s.session;
                 if bound.is_some_and(|b| b != s.session) {
-                    return Ok(crate::wire::frames::Answer::Reply(Err(libc::ESTALE)));
+                    return Ok(crate::branch::frames::Answer::Reply(Err(libc::ESTALE)));
                 }
                 *by = s.epoch;
-                if let crate::wire::frames::Request::Op { session, op, tag } = req {
+                if let crate::branch::frames::Request::Op { session, op, tag } = req {
                     *session = s.session;
                     // Nor is a write sent again whose file's close gave up
                     // on it: reported lost there, it could now land over
                     // what another node wrote since.
                     if let (Op::Write { ino, .. }, Some(t)) = (&*op, *tag) {
                         if self.abandoned(*ino, t) {
-                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::branch::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // A new session may have found the file gone: its
@@ -845,35 +848,35 @@ impl Inner {
                     // holder wrote.
                     if let Op::Write { ino, .. } = op {
                         if self.journal.lock().gone.contains(ino) || self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::branch::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // Nor does a truncate.
                     if let Op::SetAttr { ino, change, .. } = op {
                         if change.size.is_some() && self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::branch::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                 }
                 let sent = BootInstant::now();
                 let answer = self.exchange(req);
-                if let Ok(crate::wire::frames::Answer::Reply(_)) = &answer {
+                if let Ok(crate::branch::frames::Answer::Reply(_)) = &answer {
                     self.heard_at(sent);
                 }
                 answer
             });
             match attempt {
-                Ok(crate::wire::frames::Answer::Reply(reply)) => {
+                Ok(crate::branch::frames::Answer::Reply(reply)) => {
                     if self.outage.swap(false, Ordering::Relaxed) {
                         self.locator.answered();
                         tracing::info!("the owner answers again");
                     }
                     return reply.map_err(errno_error);
                 }
-                Ok(crate::wire::frames::Answer::UnknownSession) => {
+                Ok(crate::branch::frames::Answer::UnknownSession) => {
                     self.drop_session(used);
                 }
-                Ok(crate::wire::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
+                Ok(crate::branch::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
                 Err(Failed::Refused) => {
                     tracing::warn!("the owner refused our token (check --token-file)");
                     return Err(errno_error(libc::EACCES));
@@ -928,7 +931,7 @@ impl Inner {
                 lane.conn = Some(c);
             }
             let c = lane.conn.as_mut()?;
-            crate::wire::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
+            crate::branch::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
             Some((session.epoch, session.session))
         });
         let Some((epoch, session)) = sent else {
@@ -1055,7 +1058,7 @@ impl Inner {
 
     /// Reads the owner's answer to the oldest write in flight on `lane`.
     fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
-        use crate::wire::frames::{read_answer, Answer};
+        use crate::branch::frames::{read_answer, Answer};
         let Some(front) = lane.sent.front() else { return Ok(()) };
         let (tag, ino, len, epoch) = (front.tag, front.at.ino, front.data.len(), front.epoch);
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;

@@ -5,6 +5,8 @@
 //!   ([`owner::Op`], [`owner::Reply`]), sessions, the lock table, the event
 //!   ring; [`requests`] is its reply cache, [`locks`] the locks that
 //!   survive an owner's restart, [`policy`] what a client's caller may do.
+//! - [`frames`]: the requests and answers a framed connection carries to
+//!   and from the owner, a write's and a read's bytes after their frames.
 //! - [`client`]: a client mount's [`Files`](arbor_engine::Files)
 //!   ([`BranchClient`]): a pool of framed connections, writes in flight,
 //!   retries, the [`journal`] of answered requests, following the owner's
@@ -16,6 +18,7 @@
 //! ([`crate::cache::client`]'s `connect`), for the owner's event polls.
 
 pub mod client;
+pub mod frames;
 pub mod journal;
 pub mod locks;
 pub mod owner;

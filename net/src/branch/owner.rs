@@ -6,7 +6,7 @@
 //! # Protocol
 //!
 //! On the cache server's port, behind the same token. File operations go
-//! on framed connections ([`crate::wire::frames`]): a session is opened with
+//! on framed connections ([`crate::branch::frames`]): a session is opened with
 //! `Request::Session` (a [`SessionInfo`]: the session and the owner's
 //! epoch), and each [`Op`] is answered with a [`Reply`], or "unknown
 //! session" (open a new one). Changes other nodes made are long-polled
