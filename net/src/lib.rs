@@ -45,8 +45,10 @@
 //! - [`branch`]: a branch's owner ([`SharedBranch`]) and its client
 //!   ([`BranchClient`]), with the journal, locks, reply cache, located
 //!   reads and the owner's policy.
-//! - [`cache`]: the chunk cache's client ([`CacheClient`]), the server's
-//!   counters and the scope of imported objects it may fetch.
+//! - [`cache`]: the chunk cache service ([`cache::server`]: chunk
+//!   connections, the HTTP routes, `/metrics`), its client
+//!   ([`CacheClient`]), the server's counters and the scope of imported
+//!   objects it may fetch.
 //! - [`wire`]: what both services put on the wire: framed connections
 //!   ([`wire::frames`]: the frame, hello, chunk asks; a branch's requests
 //!   and answers are [`branch::frames`], built on it), the HTTP routes' headers, windows and queries
@@ -54,11 +56,10 @@
 //!   ([`wire::stream`], [`wire::tls`]), admission before the hello
 //!   ([`wire::admission`]).
 //! - [`server`]: the listener; it tells framed connections from HTTP and
-//!   answers chunks from the cache and file operations from a branch.
+//!   hands chunks to the cache service and file operations to a branch.
 //!
 //! Imports between them (checked with `grep crate::`): `server` → `cache`,
-//! `branch`, `wire`; `branch` → `wire`, and `cache::client`'s `connect`
-//! (the HTTP/2 connection its event polls use); `cache` → `wire` only;
+//! `branch`, `wire`; `branch` → `wire` only; `cache` → `wire` only;
 //! `wire` → nothing of `cache`, `branch` or `server`: no import runs from
 //! the wire up into a service.
 

@@ -56,7 +56,7 @@ use crate::branch::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
 use crate::branch::owner::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
 use crate::branch::reads::DirectReads;
 use crate::branch::requests::PIPELINED_SLOT;
-use crate::cache::client::connect;
+use crate::wire::http::connect;
 use crate::wire::stream::Stream;
 use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;

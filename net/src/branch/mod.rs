@@ -13,9 +13,9 @@
 //!   events into the kernel; [`reads`] reads located extents from the
 //!   client's own segments.
 //!
-//! This room uses the wire ([`crate::wire`]) and never the chunk cache's internals: the one thing
-//! it takes from [`crate::cache`] is its HTTP/2 connection setup
-//! ([`crate::cache::client`]'s `connect`), for the owner's event polls.
+//! This room uses the wire ([`crate::wire`]) and nothing of the chunk
+//! cache: the HTTP/2 connection its event polls use is the wire's
+//! ([`crate::wire::http`]'s `connect`).
 
 pub mod client;
 pub mod frames;
