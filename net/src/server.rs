@@ -17,7 +17,7 @@
 pub use crate::cache::server::Fault;
 
 use crate::authorized;
-use crate::branch::owner::{Op, SharedBranch, EVENT_WAIT};
+use crate::branch::owner::{FileOp, SharedBranch, EVENT_WAIT};
 use crate::cache::server::{keep_only_recent, reply, ChunkService, Reply};
 use crate::wire::admission::{Admission, Admitted, ConnLimits};
 use crate::wire::frames::{Hello, Welcome};
@@ -405,7 +405,7 @@ impl CacheServer {
                     }
                 },
                 Request::Op { session, .. } if !b.touch(session) => Answer::UnknownSession,
-                Request::Op { session, op: Op::SetLk { ino, owner, lock, wait: true, reclaim: false }, .. }
+                Request::Op { session, op: FileOp::SetLk { ino, owner, lock, wait: true, reclaim: false }, .. }
                     if lock.typ != libc::F_UNLCK =>
                 {
                     // A wait ends when the owner stops or the client hung up

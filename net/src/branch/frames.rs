@@ -11,7 +11,7 @@
 //! sender writes the caller's buffer to the socket and the receiver reads
 //! the socket into the buffer it hands on.
 
-use crate::branch::owner::{Op, Out, Reply, SessionInfo};
+use crate::branch::owner::{FileOp, Out, Reply, SessionInfo};
 use crate::wire::frames::{read_frame, read_payload, write_frame, write_with_payload};
 use arbor_engine::volume::RequestTag;
 use std::io::{self, Read, Write};
@@ -23,7 +23,7 @@ pub enum Request {
     /// One file operation under `session`; `tag` names a request that
     /// changes the branch, so a copy sent again is not applied twice
     /// ([`crate::branch::requests`]).
-    Op { session: u64, op: Op, tag: Option<RequestTag> },
+    Op { session: u64, op: FileOp, tag: Option<RequestTag> },
 }
 
 #[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
@@ -41,10 +41,10 @@ enum RequestHead<'a> {
     Session,
     Op {
         session: u64,
-        op: &'a Op,
+        op: &'a FileOp,
         tag: Option<RequestTag>,
     },
-    /// `Op::Write` under `session`, its `len` bytes following the frame.
+    /// `FileOp::Write` under `session`, its `len` bytes following the frame.
     WriteData {
         session: u64,
         ino: u64,
@@ -59,7 +59,7 @@ enum RequestHead<'a> {
 #[derive(bincode::Decode)]
 enum RequestFrame {
     Session,
-    Op { session: u64, op: Op, tag: Option<RequestTag> },
+    Op { session: u64, op: FileOp, tag: Option<RequestTag> },
     WriteData { session: u64, ino: u64, off: u64, len: u32, unprivileged: bool, append: bool, tag: Option<RequestTag> },
 }
 
@@ -84,7 +84,7 @@ enum AnswerFrame {
 /// Sends `req`, a write's data after its frame.
 pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io::Result<()> {
     match req {
-        Request::Op { session, op: Op::Write { ino, off, data, unprivileged, append }, tag } => {
+        Request::Op { session, op: FileOp::Write { ino, off, data, unprivileged, append }, tag } => {
             let at = Written { ino: *ino, off: *off, unprivileged: *unprivileged, append: *append };
             write_data(w, buf, *session, *tag, at, data)
         }
@@ -93,7 +93,7 @@ pub fn write_request(w: &mut impl Write, buf: &mut Vec<u8>, req: &Request) -> io
     }
 }
 
-/// Where a write goes and who made it (`Op::Write` without its data).
+/// Where a write goes and who made it (`FileOp::Write` without its data).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Written {
     pub ino: u64,
@@ -105,12 +105,12 @@ pub struct Written {
 
 impl Written {
     /// The operation that writes `data` here.
-    pub fn op(self, data: Vec<u8>) -> Op {
-        Op::Write { ino: self.ino, off: self.off, data, unprivileged: self.unprivileged, append: self.append }
+    pub fn op(self, data: Vec<u8>) -> FileOp {
+        FileOp::Write { ino: self.ino, off: self.off, data, unprivileged: self.unprivileged, append: self.append }
     }
 }
 
-/// Sends `Op::Write` under `session` straight from the caller's buffer.
+/// Sends `FileOp::Write` under `session` straight from the caller's buffer.
 pub fn write_data(
     w: &mut impl Write,
     buf: &mut Vec<u8>,
@@ -128,7 +128,7 @@ pub fn write_data(
 pub fn read_request(r: &mut impl Read, buf: &mut Vec<u8>) -> io::Result<Request> {
     Ok(match read_frame::<RequestFrame>(r, buf)? {
         RequestFrame::WriteData { session, ino, off, len, unprivileged, append, tag } => {
-            let op = Op::Write { ino, off, data: read_payload(r, len)?, unprivileged, append };
+            let op = FileOp::Write { ino, off, data: read_payload(r, len)?, unprivileged, append };
             Request::Op { session, op, tag }
         }
         RequestFrame::Op { session, op, tag } => Request::Op { session, op, tag },
@@ -170,7 +170,7 @@ mod tests {
         let mut buf = Vec::new();
         let write = Request::Op {
             session: 7,
-            op: Op::Write { ino: 3, off: 9, data: vec![0xab; 100_000], unprivileged: false, append: false },
+            op: FileOp::Write { ino: 3, off: 9, data: vec![0xab; 100_000], unprivileged: false, append: false },
             tag: None,
         };
         write_frame(&mut wire, &mut buf, &write).expect("write");
@@ -181,7 +181,7 @@ mod tests {
         match read_frame::<Request>(&mut r, &mut rbuf).expect("read") {
             Request::Op {
                 session: 7,
-                op: Op::Write { ino: 3, off: 9, data, unprivileged: false, append: false },
+                op: FileOp::Write { ino: 3, off: 9, data, unprivileged: false, append: false },
                 tag: None,
             } => {
                 assert_eq!(data, vec![0xab; 100_000])
@@ -202,7 +202,7 @@ mod tests {
         let tag = Some(RequestTag { client: 5, slot: crate::branch::requests::PIPELINED_SLOT, seq: 11 });
         let write = Request::Op {
             session: 7,
-            op: Op::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true, append: true },
+            op: FileOp::Write { ino: 3, off: 9, data: data.clone(), unprivileged: true, append: true },
             tag,
         };
         write_request(&mut wire, &mut buf, &write).expect("write");
@@ -221,7 +221,7 @@ mod tests {
             // Who wrote it travels in the frame.
             Request::Op {
                 session: 7,
-                op: Op::Write { ino: 3, off: 9, data: got, unprivileged: true, append: true },
+                op: FileOp::Write { ino: 3, off: 9, data: got, unprivileged: true, append: true },
                 tag: t,
             } => {
                 assert!(got == data);

@@ -2,7 +2,7 @@
 //! the client such a mount uses.
 //!
 //! - [`owner`]: the owner's side ([`SharedBranch`]): the wire operations
-//!   ([`owner::Op`], [`owner::Reply`]), sessions, the lock table, the event
+//!   ([`owner::FileOp`], [`owner::Reply`]), sessions, the lock table, the event
 //!   ring; [`requests`] is its reply cache, [`locks`] the locks that
 //!   survive an owner's restart, [`policy`] what a client's caller may do.
 //! - [`frames`]: the requests and answers a framed connection carries to
