@@ -1,7 +1,7 @@
 //! The HTTP side of the wire: the headers a chunk's answer carries, the
 //! HTTP/2 windows both ends set, and the queries of the chunk and object
 //! routes (`/v1/chunks/…`, `/v1/objects/…`), written by the cache client
-//! and read by the server, and a client's HTTP/2 connection ([`connect`]:
+//! and read by the server, and a client's HTTP/2 connection (`connect`:
 //! the cache client's, and a branch client's event polls).
 
 use arbor_engine::source::Source;
