@@ -10,9 +10,9 @@
 //! which notes the largest allocation made on the thread under test.
 //! Test code: nothing here ships in arbor.
 
+use arbor_net::branch::frames::{read_answer, read_request};
 use arbor_net::wire::frames::{
-    decode_hello, hello_len, read_answer, read_chunk_answer, read_frame, read_request, ChunkAsk, Welcome, CLAIM_FACTOR,
-    HELLO_MAX,
+    decode_hello, hello_len, read_chunk_answer, read_frame, ChunkAsk, Welcome, CLAIM_FACTOR, HELLO_MAX,
 };
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

@@ -33,7 +33,7 @@
 //! | `GET /v1/files/<branch>/events?…` | what changed on a branch this process owns: see [`branch::owner`] |
 //!
 //! File operations on a branch this process owns use framed connections
-//! to the same port instead (see [`wire::frames`]): a connection that starts
+//! to the same port instead (see [`wire::frames`] and [`branch::frames`]): a connection that starts
 //! with `ARBF` is one of those, anything else is HTTP (inside TLS, the
 //! protocol the client names in its handshake, ALPN, tells them apart).
 //! A client mount reads the file bytes the bucket already holds from the
@@ -45,24 +45,23 @@
 //! - [`branch`]: a branch's owner ([`SharedBranch`]) and its client
 //!   ([`BranchClient`]), with the journal, locks, reply cache, located
 //!   reads and the owner's policy.
-//! - [`cache`]: the chunk cache's client ([`CacheClient`]), the server's
-//!   counters and the scope of imported objects it may fetch.
+//! - [`cache`]: the chunk cache service ([`cache::server`]: chunk
+//!   connections, the HTTP routes, `/metrics`), its client
+//!   ([`CacheClient`]), the server's counters and the scope of imported
+//!   objects it may fetch.
 //! - [`wire`]: what both services put on the wire: framed connections
-//!   ([`wire::frames`]: hello, chunk asks, a branch's request and answer
-//!   envelopes), the HTTP routes' headers, windows and queries
+//!   ([`wire::frames`]: the frame, hello, chunk asks; a branch's requests
+//!   and answers are [`branch::frames`], built on it), the HTTP routes' headers, windows and queries
 //!   ([`wire::http`]), a connection's stream, plain or TLS
 //!   ([`wire::stream`], [`wire::tls`]), admission before the hello
 //!   ([`wire::admission`]).
 //! - [`server`]: the listener; it tells framed connections from HTTP and
-//!   answers chunks from the cache and file operations from a branch.
+//!   hands chunks to the cache service and file operations to a branch.
 //!
 //! Imports between them (checked with `grep crate::`): `server` → `cache`,
-//! `branch`, `wire`; `branch` → `wire`, and `cache::client`'s `connect`
-//! (the HTTP/2 connection its event polls use); `cache` → `wire` only;
-//! `wire` → nothing of `cache`, and of `branch` only the file operations
-//! ([`branch::owner::Op`], its `Reply`) that [`wire::frames`]' request and
-//! answer frames carry (and a reply slot in a test), the one import that still runs from the wire into
-//! a service.
+//! `branch`, `wire`; `branch` → `wire` only; `cache` → `wire` only;
+//! `wire` → nothing of `cache`, `branch` or `server`: no import runs from
+//! the wire up into a service.
 
 pub mod branch;
 pub mod cache;

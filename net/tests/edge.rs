@@ -12,8 +12,9 @@ use arbor_engine::device::SimDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
-use arbor_net::branch::owner::{Op, Out, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
-use arbor_net::wire::frames::{read_answer, read_frame, write_frame, write_request, Answer, Hello, Request, Welcome};
+use arbor_net::branch::frames::{read_answer, write_request, Answer, Request};
+use arbor_net::branch::owner::{FileOp, Out, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
+use arbor_net::wire::frames::{read_frame, write_frame, Hello, Welcome};
 use arbor_net::wire::frames::{HELLO_MAX, MAGIC, MAX_FRAME, VERSION};
 use arbor_net::{
     metric_sample, BranchClient, BranchClientOptions, CacheServer, ConnLimits, Running, ServerOptions, SharedBranch,
@@ -111,7 +112,7 @@ fn client(addr: SocketAddr) -> (TcpStream, u64) {
 }
 
 /// `op` under `session` on `s`, and the owner's answer.
-fn ask(s: &mut TcpStream, session: u64, op: Op) -> Answer {
+fn ask(s: &mut TcpStream, session: u64, op: FileOp) -> Answer {
     write_request(s, &mut Vec::new(), &Request::Op { session, op, tag: None }).expect("send");
     read_answer(s, &mut Vec::new()).expect("answer")
 }
@@ -174,11 +175,11 @@ fn connections_that_never_finish_their_hello_cost_no_thread_and_are_closed_at_th
     // A client with the token is served meanwhile, on a new connection too.
     let asked = Instant::now();
     assert!(matches!(
-        ask(&mut c, session, Op::Lookup { parent: ROOT_INO, name: b"f".to_vec() }),
+        ask(&mut c, session, FileOp::Lookup { parent: ROOT_INO, name: b"f".to_vec() }),
         Answer::Reply(Ok(Out::Attr(_)))
     ));
     let (mut c2, session2) = client(server.addr);
-    assert!(matches!(ask(&mut c2, session2, Op::GetAttr { ino: ROOT_INO }), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(ask(&mut c2, session2, FileOp::GetAttr { ino: ROOT_INO }), Answer::Reply(Ok(Out::Attr(_)))));
     let served_in = asked.elapsed();
     let early = opened.elapsed();
     let open_early = waiting.iter().filter(|s| !closed(s)).count();
@@ -201,7 +202,7 @@ fn connections_that_never_finish_their_hello_cost_no_thread_and_are_closed_at_th
     assert!(metric(&server, "arbor_cache_failed_hellos_total") >= n as f64);
     // Their places are given back; the client's two remain.
     assert_eq!(metric(&server, "arbor_open_connections"), 2.0);
-    assert!(matches!(ask(&mut c, session, Op::GetAttr { ino: ROOT_INO }), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(ask(&mut c, session, FileOp::GetAttr { ino: ROOT_INO }), Answer::Reply(Ok(Out::Attr(_)))));
 }
 
 #[test]
@@ -257,7 +258,7 @@ fn connections_past_a_peers_cap_or_the_servers_are_closed_at_once() {
     assert!(all_closed_within(&held, Duration::from_secs(10)).is_some());
     std::thread::sleep(Duration::from_millis(100));
     let (mut c, session) = client(server.addr);
-    assert!(matches!(ask(&mut c, session, Op::GetAttr { ino: ROOT_INO }), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(ask(&mut c, session, FileOp::GetAttr { ino: ROOT_INO }), Answer::Reply(Ok(Out::Attr(_)))));
 }
 
 #[test]
@@ -274,12 +275,12 @@ fn reads_opens_and_listings_past_their_bounds_are_refused_before_any_work() {
     let (mut c, session) = client(server.addr);
     let started = Instant::now();
     let (_, rss0) = threads_and_rss();
-    let read = |len| Op::Read { ino: f.ino, off: 0, len };
+    let read = |len| FileOp::Read { ino: f.ino, off: 0, len };
     assert!(matches!(ask(&mut c, session, read(u32::MAX)), Answer::Reply(Err(libc::EINVAL))));
     assert!(matches!(ask(&mut c, session, read(MAX_READ + 1)), Answer::Reply(Err(libc::EINVAL))));
-    let open = |count| Op::Open { ino: f.ino, count };
+    let open = |count| FileOp::Open { ino: f.ino, count };
     assert!(matches!(ask(&mut c, session, open(u32::MAX)), Answer::Reply(Err(libc::EINVAL))));
-    let list = |max| Op::ReadDir { ino: ROOT_INO, offset: 0, max };
+    let list = |max| FileOp::ReadDir { ino: ROOT_INO, offset: 0, max };
     assert!(matches!(ask(&mut c, session, list(u32::MAX)), Answer::Reply(Err(libc::EINVAL))));
     let (_, rss1) = threads_and_rss();
     assert!(started.elapsed() < Duration::from_secs(2), "refusals took {:?}", started.elapsed());

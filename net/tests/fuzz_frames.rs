@@ -6,10 +6,10 @@
 //! Seeds: `ARBOR_WRITE_SEEDS=1 cargo test -p arbor-net --test fuzz_frames`.
 
 use arbor_engine::format::SegId;
-use arbor_net::branch::owner::{Located, Op, Out, SessionInfo, Span};
+use arbor_net::branch::frames::{write_answer, write_request, Answer, Request};
+use arbor_net::branch::owner::{FileOp, Located, Out, SessionInfo, Span};
 use arbor_net::wire::frames::{
-    write_answer, write_chunk_answer, write_frame, write_hello, write_request, Answer, ChunkAnswer, ChunkAsk, Hello,
-    Request, Welcome, VERSION,
+    write_chunk_answer, write_frame, write_hello, ChunkAnswer, ChunkAsk, Hello, Welcome, VERSION,
 };
 use std::path::PathBuf;
 
@@ -48,11 +48,11 @@ fn seeds() -> Vec<Vec<u8>> {
     let seg = SegId { writer: 3, seq: 9 };
     let requests = one(&|w, b| {
         write_request(w, b, &Request::Session).expect("write");
-        let lookup = Op::Lookup { parent: 1, name: b"data".to_vec() };
+        let lookup = FileOp::Lookup { parent: 1, name: b"data".to_vec() };
         write_request(w, b, &Request::Op { session: 7, op: lookup, tag: None }).expect("write");
-        let write = Op::Write { ino: 5, off: 4096, data: vec![0xab; 300], unprivileged: true, append: false };
+        let write = FileOp::Write { ino: 5, off: 4096, data: vec![0xab; 300], unprivileged: true, append: false };
         write_request(w, b, &Request::Op { session: 7, op: write, tag: None }).expect("write");
-        let read = Op::Read { ino: 5, off: 0, len: 1 << 20 };
+        let read = FileOp::Read { ino: 5, off: 0, len: 1 << 20 };
         write_request(w, b, &Request::Op { session: 7, op: read, tag: None }).expect("write");
     });
     let answers = one(&|w, b| {

@@ -7,7 +7,7 @@ use arbor_engine::device::{CrashMode, SimDevice};
 use arbor_engine::env::TestEnv;
 use arbor_engine::files::Files;
 use arbor_engine::volume::{Config, Place, RenameMode, RequestTag, Volume, ROOT_INO};
-use arbor_net::branch::owner::{Event, Op, Out};
+use arbor_net::branch::owner::{Event, FileOp, Out};
 use arbor_net::{BranchClient, BranchClientOptions, CacheServer, Policy, Running, ServerOptions, SharedBranch};
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -180,7 +180,8 @@ fn other_sessions_hear_of_changes_and_not_of_their_own() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let b = SharedBranch::new("main", vol, None, Policy::default());
     let (s1, s2) = (b.open_session().expect("session"), b.open_session().expect("session"));
-    let made = b.apply(s1.session, Op::Mkdir { parent: ROOT_INO, name: b"d".to_vec(), perm: 0o755, uid: 0, gid: 0 });
+    let made =
+        b.apply(s1.session, FileOp::Mkdir { parent: ROOT_INO, name: b"d".to_vec(), perm: 0o755, uid: 0, gid: 0 });
     let Ok(Out::Attr(d)) = made else { panic!("mkdir: {made:?}") };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("rt");
     let heard = rt.block_on(b.events(s2.session, s2.seq, Duration::from_millis(10)));
@@ -190,7 +191,7 @@ fn other_sessions_hear_of_changes_and_not_of_their_own() {
     // A rename names both places and the inode moved.
     let _ = b.apply(
         s2.session,
-        Op::Rename {
+        FileOp::Rename {
             parent: ROOT_INO,
             name: b"d".to_vec(),
             new_parent: ROOT_INO,
@@ -209,16 +210,17 @@ fn a_dropped_session_gives_back_its_open_files_and_locks() {
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let b = SharedBranch::new("main", vol.clone(), None, Policy::default());
     let (s1, s2) = (b.open_session().expect("session"), b.open_session().expect("session"));
-    let Ok(Out::Attr(f)) =
-        b.apply(s1.session, Op::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })
-    else {
+    let Ok(Out::Attr(f)) = b.apply(
+        s1.session,
+        FileOp::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 },
+    ) else {
         panic!("create")
     };
     let all = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
     assert!(b.try_lock(s1.session, f.ino, 7, all).is_ok());
     assert_eq!(b.try_lock(s2.session, f.ino, 9, all).err(), Some(libc::EAGAIN));
     // Unlinked while s1 has it open: still there for s1.
-    assert!(b.apply(s2.session, Op::Unlink { parent: ROOT_INO, name: b"f".to_vec() }).is_ok());
+    assert!(b.apply(s2.session, FileOp::Unlink { parent: ROOT_INO, name: b"f".to_vec() }).is_ok());
     assert!(vol.getattr(f.ino).is_ok());
     // s1 goes quiet; s2 keeps being heard from.
     std::thread::sleep(Duration::from_millis(300));
@@ -249,7 +251,8 @@ fn hello(
 
 #[test]
 fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
-    use arbor_net::wire::frames::{read_frame, write_frame, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{Answer, Request};
+    use arbor_net::wire::frames::{read_frame, write_frame, Welcome};
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     vol.create(ROOT_INO, b"secret", libc::S_IFREG | 0o600, 0, 0, 0).expect("create");
@@ -270,7 +273,7 @@ fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
     write_frame(
         &mut s,
         &mut b,
-        &Request::Op { session: 42, op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() }, tag: None },
+        &Request::Op { session: 42, op: FileOp::Lookup { parent: ROOT_INO, name: b"secret".to_vec() }, tag: None },
     )
     .expect("send");
     assert!(matches!(read_frame::<Answer>(&mut s, &mut r).expect("answer"), Answer::UnknownSession));
@@ -281,7 +284,7 @@ fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
         &mut b,
         &Request::Op {
             session: info.session,
-            op: Op::Lookup { parent: ROOT_INO, name: b"secret".to_vec() },
+            op: FileOp::Lookup { parent: ROOT_INO, name: b"secret".to_vec() },
             tag: None,
         },
     )
@@ -292,7 +295,7 @@ fn the_framed_wire_answers_only_the_token_and_a_served_branch() {
         &mut b,
         &Request::Op {
             session: info.session,
-            op: Op::Lookup { parent: ROOT_INO, name: b"missing".to_vec() },
+            op: FileOp::Lookup { parent: ROOT_INO, name: b"missing".to_vec() },
             tag: None,
         },
     )
@@ -543,8 +546,9 @@ fn threads_waiting_for_their_owner_share_each_lookup_of_it() {
 
 /// Sends `op` as request `tag` under a new session of `addr`'s owner, on a
 /// connection of its own, and returns the owner's answer.
-fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_net::wire::frames::Answer {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+fn tagged_request(addr: std::net::SocketAddr, op: FileOp, tag: RequestTag) -> arbor_net::branch::frames::Answer {
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -556,11 +560,11 @@ fn tagged_request(addr: std::net::SocketAddr, op: Op, tag: RequestTag) -> arbor_
 
 #[test]
 fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     vol.create(ROOT_INO, b"x", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
-    let unlink = Op::Unlink { parent: ROOT_INO, name: b"x".to_vec() };
+    let unlink = FileOp::Unlink { parent: ROOT_INO, name: b"x".to_vec() };
     let tag = RequestTag { client: 77, slot: 3, seq: 1 };
     assert!(matches!(tagged_request(server.addr, unlink.clone(), tag), Answer::Reply(Ok(Out::Unit))));
     // Another client makes a new `x`; the first copy's reply was lost, so
@@ -570,7 +574,7 @@ fn a_request_sent_again_after_a_lost_reply_is_answered_not_applied_again() {
     assert!(matches!(tagged_request(server.addr, unlink.clone(), tag), Answer::Reply(Ok(Out::Unit))));
     assert_eq!(vol.lookup(ROOT_INO, b"x").expect("the new x").ino, new_x.ino);
     // An O_EXCL create sent twice succeeds once, and its copy says so too.
-    let excl = Op::Mkdir { parent: ROOT_INO, name: b"lock".to_vec(), perm: 0o755, uid: 0, gid: 0 };
+    let excl = FileOp::Mkdir { parent: ROOT_INO, name: b"lock".to_vec(), perm: 0o755, uid: 0, gid: 0 };
     let tag2 = RequestTag { client: 77, slot: 4, seq: 1 };
     assert!(matches!(tagged_request(server.addr, excl.clone(), tag2), Answer::Reply(Ok(Out::Attr(_)))));
     assert!(matches!(tagged_request(server.addr, excl.clone(), tag2), Answer::Reply(Ok(Out::Attr(_)))));
@@ -710,7 +714,7 @@ fn a_branch_with_no_locks_from_before_starts_without_a_grace_period() {
     // released, so it gives the holders a grace period...
     let s = branch.open_session().expect("session");
     let Ok(Out::Attr(f)) = branch
-        .apply(s.session, Op::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })
+        .apply(s.session, FileOp::CreateOpen { parent: ROOT_INO, name: b"f".to_vec(), mode: 0o100644, uid: 0, gid: 0 })
     else {
         panic!("create")
     };
@@ -752,7 +756,8 @@ fn a_client_whose_session_the_owner_dropped_loses_its_locks_and_hears_of_it() {
 
 #[test]
 fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     let d = vol.mkdir(ROOT_INO, b"d", 0o755, 0, 0).expect("mkdir");
@@ -765,7 +770,7 @@ fn a_failed_write_sent_again_on_its_lane_is_not_answered_as_written() {
     let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
     let lane = arbor_net::branch::requests::PIPELINED_SLOT;
     let mut send = |ino: u64, off: u64, seq: u64| {
-        let op = Op::Write { ino, off, data: vec![b'w'; 100], unprivileged: false, append: false };
+        let op = FileOp::Write { ino, off, data: vec![b'w'; 100], unprivileged: false, append: false };
         let tag = RequestTag { client: 99, slot: lane, seq };
         write_request(&mut s, &mut b, &Request::Op { session: info.session, op, tag: Some(tag) }).expect("send");
         match read_frame::<Answer>(&mut s, &mut r).expect("answer") {
@@ -805,7 +810,8 @@ fn opening_a_file_again_does_not_clear_the_loss_its_other_descriptor_must_report
 
 #[test]
 fn a_session_speaks_for_one_client_only() {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let dev = SimDevice::new();
     let (_vol, server) = owner(&dev);
     let (mut s, w) = hello(server.addr, TOKEN, "main");
@@ -813,7 +819,7 @@ fn a_session_speaks_for_one_client_only() {
     let (mut r, mut b) = (Vec::new(), Vec::new());
     write_request(&mut s, &mut b, &Request::Session).expect("send");
     let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
-    let mut ask = |op: Op, tag: Option<RequestTag>| {
+    let mut ask = |op: FileOp, tag: Option<RequestTag>| {
         write_request(&mut s, &mut b, &Request::Op { session: info.session, op, tag }).expect("send");
         match read_frame::<Answer>(&mut s, &mut r).expect("answer") {
             Answer::Reply(reply) => reply.map(|_| ()),
@@ -821,21 +827,22 @@ fn a_session_speaks_for_one_client_only() {
         }
     };
     let mkdir =
-        |name: &str| Op::Mkdir { parent: ROOT_INO, name: name.as_bytes().to_vec(), perm: 0o755, uid: 0, gid: 0 };
+        |name: &str| FileOp::Mkdir { parent: ROOT_INO, name: name.as_bytes().to_vec(), perm: 0o755, uid: 0, gid: 0 };
     assert_eq!(ask(mkdir("a"), Some(RequestTag { client: 5, slot: 0, seq: 1 })), Ok(()));
     // Another mount's client id, on this session: its slots are not ours
     // to move, nor to read.
     assert_eq!(ask(mkdir("b"), Some(RequestTag { client: 6, slot: 0, seq: 9 })), Err(libc::EPERM));
-    assert_eq!(ask(Op::Slots { client: 6 }, None), Err(libc::EPERM));
-    assert_eq!(ask(Op::Slots { client: 5 }, None), Ok(()));
+    assert_eq!(ask(FileOp::Slots { client: 6 }, None), Err(libc::EPERM));
+    assert_eq!(ask(FileOp::Slots { client: 5 }, None), Ok(()));
     assert_eq!(ask(mkdir("c"), Some(RequestTag { client: 5, slot: 0, seq: 2 })), Ok(()));
 }
 
 /// An owner that says hello and gives sessions, then answers nothing else,
 /// as one paused (SIGSTOP) with its sockets open does. Stops within 60 s.
 fn silent_owner() -> std::net::SocketAddr {
+    use arbor_net::branch::frames::{read_request, Answer, Request};
     use arbor_net::branch::owner::SessionInfo;
-    use arbor_net::wire::frames::{read_frame, read_request, write_frame, Answer, Hello, Request, Welcome};
+    use arbor_net::wire::frames::{read_frame, write_frame, Hello, Welcome};
     use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -1292,12 +1299,13 @@ fn a_new_owner_never_gives_out_again_the_number_of_a_file_a_crash_took() {
 
 #[test]
 fn an_append_sent_again_after_a_lost_reply_or_an_owner_crash_lands_once() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let dev = SimDevice::new();
     let (vol, server) = owner(&dev);
     let f = vol.create(ROOT_INO, b"log", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
     let lane = arbor_net::branch::requests::PIPELINED_SLOT | 1;
-    let append = |data: &[u8]| Op::Write { ino: f.ino, off: 0, data: data.to_vec(), unprivileged: false, append: true };
+    let append =
+        |data: &[u8]| FileOp::Write { ino: f.ino, off: 0, data: data.to_vec(), unprivileged: false, append: true };
     let t1 = RequestTag { client: 4242, slot: lane, seq: 1 };
     assert!(matches!(tagged_request(server.addr, append(b"one\n"), t1), Answer::Reply(Ok(Out::Written(4)))));
     // The reply was lost: the same append comes again on another connection.
@@ -1433,8 +1441,14 @@ fn a_write_a_close_could_not_confirm_is_reported_and_never_lands_over_newer_byte
 }
 
 /// Sends `op` as request `tag` under `session` on a connection of its own.
-fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag) -> arbor_net::wire::frames::Answer {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+fn in_session(
+    addr: std::net::SocketAddr,
+    session: u64,
+    op: FileOp,
+    tag: RequestTag,
+) -> arbor_net::branch::frames::Answer {
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -1447,7 +1461,8 @@ fn in_session(addr: std::net::SocketAddr, session: u64, op: Op, tag: RequestTag)
 /// forever, or freed while a descriptor still reads it).
 #[test]
 fn an_open_or_release_sent_again_after_a_lost_reply_counts_once() {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (vol, server) = owner(&SimDevice::new());
     let (mut s, w) = hello(server.addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
@@ -1455,33 +1470,34 @@ fn an_open_or_release_sent_again_after_a_lost_reply_counts_once() {
     write_request(&mut s, &mut b, &Request::Session).expect("send");
     let Answer::Session(info) = read_frame::<Answer>(&mut s, &mut r).expect("answer") else { panic!("no session") };
     let tag = |seq| RequestTag { client: 91, slot: 0, seq };
-    let call = |op: Op, seq| in_session(server.addr, info.session, op, tag(seq));
+    let call = |op: FileOp, seq| in_session(server.addr, info.session, op, tag(seq));
 
     // x: opened once, the open sent twice; deleted; released once: gone.
     let x = vol.create(ROOT_INO, b"x", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
     vol.write(x.ino, 0, b"x body").expect("write");
-    assert!(matches!(call(Op::Open { ino: x.ino, count: 1 }, 1), Answer::Reply(Ok(Out::Attr(_)))));
-    assert!(matches!(call(Op::Open { ino: x.ino, count: 1 }, 1), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(call(FileOp::Open { ino: x.ino, count: 1 }, 1), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(call(FileOp::Open { ino: x.ino, count: 1 }, 1), Answer::Reply(Ok(Out::Attr(_)))));
     vol.unlink(ROOT_INO, b"x").expect("unlink");
-    assert!(matches!(call(Op::Release { ino: x.ino }, 2), Answer::Reply(Ok(Out::Unit))));
+    assert!(matches!(call(FileOp::Release { ino: x.ino }, 2), Answer::Reply(Ok(Out::Unit))));
     assert!(vol.getattr(x.ino).is_err(), "a doubled open kept a deleted file");
 
     // y: opened twice; deleted; one release sent twice: still open once.
     let y = vol.create(ROOT_INO, b"y", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
     vol.write(y.ino, 0, b"y body").expect("write");
-    assert!(matches!(call(Op::Open { ino: y.ino, count: 1 }, 3), Answer::Reply(Ok(Out::Attr(_)))));
-    assert!(matches!(call(Op::Open { ino: y.ino, count: 1 }, 4), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(call(FileOp::Open { ino: y.ino, count: 1 }, 3), Answer::Reply(Ok(Out::Attr(_)))));
+    assert!(matches!(call(FileOp::Open { ino: y.ino, count: 1 }, 4), Answer::Reply(Ok(Out::Attr(_)))));
     vol.unlink(ROOT_INO, b"y").expect("unlink");
-    assert!(matches!(call(Op::Release { ino: y.ino }, 5), Answer::Reply(Ok(Out::Unit))));
-    assert!(matches!(call(Op::Release { ino: y.ino }, 5), Answer::Reply(Ok(Out::Unit))));
+    assert!(matches!(call(FileOp::Release { ino: y.ino }, 5), Answer::Reply(Ok(Out::Unit))));
+    assert!(matches!(call(FileOp::Release { ino: y.ino }, 5), Answer::Reply(Ok(Out::Unit))));
     assert_eq!(vol.read(y.ino, 0, 100).expect("a doubled release freed a file still open"), b"y body");
-    assert!(matches!(call(Op::Release { ino: y.ino }, 6), Answer::Reply(Ok(Out::Unit))));
+    assert!(matches!(call(FileOp::Release { ino: y.ino }, 6), Answer::Reply(Ok(Out::Unit))));
     assert!(vol.getattr(y.ino).is_err(), "the last release frees it");
 }
 
 /// A new session of `addr`'s owner, opened on a connection of its own.
 fn new_session(addr: std::net::SocketAddr) -> u64 {
-    use arbor_net::wire::frames::{read_frame, write_request, Answer, Request, Welcome};
+    use arbor_net::branch::frames::{write_request, Answer, Request};
+    use arbor_net::wire::frames::{read_frame, Welcome};
     let (mut s, w) = hello(addr, TOKEN, "main");
     assert_eq!(w, Welcome::Ok);
     let (mut r, mut b) = (Vec::new(), Vec::new());
@@ -1495,12 +1511,12 @@ fn new_session(addr: std::net::SocketAddr) -> u64 {
 /// same request comes under the client's next session.
 #[test]
 fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let (branch, server) = serve_branch(&vol);
     let f = vol.create(ROOT_INO, b"lockfile", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
     let lock = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
-    let take = Op::SetLk { ino: f.ino, owner: 5, lock, wait: false, reclaim: false };
+    let take = FileOp::SetLk { ino: f.ino, owner: 5, lock, wait: false, reclaim: false };
     let tag = RequestTag { client: 93, slot: 0, seq: 1 };
     let first = new_session(server.addr);
     assert!(matches!(in_session(server.addr, first, take.clone(), tag), Answer::Reply(Ok(_))));
@@ -1594,7 +1610,7 @@ fn a_write_reaching_the_owner_after_its_close_gave_it_up_is_not_applied() {
 /// client's reclaim of them still conflicts.
 #[test]
 fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one() {
-    use arbor_net::wire::frames::Answer;
+    use arbor_net::branch::frames::Answer;
     let vol = Volume::open(Arc::new(SimDevice::new()), cfg()).expect("open");
     let f = vol.create(ROOT_INO, b"locked", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
     let lock = arbor_engine::files::Lock { start: 0, end: u64::MAX, typ: libc::F_WRLCK, pid: 1 };
@@ -1604,16 +1620,16 @@ fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one(
     {
         let (_branch, first) = serve_branch(&vol);
         let s = new_session(first.addr);
-        let take = Op::SetLk { ino: f.ino, owner: 8, lock, wait: false, reclaim: false };
+        let take = FileOp::SetLk { ino: f.ino, owner: 8, lock, wait: false, reclaim: false };
         assert!(matches!(in_session(first.addr, s, take, tag(95, 50)), Answer::Reply(Ok(_))));
     }
     let (_branch, server) = serve_branch(&vol);
-    let reclaim = Op::SetLk { ino: f.ino, owner: 8, lock, wait: false, reclaim: true };
+    let reclaim = FileOp::SetLk { ino: f.ino, owner: 8, lock, wait: false, reclaim: true };
     // Each session first asks for its client's slots, as a client does
     // after an owner change: that binds the session to the client.
     let session_of = |client: u64| {
         let s = new_session(server.addr);
-        let a = in_session(server.addr, s, Op::Slots { client }, tag(client, 100));
+        let a = in_session(server.addr, s, FileOp::Slots { client }, tag(client, 100));
         assert!(matches!(a, Answer::Reply(Ok(Out::Slots(_)))), "{a:?}");
         s
     };

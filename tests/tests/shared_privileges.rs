@@ -4,9 +4,10 @@
 //! away as root, and a set-user-ID mode sent straight on the wire.
 
 use arbor_engine::volume::{SetAttr, ROOT_INO};
-use arbor_net::branch::owner::{Op, Out, Reply};
+use arbor_net::branch::frames::{self as branch_frames, Answer, Request};
+use arbor_net::branch::owner::{FileOp, Out, Reply};
 use arbor_net::branch::policy::Caller;
-use arbor_net::wire::frames::{self, Answer, Hello, Request, Welcome};
+use arbor_net::wire::frames::{self, Hello, Welcome};
 use arbor_tests::*;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -196,18 +197,18 @@ impl Wire {
         let hello = Hello { version: frames::VERSION, token: TOKEN.as_bytes().to_vec(), branch: "main".into() };
         frames::write_frame(&mut stream, &mut buf, &hello).expect("hello");
         assert_eq!(frames::read_frame::<Welcome>(&mut stream, &mut buf).expect("welcome"), Welcome::Ok);
-        frames::write_request(&mut stream, &mut buf, &Request::Session).expect("session");
-        let session = match frames::read_answer(&mut stream, &mut buf).expect("answer") {
+        branch_frames::write_request(&mut stream, &mut buf, &Request::Session).expect("session");
+        let session = match branch_frames::read_answer(&mut stream, &mut buf).expect("answer") {
             Answer::Session(s) => s.session,
             other => panic!("{other:?}"),
         };
         Wire { stream, buf, session }
     }
 
-    fn ask(&mut self, op: Op) -> Reply {
+    fn ask(&mut self, op: FileOp) -> Reply {
         let req = Request::Op { session: self.session, op, tag: None };
-        frames::write_request(&mut self.stream, &mut self.buf, &req).expect("request");
-        match frames::read_answer(&mut self.stream, &mut self.buf).expect("answer") {
+        branch_frames::write_request(&mut self.stream, &mut self.buf, &req).expect("request");
+        match branch_frames::read_answer(&mut self.stream, &mut self.buf).expect("answer") {
             Answer::Reply(r) => r,
             other => panic!("{other:?}"),
         }
@@ -222,11 +223,11 @@ fn a_set_user_id_mode_sent_on_the_wire_is_refused_by_the_owner() {
     let a = w.client("a");
     copy_shell(&a.mnt.join("rsh"));
     let mut wire = Wire::open(&w.owner.addr);
-    let ino = match wire.ask(Op::Lookup { parent: ROOT_INO, name: b"rsh".to_vec() }) {
+    let ino = match wire.ask(FileOp::Lookup { parent: ROOT_INO, name: b"rsh".to_vec() }) {
         Ok(Out::Attr(at)) => at.ino,
         other => panic!("lookup: {other:?}"),
     };
-    let setattr = |perm: u16, caller: Caller| Op::SetAttr {
+    let setattr = |perm: u16, caller: Caller| FileOp::SetAttr {
         ino,
         change: SetAttr { perm: Some(perm), ..Default::default() },
         caller,
@@ -248,7 +249,7 @@ fn a_set_user_id_mode_sent_on_the_wire_is_refused_by_the_owner() {
     let other = Caller { uid: 1000, gid: 1000 };
     assert_eq!(wire.ask(setattr(0o755, other)).err(), Some(libc::EPERM));
     // Nor are devices or capabilities made on the wire.
-    let device = Op::Create {
+    let device = FileOp::Create {
         parent: ROOT_INO,
         name: b"kmem".to_vec(),
         mode: libc::S_IFCHR | 0o666,
@@ -257,7 +258,7 @@ fn a_set_user_id_mode_sent_on_the_wire_is_refused_by_the_owner() {
         rdev: libc::makedev(1, 2) as u32,
     };
     assert_eq!(wire.ask(device).err(), Some(libc::EPERM));
-    let caps = Op::SetXattr {
+    let caps = FileOp::SetXattr {
         ino,
         name: b"security.capability".to_vec(),
         value: vec![0; 20],

@@ -50,13 +50,13 @@
 //! goes on it — to the same owner only; a new owner is asked instead
 //! whether it has them.
 
+use crate::branch::frames::Written;
 use crate::branch::journal::{Journal, SlotTable, Who, JOURNAL_MAX};
 use crate::branch::locks::{HeldLocks, IN_GRACE, MAX_LOCK_GRACE, RECLAIM_WINDOW};
-use crate::branch::owner::{Event, Events, Op, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
+use crate::branch::owner::{Event, Events, FileOp, Out, Reply, SessionInfo, MAX_OPEN_COUNT, MAX_READ, READDIR_BATCH};
 use crate::branch::reads::DirectReads;
 use crate::branch::requests::PIPELINED_SLOT;
-use crate::cache::client::connect;
-use crate::wire::frames::Written;
+use crate::wire::http::connect;
 use crate::wire::stream::Stream;
 use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
@@ -455,11 +455,14 @@ impl Inner {
     }
 
     /// One request and its answer, on a connection of the pool.
-    fn exchange(&self, req: &crate::wire::frames::Request) -> std::result::Result<crate::wire::frames::Answer, Failed> {
-        use crate::wire::frames::{read_answer, write_request, Request};
+    fn exchange(
+        &self,
+        req: &crate::branch::frames::Request,
+    ) -> std::result::Result<crate::branch::frames::Answer, Failed> {
+        use crate::branch::frames::{read_answer, write_request, Request};
         let (addr, mut c) = self.take_conn()?;
         // A lock wait may take as long as the holder keeps the lock.
-        let waits = matches!(req, Request::Op { op: Op::SetLk { wait: true, .. }, .. });
+        let waits = matches!(req, Request::Op { op: FileOp::SetLk { wait: true, .. }, .. });
         let result = (|| {
             if waits {
                 c.stream.tcp().set_read_timeout(None)?;
@@ -531,8 +534,8 @@ impl Inner {
         // Before this exchange: when the old owner last answered us.
         let heard = *self.heard.lock();
         let had_session = self.epoch.lock().is_some();
-        let info = match self.exchange(&crate::wire::frames::Request::Session)? {
-            crate::wire::frames::Answer::Session(info) => info,
+        let info = match self.exchange(&crate::branch::frames::Request::Session)? {
+            crate::branch::frames::Answer::Session(info) => info,
             _ => return Err(Failed::Transport("a garbled session answer".into())),
         };
         let restarted = self.epoch.lock().is_some_and(|e| e != info.epoch);
@@ -565,7 +568,7 @@ impl Inner {
                 Ok(Out::Attr(a)) if a.crtime == f.crtime => {}
                 Ok(_) => {
                     // Another file got the number: ours is gone.
-                    let _ = self.send(info.session, &Op::Release { ino })?;
+                    let _ = self.send(info.session, &FileOp::Release { ino })?;
                     self.lose(ino);
                 }
                 Err(errno) => {
@@ -590,7 +593,7 @@ impl Inner {
         // Bounded: each round takes at least one open off `left`.
         loop {
             let n = left.min(MAX_OPEN_COUNT);
-            let r = self.send(session, &Op::Open { ino, count: n })?;
+            let r = self.send(session, &FileOp::Open { ino, count: n })?;
             left -= n;
             if left == 0 || r.is_err() {
                 return Ok(r);
@@ -599,13 +602,13 @@ impl Inner {
     }
 
     /// One operation under `session`, not retried.
-    fn send(&self, session: u64, op: &Op) -> std::result::Result<Reply, Failed> {
+    fn send(&self, session: u64, op: &FileOp) -> std::result::Result<Reply, Failed> {
         // The request owns its operation; the caller keeps its own.
-        let req = crate::wire::frames::Request::Op { session, op: op.clone(), tag: None };
+        let req = crate::branch::frames::Request::Op { session, op: op.clone(), tag: None };
         match self.exchange(&req)? {
-            crate::wire::frames::Answer::Reply(r) => Ok(r),
-            crate::wire::frames::Answer::UnknownSession => Err(Failed::Session),
-            crate::wire::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
+            crate::branch::frames::Answer::Reply(r) => Ok(r),
+            crate::branch::frames::Answer::UnknownSession => Err(Failed::Session),
+            crate::branch::frames::Answer::Session(_) => Err(Failed::Transport("a garbled reply".into())),
         }
     }
 
@@ -618,7 +621,7 @@ impl Inner {
     /// A new owner (epoch `info.epoch`): learns which of our answered
     /// requests it has, and marks the rest lost. Nothing is sent again.
     fn reconcile(&self, info: SessionInfo, restarted: bool) -> std::result::Result<(), Failed> {
-        let floors: HashMap<u32, u64> = match self.send(info.session, &Op::Slots { client: self.client })? {
+        let floors: HashMap<u32, u64> = match self.send(info.session, &FileOp::Slots { client: self.client })? {
             Ok(Out::Slots(v)) => v.into_iter().collect(),
             _ => return Err(Failed::Transport("a garbled answer about our requests".into())),
         };
@@ -692,8 +695,8 @@ impl Inner {
             if lost.contains(&(ino, owner)) {
                 continue;
             }
-            let kept =
-                in_window && self.send(session, &Op::SetLk { ino, owner, lock, wait: false, reclaim: true })?.is_ok();
+            let kept = in_window
+                && self.send(session, &FileOp::SetLk { ino, owner, lock, wait: false, reclaim: true })?.is_ok();
             if !kept {
                 lost.push((ino, owner));
             }
@@ -722,14 +725,14 @@ impl Inner {
     /// A lock request, asked again while the owner is in its lock grace
     /// period (bounded: the period ends), and the epoch of the owner that
     /// answered.
-    fn lock_call(&self, op: Op) -> Result<(Out, u64, u64)> {
+    fn lock_call(&self, op: FileOp) -> Result<(Out, u64, u64)> {
         self.settle_all();
         let until = Instant::now() + MAX_LOCK_GRACE + Duration::from_secs(5);
         loop {
             // A fresh tag each round: a refusal (in grace, a conflict) is
             // kept as the answer to its tag.
             let tag = self.slots.take(self.client);
-            let mut req = crate::wire::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
+            let mut req = crate::branch::frames::Request::Op { session: 0, op: op.clone(), tag: Some(tag) };
             let mut epoch = 0;
             let answered = self.call_req(&mut req, None, &mut epoch);
             self.slots.give(tag);
@@ -740,7 +743,7 @@ impl Inner {
                 Err(e) if e.errno() == IN_GRACE => return Err(errno_error(libc::ENOLCK)),
                 out => {
                     let session = match &req {
-                        crate::wire::frames::Request::Op { session, .. } => *session,
+                        crate::branch::frames::Request::Op { session, .. } => *session,
                         _ => 0,
                     };
                     return out.map(|o| (o, epoch, session));
@@ -751,19 +754,19 @@ impl Inner {
 
     /// Sends `op` until the owner answers it (or the timeout passes), once
     /// every write in flight has been answered.
-    fn call(&self, op: Op) -> Result<Out> {
+    fn call(&self, op: FileOp) -> Result<Out> {
         self.settle_all();
         self.call_raw(op)
     }
 
     /// [`Inner::call`] without waiting for the writes in flight.
-    fn call_raw(&self, op: Op) -> Result<Out> {
+    fn call_raw(&self, op: FileOp) -> Result<Out> {
         self.call_back(op).0
     }
 
     /// [`Inner::call_raw`], giving the operation back (a write keeps its
     /// buffer). A change of the branch takes a slot for its tag.
-    fn call_back(&self, op: Op) -> (Result<Out>, Op) {
+    fn call_back(&self, op: FileOp) -> (Result<Out>, FileOp) {
         let tag = op.once().then(|| self.slots.take(self.client));
         let out = self.call_tagged(op, tag, None);
         if let Some(tag) = tag {
@@ -774,28 +777,28 @@ impl Inner {
 
     /// Sends `op` as request `tag` until it is answered; with `bound`, only
     /// under that session (ESTALE once we have another).
-    fn call_tagged(&self, op: Op, tag: Option<RequestTag>, bound: Option<u64>) -> (Result<Out>, Op) {
+    fn call_tagged(&self, op: FileOp, tag: Option<RequestTag>, bound: Option<u64>) -> (Result<Out>, FileOp) {
         let ino = match &op {
-            Op::Write { ino, .. } => Some(*ino),
+            FileOp::Write { ino, .. } => Some(*ino),
             _ => None,
         };
-        let mut req = crate::wire::frames::Request::Op { session: 0, op, tag };
+        let mut req = crate::branch::frames::Request::Op { session: 0, op, tag };
         let touched = match (&req, ino) {
-            (crate::wire::frames::Request::Op { op, .. }, None) => op.touches(),
+            (crate::branch::frames::Request::Op { op, .. }, None) => op.touches(),
             _ => Vec::new(),
         };
         let by = if touched.is_empty() { Who::default() } else { calling_process() };
         // Only changes of the branch are journaled until an fsync: opens and
         // locks are tagged too, but live in the session, not the branch.
-        let changes = matches!(&req, crate::wire::frames::Request::Op { op, .. } if op.changes());
+        let changes = matches!(&req, crate::branch::frames::Request::Op { op, .. } if op.changes());
         let mut epoch = 0;
         let out = self.call_req(&mut req, bound, &mut epoch);
         if let (Ok(_), Some(tag), true) = (&out, tag, changes) {
             self.answered(tag, ino, touched, by, epoch);
         }
         match req {
-            crate::wire::frames::Request::Op { op, .. } => (out, op),
-            crate::wire::frames::Request::Session => (out, Op::StatFs),
+            crate::branch::frames::Request::Op { op, .. } => (out, op),
+            crate::branch::frames::Request::Session => (out, FileOp::StatFs),
         }
     }
 
@@ -809,7 +812,7 @@ impl Inner {
         };
         if over {
             let upto = self.journal.lock().position();
-            if self.call_raw(Op::Fsync { ino: arbor_engine::volume::ROOT_INO }).is_ok() {
+            if self.call_raw(FileOp::Fsync { ino: arbor_engine::volume::ROOT_INO }).is_ok() {
                 self.journal.lock().synced(upto);
             }
         }
@@ -817,7 +820,7 @@ impl Inner {
 
     /// Sends `req` until it is answered; `by` is set to the epoch of the
     /// owner that answered.
-    fn call_req(&self, req: &mut crate::wire::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
+    fn call_req(&self, req: &mut crate::branch::frames::Request, bound: Option<u64>, by: &mut u64) -> Result<Out> {
         let started = Instant::now();
         let mut backoff = BACKOFF_MIN;
         loop {
@@ -825,17 +828,17 @@ impl Inner {
             let attempt = self.session().and_then(|s| {
                 used = s.session;
                 if bound.is_some_and(|b| b != s.session) {
-                    return Ok(crate::wire::frames::Answer::Reply(Err(libc::ESTALE)));
+                    return Ok(crate::branch::frames::Answer::Reply(Err(libc::ESTALE)));
                 }
                 *by = s.epoch;
-                if let crate::wire::frames::Request::Op { session, op, tag } = req {
+                if let crate::branch::frames::Request::Op { session, op, tag } = req {
                     *session = s.session;
                     // Nor is a write sent again whose file's close gave up
                     // on it: reported lost there, it could now land over
                     // what another node wrote since.
-                    if let (Op::Write { ino, .. }, Some(t)) = (&*op, *tag) {
+                    if let (FileOp::Write { ino, .. }, Some(t)) = (&*op, *tag) {
                         if self.abandoned(*ino, t) {
-                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::branch::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // A new session may have found the file gone: its
@@ -843,37 +846,37 @@ impl Inner {
                     // Nor does a write go to a file whose lock was lost with
                     // the session: it could land over what the lock's next
                     // holder wrote.
-                    if let Op::Write { ino, .. } = op {
+                    if let FileOp::Write { ino, .. } = op {
                         if self.journal.lock().gone.contains(ino) || self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::branch::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                     // Nor does a truncate.
-                    if let Op::SetAttr { ino, change, .. } = op {
+                    if let FileOp::SetAttr { ino, change, .. } = op {
                         if change.size.is_some() && self.locks.lock().writes_refused(*ino) {
-                            return Ok(crate::wire::frames::Answer::Reply(Err(libc::EIO)));
+                            return Ok(crate::branch::frames::Answer::Reply(Err(libc::EIO)));
                         }
                     }
                 }
                 let sent = BootInstant::now();
                 let answer = self.exchange(req);
-                if let Ok(crate::wire::frames::Answer::Reply(_)) = &answer {
+                if let Ok(crate::branch::frames::Answer::Reply(_)) = &answer {
                     self.heard_at(sent);
                 }
                 answer
             });
             match attempt {
-                Ok(crate::wire::frames::Answer::Reply(reply)) => {
+                Ok(crate::branch::frames::Answer::Reply(reply)) => {
                     if self.outage.swap(false, Ordering::Relaxed) {
                         self.locator.answered();
                         tracing::info!("the owner answers again");
                     }
                     return reply.map_err(errno_error);
                 }
-                Ok(crate::wire::frames::Answer::UnknownSession) => {
+                Ok(crate::branch::frames::Answer::UnknownSession) => {
                     self.drop_session(used);
                 }
-                Ok(crate::wire::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
+                Ok(crate::branch::frames::Answer::Session(_)) => return Err(errno_error(libc::EPROTO)),
                 Err(Failed::Refused) => {
                     tracing::warn!("the owner refused our token (check --token-file)");
                     return Err(errno_error(libc::EACCES));
@@ -928,7 +931,7 @@ impl Inner {
                 lane.conn = Some(c);
             }
             let c = lane.conn.as_mut()?;
-            crate::wire::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
+            crate::branch::frames::write_data(&mut c.stream, &mut c.wbuf, session.session, Some(tag), at, data).ok()?;
             Some((session.epoch, session.session))
         });
         let Some((epoch, session)) = sent else {
@@ -1055,7 +1058,7 @@ impl Inner {
 
     /// Reads the owner's answer to the oldest write in flight on `lane`.
     fn read_one(&self, lane: &mut Lane) -> std::result::Result<(), Broken> {
-        use crate::wire::frames::{read_answer, Answer};
+        use crate::branch::frames::{read_answer, Answer};
         let Some(front) = lane.sent.front() else { return Ok(()) };
         let (tag, ino, len, epoch) = (front.tag, front.at.ino, front.data.len(), front.epoch);
         let c = lane.conn.as_mut().ok_or(Broken::Connection)?;
@@ -1255,7 +1258,7 @@ impl BranchClient {
         Ok(BranchClient { inner, rt, events: Mutex::new(None) })
     }
 
-    fn call(&self, op: Op) -> Result<Out> {
+    fn call(&self, op: FileOp) -> Result<Out> {
         self.inner.call(op)
     }
 
@@ -1373,7 +1376,7 @@ impl BranchClient {
 
     /// Commits the branch at the owner: its current commit.
     pub fn commit(&self) -> Result<arbor_engine::format::Addr> {
-        match self.call(Op::Commit)? {
+        match self.call(FileOp::Commit)? {
             Out::Commit { writer, seq, off, len } => {
                 Ok(arbor_engine::format::Addr { seg: arbor_engine::format::SegId { writer, seq }, off, len })
             }
@@ -1384,7 +1387,7 @@ impl BranchClient {
     /// Has the owner freeze the branch as checkpoint `name`: its
     /// description (JSON), or why it was refused.
     pub fn checkpoint(&self, name: &str) -> std::result::Result<String, String> {
-        match self.call(Op::Checkpoint { name: name.into() }) {
+        match self.call(FileOp::Checkpoint { name: name.into() }) {
             Ok(Out::Message(m)) => m,
             Ok(_) => Err("a garbled answer from the owner".into()),
             Err(e) => Err(e.to_string()),
@@ -1450,10 +1453,10 @@ fn bytes(r: Result<Out>) -> Result<Vec<u8>> {
 
 impl Files for BranchClient {
     fn lookup(&self, parent: u64, name: &[u8]) -> Result<Attr> {
-        attr(self.call(Op::Lookup { parent, name: name.to_vec() }))
+        attr(self.call(FileOp::Lookup { parent, name: name.to_vec() }))
     }
     fn getattr(&self, ino: u64) -> Result<Attr> {
-        attr(self.call(Op::GetAttr { ino }))
+        attr(self.call(FileOp::GetAttr { ino }))
     }
     /// A change with no caller is made as root would make it (which an
     /// owner squashing root makes nobody's).
@@ -1464,39 +1467,39 @@ impl Files for BranchClient {
     /// takes from the file as it applies it.
     fn setattr_by(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Result<Attr> {
         self.forget(ino);
-        attr(self.call(Op::SetAttr { ino, change, caller, kill_suidgid }))
+        attr(self.call(FileOp::SetAttr { ino, change, caller, kill_suidgid }))
     }
     fn readlink(&self, ino: u64) -> Result<Vec<u8>> {
-        bytes(self.call(Op::ReadLink { ino }))
+        bytes(self.call(FileOp::ReadLink { ino }))
     }
     fn create(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32, rdev: u32) -> Result<Attr> {
-        attr(self.call(Op::Create { parent, name: name.to_vec(), mode, uid, gid, rdev }))
+        attr(self.call(FileOp::Create { parent, name: name.to_vec(), mode, uid, gid, rdev }))
     }
     fn create_open(&self, parent: u64, name: &[u8], mode: u32, uid: u32, gid: u32) -> Result<Attr> {
-        let a = attr(self.call(Op::CreateOpen { parent, name: name.to_vec(), mode, uid, gid }))?;
+        let a = attr(self.call(FileOp::CreateOpen { parent, name: name.to_vec(), mode, uid, gid }))?;
         self.opened(&a);
         Ok(a)
     }
     fn mkdir(&self, parent: u64, name: &[u8], perm: u16, uid: u32, gid: u32) -> Result<Attr> {
-        attr(self.call(Op::Mkdir { parent, name: name.to_vec(), perm, uid, gid }))
+        attr(self.call(FileOp::Mkdir { parent, name: name.to_vec(), perm, uid, gid }))
     }
     fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Result<Attr> {
-        attr(self.call(Op::Symlink { parent, name: name.to_vec(), target: target.to_vec(), uid, gid }))
+        attr(self.call(FileOp::Symlink { parent, name: name.to_vec(), target: target.to_vec(), uid, gid }))
     }
     fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Result<Attr> {
-        attr(self.call(Op::Link { ino, new_parent, new_name: new_name.to_vec() }))
+        attr(self.call(FileOp::Link { ino, new_parent, new_name: new_name.to_vec() }))
     }
     fn unlink(&self, parent: u64, name: &[u8]) -> Result<()> {
-        unit(self.call(Op::Unlink { parent, name: name.to_vec() }))
+        unit(self.call(FileOp::Unlink { parent, name: name.to_vec() }))
     }
     fn rmdir(&self, parent: u64, name: &[u8]) -> Result<()> {
-        unit(self.call(Op::Rmdir { parent, name: name.to_vec() }))
+        unit(self.call(FileOp::Rmdir { parent, name: name.to_vec() }))
     }
     fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], mode: RenameMode) -> Result<()> {
-        unit(self.call(Op::Rename { parent, name: name.to_vec(), new_parent, new_name: new_name.to_vec(), mode }))
+        unit(self.call(FileOp::Rename { parent, name: name.to_vec(), new_parent, new_name: new_name.to_vec(), mode }))
     }
     fn open(&self, ino: u64) -> Result<Attr> {
-        let a = attr(self.call(Op::Open { ino, count: 1 }))?;
+        let a = attr(self.call(FileOp::Open { ino, count: 1 }))?;
         self.opened(&a);
         Ok(a)
     }
@@ -1510,7 +1513,7 @@ impl Files for BranchClient {
                 }
             }
         }
-        unit(self.call(Op::Release { ino }))
+        unit(self.call(FileOp::Release { ino }))
     }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
         // Bounded like a FUSE read; a larger one is a short read.
@@ -1522,7 +1525,7 @@ impl Files for BranchClient {
     fn read_into(&self, ino: u64, off: u64, buf: &mut [u8]) -> Result<usize> {
         self.check_alive(ino)?;
         if let Some(d) = &self.inner.direct {
-            let locate = |ino, off, len| match self.call(Op::Locate { ino, off, len })? {
+            let locate = |ino, off, len| match self.call(FileOp::Locate { ino, off, len })? {
                 Out::Located(l) => Ok(l),
                 _ => Err(errno_error(libc::EPROTO)),
             };
@@ -1542,7 +1545,7 @@ impl Files for BranchClient {
         let mut n = 0;
         while n < buf.len() {
             let len = (buf.len() - n).min(MAX_READ as usize) as u32;
-            let b = bytes(self.call(Op::Read { ino, off: off + n as u64, len }))?;
+            let b = bytes(self.call(FileOp::Read { ino, off: off + n as u64, len }))?;
             self.inner.owner_reads.fetch_add(1, Ordering::Relaxed);
             self.inner.owner_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
             let got = b.len().min(len as usize);
@@ -1570,7 +1573,7 @@ impl Files for BranchClient {
     fn fsync(&self, ino: u64) -> Result<()> {
         self.inner.settle_all();
         let upto = self.inner.journal.lock().position();
-        unit(self.inner.call_raw(Op::Fsync { ino }))?;
+        unit(self.inner.call_raw(FileOp::Fsync { ino }))?;
         // The owner's fsync covers its whole log: every request answered
         // before it was sent is durable now. What an earlier owner lost
         // (found when this one was met) fails this fsync.
@@ -1604,7 +1607,7 @@ impl Files for BranchClient {
     fn readdir(&self, ino: u64, mut offset: u64, f: &mut dyn FnMut(DirEntryOut) -> bool) -> Result<()> {
         // Bounded by the directory: each batch moves the offset forward.
         loop {
-            let Out::Entries(batch) = self.call(Op::ReadDir { ino, offset, max: READDIR_BATCH })? else {
+            let Out::Entries(batch) = self.call(FileOp::ReadDir { ino, offset, max: READDIR_BATCH })? else {
                 return Err(errno_error(libc::EPROTO));
             };
             let full = batch.len() as u32 >= READDIR_BATCH;
@@ -1620,25 +1623,25 @@ impl Files for BranchClient {
         }
     }
     fn statfs(&self) -> Result<StatFs> {
-        match self.call(Op::StatFs)? {
+        match self.call(FileOp::StatFs)? {
             Out::StatFs(s) => Ok(s),
             _ => Err(errno_error(libc::EPROTO)),
         }
     }
     fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
-        unit(self.call(Op::SetXattr { ino, name: name.to_vec(), value: value.to_vec(), flags }))
+        unit(self.call(FileOp::SetXattr { ino, name: name.to_vec(), value: value.to_vec(), flags }))
     }
     fn getxattr(&self, ino: u64, name: &[u8]) -> Result<Vec<u8>> {
-        bytes(self.call(Op::GetXattr { ino, name: name.to_vec() }))
+        bytes(self.call(FileOp::GetXattr { ino, name: name.to_vec() }))
     }
     fn listxattr(&self, ino: u64) -> Result<Vec<Vec<u8>>> {
-        match self.call(Op::ListXattr { ino })? {
+        match self.call(FileOp::ListXattr { ino })? {
             Out::Names(n) => Ok(n),
             _ => Err(errno_error(libc::EPROTO)),
         }
     }
     fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
-        unit(self.call(Op::RemoveXattr { ino, name: name.to_vec() }))
+        unit(self.call(FileOp::RemoveXattr { ino, name: name.to_vec() }))
     }
     /// Delivers the writes in flight and stops following the owner. The
     /// owner commits.
@@ -1660,7 +1663,7 @@ impl Files for BranchClient {
         true
     }
     fn getlk(&self, ino: u64, owner: u64, lock: Lock) -> Result<Option<Lock>> {
-        match self.inner.lock_call(Op::GetLk { ino, owner, lock })?.0 {
+        match self.inner.lock_call(FileOp::GetLk { ino, owner, lock })?.0 {
             Out::Lock(l) => Ok(l),
             _ => Err(errno_error(libc::EPROTO)),
         }
@@ -1671,12 +1674,12 @@ impl Files for BranchClient {
             // Believed dropped before it is: holding less is safe to believe.
             inner.locks.lock().apply(ino, owner, lock);
             inner.locks.lock().take_lost(ino, owner);
-            return unit(inner.call(Op::SetLk { ino, owner, lock, wait, reclaim: false }));
+            return unit(inner.call(FileOp::SetLk { ino, owner, lock, wait, reclaim: false }));
         }
         if inner.locks.lock().take_lost(ino, owner) {
             return Err(errno_error(libc::ENOLCK));
         }
-        let (_, epoch, session) = inner.lock_call(Op::SetLk { ino, owner, lock, wait, reclaim: false })?;
+        let (_, epoch, session) = inner.lock_call(FileOp::SetLk { ino, owner, lock, wait, reclaim: false })?;
         let mut locks = inner.locks.lock();
         if locks.epoch != epoch || locks.session != session {
             // Granted by an owner that is gone (its answer read late): the
@@ -1697,7 +1700,7 @@ impl Files for BranchClient {
             // Its close (flush) reported the loss already, with EIO.
             locks.take_lost(ino, owner);
         }
-        unit(self.inner.call(Op::UnlockAll { ino, owner }))
+        unit(self.inner.call(FileOp::UnlockAll { ino, owner }))
     }
 }
 

@@ -7,7 +7,7 @@
 //! client may have written over the same bytes, and sending it again would
 //! bring back what was overwritten. Instead, after the owner changes, the
 //! client asks the new owner which of its slots' requests the branch
-//! includes ([`crate::branch::owner::Op::Slots`]): those were made durable before
+//! includes ([`crate::branch::owner::FileOp::Slots`]): those were made durable before
 //! the old owner went (the new owner recovered them from the log), the
 //! rest were lost with it. A lost write fails its file's next `fsync` and
 //! `close` with EIO; a lost change of names (a rename, an unlink, …) fails

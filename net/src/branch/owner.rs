@@ -6,9 +6,9 @@
 //! # Protocol
 //!
 //! On the cache server's port, behind the same token. File operations go
-//! on framed connections ([`crate::wire::frames`]): a session is opened with
+//! on framed connections ([`crate::branch::frames`]): a session is opened with
 //! `Request::Session` (a [`SessionInfo`]: the session and the owner's
-//! epoch), and each [`Op`] is answered with a [`Reply`], or "unknown
+//! epoch), and each [`FileOp`] is answered with a [`Reply`], or "unknown
 //! session" (open a new one). Changes other nodes made are long-polled
 //! over HTTP/2, where waiting costs nothing:
 //!
@@ -74,10 +74,10 @@ pub const SESSION_IDLE: Duration = Duration::from_secs(15);
 pub const EVENT_RING: usize = 8192;
 /// Entries one `ReadDir` answers at most; a larger `max` is refused.
 pub const READDIR_BATCH: u32 = 1024;
-/// Bytes one `Op::Read` asks for at most (its answer travels as one
+/// Bytes one `FileOp::Read` asks for at most (its answer travels as one
 /// payload); a larger `len` is refused with EINVAL before anything is read.
 pub const MAX_READ: u32 = crate::wire::frames::MAX_FRAME as u32;
-/// Opens one `Op::Open` takes at most; a client that holds a file open
+/// Opens one `FileOp::Open` takes at most; a client that holds a file open
 /// more often sends several.
 pub const MAX_OPEN_COUNT: u32 = 1 << 16;
 /// Sessions a branch keeps at once: a session lives [`SESSION_IDLE`]
@@ -86,7 +86,7 @@ pub const MAX_SESSIONS: usize = 16_384;
 
 /// One file operation, in the engine's terms.
 #[derive(Clone, Debug, bincode::Encode, bincode::Decode)]
-pub enum Op {
+pub enum FileOp {
     Lookup {
         parent: u64,
         name: Vec<u8>,
@@ -247,18 +247,18 @@ pub enum Op {
     },
 }
 
-impl Op {
+impl FileOp {
     /// EINVAL for a size or count past what an owner does for one
     /// request, checked before anything is allocated or done. (A `Vec`
     /// in a request is bounded by its frame; `Locate` answers at most
     /// [`LOCATE_MAX_SPANS`] whatever its `len`.)
     pub fn check(&self) -> Result<(), i32> {
         match *self {
-            Op::Read { len, .. } if len > MAX_READ => Err(libc::EINVAL),
-            Op::Open { count, .. } if count > MAX_OPEN_COUNT => Err(libc::EINVAL),
-            Op::ReadDir { max, .. } if max > READDIR_BATCH => Err(libc::EINVAL),
-            Op::SetLk { wait: true, reclaim: true, .. } => Err(libc::EINVAL),
-            Op::Slots { client } if reserved_client(client) => Err(libc::EPERM),
+            FileOp::Read { len, .. } if len > MAX_READ => Err(libc::EINVAL),
+            FileOp::Open { count, .. } if count > MAX_OPEN_COUNT => Err(libc::EINVAL),
+            FileOp::ReadDir { max, .. } if max > READDIR_BATCH => Err(libc::EINVAL),
+            FileOp::SetLk { wait: true, reclaim: true, .. } => Err(libc::EINVAL),
+            FileOp::Slots { client } if reserved_client(client) => Err(libc::EPERM),
             _ => Ok(()),
         }
     }
@@ -267,16 +267,16 @@ impl Op {
     /// its names): whose fsync must report the change if it is lost.
     pub fn touches(&self) -> Vec<u64> {
         match self {
-            Op::SetAttr { ino, .. } | Op::SetXattr { ino, .. } | Op::RemoveXattr { ino, .. } => vec![*ino],
-            Op::Write { ino, .. } => vec![*ino],
-            Op::Create { parent, .. }
-            | Op::CreateOpen { parent, .. }
-            | Op::Mkdir { parent, .. }
-            | Op::Symlink { parent, .. }
-            | Op::Unlink { parent, .. }
-            | Op::Rmdir { parent, .. } => vec![*parent],
-            Op::Link { ino, new_parent, .. } => vec![*new_parent, *ino],
-            Op::Rename { parent, new_parent, .. } => vec![*parent, *new_parent],
+            FileOp::SetAttr { ino, .. } | FileOp::SetXattr { ino, .. } | FileOp::RemoveXattr { ino, .. } => vec![*ino],
+            FileOp::Write { ino, .. } => vec![*ino],
+            FileOp::Create { parent, .. }
+            | FileOp::CreateOpen { parent, .. }
+            | FileOp::Mkdir { parent, .. }
+            | FileOp::Symlink { parent, .. }
+            | FileOp::Unlink { parent, .. }
+            | FileOp::Rmdir { parent, .. } => vec![*parent],
+            FileOp::Link { ino, new_parent, .. } => vec![*new_parent, *ino],
+            FileOp::Rename { parent, new_parent, .. } => vec![*parent, *new_parent],
             _ => Vec::new(),
         }
     }
@@ -289,7 +289,11 @@ impl Op {
     /// lock of the same owner, would drop that lock while its holder
     /// believes it held. Such requests carry a tag.
     pub fn once(&self) -> bool {
-        self.changes() || matches!(self, Op::Open { .. } | Op::Release { .. } | Op::SetLk { .. } | Op::UnlockAll { .. })
+        self.changes()
+            || matches!(
+                self,
+                FileOp::Open { .. } | FileOp::Release { .. } | FileOp::SetLk { .. } | FileOp::UnlockAll { .. }
+            )
     }
 
     /// Whether the operation changes the branch: such a request's tag is
@@ -298,18 +302,18 @@ impl Op {
     pub fn changes(&self) -> bool {
         matches!(
             self,
-            Op::SetAttr { .. }
-                | Op::Create { .. }
-                | Op::CreateOpen { .. }
-                | Op::Mkdir { .. }
-                | Op::Symlink { .. }
-                | Op::Link { .. }
-                | Op::Unlink { .. }
-                | Op::Rmdir { .. }
-                | Op::Rename { .. }
-                | Op::Write { .. }
-                | Op::SetXattr { .. }
-                | Op::RemoveXattr { .. }
+            FileOp::SetAttr { .. }
+                | FileOp::Create { .. }
+                | FileOp::CreateOpen { .. }
+                | FileOp::Mkdir { .. }
+                | FileOp::Symlink { .. }
+                | FileOp::Link { .. }
+                | FileOp::Unlink { .. }
+                | FileOp::Rmdir { .. }
+                | FileOp::Rename { .. }
+                | FileOp::Write { .. }
+                | FileOp::SetXattr { .. }
+                | FileOp::RemoveXattr { .. }
         )
     }
 }
@@ -334,11 +338,11 @@ pub enum Out {
     /// A checkpoint's description (JSON), or why it was refused.
     Message(Result<String, String>),
     Located(Located),
-    /// `(slot, newest sequence)` of one client's requests ([`Op::Slots`]).
+    /// `(slot, newest sequence)` of one client's requests ([`FileOp::Slots`]).
     Slots(Vec<(u32, u64)>),
 }
 
-/// Where a range of a file's bytes is ([`Op::Locate`]).
+/// Where a range of a file's bytes is ([`FileOp::Locate`]).
 #[derive(Clone, Debug, PartialEq, bincode::Encode, bincode::Decode)]
 pub struct Located {
     /// The file's size when located.
@@ -359,7 +363,7 @@ pub struct Span {
     pub extent: Option<Vec<u8>>,
 }
 
-/// Spans one [`Op::Locate`] answers at most: a large file written in small
+/// Spans one [`FileOp::Locate`] answers at most: a large file written in small
 /// pieces is located a window at a time.
 pub const LOCATE_MAX_SPANS: usize = 1024;
 
@@ -775,7 +779,7 @@ impl SharedBranch {
         }
     }
 
-    /// [`Op::SetAttr`], once the policy allows it.
+    /// [`FileOp::SetAttr`], once the policy allows it.
     fn set_attr(&self, ino: u64, asked: Change) -> Result<Attr, Error> {
         let file = self.vol.getattr(ino)?;
         let c = self.policy.setattr(&file, asked).map_err(refused)?;
@@ -794,14 +798,17 @@ impl SharedBranch {
 
     /// Applies request `op` for `session` at most once: a copy of a tagged
     /// request gets the first copy's answer (see [`crate::branch::requests`]).
-    pub fn apply_request(&self, session: u64, tag: Option<RequestTag>, op: Op) -> Reply {
+    pub fn apply_request(&self, session: u64, tag: Option<RequestTag>, op: FileOp) -> Reply {
         // Before the tag: a refused request leaves nothing in the reply cache.
         op.check()?;
-        if matches!(op, Op::Create { .. } | Op::CreateOpen { .. } | Op::Mkdir { .. } | Op::Symlink { .. }) {
+        if matches!(
+            op,
+            FileOp::Create { .. } | FileOp::CreateOpen { .. } | FileOp::Mkdir { .. } | FileOp::Symlink { .. }
+        ) {
             // Outside the request's own tagged call, which it must not nest in.
             self.reserve_inodes().map_err(|e| errno(&e))?;
         }
-        if let Op::Slots { client } = op {
+        if let FileOp::Slots { client } = op {
             self.speaks_for(session, client)?;
         }
         let Some(mut tag) = tag.filter(|_| op.once()) else { return self.apply(session, op) };
@@ -827,7 +834,7 @@ impl SharedBranch {
             self.replies.finish(tag, &reply);
             return reply;
         }
-        let takes = if matches!(op, Op::Write { .. }) { Takes::Write } else { Takes::Operation };
+        let takes = if matches!(op, FileOp::Write { .. }) { Takes::Write } else { Takes::Operation };
         let reply = self
             .vol
             .tagged(tag, takes, |_| {
@@ -859,21 +866,21 @@ impl SharedBranch {
 
     /// The answer to a request an earlier owner applied, from the state as
     /// it is now (the first answer died with that owner).
-    fn answer_again(&self, session: u64, op: &Op) -> Reply {
+    fn answer_again(&self, session: u64, op: &FileOp) -> Reply {
         let v = &self.vol;
         let out = match op {
-            Op::Write { data, .. } => Ok(Out::Written(data.len() as u64)),
-            Op::Create { parent, name, .. }
-            | Op::Mkdir { parent, name, .. }
-            | Op::Symlink { parent, name, .. }
-            | Op::Link { new_parent: parent, new_name: name, .. } => v.lookup(*parent, name).map(Out::Attr),
-            Op::CreateOpen { parent, name, .. } => {
+            FileOp::Write { data, .. } => Ok(Out::Written(data.len() as u64)),
+            FileOp::Create { parent, name, .. }
+            | FileOp::Mkdir { parent, name, .. }
+            | FileOp::Symlink { parent, name, .. }
+            | FileOp::Link { new_parent: parent, new_name: name, .. } => v.lookup(*parent, name).map(Out::Attr),
+            FileOp::CreateOpen { parent, name, .. } => {
                 v.lookup(*parent, name).and_then(|a| self.open(session, a.ino, 1)).map(Out::Attr)
             }
-            Op::SetAttr { ino, .. } => v.getattr(*ino).map(Out::Attr),
+            FileOp::SetAttr { ino, .. } => v.getattr(*ino).map(Out::Attr),
             // An open or lock older than the session's newest: not applied
             // now, and nothing was taken for this copy.
-            Op::Open { .. } | Op::SetLk { .. } => return Err(libc::ESTALE),
+            FileOp::Open { .. } | FileOp::SetLk { .. } => return Err(libc::ESTALE),
             _ => Ok(Out::Unit),
         };
         out.map_err(|e| errno(&e))
@@ -881,162 +888,161 @@ impl SharedBranch {
 
     /// Applies `op` for `session` (blocking: call it off the async threads;
     /// lock waits are [`SharedBranch::set_lock`]).
-    pub fn apply(&self, session: u64, op: Op) -> Reply {
+    pub fn apply(&self, session: u64, op: FileOp) -> Reply {
         use Event::{Entry, Inode};
         op.check()?;
         let v = &self.vol;
-        let out = match op {
-            Op::Lookup { parent, name } => v.lookup(parent, &name).map(Out::Attr),
-            Op::GetAttr { ino } => v.getattr(ino).map(Out::Attr),
-            Op::ReadLink { ino } => v.readlink(ino).map(Out::Bytes),
-            Op::Read { ino, off, len } => v.read(ino, off, len as usize).map(Out::Bytes),
-            Op::Locate { ino, off, len } => v.locate(ino, off, len, LOCATE_MAX_SPANS).map(|l| {
-                let spans = l
-                    .places
-                    .into_iter()
-                    .map(|(at, place)| match place {
-                        Place::Log(e) => Span { at, len: e.len as u64, extent: Some(e.encode()) },
-                        Place::Here(len) => Span { at, len, extent: None },
+        let out =
+            match op {
+                FileOp::Lookup { parent, name } => v.lookup(parent, &name).map(Out::Attr),
+                FileOp::GetAttr { ino } => v.getattr(ino).map(Out::Attr),
+                FileOp::ReadLink { ino } => v.readlink(ino).map(Out::Bytes),
+                FileOp::Read { ino, off, len } => v.read(ino, off, len as usize).map(Out::Bytes),
+                FileOp::Locate { ino, off, len } => v.locate(ino, off, len, LOCATE_MAX_SPANS).map(|l| {
+                    let spans = l
+                        .places
+                        .into_iter()
+                        .map(|(at, place)| match place {
+                            Place::Log(e) => Span { at, len: e.len as u64, extent: Some(e.encode()) },
+                            Place::Here(len) => Span { at, len, extent: None },
+                        })
+                        .collect();
+                    Out::Located(Located { size: l.size, end: l.end, spans })
+                }),
+                FileOp::StatFs => Ok(Out::StatFs(v.statfs())),
+                FileOp::Slots { client } => v.request_slots(client).map(Out::Slots),
+                FileOp::GetXattr { ino, name } => v.getxattr(ino, &name).map(Out::Bytes),
+                FileOp::ListXattr { ino } => v.listxattr(ino).map(Out::Names),
+                FileOp::ReadDir { ino, offset, max } => {
+                    let mut entries = Vec::new();
+                    let max = max.max(1) as usize;
+                    v.readdir(ino, offset, |e| {
+                        entries.push(e);
+                        entries.len() < max
                     })
-                    .collect();
-                Out::Located(Located { size: l.size, end: l.end, spans })
-            }),
-            Op::StatFs => Ok(Out::StatFs(v.statfs())),
-            Op::Slots { client } => v.request_slots(client).map(Out::Slots),
-            Op::GetXattr { ino, name } => v.getxattr(ino, &name).map(Out::Bytes),
-            Op::ListXattr { ino } => v.listxattr(ino).map(Out::Names),
-            Op::ReadDir { ino, offset, max } => {
-                let mut entries = Vec::new();
-                let max = max.max(1) as usize;
-                v.readdir(ino, offset, |e| {
-                    entries.push(e);
-                    entries.len() < max
-                })
-                .map(|()| Out::Entries(entries))
-            }
-            Op::SetAttr { ino, change, caller, kill_suidgid } => {
-                let r = self.set_attr(ino, Change { change, caller, kill_suidgid }).map(Out::Attr);
-                self.record(session, [Inode(ino)]);
-                r
-            }
-            Op::Write { ino, data, unprivileged, append: true, .. } => {
-                let cleared = if self.policy.write_clears_set_id(unprivileged) {
-                    v.getattr(ino).and_then(|a| arbor_engine::files::clear_privileges(&**v, a)).map(|_| ())
-                } else {
-                    drop_capabilities(&**v, ino)
-                };
-                let r = cleared.and_then(|()| v.append(ino, &data)).map(|n| Out::Written(n as u64));
-                self.record(session, [Inode(ino)]);
-                r
-            }
-            Op::Write { ino, off, data, unprivileged, .. } => {
-                // A client's kernel checks a file's capabilities once and
-                // then trusts its mark (another node may have set them
-                // since), so the owner drops them on every write.
-                let r = if self.policy.write_clears_set_id(unprivileged) {
-                    Files::write_unprivileged(&**v, ino, off, &data).map(|(n, _)| n)
-                } else {
-                    drop_capabilities(&**v, ino).and_then(|()| v.write(ino, off, &data))
-                };
-                let r = r.map(|n| Out::Written(n as u64));
-                self.record(session, [Inode(ino)]);
-                r
-            }
-            Op::Fsync { ino } => v.fsync(ino).map(|()| Out::Unit),
-            Op::Create { parent, name, mode, uid, gid, rdev } => {
-                let r = self
-                    .creator(mode, uid, gid)
-                    .and_then(|o| v.create(parent, &name, mode, o.uid, o.gid, rdev))
-                    .map(Out::Attr);
-                self.record(session, [Entry(parent, name), Inode(parent)]);
-                r
-            }
-            Op::CreateOpen { parent, name, mode, uid, gid } => {
-                let r = self
-                    .creator(mode, uid, gid)
-                    .and_then(|o| v.create(parent, &name, mode, o.uid, o.gid, 0))
-                    .and_then(|a| self.open(session, a.ino, 1));
-                self.record(session, [Entry(parent, name), Inode(parent)]);
-                r.map(Out::Attr)
-            }
-            Op::Mkdir { parent, name, perm, uid, gid } => {
-                let r = self
-                    .creator(libc::S_IFDIR | u32::from(perm), uid, gid)
-                    .and_then(|o| v.mkdir(parent, &name, perm, o.uid, o.gid))
-                    .map(Out::Attr);
-                self.record(session, [Entry(parent, name), Inode(parent)]);
-                r
-            }
-            Op::Symlink { parent, name, target, uid, gid } => {
-                let r = self
-                    .creator(libc::S_IFLNK | 0o777, uid, gid)
-                    .and_then(|o| v.symlink(parent, &name, &target, o.uid, o.gid))
-                    .map(Out::Attr);
-                self.record(session, [Entry(parent, name), Inode(parent)]);
-                r
-            }
-            Op::Link { ino, new_parent, new_name } => {
-                let r = v.link(ino, new_parent, &new_name).map(Out::Attr);
-                self.record(session, [Entry(new_parent, new_name), Inode(new_parent), Inode(ino)]);
-                r
-            }
-            Op::Unlink { parent, name } => {
-                let child = self.lookup_ino(parent, &name);
-                let r = v.unlink(parent, &name).map(|()| Out::Unit);
-                self.record(session, [Entry(parent, name), Inode(parent)].into_iter().chain(child.map(Inode)));
-                r
-            }
-            Op::Rmdir { parent, name } => {
-                let child = self.lookup_ino(parent, &name);
-                let r = v.rmdir(parent, &name).map(|()| Out::Unit);
-                self.record(session, [Entry(parent, name), Inode(parent)].into_iter().chain(child.map(Inode)));
-                r
-            }
-            Op::Rename { parent, name, new_parent, new_name, mode } => {
-                let moved = self.lookup_ino(parent, &name);
-                let replaced = self.lookup_ino(new_parent, &new_name);
-                let r = v.rename(parent, &name, new_parent, &new_name, mode).map(|()| Out::Unit);
-                let touched = [Entry(parent, name), Entry(new_parent, new_name), Inode(parent), Inode(new_parent)];
-                self.record(session, touched.into_iter().chain(moved.map(Inode)).chain(replaced.map(Inode)));
-                r
-            }
-            Op::Open { ino, count } => self.open(session, ino, count).map(Out::Attr),
-            Op::Release { ino } => self.release(session, ino).map(|()| Out::Unit),
-            Op::SetXattr { ino, name, value, flags } => {
-                let r = self.policy.setxattr(&name).map_err(refused);
-                let r = r.and_then(|()| v.setxattr(ino, &name, &value, flags)).map(|()| Out::Unit);
-                self.record(session, [Inode(ino)]);
-                r
-            }
-            Op::RemoveXattr { ino, name } => {
-                let r = v.removexattr(ino, &name).map(|()| Out::Unit);
-                self.record(session, [Inode(ino)]);
-                r
-            }
-            Op::GetLk { ino, owner, lock } => {
-                if self.in_lock_grace() {
-                    return Err(IN_GRACE);
+                    .map(|()| Out::Entries(entries))
                 }
-                return Ok(Out::Lock(self.get_lock(session, ino, owner, &lock)));
-            }
-            Op::SetLk { ino, owner, lock, reclaim, .. } => {
-                return self.take_lock(session, ino, owner, lock, reclaim);
-            }
-            Op::Commit => v.commit().and_then(|()| v.last_commit().ok_or(Error::ReadOnly)).map(|a| Out::Commit {
-                writer: a.seg.writer,
-                seq: a.seg.seq,
-                off: a.off,
-                len: a.len,
-            }),
-            Op::Checkpoint { name } => match &self.checkpoint {
-                Some(f) => Ok(Out::Message(f(&name))),
-                None => Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSYS))),
-            },
-            Op::UnlockAll { ino, owner } => {
-                let all = Lock { start: 0, end: u64::MAX, typ: libc::F_UNLCK, pid: 0 };
-                return self.try_lock(session, ino, owner, all);
-            }
-        };
+                FileOp::SetAttr { ino, change, caller, kill_suidgid } => {
+                    let r = self.set_attr(ino, Change { change, caller, kill_suidgid }).map(Out::Attr);
+                    self.record(session, [Inode(ino)]);
+                    r
+                }
+                FileOp::Write { ino, data, unprivileged, append: true, .. } => {
+                    let cleared = if self.policy.write_clears_set_id(unprivileged) {
+                        v.getattr(ino).and_then(|a| arbor_engine::files::clear_privileges(&**v, a)).map(|_| ())
+                    } else {
+                        drop_capabilities(&**v, ino)
+                    };
+                    let r = cleared.and_then(|()| v.append(ino, &data)).map(|n| Out::Written(n as u64));
+                    self.record(session, [Inode(ino)]);
+                    r
+                }
+                FileOp::Write { ino, off, data, unprivileged, .. } => {
+                    // A client's kernel checks a file's capabilities once and
+                    // then trusts its mark (another node may have set them
+                    // since), so the owner drops them on every write.
+                    let r = if self.policy.write_clears_set_id(unprivileged) {
+                        Files::write_unprivileged(&**v, ino, off, &data).map(|(n, _)| n)
+                    } else {
+                        drop_capabilities(&**v, ino).and_then(|()| v.write(ino, off, &data))
+                    };
+                    let r = r.map(|n| Out::Written(n as u64));
+                    self.record(session, [Inode(ino)]);
+                    r
+                }
+                FileOp::Fsync { ino } => v.fsync(ino).map(|()| Out::Unit),
+                FileOp::Create { parent, name, mode, uid, gid, rdev } => {
+                    let r = self
+                        .creator(mode, uid, gid)
+                        .and_then(|o| v.create(parent, &name, mode, o.uid, o.gid, rdev))
+                        .map(Out::Attr);
+                    self.record(session, [Entry(parent, name), Inode(parent)]);
+                    r
+                }
+                FileOp::CreateOpen { parent, name, mode, uid, gid } => {
+                    let r = self
+                        .creator(mode, uid, gid)
+                        .and_then(|o| v.create(parent, &name, mode, o.uid, o.gid, 0))
+                        .and_then(|a| self.open(session, a.ino, 1));
+                    self.record(session, [Entry(parent, name), Inode(parent)]);
+                    r.map(Out::Attr)
+                }
+                FileOp::Mkdir { parent, name, perm, uid, gid } => {
+                    let r = self
+                        .creator(libc::S_IFDIR | u32::from(perm), uid, gid)
+                        .and_then(|o| v.mkdir(parent, &name, perm, o.uid, o.gid))
+                        .map(Out::Attr);
+                    self.record(session, [Entry(parent, name), Inode(parent)]);
+                    r
+                }
+                FileOp::Symlink { parent, name, target, uid, gid } => {
+                    let r = self
+                        .creator(libc::S_IFLNK | 0o777, uid, gid)
+                        .and_then(|o| v.symlink(parent, &name, &target, o.uid, o.gid))
+                        .map(Out::Attr);
+                    self.record(session, [Entry(parent, name), Inode(parent)]);
+                    r
+                }
+                FileOp::Link { ino, new_parent, new_name } => {
+                    let r = v.link(ino, new_parent, &new_name).map(Out::Attr);
+                    self.record(session, [Entry(new_parent, new_name), Inode(new_parent), Inode(ino)]);
+                    r
+                }
+                FileOp::Unlink { parent, name } => {
+                    let child = self.lookup_ino(parent, &name);
+                    let r = v.unlink(parent, &name).map(|()| Out::Unit);
+                    self.record(session, [Entry(parent, name), Inode(parent)].into_iter().chain(child.map(Inode)));
+                    r
+                }
+                FileOp::Rmdir { parent, name } => {
+                    let child = self.lookup_ino(parent, &name);
+                    let r = v.rmdir(parent, &name).map(|()| Out::Unit);
+                    self.record(session, [Entry(parent, name), Inode(parent)].into_iter().chain(child.map(Inode)));
+                    r
+                }
+                FileOp::Rename { parent, name, new_parent, new_name, mode } => {
+                    let moved = self.lookup_ino(parent, &name);
+                    let replaced = self.lookup_ino(new_parent, &new_name);
+                    let r = v.rename(parent, &name, new_parent, &new_name, mode).map(|()| Out::Unit);
+                    let touched = [Entry(parent, name), Entry(new_parent, new_name), Inode(parent), Inode(new_parent)];
+                    self.record(session, touched.into_iter().chain(moved.map(Inode)).chain(replaced.map(Inode)));
+                    r
+                }
+                FileOp::Open { ino, count } => self.open(session, ino, count).map(Out::Attr),
+                FileOp::Release { ino } => self.release(session, ino).map(|()| Out::Unit),
+                FileOp::SetXattr { ino, name, value, flags } => {
+                    let r = self.policy.setxattr(&name).map_err(refused);
+                    let r = r.and_then(|()| v.setxattr(ino, &name, &value, flags)).map(|()| Out::Unit);
+                    self.record(session, [Inode(ino)]);
+                    r
+                }
+                FileOp::RemoveXattr { ino, name } => {
+                    let r = v.removexattr(ino, &name).map(|()| Out::Unit);
+                    self.record(session, [Inode(ino)]);
+                    r
+                }
+                FileOp::GetLk { ino, owner, lock } => {
+                    if self.in_lock_grace() {
+                        return Err(IN_GRACE);
+                    }
+                    return Ok(Out::Lock(self.get_lock(session, ino, owner, &lock)));
+                }
+                FileOp::SetLk { ino, owner, lock, reclaim, .. } => {
+                    return self.take_lock(session, ino, owner, lock, reclaim);
+                }
+                FileOp::Commit => v
+                    .commit()
+                    .and_then(|()| v.last_commit().ok_or(Error::ReadOnly))
+                    .map(|a| Out::Commit { writer: a.seg.writer, seq: a.seg.seq, off: a.off, len: a.len }),
+                FileOp::Checkpoint { name } => match &self.checkpoint {
+                    Some(f) => Ok(Out::Message(f(&name))),
+                    None => Err(Error::Io(std::io::Error::from_raw_os_error(libc::ENOSYS))),
+                },
+                FileOp::UnlockAll { ino, owner } => {
+                    let all = Lock { start: 0, end: u64::MAX, typ: libc::F_UNLCK, pid: 0 };
+                    return self.try_lock(session, ino, owner, all);
+                }
+            };
         out.map_err(|e| errno(&e))
     }
 

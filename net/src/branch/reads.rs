@@ -1,5 +1,5 @@
 //! A client mount reading file bytes without the owner: the owner says
-//! where a range's bytes are ([`Op::Locate`](crate::branch::owner::Op::Locate)),
+//! where a range's bytes are ([`FileOp::Locate`](crate::branch::owner::FileOp::Locate)),
 //! and the client reads the extents that lie in segments it can read
 //! itself (the bucket through its own chunk cache and the cache servers,
 //! or the folder that is the disk), checking every 4 KiB block against

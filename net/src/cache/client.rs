@@ -21,7 +21,7 @@
 //! comparing the two).
 
 use crate::wire::frames::ChunkAsk;
-use crate::wire::http::{CACHE_HEADER, CONNECTION_WINDOW, CRC_HEADER, MAX_FRAME, STREAM_WINDOW};
+use crate::wire::http::{connect, CACHE_HEADER, CRC_HEADER};
 use arbor_engine::chunks::{fnv1a, ChunkRequest, ChunkSource};
 use arbor_engine::format::SegId;
 use arbor_engine::source::Source;
@@ -30,7 +30,6 @@ use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2::SendRequest;
 use hyper::header::{HeaderValue, AUTHORIZATION};
 use hyper::{Request, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -428,26 +427,6 @@ impl Peer {
     }
 }
 
-/// An HTTP/2 connection to `addr`, with windows sized for 1 MiB bodies
-/// and pings that notice a peer gone silent (a partition, a dead host),
-/// driven by a task of its own; inside TLS when `tls` is given (connected
-/// and past the handshake within `timeout`).
-pub(crate) async fn connect(
-    addr: &str,
-    timeout: Duration,
-    tls: Option<&crate::wire::tls::ClientTls>,
-) -> Result<SendRequest<Full<Bytes>>, String> {
-    let attempt = async {
-        let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        let _ = stream.set_nodelay(true);
-        match tls {
-            Some(tls) => handshake(addr, tls.connect(addr, stream).await.map_err(|e| e.to_string())?).await,
-            None => handshake(addr, stream).await,
-        }
-    };
-    tokio::time::timeout(timeout, attempt).await.map_err(|_| "connect timed out".to_string())?
-}
-
 /// Whether the server at `addr` answers clear text with a TLS alert
 /// record (content type 21, version 3.x): a server that speaks TLS.
 async fn speaks_tls(addr: &str, timeout: Duration) -> bool {
@@ -460,31 +439,6 @@ async fn speaks_tls(addr: &str, timeout: Duration) -> bool {
         Ok::<_, std::io::Error>(head == [0x15, 0x03])
     };
     matches!(tokio::time::timeout(timeout, probe).await, Ok(Ok(true)))
-}
-
-/// HTTP/2 on `io`, a connection to `addr`.
-async fn handshake<I>(addr: &str, io: I) -> Result<SendRequest<Full<Bytes>>, String>
-where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let (send, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .timer(hyper_util::rt::TokioTimer::new())
-        .keep_alive_interval(Duration::from_secs(5))
-        .keep_alive_timeout(Duration::from_secs(10))
-        .keep_alive_while_idle(true)
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_frame_size(MAX_FRAME)
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(|e| e.to_string())?;
-    let addr = addr.to_string();
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(server = %addr, error = %e, "a connection ended");
-        }
-    });
-    Ok(send)
 }
 
 impl CacheClient {

@@ -5,7 +5,7 @@
 //! hello is read on the runtime, within [`HELLO_DEADLINE`] of the accept
 //! and in at most [`HELLO_MAX`](crate::wire::frames::HELLO_MAX) bytes, before
 //! anything is spawned for it: a thread of its own comes only with the
-//! token (see [`crate::server`]). On a server with TLS the handshake is
+//! token (see the listener, `server`). On a server with TLS the handshake is
 //! inside the same deadline: it starts at the accept and the hello must
 //! be read by the deadline too.
 //!

@@ -1,9 +1,15 @@
 //! The HTTP side of the wire: the headers a chunk's answer carries, the
 //! HTTP/2 windows both ends set, and the queries of the chunk and object
 //! routes (`/v1/chunks/…`, `/v1/objects/…`), written by the cache client
-//! and read by the server.
+//! and read by the server, and a client's HTTP/2 connection (`connect`:
+//! the cache client's, and a branch client's event polls).
 
 use arbor_engine::source::Source;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::time::Duration;
 
 /// The header a server says whether a chunk was already cached in.
 pub const CACHE_HEADER: &str = "x-arbor-cache";
@@ -73,6 +79,51 @@ pub(crate) fn object_query(src: &Source) -> String {
         .append_pair("size", &src.size.to_string())
         .extend_pairs(src.version.as_deref().map(|v| ("version", v)))
         .finish()
+}
+
+/// An HTTP/2 connection to `addr`, with windows sized for 1 MiB bodies
+/// and pings that notice a peer gone silent (a partition, a dead host),
+/// driven by a task of its own; inside TLS when `tls` is given (connected
+/// and past the handshake within `timeout`).
+pub(crate) async fn connect(
+    addr: &str,
+    timeout: Duration,
+    tls: Option<&crate::wire::tls::ClientTls>,
+) -> Result<SendRequest<Full<Bytes>>, String> {
+    let attempt = async {
+        let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        match tls {
+            Some(tls) => handshake(addr, tls.connect(addr, stream).await.map_err(|e| e.to_string())?).await,
+            None => handshake(addr, stream).await,
+        }
+    };
+    tokio::time::timeout(timeout, attempt).await.map_err(|_| "connect timed out".to_string())?
+}
+
+/// HTTP/2 on `io`, a connection to `addr`.
+async fn handshake<I>(addr: &str, io: I) -> Result<SendRequest<Full<Bytes>>, String>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (send, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = addr.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(server = %addr, error = %e, "a connection ended");
+        }
+    });
+    Ok(send)
 }
 
 #[cfg(test)]

@@ -1,13 +1,13 @@
 //! What both services put on the wire, and nothing of either: framed
-//! connections ([`frames`]: hello, chunk asks, and the envelopes of a
-//! branch's requests), the HTTP routes' headers, windows and queries
+//! connections ([`frames`]: the frame itself, hello, chunk asks; a
+//! branch's requests are any bincode type to it), the HTTP routes' headers, windows and queries
 //! ([`http`]), a connection's blocking stream, plain or TLS ([`stream`],
 //! [`tls`]), and the admission of connections before their hello
 //! ([`admission`]).
 //!
-//! One import still runs from here into a service: [`frames`] carries a
-//! branch's file operations (`branch::owner::Op`, `Reply`) in its request
-//! and answer frames.
+//! Nothing here imports a service: a branch's request and answer frames
+//! are the branch's own (`branch::frames`), built on [`frames`]'
+//! `write_frame`, `read_frame` and payloads.
 
 pub mod admission;
 pub mod frames;
