@@ -7,7 +7,6 @@ mod import;
 mod json;
 mod mount;
 mod mount_metrics;
-mod owner;
 mod prefetch;
 mod remote_mount;
 mod serve;
@@ -360,7 +359,7 @@ struct ServeCmd {
     /// For --branch: how long a stop (SIGTERM) waits for the bucket to take
     /// the branches' last bytes before the process exits anyway (non-zero,
     /// saying what is durable where).
-    #[arg(long, default_value_t = disk::Span(owner::STOP_WAIT))]
+    #[arg(long, default_value_t = disk::Span(arbor_node::owner::STOP_WAIT))]
     stop_timeout: disk::Span,
     /// For --branch on an s3:// disk: bucket (the default: a client's
     /// fsync returns once the bytes are in the bucket, so it survives the
@@ -561,18 +560,22 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(c) => {
             let memory = memory_only(&c.cache_dir);
             arbor_node::check_segment_size(c.segment_size.0)?;
-            let args = serve::ServeArgs {
+            let cache_dir = match c.cache_dir {
+                _ if memory => arbor_node::serve::CacheDir::Memory,
+                Some(dir) => arbor_node::serve::CacheDir::At(dir),
+                None => arbor_node::serve::CacheDir::Node,
+            };
+            let args = arbor_node::serve::ServeOptions {
                 disk: c.disk,
                 listen: c.listen,
                 cache_size: if memory { c.cache_memory.0 } else { c.cache_size.0 },
-                cache_dir: if memory { None } else { c.cache_dir },
-                memory,
+                cache_dir,
                 object_memory: c.object_memory.0,
-                token_file: c.token_file,
-                tls: c.tls.files()?,
+                auth: arbor_node::serve::ServerAuth { token_file: c.token_file, tls: c.tls.files()? },
                 fault: c.fault,
                 keep_for: Some(c.keep_for.0).filter(|d| !d.is_zero()),
-                owner: owner::OwnerArgs {
+                imported_prefixes: serve::imported_prefixes,
+                owner: arbor_node::owner::OwnOptions {
                     branches: c.branch,
                     advertise: c.advertise,
                     take_over: c.take_over,
@@ -585,7 +588,9 @@ fn run(cli: Cli) -> Result<()> {
                         allow_suid_devices: c.allow_suid_devices,
                         root_squash: !c.no_root_squash,
                     },
+                    checkpoint_reply: serve::checkpoint_reply,
                 },
+                on_step_down: std::sync::Arc::new(serve::exit_on_step_down),
             };
             if c.foreground {
                 serve::run_foreground(&args)?;

@@ -23,6 +23,9 @@ pub enum Error {
     Net(#[from] arbor_net::Error),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    /// A stop ran out of time before the bucket took a branch's last bytes.
+    #[error("{0}")]
+    NotClosed(crate::owner::Left),
     /// What was being done when `source` failed.
     #[error("{what}")]
     Context { what: String, source: Box<Error> },
@@ -33,6 +36,18 @@ impl Error {
     pub fn context(self, what: impl Into<String>) -> Error {
         Error::Context { what: what.into(), source: Box::new(self) }
     }
+}
+
+/// `e` and what caused it, as one line: "what: why: …".
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
 }
 
 /// [`Error::context`] on a result.

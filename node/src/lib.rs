@@ -30,19 +30,69 @@
 //! # }
 //! ```
 //!
+//! A node also serves ([`serve`]): the shared chunk cache of a disk for
+//! every node that mounts it, and the branches it owns ([`owner`]: their
+//! lease, the owner record in the bucket, the file operations of client
+//! mounts), until it is stopped:
+//!
+//! ```no_run
+//! use arbor_node::owner::{OwnOptions, STOP_WAIT};
+//! use arbor_node::serve::{self, CacheDir, ServeOptions, ServerAuth};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! # fn main() -> arbor_node::Result<()> {
+//! let opts = ServeOptions {
+//!     disk: "s3://my-bucket/disk1".into(),
+//!     listen: "0.0.0.0:7070".into(),
+//!     cache_dir: CacheDir::Node,
+//!     cache_size: arbor_engine::tier::CACHE_SIZE,
+//!     object_memory: 0,
+//!     auth: ServerAuth { token_file: Some("/etc/arbor/token".into()), tls: None },
+//!     fault: None,
+//!     keep_for: Some(Duration::from_secs(3600)),
+//!     imported_prefixes: |_store| Ok(Vec::new()),
+//!     owner: OwnOptions {
+//!         branches: vec!["main".into()],
+//!         advertise: None,
+//!         take_over: false,
+//!         lease_ttl: arbor_node::identity::LEASE_TTL,
+//!         lock_grace: arbor_net::branch::locks::LOCK_GRACE,
+//!         stop_timeout: STOP_WAIT,
+//!         durability: arbor_engine::tier::Durability::Bucket,
+//!         segment_size: arbor_engine::volume::SEGMENT_SIZE,
+//!         policy: arbor_net::Policy { allow_suid_devices: false, root_squash: true },
+//!         checkpoint_reply: |made| made.name.clone(),
+//!     },
+//!     // This process can no longer serve the branch: end it, so that a
+//!     // supervisor starts a new owner.
+//!     on_step_down: Arc::new(|_branch| std::process::exit(75)),
+//! };
+//! let server = serve::start(&opts)?; // owning main, serving on its own threads
+//! println!("serving on {}, clients told {}", server.addr(), server.advertised());
+//! // ... until the front end is told to stop:
+//! server.stop()?; // the last commits, waiting up to stop_timeout for the bucket
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Nothing here prints, exits the process or reads argv: a front end
-//! passes options in and gets a [`Result`] back.
+//! passes options in and gets a [`Result`] back. A FUSE mount's control
+//! socket (`arbor status`, `arbor unmount`, a checkpoint of a mounted
+//! branch) is the `arbor` command's own, beside its mount, not here.
 
 pub mod cache_client;
 pub mod disk;
 mod error;
 pub mod identity;
 mod open;
+pub mod owner;
+pub mod serve;
 pub mod through_owner;
 
 /// The transport-neutral file handle every front end mounts or serves.
 pub use arbor_engine::Files;
 
-pub use error::{Context, Error, Result};
+pub use error::{chain, Context, Error, Result};
 pub use open::{check_segment_size, open_branch, Local, Node, OpenOptions, Opened, Root, MEMORY_ONLY_BRANCH};
 pub use through_owner::OwnerOptions;
