@@ -51,11 +51,11 @@ impl Policy {
     }
 }
 
-/// Segment chunks in sparse files ([`super::ChunkCache`]).
+/// Segment chunks in sparse files (`ChunkCache`).
 pub const SEGMENT_CHUNKS: Policy = Policy { order: Order::LeastRecentlyUsed, trim_to_tenths: 9 };
 /// Imported objects' chunks on local disk ([`super::ChunkFiles`]).
 pub const OBJECT_FILES: Policy = Policy { order: Order::LeastRecentlyUsed, trim_to_tenths: 10 };
-/// Imported objects' chunks in memory ([`super::MemoryChunks`]).
+/// Imported objects' chunks in memory (`MemoryChunks`).
 pub const OBJECT_MEMORY: Policy = Policy { order: Order::FirstIn, trim_to_tenths: 10 };
 
 struct Entry<V> {
