@@ -14,6 +14,14 @@
 //!   one file each, kept across restarts.
 //! - `peers.rs`: [`ChunkSource`], chunks from cache servers (`arbor serve`)
 //!   or another cache of this process, asked before the bucket.
+//! - `fetch.rs`: fetches in flight (`InFlight`): each chunk
+//!   fetched at most once however many readers ask, its waiters woken
+//!   when it lands or fails (a failed fetch is claimed again by the next
+//!   reader), and read-ahead's runs of chunks, one GET each
+//!   (`runs`); used by the segment reader (`tier/remote`) and
+//!   `SourceReader` (`source`), which keep what a fetch is (a ranged GET
+//!   of a segment object checked against its footer, a conditional GET of
+//!   a source object checked against its ETag) and when to read ahead.
 //! - `policy.rs`: **the eviction policy of every cache here**, the one
 //!   place to change it: each cache keeps its chunks in a
 //!   [`policy::Ledger`], which ranks them and picks the victims as the
@@ -24,13 +32,13 @@
 //! `source`, `volume`): only the format, the error type, checksums and
 //! private files.
 //!
-//! Not here yet: fetching. Concurrent fetches of one chunk are still
-//! deduplicated, and read-ahead still run, by each reader: the segment
-//! reader's `inflight` claims and fetch workers (`tier/remote/segment.rs`,
-//! `tier/remote/prefetch.rs`), and `SourceReader`'s pending fetches
-//! (`source/mod.rs`).
+//! Not here: the read-ahead windows and the threads fetches run on
+//! (a segment reader's fetch workers in `tier/remote/prefetch.rs`, a
+//! source reader's thread per run in `source/mod.rs`), which still
+//! differ.
 
 mod cache;
+pub(crate) mod fetch;
 mod files;
 mod memory;
 mod peers;

@@ -26,6 +26,7 @@
 //! policy, live in [`crate::chunks`].
 
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
+use crate::chunks::fetch::{self, Claim, Fetch, InFlight};
 use crate::chunks::{ChunkFiles, ChunkSource, MemoryChunks};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
@@ -122,12 +123,11 @@ impl Chunk {
     }
 }
 
-/// A chunk's fetch: its waiters sleep on `cv` until `done` holds the result.
-#[derive(Default)]
-struct Pending {
-    done: Mutex<Option<std::result::Result<Chunk, Failed>>>,
-    cv: parking_lot::Condvar,
-}
+/// What a chunk's fetch tells its waiters.
+type Outcome = std::result::Result<Chunk, Failed>;
+
+/// A chunk's fetch in flight (`chunks::fetch`).
+type Pending = Fetch<Outcome>;
 
 /// A failed fetch, for every waiter.
 #[derive(Clone)]
@@ -225,15 +225,16 @@ impl std::fmt::Debug for SourceReader {
 struct Table {
     /// The chunks at hand.
     memory: MemoryChunks<ChunkId, Chunk>,
-    /// Fetches in flight.
-    pending: HashMap<ChunkId, Arc<Pending>>,
+    /// Fetches in flight, under the same lock as `memory`: a chunk is
+    /// at hand or on its way in one look.
+    pending: InFlight<ChunkId, Outcome>,
     /// Where the last read of each object ended, to see sequential readers.
     ends: HashMap<ObjectId, u64>,
 }
 
 impl Table {
     fn new(capacity: usize) -> Table {
-        Table { memory: MemoryChunks::new(capacity), pending: HashMap::new(), ends: HashMap::new() }
+        Table { memory: MemoryChunks::new(capacity), pending: InFlight::new(), ends: HashMap::new() }
     }
 }
 
@@ -368,20 +369,23 @@ impl SourceReader {
                     if needed {
                         have.push((i, b.clone()));
                     }
-                } else if let Some(p) = c.pending.get(&id) {
-                    if needed {
-                        wait.push((i, p.clone()));
+                } else if needed || c.pending.len() < IN_FLIGHT || c.pending.contains(&id) {
+                    match c.pending.join(id) {
+                        Claim::Theirs(p) => {
+                            if needed {
+                                wait.push((i, p));
+                            }
+                        }
+                        Claim::Mine(p) => {
+                            if needed {
+                                wait.push((i, p.clone()));
+                                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                                missed = true;
+                            }
+                            start.push((i, p));
+                            continue;
+                        }
                     }
-                } else if needed || c.pending.len() < IN_FLIGHT {
-                    let p = Arc::new(Pending::default());
-                    c.pending.insert(id, p.clone());
-                    if needed {
-                        wait.push((i, p.clone()));
-                        self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                        missed = true;
-                    }
-                    start.push((i, p));
-                    continue;
                 }
                 if needed {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -391,27 +395,12 @@ impl SourceReader {
         if !start.is_empty() {
             // Consecutive chunks go in one GET, up to RUN of them: fewer,
             // larger requests for a streaming reader.
-            let mut runs: Vec<Vec<(u64, Arc<Pending>)>> = Vec::new();
-            for (i, p) in start {
-                match runs.last_mut() {
-                    Some(run) if run.len() < RUN && run.last().is_some_and(|(j, _)| j + 1 == i) => run.push((i, p)),
-                    _ => runs.push(vec![(i, p)]),
-                }
-            }
-            for run in runs {
+            for run in fetch::runs(start, RUN, false) {
                 self.spawn_fetch(src.clone(), object.clone(), run);
             }
         }
         for (i, p) in wait {
-            let mut done = p.done.lock();
-            while done.is_none() {
-                p.cv.wait(&mut done);
-            }
-            match done.as_ref() {
-                Some(Ok(b)) => have.push((i, b.clone())),
-                Some(Err(f)) => return Err(f.clone().into()),
-                None => {}
-            }
+            have.push((i, p.wait()?));
         }
         Ok((have, missed))
     }
@@ -641,17 +630,16 @@ impl Counters {
 }
 
 /// Records a fetch's result: cached if it worked, then its waiters woken.
-fn finish(cache: &Mutex<Table>, object: &ObjectId, i: u64, p: &Pending, got: std::result::Result<Chunk, Failed>) {
+fn finish(cache: &Mutex<Table>, object: &ObjectId, i: u64, p: &Pending, got: Outcome) {
     {
         let mut c = cache.lock();
         let id = (object.clone(), i);
-        c.pending.remove(&id);
+        c.pending.finish(&id);
         if let Ok(b) = &got {
             c.memory.insert(id, b.clone());
         }
     }
-    *p.done.lock() = Some(got);
-    p.cv.notify_all();
+    p.done(got);
 }
 
 /// A failed conditional read: the object is not what was imported.

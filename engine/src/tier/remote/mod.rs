@@ -15,18 +15,20 @@
 //! Lock order (a thread holding one may take those after it, never before):
 //! `opening` → `chunks` eviction lock (`ChunkCache::exclusive`/`hold`) →
 //! `segs` → `inflight` → `queued` → the chunk index → `stream`, `absent`,
-//! `adopted`, `prefetch`.
+//! `adopted`, `prefetch`. A fetch's outcome (`chunks::fetch::Fetch`) is
+//! taken alone: its waiters wait on it with `inflight` released.
 
 mod prefetch;
 mod segment;
 
 use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
 use crate::bucket::ObjectStore;
+use crate::chunks::fetch::InFlight;
 use crate::chunks::{is_data, punch_hole, ChunkCache, ChunkRequest, ChunkSource};
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 use prefetch::Run;
 use segment::Backing;
 pub(crate) use segment::RemoteSeg;
@@ -119,8 +121,9 @@ pub(crate) struct Remote {
     parallel: usize,
     /// Which chunks are on local disk, and evicting them.
     chunks: ChunkCache<ChunkKey>,
-    inflight: Mutex<HashSet<ChunkKey>>,
-    landed: Condvar,
+    /// Chunk fetches in flight (`chunks::fetch`): a reader that finds its
+    /// chunk on its way waits for it, then reads it from the cache.
+    inflight: Mutex<InFlight<ChunkKey, ()>>,
     segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
     /// Read-ahead jobs for the fetch workers, started on first use.
     prefetch: Mutex<Option<crossbeam::channel::Sender<Run>>>,
@@ -175,8 +178,7 @@ impl Remote {
             read_ahead,
             parallel: parallel.max(1),
             chunks: ChunkCache::new(capacity),
-            inflight: Mutex::new(HashSet::new()),
-            landed: Condvar::new(),
+            inflight: Mutex::new(InFlight::new()),
             segs: RwLock::new(HashMap::new()),
             prefetch: Mutex::new(None),
             queued: Mutex::new(HashSet::new()),
@@ -252,6 +254,23 @@ impl Remote {
             peer_footers: self.peer_footers.load(Ordering::Relaxed),
             kept_footers: self.kept_footers.load(Ordering::Relaxed),
             bucket_footers: self.bucket_footers.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether chunk `key` is being fetched.
+    fn fetching(&self, key: ChunkKey) -> bool {
+        self.inflight.lock().contains(&key)
+    }
+
+    /// Ends the claims on `keys` (landed or not) and wakes their waiters,
+    /// who look in the cache again (and fetch a chunk that did not land).
+    fn release(&self, keys: impl IntoIterator<Item = ChunkKey>) {
+        let done: Vec<_> = {
+            let mut inflight = self.inflight.lock();
+            keys.into_iter().filter_map(|k| inflight.finish(&k)).collect()
+        };
+        for fetch in done {
+            fetch.done(());
         }
     }
 

@@ -5,6 +5,7 @@
 
 use super::segment::{Backing, RemoteSeg};
 use super::{ChunkKey, Remote, RUN_CHUNKS, SPILL_SEGMENTS};
+use crate::chunks::fetch;
 use crate::format::SegId;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ impl RemoteSeg {
             let mut inflight = r.inflight.lock();
             for i in first..first + count {
                 let key = (self.id, i as u32);
-                if !r.chunks.present(key) && inflight.insert(key) {
+                if !r.chunks.present(key) && inflight.claim(key).is_some() {
                     claimed.push(i);
                 }
             }
@@ -56,8 +57,7 @@ impl RemoteSeg {
             r.ask_peers_each(self.id, &self.footer, claimed, &mut |i, bytes| {
                 let key = (self.id, i as u32);
                 r.land(self, &[(key, bytes.as_slice(), self.footer.chunk_range(i).0)]);
-                r.inflight.lock().remove(&key);
-                r.landed.notify_all();
+                r.release([key]);
                 given.push(i);
             });
             let rest: Vec<usize> = claimed.iter().copied().filter(|i| !given.contains(i)).collect();
@@ -97,12 +97,7 @@ impl RemoteSeg {
             good.sort_by_key(|g| g.2);
             r.land(self, &good);
         }
-        let mut inflight = r.inflight.lock();
-        for &i in claimed {
-            inflight.remove(&(self.id, i as u32));
-        }
-        drop(inflight);
-        r.landed.notify_all();
+        r.release(claimed.iter().map(|&i| (self.id, i as u32)));
     }
 
     /// Keeps the `read_ahead` bytes after `end` coming: every chunk there
@@ -189,7 +184,7 @@ impl Remote {
         if first >= last {
             return;
         }
-        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut wanted: Vec<(u64, ())> = Vec::new();
         {
             let inflight = self.inflight.lock();
             let mut queued = self.queued.lock();
@@ -198,14 +193,11 @@ impl Remote {
                 if self.chunks.present(key) || inflight.contains(&key) || !queued.insert(key) {
                     continue;
                 }
-                match runs.last_mut() {
-                    Some((s, n)) if *s + *n == i && i % RUN_CHUNKS != 0 => *n += 1,
-                    _ => runs.push((i, 1)),
-                }
+                wanted.push((i as u64, ()));
             }
         }
-        for (first, count) in runs {
-            self.enqueue(Run { seg: seg.clone(), first, count });
+        for run in fetch::runs(wanted, RUN_CHUNKS, true) {
+            self.enqueue(Run { seg: seg.clone(), first: run[0].0 as usize, count: run.len() });
         }
     }
 

@@ -3,11 +3,12 @@
 //! through the chunk cache.
 
 use super::{Remote, GET_TRIES, PART_MAX, RUN_CHUNKS};
+use crate::chunks::fetch::Claim;
 use crate::device::{Checked, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::SegId;
 use crate::tier::object::Footer;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -79,17 +80,19 @@ impl RemoteSeg {
                 if r.chunks.present(key) {
                     return Ok(None);
                 }
-                if inflight.insert(key) {
-                    break;
+                match inflight.join(key) {
+                    Claim::Mine(_) => break,
+                    Claim::Theirs(theirs) => {
+                        MutexGuard::unlocked(&mut inflight, || theirs.wait_for(Duration::from_millis(100)));
+                    }
                 }
-                r.landed.wait_for(&mut inflight, Duration::from_millis(100));
             }
             // A reader that caught up with read-ahead takes the chunks
             // queued right after its own, for one larger GET.
             let mut queued = r.queued.lock();
             while run < RUN_CHUNKS && i + run < self.footer.crcs.len() {
                 let next = (self.id, (i + run) as u32);
-                if !queued.contains(&next) || r.chunks.present(next) || !inflight.insert(next) {
+                if !queued.contains(&next) || r.chunks.present(next) || inflight.claim(next).is_none() {
                     break;
                 }
                 queued.remove(&next);
@@ -127,8 +130,7 @@ impl RemoteSeg {
             Ok(bytes) if !local => r.land(self, &[(key, bytes, self.footer.chunk_range(i).0)]),
             _ => {}
         }
-        r.inflight.lock().remove(&key);
-        r.landed.notify_all();
+        r.release([key]);
         res.map(Some)
     }
 
@@ -211,7 +213,7 @@ impl RemoteSeg {
         } else {
             off
         };
-        if r.chunks.present(key) || r.inflight.lock().contains(&key) || r.queued.lock().contains(&key) {
+        if r.chunks.present(key) || r.fetching(key) || r.queued.lock().contains(&key) {
             return false;
         }
         let cstart = self.footer.chunk_range(i).0;
