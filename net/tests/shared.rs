@@ -1536,7 +1536,7 @@ fn a_lock_sent_again_under_a_new_session_is_not_answered_from_the_old_one() {
 
 /// A relay to `upstream` that, while `hold` is set, keeps what a client
 /// sends next, cuts the client off, and passes the kept bytes on (with the
-/// connection's end right behind them) only if `release` is set: a request
+/// connection's end in the same segment) only if `release` is set: a request
 /// that reaches the owner after the client gave it up, as from an owner
 /// paused with the request in its socket buffer, or (never released) a
 /// partition that takes a request and answers nothing. Connections made
@@ -1569,6 +1569,22 @@ fn holding_relay(
                         // Bounded: 30 s for the test to release.
                         for _ in 0..3000 {
                             if r.load(SeqCst) {
+                                // Corked, the kept bytes go out with the
+                                // connection's end in one segment: the owner
+                                // finds both at once, as an owner paused with
+                                // the request in its socket buffer does.
+                                use std::os::fd::AsRawFd;
+                                let on: libc::c_int = 1;
+                                // SAFETY: a socket option on a socket we own.
+                                unsafe {
+                                    libc::setsockopt(
+                                        up_w.as_raw_fd(),
+                                        libc::IPPROTO_TCP,
+                                        libc::TCP_CORK,
+                                        (&on as *const libc::c_int).cast(),
+                                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                                    )
+                                };
                                 let _ = up_w.write_all(&buf[..n]);
                                 break;
                             }
