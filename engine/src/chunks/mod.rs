@@ -10,7 +10,7 @@
 //!   on eviction, and the lock that keeps a reader's pread and a punch
 //!   apart; used by the bucket tier's segment reader (`tier/remote`).
 //! - `memory.rs`: `MemoryChunks`, imported objects' chunks in memory.
-//! - `files.rs`: [`ChunkFiles`], imported objects' chunks on local disk,
+//! - `object_files.rs`: [`ChunkFiles`], imported objects' chunks on local disk,
 //!   one file each, kept across restarts.
 //! - `peers.rs`: [`ChunkSource`], chunks from cache servers (`arbor serve`)
 //!   or another cache of this process, asked before the bucket.
@@ -39,14 +39,14 @@
 
 mod cache;
 pub(crate) mod fetch;
-mod files;
 mod memory;
+mod object_files;
 mod peers;
 pub mod policy;
 
 pub(crate) use cache::{is_data, punch_hole, ChunkCache};
-pub use files::{ChunkFiles, ChunkFilesStats, FileChunk, Others};
 pub(crate) use memory::MemoryChunks;
+pub use object_files::{ChunkFiles, ChunkFilesStats, FileChunk, Others};
 pub use peers::{ChunkRequest, ChunkSource, LateSources};
 
 /// FNV-1a, 64 bits: how chunk files are named and cache servers weighed
