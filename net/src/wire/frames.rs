@@ -409,6 +409,33 @@ pub fn keep_alive(stream: &std::net::TcpStream) {
     set_int(stream, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
 }
 
+/// 20,000 frames of garbage from a fixed xorshift stream, each given to
+/// `each`: announced lengths from tiny to past the limits, bodies of noise
+/// (some starting with a valid variant), and bytes after them. What the
+/// tests of every room's frame readers feed them.
+#[cfg(test)]
+pub(crate) fn garbage_frames(mut each: impl FnMut(&[u8])) {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for round in 0..20_000 {
+        let body_len = (next() % 64) as usize;
+        let announced = match round % 4 {
+            0 => body_len as u32,
+            1 => next() as u32,
+            _ => (body_len as u32).saturating_add((next() % 3) as u32),
+        };
+        let mut wire = announced.to_le_bytes().to_vec();
+        wire.extend((0..body_len).map(|_| next() as u8));
+        wire.extend((0..(next() % 16)).map(|_| next() as u8));
+        each(&wire);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -488,31 +515,13 @@ mod tests {
 
     #[test]
     fn garbage_is_refused_by_every_reader_without_a_panic() {
-        // A fixed xorshift stream: lengths from tiny to past the limits,
-        // and bodies of noise, some starting with a valid variant.
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
         let (mut rbuf, mut buf) = (Vec::new(), Vec::new());
-        for round in 0..20_000 {
-            let body_len = (next() % 64) as usize;
-            let announced = match round % 4 {
-                0 => body_len as u32,
-                1 => next() as u32,
-                _ => (body_len as u32).saturating_add((next() % 3) as u32),
-            };
-            let mut wire = announced.to_le_bytes().to_vec();
-            wire.extend((0..body_len).map(|_| next() as u8));
-            wire.extend((0..(next() % 16)).map(|_| next() as u8));
+        garbage_frames(|wire| {
             let _ = read_chunk_answer(&mut &wire[..], &mut buf);
             let _ = read_frame::<ChunkAsk>(&mut &wire[..], &mut rbuf);
             let _ = read_frame::<Welcome>(&mut &wire[..], &mut rbuf);
             let _ = decode_hello(&wire[4..]);
             assert!(rbuf.capacity() <= RESERVED_AHEAD.max(64 + 4), "{} bytes held", rbuf.capacity());
-        }
+        });
     }
 }
