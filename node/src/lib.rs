@@ -87,6 +87,7 @@ mod error;
 pub mod identity;
 mod open;
 pub mod owner;
+pub mod owner_files;
 pub mod serve;
 pub mod through_owner;
 

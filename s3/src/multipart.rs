@@ -1,0 +1,1 @@
+//! Multipart uploads (not yet).
