@@ -441,7 +441,6 @@ impl Arbor {
     /// Writes a body to a temporary file and places it at `key`: the
     /// shared part of PutObject and CopyObject.
     async fn finish_put(
-        &self,
         tree: &Tree,
         key: &Key,
         shown: &str,
@@ -692,7 +691,7 @@ impl S3 for Arbor {
             i.cache_control,
             i.metadata,
         );
-        self.finish_put(&tree, &key, &i.key, r, md5.clone(), meta, no_replace).await?;
+        Self::finish_put(&tree, &key, &i.key, r, md5.clone(), meta, no_replace).await?;
         Ok(S3Response::new(PutObjectOutput {
             e_tag: Some(ETag::Strong(md5)),
             checksum_crc32: sums.checksum_crc32,

@@ -172,6 +172,9 @@ impl Meta {
     }
 }
 
+/// Folders from the root, each `(parent, name, inode)`.
+type Chain = Vec<(u64, Vec<u8>, u64)>;
+
 /// The root of one bucket.
 #[derive(Clone)]
 pub struct Tree {
@@ -199,7 +202,7 @@ impl Tree {
 
     /// The folders of `segs` from the root, each `(parent, name, ino)`;
     /// `None` if one is missing or not a folder.
-    fn folders(&self, segs: &[Vec<u8>]) -> S3Result<Option<Vec<(u64, Vec<u8>, u64)>>> {
+    fn folders(&self, segs: &[Vec<u8>]) -> S3Result<Option<Chain>> {
         let mut chain = Vec::with_capacity(segs.len());
         let mut at = ROOT_INO;
         for s in segs {
