@@ -1,6 +1,7 @@
 //! The S3 operations over the roots of one `arbor serve`.
 
 use crate::list::{self, Entry};
+use crate::multipart;
 use crate::names::{self, Bucket as Named};
 use crate::store::{self, parse_key, s3_err, Key, Meta, Tree, IO_SIZE};
 use arbor_engine::files::Files;
@@ -465,6 +466,85 @@ impl Arbor {
     }
 }
 
+/// The source of a copy: its tree and key.
+fn copy_source(cs: &CopySource) -> S3Result<(String, String)> {
+    match cs {
+        CopySource::Bucket { bucket, key, .. } => Ok((bucket.to_string(), key.to_string())),
+        _ => Err(s3_error!(NotImplemented, "copies from access points are not served")),
+    }
+}
+
+/// `bytes=A-B` of a CopySourceRange, inclusive, within `size`.
+fn copy_range(r: Option<&str>, size: u64) -> S3Result<(u64, u64)> {
+    let Some(r) = r else { return Ok((0, size)) };
+    let bad = || s3_error!(InvalidArgument, "x-amz-copy-source-range is bytes=FIRST-LAST");
+    let (a, b) = r.strip_prefix("bytes=").and_then(|r| r.split_once('-')).ok_or_else(bad)?;
+    let a: u64 = a.parse().map_err(|_| bad())?;
+    let b: u64 = b.parse().map_err(|_| bad())?;
+    if a > b || b >= size {
+        return Err(s3_error!(InvalidRange));
+    }
+    Ok((a, b + 1))
+}
+
+/// The conditions of a copy's source: a failed one is 412 (never 304).
+fn check_copy_conditions(
+    etag: &str,
+    modified: SystemTime,
+    if_match: Option<&ETagCondition>,
+    if_none_match: Option<&ETagCondition>,
+    if_modified_since: Option<&Timestamp>,
+    if_unmodified_since: Option<&Timestamp>,
+) -> S3Result<()> {
+    match check_conditions(etag, modified, if_match, if_none_match, if_modified_since, if_unmodified_since) {
+        Err(e) if *e.code() == S3ErrorCode::NotModified => Err(s3_error!(PreconditionFailed)),
+        r => r,
+    }
+}
+
+/// What a copy read from its source.
+struct Copied {
+    temp: (u64, Vec<u8>, u64),
+    md5: [u8; 16],
+    meta: Meta,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn copy_into_temp(
+    src: Tree,
+    key: Key,
+    dst: Tree,
+    range: Option<String>,
+    if_match: Option<ETagCondition>,
+    if_none_match: Option<ETagCondition>,
+    if_modified_since: Option<Timestamp>,
+    if_unmodified_since: Option<Timestamp>,
+) -> S3Result<Copied> {
+    blocking(move || {
+        let p = src.stat(&key)?.ok_or_else(|| s3_error!(NoSuchKey))?;
+        let etag = src.etag(&p.attr);
+        check_copy_conditions(
+            &etag,
+            store::mtime(&p.attr),
+            if_match.as_ref(),
+            if_none_match.as_ref(),
+            if_modified_since.as_ref(),
+            if_unmodified_since.as_ref(),
+        )?;
+        let meta = src.meta(p.attr.ino);
+        let size = if key.folder { 0 } else { p.attr.size };
+        let (start, end) = copy_range(range.as_deref(), size)?;
+        let a = if key.folder { p.attr } else { src.files.open(p.attr.ino).map_err(|e| s3_err(e, "open"))? };
+        let copied = dst.copy_to_temp(&*src.files, a.ino, start, end);
+        if !key.folder {
+            let _ = src.files.release(a.ino);
+        }
+        let (dir, name, ino, md5) = copied?;
+        Ok(Copied { temp: (dir, name, ino), md5, meta })
+    })
+    .await
+}
+
 #[async_trait::async_trait]
 impl S3 for Arbor {
     async fn list_buckets(&self, _req: S3Request<ListBucketsInput>) -> S3Result<S3Response<ListBucketsOutput>> {
@@ -840,6 +920,319 @@ impl S3 for Arbor {
             next_continuation_token: next_token,
             contents: (!contents.is_empty()).then_some(contents),
             common_prefixes: (!prefixes.is_empty()).then_some(prefixes),
+            ..Default::default()
+        }))
+    }
+
+    async fn copy_object(&self, req: S3Request<CopyObjectInput>) -> S3Result<S3Response<CopyObjectOutput>> {
+        let i = req.input;
+        let dst = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        let (src_bucket, src_key) = copy_source(&i.copy_source)?;
+        let src = self.tree(&src_bucket, false).await?;
+        let skey = parse_key(&src_key)?;
+        if key.folder {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidArgument,
+                "a folder marker holds no bytes to copy to",
+            ));
+        }
+        let c = copy_into_temp(
+            src,
+            skey,
+            dst.clone(),
+            None,
+            i.copy_source_if_match,
+            i.copy_source_if_none_match,
+            i.copy_source_if_modified_since,
+            i.copy_source_if_unmodified_since,
+        )
+        .await?;
+        let replace = i.metadata_directive.as_ref().is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
+        let meta = if replace {
+            meta_of(
+                i.content_type,
+                i.content_encoding,
+                i.content_disposition,
+                i.content_language,
+                i.cache_control,
+                i.metadata,
+            )
+        } else {
+            c.meta
+        };
+        let md5 = store::hex(&c.md5);
+        let (dir, name, ino) = c.temp;
+        let temp = Temp { tree: dst.clone(), dir, name, ino, placed: false };
+        let r = Received { temp, size: 0, md5: c.md5, sums: Default::default() };
+        let a = Self::finish_put(&dst, &key, &i.key, r, md5.clone(), meta, false).await?;
+        Ok(S3Response::new(CopyObjectOutput {
+            copy_object_result: Some(CopyObjectResult {
+                e_tag: Some(ETag::Strong(md5)),
+                last_modified: Some(ts(store::mtime(&a))),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn create_multipart_upload(
+        &self,
+        req: S3Request<CreateMultipartUploadInput>,
+    ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        multipart::check_target(&key, &i.key)?;
+        let meta = meta_of(
+            i.content_type,
+            i.content_encoding,
+            i.content_disposition,
+            i.content_language,
+            i.cache_control,
+            i.metadata,
+        );
+        let k = i.key.clone();
+        let id = blocking(move || tree.create_upload(&k, meta)).await?;
+        Ok(S3Response::new(CreateMultipartUploadOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            upload_id: Some(id),
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part(&self, req: S3Request<UploadPartInput>) -> S3Result<S3Response<UploadPartOutput>> {
+        let trailer = req.headers.get("x-amz-trailer").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let trailers = req.trailing_headers;
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        multipart::check_part_number(i.part_number)?;
+        let (t, id, k) = (tree.clone(), i.upload_id.clone(), i.key.clone());
+        let (dir, _) = blocking(move || t.upload(&id, Some(&k))).await?;
+        let given = [
+            i.checksum_crc32.is_some(),
+            i.checksum_crc32c.is_some(),
+            i.checksum_sha1.is_some(),
+            i.checksum_sha256.is_some(),
+            i.checksum_crc64nvme.is_some(),
+        ];
+        let sums = hasher(i.checksum_algorithm.as_ref(), given, trailer.as_deref())?;
+        let mut claimed = Claimed {
+            crc32: i.checksum_crc32,
+            crc32c: i.checksum_crc32c,
+            sha1: i.checksum_sha1,
+            sha256: i.checksum_sha256,
+            crc64nvme: i.checksum_crc64nvme,
+        };
+        let r = receive(&tree, i.body, sums).await?;
+        if let Some(len) = i.content_length {
+            if len >= 0 && len as u64 != r.size {
+                return Err(s3_error!(IncompleteBody, "the body is not Content-Length long"));
+            }
+        }
+        let md5 = store::hex(&r.md5);
+        if let Some(content_md5) = &i.content_md5 {
+            let sent = base64_simd::STANDARD.decode_to_vec(content_md5).map_err(|_| s3_error!(InvalidDigest))?;
+            if store::hex(&sent) != md5 {
+                return Err(s3_error!(BadDigest, "the body's MD5 is not its Content-MD5"));
+            }
+        }
+        claimed.add_trailers(trailers.as_ref())?;
+        let sums = claimed.check(r.sums.clone())?;
+        let mut temp = r.temp;
+        let (t, e, n) = (tree.clone(), md5.clone(), i.part_number);
+        let (tmp, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
+        blocking(move || {
+            t.label(ino, &e, &Meta::default())?;
+            t.place_part(tmp, &name, ino, dir, n)
+        })
+        .await?;
+        temp.placed = true;
+        Ok(S3Response::new(UploadPartOutput {
+            e_tag: Some(ETag::Strong(md5)),
+            checksum_crc32: sums.checksum_crc32,
+            checksum_crc32c: sums.checksum_crc32c,
+            checksum_sha1: sums.checksum_sha1,
+            checksum_sha256: sums.checksum_sha256,
+            checksum_crc64nvme: sums.checksum_crc64nvme,
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part_copy(
+        &self,
+        req: S3Request<UploadPartCopyInput>,
+    ) -> S3Result<S3Response<UploadPartCopyOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        multipart::check_part_number(i.part_number)?;
+        let (t, id, k) = (tree.clone(), i.upload_id.clone(), i.key.clone());
+        let (dir, _) = blocking(move || t.upload(&id, Some(&k))).await?;
+        let (src_bucket, src_key) = copy_source(&i.copy_source)?;
+        let src = self.tree(&src_bucket, false).await?;
+        let skey = parse_key(&src_key)?;
+        let c = copy_into_temp(
+            src,
+            skey,
+            tree.clone(),
+            i.copy_source_range,
+            i.copy_source_if_match,
+            i.copy_source_if_none_match,
+            i.copy_source_if_modified_since,
+            i.copy_source_if_unmodified_since,
+        )
+        .await?;
+        let md5 = store::hex(&c.md5);
+        let (tmp, name, ino) = c.temp;
+        let mut temp = Temp { tree: tree.clone(), dir: tmp, name: name.clone(), ino, placed: false };
+        let (t, e, n) = (tree.clone(), md5.clone(), i.part_number);
+        let a = blocking(move || {
+            let a = t.label(ino, &e, &Meta::default())?;
+            t.place_part(tmp, &name, ino, dir, n)?;
+            Ok(a)
+        })
+        .await?;
+        temp.placed = true;
+        Ok(S3Response::new(UploadPartCopyOutput {
+            copy_part_result: Some(CopyPartResult {
+                e_tag: Some(ETag::Strong(md5)),
+                last_modified: Some(ts(store::mtime(&a))),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn complete_multipart_upload(
+        &self,
+        req: S3Request<CompleteMultipartUploadInput>,
+    ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        let mut asked = Vec::new();
+        for p in i.multipart_upload.and_then(|m| m.parts).unwrap_or_default() {
+            let n = p.part_number.ok_or_else(|| s3_error!(InvalidPart, "a part without its number"))?;
+            let etag = p
+                .e_tag
+                .map(|e| e.value().to_string())
+                .ok_or_else(|| s3_error!(InvalidPart, "a part without its ETag"))?;
+            asked.push((n, etag));
+        }
+        if let Some(cond) = &i.if_match {
+            match Self::stat(&tree, &key).await? {
+                Some((_, etag)) if matches(cond, &etag) => {}
+                _ => return Err(s3_error!(PreconditionFailed)),
+            }
+        }
+        if i.if_none_match.as_ref().is_some_and(ETagCondition::is_any) && Self::stat(&tree, &key).await?.is_some() {
+            return Err(s3_error!(PreconditionFailed));
+        }
+        let (t, id, k, shown) = (tree.clone(), i.upload_id.clone(), key.clone(), i.key.clone());
+        let (etag, _) = blocking(move || t.complete_upload(&id, &k, &shown, &asked)).await?;
+        Ok(S3Response::new(CompleteMultipartUploadOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            e_tag: Some(ETag::Strong(etag)),
+            ..Default::default()
+        }))
+    }
+
+    async fn abort_multipart_upload(
+        &self,
+        req: S3Request<AbortMultipartUploadInput>,
+    ) -> S3Result<S3Response<AbortMultipartUploadOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let (id, k) = (i.upload_id.clone(), i.key.clone());
+        blocking(move || {
+            tree.upload(&id, Some(&k))?;
+            tree.abort_upload(&id)
+        })
+        .await?;
+        Ok(S3Response::new(AbortMultipartUploadOutput::default()))
+    }
+
+    async fn list_parts(&self, req: S3Request<ListPartsInput>) -> S3Result<S3Response<ListPartsOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let (id, k) = (i.upload_id.clone(), i.key.clone());
+        let marker = i.part_number_marker.unwrap_or(0);
+        let max = i.max_parts.unwrap_or(1000).clamp(1, 1000) as usize;
+        let (parts, truncated) = blocking(move || {
+            let (dir, _) = tree.upload(&id, Some(&k))?;
+            let all: Vec<_> = tree.parts(dir)?.into_iter().filter(|p| p.number > marker).collect();
+            let truncated = all.len() > max;
+            Ok((all.into_iter().take(max).collect::<Vec<_>>(), truncated))
+        })
+        .await?;
+        let next = if truncated { parts.last().map(|p| p.number) } else { None };
+        let parts: Vec<Part> = parts
+            .into_iter()
+            .map(|p| Part {
+                part_number: Some(p.number),
+                e_tag: Some(ETag::Strong(p.etag)),
+                size: Some(p.attr.size as i64),
+                last_modified: Some(ts(store::mtime(&p.attr))),
+                ..Default::default()
+            })
+            .collect();
+        Ok(S3Response::new(ListPartsOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            upload_id: Some(i.upload_id),
+            is_truncated: Some(truncated),
+            next_part_number_marker: next,
+            max_parts: Some(max as i32),
+            part_number_marker: i.part_number_marker,
+            parts: Some(parts),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_multipart_uploads(
+        &self,
+        req: S3Request<ListMultipartUploadsInput>,
+    ) -> S3Result<S3Response<ListMultipartUploadsOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let prefix = i.prefix.clone().unwrap_or_default();
+        let mut uploads = blocking(move || tree.uploads()).await?;
+        uploads.retain(|(_, u)| u.key.starts_with(&prefix));
+        if let Some(m) = &i.key_marker {
+            uploads.retain(|(id, u)| {
+                u.key.as_str() > m.as_str()
+                    || (u.key == *m && i.upload_id_marker.as_ref().is_some_and(|im| id.as_str() > im.as_str()))
+            });
+        }
+        uploads.sort_by(|a, b| (&a.1.key, a.1.initiated, &a.0).cmp(&(&b.1.key, b.1.initiated, &b.0)));
+        let max = i.max_uploads.unwrap_or(1000).clamp(1, 1000) as usize;
+        let truncated = uploads.len() > max;
+        uploads.truncate(max);
+        let (next_key, next_id) = match (truncated, uploads.last()) {
+            (true, Some((id, u))) => (Some(u.key.clone()), Some(id.clone())),
+            _ => (None, None),
+        };
+        let list: Vec<MultipartUpload> = uploads
+            .into_iter()
+            .map(|(id, u)| MultipartUpload {
+                key: Some(u.key),
+                upload_id: Some(id),
+                initiated: Some(ts(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(u.initiated))),
+                ..Default::default()
+            })
+            .collect();
+        Ok(S3Response::new(ListMultipartUploadsOutput {
+            bucket: Some(i.bucket),
+            prefix: i.prefix,
+            key_marker: i.key_marker,
+            upload_id_marker: i.upload_id_marker,
+            max_uploads: Some(max as i32),
+            is_truncated: Some(truncated),
+            next_key_marker: next_key,
+            next_upload_id_marker: next_id,
+            uploads: Some(list),
             ..Default::default()
         }))
     }

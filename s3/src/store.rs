@@ -469,19 +469,39 @@ impl Tree {
         self.files.fsync(ROOT_INO).map_err(|e| s3_err(e, "fsync"))
     }
 
-    /// Copies `len` bytes of file `from` to file `to` at `at`, feeding
-    /// `md5`; gives the bytes copied.
-    pub fn copy_bytes(&self, from: &dyn Files, src: u64, to: u64, at: u64, md5: &mut Md5) -> S3Result<u64> {
-        let mut buf = vec![0u8; IO_SIZE];
-        let mut off = 0u64;
-        loop {
-            let n = from.read_into(src, off, &mut buf).map_err(|e| s3_err(e, "read"))?;
-            if n == 0 {
-                return Ok(off);
+    /// Copies bytes `start..end` of file `src` of `from` (held open) to
+    /// a new temporary file of this tree: (folder, name, inode, MD5). The
+    /// engine has no extent clone: the bytes are read and written.
+    pub fn copy_to_temp(
+        &self,
+        from: &dyn Files,
+        src: u64,
+        start: u64,
+        end: u64,
+    ) -> S3Result<(u64, Vec<u8>, u64, [u8; 16])> {
+        let (dir, name, ino) = self.temp_file()?;
+        let mut md5 = Md5::new();
+        let copied = (|| {
+            let mut buf = vec![0u8; IO_SIZE];
+            let mut off = start;
+            while off < end {
+                let want = ((end - off) as usize).min(IO_SIZE);
+                let n = from.read_into(src, off, &mut buf[..want]).map_err(|e| s3_err(e, "read"))?;
+                if n == 0 {
+                    return Err(s3_error!(InternalError, "the source shrank under the copy"));
+                }
+                md5.update(&buf[..n]);
+                self.files.write(ino, off - start, &buf[..n]).map_err(|e| s3_err(e, "write"))?;
+                off += n as u64;
             }
-            md5.update(&buf[..n]);
-            self.files.write(to, at + off, &buf[..n]).map_err(|e| s3_err(e, "write"))?;
-            off += n as u64;
+            Ok(())
+        })();
+        match copied {
+            Ok(()) => Ok((dir, name, ino, md5.finalize())),
+            Err(e) => {
+                self.drop_temp(dir, &name);
+                Err(e)
+            }
         }
     }
 }

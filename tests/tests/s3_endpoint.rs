@@ -52,6 +52,141 @@ fn md5_hex(data: &[u8]) -> String {
     String::from_utf8(out.stdout).expect("utf8").trim().to_string()
 }
 
+/// The ETag S3 gives an object of `parts`: the MD5 of their MD5s, and
+/// their count.
+fn multipart_etag(parts: &[&[u8]]) -> String {
+    let md5s: Vec<String> = parts.iter().map(|p| md5_hex(p)).collect();
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import hashlib,sys; print(hashlib.md5(bytes.fromhex(''.join(sys.argv[1:]))).hexdigest())"])
+        .args(&md5s)
+        .output()
+        .expect("python3");
+    format!("\"{}-{}\"", String::from_utf8(out.stdout).expect("utf8").trim(), parts.len())
+}
+
+async fn upload_part(c: &Client, key: &str, id: &str, n: i32, body: &[u8]) -> String {
+    let r = c.upload_part().bucket("main").key(key).upload_id(id).part_number(n);
+    let r = r.body(ByteStream::from(body.to_vec())).send().await.expect("upload part");
+    r.e_tag().expect("etag").to_string()
+}
+
+fn completed(parts: &[(i32, &str)]) -> aws_sdk_s3::types::CompletedMultipartUpload {
+    let parts = parts
+        .iter()
+        .map(|(n, e)| aws_sdk_s3::types::CompletedPart::builder().part_number(*n).e_tag(*e).build())
+        .collect();
+    aws_sdk_s3::types::CompletedMultipartUpload::builder().set_parts(Some(parts)).build()
+}
+
+/// Multipart uploads, copies and batch deletes.
+async fn multipart_copy_and_batch_delete(c: &Client, big: &[u8], big_etag: &str) {
+    let key = "mp/big.bin";
+    let up = c.create_multipart_upload().bucket("main").key(key).content_type("application/x-test").send().await;
+    let id = up.expect("create upload").upload_id().expect("id").to_string();
+    let p1 = pattern(5 << 20, 1);
+    let p2 = pattern((5 << 20) + 7, 2);
+    let p3 = pattern(100_003, 3);
+    // Out of order, and part 2 sent twice (the second one counts).
+    upload_part(c, key, &id, 2, &p3).await;
+    let e2 = &upload_part(c, key, &id, 2, &p2).await;
+    let e3 = upload_part(c, key, &id, 3, &p3).await;
+    let e1 = upload_part(c, key, &id, 1, &p1).await;
+    assert_eq!(e1, format!("\"{}\"", md5_hex(&p1)));
+    let parts = c.list_parts().bucket("main").key(key).upload_id(&id).send().await.expect("list parts");
+    let listed: Vec<(i32, i64)> =
+        parts.parts().iter().map(|p| (p.part_number().unwrap_or(0), p.size().unwrap_or(0))).collect();
+    assert_eq!(listed, [(1, p1.len() as i64), (2, p2.len() as i64), (3, p3.len() as i64)]);
+    let uploads = c.list_multipart_uploads().bucket("main").send().await.expect("list uploads");
+    let ids: Vec<&str> = uploads.uploads().iter().filter_map(|u| u.upload_id()).collect();
+    assert_eq!(ids, [id.as_str()]);
+    // Not an object before it is completed, nor listed.
+    let before = c.head_object().bucket("main").key(key).send().await;
+    assert_eq!(failure(before.expect_err("not yet")).0, 404);
+    let r = c.list_objects_v2().bucket("main").prefix("mp").send().await.expect("list");
+    assert_eq!(r.key_count(), Some(0));
+    // A wrong ETag, and a small part before the last, are refused.
+    let bad = c.complete_multipart_upload().bucket("main").key(key).upload_id(&id);
+    let bad = bad.multipart_upload(completed(&[(1, &e1), (2, "\"00\""), (3, &e3)])).send().await;
+    assert_eq!(failure(bad.expect_err("wrong etag")), (400, "InvalidPart".to_string()));
+    let small = c.complete_multipart_upload().bucket("main").key(key).upload_id(&id);
+    let small = small.multipart_upload(completed(&[(3, &e3), (4, &e3)])).send().await;
+    assert_eq!(failure(small.expect_err("unknown part")).0, 400);
+    let small = c.complete_multipart_upload().bucket("main").key(key).upload_id(&id);
+    let small = small.multipart_upload(completed(&[(1, &e1), (3, &e3), (2, e2)])).send().await;
+    assert_eq!(failure(small.expect_err("out of order")).0, 400);
+    let done = c.complete_multipart_upload().bucket("main").key(key).upload_id(&id);
+    let done = done.multipart_upload(completed(&[(1, &e1), (2, e2), (3, &e3)])).send().await.expect("complete");
+    let want_etag = multipart_etag(&[&p1, &p2, &p3]);
+    assert_eq!(done.e_tag(), Some(want_etag.as_str()));
+    let got = c.get_object().bucket("main").key(key).send().await.expect("get");
+    assert_eq!(got.e_tag(), Some(want_etag.as_str()));
+    assert_eq!(got.content_type(), Some("application/x-test"));
+    let whole = [p1.as_slice(), &p2, &p3].concat();
+    assert!(got.body.collect().await.expect("body").into_bytes()[..] == whole[..]);
+    let uploads = c.list_multipart_uploads().bucket("main").send().await.expect("list uploads");
+    assert!(uploads.uploads().is_empty(), "a completed upload is gone");
+
+    // Aborted: gone, and its parts refused.
+    let up = c.create_multipart_upload().bucket("main").key("mp/aborted").send().await.expect("create upload");
+    let id = up.upload_id().expect("id").to_string();
+    upload_part(c, "mp/aborted", &id, 1, b"abc").await;
+    c.abort_multipart_upload().bucket("main").key("mp/aborted").upload_id(&id).send().await.expect("abort");
+    let late = c.upload_part().bucket("main").key("mp/aborted").upload_id(&id).part_number(2);
+    let late = late.body(ByteStream::from_static(b"x")).send().await;
+    assert_eq!(failure(late.expect_err("aborted")), (404, "NoSuchUpload".to_string()));
+    assert_eq!(failure(c.head_object().bucket("main").key("mp/aborted").send().await.expect_err("none")).0, 404);
+
+    // Copies: an object, its metadata kept or replaced, a range as a part.
+    let r = c.copy_object().bucket("main").key("copies/big.bin").copy_source("main/data/big.bin").send().await;
+    let r = r.expect("copy");
+    assert_eq!(r.copy_object_result().and_then(|c| c.e_tag()), Some(big_etag));
+    let got = c.get_object().bucket("main").key("copies/big.bin").send().await.expect("get copy");
+    assert!(got.body.collect().await.expect("body").into_bytes()[..] == big[..]);
+    let r = c.copy_object().bucket("main").key("copies/typed").copy_source("main/mp/big.bin").send().await;
+    assert_eq!(
+        r.expect("copy").copy_object_result().and_then(|c| c.e_tag()),
+        Some(format!("\"{}\"", md5_hex(&whole)).as_str())
+    );
+    let head = c.head_object().bucket("main").key("copies/typed").send().await.expect("head");
+    assert_eq!(head.content_type(), Some("application/x-test"), "metadata copied");
+    let r = c.copy_object().bucket("main").key("copies/typed").copy_source("main/copies/typed");
+    let r = r.metadata_directive(aws_sdk_s3::types::MetadataDirective::Replace).content_type("text/plain").send().await;
+    r.expect("copy onto itself with new metadata");
+    let head = c.head_object().bucket("main").key("copies/typed").send().await.expect("head");
+    assert_eq!((head.content_type(), head.content_length()), (Some("text/plain"), Some(whole.len() as i64)));
+    let missing = c.copy_object().bucket("main").key("copies/x").copy_source("main/nothing/here").send().await;
+    assert_eq!(failure(missing.expect_err("no source")).0, 404);
+    let cond = c.copy_object().bucket("main").key("copies/x").copy_source("main/data/big.bin");
+    let cond = cond.copy_source_if_match("\"00\"").send().await;
+    assert_eq!(failure(cond.expect_err("condition")).0, 412);
+    let up = c.create_multipart_upload().bucket("main").key("copies/ranged").send().await.expect("create upload");
+    let id = up.upload_id().expect("id").to_string();
+    let part = c.upload_part_copy().bucket("main").key("copies/ranged").upload_id(&id).part_number(1);
+    let part = part.copy_source("main/data/big.bin").copy_source_range("bytes=10-1048585").send().await;
+    let pe = part.expect("part copy").copy_part_result().and_then(|r| r.e_tag()).expect("etag").to_string();
+    let done = c.complete_multipart_upload().bucket("main").key("copies/ranged").upload_id(&id);
+    done.multipart_upload(completed(&[(1, &pe)])).send().await.expect("complete");
+    let got = c.get_object().bucket("main").key("copies/ranged").send().await.expect("get");
+    assert!(got.body.collect().await.expect("body").into_bytes()[..] == big[10..1_048_586]);
+
+    // A batch delete: objects, a missing key, a key that cannot be one.
+    let del = |k: &str| aws_sdk_s3::types::ObjectIdentifier::builder().key(k).build().expect("id");
+    let batch = aws_sdk_s3::types::Delete::builder()
+        .objects(del("copies/typed"))
+        .objects(del("copies/ranged"))
+        .objects(del("copies/none"))
+        .objects(del("a//b"))
+        .build()
+        .expect("delete");
+    let r = c.delete_objects().bucket("main").delete(batch).send().await.expect("delete objects");
+    let mut deleted: Vec<&str> = r.deleted().iter().filter_map(|d| d.key()).collect();
+    deleted.sort();
+    assert_eq!(deleted, ["copies/none", "copies/ranged", "copies/typed"]);
+    assert_eq!(r.errors().iter().filter_map(|e| e.key()).collect::<Vec<_>>(), ["a//b"]);
+    let r = c.list_objects_v2().bucket("main").prefix("copies/").send().await.expect("list");
+    assert_eq!(r.contents().iter().filter_map(|o| o.key()).collect::<Vec<_>>(), ["copies/big.bin"]);
+}
+
 /// Keys whose byte order is not a folder walk's: `-`, `.`, `!`, ` ` and
 /// `+` sort before `/`, so `a-b` comes before `a/b` though folder `a`
 /// sorts before file `a-b` by name.
@@ -299,6 +434,10 @@ async fn exercise(disk: &str, dir: &Path, env: &[(&str, String)], nkeys: usize) 
     let r = c.list_objects_v2().bucket("main").prefix("data/").send().await.expect("list");
     assert_eq!(r.contents()[0].size(), Some(big.len() as i64));
     assert_eq!(r.contents()[0].e_tag(), Some(etag.as_str()));
+
+    multipart_copy_and_batch_delete(&c, &big, &etag).await;
+    all.insert("mp/big.bin".into());
+    all.insert("copies/big.bin".into());
 
     // A folder marker.
     c.put_object().bucket("main").key("empty/").body(ByteStream::from_static(b"")).send().await.expect("marker");
