@@ -16,6 +16,16 @@ const AK: &str = "arbor-s3-test-key";
 const SK: &str = "arbor-s3-test-secret";
 
 fn client(endpoint: &str, key: &str, secret: &str) -> Client {
+    client_with(endpoint, key, secret, aws_sdk_s3::config::retry::RetryConfig::standard())
+}
+
+/// A client that does not send a request again when its connection dies
+/// (the server killed under it).
+fn client_once(endpoint: &str) -> Client {
+    client_with(endpoint, AK, SK, aws_sdk_s3::config::retry::RetryConfig::disabled())
+}
+
+fn client_with(endpoint: &str, key: &str, secret: &str, retry: aws_sdk_s3::config::retry::RetryConfig) -> Client {
     let creds = aws_sdk_s3::config::Credentials::new(key, secret, None, None, "test");
     let conf = aws_sdk_s3::Config::builder()
         .behavior_version_latest()
@@ -23,6 +33,7 @@ fn client(endpoint: &str, key: &str, secret: &str) -> Client {
         .region(aws_sdk_s3::config::Region::new("us-east-1"))
         .credentials_provider(creds)
         .force_path_style(true)
+        .retry_config(retry)
         .build();
     Client::from_conf(conf)
 }
@@ -528,4 +539,149 @@ fn an_s3_disk_served_as_s3() {
     let disk = format!("s3://{}/disks/served", arbor_engine::testkit::S3_BUCKET);
     arbor_env_ok(&["init", &disk], &w.env);
     runtime().block_on(exercise(&disk, w.dir.path(), &w.env, 1200));
+}
+
+/// Whether boto3 and the AWS CLI are here; in CI they must be.
+fn python_s3_clients() -> bool {
+    let boto3 = std::process::Command::new("python3").args(["-c", "import boto3"]).status().is_ok_and(|s| s.success());
+    let cli = std::process::Command::new("aws").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !(boto3 && cli) {
+        if std::env::var_os("CI").is_some() {
+            panic!("boto3 and the AWS CLI must be installed in CI");
+        }
+        eprintln!("SKIPPED: boto3 or the AWS CLI is not installed");
+    }
+    boto3 && cli
+}
+
+#[test]
+fn boto3_with_checksum_trailers_and_aws_s3_sync() {
+    if !python_s3_clients() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let work = s.dir.path().join("py");
+    std::fs::create_dir_all(&work).expect("mkdir");
+    let out = python("s3_endpoint.py", &[&e.s3, AK, SK, work.to_str().expect("utf8")]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    println!("{said}");
+    assert!(
+        out.status.success() && said.contains("all checks passed"),
+        "{said}\n{}\nlog: {}",
+        String::from_utf8_lossy(&out.stderr),
+        std::fs::read_to_string(&e.serve.log).unwrap_or_default()
+    );
+    e.serve.stop();
+}
+
+/// Whether `key` is absent, or whole with exactly `want`: never part of it.
+async fn absent_or_whole(c: &Client, key: &str, want: &[u8]) -> bool {
+    match c.get_object().bucket("main").key(key).send().await {
+        Ok(r) => {
+            let got = r.body.collect().await.expect("body").into_bytes();
+            assert!(got[..] == want[..], "{key}: {} bytes, not the {} put", got.len(), want.len());
+            true
+        }
+        Err(e) => {
+            assert_eq!(failure(e).0, 404, "{key}");
+            false
+        }
+    }
+}
+
+#[test]
+fn a_server_killed_mid_upload_leaves_no_partial_object() {
+    let s = Scratch::new();
+    let mut e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let rt = runtime();
+    let c = client(&e.s3, AK, SK);
+    let part = |n: u32| pattern(5 << 20, n);
+
+    // Two parts in, killed before the upload completes: no object, and
+    // the upload is still there after the restart.
+    let id = rt.block_on(async {
+        let up = c.create_multipart_upload().bucket("main").key("ckpt/a.bin").send().await.expect("create");
+        let id = up.upload_id().expect("id").to_string();
+        upload_part(&c, "ckpt/a.bin", &id, 1, &part(1)).await;
+        upload_part(&c, "ckpt/a.bin", &id, 2, &part(2)).await;
+        id
+    });
+    e.serve.kill9_and_restart();
+    rt.block_on(async {
+        assert!(!absent_or_whole(&c, "ckpt/a.bin", b"").await, "no object before its upload completes");
+        let ups = c.list_multipart_uploads().bucket("main").send().await.expect("uploads");
+        assert_eq!(ups.uploads().iter().filter_map(|u| u.upload_id()).collect::<Vec<_>>(), [id.as_str()]);
+        let parts = c.list_parts().bucket("main").key("ckpt/a.bin").upload_id(&id).send().await.expect("parts");
+        assert_eq!(parts.parts().len(), 2, "acknowledged parts survive a kill -9");
+    });
+
+    // Killed while completing a large upload, and while a PUT's body is
+    // arriving: each key is absent or whole.
+    let whole: Vec<u8> = (1..=8).flat_map(part).collect();
+    let big_put = pattern(48 << 20, 99);
+    let (etags, id) = rt.block_on(async {
+        let up = c.create_multipart_upload().bucket("main").key("ckpt/b.bin").send().await.expect("create");
+        let id = up.upload_id().expect("id").to_string();
+        let mut etags = Vec::new();
+        for n in 1..=8 {
+            etags.push(upload_part(&c, "ckpt/b.bin", &id, n as i32, &part(n)).await);
+        }
+        (etags, id)
+    });
+    let parts: Vec<(i32, &str)> = etags.iter().enumerate().map(|(i, e)| (i as i32 + 1, e.as_str())).collect();
+    let complete = {
+        let c = client_once(&e.s3);
+        let done = completed(&parts);
+        let id = id.clone();
+        rt.spawn(async move {
+            c.complete_multipart_upload()
+                .bucket("main")
+                .key("ckpt/b.bin")
+                .upload_id(id)
+                .multipart_upload(done)
+                .send()
+                .await
+        })
+    };
+    let put = {
+        let c = client_once(&e.s3);
+        let body = big_put.clone();
+        rt.spawn(
+            async move { c.put_object().bucket("main").key("ckpt/c.bin").body(ByteStream::from(body)).send().await },
+        )
+    };
+    std::thread::sleep(std::time::Duration::from_millis(150));
+    e.serve.kill9_and_restart();
+    let (completed_before, _) = rt.block_on(async { (complete.await.expect("join"), put.await.expect("join")) });
+    rt.block_on(async {
+        let b = absent_or_whole(&c, "ckpt/b.bin", &whole).await;
+        let c_done = absent_or_whole(&c, "ckpt/c.bin", &big_put).await;
+        println!(
+            "after the kill: the completed upload is {}, the PUT {}",
+            if b { "there" } else { "absent" },
+            if c_done { "there" } else { "absent" }
+        );
+        if !b {
+            // Not completed: its parts are all there, and it completes now.
+            assert!(completed_before.is_err(), "an upload answered 200 is there after a kill -9");
+            let done = c.complete_multipart_upload().bucket("main").key("ckpt/b.bin").upload_id(&id);
+            done.multipart_upload(completed(&parts)).send().await.expect("complete after the restart");
+            assert!(absent_or_whole(&c, "ckpt/b.bin", &whole).await);
+        }
+    });
+
+    // Nothing half-written is left in the hidden folder either.
+    if fuse_available() {
+        let mnt = s.dir.path().join("mnt-after");
+        std::fs::create_dir_all(&mnt).expect("mkdir");
+        let m = Mount::start(s.disk_str(), &mnt, &["--token-file", &e.token]);
+        let tmp = mnt.join(".arbor-s3/tmp");
+        let left: Vec<_> =
+            std::fs::read_dir(&tmp).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
+        assert_eq!(std::fs::read(mnt.join("ckpt/b.bin")).expect("read")[..], whole[..]);
+        m.unmount();
+    }
+    e.serve.stop();
 }
