@@ -826,14 +826,25 @@ impl S3 for Arbor {
     async fn list_objects(&self, req: S3Request<ListObjectsInput>) -> S3Result<S3Response<ListObjectsOutput>> {
         let marker = req.input.marker.clone();
         let v2 = self
-            .list_objects_v2(req.map_input(|i| ListObjectsV2Input {
-                bucket: i.bucket,
-                delimiter: i.delimiter,
-                encoding_type: i.encoding_type,
-                max_keys: i.max_keys,
-                prefix: i.prefix,
-                start_after: i.marker,
-                ..Default::default()
+            .list_objects_v2(req.map_input(|i| {
+                // A V1 marker may be a common prefix the page before
+                // ended with: everything under it is skipped too.
+                let (token, start_after) = match (&i.marker, &i.delimiter) {
+                    (Some(m), Some(d)) if !d.is_empty() && m.ends_with(d.as_str()) => {
+                        (Some(format!("p{}", store::hex(m.as_bytes()))), None)
+                    }
+                    _ => (None, i.marker),
+                };
+                ListObjectsV2Input {
+                    bucket: i.bucket,
+                    delimiter: i.delimiter,
+                    encoding_type: i.encoding_type,
+                    max_keys: i.max_keys,
+                    prefix: i.prefix,
+                    start_after,
+                    continuation_token: token,
+                    ..Default::default()
+                }
             }))
             .await?;
         Ok(v2.map_output(|v2| {

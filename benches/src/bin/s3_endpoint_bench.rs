@@ -33,9 +33,9 @@ const MIB: usize = 1 << 20;
 const SMALL: usize = 64 << 10;
 
 fn arbor_bin() -> PathBuf {
-    std::env::var_os("ARBOR").map(PathBuf::from).unwrap_or_else(|| {
-        std::env::current_exe().expect("exe").parent().expect("dir").join("arbor")
-    })
+    std::env::var_os("ARBOR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::current_exe().expect("exe").parent().expect("dir").join("arbor"))
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
@@ -120,7 +120,13 @@ fn many(c: &aws_sdk_s3::Client, rt: &tokio::runtime::Runtime, bucket: &str, n: u
             tasks.push(tokio::spawn(async move {
                 let _permit = sem.acquire().await.expect("permit");
                 if put {
-                    c.put_object().bucket(bucket).key(small_key(i)).body(ByteStream::from(body)).send().await.expect("put");
+                    c.put_object()
+                        .bucket(bucket)
+                        .key(small_key(i))
+                        .body(ByteStream::from(body))
+                        .send()
+                        .await
+                        .expect("put");
                 } else {
                     let r = c.get_object().bucket(bucket).key(small_key(i)).send().await.expect("get");
                     let got = r.body.collect().await.expect("body").into_bytes();
