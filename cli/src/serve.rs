@@ -89,6 +89,9 @@ pub fn spawn_background(opts: &ServeOptions, s3: Option<&arbor_s3::Options>) -> 
     serve::check(opts)?;
     if let Some(s3) = s3 {
         arbor_s3::check(s3)?;
+        if s3.listen.rsplit(':').next() == Some("0") {
+            bail!("--s3 {}: give a port (port 0 is for --foreground, which logs the one it got)", s3.listen);
+        }
         drop(std::net::TcpListener::bind(&s3.listen).with_context(|| format!("--s3: cannot listen on {}", s3.listen))?);
     }
     let log_path = disk::open(&opts.disk)?.log_path("serve");
@@ -104,6 +107,7 @@ pub fn spawn_background(opts: &ServeOptions, s3: Option<&arbor_s3::Options>) -> 
     drop(std::net::TcpListener::bind(&opts.listen).with_context(|| format!("cannot listen on {}", opts.listen))?);
     let pid = crate::session::spawn_detached(&log_path, "arbor serve", &[], || {
         std::net::TcpStream::connect(&opts.listen).is_ok()
+            && s3.is_none_or(|s3| std::net::TcpStream::connect(&s3.listen).is_ok())
     })?;
     Ok((pid, log_path))
 }
