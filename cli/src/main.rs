@@ -11,6 +11,7 @@ mod prefetch;
 mod remote_mount;
 mod serve;
 mod session;
+mod settings;
 mod tls;
 mod warm;
 
@@ -775,7 +776,7 @@ fn main() -> ExitCode {
     } else {
         "warn,aws_config=error,aws_smithy_runtime=error"
     });
-    match run(cli) {
+    match settings::read().and_then(|()| run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let msg = format!("{e:#}").replace('\n', " ");

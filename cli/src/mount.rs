@@ -228,6 +228,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
                 // Any node that writes the branch could have made a set-user-ID
                 // file or a device node.
                 suid_devices: args.allow_suid_devices,
+                transport: crate::settings::fuse().transport,
+                direct_writes: crate::settings::fuse().direct_writes,
                 ..MountOptions::default()
             };
             let name = args.root_name().to_string();
@@ -250,6 +252,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         allow_other: args.allow_other,
         read_ahead: args.read_ahead,
         threads: args.threads,
+        transport: crate::settings::fuse().transport,
+        direct_writes: crate::settings::fuse().direct_writes,
         ..MountOptions::default()
     };
     let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)

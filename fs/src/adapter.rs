@@ -126,7 +126,9 @@ impl Counters {
 }
 
 impl<F: Files + ?Sized> ArborFs<F> {
-    pub fn new(vol: Arc<F>, read_ahead: u32) -> Self {
+    /// `direct_writes`: write-only opens write past the page cache where
+    /// the kernel allows it (see `direct.rs`).
+    pub fn new(vol: Arc<F>, read_ahead: u32, direct_writes: bool) -> Self {
         let ttl = if vol.is_shared() { SHARED_TTL } else { TTL };
         ArborFs {
             vol,
@@ -139,7 +141,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
             next_handle: std::sync::atomic::AtomicU64::new(1),
             counters: Arc::default(),
             notifier: std::sync::OnceLock::new(),
-            direct: DirectWrites::new(),
+            direct: DirectWrites::new(direct_writes),
         }
     }
 

@@ -19,8 +19,8 @@
 //! page waits for a read-ahead that holds it, which a request thread must
 //! stay free to answer.
 //!
-//! `ARBOR_DIRECT_WRITES=0` turns it off (write-only opens then write
-//! through the page cache like any other).
+//! [`MountOptions::direct_writes`](crate::MountOptions) turns it off
+//! (write-only opens then write through the page cache like any other).
 
 use fuser::{INodeNo, Notifier};
 use std::collections::HashMap;
@@ -59,10 +59,9 @@ fn write_only(flags: i32) -> bool {
 }
 
 impl DirectWrites {
-    pub fn new() -> DirectWrites {
-        let enabled =
-            std::env::var("ARBOR_DIRECT_WRITES").as_deref() != Ok("0") && kernel_version().is_some_and(|v| v >= (6, 6));
-        DirectWrites::with(enabled)
+    /// Direct writes where `wanted` and the kernel allows them.
+    pub fn new(wanted: bool) -> DirectWrites {
+        DirectWrites::with(wanted && kernel_version().is_some_and(|v| v >= (6, 6)))
     }
 
     fn with(enabled: bool) -> DirectWrites {

@@ -30,8 +30,11 @@ pub struct MountOptions {
     /// Kernel read-ahead for sequential readers.
     pub read_ahead: u32,
     pub fs_name: String,
-    /// How requests reach arbor; `None` reads `ARBOR_FUSE`.
-    pub transport: Option<RingChoice>,
+    /// How requests reach arbor.
+    pub transport: RingChoice,
+    /// Write-only opens write past the page cache where the kernel allows
+    /// it (see `direct.rs`).
+    pub direct_writes: bool,
     /// Honour set-user-ID and set-group-ID bits, file capabilities and
     /// device nodes (`suid,dev`); without, the mount is `nosuid,nodev`. A
     /// mount of this node's own volume has them; a mount through a
@@ -47,7 +50,8 @@ impl Default for MountOptions {
             threads: THREADS,
             read_ahead: arbor_engine::tier::READ_AHEAD as u32,
             fs_name: "arbor".into(),
-            transport: None,
+            transport: RingChoice::Auto,
+            direct_writes: true,
             suid_devices: true,
         }
     }
@@ -189,12 +193,9 @@ impl arbor_engine::files::Invalidate for Invalidator {
 /// FUSE over io_uring when the kernel offers it (see [`RingChoice`]).
 pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOptions) -> io::Result<MountHandle> {
     recover_stale_mount(mountpoint)?;
-    let choice = match opts.transport {
-        Some(c) => c,
-        None => RingChoice::from_env()?,
-    };
+    let choice = opts.transport;
     let read_only = vol.is_read_only();
-    let fs = Arc::new(ArborFs::new(vol, opts.read_ahead));
+    let fs = Arc::new(ArborFs::new(vol, opts.read_ahead, opts.direct_writes));
     let transport = Arc::new(Transport::new(choice));
     let classic = Classic { fs: fs.clone(), transport: transport.clone() };
     // INIT is answered before this returns, so the transport is known.
@@ -206,12 +207,15 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
         let dev = session.as_fd().try_clone_to_owned()?;
         if let Err(e) = transport.start(&fs, dev, opts.threads) {
             if choice == RingChoice::Ring {
-                return Err(io::Error::other(format!("ARBOR_FUSE=ring: {}", transport.describe())));
+                return Err(io::Error::other(format!(
+                    "the io_uring transport was asked for: {}",
+                    transport.describe()
+                )));
             }
             tracing::warn!(error = %e, "FUSE over io_uring did not start; using /dev/fuse");
         }
     } else if choice == RingChoice::Ring {
-        return Err(io::Error::other(format!("ARBOR_FUSE=ring, but {}", transport.describe())));
+        return Err(io::Error::other(format!("the io_uring transport was asked for, but {}", transport.describe())));
     }
     let session = session.spawn()?;
     let counters = fs.counters().clone();

@@ -48,17 +48,15 @@ pub enum RingChoice {
     Ring,
 }
 
-impl RingChoice {
-    /// `ARBOR_FUSE=ring|classic|auto`, `auto` when unset.
-    pub fn from_env() -> io::Result<RingChoice> {
-        match std::env::var("ARBOR_FUSE").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(RingChoice::Auto),
-            Ok("classic") => Ok(RingChoice::Classic),
-            Ok("ring") | Ok("io_uring") => Ok(RingChoice::Ring),
-            Ok(other) => Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("ARBOR_FUSE={other}: expected ring, classic or auto"),
-            )),
+impl std::str::FromStr for RingChoice {
+    type Err = String;
+    /// `ring` (or `io_uring`), `classic` or `auto` (or empty).
+    fn from_str(s: &str) -> Result<RingChoice, String> {
+        match s {
+            "" | "auto" => Ok(RingChoice::Auto),
+            "classic" => Ok(RingChoice::Classic),
+            "ring" | "io_uring" => Ok(RingChoice::Ring),
+            other => Err(format!("expected ring, classic or auto (got {other:?})")),
         }
     }
 }
@@ -92,7 +90,7 @@ impl Transport {
     /// At INIT: ask for the ring if wanted and offered.
     pub(crate) fn negotiate(&self, config: &mut KernelConfig) {
         if self.choice == RingChoice::Classic {
-            self.classic_because("ARBOR_FUSE=classic");
+            self.classic_because("the classic transport was asked for");
             return;
         }
         match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
@@ -1090,7 +1088,7 @@ mod tests {
     fn arbor() -> ArborFs<Volume> {
         let cfg = Config { commit_interval: None, env: TestEnv::new(1), ..Config::default() };
         let vol = Volume::open(Arc::new(SimDevice::new()), cfg).expect("volume");
-        ArborFs::new(vol, 1 << 20)
+        ArborFs::new(vol, 1 << 20, true)
     }
 
     /// Puts one request into an entry's buffers the way the kernel does,

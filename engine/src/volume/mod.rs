@@ -106,7 +106,7 @@ impl Default for Config {
             root_uid: 0,
             root_gid: 0,
             env: Arc::new(SystemEnv),
-            sources: Arc::new(crate::source::EnvSources::default()),
+            sources: Arc::new(crate::source::S3Sources::default()),
             source_servers: None,
             source_files: None,
         }
