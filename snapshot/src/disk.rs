@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use arbor_engine::bucket::{LocalFolderStore, ObjectStore, ObservedStore, RetryPolicy, RetryStore, S3Config, S3Store};
 use arbor_engine::chunks::{ChunkFiles, ChunkSource, Others};
 use arbor_engine::device::{Device, FileDevice};
-use arbor_engine::disk::LeaseConfig;
+use arbor_engine::head::LeaseConfig;
 use arbor_engine::io::IoMode;
 use arbor_engine::layout::{self, FORMAT, IDENTITY, PROBE};
 use arbor_engine::tier::{BucketDevice, Durability, TierConfig, TierStats, CACHE_SIZE, READ_AHEAD};
