@@ -376,3 +376,49 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// Whether grpcio and grpcio-tools are importable; in CI they must be.
+fn grpcio_available() -> bool {
+    let ok = Command::new("python3").args(["-c", "import grpc, grpc_tools"]).status().is_ok_and(|s| s.success());
+    if !ok {
+        if std::env::var_os("CI").is_some() {
+            panic!("grpcio and grpcio-tools must be installed in CI");
+        }
+        eprintln!("SKIPPED: grpcio or grpcio-tools is not installed");
+    }
+    ok
+}
+
+#[test]
+fn the_same_calls_from_python_grpcio_with_stubs_from_the_proto() {
+    if !grpcio_available() {
+        return;
+    }
+    let Some(w) = SharedWorld::start() else { return };
+    let dir = w.s.dir.path();
+    let plugin = Plugin::start(dir);
+    let staging = dir.join("py-globalmount");
+    let pods = dir.join("py-pods");
+    let targets = ["a", "b", "ro"].map(|p| pods.join(p).join("data")).to_vec();
+    let _cleanup = Cleanup { targets, staging: vec![staging.clone()] };
+    let proto = Path::new(env!("CARGO_MANIFEST_DIR")).join("../csi/proto/csi.proto");
+    let out = python(
+        "csi_kubelet.py",
+        &[
+            proto.to_str().expect("utf8"),
+            plugin.socket.to_str().expect("utf8"),
+            dir.to_str().expect("utf8"),
+            w.s.disk_str(),
+            &w.owner.addr,
+            TOKEN,
+        ],
+    );
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{text}");
+    assert!(
+        out.status.success() && text.contains("ALL OK"),
+        "the Python kubelet failed:\n{text}\n{}",
+        plugin.log_text()
+    );
+    assert!(!fuse_mounted_at(&staging));
+}
