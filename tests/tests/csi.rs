@@ -28,6 +28,11 @@ struct Plugin {
 
 impl Plugin {
     fn start(dir: &Path) -> Plugin {
+        Self::start_env(dir, &[])
+    }
+
+    /// With extra environment variables (an S3 endpoint, without credentials).
+    fn start_env(dir: &Path, env: &[(&str, String)]) -> Plugin {
         let socket = dir.join("csi.sock");
         let state = dir.join("csi-state");
         let log = dir.join("csi.log");
@@ -36,6 +41,7 @@ impl Plugin {
             .args(["csi", "--endpoint", &format!("unix://{}", socket.display()), "--node-id", "node-a"])
             .arg("--state-dir")
             .arg(&state)
+            .envs(env.iter().map(|(k, v)| (*k, v)))
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&log).expect("log"))
             .stderr(std::fs::OpenOptions::new().append(true).open(&log).expect("log"))
@@ -173,14 +179,22 @@ fn fuse_mounted_at(path: &Path) -> bool {
     })
 }
 
-/// Whether `needle` shows in any process's command line or environment.
-fn in_any_process(needle: &str) -> bool {
-    let Ok(procs) = std::fs::read_dir("/proc") else { return false };
-    procs.flatten().any(|p| {
-        ["cmdline", "environ"].iter().any(|f| {
-            std::fs::read(p.path().join(f)).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle.as_bytes()))
-        })
-    })
+/// The processes whose command line mentions `path`, and whether any of
+/// them holds `needle` in its command line or environment.
+fn processes_at(path: &Path, needle: &str) -> (usize, bool) {
+    let has = |bytes: &[u8], what: &[u8]| bytes.windows(what.len()).any(|w| w == what);
+    let path = path.to_string_lossy();
+    let (mut n, mut leaked) = (0, false);
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else { continue };
+        if !has(&cmdline, path.as_bytes()) {
+            continue;
+        }
+        n += 1;
+        let environ = std::fs::read(p.path().join("environ")).unwrap_or_default();
+        leaked |= has(&cmdline, needle.as_bytes()) || has(&environ, needle.as_bytes());
+    }
+    (n, leaked)
 }
 
 /// The identity and node calls the kubelet makes when it registers a plugin.
@@ -264,7 +278,14 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
     let other = [("disk", w.s.disk_str()), ("branch", "main"), ("server", w.owner.addr.as_str()), ("cacheSize", "1G")];
     let again = node.node_stage_volume(stage_req("vol-1", &staging, rwx, &other, &secrets)).await;
     assert_eq!(code(again), Code::AlreadyExists);
-    assert!(!in_any_process(TOKEN), "the token shows in a process's argv or environment");
+    for p in [&staging, &plugin.socket] {
+        let (n, leaked) = processes_at(p, TOKEN);
+        assert!(
+            n >= 1 && !leaked,
+            "{n} processes at {}; the token in their argv or environment: {leaked}",
+            p.display()
+        );
+    }
     assert!(!plugin.log_text().contains(TOKEN), "the token shows in the plugin's log");
     let token_files: Vec<_> = walk(&plugin.state).into_iter().filter(|p| p.ends_with("token")).collect();
     assert_eq!(token_files.len(), 1);
@@ -359,6 +380,51 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart() {
     node.node_unstage_volume(unstage_req("ckpt", &staging)).await.expect("unstage");
     assert!(!fuse_mounted_at(&staging));
     node.node_unstage_volume(unstage_req("ckpt", &staging)).await.expect("unstage again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_an_s3_disk_with_the_bucket_credentials_from_the_secret() {
+    use arbor_engine::testkit::{S3_BUCKET, S3_KEY, S3_SECRET};
+    let Some(w) = S3World::start() else { return };
+    let disk = format!("s3://{S3_BUCKET}/csi");
+    arbor_env_ok(&["init", &disk], &w.env);
+    let mnt = w.mnt("writer");
+    let m = Mount::start_env(&disk, &mnt, &[], &w.env);
+    std::fs::write(mnt.join("shard-0"), pattern(2_000_000, 3)).expect("write");
+    arbor_env_ok(&["checkpoints", "create", mnt.to_str().expect("utf8"), "v1"], &w.env);
+    m.unmount_env(&w.env);
+
+    // The plugin knows where the bucket is, not how to sign for it: the
+    // credentials come from the volume's secret.
+    let env: Vec<(&str, String)> =
+        w.env.iter().filter(|(k, _)| !k.starts_with("AWS_SECRET") && !k.starts_with("AWS_ACCESS")).cloned().collect();
+    let dir = w.dir.path();
+    let plugin = Plugin::start_env(dir, &env);
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    let staging = dir.join("globalmount");
+    let target = dir.join("pods/p/volumes/data");
+    std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir");
+    let _cleanup = Cleanup { targets: vec![target.clone()], staging: vec![staging.clone()] };
+    let ctx = [("disk", disk.as_str()), ("checkpoint", "v1"), ("cacheSize", "64M")];
+    let secrets = [("awsAccessKeyId", S3_KEY), ("awsSecretAccessKey", S3_SECRET)];
+    let rox = Mode::MultiNodeReaderOnly;
+    node.node_stage_volume(stage_req("s3-ckpt", &staging, rox, &ctx, &secrets)).await.expect("stage");
+    for p in [&staging, &plugin.socket] {
+        let (n, leaked) = processes_at(p, S3_SECRET);
+        assert!(n >= 1 && !leaked, "{n} processes at {}; the key in their argv or environment: {leaked}", p.display());
+    }
+    let creds: Vec<_> = walk(&plugin.state).into_iter().filter(|p| p.ends_with("aws-credentials")).collect();
+    assert_eq!(creds.len(), 1);
+    assert_eq!(std::fs::metadata(&creds[0]).expect("credentials").permissions().mode() & 0o777, 0o600);
+    node.node_publish_volume(publish_req("s3-ckpt", &staging, &target, rox, true)).await.expect("publish");
+    assert_eq!(std::fs::read(target.join("shard-0")).expect("read from the bucket"), pattern(2_000_000, 3));
+    node.node_unpublish_volume(unpublish_req("s3-ckpt", &target)).await.expect("unpublish");
+    node.node_unstage_volume(unstage_req("s3-ckpt", &staging)).await.expect("unstage");
+    assert!(!fuse_mounted_at(&staging));
+    // Its chunk cache and credentials went with it.
+    let left: Vec<_> =
+        walk(&plugin.state.join("cache")).into_iter().chain(walk(&plugin.state.join("secrets"))).collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
 
 /// Every file under `dir`.
