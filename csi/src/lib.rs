@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 
 /// The messages and services of the CSI spec (package `csi.v1`).
 pub mod proto {
-    #![allow(missing_docs, clippy::all)]
+    #![allow(missing_docs, clippy::all, rustdoc::all)]
     tonic::include_proto!("csi.v1");
 }
 

@@ -169,6 +169,14 @@ impl NodeService {
                 )));
             }
         }
+        for p in self.state.publishes_of(id).map_err(internal("reading the targets' records"))? {
+            if mounts::is_mounted(&p.target_path).map_err(internal("reading the mount table"))? {
+                return Err(Status::failed_precondition(format!(
+                    "volume {id:?} is still published at {}: unpublish it first",
+                    p.target_path.display()
+                )));
+            }
+        }
         if mounts::is_mounted(&staging).map_err(internal("reading the mount table"))? {
             if record.is_none() {
                 return Err(Status::failed_precondition(format!(

@@ -56,9 +56,11 @@ pub fn remove_secrets(state: &State, volume_id: &str) -> std::io::Result<()> {
 /// The arguments of `arbor mount` for a volume (after `mount DISK STAGING`).
 pub fn mount_args(spec: &VolumeSpec, files: &SecretFiles, cache_dir: &Path) -> Result<Vec<OsString>, String> {
     let mut a: Vec<OsString> = Vec::new();
+    // `--flag=value`: a value is never taken for a flag of its own.
     let mut push = |k: &str, v: &std::ffi::OsStr| {
-        a.push(k.into());
-        a.push(v.to_os_string());
+        let mut arg = OsString::from(format!("{k}="));
+        arg.push(v);
+        a.push(arg);
     };
     match &spec.root {
         Root::Branch(b) => {
@@ -175,20 +177,7 @@ mod tests {
         )
         .expect("args");
         let a: Vec<String> = a.iter().map(|s| s.to_string_lossy().into_owned()).collect();
-        assert_eq!(
-            a,
-            [
-                "--branch",
-                "main",
-                "--token-file",
-                "/s/token",
-                "--server",
-                "o:7070",
-                "--cache-dir",
-                "/c",
-                "--allow-other"
-            ]
-        );
+        assert_eq!(a, ["--branch=main", "--token-file=/s/token", "--server=o:7070", "--cache-dir=/c", "--allow-other"]);
         let none = SecretFiles::default();
         assert!(mount_args(&spec(&[("disk", "/d"), ("branch", "main")]), &none, Path::new("/c")).is_err());
     }
@@ -202,6 +191,6 @@ mod tests {
         )
         .expect("args");
         let a: Vec<String> = a.iter().map(|s| s.to_string_lossy().into_owned()).collect();
-        assert_eq!(a, ["--checkpoint", "v1", "--cache-dir", "none", "--cache-memory", "256M", "--allow-other"]);
+        assert_eq!(a, ["--checkpoint=v1", "--cache-dir=none", "--cache-memory=256M", "--allow-other"]);
     }
 }

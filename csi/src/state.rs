@@ -124,6 +124,22 @@ impl State {
     pub fn remove_publish(&self, target: &Path) -> io::Result<()> {
         remove_if_there(&self.publish_file(target))
     }
+
+    /// Every target recorded as published for `volume_id`.
+    pub fn publishes_of(&self, volume_id: &str) -> io::Result<Vec<PublishRecord>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.dir.join("publish"))? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "json") {
+                if let Some(r) = read::<PublishRecord>(&path)? {
+                    if r.volume_id == volume_id {
+                        out.push(r);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
 fn read<T: for<'de> Deserialize<'de>>(path: &Path) -> io::Result<Option<T>> {

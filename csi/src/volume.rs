@@ -69,6 +69,9 @@ impl VolumeSpec {
         }
         let disk =
             non_empty(ctx, DISK).ok_or("volume attribute \"disk\" is missing (s3://bucket/prefix or a folder)")?;
+        if disk.starts_with('-') {
+            return Err(format!("volume attribute \"disk\" is {disk:?}: s3://bucket/prefix or a folder"));
+        }
         let root = match (non_empty(ctx, BRANCH), non_empty(ctx, CHECKPOINT)) {
             (Some(b), None) => Root::Branch(b),
             (None, Some(c)) => Root::Checkpoint(c),
@@ -167,6 +170,7 @@ mod tests {
             ctx(&[(DISK, "/d"), (CHECKPOINT, "b"), (SERVER, "x:1")]),
             ctx(&[(DISK, "/d"), (BRANCH, "a"), ("cachesize", "1G")]),
             ctx(&[(DISK, "/d"), (BRANCH, "a"), (DURABILITY, "fast")]),
+            ctx(&[(DISK, "--help"), (BRANCH, "a")]),
         ] {
             assert!(VolumeSpec::parse(&bad).is_err(), "{bad:?}");
         }

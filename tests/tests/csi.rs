@@ -309,6 +309,10 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
     assert_eq!(errno_of(std::fs::write(ro.join("refused"), b"x")), libc::EROFS);
     assert!(!a.join("refused").exists());
 
+    // Unstage while pods still use it is refused.
+    assert_eq!(code(node.node_unstage_volume(unstage_req("vol-1", &staging)).await), Code::FailedPrecondition);
+    assert!(fuse_mounted_at(&staging));
+
     // Unpublish twice: OK both times, and the target is gone.
     for t in [&a, &b, &ro] {
         node.node_unpublish_volume(unpublish_req("vol-1", t)).await.expect("unpublish");
