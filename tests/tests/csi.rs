@@ -412,6 +412,10 @@ async fn a_checkpoint_of_an_s3_disk_with_the_bucket_credentials_from_the_secret(
     let ctx = [("disk", disk.as_str()), ("checkpoint", "v1"), ("cacheSize", "64M")];
     let secrets = [("awsAccessKeyId", S3_KEY), ("awsSecretAccessKey", S3_SECRET)];
     let rox = Mode::MultiNodeReaderOnly;
+    let unsigned = node.node_stage_volume(stage_req("s3-ckpt", &staging, rox, &ctx, &[])).await;
+    let refused = unsigned.expect_err("a stage without the secret's credentials");
+    assert!(refused.message().contains("credentials"), "{refused:?}");
+    assert!(!fuse_mounted_at(&staging));
     node.node_stage_volume(stage_req("s3-ckpt", &staging, rox, &ctx, &secrets)).await.expect("stage");
     for p in [&staging, &plugin.socket] {
         let (n, leaked) = processes_at(p, S3_SECRET);
