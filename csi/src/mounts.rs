@@ -59,6 +59,16 @@ pub fn is_mounted(path: &Path) -> io::Result<bool> {
     Ok(!mounts_at(path)?.is_empty())
 }
 
+/// Whether the file system at `path` answers `statfs`, which always
+/// reaches a FUSE server (a `stat` may be answered from the kernel's
+/// cache after the server died; `statfs` then fails with ENOTCONN).
+pub fn answers(path: &Path) -> bool {
+    let Ok(c) = c_path(path) else { return false };
+    let mut buf = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: a valid NUL-terminated path and a buffer statfs fills.
+    unsafe { libc::statfs(c.as_ptr(), buf.as_mut_ptr()) == 0 }
+}
+
 fn c_path(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))
 }

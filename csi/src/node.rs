@@ -74,7 +74,7 @@ fn reader_only(mode: Mode) -> bool {
 /// Whether a FUSE mount at `path` is there and answers (a mount whose
 /// process died fails with ENOTCONN).
 fn serving(path: &Path) -> Result<bool, Status> {
-    Ok(mounts::is_mounted(path).map_err(internal("reading the mount table"))? && std::fs::metadata(path).is_ok())
+    Ok(mounts::is_mounted(path).map_err(internal("reading the mount table"))? && mounts::answers(path))
 }
 
 impl NodeService {
@@ -235,7 +235,9 @@ impl NodeService {
                     old.volume_id
                 )))
             }
-            Some(_) if mounted => return Ok(()),
+            Some(_) if mounted && mounts::answers(&target) => return Ok(()),
+            // Bound to a mount whose process died: bound again to the live one.
+            Some(_) if mounted => mounts::unmount_all(&target).map_err(internal("unmounting a dead bind"))?,
             Some(_) => {}
             None if mounted => {
                 return Err(Status::already_exists(format!("something else is mounted at {}", target.display())))

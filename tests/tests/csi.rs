@@ -331,7 +331,7 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart() {
+async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mount_process_dying() {
     if !fuse_available() {
         return;
     }
@@ -379,6 +379,19 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart() {
     assert_eq!(code(node.node_publish_volume(other).await), Code::AlreadyExists);
     assert_eq!(std::fs::read(target.join("tokens.bin")).expect("read"), pattern(300_000, 7));
 
+    // The mount process dies (kill -9): the next stage finds its mount
+    // dead and mounts the volume again; the next publish binds the pod's
+    // target to the live mount.
+    let status: serde_json::Value =
+        serde_json::from_str(&arbor_ok(&["status", staging.to_str().expect("utf8"), "--json"])).expect("status json");
+    let pid = status["pid"].as_i64().expect("the mount's pid") as libc::pid_t;
+    // SAFETY: a signal to the mount process the plugin started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_until("the mount process to die", Duration::from_secs(10), || !statfs_ok(&staging));
+    node.node_stage_volume(stage_req("ckpt", &staging, rox, &ctx, &[])).await.expect("stage a dead mount again");
+    assert_eq!(errno_of(std::fs::read(target.join("tokens.bin"))), libc::ENOTCONN, "still bound to the dead mount");
+    node.node_publish_volume(publish_req("ckpt", &staging, &target, rox, false)).await.expect("publish again");
+    assert_eq!(std::fs::read(target.join("tokens.bin")).expect("read after the remount"), pattern(300_000, 7));
     node.node_unpublish_volume(unpublish_req("ckpt", &target)).await.expect("unpublish");
     assert!(!target.exists());
     node.node_unstage_volume(unstage_req("ckpt", &staging)).await.expect("unstage");
