@@ -357,7 +357,16 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mo
     let missing = [("disk", s.disk_str()), ("checkpoint", "v9"), ("cacheMemory", "64M")];
     assert_eq!(code(node.node_stage_volume(stage_req("ckpt", &staging, rox, &missing, &[])).await), Code::NotFound);
 
-    node.node_stage_volume(stage_req("ckpt", &staging, rox, &ctx, &[])).await.expect("stage");
+    // The kubelet retries a stage that timed out while the first still
+    // runs: both succeed, and one process mounts the volume.
+    let mut second = node.clone();
+    let (one, two) = tokio::join!(
+        node.node_stage_volume(stage_req("ckpt", &staging, rox, &ctx, &[])),
+        second.node_stage_volume(stage_req("ckpt", &staging, rox, &ctx, &[]))
+    );
+    one.expect("stage");
+    two.expect("the same stage at the same time");
+    assert_eq!(processes_at(&staging, "\u{1}").0, 1, "one mount process for the volume");
     let status: serde_json::Value =
         serde_json::from_str(&arbor_ok(&["status", staging.to_str().expect("utf8"), "--json"])).expect("status json");
     assert_eq!(status["checkpoint"].as_str(), Some("v1"));
