@@ -102,7 +102,17 @@ impl NodeService {
             r
         })
         .await;
+        self.forget_idle_lock(volume_id);
         done.map_err(|e| Status::internal(format!("the call's thread failed: {e}")))?
+    }
+
+    /// Drops a volume's lock when no call holds or waits for it (each
+    /// holds a clone; the map holds the last one).
+    fn forget_idle_lock(&self, volume_id: &str) {
+        let mut locks = self.locks.lock();
+        if locks.get(volume_id).is_some_and(|l| Arc::strong_count(l) == 1) {
+            locks.remove(volume_id);
+        }
     }
 
     fn stage(&self, req: NodeStageVolumeRequest) -> Result<(), Status> {
