@@ -242,6 +242,19 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
     let mut no_cap = stage_req("vol-1", &staging, rwx, &ctx, &secrets);
     no_cap.volume_capability = None;
     assert_eq!(code(node.node_stage_volume(no_cap).await), Code::InvalidArgument);
+    let mut block = stage_req("vol-1", &staging, rwx, &ctx, &secrets);
+    block.volume_capability = Some(VolumeCapability {
+        access_type: Some(AccessType::Block(volume_capability::BlockVolume {})),
+        access_mode: Some(AccessMode { mode: rwx as i32 }),
+    });
+    assert_eq!(code(node.node_stage_volume(block).await), Code::InvalidArgument, "a block volume");
+    let unknown = [("disk", w.s.disk_str()), ("branch", "main"), ("cachesize", "1G")];
+    assert_eq!(
+        code(node.node_stage_volume(stage_req("vol-1", &staging, rwx, &unknown, &secrets)).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(code(node.node_unstage_volume(unstage_req("", &staging)).await), Code::InvalidArgument);
+    assert_eq!(code(node.node_unpublish_volume(unpublish_req("vol-1", Path::new(""))).await), Code::InvalidArgument);
     let no_path = stage_req("vol-1", Path::new(""), rwx, &ctx, &secrets);
     assert_eq!(code(node.node_stage_volume(no_path).await), Code::InvalidArgument);
     let no_disk = stage_req("vol-1", &staging, rwx, &[("branch", "main")], &secrets);
