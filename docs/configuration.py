@@ -13,6 +13,7 @@ COMMANDS = [
     ["checkpoints", "create"], ["checkpoints", "list"], ["checkpoints", "delete"],
     ["branches", "create"], ["branches", "list"], ["branches", "delete"], ["branches", "reset"], ["branches", "rename"],
     ["diff"], ["prefetch"], ["gc"], ["compact"], ["serve"], ["warm"], ["import"], ["export"], ["fsck"],
+    ["csi"],
 ]
 
 ENV = [
@@ -30,6 +31,7 @@ ENV = [
     ("AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE", "every command on an s3:// disk", "the bucket's endpoint and credentials, as the AWS SDK reads them"),
     ("XDG_CACHE_HOME", "mount, serve", "where node folders live by default (`$XDG_CACHE_HOME/arbor`, else `~/.cache/arbor`)"),
     ("ARBOR_CACHE_SERVERS_CHECKED", "mount", "set by `arbor mount` for the mount process it starts in the background (the servers were checked already); not for users"),
+    ("CSI_ENDPOINT, NODE_ID", "csi", "in place of `--endpoint` and `--node-id`"),
     ("NOTIFY_SOCKET", "mount, serve with --foreground", "set by systemd for a `Type=notify` unit: arbor says when it is ready and when it stops"),
 ]
 
