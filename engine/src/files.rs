@@ -161,6 +161,13 @@ pub trait Files: Send + Sync + 'static {
     fn unlock_all(&self, _ino: u64, _owner: u64) -> Result<()> {
         Ok(())
     }
+
+    /// Makes `len` bytes of `dst` from `dst_off` the bytes of `src` from
+    /// `src_off` without copying them (see [`Volume::clone_range`]);
+    /// `EOPNOTSUPP` where they cannot be shared, and the caller copies.
+    fn clone_range(&self, _src: u64, _src_off: u64, _dst: u64, _dst_off: u64, _len: u64) -> Result<u64> {
+        Err(Error::Io(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)))
+    }
 }
 
 /// What a write or truncate by a caller without CAP_FSETID, or a change
@@ -301,6 +308,9 @@ impl Files for Volume {
     }
     fn is_read_only(&self) -> bool {
         Volume::is_read_only(self)
+    }
+    fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        Volume::clone_range(self, src, src_off, dst, dst_off, len)
     }
 }
 

@@ -1658,3 +1658,40 @@ fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one(
     let theirs = in_session(server.addr, other, reclaim, tag(96, 1));
     assert!(!matches!(theirs, Answer::Reply(Ok(_))), "another client took a reclaimed lock: {theirs:?}");
 }
+
+#[test]
+fn a_clone_through_the_owner_shares_bytes_written_in_flight_and_is_applied_once() {
+    use arbor_net::branch::frames::Answer;
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let (writer, reader) = (client(&at), client(&at));
+    let src = writer.create_open(ROOT_INO, b"part-1", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    let body = pattern(3 << 20, 9);
+    // Written on the lanes and not yet answered: the clone must see them.
+    write_in_mib(&writer, src.ino, &body);
+    // A set-user-ID file (made on the owner: clients may not make one).
+    let dst = first.0.create(ROOT_INO, b"object", libc::S_IFREG | 0o4755, 0, 0, 0).expect("create");
+    first.0.write(dst.ino, 0, b"head:").expect("write");
+    assert_eq!(writer.clone_range(src.ino, 0, dst.ino, 5, body.len() as u64).expect("clone"), body.len() as u64);
+    writer.fsync(dst.ino).expect("fsync");
+    let mut want = b"head:".to_vec();
+    want.extend_from_slice(&body);
+    assert_eq!(read_all(&reader, dst.ino, want.len(), 1 << 20), want);
+    // Like a write by a client, the clone dropped the set-ID bits.
+    assert_eq!(reader.getattr(dst.ino).expect("attr").perm & 0o6000, 0);
+
+    // A clone sent again after its reply was lost, even to a new owner
+    // after a crash, is answered, not applied again over a later write.
+    let clone = FileOp::CloneRange { src: src.ino, src_off: 0, dst: dst.ino, dst_off: 0, len: 4 };
+    let tag = RequestTag { client: 91, slot: 2, seq: 1 };
+    assert!(matches!(tagged_request(first.1.addr, clone.clone(), tag), Answer::Reply(Ok(Out::Written(4)))));
+    first.0.write(dst.ino, 0, b"LAST").expect("a later write");
+    first.0.sync_all().expect("sync");
+    let second = crash_and_restart(&dev, first, &at);
+    assert!(matches!(tagged_request(second.1.addr, clone, tag), Answer::Reply(Ok(Out::Written(4)))));
+    assert_eq!(
+        second.0.read(dst.ino, 0, 9).expect("read"),
+        b"LAST:".iter().chain(&body[..4]).copied().collect::<Vec<_>>()
+    );
+}

@@ -578,6 +578,43 @@ impl Volume {
         Ok(data.len())
     }
 
+    /// Makes `len` bytes of file `dst` from `dst_off` the bytes of file
+    /// `src` from `src_off` without copying them: `dst`'s extents point at
+    /// the log bytes `src`'s do (copy-on-write keeps both files apart from
+    /// then on). One intent, so the clone is whole or absent after a crash.
+    /// The range is cut at the end of `src`; returns the bytes cloned.
+    /// An imported file's object bytes cannot be cloned (`EOPNOTSUPP`: the
+    /// caller copies them).
+    pub fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        self.log()?;
+        let mut st = self.state.write();
+        let (s, d) = (self.view(&st).inode(src)?, self.view(&st).inode(dst)?);
+        for kind in [s.kind, d.kind] {
+            match kind {
+                FileKind::Regular => {}
+                FileKind::Directory => return Err(Error::IsDir),
+                _ => return Err(Error::Invalid("a clone of a special file")),
+            }
+        }
+        let len = len.min(s.size.saturating_sub(src_off));
+        if len == 0 {
+            return Ok(0);
+        }
+        if dst_off.checked_add(len).is_none_or(|end| end > MAX_FILE_SIZE) {
+            return Err(Error::TooBig);
+        }
+        if src == dst && src_off < dst_off + len && dst_off < src_off + len {
+            return Err(Error::Invalid("a clone onto an overlapping range of the same file"));
+        }
+        if self.view(&st).source(src)?.is_some() {
+            return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
+        }
+        self.spill(&mut st, src)?;
+        self.spill(&mut st, dst)?;
+        self.run(&mut st, ops::Op::CloneRange { src, src_off, dst, dst_off, len, time: self.now() }, &[])?;
+        Ok(len)
+    }
+
     /// The largest data payload one record carries.
     fn max_write_chunk(&self) -> usize {
         let by_segment = (self.cfg.segment_size / 2) as usize;

@@ -245,6 +245,17 @@ pub enum FileOp {
     Slots {
         client: u64,
     },
+    /// Makes `len` bytes of `dst` from `dst_off` the bytes of `src` from
+    /// `src_off`, sharing them ([`Files::clone_range`]): [`Out::Written`]
+    /// with the bytes cloned. Like a write, it drops `dst`'s set-ID bits
+    /// and capabilities as a client's write does.
+    CloneRange {
+        src: u64,
+        src_off: u64,
+        dst: u64,
+        dst_off: u64,
+        len: u64,
+    },
 }
 
 impl FileOp {
@@ -269,6 +280,7 @@ impl FileOp {
         match self {
             FileOp::SetAttr { ino, .. } | FileOp::SetXattr { ino, .. } | FileOp::RemoveXattr { ino, .. } => vec![*ino],
             FileOp::Write { ino, .. } => vec![*ino],
+            FileOp::CloneRange { dst, .. } => vec![*dst],
             FileOp::Create { parent, .. }
             | FileOp::CreateOpen { parent, .. }
             | FileOp::Mkdir { parent, .. }
@@ -312,6 +324,7 @@ impl FileOp {
                 | FileOp::Rmdir { .. }
                 | FileOp::Rename { .. }
                 | FileOp::Write { .. }
+                | FileOp::CloneRange { .. }
                 | FileOp::SetXattr { .. }
                 | FileOp::RemoveXattr { .. }
         )
@@ -834,7 +847,13 @@ impl SharedBranch {
             self.replies.finish(tag, &reply);
             return reply;
         }
-        let takes = if matches!(op, FileOp::Write { .. }) { Takes::Write } else { Takes::Operation };
+        // A write's (and a clone's) tag waits for its own intent, past the
+        // set-ID bits it may drop first.
+        let takes = if matches!(op, FileOp::Write { .. } | FileOp::CloneRange { .. }) {
+            Takes::Write
+        } else {
+            Takes::Operation
+        };
         let reply = self
             .vol
             .tagged(tag, takes, |_| {
@@ -870,6 +889,9 @@ impl SharedBranch {
         let v = &self.vol;
         let out = match op {
             FileOp::Write { data, .. } => Ok(Out::Written(data.len() as u64)),
+            // The range asked for: what the source's end cut from it then is
+            // not known now (a caller that clones exact ranges gets them).
+            FileOp::CloneRange { len, .. } => Ok(Out::Written(*len)),
             FileOp::Create { parent, name, .. }
             | FileOp::Mkdir { parent, name, .. }
             | FileOp::Symlink { parent, name, .. }
@@ -948,6 +970,12 @@ impl SharedBranch {
                     };
                     let r = r.map(|n| Out::Written(n as u64));
                     self.record(session, [Inode(ino)]);
+                    r
+                }
+                FileOp::CloneRange { src, src_off, dst, dst_off, len } => {
+                    let cleared = v.getattr(dst).and_then(|a| arbor_engine::files::clear_privileges(&**v, a));
+                    let r = cleared.and_then(|_| v.clone_range(src, src_off, dst, dst_off, len)).map(Out::Written);
+                    self.record(session, [Inode(dst)]);
                     r
                 }
                 FileOp::Fsync { ino } => v.fsync(ino).map(|()| Out::Unit),

@@ -276,4 +276,14 @@ impl Files for BranchClient {
         }
         unit(self.inner.call(FileOp::UnlockAll { ino, owner }))
     }
+
+    fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        self.check_alive(dst)?;
+        let out = self.call(FileOp::CloneRange { src, src_off, dst, dst_off, len });
+        self.forget(dst);
+        match out? {
+            Out::Written(n) => Ok(n),
+            _ => Err(errno_error(libc::EPROTO)),
+        }
+    }
 }
