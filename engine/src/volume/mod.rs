@@ -588,7 +588,25 @@ impl Volume {
     pub fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
         self.log()?;
         let mut st = self.state.write();
-        let (s, d) = (self.view(&st).inode(src)?, self.view(&st).inode(dst)?);
+        let len = self.clone_checked(&st, src, src_off, dst, dst_off, len)?;
+        if len == 0 {
+            return Ok(0);
+        }
+        self.spill(&mut st, src)?;
+        self.spill(&mut st, dst)?;
+        self.run(&mut st, ops::Op::CloneRange { src, src_off, dst, dst_off, len, time: self.now() }, &[])?;
+        Ok(len)
+    }
+
+    /// What [`Volume::clone_range`] would clone now (the range cut at the
+    /// source's end), or why it would refuse, changing nothing.
+    pub fn check_clone(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        self.log()?;
+        self.clone_checked(&self.state.read(), src, src_off, dst, dst_off, len)
+    }
+
+    fn clone_checked(&self, st: &State, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        let (s, d) = (self.view(st).inode(src)?, self.view(st).inode(dst)?);
         for kind in [s.kind, d.kind] {
             match kind {
                 FileKind::Regular => {}
@@ -606,12 +624,9 @@ impl Volume {
         if src == dst && src_off < dst_off + len && dst_off < src_off + len {
             return Err(Error::Invalid("a clone onto an overlapping range of the same file"));
         }
-        if self.view(&st).source(src)?.is_some() {
+        if self.view(st).source(src)?.is_some() {
             return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
         }
-        self.spill(&mut st, src)?;
-        self.spill(&mut st, dst)?;
-        self.run(&mut st, ops::Op::CloneRange { src, src_off, dst, dst_off, len, time: self.now() }, &[])?;
         Ok(len)
     }
 

@@ -247,8 +247,9 @@ pub enum FileOp {
     },
     /// Makes `len` bytes of `dst` from `dst_off` the bytes of `src` from
     /// `src_off`, sharing them ([`Files::clone_range`]): [`Out::Written`]
-    /// with the bytes cloned. Like a write, it drops `dst`'s set-ID bits
-    /// and capabilities as a client's write does.
+    /// with `len`. The range must lie within the source (EINVAL past its
+    /// end, so a copy sent again is answered truly). It drops `dst`'s
+    /// set-ID bits and capabilities whatever the caller's privileges.
     CloneRange {
         src: u64,
         src_off: u64,
@@ -269,6 +270,7 @@ impl FileOp {
             FileOp::Open { count, .. } if count > MAX_OPEN_COUNT => Err(libc::EINVAL),
             FileOp::ReadDir { max, .. } if max > READDIR_BATCH => Err(libc::EINVAL),
             FileOp::SetLk { wait: true, reclaim: true, .. } => Err(libc::EINVAL),
+            FileOp::CloneRange { len: 0, .. } => Err(libc::EINVAL),
             FileOp::Slots { client } if reserved_client(client) => Err(libc::EPERM),
             _ => Ok(()),
         }
@@ -889,8 +891,7 @@ impl SharedBranch {
         let v = &self.vol;
         let out = match op {
             FileOp::Write { data, .. } => Ok(Out::Written(data.len() as u64)),
-            // The range asked for: what the source's end cut from it then is
-            // not known now (a caller that clones exact ranges gets them).
+            // A clone is applied only for its exact range.
             FileOp::CloneRange { len, .. } => Ok(Out::Written(*len)),
             FileOp::Create { parent, name, .. }
             | FileOp::Mkdir { parent, name, .. }
@@ -973,8 +974,17 @@ impl SharedBranch {
                     r
                 }
                 FileOp::CloneRange { src, src_off, dst, dst_off, len } => {
-                    let cleared = v.getattr(dst).and_then(|a| arbor_engine::files::clear_privileges(&**v, a));
-                    let r = cleared.and_then(|_| v.clone_range(src, src_off, dst, dst_off, len)).map(Out::Written);
+                    // Checked before the set-ID bits go: a refused clone
+                    // changes nothing.
+                    let r = v.check_clone(src, src_off, dst, dst_off, len).and_then(|cut| {
+                        if cut != len {
+                            return Err(Error::Invalid("a clone past the source's end"));
+                        }
+                        let a = v.getattr(dst)?;
+                        arbor_engine::files::clear_privileges(&**v, a)?;
+                        v.clone_range(src, src_off, dst, dst_off, len)
+                    });
+                    let r = r.map(Out::Written);
                     self.record(session, [Inode(dst)]);
                     r
                 }

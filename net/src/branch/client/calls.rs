@@ -134,7 +134,14 @@ impl Inner {
                     // Nor does a write go to a file whose lock was lost with
                     // the session: it could land over what the lock's next
                     // holder wrote.
-                    if let FileOp::Write { ino, .. } = op {
+                    // A clone writes its destination, and reads a source
+                    // whose number, too, may name another file now.
+                    let written = match op {
+                        FileOp::Write { ino, .. } => vec![*ino],
+                        FileOp::CloneRange { src, dst, .. } => vec![*src, *dst],
+                        _ => Vec::new(),
+                    };
+                    for ino in &written {
                         if self.journal.lock().gone.contains(ino) || self.locks.lock().writes_refused(*ino) {
                             return Ok(crate::branch::frames::Answer::Reply(Err(libc::EIO)));
                         }

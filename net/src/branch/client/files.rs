@@ -278,7 +278,15 @@ impl Files for BranchClient {
     }
 
     fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        self.check_alive(src)?;
         self.check_alive(dst)?;
+        // The owner clones exact ranges (so a copy sent again is answered
+        // with its true count): the range is cut at the source's end here,
+        // after every write in flight to it has been answered.
+        let len = len.min(self.getattr(src)?.size.saturating_sub(src_off));
+        if len == 0 {
+            return Ok(0);
+        }
         let out = self.call(FileOp::CloneRange { src, src_off, dst, dst_off, len });
         self.forget(dst);
         match out? {
