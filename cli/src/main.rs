@@ -390,6 +390,21 @@ struct ServeCmd {
     /// give files away; by default it is nobody (65534).
     #[arg(long)]
     no_root_squash: bool,
+    /// Also answer the S3 API on HOST:PORT: each branch this server owns
+    /// (--branch) is a writable bucket of its name, each checkpoint a
+    /// read-only bucket BRANCH--CHECKPOINT (see docs/s3.md).
+    #[arg(long, requires = "s3_keys")]
+    s3: Option<String>,
+    /// With --s3: the keys requests are signed with (SigV4), one
+    /// `ACCESS_KEY_ID SECRET` a line; refused unless only its owner can
+    /// read it (mode 0600).
+    #[arg(long, requires = "s3")]
+    s3_keys: Option<PathBuf>,
+    /// With --s3: a domain under which host BUCKET.DOMAIN addresses a
+    /// bucket (virtual-host style); may be given again (default:
+    /// localhost). Requests to any other host name the bucket in the path.
+    #[arg(long, requires = "s3")]
+    s3_domain: Vec<String>,
 }
 
 #[derive(Args)]
@@ -617,10 +632,14 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 on_step_down: std::sync::Arc::new(serve::exit_on_step_down),
             };
+            let s3 = match (c.s3, c.s3_keys) {
+                (Some(listen), Some(keys_file)) => Some(arbor_s3::Options { listen, keys_file, domains: c.s3_domain }),
+                _ => None,
+            };
             if c.foreground {
-                serve::run_foreground(&args)?;
+                serve::run_foreground(&args, s3.as_ref())?;
             } else {
-                let (pid, log) = serve::spawn_background(&args)?;
+                let (pid, log) = serve::spawn_background(&args, s3.as_ref())?;
                 println!("serving {} on {} (pid {pid}); log: {}", args.disk, args.listen, log.display());
             }
         }

@@ -31,9 +31,25 @@ pub fn exit_on_step_down(branch: &str) {
     std::process::exit(75);
 }
 
-/// Runs the server until SIGINT or SIGTERM.
-pub fn run_foreground(opts: &ServeOptions) -> Result<()> {
+/// Runs the server (and with `s3`, its S3 endpoint) until SIGINT or SIGTERM.
+pub fn run_foreground(opts: &ServeOptions, s3: Option<&arbor_s3::Options>) -> Result<()> {
+    if let Some(s3) = s3 {
+        arbor_s3::check(s3)?;
+    }
     let server = serve::start(opts)?;
+    let endpoint = match s3 {
+        Some(s3) => match arbor_s3::start(s3, server.roots()) {
+            Ok(e) => {
+                tracing::info!(listen = %e.addr(), buckets = ?e.branch_buckets(), "serving S3");
+                Some(e)
+            }
+            Err(e) => {
+                let _ = server.stop();
+                return Err(e.into());
+            }
+        },
+        None => None,
+    };
     if let Some(f) = opts.fault {
         tracing::warn!(fault = ?f, "serving with a fault switched on: clients will reject what they get");
     }
@@ -57,6 +73,10 @@ pub fn run_foreground(opts: &ServeOptions) -> Result<()> {
     crate::session::tell_systemd(sd_notify::NotifyState::Ready);
     signals.forever().next();
     crate::session::tell_systemd(sd_notify::NotifyState::Stopping);
+    // Requests in flight are answered before the branches close.
+    if let Some(e) = endpoint {
+        e.stop();
+    }
     server.stop()?;
     tracing::info!("stopped");
     Ok(())
@@ -64,9 +84,16 @@ pub fn run_foreground(opts: &ServeOptions) -> Result<()> {
 
 /// Starts the server as a background process and returns once it accepts
 /// connections: (pid, log).
-pub fn spawn_background(opts: &ServeOptions) -> Result<(u32, PathBuf)> {
+pub fn spawn_background(opts: &ServeOptions, s3: Option<&arbor_s3::Options>) -> Result<(u32, PathBuf)> {
     // Refuse what the child would refuse, here, with the message on the terminal.
     serve::check(opts)?;
+    if let Some(s3) = s3 {
+        arbor_s3::check(s3)?;
+        if s3.listen.rsplit(':').next() == Some("0") {
+            bail!("--s3 {}: give a port (port 0 is for --foreground, which logs the one it got)", s3.listen);
+        }
+        drop(std::net::TcpListener::bind(&s3.listen).with_context(|| format!("--s3: cannot listen on {}", s3.listen))?);
+    }
     let log_path = disk::open(&opts.disk)?.log_path("serve");
     for b in &opts.owner.branches {
         arbor_snapshot::check_name(b)?;
@@ -80,6 +107,7 @@ pub fn spawn_background(opts: &ServeOptions) -> Result<(u32, PathBuf)> {
     drop(std::net::TcpListener::bind(&opts.listen).with_context(|| format!("cannot listen on {}", opts.listen))?);
     let pid = crate::session::spawn_detached(&log_path, "arbor serve", &[], || {
         std::net::TcpStream::connect(&opts.listen).is_ok()
+            && s3.is_none_or(|s3| std::net::TcpStream::connect(&s3.listen).is_ok())
     })?;
     Ok((pid, log_path))
 }

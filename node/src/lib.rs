@@ -88,6 +88,7 @@ mod error;
 pub mod identity;
 mod open;
 pub mod owner;
+pub mod owner_files;
 pub mod serve;
 pub mod settings;
 pub mod through_owner;

@@ -215,6 +215,17 @@ impl Owned {
         }
     }
 
+    /// The catalog of the branch's disk, as this owner opened it.
+    pub fn catalog(&self) -> &Arc<Catalog> {
+        &self.catalog
+    }
+
+    /// The branch's files, for a front end in this process (an S3
+    /// endpoint): changed as the owner applies its clients' changes.
+    pub fn files(&self) -> Arc<dyn arbor_engine::Files> {
+        crate::owner_files::OwnerFiles::new(self.shared.clone())
+    }
+
     /// Bytes of this branch's log not in the bucket yet (0 on a
     /// local-folder disk).
     pub fn pending_upload(&self) -> u64 {

@@ -106,6 +106,55 @@ pub struct Server {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     _cache_lock: Option<std::fs::File>,
+    disk: Arc<Disk>,
+}
+
+/// What a front end in the server's process (an S3 endpoint) serves: the
+/// branches the server owns, changed through their owner as client
+/// mounts' changes are, and the disk's checkpoints, read-only.
+#[derive(Clone)]
+pub struct Roots {
+    branches: Vec<(String, Arc<dyn arbor_engine::Files>)>,
+    /// The catalog of an owned branch's disk (its chunks cached where the
+    /// owner caches them), else `disk`'s, opened when first asked.
+    catalog: Option<Arc<arbor_snapshot::Catalog>>,
+    disk: Arc<Disk>,
+}
+
+impl Roots {
+    /// The names of the branches owned here.
+    pub fn branches(&self) -> Vec<String> {
+        self.branches.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// The files of owned branch `name`, or `None` if it is not owned here.
+    pub fn branch(&self, name: &str) -> Option<Arc<dyn arbor_engine::Files>> {
+        self.branches.iter().find(|(n, _)| n == name).map(|(_, f)| f.clone())
+    }
+
+    fn catalog(&self) -> Result<Arc<arbor_snapshot::Catalog>> {
+        match &self.catalog {
+            Some(c) => Ok(c.clone()),
+            None => Ok(self.disk.catalog()?),
+        }
+    }
+
+    /// Every checkpoint of the disk.
+    pub fn checkpoints(&self) -> Result<Vec<arbor_snapshot::CheckpointInfo>> {
+        Ok(self.catalog()?.list_checkpoints()?)
+    }
+
+    /// Checkpoint `name`'s record.
+    pub fn checkpoint(&self, name: &str) -> Result<arbor_snapshot::CheckpointInfo> {
+        Ok(self.catalog()?.checkpoint(name)?)
+    }
+
+    /// Opens checkpoint `name` read-only in this process.
+    pub fn open_checkpoint(&self, name: &str) -> Result<Arc<dyn arbor_engine::Files>> {
+        let cfg = arbor_engine::volume::Config::default();
+        let v = self.catalog()?.open_checkpoint(name, cfg).context(format!("cannot open checkpoint {name}"))?;
+        Ok(v)
+    }
 }
 
 /// The lock that keeps a second server off a cache folder.
@@ -263,6 +312,7 @@ pub fn start(opts: &ServeOptions) -> Result<Server> {
         stop: Some(stop),
         thread: Some(thread),
         _cache_lock: cache.lock,
+        disk: Arc::new(d),
     })
 }
 
@@ -351,6 +401,15 @@ impl Server {
     /// Its `/metrics` (Prometheus text).
     pub fn metrics_text(&self) -> String {
         self.server.metrics_text()
+    }
+
+    /// What a front end in this process serves beside it (see [`Roots`]).
+    pub fn roots(&self) -> Roots {
+        Roots {
+            branches: self.owned.iter().map(|o| (o.shared().name().to_string(), o.files())).collect(),
+            catalog: self.owned.first().map(|o| o.catalog().clone()),
+            disk: self.disk.clone(),
+        }
     }
 
     /// The branches it owns.

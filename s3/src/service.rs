@@ -1,0 +1,1250 @@
+//! The S3 operations over the roots of one `arbor serve`.
+
+use crate::list::{self, Entry};
+use crate::multipart;
+use crate::names::{self, Bucket as Named};
+use crate::store::{self, parse_key, s3_err, Key, Meta, Tree, IO_SIZE};
+use arbor_engine::files::Files;
+use arbor_engine::volume::{Attr, ROOT_INO};
+use arbor_node::serve::Roots;
+use bytes::Bytes;
+use futures::StreamExt;
+use parking_lot::Mutex;
+use s3s::checksum::ChecksumHasher;
+use s3s::crypto::{Checksum, Md5};
+use s3s::dto::*;
+use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+/// Checkpoints kept open at once (each holds its tree's cache).
+const OPEN_CHECKPOINTS: usize = 16;
+
+/// The service: buckets are the roots of the disk.
+pub struct Arbor {
+    roots: Roots,
+    checkpoints: Mutex<HashMap<String, Tree>>,
+}
+
+/// Runs `f` off the async threads.
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> S3Result<T> + Send + 'static) -> S3Result<T> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => Err(s3_error!(InternalError, "a file operation failed: {e}")),
+    }
+}
+
+fn ts(t: SystemTime) -> Timestamp {
+    Timestamp::from(t)
+}
+
+fn engine_ts(t: arbor_engine::env::Timestamp) -> Timestamp {
+    let secs = u64::try_from(t.secs).unwrap_or(0);
+    ts(SystemTime::UNIX_EPOCH + std::time::Duration::new(secs, t.nanos))
+}
+
+/// Whole seconds since the epoch: HTTP dates carry no more, so the
+/// conditions compare at that grain.
+fn secs(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn ts_secs(t: &Timestamp) -> u64 {
+    let t: SystemTime = time::OffsetDateTime::from(t.clone()).into();
+    secs(t)
+}
+
+fn matches(cond: &ETagCondition, etag: &str) -> bool {
+    match cond {
+        ETagCondition::Any => true,
+        ETagCondition::ETag(e) => e.value() == etag,
+    }
+}
+
+/// The conditions of a GET or HEAD (RFC 9110): If-Match, else
+/// If-Unmodified-Since, fails with 412; If-None-Match, else
+/// If-Modified-Since, answers 304.
+fn check_conditions(
+    etag: &str,
+    modified: SystemTime,
+    if_match: Option<&ETagCondition>,
+    if_none_match: Option<&ETagCondition>,
+    if_modified_since: Option<&Timestamp>,
+    if_unmodified_since: Option<&Timestamp>,
+) -> S3Result<()> {
+    let m = secs(modified);
+    match (if_match, if_unmodified_since) {
+        (Some(c), _) if !matches(c, etag) => return Err(s3_error!(PreconditionFailed)),
+        (None, Some(t)) if m > ts_secs(t) => return Err(s3_error!(PreconditionFailed)),
+        _ => {}
+    }
+    match (if_none_match, if_modified_since) {
+        (Some(c), _) if matches(c, etag) => Err(s3_error!(NotModified)),
+        (None, Some(t)) if m <= ts_secs(t) => Err(s3_error!(NotModified)),
+        _ => Ok(()),
+    }
+}
+
+/// Keys and prefixes in a listing as the client asked: as they are, or
+/// URL-encoded (`EncodingType=url`, which boto3 asks for).
+struct Encoding(bool);
+
+impl Encoding {
+    fn of(e: &Option<EncodingType>) -> Encoding {
+        Encoding(e.as_ref().is_some_and(|e| e.as_str() == EncodingType::URL))
+    }
+    fn show(&self, s: &str) -> String {
+        if !self.0 {
+            return s.to_string();
+        }
+        let mut out = String::with_capacity(s.len());
+        for b in s.bytes() {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b'/') {
+                out.push(b as char);
+            } else {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        }
+        out
+    }
+    fn opt(&self, s: Option<String>) -> Option<String> {
+        s.map(|s| self.show(&s))
+    }
+}
+
+fn utf8(key: &[u8]) -> String {
+    String::from_utf8_lossy(key).into_owned()
+}
+
+/// A file held open while its bytes stream out: released when dropped.
+struct Held {
+    files: Arc<dyn Files>,
+    ino: u64,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Err(e) = self.files.release(self.ino) {
+            tracing::debug!(error = %e, "releasing a file read through S3");
+        }
+    }
+}
+
+/// Bytes `start..end` of an open file, read one chunk ahead of the client.
+fn body_stream(held: Held, start: u64, end: u64) -> StreamingBlob {
+    type Read = tokio::task::JoinHandle<std::io::Result<Vec<u8>>>;
+    fn read(files: Arc<dyn Files>, ino: u64, off: u64, len: usize) -> Read {
+        tokio::task::spawn_blocking(move || {
+            let mut buf = vec![0u8; len];
+            let mut got = 0;
+            while got < len {
+                let n = files
+                    .read_into(ino, off + got as u64, &mut buf[got..])
+                    .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+                if n == 0 {
+                    return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the file shrank under a GET"));
+                }
+                got += n;
+            }
+            Ok(buf)
+        })
+    }
+    struct State {
+        held: Held,
+        next: u64,
+        end: u64,
+        pending: Option<Read>,
+    }
+    let start_read = |s: &mut State| {
+        if s.pending.is_none() && s.next < s.end {
+            let len = (s.end - s.next).min(IO_SIZE as u64) as usize;
+            s.pending = Some(read(s.held.files.clone(), s.held.ino, s.next, len));
+            s.next += len as u64;
+        }
+    };
+    let mut first = State { held, next: start, end, pending: None };
+    start_read(&mut first);
+    let stream = futures::stream::unfold(Some(first), move |state| async move {
+        let mut s = state?;
+        let pending = s.pending.take()?;
+        let got = match pending.await {
+            Ok(r) => r,
+            Err(e) => Err(std::io::Error::other(e.to_string())),
+        };
+        match got {
+            Ok(buf) => {
+                start_read(&mut s);
+                Some((Ok(Bytes::from(buf)), Some(s)))
+            }
+            Err(e) => Some((Err(e), None)),
+        }
+    });
+    StreamingBlob::wrap(stream)
+}
+
+/// A temporary file being written: removed if the PUT does not place it.
+struct Temp {
+    tree: Tree,
+    dir: u64,
+    name: Vec<u8>,
+    ino: u64,
+    placed: bool,
+}
+
+impl Drop for Temp {
+    fn drop(&mut self) {
+        if !self.placed {
+            let (tree, dir, name) = (self.tree.clone(), self.dir, std::mem::take(&mut self.name));
+            let drop_it = move || tree.drop_temp(dir, &name);
+            match tokio::runtime::Handle::try_current() {
+                Ok(h) => {
+                    h.spawn_blocking(drop_it);
+                }
+                Err(_) => drop_it(),
+            }
+        }
+    }
+}
+
+/// Which checksums a PUT's body is checked against (its headers, its
+/// trailer, or `x-amz-checksum-algorithm`).
+fn hasher(alg: Option<&ChecksumAlgorithm>, given: [bool; 5], trailer: Option<&str>) -> S3Result<ChecksumHasher> {
+    let mut h = ChecksumHasher::default();
+    let [crc32, crc32c, sha1, sha256, crc64] = given;
+    let want = |name: &str| trailer.is_some_and(|t| t.eq_ignore_ascii_case(name));
+    if crc32 || want("x-amz-checksum-crc32") {
+        h.crc32 = Some(Default::default());
+    }
+    if crc32c || want("x-amz-checksum-crc32c") {
+        h.crc32c = Some(Default::default());
+    }
+    if sha1 || want("x-amz-checksum-sha1") {
+        h.sha1 = Some(Default::default());
+    }
+    if sha256 || want("x-amz-checksum-sha256") {
+        h.sha256 = Some(Default::default());
+    }
+    if crc64 || want("x-amz-checksum-crc64nvme") {
+        h.crc64nvme = Some(Default::default());
+    }
+    if let Some(alg) = alg {
+        match alg.as_str() {
+            ChecksumAlgorithm::CRC32 => h.crc32 = Some(Default::default()),
+            ChecksumAlgorithm::CRC32C => h.crc32c = Some(Default::default()),
+            ChecksumAlgorithm::SHA1 => h.sha1 = Some(Default::default()),
+            ChecksumAlgorithm::SHA256 => h.sha256 = Some(Default::default()),
+            ChecksumAlgorithm::CRC64NVME => h.crc64nvme = Some(Default::default()),
+            _ => return Err(s3_error!(NotImplemented, "unsupported checksum algorithm")),
+        }
+    }
+    Ok(h)
+}
+
+/// The checksums a body must have: its headers', else its trailer's.
+#[derive(Default)]
+struct Claimed {
+    crc32: Option<String>,
+    crc32c: Option<String>,
+    sha1: Option<String>,
+    sha256: Option<String>,
+    crc64nvme: Option<String>,
+}
+
+impl Claimed {
+    fn add_trailers(&mut self, trailers: Option<&s3s::TrailingHeaders>) -> S3Result<()> {
+        let Some(map) = trailers.and_then(|t| t.take()) else { return Ok(()) };
+        let get = |name: &str| -> S3Result<Option<String>> {
+            map.get(name)
+                .map(|v| v.to_str().map(str::to_owned).map_err(|_| s3_error!(InvalidArgument, "bad trailer {name}")))
+                .transpose()
+        };
+        self.crc32 = self.crc32.take().or(get("x-amz-checksum-crc32")?);
+        self.crc32c = self.crc32c.take().or(get("x-amz-checksum-crc32c")?);
+        self.sha1 = self.sha1.take().or(get("x-amz-checksum-sha1")?);
+        self.sha256 = self.sha256.take().or(get("x-amz-checksum-sha256")?);
+        self.crc64nvme = self.crc64nvme.take().or(get("x-amz-checksum-crc64nvme")?);
+        Ok(())
+    }
+
+    /// Fails with BadDigest where a claimed checksum differs from the
+    /// body's; gives the body's.
+    fn check(&self, got: s3s::dto::Checksum) -> S3Result<s3s::dto::Checksum> {
+        let pairs = [
+            ("CRC32", &self.crc32, &got.checksum_crc32),
+            ("CRC32C", &self.crc32c, &got.checksum_crc32c),
+            ("SHA1", &self.sha1, &got.checksum_sha1),
+            ("SHA256", &self.sha256, &got.checksum_sha256),
+            ("CRC64NVME", &self.crc64nvme, &got.checksum_crc64nvme),
+        ];
+        for (name, claimed, computed) in pairs {
+            if let Some(c) = claimed {
+                if Some(c) != computed.as_ref() {
+                    return Err(S3Error::with_message(
+                        S3ErrorCode::BadDigest,
+                        format!("the body's {name} is not the one sent with it"),
+                    ));
+                }
+            }
+        }
+        Ok(got)
+    }
+}
+
+/// What a body gave as it was written to a temporary file.
+struct Received {
+    temp: Temp,
+    size: u64,
+    md5: [u8; 16],
+    sums: s3s::dto::Checksum,
+}
+
+/// Writes `body` to a new temporary file of `tree`, a chunk at a time
+/// (one write in flight while the next chunk arrives), hashing it.
+async fn receive(tree: &Tree, body: Option<StreamingBlob>, mut sums: ChecksumHasher) -> S3Result<Received> {
+    let t = tree.clone();
+    let (dir, name, ino) = blocking(move || t.temp_file()).await?;
+    let temp = Temp { tree: tree.clone(), dir, name, ino, placed: false };
+    let mut md5 = Md5::new();
+    let mut size = 0u64;
+    let mut buf: Vec<u8> = Vec::with_capacity(IO_SIZE);
+    let mut pending: Option<tokio::task::JoinHandle<S3Result<()>>> = None;
+    let write = |files: Arc<dyn Files>, off: u64, data: Vec<u8>| {
+        tokio::task::spawn_blocking(move || files.write(ino, off, &data).map(|_| ()).map_err(|e| s3_err(e, "write")))
+    };
+    async fn settle(p: Option<tokio::task::JoinHandle<S3Result<()>>>) -> S3Result<()> {
+        match p {
+            Some(p) => p.await.map_err(|e| s3_error!(InternalError, "{e}"))?,
+            None => Ok(()),
+        }
+    }
+    if let Some(mut body) = body {
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))?;
+            md5.update(&chunk);
+            sums.update(&chunk);
+            buf.extend_from_slice(&chunk);
+            if buf.len() >= IO_SIZE {
+                settle(pending.take()).await?;
+                let full = std::mem::replace(&mut buf, Vec::with_capacity(IO_SIZE));
+                let len = full.len() as u64;
+                pending = Some(write(tree.files.clone(), size, full));
+                size += len;
+            }
+        }
+    }
+    settle(pending.take()).await?;
+    if !buf.is_empty() {
+        let len = buf.len() as u64;
+        settle(Some(write(tree.files.clone(), size, buf))).await?;
+        size += len;
+    }
+    Ok(Received { temp, size, md5: md5.finalize(), sums: sums.finalize() })
+}
+
+fn meta_of(
+    content_type: Option<String>,
+    content_encoding: Option<String>,
+    content_disposition: Option<String>,
+    content_language: Option<String>,
+    cache_control: Option<String>,
+    metadata: Option<Metadata>,
+) -> Meta {
+    Meta {
+        content_type,
+        content_encoding,
+        content_disposition,
+        content_language,
+        cache_control,
+        metadata: metadata.filter(|m| !m.is_empty()).map(|m| m.into_iter().collect()),
+    }
+}
+
+impl Arbor {
+    pub fn new(roots: Roots) -> Arbor {
+        Arbor { roots, checkpoints: Mutex::new(HashMap::new()) }
+    }
+
+    /// The branches served as buckets, and why the others are not.
+    pub fn served_branches(&self) -> (Vec<String>, Vec<(String, &'static str)>) {
+        let (mut ok, mut not) = (Vec::new(), Vec::new());
+        for b in self.roots.branches() {
+            match names::unserved(&b) {
+                None => ok.push(b),
+                Some(why) => not.push((b, why)),
+            }
+        }
+        (ok, not)
+    }
+
+    /// A branch's tree.
+    pub fn branch_tree(&self, name: &str) -> Option<Tree> {
+        names::branch_bucket(name)?;
+        self.roots.branch(name).map(Tree::new)
+    }
+
+    /// The tree of `bucket`; `write`: for a change (a checkpoint's bucket
+    /// refuses it).
+    async fn tree(&self, bucket: &str, write: bool) -> S3Result<Tree> {
+        match names::parse(bucket) {
+            Named::Branch(b) => self.branch_tree(&b).ok_or_else(|| s3_error!(NoSuchBucket)),
+            Named::Checkpoint { branch, name } => {
+                let t = self.checkpoint_tree(bucket, &branch, &name).await?;
+                if write {
+                    return Err(S3Error::with_message(
+                        S3ErrorCode::AccessDenied,
+                        format!("bucket {bucket} is checkpoint {name}: read-only"),
+                    ));
+                }
+                Ok(t)
+            }
+        }
+    }
+
+    async fn checkpoint_tree(&self, bucket: &str, branch: &str, name: &str) -> S3Result<Tree> {
+        if let Some(t) = self.checkpoints.lock().get(bucket) {
+            return Ok(t.clone());
+        }
+        let (roots, branch, name) = (self.roots.clone(), branch.to_string(), name.to_string());
+        let opened = blocking(move || {
+            let info = match roots.checkpoint(&name) {
+                Ok(i) => i,
+                Err(_) => return Ok(None),
+            };
+            if info.branch != branch || names::checkpoint_bucket(&branch, &name).is_none() {
+                return Ok(None);
+            }
+            let files = roots.open_checkpoint(&name).map_err(|e| s3_error!(InternalError, "{e}"))?;
+            Ok(Some(Tree::new(files)))
+        })
+        .await?;
+        let t = opened.ok_or_else(|| s3_error!(NoSuchBucket))?;
+        let mut open = self.checkpoints.lock();
+        if open.len() >= OPEN_CHECKPOINTS {
+            open.clear();
+        }
+        open.insert(bucket.to_string(), t.clone());
+        Ok(t)
+    }
+
+    /// Stat of `key` in `tree`, off the async threads.
+    async fn stat(tree: &Tree, key: &Key) -> S3Result<Option<(Attr, String)>> {
+        let (t, k) = (tree.clone(), key.clone());
+        blocking(move || {
+            Ok(t.stat(&k)?.map(|p| {
+                let e = t.etag(&p.attr);
+                (p.attr, e)
+            }))
+        })
+        .await
+    }
+
+    /// Writes a body to a temporary file and places it at `key`: the
+    /// shared part of PutObject and CopyObject.
+    async fn finish_put(
+        tree: &Tree,
+        key: &Key,
+        shown: &str,
+        r: Received,
+        etag: String,
+        meta: Meta,
+        no_replace: bool,
+    ) -> S3Result<Attr> {
+        let (t, k, shown) = (tree.clone(), key.clone(), shown.to_string());
+        let mut temp = r.temp;
+        let (dir, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
+        let placed = blocking(move || {
+            let a = t.label(ino, &etag, &meta)?;
+            t.place(dir, &name, ino, &k, &shown, no_replace)?;
+            Ok(a)
+        })
+        .await;
+        if placed.is_ok() {
+            temp.placed = true;
+        }
+        placed
+    }
+}
+
+/// The source of a copy: its tree and key.
+fn copy_source(cs: &CopySource) -> S3Result<(String, String)> {
+    match cs {
+        CopySource::Bucket { bucket, key, .. } => Ok((bucket.to_string(), key.to_string())),
+        _ => Err(s3_error!(NotImplemented, "copies from access points are not served")),
+    }
+}
+
+/// `bytes=A-B` of a CopySourceRange, inclusive, within `size`.
+fn copy_range(r: Option<&str>, size: u64) -> S3Result<(u64, u64)> {
+    let Some(r) = r else { return Ok((0, size)) };
+    let bad = || s3_error!(InvalidArgument, "x-amz-copy-source-range is bytes=FIRST-LAST");
+    let (a, b) = r.strip_prefix("bytes=").and_then(|r| r.split_once('-')).ok_or_else(bad)?;
+    let a: u64 = a.parse().map_err(|_| bad())?;
+    let b: u64 = b.parse().map_err(|_| bad())?;
+    if a > b || b >= size {
+        return Err(s3_error!(InvalidRange));
+    }
+    Ok((a, b + 1))
+}
+
+/// The conditions of a copy's source: a failed one is 412 (never 304).
+fn check_copy_conditions(
+    etag: &str,
+    modified: SystemTime,
+    if_match: Option<&ETagCondition>,
+    if_none_match: Option<&ETagCondition>,
+    if_modified_since: Option<&Timestamp>,
+    if_unmodified_since: Option<&Timestamp>,
+) -> S3Result<()> {
+    match check_conditions(etag, modified, if_match, if_none_match, if_modified_since, if_unmodified_since) {
+        Err(e) if *e.code() == S3ErrorCode::NotModified => Err(s3_error!(PreconditionFailed)),
+        r => r,
+    }
+}
+
+/// What a copy read from its source.
+struct Copied {
+    temp: (u64, Vec<u8>, u64),
+    md5: [u8; 16],
+    meta: Meta,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn copy_into_temp(
+    src: Tree,
+    key: Key,
+    dst: Tree,
+    range: Option<String>,
+    if_match: Option<ETagCondition>,
+    if_none_match: Option<ETagCondition>,
+    if_modified_since: Option<Timestamp>,
+    if_unmodified_since: Option<Timestamp>,
+) -> S3Result<Copied> {
+    blocking(move || {
+        let p = src.stat(&key)?.ok_or_else(|| s3_error!(NoSuchKey))?;
+        let etag = src.etag(&p.attr);
+        check_copy_conditions(
+            &etag,
+            store::mtime(&p.attr),
+            if_match.as_ref(),
+            if_none_match.as_ref(),
+            if_modified_since.as_ref(),
+            if_unmodified_since.as_ref(),
+        )?;
+        let meta = src.meta(p.attr.ino);
+        let size = if key.folder { 0 } else { p.attr.size };
+        let (start, end) = copy_range(range.as_deref(), size)?;
+        let a = if key.folder { p.attr } else { src.files.open(p.attr.ino).map_err(|e| s3_err(e, "open"))? };
+        let copied = dst.copy_to_temp(&*src.files, a.ino, start, end);
+        if !key.folder {
+            let _ = src.files.release(a.ino);
+        }
+        let (dir, name, ino, md5) = copied?;
+        Ok(Copied { temp: (dir, name, ino), md5, meta })
+    })
+    .await
+}
+
+#[async_trait::async_trait]
+impl S3 for Arbor {
+    async fn list_buckets(&self, _req: S3Request<ListBucketsInput>) -> S3Result<S3Response<ListBucketsOutput>> {
+        let mut buckets = Vec::new();
+        for b in self.served_branches().0 {
+            let Some(t) = self.branch_tree(&b) else { continue };
+            let created = blocking(move || Ok(t.files.getattr(ROOT_INO).ok().map(|a| engine_ts(a.crtime)))).await?;
+            buckets.push(Bucket { name: Some(b), creation_date: created, bucket_region: None });
+        }
+        let roots = self.roots.clone();
+        let cps = blocking(move || roots.checkpoints().map_err(|e| s3_error!(InternalError, "{e}"))).await?;
+        for c in cps {
+            if let Some(name) = names::checkpoint_bucket(&c.branch, &c.name) {
+                buckets.push(Bucket {
+                    name: Some(name),
+                    creation_date: Some(engine_ts(c.created)),
+                    bucket_region: None,
+                });
+            }
+        }
+        buckets.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(S3Response::new(ListBucketsOutput { buckets: Some(buckets), ..Default::default() }))
+    }
+
+    async fn head_bucket(&self, req: S3Request<HeadBucketInput>) -> S3Result<S3Response<HeadBucketOutput>> {
+        self.tree(&req.input.bucket, false).await?;
+        Ok(S3Response::new(HeadBucketOutput::default()))
+    }
+
+    async fn get_bucket_location(
+        &self,
+        req: S3Request<GetBucketLocationInput>,
+    ) -> S3Result<S3Response<GetBucketLocationOutput>> {
+        self.tree(&req.input.bucket, false).await?;
+        Ok(S3Response::new(GetBucketLocationOutput::default()))
+    }
+
+    async fn create_bucket(&self, req: S3Request<CreateBucketInput>) -> S3Result<S3Response<CreateBucketOutput>> {
+        let b = &req.input.bucket;
+        if self.tree(b, false).await.is_ok() {
+            return Err(s3_error!(BucketAlreadyOwnedByYou));
+        }
+        Err(S3Error::with_message(
+            S3ErrorCode::AccessDenied,
+            "buckets are the disk's branches (arbor branch create, then arbor serve --branch) and checkpoints",
+        ))
+    }
+
+    async fn delete_bucket(&self, _req: S3Request<DeleteBucketInput>) -> S3Result<S3Response<DeleteBucketOutput>> {
+        Err(S3Error::with_message(S3ErrorCode::AccessDenied, "buckets are the disk's branches and checkpoints"))
+    }
+
+    async fn head_object(&self, req: S3Request<HeadObjectInput>) -> S3Result<S3Response<HeadObjectOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, false).await?;
+        let key = parse_key(&i.key)?;
+        let (attr, etag) = Self::stat(&tree, &key).await?.ok_or_else(|| s3_error!(NoSuchKey))?;
+        let modified = store::mtime(&attr);
+        check_conditions(
+            &etag,
+            modified,
+            i.if_match.as_ref(),
+            i.if_none_match.as_ref(),
+            i.if_modified_since.as_ref(),
+            i.if_unmodified_since.as_ref(),
+        )?;
+        let size = if key.folder { 0 } else { attr.size };
+        let (content_length, content_range) = match &i.range {
+            None => (size, None),
+            Some(r) => {
+                let r = r.check(size)?;
+                (r.end - r.start, Some(format!("bytes {}-{}/{size}", r.start, r.end - 1)))
+            }
+        };
+        let t = tree.clone();
+        let meta = blocking(move || Ok(t.meta(attr.ino))).await?;
+        Ok(S3Response::new(HeadObjectOutput {
+            content_length: Some(content_length as i64),
+            content_range,
+            accept_ranges: Some("bytes".into()),
+            e_tag: Some(ETag::Strong(etag)),
+            last_modified: Some(ts(modified)),
+            content_type: meta.content_type,
+            content_encoding: meta.content_encoding,
+            content_disposition: meta.content_disposition,
+            content_language: meta.content_language,
+            cache_control: meta.cache_control,
+            metadata: meta.metadata.map(|m| m.into_iter().collect()),
+            ..Default::default()
+        }))
+    }
+
+    async fn get_object(&self, req: S3Request<GetObjectInput>) -> S3Result<S3Response<GetObjectOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, false).await?;
+        let key = parse_key(&i.key)?;
+        let (t, k) = (tree.clone(), key.clone());
+        // Opened before its size is read: the bytes streamed are the
+        // file's as it is now, even if another PUT replaces it meanwhile.
+        let found = blocking(move || {
+            let Some(p) = t.stat(&k)? else { return Ok(None) };
+            if k.folder {
+                let e = t.etag(&p.attr);
+                let meta = t.meta(p.attr.ino);
+                return Ok(Some((p.attr, e, None, meta)));
+            }
+            let a = t.files.open(p.attr.ino).map_err(|e| s3_err(e, "open"))?;
+            let held = Held { files: t.files.clone(), ino: a.ino };
+            let e = t.etag(&a);
+            Ok(Some((a, e, Some(held), t.meta(p.attr.ino))))
+        })
+        .await?;
+        let (attr, etag, held, meta) = found.ok_or_else(|| s3_error!(NoSuchKey))?;
+        let modified = store::mtime(&attr);
+        check_conditions(
+            &etag,
+            modified,
+            i.if_match.as_ref(),
+            i.if_none_match.as_ref(),
+            i.if_modified_since.as_ref(),
+            i.if_unmodified_since.as_ref(),
+        )?;
+        let size = if key.folder { 0 } else { attr.size };
+        let (range, content_range) = match &i.range {
+            None => (0..size, None),
+            Some(r) => {
+                let r = r.check(size)?;
+                let shown = format!("bytes {}-{}/{size}", r.start, r.end - 1);
+                (r, Some(shown))
+            }
+        };
+        let body = match held {
+            Some(h) => body_stream(h, range.start, range.end),
+            None => StreamingBlob::wrap(futures::stream::empty::<Result<Bytes, std::io::Error>>()),
+        };
+        Ok(S3Response::new(GetObjectOutput {
+            body: Some(body),
+            content_length: Some((range.end - range.start) as i64),
+            content_range,
+            accept_ranges: Some("bytes".into()),
+            e_tag: Some(ETag::Strong(etag)),
+            last_modified: Some(ts(modified)),
+            content_type: meta.content_type,
+            content_encoding: meta.content_encoding,
+            content_disposition: meta.content_disposition,
+            content_language: meta.content_language,
+            cache_control: meta.cache_control,
+            metadata: meta.metadata.map(|m| m.into_iter().collect()),
+            ..Default::default()
+        }))
+    }
+
+    async fn put_object(&self, req: S3Request<PutObjectInput>) -> S3Result<S3Response<PutObjectOutput>> {
+        let trailer = req.headers.get("x-amz-trailer").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let trailers = req.trailing_headers;
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        let given = [
+            i.checksum_crc32.is_some(),
+            i.checksum_crc32c.is_some(),
+            i.checksum_sha1.is_some(),
+            i.checksum_sha256.is_some(),
+            i.checksum_crc64nvme.is_some(),
+        ];
+        let sums = hasher(i.checksum_algorithm.as_ref(), given, trailer.as_deref())?;
+        let mut claimed = Claimed {
+            crc32: i.checksum_crc32,
+            crc32c: i.checksum_crc32c,
+            sha1: i.checksum_sha1,
+            sha256: i.checksum_sha256,
+            crc64nvme: i.checksum_crc64nvme,
+        };
+        let no_replace = i.if_none_match.as_ref().is_some_and(ETagCondition::is_any);
+        if let Some(cond) = &i.if_match {
+            match Self::stat(&tree, &key).await? {
+                Some((_, etag)) if matches(cond, &etag) => {}
+                _ => return Err(s3_error!(PreconditionFailed)),
+            }
+        }
+        if key.folder {
+            let mut body = i.body;
+            if let Some(b) = body.as_mut() {
+                while let Some(chunk) = b.next().await {
+                    let chunk = chunk.map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))?;
+                    if !chunk.is_empty() {
+                        return Err(S3Error::with_message(
+                            S3ErrorCode::InvalidArgument,
+                            "a key ending in / is a folder marker: it holds no bytes",
+                        ));
+                    }
+                }
+            }
+            if no_replace && Self::stat(&tree, &key).await?.is_some() {
+                return Err(s3_error!(PreconditionFailed));
+            }
+            let (t, k, shown) = (tree.clone(), key.clone(), i.key.clone());
+            blocking(move || t.put_folder(&k, &shown)).await?;
+            return Ok(S3Response::new(PutObjectOutput {
+                e_tag: Some(ETag::Strong(store::EMPTY_MD5.into())),
+                ..Default::default()
+            }));
+        }
+        let r = receive(&tree, i.body, sums).await?;
+        if let Some(len) = i.content_length {
+            if len >= 0 && len as u64 != r.size {
+                return Err(s3_error!(IncompleteBody, "the body is not Content-Length long"));
+            }
+        }
+        let md5 = store::hex(&r.md5);
+        if let Some(content_md5) = &i.content_md5 {
+            let sent = base64_simd::STANDARD.decode_to_vec(content_md5).map_err(|_| s3_error!(InvalidDigest))?;
+            if store::hex(&sent) != md5 {
+                return Err(s3_error!(BadDigest, "the body's MD5 is not its Content-MD5"));
+            }
+        }
+        claimed.add_trailers(trailers.as_ref())?;
+        let sums = claimed.check(r.sums.clone())?;
+        let meta = meta_of(
+            i.content_type,
+            i.content_encoding,
+            i.content_disposition,
+            i.content_language,
+            i.cache_control,
+            i.metadata,
+        );
+        Self::finish_put(&tree, &key, &i.key, r, md5.clone(), meta, no_replace).await?;
+        Ok(S3Response::new(PutObjectOutput {
+            e_tag: Some(ETag::Strong(md5)),
+            checksum_crc32: sums.checksum_crc32,
+            checksum_crc32c: sums.checksum_crc32c,
+            checksum_sha1: sums.checksum_sha1,
+            checksum_sha256: sums.checksum_sha256,
+            checksum_crc64nvme: sums.checksum_crc64nvme,
+            ..Default::default()
+        }))
+    }
+
+    async fn delete_object(&self, req: S3Request<DeleteObjectInput>) -> S3Result<S3Response<DeleteObjectOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        blocking(move || tree.delete(&key)).await?;
+        Ok(S3Response::new(DeleteObjectOutput::default()))
+    }
+
+    async fn delete_objects(&self, req: S3Request<DeleteObjectsInput>) -> S3Result<S3Response<DeleteObjectsOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let quiet = i.delete.quiet.unwrap_or(false);
+        let objects = i.delete.objects;
+        let (deleted, errors) = blocking(move || {
+            let (mut deleted, mut errors) = (Vec::new(), Vec::new());
+            for o in objects {
+                match parse_key(&o.key).and_then(|k| tree.delete(&k)) {
+                    Ok(()) => {
+                        if !quiet {
+                            deleted.push(DeletedObject { key: Some(o.key), ..Default::default() })
+                        }
+                    }
+                    Err(e) => errors.push(s3s::dto::Error {
+                        code: Some(e.code().as_str().to_string()),
+                        key: Some(o.key),
+                        message: e.message().map(str::to_owned),
+                        ..Default::default()
+                    }),
+                }
+            }
+            Ok((deleted, errors))
+        })
+        .await?;
+        Ok(S3Response::new(DeleteObjectsOutput {
+            deleted: Some(deleted),
+            errors: (!errors.is_empty()).then_some(errors),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_objects(&self, req: S3Request<ListObjectsInput>) -> S3Result<S3Response<ListObjectsOutput>> {
+        let marker = req.input.marker.clone();
+        let v2 = self
+            .list_objects_v2(req.map_input(|i| {
+                // A V1 marker may be a common prefix the page before
+                // ended with: everything under it is skipped too.
+                let (token, start_after) = match (&i.marker, &i.delimiter) {
+                    (Some(m), Some(d)) if !d.is_empty() && m.ends_with(d.as_str()) => {
+                        (Some(format!("p{}", store::hex(m.as_bytes()))), None)
+                    }
+                    _ => (None, i.marker),
+                };
+                ListObjectsV2Input {
+                    bucket: i.bucket,
+                    delimiter: i.delimiter,
+                    encoding_type: i.encoding_type,
+                    max_keys: i.max_keys,
+                    prefix: i.prefix,
+                    start_after,
+                    continuation_token: token,
+                    ..Default::default()
+                }
+            }))
+            .await?;
+        Ok(v2.map_output(|v2| {
+            // A V1 client pages with the last key (or prefix) it got.
+            let next_marker = if v2.is_truncated == Some(true) {
+                let last_key = v2.contents.as_ref().and_then(|c| c.last()).and_then(|o| o.key.clone());
+                let last_prefix = v2.common_prefixes.as_ref().and_then(|c| c.last()).and_then(|p| p.prefix.clone());
+                last_key.into_iter().chain(last_prefix).max()
+            } else {
+                None
+            };
+            ListObjectsOutput {
+                contents: v2.contents,
+                common_prefixes: v2.common_prefixes,
+                delimiter: v2.delimiter,
+                encoding_type: v2.encoding_type,
+                name: v2.name,
+                prefix: v2.prefix,
+                max_keys: v2.max_keys,
+                is_truncated: v2.is_truncated,
+                marker,
+                next_marker,
+                ..Default::default()
+            }
+        }))
+    }
+
+    async fn list_objects_v2(&self, req: S3Request<ListObjectsV2Input>) -> S3Result<S3Response<ListObjectsV2Output>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, false).await?;
+        let max = i.max_keys.unwrap_or(1000).clamp(0, 1000) as usize;
+        let after = list::start_after(i.continuation_token.as_deref(), i.start_after.as_deref())?;
+        let prefix = i.prefix.clone().unwrap_or_default();
+        let delimiter = i.delimiter.clone();
+        let enc = Encoding::of(&i.encoding_type);
+        let t = tree.clone();
+        let (contents, prefixes, next_token) = blocking(move || {
+            let page = if max == 0 {
+                list::Page { entries: Vec::new(), truncated: false }
+            } else {
+                list::page(&t, &prefix, delimiter.as_deref(), &after, max)?
+            };
+            let next_token = if page.truncated { page.entries.last().map(list::token_after) } else { None };
+            let (mut contents, mut prefixes) = (Vec::new(), Vec::new());
+            for e in page.entries {
+                match e {
+                    Entry::Object(f) => {
+                        let size = if f.key.ends_with(b"/") { 0 } else { f.attr.size };
+                        contents.push(Object {
+                            key: Some(utf8(&f.key)),
+                            size: Some(size as i64),
+                            e_tag: Some(ETag::Strong(t.etag(&f.attr))),
+                            last_modified: Some(ts(store::mtime(&f.attr))),
+                            storage_class: Some(ObjectStorageClass::from_static(ObjectStorageClass::STANDARD)),
+                            ..Default::default()
+                        })
+                    }
+                    Entry::Prefix(p) => prefixes.push(utf8(&p)),
+                }
+            }
+            Ok((contents, prefixes, next_token))
+        })
+        .await?;
+        let key_count = (contents.len() + prefixes.len()) as i32;
+        let contents: Vec<Object> = contents
+            .into_iter()
+            .map(|mut o| {
+                o.key = enc.opt(o.key);
+                o
+            })
+            .collect();
+        let prefixes: Vec<CommonPrefix> =
+            prefixes.into_iter().map(|p| CommonPrefix { prefix: Some(enc.show(&p)) }).collect();
+        Ok(S3Response::new(ListObjectsV2Output {
+            name: Some(i.bucket),
+            prefix: Some(enc.show(i.prefix.as_deref().unwrap_or(""))),
+            delimiter: enc.opt(i.delimiter),
+            start_after: enc.opt(i.start_after),
+            encoding_type: i.encoding_type,
+            max_keys: Some(max as i32),
+            key_count: Some(key_count),
+            is_truncated: Some(next_token.is_some()),
+            continuation_token: i.continuation_token,
+            next_continuation_token: next_token,
+            contents: (!contents.is_empty()).then_some(contents),
+            common_prefixes: (!prefixes.is_empty()).then_some(prefixes),
+            ..Default::default()
+        }))
+    }
+
+    async fn copy_object(&self, req: S3Request<CopyObjectInput>) -> S3Result<S3Response<CopyObjectOutput>> {
+        let i = req.input;
+        let dst = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        let (src_bucket, src_key) = copy_source(&i.copy_source)?;
+        let src = self.tree(&src_bucket, false).await?;
+        let skey = parse_key(&src_key)?;
+        if key.folder {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidArgument,
+                "a folder marker holds no bytes to copy to",
+            ));
+        }
+        let c = copy_into_temp(
+            src,
+            skey,
+            dst.clone(),
+            None,
+            i.copy_source_if_match,
+            i.copy_source_if_none_match,
+            i.copy_source_if_modified_since,
+            i.copy_source_if_unmodified_since,
+        )
+        .await?;
+        let replace = i.metadata_directive.as_ref().is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
+        let meta = if replace {
+            meta_of(
+                i.content_type,
+                i.content_encoding,
+                i.content_disposition,
+                i.content_language,
+                i.cache_control,
+                i.metadata,
+            )
+        } else {
+            c.meta
+        };
+        let md5 = store::hex(&c.md5);
+        let (dir, name, ino) = c.temp;
+        let temp = Temp { tree: dst.clone(), dir, name, ino, placed: false };
+        let r = Received { temp, size: 0, md5: c.md5, sums: Default::default() };
+        let a = Self::finish_put(&dst, &key, &i.key, r, md5.clone(), meta, false).await?;
+        Ok(S3Response::new(CopyObjectOutput {
+            copy_object_result: Some(CopyObjectResult {
+                e_tag: Some(ETag::Strong(md5)),
+                last_modified: Some(ts(store::mtime(&a))),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn create_multipart_upload(
+        &self,
+        req: S3Request<CreateMultipartUploadInput>,
+    ) -> S3Result<S3Response<CreateMultipartUploadOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        multipart::check_target(&key, &i.key)?;
+        let meta = meta_of(
+            i.content_type,
+            i.content_encoding,
+            i.content_disposition,
+            i.content_language,
+            i.cache_control,
+            i.metadata,
+        );
+        let k = i.key.clone();
+        let id = blocking(move || tree.create_upload(&k, meta)).await?;
+        Ok(S3Response::new(CreateMultipartUploadOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            upload_id: Some(id),
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part(&self, req: S3Request<UploadPartInput>) -> S3Result<S3Response<UploadPartOutput>> {
+        let trailer = req.headers.get("x-amz-trailer").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let trailers = req.trailing_headers;
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        multipart::check_part_number(i.part_number)?;
+        let (t, id, k) = (tree.clone(), i.upload_id.clone(), i.key.clone());
+        let (dir, _) = blocking(move || t.upload(&id, Some(&k))).await?;
+        let given = [
+            i.checksum_crc32.is_some(),
+            i.checksum_crc32c.is_some(),
+            i.checksum_sha1.is_some(),
+            i.checksum_sha256.is_some(),
+            i.checksum_crc64nvme.is_some(),
+        ];
+        let sums = hasher(i.checksum_algorithm.as_ref(), given, trailer.as_deref())?;
+        let mut claimed = Claimed {
+            crc32: i.checksum_crc32,
+            crc32c: i.checksum_crc32c,
+            sha1: i.checksum_sha1,
+            sha256: i.checksum_sha256,
+            crc64nvme: i.checksum_crc64nvme,
+        };
+        let r = receive(&tree, i.body, sums).await?;
+        if let Some(len) = i.content_length {
+            if len >= 0 && len as u64 != r.size {
+                return Err(s3_error!(IncompleteBody, "the body is not Content-Length long"));
+            }
+        }
+        let md5 = store::hex(&r.md5);
+        if let Some(content_md5) = &i.content_md5 {
+            let sent = base64_simd::STANDARD.decode_to_vec(content_md5).map_err(|_| s3_error!(InvalidDigest))?;
+            if store::hex(&sent) != md5 {
+                return Err(s3_error!(BadDigest, "the body's MD5 is not its Content-MD5"));
+            }
+        }
+        claimed.add_trailers(trailers.as_ref())?;
+        let sums = claimed.check(r.sums.clone())?;
+        let mut temp = r.temp;
+        let (t, e, n) = (tree.clone(), md5.clone(), i.part_number);
+        let (tmp, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
+        blocking(move || {
+            t.label(ino, &e, &Meta::default())?;
+            t.place_part(tmp, &name, ino, dir, n)
+        })
+        .await?;
+        temp.placed = true;
+        Ok(S3Response::new(UploadPartOutput {
+            e_tag: Some(ETag::Strong(md5)),
+            checksum_crc32: sums.checksum_crc32,
+            checksum_crc32c: sums.checksum_crc32c,
+            checksum_sha1: sums.checksum_sha1,
+            checksum_sha256: sums.checksum_sha256,
+            checksum_crc64nvme: sums.checksum_crc64nvme,
+            ..Default::default()
+        }))
+    }
+
+    async fn upload_part_copy(
+        &self,
+        req: S3Request<UploadPartCopyInput>,
+    ) -> S3Result<S3Response<UploadPartCopyOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        multipart::check_part_number(i.part_number)?;
+        let (t, id, k) = (tree.clone(), i.upload_id.clone(), i.key.clone());
+        let (dir, _) = blocking(move || t.upload(&id, Some(&k))).await?;
+        let (src_bucket, src_key) = copy_source(&i.copy_source)?;
+        let src = self.tree(&src_bucket, false).await?;
+        let skey = parse_key(&src_key)?;
+        let c = copy_into_temp(
+            src,
+            skey,
+            tree.clone(),
+            i.copy_source_range,
+            i.copy_source_if_match,
+            i.copy_source_if_none_match,
+            i.copy_source_if_modified_since,
+            i.copy_source_if_unmodified_since,
+        )
+        .await?;
+        let md5 = store::hex(&c.md5);
+        let (tmp, name, ino) = c.temp;
+        let mut temp = Temp { tree: tree.clone(), dir: tmp, name: name.clone(), ino, placed: false };
+        let (t, e, n) = (tree.clone(), md5.clone(), i.part_number);
+        let a = blocking(move || {
+            let a = t.label(ino, &e, &Meta::default())?;
+            t.place_part(tmp, &name, ino, dir, n)?;
+            Ok(a)
+        })
+        .await?;
+        temp.placed = true;
+        Ok(S3Response::new(UploadPartCopyOutput {
+            copy_part_result: Some(CopyPartResult {
+                e_tag: Some(ETag::Strong(md5)),
+                last_modified: Some(ts(store::mtime(&a))),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+
+    async fn complete_multipart_upload(
+        &self,
+        req: S3Request<CompleteMultipartUploadInput>,
+    ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let key = parse_key(&i.key)?;
+        let mut asked = Vec::new();
+        for p in i.multipart_upload.and_then(|m| m.parts).unwrap_or_default() {
+            let n = p.part_number.ok_or_else(|| s3_error!(InvalidPart, "a part without its number"))?;
+            let etag = p
+                .e_tag
+                .map(|e| e.value().to_string())
+                .ok_or_else(|| s3_error!(InvalidPart, "a part without its ETag"))?;
+            asked.push((n, etag));
+        }
+        if let Some(cond) = &i.if_match {
+            match Self::stat(&tree, &key).await? {
+                Some((_, etag)) if matches(cond, &etag) => {}
+                _ => return Err(s3_error!(PreconditionFailed)),
+            }
+        }
+        if i.if_none_match.as_ref().is_some_and(ETagCondition::is_any) && Self::stat(&tree, &key).await?.is_some() {
+            return Err(s3_error!(PreconditionFailed));
+        }
+        let (t, id, k, shown) = (tree.clone(), i.upload_id.clone(), key.clone(), i.key.clone());
+        let (etag, _) = blocking(move || t.complete_upload(&id, &k, &shown, &asked)).await?;
+        Ok(S3Response::new(CompleteMultipartUploadOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            e_tag: Some(ETag::Strong(etag)),
+            ..Default::default()
+        }))
+    }
+
+    async fn abort_multipart_upload(
+        &self,
+        req: S3Request<AbortMultipartUploadInput>,
+    ) -> S3Result<S3Response<AbortMultipartUploadOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let (id, k) = (i.upload_id.clone(), i.key.clone());
+        blocking(move || {
+            tree.upload(&id, Some(&k))?;
+            tree.abort_upload(&id)
+        })
+        .await?;
+        Ok(S3Response::new(AbortMultipartUploadOutput::default()))
+    }
+
+    async fn list_parts(&self, req: S3Request<ListPartsInput>) -> S3Result<S3Response<ListPartsOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let (id, k) = (i.upload_id.clone(), i.key.clone());
+        let marker = i.part_number_marker.unwrap_or(0);
+        let max = i.max_parts.unwrap_or(1000).clamp(1, 1000) as usize;
+        let (parts, truncated) = blocking(move || {
+            let (dir, _) = tree.upload(&id, Some(&k))?;
+            let all: Vec<_> = tree.parts(dir)?.into_iter().filter(|p| p.number > marker).collect();
+            let truncated = all.len() > max;
+            Ok((all.into_iter().take(max).collect::<Vec<_>>(), truncated))
+        })
+        .await?;
+        let next = if truncated { parts.last().map(|p| p.number) } else { None };
+        let parts: Vec<Part> = parts
+            .into_iter()
+            .map(|p| Part {
+                part_number: Some(p.number),
+                e_tag: Some(ETag::Strong(p.etag)),
+                size: Some(p.attr.size as i64),
+                last_modified: Some(ts(store::mtime(&p.attr))),
+                ..Default::default()
+            })
+            .collect();
+        Ok(S3Response::new(ListPartsOutput {
+            bucket: Some(i.bucket),
+            key: Some(i.key),
+            upload_id: Some(i.upload_id),
+            is_truncated: Some(truncated),
+            next_part_number_marker: next,
+            max_parts: Some(max as i32),
+            part_number_marker: i.part_number_marker,
+            parts: Some(parts),
+            ..Default::default()
+        }))
+    }
+
+    async fn list_multipart_uploads(
+        &self,
+        req: S3Request<ListMultipartUploadsInput>,
+    ) -> S3Result<S3Response<ListMultipartUploadsOutput>> {
+        let i = req.input;
+        let tree = self.tree(&i.bucket, true).await?;
+        let prefix = i.prefix.clone().unwrap_or_default();
+        let mut uploads = blocking(move || tree.uploads()).await?;
+        uploads.retain(|(_, u)| u.key.starts_with(&prefix));
+        if let Some(m) = &i.key_marker {
+            uploads.retain(|(id, u)| {
+                u.key.as_str() > m.as_str()
+                    || (u.key == *m && i.upload_id_marker.as_ref().is_some_and(|im| id.as_str() > im.as_str()))
+            });
+        }
+        uploads.sort_by(|a, b| (&a.1.key, a.1.initiated, &a.0).cmp(&(&b.1.key, b.1.initiated, &b.0)));
+        let max = i.max_uploads.unwrap_or(1000).clamp(1, 1000) as usize;
+        let truncated = uploads.len() > max;
+        uploads.truncate(max);
+        let (next_key, next_id) = match (truncated, uploads.last()) {
+            (true, Some((id, u))) => (Some(u.key.clone()), Some(id.clone())),
+            _ => (None, None),
+        };
+        let list: Vec<MultipartUpload> = uploads
+            .into_iter()
+            .map(|(id, u)| MultipartUpload {
+                key: Some(u.key),
+                upload_id: Some(id),
+                initiated: Some(ts(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(u.initiated))),
+                ..Default::default()
+            })
+            .collect();
+        Ok(S3Response::new(ListMultipartUploadsOutput {
+            bucket: Some(i.bucket),
+            prefix: i.prefix,
+            key_marker: i.key_marker,
+            upload_id_marker: i.upload_id_marker,
+            max_uploads: Some(max as i32),
+            is_truncated: Some(truncated),
+            next_key_marker: next_key,
+            next_upload_id_marker: next_id,
+            uploads: Some(list),
+            ..Default::default()
+        }))
+    }
+}
