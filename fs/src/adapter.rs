@@ -400,6 +400,12 @@ impl<F: Files + ?Sized> ArborFs<F> {
         self.next_handle.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Starts handing out handles from `first` on (a process resuming a
+    /// connection: the kernel still holds the dead process's handles).
+    pub fn skip_handles(&self, first: u64) {
+        self.next_handle.fetch_max(first, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// `flags`: those the file was opened with; `fh`: its handle.
     pub fn release(&self, ino: u64, fh: u64, flags: i32, lock_owner: Option<u64>) -> Answer<()> {
         self.counters.ops.run(Op::Release, ino, || {
