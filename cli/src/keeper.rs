@@ -17,7 +17,7 @@ use std::os::unix::net::UnixDatagram;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 /// Set for the serving child: the keeper's socket.
@@ -66,6 +66,20 @@ pub fn hand_over(dev: BorrowedFd<'_>) -> Result<()> {
     Ok(())
 }
 
+/// For a serving child: passes a state for systemd (`READY=1`,
+/// `STOPPING=1`) to the keeper, which is the process systemd started and
+/// the only one it hears from (`NotifyAccess=main`). False without a
+/// keeper.
+pub fn tell_keeper(state: &str) -> bool {
+    let Some(sock) = std::env::var(KEEPER_FD).ok().and_then(|s| s.parse::<RawFd>().ok()) else { return false };
+    // SAFETY: a valid socket and buffer.
+    let sent = unsafe { libc::send(sock, state.as_ptr().cast(), state.len(), 0) };
+    if sent < 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot tell the keeper {state}");
+    }
+    true
+}
+
 fn send_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
     let byte = [0u8; 1];
     let mut iov = libc::iovec { iov_base: byte.as_ptr() as *mut _, iov_len: 1 };
@@ -93,10 +107,16 @@ fn send_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// A descriptor waiting on `sock`, if one was sent.
-fn receive_fd(sock: &UnixDatagram) -> Option<OwnedFd> {
-    let mut byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
+/// One message from a child: a descriptor, or a text (a state for
+/// systemd, or the keeper's own marker). `None`: the socket failed.
+enum Message {
+    Device(OwnedFd),
+    Text(String),
+}
+
+fn receive(sock: &UnixDatagram) -> Option<Message> {
+    let mut text = [0u8; 256];
+    let mut iov = libc::iovec { iov_base: text.as_mut_ptr().cast(), iov_len: text.len() };
     // SAFETY: CMSG_SPACE is a pure computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut control = vec![0u8; space];
@@ -106,19 +126,41 @@ fn receive_fd(sock: &UnixDatagram) -> Option<OwnedFd> {
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    // SAFETY: a valid socket and message; MSG_CMSG_CLOEXEC keeps the fd ours.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return None;
-    }
+    let n = loop {
+        // SAFETY: a valid socket and message; MSG_CMSG_CLOEXEC keeps the fd ours.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return None;
+        }
+    };
     // SAFETY: the kernel filled the control buffer.
     unsafe {
         let c = libc::CMSG_FIRSTHDR(&msg);
-        if c.is_null() || (*c).cmsg_level != libc::SOL_SOCKET || (*c).cmsg_type != libc::SCM_RIGHTS {
-            return None;
+        if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+            let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
+            return Some(Message::Device(OwnedFd::from_raw_fd(fd)));
         }
-        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
-        Some(OwnedFd::from_raw_fd(fd))
+    }
+    Some(Message::Text(String::from_utf8_lossy(&text[..n]).into_owned()))
+}
+
+/// The keeper's marker: every message a dead child sent before it is read.
+const SYNC: &str = "arbor-keeper-sync";
+
+/// Reads the children's messages: keeps the last device, passes states on
+/// to systemd, and answers each [`SYNC`] on `synced`.
+fn listen(sock: UnixDatagram, device: Arc<parking_lot::Mutex<Option<OwnedFd>>>, synced: mpsc::Sender<()>) {
+    while let Some(m) = receive(&sock) {
+        match m {
+            Message::Device(fd) => *device.lock() = Some(fd),
+            Message::Text(t) if t == SYNC => {
+                let _ = synced.send(());
+            }
+            Message::Text(state) => crate::session::tell_systemd(sd_notify::NotifyState::Custom(&state)),
+        }
     }
 }
 
@@ -127,6 +169,10 @@ fn receive_fd(sock: &UnixDatagram) -> Option<OwnedFd> {
 /// a signal passed on, a failure to mount); exits with its status.
 pub fn run(mountpoint: &Path) -> Result<()> {
     let (ours, theirs) = UnixDatagram::pair()?;
+    let device = Arc::new(parking_lot::Mutex::new(None::<OwnedFd>));
+    let (synced_tx, synced) = mpsc::channel();
+    let d = device.clone();
+    std::thread::Builder::new().name("arbor-keeper".into()).spawn(move || listen(ours, d, synced_tx))?;
     let child_pid = Arc::new(AtomicI32::new(0));
     let stopping = Arc::new(AtomicBool::new(false));
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
@@ -141,21 +187,22 @@ pub fn run(mountpoint: &Path) -> Result<()> {
             }
         }
     });
-    let mut dev: Option<OwnedFd> = None;
     let mut restarts: Vec<Instant> = Vec::new();
     loop {
-        let mut child = spawn(theirs.as_raw_fd(), dev.as_ref().map(|d| d.as_raw_fd()))?;
+        let dev = device.lock().as_ref().map(|d| d.as_raw_fd());
+        let mut child = spawn(theirs.as_raw_fd(), dev)?;
         child_pid.store(child.id() as i32, Ordering::SeqCst);
         let status = child.wait()?;
         child_pid.store(0, Ordering::SeqCst);
-        while let Some(fd) = receive_fd(&ours) {
-            dev = Some(fd);
-        }
+        // Whatever the child sent before it ended is read before this goes on.
+        theirs.send(SYNC.as_bytes())?;
+        let _ = synced.recv_timeout(Duration::from_secs(5));
         if status.success() {
             return Ok(());
         }
         let code = status.code().unwrap_or(1);
-        if dev.is_none() || stopping.load(Ordering::SeqCst) || !arbor_fs::is_mountpoint(mountpoint) {
+        let held = device.lock().is_some();
+        if !held || stopping.load(Ordering::SeqCst) || !arbor_fs::is_mountpoint(mountpoint) {
             std::process::exit(code);
         }
         restarts.retain(|t| t.elapsed() < RESTART_WINDOW);
@@ -176,6 +223,8 @@ pub fn run(mountpoint: &Path) -> Result<()> {
 fn spawn(sock: RawFd, dev: Option<RawFd>) -> Result<std::process::Child> {
     let mut cmd = std::process::Command::new(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1)).env(KEEPER_FD, sock.to_string());
+    // It tells systemd through the keeper (see `tell_keeper`).
+    cmd.env_remove("NOTIFY_SOCKET");
     match dev {
         Some(d) => cmd.env(RESUME_FD, d.to_string()),
         None => cmd.env_remove(RESUME_FD),
