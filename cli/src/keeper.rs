@@ -218,10 +218,21 @@ pub fn run(mountpoint: &Path) -> Result<()> {
     }
 }
 
+/// The binary to run: this one, or the one installed in its place (an
+/// upgrade: a child killed on purpose comes back as the new version).
+fn program() -> std::io::Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    let s = exe.to_string_lossy();
+    Ok(match s.strip_suffix(" (deleted)") {
+        Some(path) => path.into(),
+        None => exe,
+    })
+}
+
 /// Starts this command as the serving child, with the keeper's socket and
 /// (to take a live connection over) the mount's `/dev/fuse` file.
 fn spawn(sock: RawFd, dev: Option<RawFd>) -> Result<std::process::Child> {
-    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    let mut cmd = std::process::Command::new(program()?);
     cmd.args(std::env::args_os().skip(1)).env(KEEPER_FD, sock.to_string());
     // It tells systemd through the keeper (see `tell_keeper`).
     cmd.env_remove("NOTIFY_SOCKET");

@@ -288,7 +288,11 @@ pub fn resume<F: Files + ?Sized>(
     // Handles the dead process gave out stay with the kernel's open files:
     // new ones must not repeat them.
     fs.skip_handles(u64::from(std::process::id()) << 32);
-    crate::resume::resend(&dev)?;
+    if let Err(e) = crate::resume::resend(&dev) {
+        // Before Linux 6.9: what the dead process read and did not answer
+        // waits forever; everything else is served.
+        tracing::warn!(error = %e, "requests the dead process had read are not sent again");
+    }
     let keep = dev.try_clone()?;
     let resumed = crate::resume::serve(fs.clone(), dev, opts.threads)?;
     let transport = Arc::new(Transport::new(RingChoice::Classic));
