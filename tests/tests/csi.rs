@@ -412,7 +412,10 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mo
     m.unmount();
 
     let dir = s.dir.path();
-    let mut plugin = Plugin::start(dir);
+    // Its mount's serving process is killed below: `ARBOR_FUSE=ring` would
+    // insist on the ring, whose requests in flight die with its process.
+    let restartable = [("ARBOR_FUSE", "auto".to_string())];
+    let mut plugin = Plugin::start_env(dir, &restartable);
     let mut node = NodeClient::new(connect(&plugin.socket).await);
     let staging = dir.join("globalmount");
     let target = dir.join("pods/p/volumes/data");
@@ -449,7 +452,7 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mo
     // The plugin restarts (a new DaemonSet pod): the kubelet repeats its
     // calls and gets the same answers, from the records on disk.
     plugin.stop();
-    let plugin = Plugin::start(dir);
+    let plugin = Plugin::start_env(dir, &restartable);
     let mut node = NodeClient::new(connect(&plugin.socket).await);
     node.node_stage_volume(stage_req("ckpt", &staging, rox, &ctx, &[])).await.expect("stage after restart");
     node.node_publish_volume(publish_req("ckpt", &staging, &target, rox, false)).await.expect("publish after restart");
