@@ -39,7 +39,7 @@ pub struct MountOptions {
     /// writes the branch could have made such a file.
     pub suid_devices: bool,
     /// Served so that another process can take the connection over when
-    /// this one dies ([`mod@crate::resume`]): on `/dev/fuse` (unless
+    /// this one dies (`fs/src/resume.rs`): on `/dev/fuse` (unless
     /// `ARBOR_FUSE=ring` insists), every thread reading the one file
     /// [`MountHandle::device`] gives out.
     pub restartable: bool,
@@ -273,7 +273,7 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
 }
 
 /// Serves the mount at `mountpoint` on `dev`, its `/dev/fuse` file, after
-/// the process that served it died (see [`mod@crate::resume`]): asks the
+/// the process that served it died (see `fs/src/resume.rs`): asks the
 /// kernel to send again what that process left unanswered, then answers
 /// every request with `opts.threads` threads. Nothing is mounted and
 /// nothing asks the mount point anything (it has no server until this
