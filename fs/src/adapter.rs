@@ -83,7 +83,7 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     next_handle: std::sync::atomic::AtomicU64,
     counters: Arc<Counters>,
     /// Where a change the kernel cannot know of is pushed into its caches.
-    notifier: std::sync::OnceLock<fuser::Notifier>,
+    notifier: std::sync::OnceLock<crate::Notify>,
     direct: DirectWrites,
 }
 
@@ -144,7 +144,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     /// Set once the session runs.
-    pub fn set_notifier(&self, n: fuser::Notifier) {
+    pub fn set_notifier(&self, n: crate::Notify) {
         self.direct.start(n.clone());
         let _ = self.notifier.set(n);
     }
@@ -253,7 +253,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// whose pages the kernel holds locked).
     fn drop_cached(&self, ino: u64, from: i64) {
         if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), from, 0) {
+            if let Err(e) = n.inval_inode(ino, from, 0) {
                 tracing::warn!(ino, error = %e, "dropping what the kernel cached of a file failed");
             }
         }

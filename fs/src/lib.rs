@@ -7,6 +7,7 @@ mod adapter;
 mod classic;
 mod direct;
 pub mod mount;
+mod notify;
 pub mod ops;
 mod resume;
 pub mod ring;
@@ -16,5 +17,6 @@ pub use arbor_engine::files::{Caller, Files, Lock};
 pub use mount::{
     is_mountpoint, mount, mount_path, recover_stale_mount, resume, Invalidator, MountHandle, MountOptions, THREADS,
 };
+pub use notify::Notify;
 pub use ops::{Op, OpMetrics};
 pub use ring::{RingChoice, Transport};

@@ -117,8 +117,11 @@ impl MountHandle {
 
     /// What pushes invalidations of names and inodes into the kernel's
     /// caches (a shared tree's owner says what other nodes changed).
-    pub fn notifier(&self) -> Option<fuser::Notifier> {
-        self.session.as_ref().map(|s| s.notifier())
+    pub fn notifier(&self) -> Option<crate::Notify> {
+        match &self.session {
+            Some(s) => Some(crate::Notify::Fuser(s.notifier())),
+            None => self.device.as_ref().and_then(|d| d.try_clone().ok()).map(|d| crate::Notify::Device(Arc::new(d))),
+        }
     }
 
     /// Drops what the kernel caches of names and inodes changed by
@@ -187,14 +190,13 @@ fn config(opts: &MountOptions, read_only: bool) -> Config {
 /// See [`MountHandle::invalidator`]. Failures are logged, not returned: the
 /// kernel answers ENOENT for what it does not hold, and an unmounted file
 /// system has nothing cached.
-pub struct Invalidator(Option<fuser::Notifier>);
+pub struct Invalidator(Option<crate::Notify>);
 
 impl Invalidator {
     /// The name `name` in directory `parent` (added, removed or replaced).
     pub fn entry(&self, parent: u64, name: &[u8]) {
-        use std::os::unix::ffi::OsStrExt;
         if let Some(n) = &self.0 {
-            if let Err(e) = n.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(name)) {
+            if let Err(e) = n.inval_entry(parent, name) {
                 tracing::debug!(parent, error = %e, "cannot invalidate a kernel name");
             }
         }
@@ -203,7 +205,7 @@ impl Invalidator {
     /// Inode `ino`'s attributes and cached pages (its bytes changed).
     pub fn inode(&self, ino: u64) {
         if let Some(n) = &self.0 {
-            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), 0, 0) {
+            if let Err(e) = n.inval_inode(ino, 0, 0) {
                 tracing::debug!(ino, error = %e, "cannot invalidate a kernel inode");
             }
         }
@@ -239,7 +241,7 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     // INIT is answered before this returns, so the transport is known.
     let session = fuser::Session::new(classic, mountpoint, &config(opts, read_only))?;
     // Before anything answers the kernel: a ring answers from its start.
-    fs.set_notifier(session.notifier());
+    fs.set_notifier(crate::Notify::Fuser(session.notifier()));
     let kernel_read_ahead = set_kernel_read_ahead(mountpoint, opts.read_ahead);
     if kept_classic {
         transport.classic_because("restartable: a ring's requests would die with this process");
@@ -294,6 +296,8 @@ pub fn resume<F: Files + ?Sized>(
         tracing::warn!(error = %e, "requests the dead process had read are not sent again");
     }
     let keep = dev.try_clone()?;
+    let dev = Arc::new(dev);
+    fs.set_notifier(crate::Notify::Device(dev.clone()));
     let resumed = crate::resume::serve(fs.clone(), dev, opts.threads)?;
     let transport = Arc::new(Transport::new(RingChoice::Classic));
     transport.classic_because("taken over from a process that died");

@@ -19,9 +19,8 @@
 //! needs nothing from them: every request names its inode, and inode
 //! numbers are the engine's), and the dead process's open files count as
 //! closed (a file unlinked while open may be gone; locks are the kernel's
-//! on a local mount). It sends no invalidations: write-only opens use the
-//! page cache again, and a mode a write cleared of set-user-ID bits stays
-//! cached until its attributes time out.
+//! on a local mount). Its invalidations are written on the same file
+//! (`notify.rs`).
 //!
 //! Requests in flight on FUSE over io_uring die with the process's rings,
 //! so a mount that may be resumed is served on `/dev/fuse` from the start
@@ -76,22 +75,13 @@ impl Resumed {
 /// Asks the kernel to send again every request of this connection that was
 /// read but not answered (by a process now dead).
 pub(crate) fn resend(dev: &OwnedFd) -> io::Result<()> {
-    let mut out = [0u8; 16];
-    out[..4].copy_from_slice(16u32.as_bytes());
-    out[4..8].copy_from_slice(NOTIFY_RESEND.as_bytes());
-    // SAFETY: a valid fd and buffer.
-    let n = unsafe { libc::write(dev.as_raw_fd(), out.as_ptr().cast(), out.len()) };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        return Err(io::Error::new(e.kind(), format!("FUSE_NOTIFY_RESEND (needs Linux 6.9): {e}")));
-    }
-    Ok(())
+    crate::notify::write_notification(dev, NOTIFY_RESEND, &[])
+        .map_err(|e| io::Error::new(e.kind(), format!("FUSE_NOTIFY_RESEND (needs Linux 6.9): {e}")))
 }
 
 /// Starts `threads` threads answering requests on `dev` with `fs`. Ends
 /// (each thread) when the connection does (an unmount).
-pub(crate) fn serve<F: Files + ?Sized>(fs: Arc<ArborFs<F>>, dev: OwnedFd, threads: usize) -> io::Result<Resumed> {
-    let dev = Arc::new(dev);
+pub(crate) fn serve<F: Files + ?Sized>(fs: Arc<ArborFs<F>>, dev: Arc<OwnedFd>, threads: usize) -> io::Result<Resumed> {
     let running = Arc::new(AtomicUsize::new(0));
     let mut handles = Vec::new();
     for i in 0..threads.max(1) {
