@@ -192,6 +192,11 @@ pub fn run(mountpoint: &Path) -> Result<()> {
         let dev = device.lock().as_ref().map(|d| d.as_raw_fd());
         let mut child = spawn(theirs.as_raw_fd(), dev)?;
         child_pid.store(child.id() as i32, Ordering::SeqCst);
+        if stopping.load(Ordering::SeqCst) {
+            // A signal that came before there was a child to pass it to.
+            // SAFETY: a signal to our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        }
         let status = child.wait()?;
         child_pid.store(0, Ordering::SeqCst);
         // Whatever the child sent before it ended is read before this goes on.
