@@ -42,6 +42,10 @@ pub fn mount(
         servers: cache_client.clone(),
     };
     let endpoint = metrics.map(|addr| sources.serve(addr)).transpose()?;
+    if opts.restartable {
+        // A write answered while on its way would die with this process.
+        files.write_synchronously();
+    }
     let resuming = at.resume.is_some();
     let handle = match at.resume {
         Some(dev) => arbor_fs::resume(files.clone(), dev, mountpoint, opts)

@@ -236,6 +236,9 @@ pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOpti
     let choice = if kept_classic { RingChoice::Classic } else { choice };
     let read_only = vol.is_read_only();
     let fs = Arc::new(ArborFs::new(vol, opts.read_ahead));
+    if opts.restartable {
+        fs.outlive_process();
+    }
     let transport = Arc::new(Transport::new(choice));
     let classic = Classic { fs: fs.clone(), transport: transport.clone() };
     // INIT is answered before this returns, so the transport is known.
@@ -287,6 +290,7 @@ pub fn resume<F: Files + ?Sized>(
     opts: &MountOptions,
 ) -> io::Result<MountHandle> {
     let fs = Arc::new(ArborFs::new(vol, opts.read_ahead));
+    fs.outlive_process();
     // Handles the dead process gave out stay with the kernel's open files:
     // new ones must not repeat them.
     fs.skip_handles(u64::from(std::process::id()) << 32);

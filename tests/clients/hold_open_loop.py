@@ -3,7 +3,8 @@ fsyncs it and reads it back, and lists and statvfs's the mount: any error
 ends it with a traceback. Prints "ready" after the first round and, at the
 end, "ok ROUNDS WORST_ROUND_MS".
 
-Round i writes block(i) at slot i % SLOTS (4 KiB slots).
+Round i writes block(i) at slot i % SLOTS (4 KiB slots); every 32nd round
+also creates FILE.i (its name, as its bytes) and fsyncs it.
 
 Usage: hold_open_loop.py FILE SECONDS MAX_ROUNDS
 """
@@ -33,6 +34,12 @@ while i < max_rounds and time.monotonic() - start < seconds:
     os.fsync(fd)
     back = os.pread(fd, 4096, at)
     assert back == b, "round %d read back other bytes" % i
+    if i % 32 == 0:
+        small = "%s.%d" % (path, i)
+        with open(small, "w") as f:
+            f.write(os.path.basename(small))
+            f.flush()
+            os.fsync(f.fileno())
     if i % 16 == 0:
         assert os.path.basename(path) in os.listdir(mount)
         os.statvfs(mount)

@@ -845,6 +845,17 @@ impl Drop for HoldOpenLoop {
     }
 }
 
+/// Checks the small files `hold_open_loop.py` made beside `file` in
+/// `rounds` rounds: each there, with its own name as its bytes.
+pub fn check_hold_open_files(file: &Path, rounds: u64) {
+    for i in (0..rounds).step_by(32) {
+        let small = PathBuf::from(format!("{}.{i}", file.display()));
+        let name = small.file_name().and_then(|n| n.to_str()).expect("name").to_string();
+        let got = std::fs::read_to_string(&small).unwrap_or_else(|e| panic!("{}: {e}", small.display()));
+        assert_eq!(got, name, "{}", small.display());
+    }
+}
+
 /// What `hold_open_loop.py` leaves in its file after `rounds` rounds.
 pub fn hold_open_expected(rounds: u64) -> Vec<u8> {
     const SLOTS: u64 = 1024;

@@ -385,6 +385,7 @@ async fn a_pod_writing_a_branch_volume_sees_no_error_when_its_mount_process_and_
     assert_eq!(watcher.finish(), 0, "statfs of the pod's target failed");
     eprintln!("{rounds} rounds, worst round {worst} ms");
     assert!(std::fs::read(&file).expect("read") == hold_open_expected(rounds), "bytes differ after the kills");
+    check_hold_open_files(&file, rounds);
 
     // A new plugin finds the volume staged and published, and lets it go.
     let plugin = Plugin::start_env(dir, &env);

@@ -31,7 +31,11 @@ fn kill_under_a_loop(mnt: &Path, file: &Path) -> (u64, u64) {
     let mut pid = serving_pid(mnt, None);
     for k in 0..KILLS {
         std::thread::sleep(Duration::from_millis(1200));
-        assert!(lp.running(), "the loop ended before kill {k}");
+        if !lp.running() {
+            // Says what the loop saw, if it failed.
+            lp.finish(out);
+            panic!("the loop ended before kill {k}");
+        }
         // SAFETY: a signal to the serving process this test's mount started.
         assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0, "kill -9 {pid}");
         pid = serving_pid(mnt, Some(pid));
@@ -45,13 +49,14 @@ fn kill_under_a_loop(mnt: &Path, file: &Path) -> (u64, u64) {
 fn check_after(mnt: &Path, file: &Path, rounds: u64) {
     let back = std::fs::read(file).expect("read the looped file");
     assert!(back == hold_open_expected(rounds), "bytes differ after {rounds} rounds and {KILLS} kills");
+    check_hold_open_files(file, rounds);
     // New opens, stats and listings.
     let new = mnt.join("after.txt");
     std::fs::write(&new, b"written after the restarts").expect("create after the restarts");
     assert_eq!(std::fs::read(&new).expect("read"), b"written after the restarts");
     assert_eq!(std::fs::metadata(&new).expect("stat").len(), 26);
     let names: Vec<PathBuf> = std::fs::read_dir(mnt).expect("ls").map(|e| e.expect("entry").path()).collect();
-    assert!(names.contains(&new) && names.contains(&file.to_path_buf()), "{names:?}");
+    assert!(names.contains(&new) && names.contains(&file.to_path_buf()), "{} names", names.len());
 }
 
 #[test]
