@@ -20,7 +20,8 @@ ENV = [
     ("ARBOR_TOKEN_FILE", "mount, serve, warm", "the token file, in place of `--token-file`"),
     ("ARBOR_CACHE_SERVERS", "mount, warm", "the cache servers, in place of `--cache-server`"),
     ("ARBOR_TLS_CA, ARBOR_TLS_FINGERPRINT, ARBOR_TLS_CERT, ARBOR_TLS_KEY", "mount, warm", "in place of the client TLS flags"),
-    ("ARBOR_FUSE", "mount", "`ring` (FUSE over io_uring, or fail), `classic` (/dev/fuse); `auto` or unset: the ring where the kernel offers it"),
+    ("ARBOR_FUSE", "mount", "`ring` (FUSE over io_uring, or fail; such a mount does not survive the death of its serving process), `classic` (/dev/fuse); `auto` or unset: the ring where the kernel offers it, except under a keeper (the default), which serves on /dev/fuse"),
+    ("ARBOR_KEEPER", "mount with --foreground", "`0`: serve in this process, without a keeper; the mount then dies with it (see docs/semantics.md, \"A restart of the serving process\")"),
     ("ARBOR_DIRECT_WRITES", "mount", "`0`: write-only opens go through the page cache like any other; `1` or unset: past it (Linux 6.6 and later)"),
     ("ARBOR_READ_THROUGH_OWNER", "mount through an owner", "`1`: every read goes to the owner, none to the bucket or cache servers; `0` or unset: bytes already in the bucket are read from there"),
     ("ARBOR_CACHE_WIRE", "mount with cache servers", "`http`: every chunk over HTTP/2, no framed chunk connections; `framed` or unset: segment chunks over chunk connections"),
@@ -31,6 +32,7 @@ ENV = [
     ("AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), AWS_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE", "every command on an s3:// disk", "the bucket's endpoint and credentials, as the AWS SDK reads them"),
     ("XDG_CACHE_HOME", "mount, serve", "where node folders live by default (`$XDG_CACHE_HOME/arbor`, else `~/.cache/arbor`)"),
     ("ARBOR_CACHE_SERVERS_CHECKED", "mount", "set by `arbor mount` for the mount process it starts in the background (the servers were checked already); not for users"),
+    ("ARBOR_KEEPER_FD, ARBOR_RESUME_FD", "mount", "set by the keeper for the serving process it starts: its socket to the keeper, and the /dev/fuse file of a live mount to take over; not for users"),
     ("CSI_ENDPOINT, NODE_ID", "csi", "in place of `--endpoint` and `--node-id`"),
     ("NOTIFY_SOCKET", "mount, serve with --foreground", "set by systemd for a `Type=notify` unit: arbor says when it is ready and when it stops"),
 ]

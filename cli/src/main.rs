@@ -5,6 +5,7 @@ mod control;
 mod export;
 mod import;
 mod json;
+mod keeper;
 mod mount;
 mod mount_metrics;
 mod prefetch;

@@ -84,6 +84,13 @@ pub trait Files: Send + Sync + 'static {
     /// [`release`](Files::release); returns its attributes now.
     fn open(&self, ino: u64) -> Result<Attr>;
     fn release(&self, ino: u64) -> Result<()>;
+    /// Returns once what was done so far outlives this process (not the
+    /// node: that is [`fsync`](Files::fsync)'s): a mount whose serving
+    /// process may be killed and replaced calls it before it answers a
+    /// change. Nothing by default (a change is then already elsewhere).
+    fn write_out(&self) -> Result<()> {
+        Ok(())
+    }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>>;
     /// [`read`](Files::read) into `buf` (whatever it held); returns how
     /// many bytes of it are the file's, short at end of file.
@@ -272,6 +279,9 @@ impl Files for Volume {
     }
     fn release(&self, ino: u64) -> Result<()> {
         Volume::release(self, ino)
+    }
+    fn write_out(&self) -> Result<()> {
+        Volume::write_out(self)
     }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
         Volume::read(self, ino, off, len)

@@ -22,7 +22,7 @@
 //! [`MountOptions::direct_writes`](crate::MountOptions) turns it off
 //! (write-only opens then write through the page cache like any other).
 
-use fuser::{INodeNo, Notifier};
+use crate::Notify;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -70,7 +70,7 @@ impl DirectWrites {
 
     /// Starts the thread that sends invalidations through `n`; until it
     /// runs, every open uses the page cache.
-    pub fn start(&self, n: Notifier) {
+    pub fn start(&self, n: Notify) {
         if !self.enabled || self.drop.get().is_some() {
             return;
         }
@@ -80,7 +80,7 @@ impl DirectWrites {
             for (ino, off, len) in rx {
                 let (off, len) = (i64::try_from(off).unwrap_or(i64::MAX), i64::try_from(len).unwrap_or(i64::MAX));
                 // ENOENT: the kernel no longer holds the inode.
-                if let Err(e) = n.inval_inode(INodeNo(ino), off, len.max(1)) {
+                if let Err(e) = n.inval_inode(ino, off, len.max(1)) {
                     if e.raw_os_error() != Some(libc::ENOENT) {
                         tracing::warn!(ino, error = %e, "dropping cached pages after a direct write failed");
                     }

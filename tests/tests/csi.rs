@@ -344,6 +344,64 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_writing_a_branch_volume_sees_no_error_when_its_mount_process_and_the_plugin_are_killed() {
+    let Some(w) = SharedWorld::start() else { return };
+    let dir = w.s.dir.path();
+    // `ARBOR_FUSE=ring` (a CI run) would insist on the ring, whose requests
+    // in flight die with its process.
+    let env = [("ARBOR_FUSE", "auto".to_string())];
+    let mut plugin = Plugin::start_env(dir, &env);
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    let staging = dir.join("globalmount");
+    let target = dir.join("pods/p/volumes/data");
+    std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir");
+    let _cleanup = Cleanup { targets: vec![target.clone()], staging: vec![staging.clone()] };
+    let ctx = [("disk", w.s.disk_str()), ("branch", "main"), ("server", w.owner.addr.as_str())];
+    let (rwx, secrets) = (Mode::MultiNodeMultiWriter, [("token", TOKEN)]);
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &secrets)).await.expect("stage");
+    node.node_publish_volume(publish_req("vol", &staging, &target, rwx, false)).await.expect("publish");
+
+    // A pod holds a file open and writes, fsyncs and reads it in a loop
+    // while the mount's serving process is killed, then the plugin, then
+    // the serving process again.
+    let file = target.join("held-open.bin");
+    let watcher = Watcher::start(&target);
+    let (mut lp, out) = HoldOpenLoop::start(&file, 7);
+    let mut serving = serving_pid(&staging, None);
+    for kill_plugin in [false, true, false] {
+        std::thread::sleep(Duration::from_millis(1200));
+        assert!(lp.running(), "the loop ended before the kills");
+        if kill_plugin {
+            plugin.stop();
+            assert!(fuse_mounted_at(&staging), "the mount died with the plugin");
+            continue;
+        }
+        // SAFETY: a signal to the mount process the plugin started.
+        assert_eq!(unsafe { libc::kill(serving as libc::pid_t, libc::SIGKILL) }, 0);
+        serving = serving_pid(&staging, Some(serving));
+    }
+    assert!(lp.running(), "the loop ended before the last kill was survived");
+    let (rounds, worst) = lp.finish(out);
+    assert_eq!(watcher.finish(), 0, "statfs of the pod's target failed");
+    eprintln!("{rounds} rounds, worst round {worst} ms");
+    assert!(std::fs::read(&file).expect("read") == hold_open_expected(rounds), "bytes differ after the kills");
+    check_hold_open_files(&file, rounds);
+
+    // A new plugin finds the volume staged and published, and lets it go.
+    let plugin = Plugin::start_env(dir, &env);
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &secrets)).await.expect("stage again");
+    node.node_publish_volume(publish_req("vol", &staging, &target, rwx, false)).await.expect("publish again");
+    node.node_unpublish_volume(unpublish_req("vol", &target)).await.expect("unpublish");
+    node.node_unstage_volume(unstage_req("vol", &staging)).await.expect("unstage");
+    assert!(!fuse_mounted_at(&staging));
+    // The owner has every byte.
+    let c = w.client("check");
+    assert!(std::fs::read(c.mnt.join("held-open.bin")).expect("read") == hold_open_expected(rounds));
+    c.unmount();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mount_process_dying() {
     if !fuse_available() {
         return;
@@ -355,7 +413,10 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mo
     m.unmount();
 
     let dir = s.dir.path();
-    let mut plugin = Plugin::start(dir);
+    // Its mount's serving process is killed below: `ARBOR_FUSE=ring` would
+    // insist on the ring, whose requests in flight die with its process.
+    let restartable = [("ARBOR_FUSE", "auto".to_string())];
+    let mut plugin = Plugin::start_env(dir, &restartable);
     let mut node = NodeClient::new(connect(&plugin.socket).await);
     let staging = dir.join("globalmount");
     let target = dir.join("pods/p/volumes/data");
@@ -379,7 +440,8 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mo
     );
     one.expect("stage");
     two.expect("the same stage at the same time");
-    assert_eq!(processes_at(&staging, "\u{1}").0, 1, "one mount process for the volume");
+    // One mount: its keeper and the process serving it.
+    assert_eq!(processes_at(&staging, "\u{1}").0, 2, "one mount (keeper and server) for the volume");
     let status: serde_json::Value =
         serde_json::from_str(&arbor_ok(&["status", staging.to_str().expect("utf8"), "--json"])).expect("status json");
     assert_eq!(status["checkpoint"].as_str(), Some("v1"));
@@ -391,7 +453,7 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mo
     // The plugin restarts (a new DaemonSet pod): the kubelet repeats its
     // calls and gets the same answers, from the records on disk.
     plugin.stop();
-    let plugin = Plugin::start(dir);
+    let plugin = Plugin::start_env(dir, &restartable);
     let mut node = NodeClient::new(connect(&plugin.socket).await);
     node.node_stage_volume(stage_req("ckpt", &staging, rox, &ctx, &[])).await.expect("stage after restart");
     node.node_publish_volume(publish_req("ckpt", &staging, &target, rox, false)).await.expect("publish after restart");
@@ -401,12 +463,21 @@ async fn a_checkpoint_volume_in_memory_only_survives_a_plugin_restart_and_its_mo
     assert_eq!(code(node.node_publish_volume(other).await), Code::AlreadyExists);
     assert_eq!(std::fs::read(target.join("tokens.bin")).expect("read"), pattern(300_000, 7));
 
-    // The mount process dies (kill -9): the next stage finds its mount
-    // dead and mounts the volume again; the next publish binds the pod's
-    // target to the live mount.
+    // The process serving the mount dies (kill -9): its keeper starts
+    // another on the same mount, and the pod reads on without an error.
+    let serving = serving_pid(&staging, None);
+    // SAFETY: a signal to the mount process the plugin started.
+    unsafe { libc::kill(serving as libc::pid_t, libc::SIGKILL) };
+    assert_eq!(std::fs::read(target.join("tokens.bin")).expect("read while the server restarts"), pattern(300_000, 7));
+    serving_pid(&staging, Some(serving));
+    assert_eq!(processes_at(&staging, "\u{1}").0, 2, "the keeper and a new server");
+
+    // The keeper dies (kill -9), and the mount with it: the next stage
+    // finds its mount dead and mounts the volume again; the next publish
+    // binds the pod's target to the live mount.
     let status: serde_json::Value =
         serde_json::from_str(&arbor_ok(&["status", staging.to_str().expect("utf8"), "--json"])).expect("status json");
-    let pid = status["pid"].as_i64().expect("the mount's pid") as libc::pid_t;
+    let pid = status["keeper_pid"].as_i64().expect("the mount's keeper") as libc::pid_t;
     // SAFETY: a signal to the mount process the plugin started.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     wait_until("the mount process to die", Duration::from_secs(10), || !statfs_ok(&staging));

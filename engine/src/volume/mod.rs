@@ -687,6 +687,16 @@ impl Volume {
         Ok(())
     }
 
+    /// Returns once everything done so far is in the log's files, not yet
+    /// synced (see [`Log::write_out`]); nothing to do when read-only.
+    pub fn write_out(&self) -> Result<()> {
+        match self.log() {
+            Ok(log) => log.write_out(),
+            Err(Error::ReadOnly) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Returns once everything done so far is durable. (The log is one
     /// sequence, so syncing a file's intents syncs all before them too.)
     pub fn fsync(&self, _ino: u64) -> Result<()> {

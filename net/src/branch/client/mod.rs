@@ -310,6 +310,9 @@ struct Inner {
     direct: Option<DirectReads>,
     owner_reads: AtomicU64,
     owner_bytes: AtomicU64,
+    /// Each write waits for the owner's answer (see
+    /// [`BranchClient::write_synchronously`]).
+    synchronous: AtomicBool,
 }
 
 /// How long a new client mount waits for an owner that does not answer
@@ -389,6 +392,7 @@ impl BranchClient {
             owner_changed: AtomicBool::new(false),
             owner_reads: AtomicU64::new(0),
             owner_bytes: AtomicU64::new(0),
+            synchronous: AtomicBool::new(false),
         });
         // An owner starting (or restarting) does not answer yet: waited
         // for, up to the mount's timeout or OWNER_START_WAIT.
@@ -510,13 +514,23 @@ impl BranchClient {
             // once, as a local mount gives it.
             return Err(Error::TooBig);
         }
-        if !data.is_empty() && self.inner.send_write(at, data) {
+        let pipelined = !self.inner.synchronous.load(Ordering::Relaxed);
+        if pipelined && !data.is_empty() && self.inner.send_write(at, data) {
             return Ok(data.len());
         }
         match self.inner.call_raw(at.op(data.to_vec()))? {
             Out::Written(n) => Ok((n as usize).min(data.len())),
             _ => Err(errno_error(libc::EPROTO)),
         }
+    }
+
+    /// From now on a write returns once the owner applied it, not once it
+    /// is on its way. A mount whose serving process may die and be
+    /// replaced under it needs this: a write answered while still on its
+    /// way would die with the process, and the process that takes over
+    /// knows nothing of it to report at the file's next fsync.
+    pub fn write_synchronously(&self) {
+        self.inner.synchronous.store(true, Ordering::Relaxed);
     }
 
     /// Requests the owner answered that no fsync has covered yet.
