@@ -5,9 +5,9 @@
 use crate::control;
 use crate::json::{addr_json, compact_json};
 use anyhow::{anyhow, bail, Context, Result};
-use arbor_engine::disk::FixedRootDevice;
 use arbor_engine::env::Timestamp;
 use arbor_engine::format::{Addr, SegId};
+use arbor_engine::head::FixedRootDevice;
 use arbor_engine::volume::{ChangeKind, Config, Volume};
 use arbor_node::disk::{self, quiet_config, Disk};
 use arbor_snapshot::{Catalog, Error as CatalogError, Root};

@@ -239,5 +239,8 @@ pub fn open_dest(url: &str) -> Result<Arc<dyn ObjectStore>> {
         bail!("{url}: export to a prefix of a bucket (s3://bucket/prefix), not the whole bucket");
     }
     let cfg = arbor_engine::bucket::S3Config::from_env(&bucket, prefix.trim_end_matches('/'));
-    Ok(arbor_engine::bucket::open_s3(&cfg, arbor_engine::bucket::RetryPolicy::from_env())?)
+    Ok(arbor_engine::bucket::open_s3(
+        &cfg,
+        arbor_engine::bucket::RetryPolicy::with_attempts(arbor_node::settings::get().s3_retries),
+    )?)
 }

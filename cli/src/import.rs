@@ -45,7 +45,7 @@ pub fn parse_source(url: &str) -> Result<(String, String)> {
 
 /// The bucket of a source, reached with the environment's S3 settings.
 pub fn open_bucket(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
-    Ok(open_s3(&S3Config::from_env(bucket, ""), RetryPolicy::from_env())?)
+    Ok(open_s3(&S3Config::from_env(bucket, ""), RetryPolicy::with_attempts(arbor_node::settings::get().s3_retries))?)
 }
 
 /// What an import will add.

@@ -5,12 +5,14 @@ mod control;
 mod export;
 mod import;
 mod json;
+mod keeper;
 mod mount;
 mod mount_metrics;
 mod prefetch;
 mod remote_mount;
 mod serve;
 mod session;
+mod settings;
 mod tls;
 mod warm;
 
@@ -180,6 +182,11 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve the Kubernetes CSI node plugin (Identity and Node) on a Unix
+    /// socket: the kubelet stages a volume (one `arbor mount` per node) and
+    /// bind-mounts it into each pod (see docs/kubernetes.md).
+    #[command(after_help = "Example:\n  arbor csi --endpoint unix:///csi/csi.sock --node-id \"$NODE_NAME\"")]
+    Csi(CsiCmd),
     /// Verify every record, every file byte the disk holds in every branch
     /// and checkpoint, and that imported files' objects are unchanged.
     #[command(after_help = "Example:\n  arbor fsck /data/arbor-disk")]
@@ -401,6 +408,19 @@ struct ServeCmd {
     s3_domain: Vec<String>,
 }
 
+#[derive(Args)]
+struct CsiCmd {
+    /// The socket to serve on: unix:///path or a path.
+    #[arg(long, env = "CSI_ENDPOINT")]
+    endpoint: String,
+    /// This node's name as the kubelet knows it.
+    #[arg(long, env = "NODE_ID")]
+    node_id: String,
+    /// Where the plugin keeps its volume records, secrets (0600) and caches.
+    #[arg(long, default_value = arbor_csi::STATE_DIR)]
+    state_dir: PathBuf,
+}
+
 #[derive(Subcommand)]
 enum CheckpointsCmd {
     /// Freeze a branch's current state, unsynced writes included (durable on return).
@@ -471,6 +491,12 @@ fn run(cli: Cli) -> Result<()> {
             let d = disk::init(&disk)?;
             println!("initialized arbor disk at {} with branch main", d.url);
         }
+        Command::Csi(c) => arbor_csi::run(arbor_csi::PluginOptions {
+            endpoint: c.endpoint,
+            node_id: c.node_id,
+            state_dir: std::path::absolute(c.state_dir)?,
+            arbor_bin: std::env::current_exe()?,
+        })?,
         Command::Mount(m) => {
             let memory = memory_only(&m.cache_dir);
             // Through an owner (a token given) a branch mount keeps no log
@@ -776,8 +802,9 @@ fn main() -> ExitCode {
     raise_fd_limit();
     let cli = Cli::parse();
     let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground)
-        || matches!(&cli.command, Command::Serve(c) if c.foreground);
-    if !matches!(&cli.command, Command::Mount(_) | Command::Serve(_)) {
+        || matches!(&cli.command, Command::Serve(c) if c.foreground)
+        || matches!(&cli.command, Command::Csi(_));
+    if !matches!(&cli.command, Command::Mount(_) | Command::Serve(_) | Command::Csi(_)) {
         // A command whose output goes to `head` stops quietly when the
         // reader does, as other tools do, instead of failing to print.
         // (Sockets are written with MSG_NOSIGNAL and are not affected; the
@@ -794,7 +821,7 @@ fn main() -> ExitCode {
     } else {
         "warn,aws_config=error,aws_smithy_runtime=error"
     });
-    match run(cli) {
+    match settings::read().and_then(|()| run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let msg = format!("{e:#}").replace('\n', " ");

@@ -79,7 +79,9 @@ struct Prepared {
 /// has already asked its cache servers whether they answer.
 const SERVERS_CHECKED: &str = "ARBOR_CACHE_SERVERS_CHECKED";
 
-fn prepare(args: &MountArgs) -> Result<Prepared> {
+/// `resuming`: the mount point is a live mount this process is to serve
+/// (nothing may ask it anything: it has no server yet).
+fn prepare(args: &MountArgs, resuming: bool) -> Result<Prepared> {
     check_name(args.root_name())?;
     arbor_node::check_segment_size(args.segment_size)?;
     let cache_client = cache_client::client(&args.cache_servers, &args.auth())?;
@@ -103,6 +105,9 @@ fn prepare(args: &MountArgs) -> Result<Prepared> {
     }
     node.find(&args.root())?;
     let mountpoint = arbor_fs::mount_path(&args.mountpoint);
+    if resuming {
+        return Ok(Prepared { node: Arc::new(node), disk, mountpoint, cache_client });
+    }
     arbor_fs::recover_stale_mount(&mountpoint)?;
     match std::fs::metadata(&mountpoint) {
         Ok(m) if m.is_dir() => {}
@@ -137,6 +142,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         "branch": if args.checkpoint.is_none() { Some(args.root_name()) } else { None },
         "checkpoint": args.checkpoint,
         "pid": std::process::id(),
+        "keeper_pid": crate::keeper::keeper_pid(),
         "read_only": s.read_only,
         "poisoned": s.poisoned,
         "io_backend": s.io_backend,
@@ -212,7 +218,11 @@ fn reply<T>(r: Result<T, impl std::fmt::Display>, ok: impl FnOnce(T) -> Value) -
 
 /// Mounts and serves until unmounted, signalled, or asked to stop.
 pub fn run_foreground(args: &MountArgs) -> Result<()> {
-    let p = prepare(args)?;
+    if crate::keeper::wanted() {
+        return crate::keeper::run(&arbor_fs::mount_path(&args.mountpoint));
+    }
+    let resume = crate::keeper::resume_device();
+    let p = prepare(args, resume.is_some())?;
     let opts = OpenOptions {
         segment_size: args.segment_size,
         owner: OwnerOptions { server: args.server.clone(), timeout: args.timeout, auth: args.auth() },
@@ -228,11 +238,15 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
                 // Any node that writes the branch could have made a set-user-ID
                 // file or a device node.
                 suid_devices: args.allow_suid_devices,
+                transport: crate::settings::fuse().transport,
+                direct_writes: crate::settings::fuse().direct_writes,
+                restartable: crate::keeper::is_child(),
                 ..MountOptions::default()
             };
             let name = args.root_name().to_string();
             let servers = p.cache_client.clone();
-            return crate::remote_mount::mount(&p.disk, &p.mountpoint, name, files, &fuse_opts, servers, args.metrics);
+            let at = crate::remote_mount::At { disk: &p.disk, mountpoint: &p.mountpoint, resume };
+            return crate::remote_mount::mount(at, name, files, &fuse_opts, servers, args.metrics);
         }
     };
     let (vol, _lock) = (local.volume, local.lock);
@@ -250,14 +264,25 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         allow_other: args.allow_other,
         read_ahead: args.read_ahead,
         threads: args.threads,
+        transport: crate::settings::fuse().transport,
+        direct_writes: crate::settings::fuse().direct_writes,
+        restartable: crate::keeper::is_child(),
         ..MountOptions::default()
     };
-    let handle = arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
-        .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?;
+    let resuming = resume.is_some();
+    let handle = match resume {
+        Some(dev) => arbor_fs::resume(vol.clone(), dev, &p.mountpoint, &opts)
+            .with_context(|| format!("cannot take the mount at {} over", p.mountpoint.display()))?,
+        None => arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
+            .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?,
+    };
+    if let (false, Some(dev)) = (resuming, handle.device()) {
+        crate::keeper::hand_over(dev)?;
+    }
     let _ = fuse_counters.set(handle.counters().clone());
     let fuse = handle.transport().describe();
-    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.url, root = args.root_name(), %fuse, "mounted");
-    if !args.pre_fetch.is_empty() {
+    tracing::info!(mountpoint = %p.mountpoint.display(), disk = %p.disk.url, root = args.root_name(), %fuse, resuming, "mounted");
+    if !args.pre_fetch.is_empty() && !resuming {
         let paths: Vec<PathBuf> = args.pre_fetch.iter().map(|r| p.mountpoint.join(r)).collect();
         std::thread::spawn(move || {
             let (files, bytes) = crate::prefetch::warm(&paths, &mut |_| {});
@@ -405,7 +430,7 @@ impl ControlState {
 /// file, and returns once the file system answers.
 /// Starts the mount process; returns its log and the FUSE transport it uses.
 pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
-    let p = prepare(args)?;
+    let p = prepare(args, false)?;
     let log_path = p.disk.log_path(args.root_name());
     let mountpoint = p.mountpoint.clone();
     // The server opens the disk (and its cache directory) itself.

@@ -16,15 +16,23 @@ use std::sync::Arc;
 
 /// Mounts branch `name` at `mountpoint` through its owner (`files`, the
 /// client connected to it), and serves until unmounted or signalled.
+/// Where a client mount goes: its disk, its mount point, and the
+/// `/dev/fuse` file of a live mount to take over (see `keeper.rs`).
+pub struct At<'a> {
+    pub disk: &'a Arc<Disk>,
+    pub mountpoint: &'a Path,
+    pub resume: Option<std::os::fd::OwnedFd>,
+}
+
 pub fn mount(
-    d: &Arc<Disk>,
-    mountpoint: &Path,
+    at: At<'_>,
     name: String,
     files: Arc<BranchClient>,
     opts: &MountOptions,
     cache_client: Option<Arc<CacheClient>>,
     metrics: Option<std::net::SocketAddr>,
 ) -> Result<()> {
+    let (d, mountpoint) = (at.disk, at.mountpoint);
     let control = control::Server::bind(mountpoint)?;
     let fuse_counters = Arc::new(std::sync::OnceLock::new());
     let sources = crate::mount_metrics::Sources {
@@ -34,13 +42,25 @@ pub fn mount(
         servers: cache_client.clone(),
     };
     let endpoint = metrics.map(|addr| sources.serve(addr)).transpose()?;
-    let handle = arbor_fs::mount(files.clone(), mountpoint, opts)
-        .with_context(|| format!("cannot mount at {}", mountpoint.display()))?;
+    if opts.restartable {
+        // A write answered while on its way would die with this process.
+        files.write_synchronously();
+    }
+    let resuming = at.resume.is_some();
+    let handle = match at.resume {
+        Some(dev) => arbor_fs::resume(files.clone(), dev, mountpoint, opts)
+            .with_context(|| format!("cannot take the mount at {} over", mountpoint.display()))?,
+        None => arbor_fs::mount(files.clone(), mountpoint, opts)
+            .with_context(|| format!("cannot mount at {}", mountpoint.display()))?,
+    };
+    if let (false, Some(dev)) = (resuming, handle.device()) {
+        crate::keeper::hand_over(dev)?;
+    }
     let _ = fuse_counters.set(handle.counters().clone());
     files.follow(handle.invalidator())?;
     let owner = files.stats().owner.unwrap_or_default();
     let fuse = (handle.transport().clone(), handle.counters().clone());
-    tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), "mounted through the owner");
+    tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), resuming, "mounted through the owner");
     let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
     let stopped = serve_until_stopped(handle, control, move |req, tx| match req["op"].as_str() {
         Some("status") => {
@@ -50,6 +70,7 @@ pub fn mount(
                 "disk": url,
                 "branch": name,
                 "pid": std::process::id(),
+                "keeper_pid": crate::keeper::keeper_pid(),
                 "read_only": false,
                 "owner": s.owner,
                 "owner_retries": s.retries,

@@ -81,6 +81,9 @@ pub fn serve_until_stopped(
 /// runs as a `Type=notify` systemd unit (`NOTIFY_SOCKET` set): ready once
 /// it serves, stopping once it begins to close. Nothing otherwise.
 pub fn tell_systemd(state: sd_notify::NotifyState<'_>) {
+    if crate::keeper::tell_keeper(&state.to_string()) {
+        return;
+    }
     if let Err(e) = sd_notify::notify(&[state]) {
         tracing::warn!(error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
     }

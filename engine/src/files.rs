@@ -84,6 +84,13 @@ pub trait Files: Send + Sync + 'static {
     /// [`release`](Files::release); returns its attributes now.
     fn open(&self, ino: u64) -> Result<Attr>;
     fn release(&self, ino: u64) -> Result<()>;
+    /// Returns once what was done so far outlives this process (not the
+    /// node: that is [`fsync`](Files::fsync)'s): a mount whose serving
+    /// process may be killed and replaced calls it before it answers a
+    /// change. Nothing by default (a change is then already elsewhere).
+    fn write_out(&self) -> Result<()> {
+        Ok(())
+    }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>>;
     /// [`read`](Files::read) into `buf` (whatever it held); returns how
     /// many bytes of it are the file's, short at end of file.
@@ -160,6 +167,13 @@ pub trait Files: Send + Sync + 'static {
     /// Drops every lock `owner` holds on `ino` (its descriptor was closed).
     fn unlock_all(&self, _ino: u64, _owner: u64) -> Result<()> {
         Ok(())
+    }
+
+    /// Makes `len` bytes of `dst` from `dst_off` the bytes of `src` from
+    /// `src_off` without copying them (see [`Volume::clone_range`]);
+    /// `EOPNOTSUPP` where they cannot be shared, and the caller copies.
+    fn clone_range(&self, _src: u64, _src_off: u64, _dst: u64, _dst_off: u64, _len: u64) -> Result<u64> {
+        Err(Error::Io(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)))
     }
 }
 
@@ -266,6 +280,9 @@ impl Files for Volume {
     fn release(&self, ino: u64) -> Result<()> {
         Volume::release(self, ino)
     }
+    fn write_out(&self) -> Result<()> {
+        Volume::write_out(self)
+    }
     fn read(&self, ino: u64, off: u64, len: usize) -> Result<Vec<u8>> {
         Volume::read(self, ino, off, len)
     }
@@ -301,6 +318,9 @@ impl Files for Volume {
     }
     fn is_read_only(&self) -> bool {
         Volume::is_read_only(self)
+    }
+    fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        Volume::clone_range(self, src, src_off, dst, dst_off, len)
     }
 }
 

@@ -7,8 +7,8 @@
 //! alone.
 
 use arbor_engine::bucket::{MemObjectStore, ObjectStore};
-use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::head::HeadDevice;
 use arbor_engine::tier::{BucketDevice, Durability, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use proptest::prelude::*;

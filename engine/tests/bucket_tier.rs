@@ -5,8 +5,8 @@
 use arbor_engine::bucket::S3Store;
 use arbor_engine::bucket::{Fault, FaultStore, LocalFolderStore, MemObjectStore, ObjectStore, RetryPolicy, RetryStore};
 use arbor_engine::device::{Device, Replica};
-use arbor_engine::disk::{HeadDevice, LeaseConfig};
 use arbor_engine::env::TestEnv;
+use arbor_engine::head::{HeadDevice, LeaseConfig};
 use arbor_engine::testkit::S3Server;
 use arbor_engine::tier::{BucketDevice, Durability, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
@@ -583,7 +583,7 @@ fn a_dead_writers_lease_lapses_and_the_next_writer_takes_over() {
 
 #[test]
 fn a_lease_is_judged_by_watching_it_never_by_comparing_clocks() {
-    use arbor_engine::disk::{branch_key, decode_head, encode_head, Lease};
+    use arbor_engine::head::{branch_key, decode_head, encode_head, Lease};
     let store: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
     let cache = tempfile::tempdir().expect("cache");
     let ttl = Duration::from_secs(1);

@@ -83,8 +83,11 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     next_handle: std::sync::atomic::AtomicU64,
     counters: Arc<Counters>,
     /// Where a change the kernel cannot know of is pushed into its caches.
-    notifier: std::sync::OnceLock<fuser::Notifier>,
+    notifier: std::sync::OnceLock<crate::Notify>,
     direct: DirectWrites,
+    /// Every change is in the engine's files before it is answered (see
+    /// [`Self::outlive_process`]).
+    write_out: std::sync::atomic::AtomicBool,
 }
 
 /// What reached the file system, for `arbor status`, a mount's
@@ -126,7 +129,9 @@ impl Counters {
 }
 
 impl<F: Files + ?Sized> ArborFs<F> {
-    pub fn new(vol: Arc<F>, read_ahead: u32) -> Self {
+    /// `direct_writes`: write-only opens write past the page cache where
+    /// the kernel allows it (see `direct.rs`).
+    pub fn new(vol: Arc<F>, read_ahead: u32, direct_writes: bool) -> Self {
         let ttl = if vol.is_shared() { SHARED_TTL } else { TTL };
         ArborFs {
             vol,
@@ -139,14 +144,34 @@ impl<F: Files + ?Sized> ArborFs<F> {
             next_handle: std::sync::atomic::AtomicU64::new(1),
             counters: Arc::default(),
             notifier: std::sync::OnceLock::new(),
-            direct: DirectWrites::new(),
+            direct: DirectWrites::new(direct_writes),
+            write_out: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
     /// Set once the session runs.
-    pub fn set_notifier(&self, n: fuser::Notifier) {
+    pub fn set_notifier(&self, n: crate::Notify) {
         self.direct.start(n.clone());
         let _ = self.notifier.set(n);
+    }
+
+    /// Answers a change only once it outlives this process
+    /// ([`Files::write_out`]): the mount's serving process may be killed
+    /// and replaced, and a change it answered but kept in its memory would
+    /// be lost without anyone told (the process that takes over knows
+    /// nothing of it, and the writer's next fsync would succeed).
+    pub fn outlive_process(&self) {
+        self.write_out.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Runs operation `op` in its span and counts it; a change is written
+    /// out first when [`Self::outlive_process`] asks for it.
+    fn run<T>(&self, op: Op, ino: u64, f: impl FnOnce() -> Answer<T>) -> Answer<T> {
+        let r = self.counters.ops.run(op, ino, f)?;
+        if self.write_out.load(std::sync::atomic::Ordering::Relaxed) && changes(op) {
+            answer(self.vol.write_out())?;
+        }
+        Ok(r)
     }
 
     pub fn counters(&self) -> &Arc<Counters> {
@@ -198,7 +223,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Answer<Entry> {
-        self.counters.ops.run(Op::Lookup, parent, || {
+        self.run(Op::Lookup, parent, || {
             match self.vol.lookup(parent, name) {
                 // Node 0 is "no such name, and remember that for TTL": the
                 // kernel keeps a negative entry (and drops it itself when the
@@ -221,7 +246,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn getattr(&self, ino: u64) -> Answer<FileAttr> {
-        self.counters.ops.run(Op::Getattr, ino, || answer(self.vol.getattr(ino)).map(|a| file_attr(&a)))
+        self.run(Op::Getattr, ino, || answer(self.vol.getattr(ino)).map(|a| file_attr(&a)))
     }
 
     /// A SETATTR by `caller` (see [`Files::setattr_by`]). `kill_suidgid`:
@@ -236,7 +261,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// trip to the owner that also waited for every write in flight).
     /// The answer carries the attributes after: nothing cached to drop.
     pub fn setattr(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Answer<FileAttr> {
-        self.counters.ops.run(Op::Setattr, ino, || {
+        self.run(Op::Setattr, ino, || {
             answer(self.vol.setattr_by(ino, change, caller, kill_suidgid)).map(|a| file_attr(&a))
         })
     }
@@ -253,14 +278,14 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// whose pages the kernel holds locked).
     fn drop_cached(&self, ino: u64, from: i64) {
         if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), from, 0) {
+            if let Err(e) = n.inval_inode(ino, from, 0) {
                 tracing::warn!(ino, error = %e, "dropping what the kernel cached of a file failed");
             }
         }
     }
 
     pub fn readlink(&self, ino: u64) -> Answer<Vec<u8>> {
-        self.counters.ops.run(Op::Readlink, ino, || answer(self.vol.readlink(ino)))
+        self.run(Op::Readlink, ino, || answer(self.vol.readlink(ino)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -274,34 +299,34 @@ impl<F: Files + ?Sized> ArborFs<F> {
         uid: u32,
         gid: u32,
     ) -> Answer<Entry> {
-        self.counters.ops.run(Op::Mknod, parent, || {
+        self.run(Op::Mknod, parent, || {
             let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
             self.entry(self.vol.create(parent, name, mode, uid, gid, rdev))
         })
     }
 
     pub fn mkdir(&self, parent: u64, name: &[u8], mode: u32, umask: u32, uid: u32, gid: u32) -> Answer<Entry> {
-        self.counters.ops.run(Op::Mkdir, parent, || {
+        self.run(Op::Mkdir, parent, || {
             let perm = (mode & 0o7777 & !umask) as u16;
             self.entry(self.vol.mkdir(parent, name, perm, uid, gid))
         })
     }
 
     pub fn unlink(&self, parent: u64, name: &[u8]) -> Answer<()> {
-        self.counters.ops.run(Op::Unlink, parent, || answer(self.vol.unlink(parent, name)))
+        self.run(Op::Unlink, parent, || answer(self.vol.unlink(parent, name)))
     }
 
     pub fn rmdir(&self, parent: u64, name: &[u8]) -> Answer<()> {
-        self.counters.ops.run(Op::Rmdir, parent, || answer(self.vol.rmdir(parent, name)))
+        self.run(Op::Rmdir, parent, || answer(self.vol.rmdir(parent, name)))
     }
 
     pub fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Answer<Entry> {
-        self.counters.ops.run(Op::Symlink, parent, || self.entry(self.vol.symlink(parent, name, target, uid, gid)))
+        self.run(Op::Symlink, parent, || self.entry(self.vol.symlink(parent, name, target, uid, gid)))
     }
 
     /// `flags` are `renameat2`'s.
     pub fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], flags: u32) -> Answer<()> {
-        self.counters.ops.run(Op::Rename, parent, || {
+        self.run(Op::Rename, parent, || {
             let mode = match flags {
                 0 => RenameMode::Plain,
                 libc::RENAME_NOREPLACE => RenameMode::NoReplace,
@@ -313,11 +338,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Answer<Entry> {
-        self.counters.ops.run(Op::Link, ino, || self.entry(self.vol.link(ino, new_parent, new_name)))
+        self.run(Op::Link, ino, || self.entry(self.vol.link(ino, new_parent, new_name)))
     }
 
     pub fn open(&self, ino: u64, flags: i32) -> Answer<FopenFlags> {
-        self.counters.ops.run(Op::Open, ino, || {
+        self.run(Op::Open, ino, || {
             match self.vol.open(ino) {
                 Ok(a) => Ok(self.open_flags(&a, flags)),
                 // In a shared tree a name the kernel still caches can point at
@@ -333,15 +358,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     /// Directories need no per-open state.
     pub fn opendir(&self, ino: u64) -> Answer<FopenFlags> {
-        self.counters.ops.run(Op::Opendir, ino, || Ok(FopenFlags::empty()))
+        self.run(Op::Opendir, ino, || Ok(FopenFlags::empty()))
     }
 
     /// Fills `buf` from `offset` (short at end of file) and says how much
     /// of it holds the file's bytes.
     pub fn read(&self, ino: u64, offset: u64, buf: &mut [u8]) -> Answer<usize> {
-        self.counters
-            .ops
-            .run(Op::Read, ino, || answer(self.vol.read_into(ino, offset, buf)))
+        self.run(Op::Read, ino, || answer(self.vol.read_into(ino, offset, buf)))
             .inspect(|n| self.counters.read_bytes.add(*n as u64))
     }
 
@@ -351,31 +374,29 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// file as the owner has it (the kernel placed it at the end it last
     /// saw), and the kernel's cached size is dropped.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool, append: bool) -> Answer<u32> {
-        self.counters
-            .ops
-            .run(Op::Write, ino, || {
-                if append && self.vol.is_shared() {
-                    let (n, _) = answer(self.vol.write_appending(ino, offset, data, kill_suidgid))?;
+        self.run(Op::Write, ino, || {
+            if append && self.vol.is_shared() {
+                let (n, _) = answer(self.vol.write_appending(ino, offset, data, kill_suidgid))?;
+                self.drop_cached_attrs(ino);
+                return Ok(n as u32);
+            }
+            let n = if kill_suidgid {
+                let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
+                if changed {
                     self.drop_cached_attrs(ino);
-                    return Ok(n as u32);
                 }
-                let n = if kill_suidgid {
-                    let (n, changed) = answer(self.vol.write_unprivileged(ino, offset, data))?;
-                    if changed {
-                        self.drop_cached_attrs(ino);
-                    }
-                    n
-                } else {
-                    answer(self.vol.write(ino, offset, data))?
-                };
-                self.direct.written(ino, offset, n as u64);
-                Ok(n as u32)
-            })
-            .inspect(|n| self.counters.written_bytes.add(u64::from(*n)))
+                n
+            } else {
+                answer(self.vol.write(ino, offset, data))?
+            };
+            self.direct.written(ino, offset, n as u64);
+            Ok(n as u32)
+        })
+        .inspect(|n| self.counters.written_bytes.add(u64::from(*n)))
     }
 
     pub fn flush(&self, ino: u64, lock_owner: u64) -> Answer<()> {
-        self.counters.ops.run(Op::Flush, ino, || {
+        self.run(Op::Flush, ino, || {
             if self.vol.is_shared() {
                 // Writes still on their way reach the owner before close
                 // returns (close-to-open).
@@ -400,9 +421,15 @@ impl<F: Files + ?Sized> ArborFs<F> {
         self.next_handle.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Starts handing out handles from `first` on (a process resuming a
+    /// connection: the kernel still holds the dead process's handles).
+    pub fn skip_handles(&self, first: u64) {
+        self.next_handle.fetch_max(first, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// `flags`: those the file was opened with; `fh`: its handle.
     pub fn release(&self, ino: u64, fh: u64, flags: i32, lock_owner: Option<u64>) -> Answer<()> {
-        self.counters.ops.run(Op::Release, ino, || {
+        self.run(Op::Release, ino, || {
             self.direct.released(ino, flags);
             // The last close of an open file drops its flock. The kernel sends
             // this after close returned, and names the lock owner by the open
@@ -446,13 +473,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn fsync(&self, ino: u64) -> Answer<()> {
-        self.counters.ops.run(Op::Fsync, ino, || answer(self.vol.fsync(ino)))
+        self.run(Op::Fsync, ino, || answer(self.vol.fsync(ino)))
     }
 
     /// Calls `add(entry)` for each entry from `offset` until it returns
     /// true (the reply is full).
     pub fn readdir(&self, ino: u64, offset: u64, add: &mut dyn FnMut(DirEntryOut) -> bool) -> Answer<()> {
-        self.counters.ops.run(Op::Readdir, ino, || answer(self.vol.readdir(ino, offset, &mut |e| !add(e))))
+        self.run(Op::Readdir, ino, || answer(self.vol.readdir(ino, offset, &mut |e| !add(e))))
     }
 
     /// Whether READDIRPLUS is worth offering: it costs a `getattr` per
@@ -474,7 +501,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
         entry_size: fn(&[u8]) -> usize,
         add: &mut dyn FnMut(&DirEntryOut, &Entry) -> bool,
     ) -> Answer<()> {
-        self.counters.ops.run(Op::Readdirplus, ino, || {
+        self.run(Op::Readdirplus, ino, || {
             // The listing first, then the attributes: no volume call runs
             // inside another's callback.
             let mut listed = Vec::new();
@@ -499,11 +526,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn statfs(&self) -> Answer<StatFs> {
-        self.counters.ops.run(Op::Statfs, 0, || answer(self.vol.statfs()))
+        self.run(Op::Statfs, 0, || answer(self.vol.statfs()))
     }
 
     pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> Answer<()> {
-        self.counters.ops.run(Op::Setxattr, ino, || {
+        self.run(Op::Setxattr, ino, || {
             let flags = match flags {
                 0 => XattrFlags::Any,
                 libc::XATTR_CREATE => XattrFlags::Create,
@@ -515,13 +542,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Answer<Xattr> {
-        self.counters
-            .ops
-            .run(Op::Getxattr, ino, || answer(self.vol.getxattr(ino, name)).and_then(|v| xattr_answer(v, size)))
+        self.run(Op::Getxattr, ino, || answer(self.vol.getxattr(ino, name)).and_then(|v| xattr_answer(v, size)))
     }
 
     pub fn listxattr(&self, ino: u64, size: u32) -> Answer<Xattr> {
-        self.counters.ops.run(Op::Listxattr, ino, || {
+        self.run(Op::Listxattr, ino, || {
             let names = answer(self.vol.listxattr(ino))?;
             let mut buf = Vec::new();
             for n in names {
@@ -533,7 +558,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Answer<()> {
-        self.counters.ops.run(Op::Removexattr, ino, || answer(self.vol.removexattr(ino, name)))
+        self.run(Op::Removexattr, ino, || answer(self.vol.removexattr(ino, name)))
     }
 
     /// `flags`: the open's (`O_WRONLY`, `O_TRUNC`, ...).
@@ -548,7 +573,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
         uid: u32,
         gid: u32,
     ) -> Answer<(Entry, FopenFlags)> {
-        self.counters.ops.run(Op::Create, parent, || {
+        self.run(Op::Create, parent, || {
             let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
             let a = answer(self.vol.create_open(parent, name, mode, uid, gid))?;
             let flags = self.open_flags(&a, flags);
@@ -557,7 +582,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32, caller: Caller) -> Answer<()> {
-        self.counters.ops.run(Op::Fallocate, ino, || {
+        self.run(Op::Fallocate, ino, || {
             // Space is never reserved (holes cost nothing and the bucket has no
             // quota to run out of); plain fallocate only extends the size.
             if mode != 0 {
@@ -576,7 +601,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// The lock that would conflict with `asked`, or `asked` with type
     /// `F_UNLCK` when none would.
     pub fn getlk(&self, ino: u64, lock_owner: u64, asked: Lock) -> Answer<Lock> {
-        self.counters.ops.run(Op::Getlk, ino, || {
+        self.run(Op::Getlk, ino, || {
             let asked = checked_lock(asked)?;
             match answer(self.vol.getlk(ino, lock_owner, asked))? {
                 Some(l) => Ok(l),
@@ -587,7 +612,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     /// `fh`: the handle of the open file the lock is taken through.
     pub fn setlk(&self, ino: u64, fh: u64, lock_owner: u64, lock: Lock, sleep: bool) -> Answer<()> {
-        self.counters.ops.run(Op::Setlk, ino, || {
+        self.run(Op::Setlk, ino, || {
             let l = checked_lock(lock)?;
             if l.typ != libc::F_UNLCK {
                 self.locked.lock().insert(ino);
@@ -619,7 +644,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// request answers (Python asks on every `open()` whether a file is a
     /// terminal); the kernel does not remember it, so it is not logged.
     pub fn ioctl(&self) -> Answer<()> {
-        self.counters.ops.run(Op::Ioctl, 0, || Err(Errno::from_i32(libc::ENOTTY)))
+        self.run(Op::Ioctl, 0, || Err(Errno::from_i32(libc::ENOTTY)))
     }
 
     /// The final commit, once no request can arrive any more.
@@ -628,6 +653,28 @@ impl<F: Files + ?Sized> ArborFs<F> {
             tracing::error!(error = %e, "final commit at unmount failed");
         }
     }
+}
+
+/// Whether an operation may change the tree (and so leave a record in the
+/// engine's log).
+fn changes(op: Op) -> bool {
+    matches!(
+        op,
+        Op::Setattr
+            | Op::Mknod
+            | Op::Mkdir
+            | Op::Unlink
+            | Op::Rmdir
+            | Op::Symlink
+            | Op::Rename
+            | Op::Link
+            | Op::Write
+            | Op::Release
+            | Op::Setxattr
+            | Op::Removexattr
+            | Op::Create
+            | Op::Fallocate
+    )
 }
 
 pub fn file_type(k: FileKind) -> FileType {

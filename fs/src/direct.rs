@@ -19,10 +19,10 @@
 //! page waits for a read-ahead that holds it, which a request thread must
 //! stay free to answer.
 //!
-//! `ARBOR_DIRECT_WRITES=0` turns it off (write-only opens then write
-//! through the page cache like any other).
+//! [`MountOptions::direct_writes`](crate::MountOptions) turns it off
+//! (write-only opens then write through the page cache like any other).
 
-use fuser::{INodeNo, Notifier};
+use crate::Notify;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -59,10 +59,9 @@ fn write_only(flags: i32) -> bool {
 }
 
 impl DirectWrites {
-    pub fn new() -> DirectWrites {
-        let enabled =
-            std::env::var("ARBOR_DIRECT_WRITES").as_deref() != Ok("0") && kernel_version().is_some_and(|v| v >= (6, 6));
-        DirectWrites::with(enabled)
+    /// Direct writes where `wanted` and the kernel allows them.
+    pub fn new(wanted: bool) -> DirectWrites {
+        DirectWrites::with(wanted && kernel_version().is_some_and(|v| v >= (6, 6)))
     }
 
     fn with(enabled: bool) -> DirectWrites {
@@ -71,7 +70,7 @@ impl DirectWrites {
 
     /// Starts the thread that sends invalidations through `n`; until it
     /// runs, every open uses the page cache.
-    pub fn start(&self, n: Notifier) {
+    pub fn start(&self, n: Notify) {
         if !self.enabled || self.drop.get().is_some() {
             return;
         }
@@ -81,7 +80,7 @@ impl DirectWrites {
             for (ino, off, len) in rx {
                 let (off, len) = (i64::try_from(off).unwrap_or(i64::MAX), i64::try_from(len).unwrap_or(i64::MAX));
                 // ENOENT: the kernel no longer holds the inode.
-                if let Err(e) = n.inval_inode(INodeNo(ino), off, len.max(1)) {
+                if let Err(e) = n.inval_inode(ino, off, len.max(1)) {
                     if e.raw_os_error() != Some(libc::ENOENT) {
                         tracing::warn!(ino, error = %e, "dropping cached pages after a direct write failed");
                     }

@@ -7,13 +7,16 @@ mod adapter;
 mod classic;
 mod direct;
 pub mod mount;
+mod notify;
 pub mod ops;
+mod resume;
 pub mod ring;
 
 pub use adapter::{to_errno, ArborFs, Counters};
 pub use arbor_engine::files::{Caller, Files, Lock};
 pub use mount::{
-    is_mountpoint, mount, mount_path, recover_stale_mount, Invalidator, MountHandle, MountOptions, THREADS,
+    is_mountpoint, mount, mount_path, recover_stale_mount, resume, Invalidator, MountHandle, MountOptions, THREADS,
 };
+pub use notify::Notify;
 pub use ops::{Op, OpMetrics};
 pub use ring::{RingChoice, Transport};

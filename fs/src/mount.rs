@@ -30,14 +30,22 @@ pub struct MountOptions {
     /// Kernel read-ahead for sequential readers.
     pub read_ahead: u32,
     pub fs_name: String,
-    /// How requests reach arbor; `None` reads `ARBOR_FUSE`.
-    pub transport: Option<RingChoice>,
+    /// How requests reach arbor.
+    pub transport: RingChoice,
+    /// Write-only opens write past the page cache where the kernel allows
+    /// it (see `direct.rs`).
+    pub direct_writes: bool,
     /// Honour set-user-ID and set-group-ID bits, file capabilities and
     /// device nodes (`suid,dev`); without, the mount is `nosuid,nodev`. A
     /// mount of this node's own volume has them; a mount through a
     /// branch's owner has them only when asked, since every node that
     /// writes the branch could have made such a file.
     pub suid_devices: bool,
+    /// Served so that another process can take the connection over when
+    /// this one dies (`fs/src/resume.rs`): on `/dev/fuse` (unless
+    /// `ARBOR_FUSE=ring` insists), every thread reading the one file
+    /// [`MountHandle::device`] gives out.
+    pub restartable: bool,
 }
 
 impl Default for MountOptions {
@@ -47,14 +55,21 @@ impl Default for MountOptions {
             threads: THREADS,
             read_ahead: arbor_engine::tier::READ_AHEAD as u32,
             fs_name: "arbor".into(),
-            transport: None,
+            transport: RingChoice::Auto,
+            direct_writes: true,
             suid_devices: true,
+            restartable: false,
         }
     }
 }
 
 pub struct MountHandle {
     session: Option<fuser::BackgroundSession>,
+    /// A session taken over from a dead process, instead of fuser's.
+    resumed: Option<crate::resume::Resumed>,
+    /// The connection's `/dev/fuse` file, for a keeper to hold (restartable
+    /// mounts on `/dev/fuse` only).
+    device: Option<std::os::fd::OwnedFd>,
     mountpoint: std::path::PathBuf,
     transport: Arc<Transport>,
     counters: Arc<Counters>,
@@ -70,6 +85,13 @@ impl MountHandle {
     /// it is detached (gone from the namespace; the open files fail once
     /// the volume closes) and this says so in its error.
     pub fn unmount(mut self) -> io::Result<()> {
+        if let Some(r) = self.resumed.take() {
+            if !r.is_finished() {
+                unmount_when_idle(&self.mountpoint, BUSY_UNMOUNT)?;
+            }
+            r.join();
+            return Ok(());
+        }
         let Some(s) = self.session.take() else { return Ok(()) };
         // Already unmounted from outside: something else may be mounted
         // there now.
@@ -87,6 +109,10 @@ impl MountHandle {
     /// Waits until the file system is unmounted from outside (for example
     /// by `fusermount3 -u`).
     pub fn join(mut self) -> io::Result<()> {
+        if let Some(r) = self.resumed.take() {
+            r.join();
+            return Ok(());
+        }
         match self.session.take() {
             Some(s) => s.join(),
             None => Ok(()),
@@ -95,8 +121,11 @@ impl MountHandle {
 
     /// What pushes invalidations of names and inodes into the kernel's
     /// caches (a shared tree's owner says what other nodes changed).
-    pub fn notifier(&self) -> Option<fuser::Notifier> {
-        self.session.as_ref().map(|s| s.notifier())
+    pub fn notifier(&self) -> Option<crate::Notify> {
+        match &self.session {
+            Some(s) => Some(crate::Notify::Fuser(s.notifier())),
+            None => self.device.as_ref().and_then(|d| d.try_clone().ok()).map(|d| crate::Notify::Device(Arc::new(d))),
+        }
     }
 
     /// Drops what the kernel caches of names and inodes changed by
@@ -118,7 +147,18 @@ impl MountHandle {
 
     /// Whether the session thread has ended.
     pub fn is_finished(&self) -> bool {
+        if let Some(r) = &self.resumed {
+            return r.is_finished();
+        }
         self.session.as_ref().is_none_or(|s| s.guard.is_finished())
+    }
+
+    /// A copy of the connection's `/dev/fuse` file, which a new process can
+    /// serve with [`resume`] once this one is gone; `None` unless the
+    /// mount is [`MountOptions::restartable`] and served on `/dev/fuse`.
+    pub fn device(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.device.as_ref().map(|d| d.as_fd())
     }
 }
 
@@ -144,21 +184,23 @@ fn config(opts: &MountOptions, read_only: bool) -> Config {
         cfg.acl = SessionACL::All;
     }
     cfg.n_threads = Some(opts.threads.max(1));
-    cfg.clone_fd = true;
+    // A clone of the file per thread is cheaper to read, but a clone dies
+    // with its process and fails the requests it had read: a restartable
+    // mount's threads all read the one file its keeper holds too.
+    cfg.clone_fd = !opts.restartable;
     cfg
 }
 
 /// See [`MountHandle::invalidator`]. Failures are logged, not returned: the
 /// kernel answers ENOENT for what it does not hold, and an unmounted file
 /// system has nothing cached.
-pub struct Invalidator(Option<fuser::Notifier>);
+pub struct Invalidator(Option<crate::Notify>);
 
 impl Invalidator {
     /// The name `name` in directory `parent` (added, removed or replaced).
     pub fn entry(&self, parent: u64, name: &[u8]) {
-        use std::os::unix::ffi::OsStrExt;
         if let Some(n) = &self.0 {
-            if let Err(e) = n.inval_entry(fuser::INodeNo(parent), std::ffi::OsStr::from_bytes(name)) {
+            if let Err(e) = n.inval_entry(parent, name) {
                 tracing::debug!(parent, error = %e, "cannot invalidate a kernel name");
             }
         }
@@ -167,7 +209,7 @@ impl Invalidator {
     /// Inode `ino`'s attributes and cached pages (its bytes changed).
     pub fn inode(&self, ino: u64) {
         if let Some(n) = &self.0 {
-            if let Err(e) = n.inval_inode(fuser::INodeNo(ino), 0, 0) {
+            if let Err(e) = n.inval_inode(ino, 0, 0) {
                 tracing::debug!(ino, error = %e, "cannot invalidate a kernel inode");
             }
         }
@@ -189,34 +231,94 @@ impl arbor_engine::files::Invalidate for Invalidator {
 /// FUSE over io_uring when the kernel offers it (see [`RingChoice`]).
 pub fn mount<F: Files + ?Sized>(vol: Arc<F>, mountpoint: &Path, opts: &MountOptions) -> io::Result<MountHandle> {
     recover_stale_mount(mountpoint)?;
-    let choice = match opts.transport {
-        Some(c) => c,
-        None => RingChoice::from_env()?,
-    };
+    let choice = opts.transport;
+    // Requests in flight on a ring die with its process.
+    let kept_classic = opts.restartable && choice == RingChoice::Auto;
+    let choice = if kept_classic { RingChoice::Classic } else { choice };
     let read_only = vol.is_read_only();
-    let fs = Arc::new(ArborFs::new(vol, opts.read_ahead));
+    let fs = Arc::new(ArborFs::new(vol, opts.read_ahead, opts.direct_writes));
+    if opts.restartable {
+        fs.outlive_process();
+    }
     let transport = Arc::new(Transport::new(choice));
     let classic = Classic { fs: fs.clone(), transport: transport.clone() };
     // INIT is answered before this returns, so the transport is known.
     let session = fuser::Session::new(classic, mountpoint, &config(opts, read_only))?;
     // Before anything answers the kernel: a ring answers from its start.
-    fs.set_notifier(session.notifier());
+    fs.set_notifier(crate::Notify::Fuser(session.notifier()));
     let kernel_read_ahead = set_kernel_read_ahead(mountpoint, opts.read_ahead);
+    if kept_classic {
+        transport.classic_because("restartable: a ring's requests would die with this process");
+    }
     if transport.negotiated() {
         let dev = session.as_fd().try_clone_to_owned()?;
         if let Err(e) = transport.start(&fs, dev, opts.threads) {
             if choice == RingChoice::Ring {
-                return Err(io::Error::other(format!("ARBOR_FUSE=ring: {}", transport.describe())));
+                return Err(io::Error::other(format!(
+                    "the io_uring transport was asked for: {}",
+                    transport.describe()
+                )));
             }
             tracing::warn!(error = %e, "FUSE over io_uring did not start; using /dev/fuse");
         }
     } else if choice == RingChoice::Ring {
-        return Err(io::Error::other(format!("ARBOR_FUSE=ring, but {}", transport.describe())));
+        return Err(io::Error::other(format!("the io_uring transport was asked for, but {}", transport.describe())));
     }
+    let device = match opts.restartable && !transport.is_ring() {
+        true => Some(session.as_fd().try_clone_to_owned()?),
+        false => None,
+    };
     let session = session.spawn()?;
     let counters = fs.counters().clone();
     counters.kernel_read_ahead.set(kernel_read_ahead.unwrap_or(0).into());
-    Ok(MountHandle { session: Some(session), mountpoint: mountpoint.to_path_buf(), transport, counters })
+    Ok(MountHandle {
+        session: Some(session),
+        resumed: None,
+        device,
+        mountpoint: mountpoint.to_path_buf(),
+        transport,
+        counters,
+    })
+}
+
+/// Serves the mount at `mountpoint` on `dev`, its `/dev/fuse` file, after
+/// the process that served it died (see `fs/src/resume.rs`): asks the
+/// kernel to send again what that process left unanswered, then answers
+/// every request with `opts.threads` threads. Nothing is mounted and
+/// nothing asks the mount point anything (it has no server until this
+/// returns).
+pub fn resume<F: Files + ?Sized>(
+    vol: Arc<F>,
+    dev: std::os::fd::OwnedFd,
+    mountpoint: &Path,
+    opts: &MountOptions,
+) -> io::Result<MountHandle> {
+    let fs = Arc::new(ArborFs::new(vol, opts.read_ahead, opts.direct_writes));
+    fs.outlive_process();
+    // Handles the dead process gave out stay with the kernel's open files:
+    // new ones must not repeat them.
+    fs.skip_handles(u64::from(std::process::id()) << 32);
+    if let Err(e) = crate::resume::resend(&dev) {
+        // Before Linux 6.9: what the dead process read and did not answer
+        // waits forever; everything else is served.
+        tracing::warn!(error = %e, "requests the dead process had read are not sent again");
+    }
+    let keep = dev.try_clone()?;
+    let dev = Arc::new(dev);
+    fs.set_notifier(crate::Notify::Device(dev.clone()));
+    let resumed = crate::resume::serve(fs.clone(), dev, opts.threads)?;
+    let transport = Arc::new(Transport::new(RingChoice::Classic));
+    transport.classic_because("taken over from a process that died");
+    let counters = fs.counters().clone();
+    counters.kernel_read_ahead.set(kernel_read_ahead(mountpoint).unwrap_or(0).into());
+    Ok(MountHandle {
+        session: None,
+        resumed: Some(resumed),
+        device: Some(keep),
+        mountpoint: mountpoint.to_path_buf(),
+        transport,
+        counters,
+    })
 }
 
 /// How long an unmount waits for a busy mount point to become idle.
@@ -280,7 +382,13 @@ fn set_kernel_read_ahead(mountpoint: &Path, bytes: u32) -> Option<u32> {
         Ok(()) => {}
         Err(e) => tracing::info!(knob, error = %e, "cannot set the kernel's read-ahead; it stays at its default"),
     }
-    let now = std::fs::read_to_string(&knob).ok()?;
+    kernel_read_ahead(mountpoint)
+}
+
+/// The kernel's read-ahead for the mount at `mountpoint`, in bytes.
+fn kernel_read_ahead(mountpoint: &Path) -> Option<u32> {
+    let dev = mount_device(mountpoint)?;
+    let now = std::fs::read_to_string(format!("/sys/class/bdi/{dev}/read_ahead_kb")).ok()?;
     now.trim().parse::<u32>().ok().map(|k| k.saturating_mul(1024))
 }
 

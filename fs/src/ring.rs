@@ -48,17 +48,15 @@ pub enum RingChoice {
     Ring,
 }
 
-impl RingChoice {
-    /// `ARBOR_FUSE=ring|classic|auto`, `auto` when unset.
-    pub fn from_env() -> io::Result<RingChoice> {
-        match std::env::var("ARBOR_FUSE").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => Ok(RingChoice::Auto),
-            Ok("classic") => Ok(RingChoice::Classic),
-            Ok("ring") | Ok("io_uring") => Ok(RingChoice::Ring),
-            Ok(other) => Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("ARBOR_FUSE={other}: expected ring, classic or auto"),
-            )),
+impl std::str::FromStr for RingChoice {
+    type Err = String;
+    /// `ring` (or `io_uring`), `classic` or `auto` (or empty).
+    fn from_str(s: &str) -> Result<RingChoice, String> {
+        match s {
+            "" | "auto" => Ok(RingChoice::Auto),
+            "classic" => Ok(RingChoice::Classic),
+            "ring" | "io_uring" => Ok(RingChoice::Ring),
+            other => Err(format!("expected ring, classic or auto (got {other:?})")),
         }
     }
 }
@@ -92,7 +90,7 @@ impl Transport {
     /// At INIT: ask for the ring if wanted and offered.
     pub(crate) fn negotiate(&self, config: &mut KernelConfig) {
         if self.choice == RingChoice::Classic {
-            self.classic_because("ARBOR_FUSE=classic");
+            self.classic_because("the classic transport was asked for");
             return;
         }
         match config.add_capabilities(InitFlags::FUSE_OVER_IO_URING) {
@@ -102,7 +100,7 @@ impl Transport {
         }
     }
 
-    fn classic_because(&self, why: &str) {
+    pub(crate) fn classic_because(&self, why: &str) {
         *self.why_classic.lock() = Some(why.to_string());
     }
 
@@ -810,6 +808,45 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
     }
 }
 
+/// Answers a request the kernel sent again after the process that first
+/// read it died (`FUSE_NOTIFY_RESEND`, see `resume.rs`): that process may
+/// have applied it before it died. The kernel keeps the directories of a
+/// create, link, unlink or rename locked from the first send until the
+/// answer, so a name already there (or already gone) is this request's
+/// own doing, and it is answered as done. Other requests are applied
+/// again (a write of the same bytes at the same place changes nothing).
+pub(crate) fn dispatch_resent<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply {
+    let first = dispatch(fs, r);
+    let (h, p) = (&r.head, r.payload);
+    let found = |parent: u64, n: &[u8]| -> Result<Entry, Errno> {
+        match fs.lookup(parent, n)? {
+            e if e.attr.ino.0 == 0 => Err(Errno::ENOENT),
+            e => Ok(e),
+        }
+    };
+    match (h.opcode, first) {
+        (op::CREATE, Err(e)) if e == Errno::EEXIST => {
+            let [open, ..] = arg::<[u32; 4]>(r.op)?;
+            let e = found(h.nodeid, name(p)?.0).map_err(|_| Errno::EEXIST)?;
+            let flags = fs.open(e.attr.ino.0, open as i32)?;
+            let mut out = entry_out(&e).as_bytes().to_vec();
+            out.extend_from_slice(OpenOut { fh: fs.new_handle(), open_flags: flags.bits(), backing_id: 0 }.as_bytes());
+            Ok(out)
+        }
+        (op::MKDIR | op::MKNOD | op::SYMLINK, Err(e)) if e == Errno::EEXIST => {
+            entry(found(h.nodeid, name(p)?.0).map_err(|_| Errno::EEXIST))
+        }
+        (op::LINK, Err(e)) if e == Errno::EEXIST => entry(found(h.nodeid, name(p)?.0).map_err(|_| Errno::EEXIST)),
+        (op::UNLINK | op::RMDIR, Err(e)) if e == Errno::ENOENT => Ok(Vec::new()),
+        (op::RENAME | op::RENAME2, Err(e)) if e == Errno::ENOENT => {
+            let newdir = arg::<u64>(r.op)?;
+            let (_, rest) = name(p)?;
+            found(newdir, name(rest)?.0).map(|_| Vec::new()).map_err(|_| Errno::ENOENT)
+        }
+        (_, answer) => answer,
+    }
+}
+
 /// Decodes the request in `header` and `payload`, answers it, writes the
 /// answer back into both, and returns the commit id to send with it.
 pub(crate) fn answer_entry<F: Files + ?Sized>(fs: &ArborFs<F>, header: &mut [u8], payload: &mut [u8]) -> u64 {
@@ -1090,7 +1127,7 @@ mod tests {
     fn arbor() -> ArborFs<Volume> {
         let cfg = Config { commit_interval: None, env: TestEnv::new(1), ..Config::default() };
         let vol = Volume::open(Arc::new(SimDevice::new()), cfg).expect("volume");
-        ArborFs::new(vol, 1 << 20)
+        ArborFs::new(vol, 1 << 20, true)
     }
 
     /// Puts one request into an entry's buffers the way the kernel does,
@@ -1215,6 +1252,38 @@ mod tests {
         assert_eq!(call(&fs, op::GETXATTR, ino, &words(&[1, 0]), b"user.a\0").0, libc::ERANGE);
         assert_eq!(call(&fs, op::GETXATTR, ino, &words(&[8, 0]), b"user.a\0"), (0, b"hi".to_vec()));
         assert_eq!(call(&fs, op::SETXATTR, ino, &words(&[9, 0]), b"user.b\0hi").0, libc::EINVAL);
+    }
+
+    /// `dispatch_resent` for one request.
+    fn resent(fs: &ArborFs<Volume>, opcode: u32, nodeid: u64, op_in: &[u8], payload: &[u8]) -> Reply {
+        let head = InHeader { opcode, unique: 1 << 63, nodeid, uid: 1000, gid: 1000, ..Default::default() };
+        dispatch_resent(fs, &Request { head, op: op_in, payload })
+    }
+
+    #[test]
+    fn a_request_sent_again_after_its_first_server_applied_it_is_answered_as_done() {
+        let fs = arbor();
+        let create = words(&[libc::O_RDWR as u32, libc::S_IFREG | 0o644, 0, 0]);
+        let (_, out) = call(&fs, op::CREATE, ROOT_INO, &create, b"f\0");
+        let ino = nodeid(&out);
+        assert_eq!(call(&fs, op::CREATE, ROOT_INO, &create, b"f\0").0, libc::EEXIST, "a first send");
+        let again = resent(&fs, op::CREATE, ROOT_INO, &create, b"f\0").expect("the create, sent again");
+        assert_eq!((nodeid(&again), again.len()), (ino, 128 + 16));
+        assert_eq!(call(&fs, op::MKDIR, ROOT_INO, &words(&[0o755, 0]), b"d\0").0, 0);
+        let dir = resent(&fs, op::MKDIR, ROOT_INO, &words(&[0o755, 0]), b"d\0").expect("mkdir, sent again");
+        assert_ne!(nodeid(&dir), 0);
+        // Unlinked by the dead process: done.
+        assert_eq!(call(&fs, op::UNLINK, ROOT_INO, b"", b"d2\0").0, libc::ENOENT);
+        assert_eq!(resent(&fs, op::UNLINK, ROOT_INO, b"", b"d2\0"), Ok(Vec::new()));
+        // Renamed: the source is gone and the target there.
+        let to_root = ROOT_INO.as_bytes().to_vec();
+        assert_eq!(call(&fs, op::RENAME, ROOT_INO, &to_root, b"f\0g\0").0, 0);
+        assert_eq!(resent(&fs, op::RENAME, ROOT_INO, &to_root, b"f\0g\0"), Ok(Vec::new()));
+        // Neither name: the error stands.
+        assert_eq!(resent(&fs, op::RENAME, ROOT_INO, &to_root, b"x\0y\0"), Err(Errno::ENOENT));
+        // A link whose name is already there (the dead process made it).
+        let link = resent(&fs, op::LINK, ROOT_INO, ino.as_bytes(), b"g\0").expect("link, sent again");
+        assert_eq!(nodeid(&link), ino);
     }
 
     #[test]

@@ -4,8 +4,8 @@
 
 use arbor_engine::bucket::{MemObjectStore, ObjectStore};
 use arbor_engine::chunks::{ChunkRequest, ChunkSource};
-use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::head::HeadDevice;
 use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::{bytes_under, http_get};
 use arbor_engine::tier::{BucketDevice, SegmentCache, TierConfig};

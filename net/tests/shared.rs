@@ -1658,3 +1658,104 @@ fn locks_reclaimed_under_an_abandoned_session_move_to_the_same_clients_next_one(
     let theirs = in_session(server.addr, other, reclaim, tag(96, 1));
     assert!(!matches!(theirs, Answer::Reply(Ok(_))), "another client took a reclaimed lock: {theirs:?}");
 }
+
+#[test]
+fn a_clone_through_the_owner_shares_bytes_written_in_flight_and_is_applied_once() {
+    use arbor_net::branch::frames::Answer;
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let (writer, reader) = (client(&at), client(&at));
+    let src = writer.create_open(ROOT_INO, b"part-1", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    let body = pattern(3 << 20, 9);
+    // Written on the lanes and not yet answered: the clone must see them.
+    write_in_mib(&writer, src.ino, &body);
+    // A set-user-ID file (made on the owner: clients may not make one).
+    let dst = first.0.create(ROOT_INO, b"object", libc::S_IFREG | 0o4755, 0, 0, 0).expect("create");
+    first.0.write(dst.ino, 0, b"head:").expect("write");
+    assert_eq!(writer.clone_range(src.ino, 0, dst.ino, 5, body.len() as u64).expect("clone"), body.len() as u64);
+    writer.fsync(dst.ino).expect("fsync");
+    let mut want = b"head:".to_vec();
+    want.extend_from_slice(&body);
+    assert_eq!(read_all(&reader, dst.ino, want.len(), 1 << 20), want);
+    // Like a write by a client, the clone dropped the set-ID bits.
+    assert_eq!(reader.getattr(dst.ino).expect("attr").perm & 0o6000, 0);
+
+    // A clone sent again after its reply was lost, even to a new owner
+    // after a crash, is answered, not applied again over a later write.
+    let clone = FileOp::CloneRange { src: src.ino, src_off: 0, dst: dst.ino, dst_off: 0, len: 4 };
+    let tag = RequestTag { client: 91, slot: 2, seq: 1 };
+    assert!(matches!(tagged_request(first.1.addr, clone.clone(), tag), Answer::Reply(Ok(Out::Written(4)))));
+    first.0.write(dst.ino, 0, b"LAST").expect("a later write");
+    first.0.sync_all().expect("sync");
+    let second = crash_and_restart(&dev, first, &at);
+    assert!(matches!(tagged_request(second.1.addr, clone, tag), Answer::Reply(Ok(Out::Written(4)))));
+    assert_eq!(
+        second.0.read(dst.ino, 0, 9).expect("read"),
+        b"LAST:".iter().chain(&body[..4]).copied().collect::<Vec<_>>()
+    );
+}
+
+/// A clone the owner refuses (EISDIR, EINVAL) leaves the destination as it
+/// was: the set-ID bits go only once the clone is sure to happen.
+#[test]
+fn a_refused_clone_changes_nothing() {
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let c = client(&at);
+    let src = c.create_open(ROOT_INO, b"src", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    c.write(src.ino, 0, b"0123456789").expect("write");
+    c.fsync(src.ino).expect("fsync");
+    // A shared folder whose new files take its group (made on the owner).
+    let dir = first.0.mkdir(ROOT_INO, b"shared", 0o2775, 0, 0).expect("mkdir");
+    let r = c.clone_range(src.ino, 0, dir.ino, 0, 4);
+    assert_eq!(r.map_err(|e| e.errno()), Err(libc::EISDIR));
+    let after_dir = first.0.getattr(dir.ino).expect("attr").perm & 0o7777;
+    // A set-user-ID file cloned onto an overlapping range of itself.
+    let suid = first.0.create(ROOT_INO, b"suid", libc::S_IFREG | 0o4755, 0, 0, 0).expect("create");
+    first.0.write(suid.ino, 0, b"abcdefgh").expect("write");
+    let r = c.clone_range(suid.ino, 0, suid.ino, 2, 4);
+    assert_eq!(r.map_err(|e| e.errno()), Err(libc::EINVAL));
+    let after_suid = first.0.getattr(suid.ino).expect("attr").perm & 0o7777;
+    assert_eq!((after_dir, after_suid), (0o2775, 0o4755), "a refused clone changed the destination's mode");
+}
+
+/// On the wire a clone names an exact range within its source, so a copy
+/// sent again after its owner crashed is answered with the count the
+/// first was; a client cuts what it asks at the source's end itself.
+#[test]
+fn a_resent_clone_is_answered_with_the_bytes_it_cloned() {
+    use arbor_net::branch::frames::Answer;
+    let dev = SimDevice::new();
+    let first = owner(&dev);
+    let at = found_at(&first.1);
+    let src = first.0.create(ROOT_INO, b"src", libc::S_IFREG | 0o644, 0, 0, 0).expect("create");
+    let body = pattern(10_000, 1);
+    first.0.write(src.ino, 0, &body).expect("write");
+    let dst = first.0.create(ROOT_INO, b"dst", libc::S_IFREG | 0o4755, 0, 0, 0).expect("create");
+    // Past the source's end, or empty: refused, and nothing changed.
+    let past = FileOp::CloneRange { src: src.ino, src_off: 9_000, dst: dst.ino, dst_off: 0, len: 1 << 20 };
+    let a = tagged_request(first.1.addr, past, RequestTag { client: 93, slot: 1, seq: 1 });
+    assert!(matches!(a, Answer::Reply(Err(libc::EINVAL))), "{a:?}");
+    let empty = FileOp::CloneRange { src: src.ino, src_off: 0, dst: dst.ino, dst_off: 0, len: 0 };
+    let a = tagged_request(first.1.addr, empty, RequestTag { client: 93, slot: 1, seq: 2 });
+    assert!(matches!(a, Answer::Reply(Err(libc::EINVAL))), "{a:?}");
+    assert_eq!(first.0.getattr(dst.ino).expect("attr").perm & 0o7777, 0o4755);
+    // The exact range: applied, and after a crash answered, not applied again.
+    let clone = FileOp::CloneRange { src: src.ino, src_off: 9_000, dst: dst.ino, dst_off: 0, len: 1_000 };
+    let tag = RequestTag { client: 93, slot: 1, seq: 3 };
+    let a = tagged_request(first.1.addr, clone.clone(), tag);
+    assert!(matches!(a, Answer::Reply(Ok(Out::Written(1_000)))), "{a:?}");
+    first.0.sync_all().expect("sync");
+    let second = crash_and_restart(&dev, first, &at);
+    assert_eq!(second.0.getattr(dst.ino).expect("attr").size, 1_000);
+    let again = tagged_request(second.1.addr, clone, tag);
+    assert!(matches!(again, Answer::Reply(Ok(Out::Written(1_000)))), "{again:?}");
+    // A client asks for more than is there and gets what was, then 0.
+    let c = client(&at);
+    let into = c.create_open(ROOT_INO, b"into", libc::S_IFREG | 0o644, 0, 0).expect("create");
+    assert_eq!(c.clone_range(src.ino, 9_000, into.ino, 0, 1 << 20).expect("clone"), 1_000);
+    assert_eq!(c.clone_range(src.ino, 10_000, into.ino, 1_000, 4096).expect("clone at the end"), 0);
+    assert_eq!(c.read(into.ino, 0, 4096).expect("read"), &body[9_000..]);
+}

@@ -7,9 +7,9 @@
 use arbor_engine::bucket::{MemObjectStore, ObjectStore};
 use arbor_engine::chunks::ChunkSource;
 use arbor_engine::device::SimDevice;
-use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
 use arbor_engine::files::Files;
+use arbor_engine::head::HeadDevice;
 use arbor_engine::tier::{BucketDevice, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_net::wire::tls::{ClientFiles, ServerFiles, Trust};

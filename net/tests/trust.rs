@@ -6,8 +6,8 @@
 
 use arbor_engine::bucket::{open_s3, MemObjectStore, ObjectStore, RetryPolicy};
 use arbor_engine::chunks::ChunkSource;
-use arbor_engine::disk::HeadDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::head::HeadDevice;
 use arbor_engine::source::{FixedSources, Source, SourceReader};
 use arbor_engine::testkit::forge_keeping_crc;
 use arbor_engine::testkit::S3Server;

@@ -59,15 +59,16 @@ pub fn client(servers: &[String], auth: &ClientAuth) -> Result<Option<Arc<CacheC
         return Ok(None);
     }
     let (token, tls) = auth.load().context("--cache-server")?;
-    let timeout = arbor_net::cache::client::timeout_from_env();
-    let client = CacheClient::new(ClientOptions { servers, token, timeout, tls })?;
+    let settings = crate::settings::get();
+    let client = CacheClient::new(ClientOptions { servers, token, timeout: settings.cache_timeout, tls })?;
+    client.set_framed(settings.cache_framed);
     Ok(Some(Arc::new(client)))
 }
 
 /// Asks every cache server whether it answers and takes the token:
 /// (how many do, what is wrong with each of the others, as "ADDR PROBLEM").
 pub fn check_servers(client: &CacheClient) -> (usize, Vec<String>) {
-    let checked = client.check(arbor_net::cache::client::timeout_from_env());
+    let checked = client.check(crate::settings::get().cache_timeout);
     let ok = checked.iter().filter(|(_, p)| p.is_none()).count();
     let problems = checked.into_iter().filter_map(|(addr, p)| Some(format!("{addr} {}", p?))).collect();
     (ok, problems)

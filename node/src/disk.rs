@@ -1,5 +1,5 @@
 //! Opening disks on this node: [`arbor_snapshot::disk`] does the work;
-//! this adds this process's writer lease and the environment's I/O mode,
+//! this adds this process's writer lease, I/O mode and bucket retries,
 //! and sizes and lengths of time as a person writes them.
 
 use crate::error::{Error, Result};
@@ -10,7 +10,8 @@ fn options(mount: Option<&str>, cache: CacheOptions) -> Result<DiskOptions> {
         cache,
         mount: mount.map(str::to_string),
         lease: Some(crate::identity::lease()),
-        io: arbor_snapshot::disk::io_mode_from_env()?,
+        io: crate::settings::get().io,
+        retries: crate::settings::get().s3_retries,
         ..DiskOptions::default()
     })
 }

@@ -3,7 +3,7 @@
 //! this host is still alive. The engine knows nothing of processes; the
 //! lease asks this through `LeaseConfig::alive`.
 
-use arbor_engine::disk::LeaseConfig;
+use arbor_engine::head::LeaseConfig;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,7 +91,7 @@ mod tests {
 
     #[test]
     fn a_lease_held_on_this_host_lives_as_long_as_its_process() {
-        use arbor_engine::disk::Lease;
+        use arbor_engine::head::Lease;
         let me = lease();
         assert!(!me.pid_scope.is_empty(), "this machine has a boot id and a PID namespace");
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");

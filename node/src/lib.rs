@@ -76,8 +76,9 @@
 //! # }
 //! ```
 //!
-//! Nothing here prints, exits the process or reads argv: a front end
-//! passes options in and gets a [`Result`] back. A FUSE mount's control
+//! Nothing here prints, exits the process, reads argv or reads the
+//! environment: a front end passes options in (and this process's
+//! [`settings`], once) and gets a [`Result`] back. A FUSE mount's control
 //! socket (`arbor status`, `arbor unmount`, a checkpoint of a mounted
 //! branch) is the `arbor` command's own, beside its mount, not here.
 
@@ -89,6 +90,7 @@ mod open;
 pub mod owner;
 pub mod owner_files;
 pub mod serve;
+pub mod settings;
 pub mod through_owner;
 
 /// The transport-neutral file handle every front end mounts or serves.

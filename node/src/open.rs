@@ -125,6 +125,7 @@ impl Node {
             segment_size: opts.segment_size,
             source_servers: self.cache_client.clone().map(|c| c as Arc<dyn ChunkSource>),
             source_files: self.disk.source_files()?,
+            sources: self.disk.sources(),
             ..Config::default()
         };
         let opening = Instant::now();

@@ -117,7 +117,12 @@ pub fn own(disk_arg: &str, name: &str, addr: &str, a: &OwnOptions) -> Result<Own
     }
     // Imported files its clients read keep their chunks in the owner's
     // cache folder, as a mount's do.
-    let cfg = Config { source_files: d.source_files()?, segment_size: a.segment_size, ..Config::default() };
+    let cfg = Config {
+        source_files: d.source_files()?,
+        sources: d.sources(),
+        segment_size: a.segment_size,
+        ..Config::default()
+    };
     // Recorded before the branch is opened (which may wait for an old
     // lease to lapse): a client mount started meanwhile finds the record,
     // never takes the branch itself, and waits for this owner to answer.

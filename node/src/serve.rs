@@ -206,7 +206,11 @@ fn open_cache(opts: &ServeOptions, d: &Disk, sources: Option<Arc<dyn ChunkSource
 /// The reader of imported files' source objects, with their chunks on
 /// disk beside the segment chunks in the same `cache_size` budget (they
 /// give way to segment chunks).
-fn open_objects(opts: &ServeOptions, cache: &Cache) -> Result<Option<Arc<arbor_engine::source::SourceReader>>> {
+fn open_objects(
+    opts: &ServeOptions,
+    d: &Disk,
+    cache: &Cache,
+) -> Result<Option<Arc<arbor_engine::source::SourceReader>>> {
     if opts.object_memory == 0 {
         return Ok(None);
     }
@@ -221,8 +225,7 @@ fn open_objects(opts: &ServeOptions, cache: &Cache) -> Result<Option<Arc<arbor_e
         }
         _ => None,
     };
-    let sources = Arc::new(arbor_engine::source::EnvSources::default());
-    Ok(Some(Arc::new(arbor_engine::source::SourceReader::serving(sources, opts.object_memory, files))))
+    Ok(Some(Arc::new(arbor_engine::source::SourceReader::serving(d.sources(), opts.object_memory, files))))
 }
 
 /// Owns every branch `opts` names, recording `advertised` as where they
@@ -264,7 +267,7 @@ pub fn start(opts: &ServeOptions) -> Result<Server> {
     let own_chunks = Arc::new(LateSources::default());
     let sources = (!branches.is_empty()).then(|| own_chunks.clone() as Arc<dyn ChunkSource>);
     let cache = open_cache(opts, &d, sources)?;
-    let objects = open_objects(opts, &cache)?;
+    let objects = open_objects(opts, &d, &cache)?;
     let listener = arbor_net::server::listen(&opts.listen).context(format!("cannot listen on {}", opts.listen))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;

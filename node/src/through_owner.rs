@@ -92,8 +92,8 @@ pub fn connect(d: &Disk, name: &str, locate: Locate, opts: &OwnerOptions) -> Res
     let (token, tls) = opts.auth.load().context("to mount through the owner")?;
     // File bytes already in the bucket (or the disk's folder) are read
     // from there, through this node's chunk cache and cache servers;
-    // ARBOR_READ_THROUGH_OWNER=1 sends every read to the owner instead.
-    let through_owner = std::env::var("ARBOR_READ_THROUGH_OWNER").is_ok_and(|v| v == "1");
+    // The read-through-owner setting sends every read to the owner instead.
+    let through_owner = crate::settings::get().read_through_owner;
     let segments = if through_owner { None } else { Some(d.catalog()?.segments().clone()) };
     let files = BranchClient::connect(BranchClientOptions {
         branch: name.to_string(),

@@ -4,9 +4,9 @@
 use crate::error::{Error, Result};
 use arbor_engine::bucket::ObjectStore;
 use arbor_engine::device::Device;
-use arbor_engine::disk::{decode_head, FixedRootDevice, HeadDevice, Lease, LeaseConfig};
 use arbor_engine::env::{Env, SystemEnv, Timestamp};
 use arbor_engine::format::{decode_value, encode_value, Addr};
+use arbor_engine::head::{decode_head, FixedRootDevice, HeadDevice, Lease, LeaseConfig};
 use arbor_engine::layout::{self, branch_key, checkpoint_key};
 use arbor_engine::volume::{Change, Config, Inspector, Superblock, Volume};
 use arbor_engine::Error as EngineError;

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use arbor_engine::bucket::{LocalFolderStore, ObjectStore, ObservedStore, RetryPolicy, RetryStore, S3Config, S3Store};
 use arbor_engine::chunks::{ChunkFiles, ChunkSource, Others};
 use arbor_engine::device::{Device, FileDevice};
-use arbor_engine::disk::LeaseConfig;
+use arbor_engine::head::LeaseConfig;
 use arbor_engine::io::IoMode;
 use arbor_engine::layout::{self, FORMAT, IDENTITY, PROBE};
 use arbor_engine::tier::{BucketDevice, Durability, TierConfig, TierStats, CACHE_SIZE, READ_AHEAD};
@@ -84,7 +84,8 @@ pub struct DiskOptions {
     /// S3 settings; `None` takes them from the environment
     /// ([`s3_config_from_env`]).
     pub s3: Option<S3Overrides>,
-    /// Tries per bucket call; `None`: `ARBOR_S3_RETRIES`, else the default.
+    /// Tries per bucket call (the disk's and imported objects' buckets);
+    /// `None`: the default.
     pub retries: Option<u32>,
     /// This node's folder for an s3 disk; `None`: under
     /// `$XDG_CACHE_HOME/arbor/`. (A local disk's is its own folder.)
@@ -245,20 +246,6 @@ fn node_base() -> PathBuf {
         .join("arbor")
 }
 
-/// How segment writes reach the kernel: `ARBOR_IO=uring|syscall|buffered`,
-/// else plain syscalls (`buffered`: and never past the page cache).
-pub fn io_mode_from_env() -> Result<IoMode> {
-    match std::env::var("ARBOR_IO").as_deref() {
-        Err(_) | Ok("") | Ok("auto") => Ok(IoMode::Auto),
-        Ok("uring") => Ok(IoMode::Uring),
-        Ok("syscall") => Ok(IoMode::Syscall),
-        Ok("buffered") => Ok(IoMode::Buffered),
-        Ok(other) => {
-            Err(fail(libc::EINVAL, format!("ARBOR_IO must be auto, uring, syscall or buffered (got {other:?})")))
-        }
-    }
-}
-
 impl Disk {
     fn at(arg: &str, create: bool, opts: DiskOptions) -> Result<Disk> {
         let (url, location) = parse(arg)?;
@@ -307,9 +294,7 @@ impl Disk {
                     .node_dir
                     .clone()
                     .unwrap_or_else(|| node_base().join(format!("{:08x}", arbor_engine::crc::crc32c(url.as_bytes()))));
-                let env = RetryPolicy::from_env();
-                let policy = RetryPolicy { attempts: opts.retries.unwrap_or(env.attempts), ..env };
-                (RetryStore::new(Arc::new(s3), policy), node)
+                (RetryStore::new(Arc::new(s3), RetryPolicy::with_attempts(opts.retries)), node)
             }
         };
         Ok(Disk {
@@ -587,6 +572,11 @@ impl Disk {
     /// Upload and cache counters, for an s3 disk opened by this process.
     pub fn tier_stats(&self) -> Option<TierStats> {
         self.tier.get().map(|t| t.stats())
+    }
+
+    /// The buckets of imported files, reached with this disk's retries.
+    pub fn sources(&self) -> Arc<dyn arbor_engine::source::Sources> {
+        Arc::new(arbor_engine::source::S3Sources::new(RetryPolicy::with_attempts(self.opts.retries)))
     }
 
     /// Where a mount keeps imported files' chunks on this node: the

@@ -9,8 +9,8 @@
 
 use arbor_engine::bucket::{CrashStore, MemObjectStore, ObjectStore, Step};
 use arbor_engine::device::Device;
-use arbor_engine::disk::FixedRootDevice;
 use arbor_engine::env::TestEnv;
+use arbor_engine::head::FixedRootDevice;
 use arbor_engine::tier::{BucketDevice, Durability, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};
 use arbor_snapshot::Catalog;

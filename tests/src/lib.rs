@@ -4,8 +4,11 @@
 pub mod faults;
 
 use std::ffi::OsStr;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The `arbor` binary cargo built next to this test.
@@ -726,4 +729,144 @@ pub fn clock_40s_ahead() -> Option<Vec<String>> {
         p.exists().then_some(p)
     })?;
     Some(vec!["env".into(), format!("LD_PRELOAD={}", lib.display()), "FAKETIME=+40s".into()])
+}
+
+// ---- Mounts whose serving process is killed under a process using them. ----
+
+/// The pid of the process serving `mnt`, once `arbor status` answers and it
+/// is not `not`.
+pub fn serving_pid(mnt: &Path, not: Option<i64>) -> i64 {
+    let mut pid = None;
+    wait_until("a serving process", Duration::from_secs(30), || {
+        let out = arbor(&["status", mnt.to_str().expect("utf8"), "--json"]);
+        let p = serde_json::from_slice::<serde_json::Value>(&out.stdout).ok().and_then(|s| s["pid"].as_i64());
+        pid = p.filter(|p| Some(*p) != not);
+        pid.is_some()
+    });
+    pid.expect("pid")
+}
+
+/// Records the first errno a `statfs` of the mount point gives while it
+/// runs (a statfs stalls while nobody serves; it must never fail).
+pub struct Watcher {
+    stop: Arc<AtomicBool>,
+    errno: Arc<AtomicI32>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watcher {
+    pub fn start(mnt: &Path) -> Watcher {
+        let (stop, errno) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicI32::new(0)));
+        let (s, e, mnt) = (stop.clone(), errno.clone(), mnt.to_path_buf());
+        let thread = std::thread::spawn(move || {
+            // Bounded: the loop stops with the test, at most ten minutes.
+            let deadline = Instant::now() + Duration::from_secs(600);
+            while !s.load(Ordering::SeqCst) && Instant::now() < deadline {
+                if !statfs_ok(&mnt) {
+                    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(-1);
+                    let _ = e.compare_exchange(0, errno, Ordering::SeqCst, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        Watcher { stop, errno, thread: Some(thread) }
+    }
+
+    /// The first errno seen (0: none).
+    pub fn finish(mut self) -> i32 {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.errno.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `clients/hold_open_loop.py` on `file`: a file held open and written,
+/// fsynced and read back round after round; killed on drop.
+pub struct HoldOpenLoop(Child);
+
+impl HoldOpenLoop {
+    /// Starts the loop for `seconds`, and returns once its first round is done.
+    pub fn start(file: &Path, seconds: u32) -> (HoldOpenLoop, BufReader<std::process::ChildStdout>) {
+        let script = manifest_dir().join("clients/hold_open_loop.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .args([file.to_str().expect("utf8"), &seconds.to_string(), "1000000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        out.read_line(&mut line).expect("read");
+        assert_eq!(line.trim(), "ready", "the loop did not start");
+        (HoldOpenLoop(child), out)
+    }
+
+    pub fn running(&mut self) -> bool {
+        matches!(self.0.try_wait(), Ok(None))
+    }
+
+    /// Waits for the end (bounded: two minutes) and returns (rounds, worst
+    /// round in ms); fails on any error the loop saw.
+    pub fn finish(mut self, mut out: BufReader<std::process::ChildStdout>) -> (u64, u64) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let status = loop {
+            if let Some(s) = self.0.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "the loop on the mount hangs");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        if let Some(mut e) = self.0.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut err);
+        }
+        assert!(status.success(), "the loop on the mount saw an error ({status}):\n{err}");
+        let mut line = String::new();
+        out.read_line(&mut line).expect("read");
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f.first(), Some(&"ok"), "{line}");
+        (f[1].parse().expect("rounds"), f[2].parse().expect("ms"))
+    }
+}
+
+impl Drop for HoldOpenLoop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Checks the small files `hold_open_loop.py` made beside `file` in
+/// `rounds` rounds: each there, with its own name as its bytes.
+pub fn check_hold_open_files(file: &Path, rounds: u64) {
+    for i in (0..rounds).step_by(32) {
+        let small = PathBuf::from(format!("{}.{i}", file.display()));
+        let name = small.file_name().and_then(|n| n.to_str()).expect("name").to_string();
+        let got = std::fs::read_to_string(&small).unwrap_or_else(|e| panic!("{}: {e}", small.display()));
+        assert_eq!(got, name, "{}", small.display());
+    }
+}
+
+/// What `hold_open_loop.py` leaves in its file after `rounds` rounds.
+pub fn hold_open_expected(rounds: u64) -> Vec<u8> {
+    const SLOTS: u64 = 1024;
+    let slots = rounds.min(SLOTS);
+    let mut v = vec![0u8; (slots * 4096) as usize];
+    for s in 0..slots {
+        // The last round that wrote slot s.
+        let i = s + (rounds - 1 - s) / SLOTS * SLOTS;
+        let at = (s * 4096) as usize;
+        v[at..at + 8].copy_from_slice(&i.to_le_bytes());
+        v[at + 8..at + 4096].fill((i % 251) as u8);
+    }
+    v
 }

@@ -12,7 +12,7 @@
 use arbor_benches::{percentile_us, print_table, Rng, Row};
 use arbor_engine::bucket::{ObjectStore, S3Store};
 use arbor_engine::chunks::ChunkSource;
-use arbor_engine::disk::HeadDevice;
+use arbor_engine::head::HeadDevice;
 use arbor_engine::testkit::{Proxy, S3Server};
 use arbor_engine::tier::{BucketDevice, SegmentCache, TierConfig};
 use arbor_engine::volume::{Config, Volume, ROOT_INO};

@@ -28,11 +28,10 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// The default policy, with `ARBOR_S3_RETRIES` tries per call where set.
-    pub fn from_env() -> RetryPolicy {
+    /// The default policy with `attempts` tries per call where given.
+    pub fn with_attempts(attempts: Option<u32>) -> RetryPolicy {
         let default = RetryPolicy::default();
-        let attempts = std::env::var("ARBOR_S3_RETRIES").ok().and_then(|v| v.parse().ok()).unwrap_or(default.attempts);
-        RetryPolicy { attempts, ..default }
+        RetryPolicy { attempts: attempts.unwrap_or(default.attempts), ..default }
     }
 }
 

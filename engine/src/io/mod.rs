@@ -35,6 +35,20 @@ pub enum IoMode {
     Buffered,
 }
 
+impl std::str::FromStr for IoMode {
+    type Err = String;
+    /// `auto` (or empty), `uring`, `syscall` or `buffered`.
+    fn from_str(s: &str) -> std::result::Result<IoMode, String> {
+        match s {
+            "" | "auto" => Ok(IoMode::Auto),
+            "uring" => Ok(IoMode::Uring),
+            "syscall" => Ok(IoMode::Syscall),
+            "buffered" => Ok(IoMode::Buffered),
+            other => Err(format!("expected auto, uring, syscall or buffered (got {other:?})")),
+        }
+    }
+}
+
 impl IoMode {
     /// Whether large log writes may go past the page cache.
     pub fn direct(self) -> bool {

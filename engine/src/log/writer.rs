@@ -276,6 +276,20 @@ impl Log {
         wb.wait_written(seg, end)
     }
 
+    /// Returns once every record appended so far is in its segment file
+    /// (the kernel's page cache, not synced): a kill of this process then
+    /// loses none of them, only a crash of the node can.
+    pub fn write_out(&self) -> Result<()> {
+        {
+            let mut t = self.tail.lock();
+            self.flush(&mut t, true)?;
+        }
+        match &self.behind {
+            Some(wb) => wb.wait_all(),
+            None => Ok(()),
+        }
+    }
+
     /// Returns once every record up to `seq` is durable. Concurrent callers
     /// share one fdatasync (group commit).
     pub fn sync(&self, seq: u64) -> Result<()> {

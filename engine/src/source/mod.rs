@@ -41,20 +41,27 @@ pub trait Sources: Send + Sync {
     fn store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>>;
 }
 
-/// S3 buckets reached with the settings of the environment
-/// ([`S3Config::from_env`]), each opened once, with retries.
+/// S3 buckets reached with the AWS settings of the environment
+/// ([`S3Config::from_env`]), each opened once, with `retries`.
 #[derive(Default)]
-pub struct EnvSources {
+pub struct S3Sources {
+    retries: RetryPolicy,
     stores: Mutex<HashMap<String, Arc<dyn ObjectStore>>>,
 }
 
-impl Sources for EnvSources {
+impl S3Sources {
+    pub fn new(retries: RetryPolicy) -> S3Sources {
+        S3Sources { retries, stores: Mutex::default() }
+    }
+}
+
+impl Sources for S3Sources {
     fn store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>> {
         let mut stores = self.stores.lock();
         if let Some(s) = stores.get(bucket) {
             return Ok(s.clone());
         }
-        let store = crate::bucket::open_s3(&S3Config::from_env(bucket, ""), RetryPolicy::from_env())?;
+        let store = crate::bucket::open_s3(&S3Config::from_env(bucket, ""), self.retries.clone())?;
         stores.insert(bucket.to_string(), store.clone());
         Ok(store)
     }

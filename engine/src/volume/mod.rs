@@ -106,7 +106,7 @@ impl Default for Config {
             root_uid: 0,
             root_gid: 0,
             env: Arc::new(SystemEnv),
-            sources: Arc::new(crate::source::EnvSources::default()),
+            sources: Arc::new(crate::source::S3Sources::default()),
             source_servers: None,
             source_files: None,
         }
@@ -578,6 +578,58 @@ impl Volume {
         Ok(data.len())
     }
 
+    /// Makes `len` bytes of file `dst` from `dst_off` the bytes of file
+    /// `src` from `src_off` without copying them: `dst`'s extents point at
+    /// the log bytes `src`'s do (copy-on-write keeps both files apart from
+    /// then on). One intent, so the clone is whole or absent after a crash.
+    /// The range is cut at the end of `src`; returns the bytes cloned.
+    /// An imported file's object bytes cannot be cloned (`EOPNOTSUPP`: the
+    /// caller copies them).
+    pub fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        self.log()?;
+        let mut st = self.state.write();
+        let len = self.clone_checked(&st, src, src_off, dst, dst_off, len)?;
+        if len == 0 {
+            return Ok(0);
+        }
+        self.spill(&mut st, src)?;
+        self.spill(&mut st, dst)?;
+        self.run(&mut st, ops::Op::CloneRange { src, src_off, dst, dst_off, len, time: self.now() }, &[])?;
+        Ok(len)
+    }
+
+    /// What [`Volume::clone_range`] would clone now (the range cut at the
+    /// source's end), or why it would refuse, changing nothing.
+    pub fn check_clone(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        self.log()?;
+        self.clone_checked(&self.state.read(), src, src_off, dst, dst_off, len)
+    }
+
+    fn clone_checked(&self, st: &State, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        let (s, d) = (self.view(st).inode(src)?, self.view(st).inode(dst)?);
+        for kind in [s.kind, d.kind] {
+            match kind {
+                FileKind::Regular => {}
+                FileKind::Directory => return Err(Error::IsDir),
+                _ => return Err(Error::Invalid("a clone of a special file")),
+            }
+        }
+        let len = len.min(s.size.saturating_sub(src_off));
+        if len == 0 {
+            return Ok(0);
+        }
+        if dst_off.checked_add(len).is_none_or(|end| end > MAX_FILE_SIZE) {
+            return Err(Error::TooBig);
+        }
+        if src == dst && src_off < dst_off + len && dst_off < src_off + len {
+            return Err(Error::Invalid("a clone onto an overlapping range of the same file"));
+        }
+        if self.view(st).source(src)?.is_some() {
+            return Err(Error::Io(std::io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
+        }
+        Ok(len)
+    }
+
     /// The largest data payload one record carries.
     fn max_write_chunk(&self) -> usize {
         let by_segment = (self.cfg.segment_size / 2) as usize;
@@ -633,6 +685,16 @@ impl Volume {
             self.run(&mut st, ops::Op::DropOrphan { ino }, &[])?;
         }
         Ok(())
+    }
+
+    /// Returns once everything done so far is in the log's files, not yet
+    /// synced (see [`Log::write_out`]); nothing to do when read-only.
+    pub fn write_out(&self) -> Result<()> {
+        match self.log() {
+            Ok(log) => log.write_out(),
+            Err(Error::ReadOnly) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Returns once everything done so far is durable. (The log is one

@@ -132,6 +132,20 @@ pub enum Op {
     /// Changes nothing: carries the request tag of a call that succeeded
     /// without logging anything else (see `volume::requests`).
     Mark,
+    /// Makes bytes `[dst_off, dst_off + len)` of regular file `dst` the
+    /// bytes `[src_off, src_off + len)` of `src` by pointing `dst`'s
+    /// extents at `src`'s log bytes: no data is copied or logged. Holes
+    /// stay holes. Validated first: both regular files, neither inline
+    /// (spilled before), no external extent in the source range, the two
+    /// ranges apart when `src == dst`.
+    CloneRange {
+        src: u64,
+        src_off: u64,
+        dst: u64,
+        dst_off: u64,
+        len: u64,
+        time: Timestamp,
+    },
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -298,6 +312,23 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64, features: &
             }
             tx.store.account_data(e.data.seg, -(e.len as i64));
             tx.put_extent(*ino, *end, &Extent { data: data.addr, rec_off: 0, len: *len, crcs: data.crcs.to_vec() })
+        }
+        Op::CloneRange { src, src_off, dst, dst_off, len, time } => {
+            let parts = tx.extent_parts(*src, *src_off, src_off + len)?;
+            let mut d = tx.inode(*dst)?;
+            d.inline = None;
+            d.allocated -= tx.punch(*dst, *dst_off, dst_off + len)?;
+            for (at, piece) in parts {
+                let Piece::Log(e) = piece else {
+                    return Err(Error::Invalid("a clone of an imported object's bytes"));
+                };
+                let end = dst_off + (at - src_off) + e.len as u64;
+                tx.put_extent(*dst, end, &e)?;
+                d.allocated += e.len as u64;
+            }
+            d.size = d.size.max(dst_off + len);
+            touch(&mut d, *time);
+            tx.put_inode(*dst, &d)
         }
         Op::DropOrphan { ino } => match tx.try_inode(*ino)? {
             Some(i) if i.nlink == 0 => tx.delete_inode(*ino),

@@ -74,7 +74,7 @@ pub(super) fn take_for(op: &Op) -> Option<RequestTag> {
         return None;
     }
     CURRENT.with(|c| match c.get() {
-        Some((_, Takes::Write)) if !matches!(op, Op::Write { .. }) => None,
+        Some((_, Takes::Write)) if !matches!(op, Op::Write { .. } | Op::CloneRange { .. }) => None,
         Some((tag, _)) => {
             c.set(None);
             Some(tag)

@@ -245,6 +245,18 @@ pub enum FileOp {
     Slots {
         client: u64,
     },
+    /// Makes `len` bytes of `dst` from `dst_off` the bytes of `src` from
+    /// `src_off`, sharing them ([`Files::clone_range`]): [`Out::Written`]
+    /// with `len`. The range must lie within the source (EINVAL past its
+    /// end, so a copy sent again is answered truly). It drops `dst`'s
+    /// set-ID bits and capabilities whatever the caller's privileges.
+    CloneRange {
+        src: u64,
+        src_off: u64,
+        dst: u64,
+        dst_off: u64,
+        len: u64,
+    },
 }
 
 impl FileOp {
@@ -258,6 +270,7 @@ impl FileOp {
             FileOp::Open { count, .. } if count > MAX_OPEN_COUNT => Err(libc::EINVAL),
             FileOp::ReadDir { max, .. } if max > READDIR_BATCH => Err(libc::EINVAL),
             FileOp::SetLk { wait: true, reclaim: true, .. } => Err(libc::EINVAL),
+            FileOp::CloneRange { len: 0, .. } => Err(libc::EINVAL),
             FileOp::Slots { client } if reserved_client(client) => Err(libc::EPERM),
             _ => Ok(()),
         }
@@ -269,6 +282,7 @@ impl FileOp {
         match self {
             FileOp::SetAttr { ino, .. } | FileOp::SetXattr { ino, .. } | FileOp::RemoveXattr { ino, .. } => vec![*ino],
             FileOp::Write { ino, .. } => vec![*ino],
+            FileOp::CloneRange { dst, .. } => vec![*dst],
             FileOp::Create { parent, .. }
             | FileOp::CreateOpen { parent, .. }
             | FileOp::Mkdir { parent, .. }
@@ -312,6 +326,7 @@ impl FileOp {
                 | FileOp::Rmdir { .. }
                 | FileOp::Rename { .. }
                 | FileOp::Write { .. }
+                | FileOp::CloneRange { .. }
                 | FileOp::SetXattr { .. }
                 | FileOp::RemoveXattr { .. }
         )
@@ -834,7 +849,13 @@ impl SharedBranch {
             self.replies.finish(tag, &reply);
             return reply;
         }
-        let takes = if matches!(op, FileOp::Write { .. }) { Takes::Write } else { Takes::Operation };
+        // A write's (and a clone's) tag waits for its own intent, past the
+        // set-ID bits it may drop first.
+        let takes = if matches!(op, FileOp::Write { .. } | FileOp::CloneRange { .. }) {
+            Takes::Write
+        } else {
+            Takes::Operation
+        };
         let reply = self
             .vol
             .tagged(tag, takes, |_| {
@@ -870,6 +891,8 @@ impl SharedBranch {
         let v = &self.vol;
         let out = match op {
             FileOp::Write { data, .. } => Ok(Out::Written(data.len() as u64)),
+            // A clone is applied only for its exact range.
+            FileOp::CloneRange { len, .. } => Ok(Out::Written(*len)),
             FileOp::Create { parent, name, .. }
             | FileOp::Mkdir { parent, name, .. }
             | FileOp::Symlink { parent, name, .. }
@@ -948,6 +971,21 @@ impl SharedBranch {
                     };
                     let r = r.map(|n| Out::Written(n as u64));
                     self.record(session, [Inode(ino)]);
+                    r
+                }
+                FileOp::CloneRange { src, src_off, dst, dst_off, len } => {
+                    // Checked before the set-ID bits go: a refused clone
+                    // changes nothing.
+                    let r = v.check_clone(src, src_off, dst, dst_off, len).and_then(|cut| {
+                        if cut != len {
+                            return Err(Error::Invalid("a clone past the source's end"));
+                        }
+                        let a = v.getattr(dst)?;
+                        arbor_engine::files::clear_privileges(&**v, a)?;
+                        v.clone_range(src, src_off, dst, dst_off, len)
+                    });
+                    let r = r.map(Out::Written);
+                    self.record(session, [Inode(dst)]);
                     r
                 }
                 FileOp::Fsync { ino } => v.fsync(ino).map(|()| Out::Unit),

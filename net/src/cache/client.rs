@@ -17,7 +17,7 @@
 //! reading thread writing its asks and reading the answers itself.
 //! Footers and source-object chunks, and everything with a server that
 //! does not take chunk connections, go over one HTTP/2 connection per
-//! server. `ARBOR_CACHE_WIRE=http` sends everything over HTTP/2 (for
+//! server. [`CacheClient::set_framed`] sends everything over HTTP/2 (for
 //! comparing the two).
 
 use crate::wire::frames::ChunkAsk;
@@ -39,11 +39,6 @@ use std::time::{Duration, Instant};
 pub const DOWN_FOR: Duration = Duration::from_secs(2);
 /// How long a chunk request may take before the reader goes to the bucket.
 pub const TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The timeout: `ARBOR_CACHE_TIMEOUT_MS`, else [`TIMEOUT`].
-pub fn timeout_from_env() -> Duration {
-    std::env::var("ARBOR_CACHE_TIMEOUT_MS").ok().and_then(|v| v.parse().ok()).map_or(TIMEOUT, Duration::from_millis)
-}
 
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
@@ -184,16 +179,11 @@ impl CacheClient {
         let rt = crate::client_runtime("arbor-cache-client")?;
         let token = opts.token.as_bytes().to_vec();
         let inner = Inner { peers, auth, token, timeout: opts.timeout, tls: opts.tls };
-        let client = CacheClient { inner: Arc::new(inner), rt };
-        if std::env::var("ARBOR_CACHE_WIRE").is_ok_and(|w| w == "http") {
-            client.set_framed(false);
-        }
-        Ok(client)
+        Ok(CacheClient { inner: Arc::new(inner), rt })
     }
 
     /// Whether segment chunks and their parts go over chunk connections
-    /// (the default) or over HTTP/2 (`false`; also `ARBOR_CACHE_WIRE=http`
-    /// in the environment), for comparing the two.
+    /// (the default) or over HTTP/2 (`false`), for comparing the two.
     pub fn set_framed(&self, on: bool) {
         for p in &self.inner.peers {
             p.takes_chunk_conns.store(on, Ordering::Relaxed);

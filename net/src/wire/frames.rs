@@ -54,7 +54,7 @@ use std::io::{self, Read, Write};
 pub const MAGIC: [u8; 4] = *b"ARBF";
 /// The version of the framed protocol: its hello, chunk asks, and the
 /// branch's requests and answers.
-pub const VERSION: u32 = 8;
+pub const VERSION: u32 = 9;
 /// The largest frame either side accepts (a 1 MiB write or read fits many
 /// times).
 pub const MAX_FRAME: usize = 16 << 20;

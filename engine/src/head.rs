@@ -1,5 +1,6 @@
-//! A disk: one set of segments shared by every branch (segment names are
-//! globally unique), and a catalog of named roots in an object store.
+//! Branch heads: the device of a branch whose superblock is an object in
+//! the store, over one set of segments shared by every branch (segment
+//! names are globally unique), and the read-only device of a frozen root.
 //!
 //! A branch's superblock is its head object `branches/<name>`, replaced
 //! only by compare-and-swap on the tag the writer last saw, so a second
