@@ -127,6 +127,17 @@ impl Files for OwnerFiles {
     fn removexattr(&self, ino: u64, name: &[u8]) -> Result<()> {
         self.unit(FileOp::RemoveXattr { ino, name: name.to_vec() })
     }
+    fn clone_range(&self, src: u64, src_off: u64, dst: u64, dst_off: u64, len: u64) -> Result<u64> {
+        // The owner clones exact ranges: cut at the source's end here.
+        let len = len.min(self.shared.volume().getattr(src)?.size.saturating_sub(src_off));
+        if len == 0 {
+            return Ok(0);
+        }
+        match self.change(FileOp::CloneRange { src, src_off, dst, dst_off, len })? {
+            Out::Written(n) => Ok(n),
+            _ => Err(Error::Invalid("the owner gave no count")),
+        }
+    }
     /// The owner closes the branch when it stops, not a front end.
     fn close(&self) -> Result<()> {
         Ok(())

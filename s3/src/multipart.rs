@@ -7,7 +7,7 @@
 //! survive a restart of the server, as S3's do, until completed or
 //! aborted.
 
-use crate::store::{conflict, hex, s3_err, unhex, unique_name, Key, Meta, Tree, IO_SIZE};
+use crate::store::{conflict, copy_bytes, hex, s3_err, unhex, unique_name, Key, Meta, Tree};
 use arbor_engine::volume::{Attr, FileKind, RenameMode};
 use s3s::crypto::{Checksum, Md5};
 use s3s::{s3_error, S3Error, S3ErrorCode, S3Result};
@@ -189,19 +189,14 @@ impl Tree {
         let etag = format!("{}-{}", hex(&m.finalize()), chosen.len());
         let (tmp, name, ino) = self.temp_file()?;
         let done = (|| {
+            // The parts' extents are joined, not their bytes copied.
             let mut at = 0;
-            let mut buf = vec![0u8; IO_SIZE];
             for p in &chosen {
-                let mut off = 0;
-                while off < p.attr.size {
-                    let n = self.files.read_into(p.attr.ino, off, &mut buf).map_err(|e| s3_err(e, "read"))?;
-                    if n == 0 {
-                        return Err(s3_error!(InternalError, "part {} shrank", p.number));
-                    }
-                    self.files.write(ino, at + off, &buf[..n]).map_err(|e| s3_err(e, "write"))?;
-                    off += n as u64;
+                let size = p.attr.size;
+                if !self.share(&*self.files, p.attr.ino, 0, ino, at, size)? {
+                    copy_bytes(&*self.files, p.attr.ino, (0, size), &*self.files, ino, at, None)?;
                 }
-                at += p.attr.size;
+                at += size;
             }
             let a = self.label(ino, &etag, &up.meta)?;
             self.place(tmp, &name, ino, key, shown, false)?;

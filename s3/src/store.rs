@@ -470,40 +470,99 @@ impl Tree {
     }
 
     /// Copies bytes `start..end` of file `src` of `from` (held open) to
-    /// a new temporary file of this tree: (folder, name, inode, MD5). The
-    /// engine has no extent clone: the bytes are read and written.
+    /// a new temporary file of this tree: (folder, name, inode, MD5). In
+    /// the same tree the bytes are shared, not copied (a clone of their
+    /// extents); `known_md5`, the MD5 of exactly those bytes if the caller
+    /// knows it, spares reading them.
     pub fn copy_to_temp(
         &self,
         from: &dyn Files,
         src: u64,
-        start: u64,
-        end: u64,
+        (start, end): (u64, u64),
+        known_md5: Option<[u8; 16]>,
     ) -> S3Result<(u64, Vec<u8>, u64, [u8; 16])> {
         let (dir, name, ino) = self.temp_file()?;
-        let mut md5 = Md5::new();
         let copied = (|| {
-            let mut buf = vec![0u8; IO_SIZE];
-            let mut off = start;
-            while off < end {
-                let want = ((end - off) as usize).min(IO_SIZE);
-                let n = from.read_into(src, off, &mut buf[..want]).map_err(|e| s3_err(e, "read"))?;
-                if n == 0 {
-                    return Err(s3_error!(InternalError, "the source shrank under the copy"));
-                }
-                md5.update(&buf[..n]);
-                self.files.write(ino, off - start, &buf[..n]).map_err(|e| s3_err(e, "write"))?;
-                off += n as u64;
+            if self.share(from, src, start, ino, 0, end - start)? {
+                return match known_md5 {
+                    Some(md5) => Ok(md5),
+                    None => md5_of(&*self.files, ino, end - start),
+                };
             }
-            Ok(())
+            let mut md5 = Md5::new();
+            copy_bytes(from, src, (start, end), &*self.files, ino, 0, Some(&mut md5))?;
+            Ok(md5.finalize())
         })();
         match copied {
-            Ok(()) => Ok((dir, name, ino, md5.finalize())),
+            Ok(md5) => Ok((dir, name, ino, md5)),
             Err(e) => {
                 self.drop_temp(dir, &name);
                 Err(e)
             }
         }
     }
+
+    /// Makes `len` bytes of `dst` from `at` the bytes of `src` of `from`
+    /// from `start` by sharing their extents, when `from` is this tree and
+    /// the engine can (`false`: the caller copies them). Every byte or
+    /// none: a source shorter than the range is an error.
+    pub fn share(&self, from: &dyn Files, src: u64, start: u64, dst: u64, at: u64, len: u64) -> S3Result<bool> {
+        let same_tree = std::ptr::addr_eq(from as *const dyn Files, Arc::as_ptr(&self.files));
+        if !same_tree || len == 0 {
+            return Ok(len == 0);
+        }
+        match self.files.clone_range(src, start, dst, at, len) {
+            Ok(n) if n == len => Ok(true),
+            Ok(_) => Err(s3_error!(InternalError, "the source shrank under the copy")),
+            Err(e) if e.errno() == libc::EOPNOTSUPP => Ok(false),
+            Err(e) => Err(s3_err(e, "clone")),
+        }
+    }
+}
+
+/// Copies bytes `start..end` of `src` of `from` to `dst` of `to` from
+/// `at`, adding them to `md5` if given.
+pub fn copy_bytes(
+    from: &dyn Files,
+    src: u64,
+    (start, end): (u64, u64),
+    to: &dyn Files,
+    dst: u64,
+    at: u64,
+    mut md5: Option<&mut Md5>,
+) -> S3Result<()> {
+    let mut buf = vec![0u8; IO_SIZE];
+    let mut off = start;
+    while off < end {
+        let want = ((end - off) as usize).min(IO_SIZE);
+        let n = from.read_into(src, off, &mut buf[..want]).map_err(|e| s3_err(e, "read"))?;
+        if n == 0 {
+            return Err(s3_error!(InternalError, "the source shrank under the copy"));
+        }
+        if let Some(m) = md5.as_mut() {
+            m.update(&buf[..n]);
+        }
+        to.write(dst, at + (off - start), &buf[..n]).map_err(|e| s3_err(e, "write"))?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// The MD5 of the first `len` bytes of `ino`.
+fn md5_of(files: &dyn Files, ino: u64, len: u64) -> S3Result<[u8; 16]> {
+    let mut md5 = Md5::new();
+    let mut buf = vec![0u8; IO_SIZE];
+    let mut off = 0;
+    while off < len {
+        let want = ((len - off) as usize).min(IO_SIZE);
+        let n = files.read_into(ino, off, &mut buf[..want]).map_err(|e| s3_err(e, "read"))?;
+        if n == 0 {
+            return Err(s3_error!(InternalError, "a copy is shorter than its source"));
+        }
+        md5.update(&buf[..n]);
+        off += n as u64;
+    }
+    Ok(md5.finalize())
 }
 
 /// The ETag in record `rec` if file `a` is as it was when recorded.
