@@ -566,3 +566,32 @@ fn paths_resolve_from_the_root() {
     assert_eq!(errno(vol.lookup_path("a/nope")), libc::ENOENT);
     assert_eq!(errno(vol.lookup_path("a/b/f/x")), libc::ENOTDIR);
 }
+
+/// A writer killed with its records in the page cache (the node kept
+/// running), then a new writer of the same log: what the new one replays
+/// is made durable before it commits on top, so an fsync there answers for
+/// it, and a power loss afterwards keeps it.
+#[test]
+fn a_new_writer_makes_what_it_replayed_durable_before_it_commits() {
+    let (dev, vol) = sim();
+    let f = file(&vol, ROOT_INO, "answered");
+    vol.sync_all().expect("sync");
+    let body = pattern(200_000, 9);
+    vol.write(f, 0, &body).expect("write, answered, never synced");
+    // As a mount that outlives its process answers a change: written out
+    // to the segment file, not synced.
+    vol.write_out().expect("write out");
+    // Killed: nothing of the volume runs again; its records stay where the
+    // kernel holds them.
+    std::mem::forget(vol);
+    let next = reopen(&dev);
+    let g = file(&next, ROOT_INO, "after");
+    next.write(g, 0, b"later").expect("write");
+    next.fsync(g).expect("fsync");
+    dev.crash(CrashMode::DropUnsynced);
+    std::mem::forget(next);
+    let vol = reopen(&dev);
+    let got = vol.read(f, 0, body.len()).expect("read after power loss");
+    assert!(got == body, "after the power loss the answered write reads {} bytes, not its {}", got.len(), body.len());
+    assert_eq!(vol.read(vol.lookup(ROOT_INO, b"after").expect("after").ino, 0, 5).expect("read"), b"later");
+}

@@ -81,6 +81,9 @@ pub struct ArborFs<F: Files + ?Sized = arbor_engine::Volume> {
     gates: parking_lot::Mutex<std::collections::HashMap<(u64, u64), Gate>>,
     /// The next open file's handle.
     next_handle: std::sync::atomic::AtomicU64,
+    /// The high half of the handles this process hands out (see
+    /// [`ArborFs::skip_handles`]).
+    own_handles: std::sync::atomic::AtomicU64,
     counters: Arc<Counters>,
     /// Where a change the kernel cannot know of is pushed into its caches.
     notifier: std::sync::OnceLock<crate::Notify>,
@@ -142,6 +145,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
             lockers: parking_lot::Mutex::new(Default::default()),
             gates: parking_lot::Mutex::new(Default::default()),
             next_handle: std::sync::atomic::AtomicU64::new(1),
+            own_handles: std::sync::atomic::AtomicU64::new(0),
             counters: Arc::default(),
             notifier: std::sync::OnceLock::new(),
             direct: DirectWrites::new(direct_writes),
@@ -395,6 +399,22 @@ impl<F: Files + ?Sized> ArborFs<F> {
         .inspect(|n| self.counters.written_bytes.add(u64::from(*n)))
     }
 
+    /// `copy_file_range(2)`: the bytes are shared, not copied (a clone of
+    /// their extents, see `Files::clone_range`). Where they cannot be
+    /// shared (an imported file's object), EOPNOTSUPP makes the kernel
+    /// copy them itself (ENOSYS would turn the call off for the mount).
+    pub fn copy_file_range(&self, ino_in: u64, off_in: u64, ino_out: u64, off_out: u64, len: u64) -> Answer<u32> {
+        // The kernel takes a u32 count back: at most 1 GiB a call, as
+        // Linux's own copies are cut.
+        let len = len.min(1 << 30);
+        self.run(Op::CopyFileRange, ino_out, || {
+            let n = answer(self.vol.clone_range(ino_in, off_in, ino_out, off_out, len))?;
+            self.drop_cached_attrs(ino_out);
+            Ok(n as u32)
+        })
+        .inspect(|n| self.counters.written_bytes.add(u64::from(*n)))
+    }
+
     pub fn flush(&self, ino: u64, lock_owner: u64) -> Answer<()> {
         self.run(Op::Flush, ino, || {
             if self.vol.is_shared() {
@@ -425,6 +445,14 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// connection: the kernel still holds the dead process's handles).
     pub fn skip_handles(&self, first: u64) {
         self.next_handle.fetch_max(first, std::sync::atomic::Ordering::Relaxed);
+        self.own_handles.store(first >> 32, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether this process handed out `fh` (a resumed process's handles
+    /// carry its own high half; the dead process's opens were never
+    /// counted here, so their releases must not be).
+    fn handed_out(&self, fh: u64) -> bool {
+        fh >> 32 == self.own_handles.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `flags`: those the file was opened with; `fh`: its handle.
@@ -453,6 +481,9 @@ impl<F: Files + ?Sized> ArborFs<F> {
                 }
                 drop(_held);
                 self.ungate(ino, owner, gate);
+            }
+            if !self.handed_out(fh) {
+                return Ok(());
             }
             answer(self.vol.release(ino))
         })

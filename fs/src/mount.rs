@@ -298,11 +298,12 @@ pub fn resume<F: Files + ?Sized>(
     // Handles the dead process gave out stay with the kernel's open files:
     // new ones must not repeat them.
     fs.skip_handles(u64::from(std::process::id()) << 32);
-    if let Err(e) = crate::resume::resend(&dev) {
-        // Before Linux 6.9: what the dead process read and did not answer
-        // waits forever; everything else is served.
-        tracing::warn!(error = %e, "requests the dead process had read are not sent again");
-    }
+    // Before Linux 6.9 what the dead process read and did not answer
+    // would wait forever (holding its folder's lock, so every later change
+    // there would too): the mount is given up instead.
+    crate::resume::resend(&dev).map_err(|e| {
+        io::Error::other(format!("the kernel cannot send again what the dead process read ({e}): not resuming"))
+    })?;
     let keep = dev.try_clone()?;
     let dev = Arc::new(dev);
     fs.set_notifier(crate::Notify::Device(dev.clone()));

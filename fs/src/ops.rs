@@ -33,7 +33,7 @@ ops! {
     Write => "write", Flush => "flush", Release => "release", Fsync => "fsync", Readdir => "readdir",
     Readdirplus => "readdirplus", Statfs => "statfs", Setxattr => "setxattr", Getxattr => "getxattr",
     Listxattr => "listxattr", Removexattr => "removexattr", Create => "create", Fallocate => "fallocate",
-    Getlk => "getlk", Setlk => "setlk", Ioctl => "ioctl",
+    Getlk => "getlk", Setlk => "setlk", Ioctl => "ioctl", CopyFileRange => "copy_file_range",
 }
 
 /// What one kind of operation cost.

@@ -125,7 +125,9 @@ fn answer_loop<F: Files + ?Sized>(fs: &ArborFs<F>, dev: &OwnedFd) -> io::Result<
         let Ok((head, _)) = InHeader::read_from_prefix(&buf[..n]) else { continue };
         let body = &buf[std::mem::size_of::<InHeader>()..n];
         if let Some(answer) = answer(fs, head, body, &mut read_buf) {
-            write_answer(dev, head.unique, answer)?;
+            if let Err(e) = write_answer(dev, head.unique, answer) {
+                tracing::warn!(error = %e, opcode = head.opcode, "an answer the kernel refused");
+            }
         }
     }
 }
@@ -179,6 +181,7 @@ fn op_size(opcode: u32) -> usize {
         op::RELEASE | op::RELEASEDIR | op::FLUSH => 24,
         op::GETLK | op::SETLK | op::SETLKW => 48,
         op::IOCTL | op::FALLOCATE => 32,
+        op::COPY_FILE_RANGE => 56,
         _ => 0,
     }
 }
@@ -217,6 +220,7 @@ mod tests {
         assert_eq!(op_size(op::SETLK), 48);
         assert_eq!(op_size(op::SETATTR), 88);
         assert_eq!(op_size(op::LOOKUP), 0);
+        assert_eq!(op_size(op::COPY_FILE_RANGE), 56);
         assert_eq!(op_size(9999), 0);
     }
 }

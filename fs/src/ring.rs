@@ -399,6 +399,19 @@ pub(crate) struct IoIn {
     pub padding: u32,
 }
 
+/// `fuse_copy_file_range_in`.
+#[derive(FromBytes, IntoBytes, Immutable, KnownLayout, Clone, Copy, Debug, Default)]
+#[repr(C)]
+struct CopyFileRangeIn {
+    fh_in: u64,
+    off_in: u64,
+    nodeid_out: u64,
+    fh_out: u64,
+    off_out: u64,
+    len: u64,
+    flags: u64,
+}
+
 #[derive(FromBytes, IntoBytes, Immutable, KnownLayout, Clone, Copy, Debug, Default)]
 #[repr(C)]
 struct ReleaseIn {
@@ -471,6 +484,7 @@ pub(crate) mod op {
     pub const FALLOCATE: u32 = 43;
     pub const READDIRPLUS: u32 = 44;
     pub const RENAME2: u32 = 45;
+    pub const COPY_FILE_RANGE: u32 = 47;
 }
 
 const FATTR_MODE: u32 = 1 << 0;
@@ -737,6 +751,11 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
             let append = a.flags & libc::O_APPEND as u32 != 0;
             fs.write(ino, a.offset, data, kill, append).map(|n| WriteOut { size: n, padding: 0 }.as_bytes().to_vec())
         }
+        op::COPY_FILE_RANGE => {
+            let a: CopyFileRangeIn = arg(r.op)?;
+            fs.copy_file_range(ino, a.off_in, a.nodeid_out, a.off_out, a.len)
+                .map(|n| WriteOut { size: n, padding: 0 }.as_bytes().to_vec())
+        }
         op::STATFS => fs.statfs().map(|s| {
             let out = StatfsOut {
                 blocks: s.blocks,
@@ -816,8 +835,13 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
 /// own doing, and it is answered as done. Other requests are applied
 /// again (a write of the same bytes at the same place changes nothing).
 pub(crate) fn dispatch_resent<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply {
-    let first = dispatch(fs, r);
     let (h, p) = (&r.head, r.payload);
+    // An exchange the dead process may have applied would swap the names
+    // back if applied again, and nothing tells the two apart: refused.
+    if h.opcode == op::RENAME2 && arg::<[u32; 4]>(r.op)?[2] & libc::RENAME_EXCHANGE != 0 {
+        return Err(Errno::EIO);
+    }
+    let first = dispatch(fs, r);
     let found = |parent: u64, n: &[u8]| -> Result<Entry, Errno> {
         match fs.lookup(parent, n)? {
             e if e.attr.ino.0 == 0 => Err(Errno::ENOENT),
@@ -1293,5 +1317,28 @@ mod tests {
         assert_eq!(u32::read_from_bytes(&raw[24..28]).ok(), Some(2));
         assert_eq!(u64::read_from_bytes(&raw[16..24]).ok(), Some(0x1000));
         assert_eq!(raw[0], io_uring::opcode::UringCmd80::CODE);
+    }
+
+    #[test]
+    fn an_exchange_sent_again_is_refused_and_closes_of_handles_given_elsewhere_do_not_count() {
+        let fs = arbor();
+        let file = words(&[libc::S_IFREG | 0o644, 0, 0, 0]);
+        let a = nodeid(&call(&fs, op::MKNOD, ROOT_INO, &file, b"a\0").1);
+        let b = nodeid(&call(&fs, op::MKNOD, ROOT_INO, &file, b"b\0").1);
+        let exchange = [ROOT_INO.as_bytes(), &words(&[libc::RENAME_EXCHANGE, 0])].concat();
+        assert_eq!(resent(&fs, op::RENAME2, ROOT_INO, &exchange, b"a\0b\0"), Err(Errno::EIO));
+        assert_eq!(nodeid(&call(&fs, op::LOOKUP, ROOT_INO, b"", b"a\0").1), a, "the names stayed");
+        // A process resuming a connection: this open is its own, the
+        // release of handle 5 was a dead process's open.
+        fs.skip_handles(7 << 32);
+        let (err, _) = call(&fs, op::OPEN, b, &words(&[libc::O_RDWR as u32, 0]), b"");
+        assert_eq!(err, 0);
+        let write = IoIn { size: 4, ..Default::default() };
+        assert_eq!(call(&fs, op::WRITE, b, write.as_bytes(), b"kept").0, 0);
+        let foreign = [5u64.as_bytes(), &words(&[0, 0]), 0u64.as_bytes()].concat();
+        assert_eq!(call(&fs, op::RELEASE, b, &foreign, b"").0, 0);
+        assert_eq!(call(&fs, op::UNLINK, ROOT_INO, b"", b"b\0").0, 0);
+        let read = IoIn { size: 100, ..Default::default() };
+        assert_eq!(call(&fs, op::READ, b, read.as_bytes(), b""), (0, b"kept".to_vec()), "the open file is gone");
     }
 }

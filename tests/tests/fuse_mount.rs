@@ -524,3 +524,68 @@ fn write_only_opens_write_past_the_page_cache_and_readers_see_every_write() {
     );
     m.unmount();
 }
+
+/// Bytes a folder holds, everything under it.
+fn folder_bytes(dir: &std::path::Path) -> u64 {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
+        let meta = entry.metadata().expect("metadata");
+        total += if meta.is_dir() { folder_bytes(&entry.path()) } else { meta.len() };
+    }
+    total
+}
+
+/// `copy_file_range(2)` on a mount shares the bytes (a clone of their
+/// extents): the copy reads as its source, the disk grows by a record or
+/// two, and a later write to either file leaves the other as it was.
+#[test]
+fn copy_file_range_shares_the_bytes_instead_of_copying_them() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let (src, dst) = (s.mnt.join("model.bin"), s.mnt.join("model-copy.bin"));
+    let body = pattern(16 << 20, 5);
+    write_synced(&src, &body);
+    let before = folder_bytes(s.disk.as_path());
+    let from = std::fs::File::open(&src).expect("open source");
+    let to = std::fs::OpenOptions::new().write(true).create_new(true).open(&dst).expect("create copy");
+    let mut copied = 0usize;
+    for _ in 0..64 {
+        // SAFETY: two open descriptors; null offsets use and move theirs.
+        let n = unsafe {
+            libc::copy_file_range(
+                from.as_raw_fd(),
+                std::ptr::null_mut(),
+                to.as_raw_fd(),
+                std::ptr::null_mut(),
+                body.len() - copied,
+                0,
+            )
+        };
+        assert!(n >= 0, "copy_file_range: {}", std::io::Error::last_os_error());
+        if n == 0 {
+            break;
+        }
+        copied += n as usize;
+    }
+    assert_eq!(copied, body.len());
+    to.sync_all().expect("fsync the copy");
+    let grown = folder_bytes(s.disk.as_path()).saturating_sub(before);
+    assert!(grown < 2 << 20, "a copy of 16 MiB grew the disk by {grown} bytes");
+    assert!(std::fs::read(&dst).expect("read copy") == body, "the copy differs from its source");
+    // Copy-on-write: each side changes alone.
+    to.write_all_at(b"copy changed", 4096).expect("write copy");
+    to.sync_all().expect("fsync");
+    assert!(std::fs::read(&src).expect("read source") == body, "a write to the copy changed its source");
+    drop((from, to));
+    m.unmount();
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    let mut want = body.clone();
+    want[4096..4108].copy_from_slice(b"copy changed");
+    assert!(std::fs::read(&dst).expect("read copy") == want, "the copy after a remount");
+    m.unmount();
+}

@@ -79,6 +79,15 @@ impl Volume {
                 let op = Op::InitRoot { perm: 0o755, uid: vol.cfg.root_uid, gid: vol.cfg.root_gid, time: vol.now() };
                 vol.run(&mut st, op, &[])?;
             }
+            // The replayed records may sit in the page cache only (their
+            // writer was killed, the node kept running): made durable
+            // before this writer commits on top of them, or a later fsync
+            // here would answer for bytes a power loss still takes.
+            for seg in &report.segments {
+                if let Some(f) = device.open_segment(*seg)? {
+                    f.sync()?;
+                }
+            }
             let orphans = Txn { tree: &mut st.tree, store: &vol.nodes }.keys_with_prefix(&[keys::ORPHAN])?;
             for k in orphans {
                 vol.run(&mut st, Op::DropOrphan { ino: keys::leading_u64(&k) }, &[])?;
