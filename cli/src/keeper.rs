@@ -53,6 +53,10 @@ pub fn keeper_pid() -> Option<u32> {
 pub fn resume_device() -> Option<OwnedFd> {
     let fd: RawFd = std::env::var(RESUME_FD).ok()?.parse().ok()?;
     std::env::remove_var(RESUME_FD);
+    // Inherited across exec, it is ours alone from here: a program this
+    // process starts must not hold the connection.
+    // SAFETY: plain syscall on the descriptor the keeper passed.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
     // SAFETY: the keeper passed this descriptor open, for us alone.
     Some(unsafe { OwnedFd::from_raw_fd(fd) })
 }
