@@ -21,7 +21,6 @@ ENV = [
     ("ARBOR_CACHE_SERVERS", "mount, warm", "the cache servers, in place of `--cache-server`"),
     ("ARBOR_TLS_CA, ARBOR_TLS_FINGERPRINT, ARBOR_TLS_CERT, ARBOR_TLS_KEY", "mount, warm", "in place of the client TLS flags"),
     ("ARBOR_FUSE", "mount", "`ring` (FUSE over io_uring, or fail; such a mount does not survive the death of its serving process), `classic` (/dev/fuse); `auto` or unset: the ring where the kernel offers it, except under a keeper (the default), which serves on /dev/fuse"),
-    ("ARBOR_KEEPER", "mount with --foreground", "`0`: serve in this process, without a keeper; the mount then dies with it (see docs/semantics.md, \"A restart of the serving process\")"),
     ("ARBOR_DIRECT_WRITES", "mount", "`0`: write-only opens go through the page cache like any other; `1` or unset: past it (Linux 6.6 and later)"),
     ("ARBOR_READ_THROUGH_OWNER", "mount through an owner", "`1`: every read goes to the owner, none to the bucket or cache servers; `0` or unset: bytes already in the bucket are read from there"),
     ("ARBOR_CACHE_WIRE", "mount with cache servers", "`http`: every chunk over HTTP/2, no framed chunk connections; `framed` or unset: segment chunks over chunk connections"),

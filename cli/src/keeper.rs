@@ -24,8 +24,6 @@ use std::time::{Duration, Instant};
 const KEEPER_FD: &str = "ARBOR_KEEPER_FD";
 /// Set for a child that takes a live connection over: its `/dev/fuse` file.
 const RESUME_FD: &str = "ARBOR_RESUME_FD";
-/// `ARBOR_KEEPER=0`: serve in this process, without a keeper.
-const KEEPER_SWITCH: &str = "ARBOR_KEEPER";
 
 /// More restarts than this within [`RESTART_WINDOW`] and the keeper gives
 /// up (the mount then dies with it): a child that cannot start again.
@@ -37,9 +35,10 @@ pub fn is_child() -> bool {
     std::env::var_os(KEEPER_FD).is_some()
 }
 
-/// Whether `arbor mount --foreground` should run as a keeper.
-pub fn wanted() -> bool {
-    !is_child() && std::env::var(KEEPER_SWITCH).as_deref() != Ok("0")
+/// Whether `arbor mount --foreground --restartable` should run as the
+/// keeper (its serving child runs with the same arguments).
+pub fn wanted(restartable: bool) -> bool {
+    restartable && !is_child()
 }
 
 /// The keeper's pid, for a serving child.

@@ -273,6 +273,14 @@ struct MountCmd {
     /// always honours them.)
     #[arg(long)]
     allow_suid_devices: bool,
+    /// Survive the death of the process serving the mount (kill -9, an OOM
+    /// kill, an upgrade's restart): a small keeper process holds the FUSE
+    /// connection and starts a new server on it; open files stall, then go
+    /// on. Each change is then answered once it outlives the server (a
+    /// write system call per change; a mount through an owner waits for
+    /// the owner's answer to each write). `arbor csi` mounts this way.
+    #[arg(long)]
+    restartable: bool,
     /// Serve `GET /metrics` (Prometheus text: FUSE operations, bucket calls,
     /// the chunk cache) on this address, e.g. 127.0.0.1:9101. No token: bind
     /// it where only the scraper reaches.
@@ -534,6 +542,7 @@ fn run(cli: Cli) -> Result<()> {
                 server: m.server,
                 timeout: m.timeout.map(|t| t.0),
                 allow_suid_devices: m.allow_suid_devices,
+                restartable: m.restartable,
                 metrics: m.metrics,
             };
             if m.foreground {

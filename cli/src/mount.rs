@@ -46,6 +46,8 @@ pub struct MountArgs {
     pub timeout: Option<Duration>,
     /// Through an owner: the mount is `suid,dev`, not `nosuid,nodev`.
     pub allow_suid_devices: bool,
+    /// A keeper holds the FUSE connection and restarts the server on it.
+    pub restartable: bool,
     /// Where to serve `/metrics` (`None`: nowhere).
     pub metrics: Option<std::net::SocketAddr>,
 }
@@ -218,7 +220,7 @@ fn reply<T>(r: Result<T, impl std::fmt::Display>, ok: impl FnOnce(T) -> Value) -
 
 /// Mounts and serves until unmounted, signalled, or asked to stop.
 pub fn run_foreground(args: &MountArgs) -> Result<()> {
-    if crate::keeper::wanted() {
+    if crate::keeper::wanted(args.restartable) {
         return crate::keeper::run(&arbor_fs::mount_path(&args.mountpoint));
     }
     let resume = crate::keeper::resume_device();

@@ -105,6 +105,9 @@ pub fn mount_args(spec: &VolumeSpec, files: &SecretFiles, cache_dir: &Path) -> R
     }
     // Pods run as any user.
     a.push("--allow-other".into());
+    // A pod's open files outlive the process serving them (a keeper holds
+    // the FUSE connection).
+    a.push("--restartable".into());
     Ok(a)
 }
 
@@ -177,7 +180,17 @@ mod tests {
         )
         .expect("args");
         let a: Vec<String> = a.iter().map(|s| s.to_string_lossy().into_owned()).collect();
-        assert_eq!(a, ["--branch=main", "--token-file=/s/token", "--server=o:7070", "--cache-dir=/c", "--allow-other"]);
+        assert_eq!(
+            a,
+            [
+                "--branch=main",
+                "--token-file=/s/token",
+                "--server=o:7070",
+                "--cache-dir=/c",
+                "--allow-other",
+                "--restartable"
+            ]
+        );
         let none = SecretFiles::default();
         assert!(mount_args(&spec(&[("disk", "/d"), ("branch", "main")]), &none, Path::new("/c")).is_err());
     }
@@ -191,6 +204,6 @@ mod tests {
         )
         .expect("args");
         let a: Vec<String> = a.iter().map(|s| s.to_string_lossy().into_owned()).collect();
-        assert_eq!(a, ["--checkpoint=v1", "--cache-dir=none", "--cache-memory=256M", "--allow-other"]);
+        assert_eq!(a, ["--checkpoint=v1", "--cache-dir=none", "--cache-memory=256M", "--allow-other", "--restartable"]);
     }
 }

@@ -65,7 +65,7 @@ fn a_local_mount_survives_kill_9_of_its_serving_process() {
         return;
     }
     let s = Scratch::new();
-    let m = Mount::start_env(s.disk_str(), &s.mnt, &[], &restartable());
+    let m = Mount::start_env(s.disk_str(), &s.mnt, &["--restartable"], &restartable());
     let st = status(&s.mnt);
     assert_eq!(st["keeper_pid"].as_i64(), Some(i64::from(m.child.id())), "arbor mount keeps its serving child");
     let file = s.mnt.join("held-open.bin");
@@ -78,7 +78,7 @@ fn a_local_mount_survives_kill_9_of_its_serving_process() {
     assert!(st["fuse_transport"].as_str().is_some_and(|t| t.contains("taken over")), "{st}");
     // A taken-over mount unmounts cleanly, and what was fsynced is durable.
     m.unmount();
-    let m = Mount::start_env(s.disk_str(), &s.mnt, &[], &restartable());
+    let m = Mount::start_env(s.disk_str(), &s.mnt, &["--restartable"], &restartable());
     assert!(
         std::fs::read(&file).expect("read after remount") == hold_open_expected(rounds),
         "bytes differ after a remount"
@@ -91,7 +91,12 @@ fn a_client_mount_of_a_shared_branch_survives_kill_9_of_its_serving_process() {
     let Some(w) = SharedWorld::start() else { return };
     let mnt = w.s.dir.path().join("client");
     std::fs::create_dir_all(&mnt).expect("mkdir");
-    let c = Mount::start_env(w.s.disk_str(), &mnt, &["--token-file", w.token.to_str().expect("utf8")], &restartable());
+    let c = Mount::start_env(
+        w.s.disk_str(),
+        &mnt,
+        &["--token-file", w.token.to_str().expect("utf8"), "--restartable"],
+        &restartable(),
+    );
     let st = status(&c.mnt);
     assert!(st["owner"].as_str().is_some(), "mounted through the owner: {st}");
     assert_eq!(st["keeper_pid"].as_i64(), Some(i64::from(c.child.id())));
