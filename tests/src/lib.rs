@@ -870,3 +870,14 @@ pub fn hold_open_expected(rounds: u64) -> Vec<u8> {
     }
     v
 }
+
+/// Bytes a folder holds, everything under it: how much a disk's folder
+/// grew, for tests that an operation shared bytes instead of writing them.
+pub fn folder_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
+        let meta = entry.metadata().expect("metadata");
+        total += if meta.is_dir() { folder_bytes(&entry.path()) } else { meta.len() };
+    }
+    total
+}

@@ -525,16 +525,6 @@ fn write_only_opens_write_past_the_page_cache_and_readers_see_every_write() {
     m.unmount();
 }
 
-/// Bytes a folder holds, everything under it.
-fn folder_bytes(dir: &std::path::Path) -> u64 {
-    let mut total = 0;
-    for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
-        let meta = entry.metadata().expect("metadata");
-        total += if meta.is_dir() { folder_bytes(&entry.path()) } else { meta.len() };
-    }
-    total
-}
-
 /// `copy_file_range(2)` on a mount shares the bytes (a clone of their
 /// extents): the copy reads as its source, the disk grows by a record or
 /// two, and a later write to either file leaves the other as it was.

@@ -705,16 +705,6 @@ fn a_server_killed_mid_upload_leaves_no_partial_object() {
     e.serve.stop();
 }
 
-/// Bytes the disk's folder holds: its segments and everything else.
-fn disk_bytes(dir: &Path) -> u64 {
-    let mut total = 0;
-    for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
-        let meta = entry.metadata().expect("metadata");
-        total += if meta.is_dir() { disk_bytes(&entry.path()) } else { meta.len() };
-    }
-    total
-}
-
 /// A copy within a bucket and a completed multipart upload share their
 /// bytes' extents instead of writing the bytes again: the disk grows by
 /// a few records, not by the object.
@@ -729,10 +719,10 @@ fn copies_and_completed_uploads_share_bytes_instead_of_writing_them() {
         let c = client(&e.s3, AK, SK);
         let body = pattern(24 << 20, 7);
         c.put_object().bucket("main").key("src/big.bin").body(body.clone().into()).send().await.expect("put");
-        let before = disk_bytes(Path::new(s.disk_str()));
+        let before = folder_bytes(Path::new(s.disk_str()));
         let copy = c.copy_object().bucket("main").key("dst/copy.bin").copy_source("main/src/big.bin");
         let etag = copy.send().await.expect("copy").copy_object_result().and_then(|r| r.e_tag()).map(str::to_string);
-        let grown = disk_bytes(Path::new(s.disk_str())) - before;
+        let grown = folder_bytes(Path::new(s.disk_str())) - before;
         assert!(grown < 4 << 20, "a copy of 24 MiB grew the disk by {grown} bytes");
         assert_eq!(etag, Some(format!("\"{}\"", md5_hex(&body))));
         // A ranged part copy reads its range for the part's MD5, and
@@ -746,10 +736,10 @@ fn copies_and_completed_uploads_share_bytes_instead_of_writing_them() {
         let (p1, p2) = (pattern(8 << 20, 8), pattern((6 << 20) + 5, 9));
         let e1 = upload_part(&c, key, &id, 1, &p1).await;
         let e2 = upload_part(&c, key, &id, 2, &p2).await;
-        let before = disk_bytes(Path::new(s.disk_str()));
+        let before = folder_bytes(Path::new(s.disk_str()));
         let done = c.complete_multipart_upload().bucket("main").key(key).upload_id(&id);
         done.multipart_upload(completed(&[(1, &e1), (2, &e2)])).send().await.expect("complete");
-        let grown = disk_bytes(Path::new(s.disk_str())).saturating_sub(before);
+        let grown = folder_bytes(Path::new(s.disk_str())).saturating_sub(before);
         assert!(grown < 4 << 20, "joining 14 MiB of parts grew the disk by {grown} bytes");
         let got = c.get_object().bucket("main").key(key).send().await.expect("get");
         let joined = got.body.collect().await.expect("body").into_bytes();
