@@ -594,6 +594,63 @@ fn boto3_with_checksum_trailers_and_aws_s3_sync() {
     e.serve.stop();
 }
 
+/// The Python that has torch, fsspec's s3fs and MosaicML Streaming (a
+/// virtual environment of their own: torch's and s3fs's pins must not
+/// meet the system's boto3): `ARBOR_ML_PYTHON`, or the one `.ci/run`
+/// makes. In CI it must be there.
+fn ml_python() -> Option<String> {
+    let py = std::env::var("ARBOR_ML_PYTHON").unwrap_or_else(|_| "/var/tmp/arbor-ml-venv/bin/python".into());
+    let ok = std::process::Command::new(&py)
+        .args(["-c", "import torch, s3fs, streaming"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        if std::env::var_os("CI").is_some() {
+            panic!("{py} must have torch, s3fs and mosaicml-streaming in CI");
+        }
+        eprintln!("SKIPPED: {py} lacks torch, s3fs or mosaicml-streaming");
+    }
+    ok.then_some(py)
+}
+
+/// MosaicML Streaming's `MDSWriter` and torch distributed checkpoint's
+/// writer (fsspec's s3fs) upload through the endpoint; `StreamingDataset`
+/// and `torch.distributed.checkpoint.load` read the results in place on a
+/// FUSE mount of the same branch, through the same owner.
+#[test]
+fn mds_writer_and_torch_dcp_write_through_s3_and_read_on_a_mount() {
+    let Some(py) = ml_python() else { return };
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let mnt = s.dir.path().join("mnt");
+    let work = s.dir.path().join("py");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    std::fs::create_dir_all(&work).expect("mkdir");
+    let m = Mount::start(s.disk_str(), &mnt, &["--token-file", &e.token]);
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/ml_s3_writers.py");
+    let out = std::process::Command::new(&py)
+        .arg(script)
+        .args([&e.s3, AK, SK, mnt.to_str().expect("utf8"), work.to_str().expect("utf8")])
+        .env("TMPDIR", &work)
+        .output()
+        .expect("python");
+    let said = String::from_utf8_lossy(&out.stdout);
+    println!("{said}");
+    assert!(
+        out.status.success() && said.contains("all checks passed"),
+        "{said}\n{}\nlog: {}",
+        String::from_utf8_lossy(&out.stderr),
+        std::fs::read_to_string(&e.serve.log).unwrap_or_default()
+    );
+    m.unmount();
+    e.serve.stop();
+    let fsck = arbor(&["fsck", s.disk_str()]);
+    assert!(fsck.status.success(), "fsck: {}", String::from_utf8_lossy(&fsck.stdout));
+}
+
 /// Whether `key` is absent, or whole with exactly `want`: never part of it.
 async fn absent_or_whole(c: &Client, key: &str, want: &[u8]) -> bool {
     match c.get_object().bucket("main").key(key).send().await {
