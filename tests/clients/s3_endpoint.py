@@ -3,7 +3,10 @@ would: boto3 with its defaults (since 1.36: CRC checksums in aws-chunked
 trailers), virtual-host-style addressing, URL-encoded listings, managed
 multipart transfers, and the AWS CLI's `aws s3 sync`.
 
-  s3_endpoint.py ENDPOINT ACCESS_KEY SECRET WORKDIR
+  s3_endpoint.py ENDPOINT ACCESS_KEY SECRET WORKDIR MOUNTDIR
+
+MOUNTDIR is a FUSE mount of the same branch: what boto3 put is read back
+there byte for byte, and a file written there is listed and read by boto3.
 
 Prints one line per check; exits non-zero on the first failure.
 """
@@ -25,7 +28,7 @@ def check(cond, what):
 
 
 def main():
-    endpoint, key, secret, work = sys.argv[1:]
+    endpoint, key, secret, work, mount = sys.argv[1:]
     port = endpoint.rsplit(":", 1)[1]
     sent = []
 
@@ -82,17 +85,84 @@ def main():
 
     # Managed transfers: multipart (with trailers per part), and ranged
     # parallel downloads.
-    big = os.urandom(20 * 1024 * 1024 + 5)
+    # 100 MiB in 8 MiB parts.
+    from boto3.s3.transfer import TransferConfig
+
+    big = os.urandom(100 * 1024 * 1024 + 5)
     bigpath = os.path.join(work, "big.bin")
     with open(bigpath, "wb") as f:
         f.write(big)
-    s3.upload_file(bigpath, "main", "py/big.bin")
+    mib8 = 8 * 1024 * 1024
+    s3.upload_file(bigpath, "main", "py/big.bin", Config=TransferConfig(multipart_threshold=mib8, multipart_chunksize=mib8))
     head = s3.head_object(Bucket="main", Key="py/big.bin")
-    check(head["ETag"].endswith('-3"'), "upload_file went multipart (%s)" % head["ETag"])
+    check(head["ETag"].endswith('-13"'), "upload_file of 100 MiB went multipart in 13 parts (%s)" % head["ETag"])
+    check(head["ContentLength"] == len(big), "of the whole length")
     out = os.path.join(work, "big.out")
     s3.download_file("main", "py/big.bin", out)
     with open(out, "rb") as f:
         check(f.read() == big, "download_file reads it back")
+
+    # 5,000 keys across folders, listed page by page in byte order, with
+    # and without a delimiter.
+    from concurrent.futures import ThreadPoolExecutor
+
+    many = [f"py/many/{d}/{n}" for d in ("a", "a-b", "a.b", "a0", "b") for n in (f"k{i:04}" for i in range(1000))]
+    many[7] = "py/many/a/k0007-x"
+    many[8] = "py/many/a/k0007/deeper"
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket="main", Key=k, Body=k.encode()), many))
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket="main", Prefix="py/many/")
+    listed = [o["Key"] for p in pages for o in p.get("Contents", [])]
+    check(listed == sorted(many, key=lambda k: k.encode()), "5,000 keys listed in byte order, 1,000 a page (%d)" % len(listed))
+    pages = s3.get_paginator("list_objects_v2").paginate(
+        Bucket="main", Prefix="py/many/a/", Delimiter="/", PaginationConfig={"PageSize": 333}
+    )
+    listed, folders = [], []
+    for p in pages:
+        listed += [o["Key"] for o in p.get("Contents", [])]
+        folders += [c["Prefix"] for c in p.get("CommonPrefixes", [])]
+    want = sorted((k for k in many if k.startswith("py/many/a/") and "/" not in k[len("py/many/a/") :]), key=lambda k: k.encode())
+    check(listed == want and folders == ["py/many/a/k0007/"], "a delimiter folds `k0007/` into a common prefix, pages of 333")
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket="main", Prefix="py/many/", Delimiter="/")
+    folders = [c["Prefix"] for p in pages for c in p.get("CommonPrefixes", [])]
+    check(folders == sorted(["py/many/a/", "py/many/a-b/", "py/many/a.b/", "py/many/a0/", "py/many/b/"], key=lambda k: k.encode()), "folders in byte order: %r" % folders)
+    r = s3.list_objects_v2(Bucket="main", Prefix="py/many/", StartAfter="py/many/a0/k0998")
+    check([o["Key"] for o in r["Contents"]][:2] == ["py/many/a0/k0999", "py/many/b/k0000"], "start-after")
+
+    # Ranges and conditional gets.
+    r = s3.get_object(Bucket="main", Key="py/big.bin", Range="bytes=8388600-8388615")
+    check(r["Body"].read() == big[8388600:8388616] and r["ResponseMetadata"]["HTTPStatusCode"] == 206, "a range across parts")
+    etag = head["ETag"]
+    try:
+        s3.get_object(Bucket="main", Key="py/put.bin", IfNoneMatch=got["ETag"])
+        check(False, "If-None-Match of the ETag is 304")
+    except botocore.exceptions.ClientError as e:
+        check(e.response["Error"]["Code"] == "304", "If-None-Match of the ETag is 304")
+    try:
+        s3.get_object(Bucket="main", Key="py/big.bin", IfMatch='"0123"')
+        check(False, "If-Match of another ETag is 412")
+    except botocore.exceptions.ClientError as e:
+        check(e.response["Error"]["Code"] == "PreconditionFailed", "If-Match of another ETag is 412")
+    check(s3.get_object(Bucket="main", Key="py/big.bin", IfMatch=etag, Range="bytes=0-9")["Body"].read() == big[:10], "If-Match of its ETag")
+
+    # What boto3 put, read on the mount; what the mount writes, read by boto3.
+    with open(os.path.join(mount, "py", "big.bin"), "rb") as f:
+        check(f.read() == big, "the 100 MiB object is byte for byte on the mount")
+    with open(os.path.join(mount, "py", "put.bin"), "rb") as f:
+        check(f.read() == body, "the trailer-checksummed object too")
+    on_mount = sorted(
+        os.path.relpath(os.path.join(d, n), mount) for d, _, names in os.walk(os.path.join(mount, "py", "many")) for n in names
+    )
+    check(on_mount == sorted(many), "the 5,000 keys are the mount's files")
+    for k in many[::50]:
+        with open(os.path.join(mount, k), "rb") as f:
+            if f.read() != k.encode():
+                raise SystemExit(f"FAILED: {k} differs on the mount")
+    check(True, "every 50th of them reads back on the mount")
+    mine = os.urandom(3 * 1024 * 1024)
+    with open(os.path.join(mount, "py", "from-mount.bin"), "wb") as f:
+        f.write(mine)
+    check(s3.get_object(Bucket="main", Key="py/from-mount.bin")["Body"].read() == mine, "a file written on the mount is a GET away")
 
     # Keys a URL-encoded listing must carry intact (boto3 asks for it).
     odd = ["py/odd/a b+c%d", "py/odd/ü€", "py/odd/x&y=z?", "py/odd/tab\there"]
@@ -151,6 +221,9 @@ def main():
     check(third.returncode == 0, "aws s3 sync down: %s" % third.stderr[-2000:])
     diff = subprocess.run(["diff", "-r", tree, down], capture_output=True, text=True)
     check(diff.returncode == 0, "what came down is what went up: %s" % diff.stdout[-2000:])
+    fourth = subprocess.run(["aws", "--endpoint-url", endpoint, "s3", "sync", "s3://main/synced/", down], env=env, capture_output=True, text=True)
+    check(fourth.returncode == 0, "aws s3 sync down again: %s" % fourth.stderr[-2000:])
+    check("download:" not in fourth.stdout, "the second sync down downloads nothing: %r" % fourth.stdout[-2000:])
     print("all checks passed")
 
 

@@ -575,14 +575,17 @@ fn python_s3_clients() -> bool {
 
 #[test]
 fn boto3_with_checksum_trailers_and_aws_s3_sync() {
-    if !python_s3_clients() {
+    if !python_s3_clients() || !fuse_available() {
         return;
     }
     let s = Scratch::new();
     let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
     let work = s.dir.path().join("py");
+    let mnt = s.dir.path().join("mnt");
     std::fs::create_dir_all(&work).expect("mkdir");
-    let out = python("s3_endpoint.py", &[&e.s3, AK, SK, work.to_str().expect("utf8")]);
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    let m = Mount::start(s.disk_str(), &mnt, &["--token-file", &e.token]);
+    let out = python("s3_endpoint.py", &[&e.s3, AK, SK, work.to_str().expect("utf8"), mnt.to_str().expect("utf8")]);
     let said = String::from_utf8_lossy(&out.stdout);
     println!("{said}");
     assert!(
@@ -591,6 +594,7 @@ fn boto3_with_checksum_trailers_and_aws_s3_sync() {
         String::from_utf8_lossy(&out.stderr),
         std::fs::read_to_string(&e.serve.log).unwrap_or_default()
     );
+    m.unmount();
     e.serve.stop();
 }
 
