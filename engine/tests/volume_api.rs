@@ -246,6 +246,60 @@ fn an_open_unlinked_file_lives_until_release_and_is_dropped_after_a_crash() {
 }
 
 #[test]
+fn a_file_replaced_by_a_rename_while_open_is_read_until_release_and_dropped_after_a_crash() {
+    let (dev, vol) = sim();
+    // Not open: the replaced file goes with its last name.
+    let a = file(&vol, ROOT_INO, "a");
+    vol.write(a, 0, b"old a").expect("write");
+    let a2 = file(&vol, ROOT_INO, "a.tmp");
+    vol.rename(ROOT_INO, b"a.tmp", ROOT_INO, b"a", RenameMode::Plain).expect("rename");
+    assert_eq!(errno(vol.getattr(a)), libc::ENOENT);
+    assert_eq!(vol.lookup(ROOT_INO, b"a").expect("a").ino, a2);
+
+    // Open: its reader keeps reading what it held, the name shows the new
+    // file, and the last close drops it.
+    let f = file(&vol, ROOT_INO, "f");
+    vol.write(f, 0, &pattern(100_000, 3)).expect("write");
+    vol.acquire(f).expect("open");
+    let g = file(&vol, ROOT_INO, "f.tmp");
+    vol.write(g, 0, &pattern(50_000, 4)).expect("write");
+    vol.rename(ROOT_INO, b"f.tmp", ROOT_INO, b"f", RenameMode::Plain).expect("rename");
+    assert_eq!(vol.read(f, 0, 100_000).expect("the replaced file is still readable"), pattern(100_000, 3));
+    assert_eq!(vol.getattr(f).expect("attr").nlink, 0);
+    let now = vol.lookup(ROOT_INO, b"f").expect("f");
+    assert_eq!(now.ino, g);
+    assert_eq!(vol.read(g, 0, 50_000).expect("read"), pattern(50_000, 4));
+    vol.release(f).expect("release");
+    assert_eq!(errno(vol.getattr(f)), libc::ENOENT);
+
+    // A second name keeps the file: no orphan, nothing dropped at close.
+    let h = file(&vol, ROOT_INO, "h");
+    vol.write(h, 0, b"linked").expect("write");
+    vol.link(h, ROOT_INO, b"h2").expect("link");
+    vol.acquire(h).expect("open");
+    file(&vol, ROOT_INO, "h.tmp");
+    vol.rename(ROOT_INO, b"h.tmp", ROOT_INO, b"h", RenameMode::Plain).expect("rename");
+    vol.release(h).expect("release");
+    assert_eq!(vol.read(vol.lookup(ROOT_INO, b"h2").expect("h2").ino, 0, 6).expect("read"), b"linked");
+
+    // Crash while the replaced file is open: recovery deletes it, and the
+    // name holds the new file.
+    let k = file(&vol, ROOT_INO, "k");
+    vol.write(k, 0, &pattern(20_000, 5)).expect("write");
+    vol.acquire(k).expect("open");
+    let k2 = file(&vol, ROOT_INO, "k.tmp");
+    vol.write(k2, 0, b"new k").expect("write");
+    vol.rename(ROOT_INO, b"k.tmp", ROOT_INO, b"k", RenameMode::Plain).expect("rename");
+    vol.sync_all().expect("sync");
+    dev.crash(CrashMode::DropUnsynced);
+    drop(vol);
+    let vol = reopen(&dev);
+    assert_eq!(errno(vol.getattr(k)), libc::ENOENT);
+    let now = vol.lookup(ROOT_INO, b"k").expect("k");
+    assert_eq!(vol.read(now.ino, 0, 5).expect("read"), b"new k");
+}
+
+#[test]
 fn readdir_offsets_stay_valid_while_the_directory_changes() {
     let (_, vol) = sim();
     for i in 0..100 {

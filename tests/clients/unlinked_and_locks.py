@@ -9,6 +9,29 @@ os.lseek(fd, 0, 0)
 assert os.read(fd, 100) == b"still here"
 assert not os.path.exists(p)
 os.close(fd)
+# A file replaced by a rename while open (a checkpoint rotated under a
+# reader): the reader keeps reading what it opened, from the server (its
+# cached pages dropped first), while the name shows the new file.
+old_bytes, new_bytes = os.urandom(3 << 20), os.urandom(1 << 20)
+m = os.path.join(d, "model.bin")
+with open(m, "wb") as f:
+    f.write(old_bytes)
+    f.flush()
+    os.fsync(f.fileno())
+rd = os.open(m, os.O_RDONLY)
+os.posix_fadvise(rd, 0, 0, os.POSIX_FADV_DONTNEED)
+with open(m + ".tmp", "wb") as f:
+    f.write(new_bytes)
+os.rename(m + ".tmp", m)
+got = b""
+while len(got) < len(old_bytes):
+    chunk = os.pread(rd, 1 << 20, len(got))
+    assert chunk, "the replaced file ended early"
+    got += chunk
+assert got == old_bytes, "a reader of a file replaced by a rename reads other bytes"
+os.close(rd)
+with open(m, "rb") as f:
+    assert f.read() == new_bytes
 lockfile = os.path.join(d, "lock")
 f = open(lockfile, "w")
 fcntl.flock(f, fcntl.LOCK_EX)

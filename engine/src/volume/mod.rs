@@ -650,7 +650,12 @@ impl Volume {
 
     /// Notes an open handle on `ino`.
     pub fn acquire(&self, ino: u64) -> Result<Attr> {
-        let attr = self.getattr(ino)?;
+        // Under the state lock: an unlink or a rename that drops the last
+        // name decides from the open count whether the file stays, so it
+        // must not fall between the check that the file is there and the
+        // count.
+        let st = self.state.read();
+        let attr = Attr::from_inode(ino, &self.view(&st).inode(ino)?);
         *self.opens.lock().entry(ino).or_default() += 1;
         Ok(attr)
     }

@@ -244,13 +244,20 @@ impl Volume {
         {
             return Err(Error::TooManyLinks);
         }
-        let op = ops::Op::Rename {
-            parent,
-            name: name.to_vec(),
-            new_parent,
-            new_name: new_name.to_vec(),
-            mode,
-            time: self.now(),
+        // A file whose last name the rename replaces while it is open
+        // stays, unnamed, until its last close: its readers keep reading
+        // what it held, as after an unlink.
+        let replaced_open = match (&dst, mode) {
+            (Some(d), RenameMode::Plain) if d.kind != FileKind::Directory => {
+                v.inode(d.ino)?.nlink <= 1 && self.opens.lock().get(&d.ino).is_some_and(|n| *n > 0)
+            }
+            _ => false,
+        };
+        let (name, new_name, time) = (name.to_vec(), new_name.to_vec(), self.now());
+        let op = if replaced_open {
+            ops::Op::RenameOverOpen { parent, name, new_parent, new_name, time }
+        } else {
+            ops::Op::Rename { parent, name, new_parent, new_name, mode, time }
         };
         self.run(&mut st, op, &[])
     }

@@ -146,6 +146,17 @@ pub enum Op {
         len: u64,
         time: Timestamp,
     },
+    /// A plain `Rename` that replaces the last link of a file still open:
+    /// the replaced file becomes an orphan, as an `Unlink` with
+    /// `keep_orphan` leaves one, and goes at its last close (or at the
+    /// next open of the volume). Its readers keep reading what it held.
+    RenameOverOpen {
+        parent: u64,
+        name: Vec<u8>,
+        new_parent: u64,
+        new_name: Vec<u8>,
+        time: Timestamp,
+    },
 }
 
 /// The data bytes an intent carries, and where they live in the log.
@@ -230,7 +241,10 @@ pub fn apply(tx: &mut Txn, op: &Op, data: &Data, next_ino: &mut u64, features: &
             drop_link(tx, e.ino, (*parent, name), *keep_orphan, *time)
         }
         Op::Rename { parent, name, new_parent, new_name, mode, time } => {
-            apply_rename(tx, *parent, name, *new_parent, new_name, *mode, *time)
+            apply_rename(tx, (*parent, name), (*new_parent, new_name), *mode, false, *time)
+        }
+        Op::RenameOverOpen { parent, name, new_parent, new_name, time } => {
+            apply_rename(tx, (*parent, name), (*new_parent, new_name), RenameMode::Plain, true, *time)
         }
         Op::SetAttr { ino, perm, uid, gid, size, atime, mtime, time } => {
             let mut i = tx.inode(*ino)?;
@@ -445,13 +459,14 @@ fn resize(tx: &mut Txn, ino: u64, i: &mut Inode, size: u64) -> Result<()> {
     Ok(())
 }
 
+/// `keep_orphan`: the replaced file (a plain rename's) stays as an orphan
+/// when this was its last link.
 fn apply_rename(
     tx: &mut Txn,
-    parent: u64,
-    name: &[u8],
-    new_parent: u64,
-    new_name: &[u8],
+    (parent, name): (u64, &[u8]),
+    (new_parent, new_name): (u64, &[u8]),
     mode: RenameMode,
+    keep_orphan: bool,
     time: Timestamp,
 ) -> Result<()> {
     let src = tx.remove_entry(parent, name)?.ok_or(Error::NotFound)?;
@@ -461,7 +476,7 @@ fn apply_rename(
     if let Some(d) = &dst {
         match mode {
             RenameMode::Exchange => moved.push((d.clone(), new_parent, new_name, parent, name)),
-            _ => drop_link(tx, d.ino, (new_parent, new_name), false, time)?,
+            _ => drop_link(tx, d.ino, (new_parent, new_name), keep_orphan, time)?,
         }
     }
     // Directory link counts: a directory leaving a parent takes one link with it.
