@@ -29,6 +29,11 @@ impl Counter {
         self.0.fetch_add(n, Relaxed);
     }
 
+    /// Adds one; whether it was the first (for what is said only once).
+    pub fn inc_is_first(&self) -> bool {
+        self.0.fetch_add(1, Relaxed) == 0
+    }
+
     pub fn get(&self) -> u64 {
         self.0.load(Relaxed)
     }
@@ -60,15 +65,17 @@ impl Gauge {
 /// hand-written mirror can forget it.
 ///
 /// Fields after `and` are in the snapshot only: values the owner reads
-/// from elsewhere (a cache's size) and sets on the snapshot it returns;
-/// `snapshot()` leaves them 0.
+/// from elsewhere (a cache's size, a server's address) and sets on the
+/// snapshot it returns; `snapshot()` leaves them at their default. The
+/// snapshot derives `Clone`, `Debug` and `Default`; add `Copy` and the
+/// like with attributes.
 ///
 /// ```
 /// arbor_engine::counters! {
 ///     /// What a reader counts.
 ///     pub struct ReadCounters;
 ///     /// Its counts at one moment.
-///     #[derive(PartialEq)]
+///     #[derive(Copy, PartialEq)]
 ///     pub struct ReadStats {
 ///         /// Reads answered.
 ///         reads: Counter,
@@ -76,7 +83,7 @@ impl Gauge {
 ///         readers: Gauge,
 ///     } and {
 ///         /// Set by the owner.
-///         capacity,
+///         capacity: u64,
 ///     }
 /// }
 /// let c = ReadCounters::default();
@@ -95,7 +102,7 @@ macro_rules! counters {
             $( $(#[$fattr:meta])* $field:ident: $Kind:ident ),* $(,)?
         }
         $( and {
-            $( $(#[$oattr:meta])* $ofield:ident ),* $(,)?
+            $( $(#[$oattr:meta])* $ofield:ident: $oty:ty ),* $(,)?
         } )?
     ) => {
         $(#[$cattr])*
@@ -105,10 +112,10 @@ macro_rules! counters {
         }
 
         $(#[$sattr])*
-        #[derive(Clone, Copy, Debug, Default)]
+        #[derive(Clone, Debug, Default)]
         $svis struct $Stats {
             $( $(#[$fattr])* pub $field: u64, )*
-            $( $( $(#[$oattr])* pub $ofield: u64, )* )?
+            $( $( $(#[$oattr])* pub $ofield: $oty, )* )?
         }
 
         impl $Counters {
@@ -117,7 +124,7 @@ macro_rules! counters {
             $cvis fn snapshot(&self) -> $Stats {
                 $Stats {
                     $( $field: self.$field.get(), )*
-                    $( $( $ofield: 0, )* )?
+                    $( $( $ofield: Default::default(), )* )?
                 }
             }
         }
@@ -468,7 +475,7 @@ mod tests {
                 b: Counter,
                 g: Gauge,
             } and {
-                size,
+                size: u64,
             }
         }
         let c = Counts::default();

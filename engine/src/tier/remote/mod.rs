@@ -78,37 +78,48 @@ fn memory_file(name: &str) -> Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-/// Counters for `status` and the benchmarks.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CacheStats {
-    pub cached_bytes: u64,
-    pub capacity: u64,
-    pub gets: u64,
-    pub fetched_bytes: u64,
-    pub hits: u64,
-    pub evicted_bytes: u64,
-    pub checksum_retries: u64,
-    /// WAL pieces read, for segments whose writers never sealed them.
-    pub wal_pieces_read: u64,
-    /// Chunks and bytes cache servers gave (and that passed their check).
-    pub peer_chunks: u64,
-    pub peer_bytes: u64,
-    /// Parts of chunks cache servers gave for small reads, their bytes,
-    /// and how many failed the reader's check (read again whole).
-    pub peer_parts: u64,
-    pub peer_part_bytes: u64,
-    pub part_rejected: u64,
-    /// Segment footers another cache of this process gave (each saving
-    /// a bucket GET). A cache server's footers are never taken: a footer
-    /// is what every chunk is checked against, so it comes from the bucket.
-    pub peer_footers: u64,
-    /// Segment footers read from this cache's own folder, kept there by an
-    /// earlier process after it read them from the bucket (each saving a
-    /// bucket GET).
-    pub kept_footers: u64,
-    /// Segment footer reads from the bucket that found the object (one
-    /// GET each, two for a footer longer than 16 KiB).
-    pub bucket_footers: u64,
+crate::counters! {
+    /// What [`Remote`] counts: bumped on the read path (a relaxed add
+    /// each), read as [`CacheStats`].
+    pub(crate) struct RemoteCounters;
+    /// Counters for `status` and the benchmarks.
+    #[derive(Copy)]
+    pub struct CacheStats {
+        /// Ranged GETs of chunks from the bucket, and their bytes.
+        gets: Counter,
+        fetched_bytes: Counter,
+        /// Reads answered from chunks on local disk.
+        hits: Counter,
+        /// Chunks and footers read again after failing their checksum.
+        checksum_retries: Counter,
+        /// WAL pieces read, for segments whose writers never sealed them.
+        wal_pieces_read: Counter,
+        /// Chunks and bytes cache servers gave (and that passed their check).
+        peer_chunks: Counter,
+        peer_bytes: Counter,
+        /// Parts of chunks cache servers gave for small reads, their bytes,
+        /// and how many failed the reader's check (read again whole).
+        peer_parts: Counter,
+        peer_part_bytes: Counter,
+        part_rejected: Counter,
+        /// Segment footers another cache of this process gave (each saving
+        /// a bucket GET). A cache server's footers are never taken: a footer
+        /// is what every chunk is checked against, so it comes from the bucket.
+        peer_footers: Counter,
+        /// Segment footers read from this cache's own folder, kept there by an
+        /// earlier process after it read them from the bucket (each saving a
+        /// bucket GET).
+        kept_footers: Counter,
+        /// Segment footer reads from the bucket that found the object (one
+        /// GET each, two for a footer longer than 16 KiB).
+        bucket_footers: Counter,
+    } and {
+        /// Bytes of chunks on local disk, and the most there may be.
+        cached_bytes: u64,
+        capacity: u64,
+        /// Bytes of chunks evicted since the start.
+        evicted_bytes: u64,
+    }
 }
 
 pub(crate) struct Remote {
@@ -139,23 +150,9 @@ pub(crate) struct Remote {
     /// One open at a time: two opens of one segment must not both set up
     /// its cache file.
     opening: Mutex<()>,
-    gets: AtomicU64,
-    fetched: AtomicU64,
-    hits: AtomicU64,
-    retries: AtomicU64,
-    /// WAL pieces fetched to read segments their writers never sealed.
-    wal_pieces: AtomicU64,
     /// Cache servers asked before the bucket.
     peers: Option<Arc<dyn ChunkSource>>,
-    /// Chunks and bytes cache servers gave that passed their check.
-    peer_chunks: AtomicU64,
-    peer_bytes: AtomicU64,
-    peer_parts: AtomicU64,
-    peer_part_bytes: AtomicU64,
-    part_rejected: AtomicU64,
-    peer_footers: AtomicU64,
-    kept_footers: AtomicU64,
-    bucket_footers: AtomicU64,
+    counts: RemoteCounters,
 }
 
 impl Remote {
@@ -186,20 +183,8 @@ impl Remote {
             stream: Mutex::new(None),
             adopted: Mutex::new(HashSet::new()),
             opening: Mutex::new(()),
-            gets: AtomicU64::new(0),
-            fetched: AtomicU64::new(0),
-            hits: AtomicU64::new(0),
-            retries: AtomicU64::new(0),
-            wal_pieces: AtomicU64::new(0),
             peers,
-            peer_chunks: AtomicU64::new(0),
-            peer_bytes: AtomicU64::new(0),
-            peer_parts: AtomicU64::new(0),
-            peer_part_bytes: AtomicU64::new(0),
-            part_rejected: AtomicU64::new(0),
-            peer_footers: AtomicU64::new(0),
-            kept_footers: AtomicU64::new(0),
-            bucket_footers: AtomicU64::new(0),
+            counts: RemoteCounters::default(),
         }))
     }
 
@@ -226,8 +211,8 @@ impl Remote {
         peers.fetch_each(seg, &asks, &mut |k, got| {
             let (Some(&i), Some(bytes)) = (wanted.get(k), got) else { return };
             if footer.verify(i, &bytes) {
-                self.peer_chunks.fetch_add(1, Ordering::Relaxed);
-                self.peer_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                self.counts.peer_chunks.inc();
+                self.counts.peer_bytes.add(bytes.len() as u64);
                 good(i, bytes);
             } else {
                 tracing::warn!(seg = %seg, chunk = i, got = bytes.len(), "a chunk from a cache server failed its checksum; reading it from the bucket");
@@ -240,20 +225,8 @@ impl Remote {
         CacheStats {
             cached_bytes: self.chunks.bytes(),
             capacity: self.chunks.capacity(),
-            gets: self.gets.load(Ordering::Relaxed),
-            fetched_bytes: self.fetched.load(Ordering::Relaxed),
-            hits: self.hits.load(Ordering::Relaxed),
             evicted_bytes: self.chunks.evicted_bytes(),
-            checksum_retries: self.retries.load(Ordering::Relaxed),
-            wal_pieces_read: self.wal_pieces.load(Ordering::Relaxed),
-            peer_chunks: self.peer_chunks.load(Ordering::Relaxed),
-            peer_bytes: self.peer_bytes.load(Ordering::Relaxed),
-            peer_parts: self.peer_parts.load(Ordering::Relaxed),
-            peer_part_bytes: self.peer_part_bytes.load(Ordering::Relaxed),
-            part_rejected: self.part_rejected.load(Ordering::Relaxed),
-            peer_footers: self.peer_footers.load(Ordering::Relaxed),
-            kept_footers: self.kept_footers.load(Ordering::Relaxed),
-            bucket_footers: self.bucket_footers.load(Ordering::Relaxed),
+            ..self.counts.snapshot()
         }
     }
 
@@ -514,7 +487,7 @@ impl Remote {
         }
         let out = f(file, start + within.start, (within.end - within.start) as usize)?;
         self.chunks.touch(key);
-        self.hits.fetch_add(1, Ordering::Relaxed);
+        self.counts.hits.inc();
         Some(out)
     }
 
@@ -668,7 +641,7 @@ impl Remote {
         let bytes = fs::read(&path).ok()?;
         match Footer::decode(&bytes, key) {
             Ok(footer) => {
-                self.kept_footers.fetch_add(1, Ordering::Relaxed);
+                self.counts.kept_footers.inc();
                 Some(footer)
             }
             Err(e) => {
@@ -711,7 +684,7 @@ impl Remote {
         let bytes = peers.fetch_footer(id)?;
         match Footer::decode(&bytes, key) {
             Ok(footer) => {
-                self.peer_footers.fetch_add(1, Ordering::Relaxed);
+                self.counts.peer_footers.inc();
                 Some(footer)
             }
             Err(e) => {
@@ -757,7 +730,7 @@ impl Remote {
         for _ in 0..GET_TRIES {
             let attempt = (|| {
                 let (tail, size) = self.store.get_tail(key, FOOTER_GUESS)?;
-                self.bucket_footers.fetch_add(1, Ordering::Relaxed);
+                self.counts.bucket_footers.inc();
                 if size < TRAILER_LEN as u64 {
                     return Err(Error::corrupted("segment object (too short)", key));
                 }
@@ -775,7 +748,7 @@ impl Remote {
             })();
             match attempt {
                 Err(e @ Error::Corrupted { .. }) => {
-                    self.retries.fetch_add(1, Ordering::Relaxed);
+                    self.counts.checksum_retries.inc();
                     last = Some(e);
                 }
                 other => return other,
@@ -826,7 +799,7 @@ impl Remote {
                 match split_verified(&body, key) {
                     Ok((bytes, _)) => return Ok(Some(bytes)),
                     Err(_) => {
-                        self.retries.fetch_add(1, Ordering::Relaxed);
+                        self.counts.checksum_retries.inc();
                     }
                 }
             }
@@ -847,7 +820,7 @@ impl Remote {
                 });
             }
         });
-        self.wal_pieces.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        self.counts.wal_pieces_read.add(pieces.len() as u64);
         let mut bodies = Vec::with_capacity(pieces.len());
         for slot in slots {
             match slot.into_inner() {

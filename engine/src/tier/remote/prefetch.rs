@@ -66,7 +66,7 @@ impl RemoteSeg {
                 (Some(&lo), Some(&hi)) => {
                     let (start, _) = self.footer.chunk_range(lo);
                     let (_, end) = self.footer.chunk_range(hi);
-                    r.gets.fetch_add(1, Ordering::Relaxed);
+                    r.counts.gets.inc();
                     match r.store.get_range(&self.key, start..end) {
                         Ok(bytes) => Some((start, bytes)),
                         Err(e) => {
@@ -82,11 +82,11 @@ impl RemoteSeg {
                     let (s, e) = self.footer.chunk_range(i);
                     match bytes.get((s - start) as usize..(e - start) as usize) {
                         Some(part) if self.footer.verify(i, part) => {
-                            r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
+                            r.counts.fetched_bytes.add(part.len() as u64);
                             good.push(((self.id, i as u32), part, s));
                         }
                         _ => {
-                            r.retries.fetch_add(1, Ordering::Relaxed);
+                            r.counts.checksum_retries.inc();
                         }
                     }
                 }

@@ -115,13 +115,13 @@ impl RemoteSeg {
             }
             let (s, e) = self.footer.chunk_range(i);
             for attempt in 0..GET_TRIES {
-                r.gets.fetch_add(1, Ordering::Relaxed);
+                r.counts.gets.inc();
                 let bytes = r.store.get_range(&self.key, s..e)?;
                 if self.footer.verify(i, &bytes) {
-                    r.fetched.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    r.counts.fetched_bytes.add(bytes.len() as u64);
                     return Ok(bytes);
                 }
-                r.retries.fetch_add(1, Ordering::Relaxed);
+                r.counts.checksum_retries.inc();
                 tracing::warn!(seg = %self.id, chunk = i, attempt, got = bytes.len(), "chunk from the bucket failed its checksum; fetching again");
             }
             Err(Error::corrupted("segment chunk from the bucket", format!("{}#{i}", self.id)))
@@ -226,7 +226,7 @@ impl RemoteSeg {
             let Some(data) = self.footer.check_proved_part(i, leaves.clone(), &payload) else {
                 tracing::warn!(seg = %self.id, chunk = i, "a cache server sent a part of a chunk that fails its digest; reading the chunk");
                 peers.rejected(self.id, i as u32);
-                r.part_rejected.fetch_add(1, Ordering::Relaxed);
+                r.counts.part_rejected.inc();
                 return false;
             };
             let from = (within.start - leaves.start) as usize;
@@ -244,8 +244,8 @@ impl RemoteSeg {
         self.part_run.store(run, Ordering::Relaxed);
         self.last_end.store(end, Ordering::Relaxed);
         self.window.store(r.read_ahead, Ordering::Relaxed);
-        r.peer_parts.fetch_add(1, Ordering::Relaxed);
-        r.peer_part_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        r.counts.peer_parts.inc();
+        r.counts.peer_part_bytes.add(bytes.len() as u64);
         true
     }
 
@@ -333,7 +333,7 @@ impl RemoteSeg {
                         Some(true) => {
                             file.read_exact_at(dst, from)?;
                             self.remote.chunks.touch(key);
-                            self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                            self.remote.counts.hits.inc();
                             filled = true;
                             break;
                         }
@@ -345,7 +345,7 @@ impl RemoteSeg {
                                 self.remote.chunks.mark_verified(key);
                                 dst.copy_from_slice(&whole[(from - cstart) as usize..(to - cstart) as usize]);
                                 self.remote.chunks.touch(key);
-                                self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                                self.remote.counts.hits.inc();
                                 filled = true;
                                 break;
                             }
@@ -385,7 +385,7 @@ impl SegmentFile for RemoteSeg {
     fn unchecked_failed(&self, off: u64) {
         let i = off / self.chunk_size();
         tracing::warn!(seg = %self.id, chunk = i, off, "a part of a chunk from a cache server failed its checksum; reading the chunk");
-        self.remote.part_rejected.fetch_add(1, Ordering::Relaxed);
+        self.remote.counts.part_rejected.inc();
         if let Some(peers) = &self.remote.peers {
             peers.rejected(self.id, i as u32);
         }
