@@ -14,8 +14,8 @@
 //!
 //! Lock order (a thread holding one may take those after it, never before):
 //! `opening` → `chunks` eviction lock (`ChunkCache::exclusive`/`hold`) →
-//! `segs` → `inflight` → `queued` → the chunk index → `stream`, `absent`,
-//! `adopted`, `prefetch`. A fetch's outcome (`chunks::fetch::Fetch`) is
+//! `segs` → `fetches.inflight` → `fetches.queued` → the chunk index →
+//! `fetches.stream`, `fetches.absent`, `adopted`, `fetches.workers`. A fetch's outcome (`chunks::fetch::Fetch`) is
 //! taken alone: its waiters wait on it with `inflight` released.
 
 mod prefetch;
@@ -23,13 +23,12 @@ mod segment;
 
 use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
 use crate::bucket::ObjectStore;
-use crate::chunks::fetch::InFlight;
 use crate::chunks::{is_data, punch_hole, ChunkCache, ChunkRequest, ChunkSource};
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
 use parking_lot::{Mutex, RwLock};
-use prefetch::Run;
+use prefetch::Fetches;
 use segment::Backing;
 pub(crate) use segment::RemoteSeg;
 use std::collections::{HashMap, HashSet};
@@ -128,22 +127,9 @@ pub(crate) struct Remote {
     /// Chunks live in anonymous memory files (memfd), never on a disk:
     /// for nodes without a local SSD. Nothing survives the process.
     memory: bool,
-    read_ahead: u64,
-    parallel: usize,
     /// Which chunks are on local disk, and evicting them.
     chunks: ChunkCache<ChunkKey>,
-    /// Chunk fetches in flight (`chunks::fetch`): a reader that finds its
-    /// chunk on its way waits for it, then reads it from the cache.
-    inflight: Mutex<InFlight<ChunkKey, ()>>,
     segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
-    /// Read-ahead jobs for the fetch workers, started on first use.
-    prefetch: Mutex<Option<crossbeam::channel::Sender<Run>>>,
-    /// Chunks queued for read-ahead and not yet taken by a worker.
-    queued: Mutex<HashSet<ChunkKey>>,
-    /// Segments read-ahead looked for and did not find (it looks once).
-    absent: Mutex<HashSet<SegId>>,
-    /// The segment a streaming reader is about to enter, and its window.
-    stream: Mutex<Option<(SegId, u64)>>,
     /// Segments this node wrote whose files became cached copies: reads
     /// through an older local handle go through the cache instead.
     adopted: Mutex<HashSet<SegId>>,
@@ -152,6 +138,8 @@ pub(crate) struct Remote {
     opening: Mutex<()>,
     /// Cache servers asked before the bucket.
     peers: Option<Arc<dyn ChunkSource>>,
+    /// Chunk fetches in flight, read-ahead's queue, windows and workers.
+    fetches: Fetches,
     counts: RemoteCounters,
 }
 
@@ -172,18 +160,12 @@ impl Remote {
             store,
             dir,
             memory,
-            read_ahead,
-            parallel: parallel.max(1),
             chunks: ChunkCache::new(capacity),
-            inflight: Mutex::new(InFlight::new()),
             segs: RwLock::new(HashMap::new()),
-            prefetch: Mutex::new(None),
-            queued: Mutex::new(HashSet::new()),
-            absent: Mutex::new(HashSet::new()),
-            stream: Mutex::new(None),
             adopted: Mutex::new(HashSet::new()),
             opening: Mutex::new(()),
             peers,
+            fetches: Fetches::new(read_ahead, parallel),
             counts: RemoteCounters::default(),
         }))
     }
@@ -227,23 +209,6 @@ impl Remote {
             capacity: self.chunks.capacity(),
             evicted_bytes: self.chunks.evicted_bytes(),
             ..self.counts.snapshot()
-        }
-    }
-
-    /// Whether chunk `key` is being fetched.
-    fn fetching(&self, key: ChunkKey) -> bool {
-        self.inflight.lock().contains(&key)
-    }
-
-    /// Ends the claims on `keys` (landed or not) and wakes their waiters,
-    /// who look in the cache again (and fetch a chunk that did not land).
-    fn release(&self, keys: impl IntoIterator<Item = ChunkKey>) {
-        let done: Vec<_> = {
-            let mut inflight = self.inflight.lock();
-            keys.into_iter().filter_map(|k| inflight.finish(&k)).collect()
-        };
-        for fetch in done {
-            fetch.done(());
         }
     }
 
@@ -552,7 +517,7 @@ impl Remote {
             backing,
             last_end: AtomicU64::new(u64::MAX),
             part_run: AtomicU64::new(u64::MAX),
-            window: AtomicU64::new(self.read_ahead),
+            window: AtomicU64::new(self.fetches.base_window()),
             ahead: AtomicU64::new(0),
             landing: parking_lot::Mutex::new(()),
             me: me.clone(),
@@ -868,7 +833,7 @@ impl Remote {
     /// their queue is empty). Segments hold the cache, so without this the
     /// two would keep each other, and the workers, alive.
     pub(crate) fn shutdown(&self) {
-        self.prefetch.lock().take();
+        self.fetches.stop_workers();
         self.segs.write().clear();
     }
 

@@ -74,7 +74,7 @@ impl RemoteSeg {
         let key = (self.id, i as u32);
         let mut run = 1;
         {
-            let mut inflight = r.inflight.lock();
+            let mut inflight = r.fetches.inflight();
             // Bounded: a fetch ends in at most GET_TRIES retried calls.
             for _ in 0..10_000 {
                 if r.chunks.present(key) {
@@ -88,14 +88,14 @@ impl RemoteSeg {
                 }
             }
             // A reader that caught up with read-ahead takes the chunks
-            // queued right after its own, for one larger GET.
-            let mut queued = r.queued.lock();
+            // queued right after its own, for one larger GET. Nothing is
+            // queued meanwhile: chunks are queued under `inflight`.
             while run < RUN_CHUNKS && i + run < self.footer.crcs.len() {
                 let next = (self.id, (i + run) as u32);
-                if !queued.contains(&next) || r.chunks.present(next) || inflight.claim(next).is_none() {
+                if !r.fetches.is_queued(next) || r.chunks.present(next) || inflight.claim(next).is_none() {
                     break;
                 }
-                queued.remove(&next);
+                r.fetches.unqueue(next);
                 run += 1;
             }
         }
@@ -130,7 +130,7 @@ impl RemoteSeg {
             Ok(bytes) if !local => r.land(self, &[(key, bytes, self.footer.chunk_range(i).0)]),
             _ => {}
         }
-        r.release([key]);
+        r.fetches.release([key]);
         res.map(Some)
     }
 
@@ -142,7 +142,7 @@ impl RemoteSeg {
         // Chunks already on their way (read-ahead) are waited for in turn:
         // threads only help where GETs are still to be sent.
         let unclaimed = {
-            let inflight = self.remote.inflight.lock();
+            let inflight = self.remote.fetches.inflight();
             missing.iter().filter(|&&i| !inflight.contains(&(self.id, i as u32))).count()
         };
         if unclaimed <= 1 {
@@ -156,7 +156,7 @@ impl RemoteSeg {
         let next = AtomicU64::new(0);
         let results = Mutex::new(Vec::new());
         std::thread::scope(|s| {
-            for _ in 0..self.remote.parallel.min(missing.len()) {
+            for _ in 0..self.remote.fetches.parallel().min(missing.len()) {
                 s.spawn(|| loop {
                     let k = next.fetch_add(1, Ordering::Relaxed) as usize;
                     let Some(&i) = missing.get(k) else { break };
@@ -213,7 +213,7 @@ impl RemoteSeg {
         } else {
             off
         };
-        if r.chunks.present(key) || r.fetching(key) || r.queued.lock().contains(&key) {
+        if r.chunks.present(key) || r.fetches.in_flight(key) || r.fetches.is_queued(key) {
             return false;
         }
         let cstart = self.footer.chunk_range(i).0;
@@ -243,7 +243,7 @@ impl RemoteSeg {
         buf.copy_from_slice(&bytes);
         self.part_run.store(run, Ordering::Relaxed);
         self.last_end.store(end, Ordering::Relaxed);
-        self.window.store(r.read_ahead, Ordering::Relaxed);
+        self.window.store(r.fetches.base_window(), Ordering::Relaxed);
         r.counts.peer_parts.inc();
         r.counts.peer_part_bytes.add(bytes.len() as u64);
         true
@@ -282,19 +282,8 @@ impl RemoteSeg {
             self.part_run.store(u64::MAX, Ordering::Relaxed);
             // A reader that streamed to the end of the previous segment goes on
             // at the start of this one with the window it had there.
-            let carried = if prev == u64::MAX && off < cs {
-                let mut stream = self.remote.stream.lock();
-                match *stream {
-                    Some((id, w)) if id == self.id => {
-                        *stream = None;
-                        Some(w)
-                    }
-                    _ => None,
-                }
-            } else {
-                None
-            };
-            let base = self.remote.read_ahead;
+            let carried = if prev == u64::MAX && off < cs { self.remote.fetches.take_stream(self.id) } else { None };
+            let base = self.remote.fetches.base_window();
             if let Some(w) = carried {
                 self.window.store(w, Ordering::Relaxed);
                 self.read_ahead(end, w);
@@ -305,7 +294,7 @@ impl RemoteSeg {
                 self.window.store(grown, Ordering::Relaxed);
                 self.read_ahead(end, grown);
                 if end + cs >= self.footer.data_len {
-                    *self.remote.stream.lock() = Some((self.id.next(), grown));
+                    self.remote.fetches.stream_into(self.id.next(), grown);
                 }
             } else {
                 self.window.store(base, Ordering::Relaxed);
