@@ -7,16 +7,18 @@
 //! Rooms, one job each:
 //! - `segment.rs`: one segment in the bucket, its footer, on-demand chunk
 //!   fetches and reads (`SegmentFile`);
-//! - `prefetch.rs`: read-ahead, the fetch workers, and streaming across
-//!   a writer's segments;
+//! - `prefetch.rs`: `Fetches` (what is in flight, queued, and carried
+//!   from segment to segment), read-ahead, the fetch workers, and
+//!   streaming across a writer's segments;
 //! - this file: `Remote`, which opens segments (objects, or the WAL pieces
 //!   of a segment never sealed) and owns the rest.
 //!
 //! Lock order (a thread holding one may take those after it, never before):
 //! `opening` → `chunks` eviction lock (`ChunkCache::exclusive`/`hold`) →
 //! `segs` → `fetches.inflight` → `fetches.queued` → the chunk index →
-//! `fetches.stream`, `fetches.absent`, `adopted`, `fetches.workers`. A fetch's outcome (`chunks::fetch::Fetch`) is
-//! taken alone: its waiters wait on it with `inflight` released.
+//! `fetches.stream`, `fetches.absent`, `adopted`, `fetches.workers`. A
+//! fetch's outcome (`chunks::fetch::Fetch`) is taken alone: its waiters
+//! wait on it with `inflight` released.
 
 mod prefetch;
 mod segment;
@@ -267,7 +269,7 @@ impl Remote {
                 by_seg.entry(seg).or_default().push((len, off));
             }
             for (seg, chunks) in by_seg {
-                let held = self.segs.read().get(&seg).cloned();
+                let held = self.seg(seg);
                 let opened;
                 let file = match held.as_deref().map(|s| &s.backing) {
                     Some(Backing::Object { file }) => file,
@@ -378,7 +380,7 @@ impl Remote {
     /// read that cannot wait for the bucket and will not (`None`
     /// otherwise).
     pub(crate) fn cached_range(&self, id: SegId, index: u32, within: Option<std::ops::Range<u64>>) -> Option<Vec<u8>> {
-        let seg = self.segs.read().get(&id).cloned()?;
+        let seg = self.seg(id)?;
         self.read_cached(&seg, index, within, true)
     }
 
@@ -394,7 +396,7 @@ impl Remote {
         within: Option<std::ops::Range<u64>>,
         send: impl FnOnce(&File, u64, usize) -> Option<T>,
     ) -> Option<T> {
-        let seg = self.segs.read().get(&id).cloned()?;
+        let seg = self.seg(id)?;
         self.with_cached(&seg, index, within, true, send)
     }
 
@@ -525,6 +527,11 @@ impl Remote {
         let mut segs = self.segs.write();
         crate::device::bound_handles(&mut segs, MAX_OPEN);
         segs.entry(id).or_insert(seg).clone()
+    }
+
+    /// Segment `id` if it is open here (a segment object or WAL pieces).
+    fn seg(&self, id: SegId) -> Option<Arc<RemoteSeg>> {
+        self.segs.read().get(&id).cloned()
     }
 
     /// Opens segment `id` from the bucket, or `None` if it is not there.

@@ -227,7 +227,7 @@ impl RemoteSeg {
         let mut id = self.id;
         for _ in 0..SPILL_SEGMENTS {
             id = id.next();
-            let known = r.segs.read().get(&id).cloned();
+            let known = r.seg(id);
             match known {
                 Some(seg) if matches!(seg.backing, Backing::Object { .. }) => {
                     r.enqueue_first(&seg, spill);
