@@ -29,6 +29,11 @@ impl Counter {
         self.0.fetch_add(n, Relaxed);
     }
 
+    /// Adds one; whether it was the first (for what is said only once).
+    pub fn inc_is_first(&self) -> bool {
+        self.0.fetch_add(1, Relaxed) == 0
+    }
+
     pub fn get(&self) -> u64 {
         self.0.load(Relaxed)
     }
@@ -50,6 +55,80 @@ impl Gauge {
     pub fn get(&self) -> u64 {
         self.0.load(Relaxed)
     }
+}
+
+/// Declares a room's counters and their snapshot, field for field: a
+/// struct of [`Counter`]s (or [`Gauge`]s) that the storage path bumps, a
+/// plain `Copy` struct of `u64`s of the same names (what `status`, tests
+/// and benchmarks read), and `snapshot()` from the one to the other. A
+/// field added to the room is counted and reported at once; no
+/// hand-written mirror can forget it.
+///
+/// Fields after `and` are in the snapshot only: values the owner reads
+/// from elsewhere (a cache's size, a server's address) and sets on the
+/// snapshot it returns; `snapshot()` leaves them at their default. The
+/// snapshot derives `Clone`, `Debug` and `Default`; add `Copy` and the
+/// like with attributes.
+///
+/// ```
+/// arbor_engine::counters! {
+///     /// What a reader counts.
+///     pub struct ReadCounters;
+///     /// Its counts at one moment.
+///     #[derive(Copy, PartialEq)]
+///     pub struct ReadStats {
+///         /// Reads answered.
+///         reads: Counter,
+///         /// Readers now.
+///         readers: Gauge,
+///     } and {
+///         /// Set by the owner.
+///         capacity: u64,
+///     }
+/// }
+/// let c = ReadCounters::default();
+/// c.reads.inc();
+/// c.readers.set(3);
+/// let s = ReadStats { capacity: 9, ..c.snapshot() };
+/// assert_eq!(s, ReadStats { reads: 1, readers: 3, capacity: 9 });
+/// ```
+#[macro_export]
+macro_rules! counters {
+    (
+        $(#[$cattr:meta])*
+        $cvis:vis struct $Counters:ident;
+        $(#[$sattr:meta])*
+        $svis:vis struct $Stats:ident {
+            $( $(#[$fattr:meta])* $field:ident: $Kind:ident ),* $(,)?
+        }
+        $( and {
+            $( $(#[$oattr:meta])* $ofield:ident: $oty:ty ),* $(,)?
+        } )?
+    ) => {
+        $(#[$cattr])*
+        #[derive(Debug, Default)]
+        $cvis struct $Counters {
+            $( $(#[$fattr])* $cvis $field: $crate::metrics::$Kind, )*
+        }
+
+        $(#[$sattr])*
+        #[derive(Clone, Debug, Default)]
+        $svis struct $Stats {
+            $( $(#[$fattr])* pub $field: u64, )*
+            $( $( $(#[$oattr])* pub $ofield: $oty, )* )?
+        }
+
+        impl $Counters {
+            /// The counts now, each read on its own (relaxed): one bumped
+            /// meanwhile may be in the snapshot while another is not.
+            $cvis fn snapshot(&self) -> $Stats {
+                $Stats {
+                    $( $field: self.$field.get(), )*
+                    $( $( $ofield: Default::default(), )* )?
+                }
+            }
+        }
+    };
 }
 
 /// Upper bounds of the latency histograms' buckets, in seconds: from
@@ -385,6 +464,30 @@ mod tests {
         assert_eq!(snap.cumulative.len(), LATENCY_BOUNDS.len() + 1);
         assert!(snap.cumulative.windows(2).all(|w| w[0] <= w[1]), "{snap:?}");
         assert_eq!(snap.count(), 12);
+    }
+
+    #[test]
+    fn a_snapshot_holds_every_counter_and_leaves_owner_fields_to_the_owner() {
+        crate::counters! {
+            struct Counts;
+            struct CountsNow {
+                a: Counter,
+                b: Counter,
+                g: Gauge,
+            } and {
+                size: u64,
+            }
+        }
+        let c = Counts::default();
+        c.a.inc();
+        c.b.add(5);
+        c.b.inc();
+        c.g.set(9);
+        let now = c.snapshot();
+        assert_eq!((now.a, now.b, now.g, now.size), (1, 6, 9, 0));
+        c.g.set(2);
+        assert_eq!(c.snapshot().g, 2);
+        assert_eq!(now.g, 9, "a snapshot does not move");
     }
 
     #[test]

@@ -22,12 +22,13 @@
 
 use crate::adapter::{time_set, ArborFs, Entry, Xattr};
 use arbor_engine::files::{Caller, Files, Lock};
+use arbor_engine::metrics::Counter;
 use arbor_engine::volume::{DirEntryOut, SetAttr};
 use fuser::{Errno, FileAttr, FileType, InitFlags, KernelConfig, TimeOrNow};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -77,7 +78,7 @@ pub struct Transport {
     negotiated: AtomicBool,
     running: AtomicBool,
     stop: Arc<AtomicBool>,
-    requests: Arc<AtomicU64>,
+    requests: Arc<Counter>,
     threads: parking_lot::Mutex<Vec<JoinHandle<()>>>,
     why_classic: parking_lot::Mutex<Option<String>>,
 }
@@ -127,7 +128,7 @@ impl Transport {
 
     /// Requests answered on the ring so far.
     pub fn ring_requests(&self) -> u64 {
-        self.requests.load(Ordering::Relaxed)
+        self.requests.get()
     }
 
     /// Stops and joins the ring's threads (after the kernel ended the
@@ -964,7 +965,7 @@ struct Worker<F: Files + ?Sized> {
     dev: Arc<OwnedFd>,
     qid: u16,
     stop: Arc<AtomicBool>,
-    requests: Arc<AtomicU64>,
+    requests: Arc<Counter>,
 }
 
 /// The command area of an SQE for `cmd` on queue `qid`.
@@ -1067,7 +1068,7 @@ impl<F: Files + ?Sized> Worker<F> {
                     // completion and takes it back with the commit below.
                     let (header, payload) = unsafe { (s.header.slice(), s.payload.slice()) };
                     let commit_id = answer_entry(&self.fs, header, payload);
-                    self.requests.fetch_add(1, Ordering::Relaxed);
+                    self.requests.inc();
                     let sqe = opcode::UringCmd80::new(types::Fd(self.dev.as_raw_fd()), CMD_COMMIT_AND_FETCH)
                         .cmd(command(self.qid, commit_id))
                         .build();

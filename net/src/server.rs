@@ -161,7 +161,7 @@ impl CacheServer {
             };
             let Some(admitted) = self.admission.admit(peer.ip()) else {
                 // Closed at once (dropped): it costs nothing more.
-                self.chunks.metrics.refused_connections.fetch_add(1, Ordering::Relaxed);
+                self.chunks.metrics.refused_connections.inc();
                 tracing::debug!(%peer, "a connection over the caps; closed");
                 continue;
             };
@@ -185,7 +185,7 @@ impl CacheServer {
             Some(true) => self.admit_framed(stream, conn).await,
             Some(false) => self.serve_http(stream, false, conn, &builder).await,
             None => {
-                self.chunks.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                self.chunks.metrics.failed_hellos.inc();
             }
         }
     }
@@ -203,12 +203,12 @@ impl CacheServer {
         let stream = match tokio::time::timeout_at(conn.hello_by, tls.acceptor().accept(stream)).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
-                self.chunks.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                self.chunks.metrics.failed_hellos.inc();
                 tracing::debug!(peer = %conn.peer, error = %e, "a TLS handshake failed; closed");
                 return;
             }
             Err(_) => {
-                self.chunks.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                self.chunks.metrics.failed_hellos.inc();
                 tracing::debug!(peer = %conn.peer, "no TLS handshake by the deadline; closed");
                 return;
             }
@@ -252,7 +252,7 @@ impl CacheServer {
             Some(r) => r,
             None if trusted.load(Ordering::Relaxed) => served.await,
             None => {
-                self.chunks.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                self.chunks.metrics.failed_hellos.inc();
                 tracing::debug!(peer = %conn.peer, "an HTTP connection without an authorized request by the deadline; closed");
                 return;
             }
@@ -272,12 +272,12 @@ impl CacheServer {
         let hello = match tokio::time::timeout_at(hello_by, crate::wire::admission::read_hello(&mut stream)).await {
             Ok(Ok(hello)) => hello,
             Ok(Err(e)) => {
-                self.chunks.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                self.chunks.metrics.failed_hellos.inc();
                 tracing::debug!(conn, error = %e, "a framed connection without a good hello; closed");
                 return;
             }
             Err(_) => {
-                self.chunks.metrics.failed_hellos.fetch_add(1, Ordering::Relaxed);
+                self.chunks.metrics.failed_hellos.inc();
                 tracing::debug!(conn, "a framed connection without a hello by its deadline; closed");
                 return;
             }
@@ -306,7 +306,7 @@ impl CacheServer {
         // A Hello that names no branch opens a chunk connection.
         let chunks = hello.branch.is_empty();
         if !certified && !crate::token_matches(&hello.token, &self.opts.token) {
-            self.chunks.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
+            self.chunks.metrics.unauthorized.inc();
             Welcome::Refused
         } else if hello.version != crate::wire::frames::VERSION {
             Welcome::Version(crate::wire::frames::VERSION)
@@ -357,7 +357,7 @@ impl CacheServer {
         idle: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<()> {
         if hello.branch.is_empty() {
-            self.chunks.metrics.chunk_connections.fetch_add(1, Ordering::Relaxed);
+            self.chunks.metrics.chunk_connections.inc();
             return self.chunks.chunk_connection(stream, Vec::new(), Vec::new(), idle);
         }
         match self.branches.get(&hello.branch) {
@@ -481,7 +481,7 @@ impl CacheServer {
     async fn handle(&self, req: Request<Incoming>, certified: bool) -> Reply {
         let auth = req.headers().get(AUTHORIZATION).map(|v| v.as_bytes());
         if !certified && !authorized(auth, &self.opts.token) {
-            self.chunks.metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
+            self.chunks.metrics.unauthorized.inc();
             return reply(StatusCode::UNAUTHORIZED, Bytes::new());
         }
         let path = req.uri().path().to_string();

@@ -9,6 +9,7 @@
 
 use super::{ETag, ObjectInfo, ObjectStore};
 use crate::error::{Error, Result};
+use crate::metrics::Counter;
 use std::io::ErrorKind::{InvalidInput, PermissionDenied};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,19 +46,19 @@ pub struct RetryStore {
     inner: Arc<dyn ObjectStore>,
     policy: RetryPolicy,
     seed: AtomicU64,
-    retries: AtomicU64,
+    retries: Counter,
 }
 
 impl RetryStore {
     pub fn new(inner: Arc<dyn ObjectStore>, policy: RetryPolicy) -> Arc<RetryStore> {
         let seed =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
-        Arc::new(RetryStore { inner, policy, seed: AtomicU64::new(seed | 1), retries: AtomicU64::new(0) })
+        Arc::new(RetryStore { inner, policy, seed: AtomicU64::new(seed | 1), retries: Counter::new() })
     }
 
     /// Calls retried so far.
     pub fn retries(&self) -> u64 {
-        self.retries.load(Ordering::Relaxed)
+        self.retries.get()
     }
 
     /// A random backoff in `[0, min(max, base * 2^attempt))` (full jitter).
@@ -83,7 +84,7 @@ impl RetryStore {
                 {
                     let wait = self.backoff(attempt);
                     tracing::info!(what, key, error = %e, attempt, ?wait, "bucket call failed; retrying");
-                    self.retries.fetch_add(1, Ordering::Relaxed);
+                    self.retries.inc();
                     retried = true;
                     attempt += 1;
                     std::thread::sleep(wait);

@@ -14,12 +14,12 @@
 //! pread; eviction holds it exclusively while it punches holes.
 
 use super::policy::{Ledger, SEGMENT_CHUNKS};
+use crate::metrics::Counter;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::fs::File;
 use std::hash::Hash;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One chunk on local disk, as the tests see it.
 #[cfg(test)]
@@ -47,7 +47,7 @@ pub struct ChunkCache<K> {
     capacity: u64,
     index: Mutex<Ledger<K, Spot>>,
     evicting: RwLock<()>,
-    evicted: AtomicU64,
+    evicted: Counter,
 }
 
 impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
@@ -56,7 +56,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
             capacity,
             index: Mutex::new(Ledger::new(SEGMENT_CHUNKS)),
             evicting: RwLock::new(()),
-            evicted: AtomicU64::new(0),
+            evicted: Counter::new(),
         }
     }
 
@@ -71,7 +71,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
 
     /// Bytes evicted so far.
     pub fn evicted_bytes(&self) -> u64 {
-        self.evicted.load(Ordering::Relaxed)
+        self.evicted.get()
     }
 
     /// No eviction punches a hole while the guard lives.
@@ -165,7 +165,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
         if victims.is_empty() {
             return;
         }
-        self.evicted.fetch_add(victims.iter().map(|v| v.1 as u64).sum(), Ordering::Relaxed);
+        self.evicted.add(victims.iter().map(|v| v.1 as u64).sum());
         punch(&victims);
     }
 
@@ -183,7 +183,7 @@ impl<K: Copy + Eq + Hash + Ord> ChunkCache<K> {
         if victims.is_empty() {
             return;
         }
-        self.evicted.fetch_add(victims.iter().map(|v| v.1 as u64).sum(), Ordering::Relaxed);
+        self.evicted.add(victims.iter().map(|v| v.1 as u64).sum());
         punch(&victims);
     }
 }

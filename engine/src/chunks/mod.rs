@@ -29,8 +29,10 @@
 //!   there).
 //!
 //! This room imports nothing from the modules that use it (`tier`,
-//! `source`, `volume`): only the format, the error type, checksums and
-//! private files.
+//! `source`, `volume`): only the format, the error type, checksums,
+//! private files and the metrics module's counters (what a cache here
+//! counts, evicted bytes, hits, damaged files, is a `metrics::Counter`; a
+//! cache with a `*Stats` of its own declares both with `counters!`).
 //!
 //! Not here: the read-ahead windows and the threads fetches run on
 //! (a segment reader's fetch workers in `tier/remote/prefetch.rs`, a

@@ -36,8 +36,7 @@ pub struct ChunkFiles {
     others: Option<Others>,
     /// Each chunk's file length, in the order they leave.
     state: Mutex<Ledger<Key, ()>>,
-    hits: AtomicU64,
-    damaged: AtomicU64,
+    counts: ChunkFilesCounters,
     /// Numbers temporary file names (two writers of one chunk never share one).
     tmp: AtomicU64,
 }
@@ -62,15 +61,20 @@ impl std::ops::Deref for FileChunk {
     }
 }
 
-/// What the files held and did, for status.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ChunkFilesStats {
-    pub bytes: u64,
-    pub capacity: u64,
-    /// Chunks read from the files.
-    pub hits: u64,
-    /// Files that failed their checks (removed, fetched again).
-    pub damaged: u64,
+crate::counters! {
+    /// What [`ChunkFiles`] counts, read as [`ChunkFilesStats`].
+    struct ChunkFilesCounters;
+    /// What the files held and did, for status.
+    #[derive(Copy, PartialEq, Eq)]
+    pub struct ChunkFilesStats {
+        /// Chunks read from the files.
+        hits: Counter,
+        /// Files that failed their checks (removed, fetched again).
+        damaged: Counter,
+    } and {
+        bytes: u64,
+        capacity: u64,
+    }
 }
 
 impl ChunkFiles {
@@ -104,8 +108,7 @@ impl ChunkFiles {
             capacity,
             others,
             state: Mutex::new(state),
-            hits: AtomicU64::new(0),
-            damaged: AtomicU64::new(0),
+            counts: ChunkFilesCounters::default(),
             tmp: AtomicU64::new(0),
         });
         files.trim();
@@ -134,14 +137,14 @@ impl ChunkFiles {
         match check(&file, id) {
             Some(start) => {
                 self.state.lock().touch(&key);
-                self.hits.fetch_add(1, Ordering::Relaxed);
+                self.counts.hits.inc();
                 Some(FileChunk { file, start })
             }
             None => {
                 // Another object with the same hash is a plain miss; a
                 // file of this object that fails its checks is damage.
                 if same_object(&file, id) {
-                    self.damaged.fetch_add(1, Ordering::Relaxed);
+                    self.counts.damaged.inc();
                     tracing::warn!(file = %path.display(), "a cached chunk failed its checksum; fetching it again");
                 }
                 let _ = std::fs::remove_file(&path);
@@ -202,12 +205,7 @@ impl ChunkFiles {
     }
 
     pub fn stats(&self) -> ChunkFilesStats {
-        ChunkFilesStats {
-            bytes: self.state.lock().weight(),
-            capacity: self.capacity,
-            hits: self.hits.load(Ordering::Relaxed),
-            damaged: self.damaged.load(Ordering::Relaxed),
-        }
+        ChunkFilesStats { bytes: self.state.lock().weight(), capacity: self.capacity, ..self.counts.snapshot() }
     }
 }
 

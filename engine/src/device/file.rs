@@ -3,6 +3,7 @@ use crate::error::{Error, Result};
 use crate::format::SegId;
 use crate::io::{backend, IoBackend, IoMode};
 use crate::log::PAGE;
+use crate::metrics::Counter;
 use crate::private;
 use parking_lot::RwLock;
 use std::collections::HashMap;
@@ -11,7 +12,6 @@ use std::io::{ErrorKind, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 const SUPERBLOCK: &str = "superblock";
@@ -26,7 +26,7 @@ pub struct FileDevice {
     /// Whether new segment files write large runs with O_DIRECT.
     direct: bool,
     /// Bytes its segment files wrote with O_DIRECT.
-    direct_bytes: Arc<AtomicU64>,
+    direct_bytes: Arc<Counter>,
     /// Held while this device is the directory's one writer.
     _writer_lock: Option<File>,
 }
@@ -41,7 +41,7 @@ struct FileSegment {
     /// one descriptor each).
     direct: RwLock<Option<File>>,
     /// The device's count of bytes written through `direct`.
-    direct_bytes: Arc<AtomicU64>,
+    direct_bytes: Arc<Counter>,
 }
 
 /// The smallest aligned middle worth a direct write: below it, waiting for
@@ -193,7 +193,7 @@ impl Device for FileDevice {
     }
 
     fn direct_bytes(&self) -> u64 {
-        self.direct_bytes.load(Ordering::Relaxed)
+        self.direct_bytes.get()
     }
 
     fn segment_modified(&self, id: SegId) -> Result<Option<std::time::SystemTime>> {
@@ -251,7 +251,7 @@ impl SegmentFile for FileSegment {
         drop(guard);
         match wrote {
             Ok(()) => {
-                self.direct_bytes.fetch_add(middle.len() as u64, Ordering::Relaxed);
+                self.direct_bytes.add(middle.len() as u64);
             }
             // A file system that opens O_DIRECT but refuses these writes
             // (or a short write that left an unaligned rest): the page

@@ -3,6 +3,7 @@ use super::buf::LogBuf;
 use crate::device::{failpoints, Device, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{block_crcs, Addr, RecordHeader, RecordKind, SegId, ALIGN_DATA_MIN, BLOCK_SIZE, HEADER_LEN};
+use crate::metrics::Counter;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,7 +31,7 @@ pub struct Log {
     durable_seq: AtomicU64,
     /// Shared with the write-behind thread, which sets it when a write fails.
     poisoned: Arc<AtomicBool>,
-    syncs: AtomicU64,
+    syncs: Counter,
     /// Where appended bytes go to the file on a thread of their own; `None`
     /// writes them in the appending call.
     behind: Option<WriteBehind>,
@@ -100,7 +101,7 @@ impl Log {
             sync_lock: Mutex::new(()),
             durable_seq: AtomicU64::new(first_seq.saturating_sub(1)),
             poisoned,
-            syncs: AtomicU64::new(0),
+            syncs: Counter::new(),
             behind,
         })
     }
@@ -119,7 +120,7 @@ impl Log {
 
     /// How many fdatasync calls the log has made (for tests of group commit).
     pub fn sync_count(&self) -> u64 {
-        self.syncs.load(Ordering::Relaxed)
+        self.syncs.get()
     }
 
     pub fn last_seq(&self) -> u64 {
@@ -326,7 +327,7 @@ impl Log {
             wb.wait_for(handed)?;
         }
         crate::device::durable_step(self.device.as_ref(), failpoints::FSYNC)?;
-        self.syncs.fetch_add(1, Ordering::Relaxed);
+        self.syncs.inc();
         for file in files {
             if let Err(e) = file.sync() {
                 return Err(self.poison(e));

@@ -31,7 +31,6 @@ use crate::chunks::{ChunkFiles, ChunkSource, MemoryChunks};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use crate::format::Source;
@@ -152,50 +151,44 @@ impl From<Failed> for Error {
     }
 }
 
-/// What a volume's reads of source objects did, for status.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SourceStats {
-    /// Ranged GETs sent, and the bytes they brought.
-    pub gets: u64,
-    pub fetched_bytes: u64,
-    /// Chunks a read found in memory or already on their way.
-    pub hits: u64,
-    /// Chunks a read had to fetch.
-    pub misses: u64,
-    /// GETs refused because the object changed or is gone.
-    pub changed: u64,
-    /// GETs that failed otherwise (after the store's retries).
-    pub errors: u64,
-    /// Chunks cache servers gave (and so were not read from the bucket).
-    pub from_servers: u64,
-    /// Chunks found in the local chunk files.
-    pub from_disk: u64,
-    /// Of `from_servers`, those checked against the object's ETag (an
-    /// object of one chunk with an MD5 ETag); the rest were taken unchecked.
-    pub server_checked: u64,
-    /// Chunks a server gave that failed that check (read from the bucket).
-    pub server_rejected: u64,
-    /// The local chunk files: bytes held, the most they may hold, and
-    /// files that failed their checks.
-    pub disk_bytes: u64,
-    pub disk_capacity: u64,
-    pub disk_damaged: u64,
+crate::counters! {
+    /// What a [`SourceReader`] counts, read as [`SourceStats`].
+    struct SourceCounters;
+    /// What a volume's reads of source objects did, for status.
+    #[derive(Copy, PartialEq, Eq)]
+    pub struct SourceStats {
+        /// Ranged GETs sent, and the bytes they brought.
+        gets: Counter,
+        fetched_bytes: Counter,
+        /// Chunks a read found in memory or already on their way.
+        hits: Counter,
+        /// Chunks a read had to fetch.
+        misses: Counter,
+        /// GETs refused because the object changed or is gone.
+        changed: Counter,
+        /// GETs that failed otherwise (after the store's retries).
+        errors: Counter,
+        /// Chunks cache servers gave (and so were not read from the bucket).
+        from_servers: Counter,
+        /// Chunks found in the local chunk files.
+        from_disk: Counter,
+        /// Of `from_servers`, those checked against the object's ETag (an
+        /// object of one chunk with an MD5 ETag); the rest were taken unchecked.
+        server_checked: Counter,
+        /// Chunks a server gave that failed that check (read from the bucket).
+        server_rejected: Counter,
+    } and {
+        /// The local chunk files: bytes held, the most they may hold, and
+        /// files that failed their checks.
+        disk_bytes: u64,
+        disk_capacity: u64,
+        disk_damaged: u64,
+    }
 }
 
 #[derive(Default)]
 struct Counters {
-    gets: AtomicU64,
-    fetched_bytes: AtomicU64,
-    hits: AtomicU64,
-    misses: AtomicU64,
-    changed: AtomicU64,
-    errors: AtomicU64,
-    from_servers: AtomicU64,
-    from_disk: AtomicU64,
-    /// Of `from_servers`, those checked against the object's ETag (MD5).
-    server_checked: AtomicU64,
-    /// Chunks a server gave that failed that check.
-    server_rejected: AtomicU64,
+    counts: SourceCounters,
     /// Buckets whose ETags were seen not to be the MD5 of the bytes.
     etags_not_md5: Mutex<std::collections::HashSet<String>>,
 }
@@ -282,29 +275,10 @@ impl SourceReader {
     }
 
     pub fn stats(&self) -> SourceStats {
-        let c = &self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        SourceStats {
-            gets: get(&c.gets),
-            fetched_bytes: get(&c.fetched_bytes),
-            hits: get(&c.hits),
-            misses: get(&c.misses),
-            changed: get(&c.changed),
-            errors: get(&c.errors),
-            from_servers: get(&c.from_servers),
-            from_disk: get(&c.from_disk),
-            server_checked: get(&c.server_checked),
-            server_rejected: get(&c.server_rejected),
-            ..self.files.as_ref().map_or_else(SourceStats::default, |f| {
-                let s = f.stats();
-                SourceStats {
-                    disk_bytes: s.bytes,
-                    disk_capacity: s.capacity,
-                    disk_damaged: s.damaged,
-                    ..SourceStats::default()
-                }
-            })
-        }
+        let now = self.counters.counts.snapshot();
+        let Some(files) = &self.files else { return now };
+        let disk = files.stats();
+        SourceStats { disk_bytes: disk.bytes, disk_capacity: disk.capacity, disk_damaged: disk.damaged, ..now }
     }
 
     /// Waits for the fetches started so far (and their chunk files).
@@ -386,7 +360,7 @@ impl SourceReader {
                         Claim::Mine(p) => {
                             if needed {
                                 wait.push((i, p.clone()));
-                                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                                self.counters.counts.misses.inc();
                                 missed = true;
                             }
                             start.push((i, p));
@@ -395,7 +369,7 @@ impl SourceReader {
                     }
                 }
                 if needed {
-                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    self.counters.counts.hits.inc();
                 }
             }
         }
@@ -447,13 +421,13 @@ impl SourceReader {
                     sources.store(&src.bucket)?.get_range_if(&src.key, range, &src.etag, src.version.as_deref())
                 }))
                 .unwrap_or_else(|_| Err(Error::Io(std::io::Error::other("a source fetch panicked"))));
-                counters.gets.fetch_add(1, Ordering::Relaxed);
+                counters.counts.gets.inc();
                 let (counter, n) = match &fetched {
-                    Ok(b) => (&counters.fetched_bytes, b.len() as u64),
-                    Err(Error::PreconditionFailed(_) | Error::NoSuchObject(_)) => (&counters.changed, 1),
-                    Err(_) => (&counters.errors, 1),
+                    Ok(b) => (&counters.counts.fetched_bytes, b.len() as u64),
+                    Err(Error::PreconditionFailed(_) | Error::NoSuchObject(_)) => (&counters.counts.changed, 1),
+                    Err(_) => (&counters.counts.errors, 1),
                 };
-                counter.fetch_add(n, Ordering::Relaxed);
+                counter.add(n);
                 let got = match fetched {
                     Ok(b) if b.len() as u64 == want => Ok(b),
                     Ok(_) => Err(changed(&src, Error::PreconditionFailed(src.key.clone()))),
@@ -523,7 +497,7 @@ fn from_files<'a>(
         let (i, p) = entry;
         match files.get(object, *i) {
             Some(found) => {
-                counters.from_disk.fetch_add(1, Ordering::Relaxed);
+                counters.counts.from_disk.inc();
                 let (file, start) = found.into_parts();
                 let len = file.len() - start;
                 finish(cache, object, *i, p, Ok(Chunk { body: Arc::new(file), start, len }));
@@ -561,17 +535,17 @@ fn from_servers<'a>(
                 match counters.etag_check(src, &bytes) {
                     Some(false) => {
                         tracing::warn!(object = %src.url(), chunk = i, "an object from a cache server is not what its ETag names; reading it from the bucket");
-                        counters.server_rejected.fetch_add(1, Ordering::Relaxed);
+                        counters.counts.server_rejected.inc();
                         servers.object_rejected(src, *i);
                         rest.push(entry);
                         continue;
                     }
                     Some(true) => {
-                        counters.server_checked.fetch_add(1, Ordering::Relaxed);
+                        counters.counts.server_checked.inc();
                     }
                     None => {}
                 }
-                counters.from_servers.fetch_add(1, Ordering::Relaxed);
+                counters.counts.from_servers.inc();
                 let chunk = Chunk { start: 0, len: bytes.len(), body: Arc::new(bytes) };
                 finish(cache, object, *i, p, Ok(chunk.clone()));
                 keep.push((*i, chunk));

@@ -69,16 +69,20 @@ impl Map {
     }
 }
 
-/// Counters of reads a client made itself and reads it left to the owner.
-#[derive(Default)]
-pub struct ReadCounters {
-    pub direct_reads: AtomicU64,
-    pub direct_bytes: AtomicU64,
-    pub owner_reads: AtomicU64,
-    pub owner_bytes: AtomicU64,
-    pub locates: AtomicU64,
-    /// Direct reads that failed and went to the owner.
-    pub failed: AtomicU64,
+arbor_engine::counters! {
+    /// Counters of reads a client made itself.
+    pub struct ReadCounters;
+    /// What a client's reads from the segments did.
+    #[derive(Copy, PartialEq, Eq)]
+    pub struct DirectReadStats {
+        /// Reads made from the disk's segments, and their bytes.
+        direct_reads: Counter,
+        direct_bytes: Counter,
+        /// Locates asked of the owner.
+        locates: Counter,
+        /// Direct reads that failed and went to the owner.
+        direct_failed: Counter,
+    }
 }
 
 /// Why a read from the segments gave no bytes.
@@ -149,7 +153,7 @@ impl DirectReads {
             Some(m) => m,
             None => {
                 let generation = self.generation.load(Ordering::Acquire);
-                self.counters.locates.fetch_add(1, Ordering::Relaxed);
+                self.counters.locates.inc();
                 let located = locate(ino, off, len64.max(WINDOW)).map_err(Failed::Owner)?;
                 let m = Arc::new(Map::decode(off, located).map_err(Failed::Here)?);
                 let mut maps = self.maps.lock();
@@ -181,8 +185,8 @@ impl DirectReads {
             None => Err(Error::Invalid("a span only the owner has")),
         })
         .map_err(Failed::Here)?;
-        self.counters.direct_reads.fetch_add(1, Ordering::Relaxed);
-        self.counters.direct_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.counters.direct_reads.inc();
+        self.counters.direct_bytes.add(out.len() as u64);
         Ok(Some(out.len()))
     }
 }

@@ -24,6 +24,7 @@ use crate::wire::frames::ChunkAsk;
 use crate::wire::http::{connect, CACHE_HEADER, CRC_HEADER};
 use arbor_engine::chunks::{fnv1a, ChunkRequest, ChunkSource};
 use arbor_engine::format::SegId;
+use arbor_engine::metrics::Counter;
 use arbor_engine::source::Source;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -31,7 +32,7 @@ use hyper::client::conn::http2::SendRequest;
 use hyper::header::{HeaderValue, AUTHORIZATION};
 use hyper::{Request, StatusCode};
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,41 +53,33 @@ pub struct ClientOptions {
     pub tls: Option<crate::wire::tls::ClientTls>,
 }
 
-/// What one server gave this client, and why it was passed over.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ServerStats {
-    pub addr: String,
-    /// Chunks and bytes it answered (before the client's checks).
-    pub chunks: u64,
-    pub bytes: u64,
-    /// Of those, how many it had cached already, and how many were parts
-    /// of chunks (for small reads).
-    pub hits: u64,
-    pub parts: u64,
-    /// Segment footers it gave (each saving two trips to the bucket).
-    pub footers: u64,
-    /// Chunks read from the bucket instead, by reason.
-    pub fallback_down: u64,
-    pub fallback_timeout: u64,
-    pub fallback_error: u64,
-    pub fallback_not_found: u64,
-    /// Chunks it gave that failed their checksum (read from the bucket).
-    pub rejected: u64,
-}
-
-#[derive(Default)]
-struct Counters {
-    chunks: AtomicU64,
-    bytes: AtomicU64,
-    hits: AtomicU64,
-    parts: AtomicU64,
-    footers: AtomicU64,
-    down: AtomicU64,
-    timeout: AtomicU64,
-    error: AtomicU64,
-    not_found: AtomicU64,
-    rejected: AtomicU64,
-    unauthorized: AtomicU64,
+arbor_engine::counters! {
+    /// What one server gave this client, counted as it happens.
+    struct Counters;
+    /// What one server gave this client, and why it was passed over.
+    #[derive(PartialEq, Eq)]
+    pub struct ServerStats {
+        /// Chunks and bytes it answered (before the client's checks).
+        chunks: Counter,
+        bytes: Counter,
+        /// Of those, how many it had cached already, and how many were parts
+        /// of chunks (for small reads).
+        hits: Counter,
+        parts: Counter,
+        /// Segment footers it gave (each saving two trips to the bucket).
+        footers: Counter,
+        /// Chunks read from the bucket instead, by reason.
+        fallback_down: Counter,
+        fallback_timeout: Counter,
+        fallback_error: Counter,
+        fallback_not_found: Counter,
+        /// Chunks it gave that failed their checksum (read from the bucket).
+        rejected: Counter,
+        /// Requests it refused for want of a valid token.
+        unauthorized: Counter,
+    } and {
+        addr: String,
+    }
 }
 
 /// What a request asks a server for, for its counters.
@@ -241,24 +234,7 @@ impl CacheClient {
 
     /// Per server: what it gave and why it was passed over.
     pub fn stats(&self) -> Vec<ServerStats> {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        self.inner
-            .peers
-            .iter()
-            .map(|p| ServerStats {
-                addr: p.addr.clone(),
-                chunks: get(&p.n.chunks),
-                bytes: get(&p.n.bytes),
-                hits: get(&p.n.hits),
-                parts: get(&p.n.parts),
-                footers: get(&p.n.footers),
-                fallback_down: get(&p.n.down),
-                fallback_timeout: get(&p.n.timeout),
-                fallback_error: get(&p.n.error),
-                fallback_not_found: get(&p.n.not_found),
-                rejected: get(&p.n.rejected),
-            })
-            .collect()
+        self.inner.peers.iter().map(|p| ServerStats { addr: p.addr.clone(), ..p.n.snapshot() }).collect()
     }
 }
 
@@ -294,7 +270,7 @@ impl Inner {
     async fn get(self: Arc<Self>, owner: usize, path: String, ask: Ask) -> Option<Vec<u8>> {
         let peer = &self.peers[owner];
         if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
-            peer.n.down.fetch_add(1, Ordering::Relaxed);
+            peer.n.fallback_down.inc();
             return None;
         }
         let uri = format!("http://{}{path}", peer.addr);
@@ -304,7 +280,7 @@ impl Inner {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
-                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_error.inc();
                 peer.failed().await;
                 return None;
             }
@@ -331,34 +307,34 @@ impl Inner {
                 // sends none is checked by the caller alone).
                 if crc.is_some_and(|crc| crc != Some(arbor_engine::crc::crc32c(&body))) {
                     tracing::warn!(server = %peer.addr, chunk = %path, "a cache server sent a chunk that fails its checksum; reading the bucket");
-                    peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+                    peer.n.rejected.inc();
                     return None;
                 }
                 Some(Vec::from(body))
             }
             Ok(Ok((StatusCode::NOT_FOUND, ..))) => {
-                peer.n.not_found.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_not_found.inc();
                 None
             }
             Ok(Ok((StatusCode::UNAUTHORIZED, ..))) => {
                 peer.refused();
-                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_error.inc();
                 None
             }
             Ok(Ok((status, ..))) => {
                 tracing::debug!(server = %peer.addr, %status, "a cache server answered with an error");
-                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_error.inc();
                 None
             }
             Ok(Err(e)) => {
                 tracing::debug!(server = %peer.addr, error = %e, "the connection to a cache server broke");
-                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_error.inc();
                 peer.failed().await;
                 None
             }
             Err(_) => {
                 tracing::debug!(server = %peer.addr, chunk = %path, "a cache server was too slow; reading the bucket");
-                peer.n.timeout.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_timeout.inc();
                 None
             }
         }
@@ -369,16 +345,16 @@ impl Peer {
     /// Counts what this server gave for `ask`: `len` bytes, a hit or not.
     fn gave(&self, ask: Ask, len: usize, hit: bool) {
         match ask {
-            Ask::Chunk => self.n.chunks.fetch_add(1, Ordering::Relaxed),
+            Ask::Chunk => self.n.chunks.inc(),
             Ask::Part => {
-                self.n.parts.fetch_add(1, Ordering::Relaxed);
-                self.n.chunks.fetch_add(1, Ordering::Relaxed)
+                self.n.parts.inc();
+                self.n.chunks.inc();
             }
-            Ask::Footer => self.n.footers.fetch_add(1, Ordering::Relaxed),
-        };
-        self.n.bytes.fetch_add(len as u64, Ordering::Relaxed);
+            Ask::Footer => self.n.footers.inc(),
+        }
+        self.n.bytes.add(len as u64);
         if hit {
-            self.n.hits.fetch_add(1, Ordering::Relaxed);
+            self.n.hits.inc();
         }
     }
 
@@ -386,7 +362,7 @@ impl Peer {
     /// and the server left alone for a while instead of paying a round
     /// trip per chunk (the caller counts the chunks as errors).
     fn refused(&self) {
-        if self.n.unauthorized.fetch_add(1, Ordering::Relaxed) == 0 {
+        if self.n.unauthorized.inc_is_first() {
             tracing::warn!(server = %self.addr, "the cache server refused our token; reading from the bucket (check --token-file)");
         }
         *self.down_until.lock() = Some(Instant::now() + DOWN_FOR);
@@ -475,7 +451,7 @@ impl ChunkSource for CacheClient {
 
     fn rejected(&self, seg: SegId, index: u32) {
         let peer = &self.inner.peers[self.inner.owner(seg, index)];
-        peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+        peer.n.rejected.inc();
     }
 
     fn fetch_footer(&self, seg: SegId) -> Option<Vec<u8>> {
@@ -484,7 +460,7 @@ impl ChunkSource for CacheClient {
     }
 
     fn footer_rejected(&self, seg: SegId) {
-        self.inner.peers[self.inner.footer_owner(seg)].n.rejected.fetch_add(1, Ordering::Relaxed);
+        self.inner.peers[self.inner.footer_owner(seg)].n.rejected.inc();
     }
 
     fn fetch_part(&self, seg: SegId, index: u32, within: std::ops::Range<u64>) -> Option<Vec<u8>> {
@@ -507,7 +483,7 @@ impl ChunkSource for CacheClient {
 
     fn object_rejected(&self, src: &Source, index: u64) {
         let peer = &self.inner.peers[self.inner.object_owner(fnv1a(src.id().as_bytes()), index)];
-        peer.n.rejected.fetch_add(1, Ordering::Relaxed);
+        peer.n.rejected.inc();
     }
 }
 
@@ -538,8 +514,8 @@ impl Inner {
         use crate::wire::frames::{read_chunk_answer, write_frame};
         let peer = &self.peers[owner];
         // The asks from `from` on get nothing: counted under `counter`.
-        let fail = |from: usize, counter: &AtomicU64, down: bool, got: &mut dyn FnMut(usize, Option<Vec<u8>>)| {
-            counter.fetch_add((asks.len() - from) as u64, Ordering::Relaxed);
+        let fail = |from: usize, counter: &Counter, down: bool, got: &mut dyn FnMut(usize, Option<Vec<u8>>)| {
+            counter.add((asks.len() - from) as u64);
             if down {
                 *peer.down_until.lock() = Some(Instant::now() + DOWN_FOR);
                 peer.chunk_conns.lock().clear();
@@ -550,7 +526,7 @@ impl Inner {
             true
         };
         if peer.down_until.lock().is_some_and(|t| Instant::now() < t) {
-            return fail(0, &peer.n.down, false, got);
+            return fail(0, &peer.n.fallback_down, false, got);
         }
         // A connection kept idle may have been closed by a server that
         // restarted since: such a failure, before any answer, is tried
@@ -566,15 +542,15 @@ impl Inner {
                 }
                 Err(ChunkConnError::Refused) => {
                     peer.refused();
-                    return fail(0, &peer.n.error, false, got);
+                    return fail(0, &peer.n.fallback_error, false, got);
                 }
                 Err(ChunkConnError::Slow) => {
                     tracing::debug!(server = %peer.addr, "a cache server did not answer in time; reading the bucket");
-                    return fail(0, &peer.n.timeout, false, got);
+                    return fail(0, &peer.n.fallback_timeout, false, got);
                 }
                 Err(ChunkConnError::Io(e)) => {
                     tracing::debug!(server = %peer.addr, error = %e, "a cache server is unreachable");
-                    return fail(0, &peer.n.error, true, got);
+                    return fail(0, &peer.n.fallback_error, true, got);
                 }
             };
             let mut sent = Ok(());
@@ -602,17 +578,17 @@ impl Inner {
                 }
                 Some(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
                     tracing::debug!(server = %peer.addr, seg = %asks[0].seg, "a cache server was too slow; reading the bucket");
-                    return fail(answered, &peer.n.timeout, false, got);
+                    return fail(answered, &peer.n.fallback_timeout, false, got);
                 }
                 Some(_) if reused && answered == 0 => continue,
                 Some(e) => {
                     tracing::debug!(server = %peer.addr, error = %e, "the connection to a cache server broke");
-                    return fail(answered, &peer.n.error, true, got);
+                    return fail(answered, &peer.n.fallback_error, true, got);
                 }
             }
         }
         // Both tries failed on connections that broke.
-        fail(0, &peer.n.error, true, got)
+        fail(0, &peer.n.fallback_error, true, got)
     }
 
     /// The bytes of one answer from `peer`, counted.
@@ -624,12 +600,12 @@ impl Inner {
                 Some(bytes)
             }
             ChunkAnswer::NotFound => {
-                peer.n.not_found.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_not_found.inc();
                 None
             }
             ChunkAnswer::Failed(why) => {
                 tracing::debug!(server = %peer.addr, error = %why, "a cache server answered with an error");
-                peer.n.error.fetch_add(1, Ordering::Relaxed);
+                peer.n.fallback_error.inc();
                 None
             }
         }

@@ -1,31 +1,30 @@
 //! The server's counters and request latency histogram, rendered in the
 //! Prometheus text format by the engine's [`arbor_engine::metrics`].
 
-use arbor_engine::metrics::{Exposition, Histogram};
-use std::sync::atomic::{AtomicU64, Ordering};
+use arbor_engine::metrics::{Counter, Exposition, Histogram};
 
 #[derive(Default)]
 pub(crate) struct Metrics {
-    pub hits: AtomicU64,
-    pub misses: AtomicU64,
+    pub hits: Counter,
+    pub misses: Counter,
     /// Of the hits and misses, requests for part of a chunk.
-    pub parts: AtomicU64,
+    pub parts: Counter,
     /// Segment footers sent (not chunk requests).
-    pub footers: AtomicU64,
-    pub served_bytes: AtomicU64,
-    pub not_found: AtomicU64,
-    pub errors: AtomicU64,
-    pub unauthorized: AtomicU64,
+    pub footers: Counter,
+    pub served_bytes: Counter,
+    pub not_found: Counter,
+    pub errors: Counter,
+    pub unauthorized: Counter,
     /// Source-object requests refused: no import of the disk names them.
-    pub refused_objects: AtomicU64,
+    pub refused_objects: Counter,
     /// Chunk connections opened (framed connections for parts).
-    pub chunk_connections: AtomicU64,
+    pub chunk_connections: Counter,
     /// Connections closed as they were accepted: their peer, or the
     /// server, held as many as it may.
-    pub refused_connections: AtomicU64,
+    pub refused_connections: Counter,
     /// Connections closed before their first request: nothing said by
     /// the hello deadline, or a framed hello too large, garbled or late.
-    pub failed_hellos: AtomicU64,
+    pub failed_hellos: Counter,
     pub latency: Histogram,
 }
 
@@ -45,7 +44,7 @@ impl Metrics {
         let mut out = Exposition::new();
         let counter = |out: &mut Exposition, name: &str, help: &str, v: u64| out.counter(name, help, &[], v);
         let gauge = |out: &mut Exposition, name: &str, help: &str, v: u64| out.gauge(name, help, &[], v as f64);
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let get = Counter::get;
         counter(&mut out, "arbor_cache_hits_total", "Chunk requests answered from the cache.", get(&self.hits));
         counter(
             &mut out,
@@ -132,7 +131,7 @@ mod tests {
         m.latency.observe(Duration::from_micros(50));
         m.latency.observe(Duration::from_micros(300));
         m.latency.observe(Duration::from_secs(9));
-        m.hits.fetch_add(3, Ordering::Relaxed);
+        m.hits.add(3);
         let text = m.render(&CacheGauges {
             bucket_bytes: 7,
             bucket_gets: 1,

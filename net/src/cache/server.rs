@@ -238,11 +238,11 @@ impl ChunkService {
             None => Ok(false),
             Some(Err(e)) => Err(e),
             Some(Ok(len)) => {
-                m.hits.fetch_add(1, Ordering::Relaxed);
+                m.hits.inc();
                 if within.is_some() {
-                    m.parts.fetch_add(1, Ordering::Relaxed);
+                    m.parts.inc();
                 }
-                m.served_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                m.served_bytes.add(len as u64);
                 m.latency.observe(started.elapsed());
                 Ok(true)
             }
@@ -273,7 +273,7 @@ impl ChunkService {
             },
         };
         if within.is_some() {
-            self.metrics.parts.fetch_add(1, Ordering::Relaxed);
+            self.metrics.parts.inc();
         }
         match self.served(|| format!("chunk {} of {}", ask.index, ask.seg), false, started, Ok(got)) {
             Served::Bytes { bytes, hit, .. } => ChunkAnswer::Bytes { hit: hit == Some(true), bytes },
@@ -301,7 +301,7 @@ impl ChunkService {
                         return reply(StatusCode::BAD_REQUEST, "?at=OFFSET&len=LENGTH[&proved=1] inside the chunk\n");
                     };
                     if within.is_some() {
-                        self.metrics.parts.fetch_add(1, Ordering::Relaxed);
+                        self.metrics.parts.inc();
                     }
                     let what = format!("chunk {index} of {seg}");
                     if let (true, Some(leaves)) = (proved, within.clone()) {
@@ -349,7 +349,7 @@ impl ChunkService {
                     .await
                     .unwrap_or_else(|e| Err(format!("the check failed: {e}")));
                     if let Err(why) = verdict {
-                        self.metrics.refused_objects.fetch_add(1, Ordering::Relaxed);
+                        self.metrics.refused_objects.inc();
                         return reply(StatusCode::FORBIDDEN, format!("{why}\n"));
                     }
                     let what = format!("chunk {index} of {}", src.url());
@@ -416,10 +416,10 @@ impl ChunkService {
         let r = match got {
             Ok(Ok(Some((mut bytes, hit)))) => {
                 match hit {
-                    Some(true) => m.hits.fetch_add(1, Ordering::Relaxed),
-                    Some(false) => m.misses.fetch_add(1, Ordering::Relaxed),
-                    None => m.footers.fetch_add(1, Ordering::Relaxed),
-                };
+                    Some(true) => m.hits.inc(),
+                    Some(false) => m.misses.inc(),
+                    None => m.footers.inc(),
+                }
                 let crc = crc.then(|| arbor_engine::crc::crc32c(&bytes));
                 match self.fault {
                     Some(Fault::Corrupt) => {
@@ -431,24 +431,24 @@ impl ChunkService {
                     Some(Fault::Short) => bytes.truncate(bytes.len() / 2),
                     None => {}
                 }
-                m.served_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                m.served_bytes.add(bytes.len() as u64);
                 Served::Bytes { bytes, hit, crc }
             }
             Ok(Ok(None)) => {
-                m.not_found.fetch_add(1, Ordering::Relaxed);
+                m.not_found.inc();
                 Served::NotFound
             }
             Ok(Err(arbor_engine::Error::SourceChanged(why))) => {
-                m.not_found.fetch_add(1, Ordering::Relaxed);
+                m.not_found.inc();
                 Served::Conflict(why)
             }
             Ok(Err(e)) => {
-                m.errors.fetch_add(1, Ordering::Relaxed);
+                m.errors.inc();
                 tracing::warn!(chunk = %what(), error = %e, "cannot serve a chunk");
                 Served::Failed(e.to_string())
             }
             Err(e) => {
-                m.errors.fetch_add(1, Ordering::Relaxed);
+                m.errors.inc();
                 Served::Broken(e)
             }
         };

@@ -7,29 +7,30 @@
 //! Rooms, one job each:
 //! - `segment.rs`: one segment in the bucket, its footer, on-demand chunk
 //!   fetches and reads (`SegmentFile`);
-//! - `prefetch.rs`: read-ahead, the fetch workers, and streaming across
-//!   a writer's segments;
+//! - `prefetch.rs`: `Fetches` (what is in flight, queued, and carried
+//!   from segment to segment), read-ahead, the fetch workers, and
+//!   streaming across a writer's segments;
 //! - this file: `Remote`, which opens segments (objects, or the WAL pieces
 //!   of a segment never sealed) and owns the rest.
 //!
 //! Lock order (a thread holding one may take those after it, never before):
 //! `opening` → `chunks` eviction lock (`ChunkCache::exclusive`/`hold`) →
-//! `segs` → `inflight` → `queued` → the chunk index → `stream`, `absent`,
-//! `adopted`, `prefetch`. A fetch's outcome (`chunks::fetch::Fetch`) is
-//! taken alone: its waiters wait on it with `inflight` released.
+//! `segs` → `fetches.inflight` → `fetches.queued` → the chunk index →
+//! `fetches.stream`, `fetches.absent`, `adopted`, `fetches.workers`. A
+//! fetch's outcome (`chunks::fetch::Fetch`) is taken alone: its waiters
+//! wait on it with `inflight` released.
 
 mod prefetch;
 mod segment;
 
 use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
 use crate::bucket::ObjectStore;
-use crate::chunks::fetch::InFlight;
 use crate::chunks::{is_data, punch_hole, ChunkCache, ChunkRequest, ChunkSource};
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
 use parking_lot::{Mutex, RwLock};
-use prefetch::Run;
+use prefetch::Fetches;
 use segment::Backing;
 pub(crate) use segment::RemoteSeg;
 use std::collections::{HashMap, HashSet};
@@ -78,37 +79,48 @@ fn memory_file(name: &str) -> Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-/// Counters for `status` and the benchmarks.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CacheStats {
-    pub cached_bytes: u64,
-    pub capacity: u64,
-    pub gets: u64,
-    pub fetched_bytes: u64,
-    pub hits: u64,
-    pub evicted_bytes: u64,
-    pub checksum_retries: u64,
-    /// WAL pieces read, for segments whose writers never sealed them.
-    pub wal_pieces_read: u64,
-    /// Chunks and bytes cache servers gave (and that passed their check).
-    pub peer_chunks: u64,
-    pub peer_bytes: u64,
-    /// Parts of chunks cache servers gave for small reads, their bytes,
-    /// and how many failed the reader's check (read again whole).
-    pub peer_parts: u64,
-    pub peer_part_bytes: u64,
-    pub part_rejected: u64,
-    /// Segment footers another cache of this process gave (each saving
-    /// a bucket GET). A cache server's footers are never taken: a footer
-    /// is what every chunk is checked against, so it comes from the bucket.
-    pub peer_footers: u64,
-    /// Segment footers read from this cache's own folder, kept there by an
-    /// earlier process after it read them from the bucket (each saving a
-    /// bucket GET).
-    pub kept_footers: u64,
-    /// Segment footer reads from the bucket that found the object (one
-    /// GET each, two for a footer longer than 16 KiB).
-    pub bucket_footers: u64,
+crate::counters! {
+    /// What [`Remote`] counts: bumped on the read path (a relaxed add
+    /// each), read as [`CacheStats`].
+    pub(crate) struct RemoteCounters;
+    /// Counters for `status` and the benchmarks.
+    #[derive(Copy)]
+    pub struct CacheStats {
+        /// Ranged GETs of chunks from the bucket, and their bytes.
+        gets: Counter,
+        fetched_bytes: Counter,
+        /// Reads answered from chunks on local disk.
+        hits: Counter,
+        /// Chunks and footers read again after failing their checksum.
+        checksum_retries: Counter,
+        /// WAL pieces read, for segments whose writers never sealed them.
+        wal_pieces_read: Counter,
+        /// Chunks and bytes cache servers gave (and that passed their check).
+        peer_chunks: Counter,
+        peer_bytes: Counter,
+        /// Parts of chunks cache servers gave for small reads, their bytes,
+        /// and how many failed the reader's check (read again whole).
+        peer_parts: Counter,
+        peer_part_bytes: Counter,
+        part_rejected: Counter,
+        /// Segment footers another cache of this process gave (each saving
+        /// a bucket GET). A cache server's footers are never taken: a footer
+        /// is what every chunk is checked against, so it comes from the bucket.
+        peer_footers: Counter,
+        /// Segment footers read from this cache's own folder, kept there by an
+        /// earlier process after it read them from the bucket (each saving a
+        /// bucket GET).
+        kept_footers: Counter,
+        /// Segment footer reads from the bucket that found the object (one
+        /// GET each, two for a footer longer than 16 KiB).
+        bucket_footers: Counter,
+    } and {
+        /// Bytes of chunks on local disk, and the most there may be.
+        cached_bytes: u64,
+        capacity: u64,
+        /// Bytes of chunks evicted since the start.
+        evicted_bytes: u64,
+    }
 }
 
 pub(crate) struct Remote {
@@ -117,45 +129,20 @@ pub(crate) struct Remote {
     /// Chunks live in anonymous memory files (memfd), never on a disk:
     /// for nodes without a local SSD. Nothing survives the process.
     memory: bool,
-    read_ahead: u64,
-    parallel: usize,
     /// Which chunks are on local disk, and evicting them.
     chunks: ChunkCache<ChunkKey>,
-    /// Chunk fetches in flight (`chunks::fetch`): a reader that finds its
-    /// chunk on its way waits for it, then reads it from the cache.
-    inflight: Mutex<InFlight<ChunkKey, ()>>,
     segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
-    /// Read-ahead jobs for the fetch workers, started on first use.
-    prefetch: Mutex<Option<crossbeam::channel::Sender<Run>>>,
-    /// Chunks queued for read-ahead and not yet taken by a worker.
-    queued: Mutex<HashSet<ChunkKey>>,
-    /// Segments read-ahead looked for and did not find (it looks once).
-    absent: Mutex<HashSet<SegId>>,
-    /// The segment a streaming reader is about to enter, and its window.
-    stream: Mutex<Option<(SegId, u64)>>,
     /// Segments this node wrote whose files became cached copies: reads
     /// through an older local handle go through the cache instead.
     adopted: Mutex<HashSet<SegId>>,
     /// One open at a time: two opens of one segment must not both set up
     /// its cache file.
     opening: Mutex<()>,
-    gets: AtomicU64,
-    fetched: AtomicU64,
-    hits: AtomicU64,
-    retries: AtomicU64,
-    /// WAL pieces fetched to read segments their writers never sealed.
-    wal_pieces: AtomicU64,
     /// Cache servers asked before the bucket.
     peers: Option<Arc<dyn ChunkSource>>,
-    /// Chunks and bytes cache servers gave that passed their check.
-    peer_chunks: AtomicU64,
-    peer_bytes: AtomicU64,
-    peer_parts: AtomicU64,
-    peer_part_bytes: AtomicU64,
-    part_rejected: AtomicU64,
-    peer_footers: AtomicU64,
-    kept_footers: AtomicU64,
-    bucket_footers: AtomicU64,
+    /// Chunk fetches in flight, read-ahead's queue, windows and workers.
+    fetches: Fetches,
+    counts: RemoteCounters,
 }
 
 impl Remote {
@@ -175,31 +162,13 @@ impl Remote {
             store,
             dir,
             memory,
-            read_ahead,
-            parallel: parallel.max(1),
             chunks: ChunkCache::new(capacity),
-            inflight: Mutex::new(InFlight::new()),
             segs: RwLock::new(HashMap::new()),
-            prefetch: Mutex::new(None),
-            queued: Mutex::new(HashSet::new()),
-            absent: Mutex::new(HashSet::new()),
-            stream: Mutex::new(None),
             adopted: Mutex::new(HashSet::new()),
             opening: Mutex::new(()),
-            gets: AtomicU64::new(0),
-            fetched: AtomicU64::new(0),
-            hits: AtomicU64::new(0),
-            retries: AtomicU64::new(0),
-            wal_pieces: AtomicU64::new(0),
             peers,
-            peer_chunks: AtomicU64::new(0),
-            peer_bytes: AtomicU64::new(0),
-            peer_parts: AtomicU64::new(0),
-            peer_part_bytes: AtomicU64::new(0),
-            part_rejected: AtomicU64::new(0),
-            peer_footers: AtomicU64::new(0),
-            kept_footers: AtomicU64::new(0),
-            bucket_footers: AtomicU64::new(0),
+            fetches: Fetches::new(read_ahead, parallel),
+            counts: RemoteCounters::default(),
         }))
     }
 
@@ -226,8 +195,8 @@ impl Remote {
         peers.fetch_each(seg, &asks, &mut |k, got| {
             let (Some(&i), Some(bytes)) = (wanted.get(k), got) else { return };
             if footer.verify(i, &bytes) {
-                self.peer_chunks.fetch_add(1, Ordering::Relaxed);
-                self.peer_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                self.counts.peer_chunks.inc();
+                self.counts.peer_bytes.add(bytes.len() as u64);
                 good(i, bytes);
             } else {
                 tracing::warn!(seg = %seg, chunk = i, got = bytes.len(), "a chunk from a cache server failed its checksum; reading it from the bucket");
@@ -240,37 +209,8 @@ impl Remote {
         CacheStats {
             cached_bytes: self.chunks.bytes(),
             capacity: self.chunks.capacity(),
-            gets: self.gets.load(Ordering::Relaxed),
-            fetched_bytes: self.fetched.load(Ordering::Relaxed),
-            hits: self.hits.load(Ordering::Relaxed),
             evicted_bytes: self.chunks.evicted_bytes(),
-            checksum_retries: self.retries.load(Ordering::Relaxed),
-            wal_pieces_read: self.wal_pieces.load(Ordering::Relaxed),
-            peer_chunks: self.peer_chunks.load(Ordering::Relaxed),
-            peer_bytes: self.peer_bytes.load(Ordering::Relaxed),
-            peer_parts: self.peer_parts.load(Ordering::Relaxed),
-            peer_part_bytes: self.peer_part_bytes.load(Ordering::Relaxed),
-            part_rejected: self.part_rejected.load(Ordering::Relaxed),
-            peer_footers: self.peer_footers.load(Ordering::Relaxed),
-            kept_footers: self.kept_footers.load(Ordering::Relaxed),
-            bucket_footers: self.bucket_footers.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Whether chunk `key` is being fetched.
-    fn fetching(&self, key: ChunkKey) -> bool {
-        self.inflight.lock().contains(&key)
-    }
-
-    /// Ends the claims on `keys` (landed or not) and wakes their waiters,
-    /// who look in the cache again (and fetch a chunk that did not land).
-    fn release(&self, keys: impl IntoIterator<Item = ChunkKey>) {
-        let done: Vec<_> = {
-            let mut inflight = self.inflight.lock();
-            keys.into_iter().filter_map(|k| inflight.finish(&k)).collect()
-        };
-        for fetch in done {
-            fetch.done(());
+            ..self.counts.snapshot()
         }
     }
 
@@ -329,7 +269,7 @@ impl Remote {
                 by_seg.entry(seg).or_default().push((len, off));
             }
             for (seg, chunks) in by_seg {
-                let held = self.segs.read().get(&seg).cloned();
+                let held = self.seg(seg);
                 let opened;
                 let file = match held.as_deref().map(|s| &s.backing) {
                     Some(Backing::Object { file }) => file,
@@ -440,7 +380,7 @@ impl Remote {
     /// read that cannot wait for the bucket and will not (`None`
     /// otherwise).
     pub(crate) fn cached_range(&self, id: SegId, index: u32, within: Option<std::ops::Range<u64>>) -> Option<Vec<u8>> {
-        let seg = self.segs.read().get(&id).cloned()?;
+        let seg = self.seg(id)?;
         self.read_cached(&seg, index, within, true)
     }
 
@@ -456,7 +396,7 @@ impl Remote {
         within: Option<std::ops::Range<u64>>,
         send: impl FnOnce(&File, u64, usize) -> Option<T>,
     ) -> Option<T> {
-        let seg = self.segs.read().get(&id).cloned()?;
+        let seg = self.seg(id)?;
         self.with_cached(&seg, index, within, true, send)
     }
 
@@ -514,7 +454,7 @@ impl Remote {
         }
         let out = f(file, start + within.start, (within.end - within.start) as usize)?;
         self.chunks.touch(key);
-        self.hits.fetch_add(1, Ordering::Relaxed);
+        self.counts.hits.inc();
         Some(out)
     }
 
@@ -579,7 +519,7 @@ impl Remote {
             backing,
             last_end: AtomicU64::new(u64::MAX),
             part_run: AtomicU64::new(u64::MAX),
-            window: AtomicU64::new(self.read_ahead),
+            window: AtomicU64::new(self.fetches.base_window()),
             ahead: AtomicU64::new(0),
             landing: parking_lot::Mutex::new(()),
             me: me.clone(),
@@ -587,6 +527,11 @@ impl Remote {
         let mut segs = self.segs.write();
         crate::device::bound_handles(&mut segs, MAX_OPEN);
         segs.entry(id).or_insert(seg).clone()
+    }
+
+    /// Segment `id` if it is open here (a segment object or WAL pieces).
+    fn seg(&self, id: SegId) -> Option<Arc<RemoteSeg>> {
+        self.segs.read().get(&id).cloned()
     }
 
     /// Opens segment `id` from the bucket, or `None` if it is not there.
@@ -668,7 +613,7 @@ impl Remote {
         let bytes = fs::read(&path).ok()?;
         match Footer::decode(&bytes, key) {
             Ok(footer) => {
-                self.kept_footers.fetch_add(1, Ordering::Relaxed);
+                self.counts.kept_footers.inc();
                 Some(footer)
             }
             Err(e) => {
@@ -711,7 +656,7 @@ impl Remote {
         let bytes = peers.fetch_footer(id)?;
         match Footer::decode(&bytes, key) {
             Ok(footer) => {
-                self.peer_footers.fetch_add(1, Ordering::Relaxed);
+                self.counts.peer_footers.inc();
                 Some(footer)
             }
             Err(e) => {
@@ -757,7 +702,7 @@ impl Remote {
         for _ in 0..GET_TRIES {
             let attempt = (|| {
                 let (tail, size) = self.store.get_tail(key, FOOTER_GUESS)?;
-                self.bucket_footers.fetch_add(1, Ordering::Relaxed);
+                self.counts.bucket_footers.inc();
                 if size < TRAILER_LEN as u64 {
                     return Err(Error::corrupted("segment object (too short)", key));
                 }
@@ -775,7 +720,7 @@ impl Remote {
             })();
             match attempt {
                 Err(e @ Error::Corrupted { .. }) => {
-                    self.retries.fetch_add(1, Ordering::Relaxed);
+                    self.counts.checksum_retries.inc();
                     last = Some(e);
                 }
                 other => return other,
@@ -826,7 +771,7 @@ impl Remote {
                 match split_verified(&body, key) {
                     Ok((bytes, _)) => return Ok(Some(bytes)),
                     Err(_) => {
-                        self.retries.fetch_add(1, Ordering::Relaxed);
+                        self.counts.checksum_retries.inc();
                     }
                 }
             }
@@ -847,7 +792,7 @@ impl Remote {
                 });
             }
         });
-        self.wal_pieces.fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        self.counts.wal_pieces_read.add(pieces.len() as u64);
         let mut bodies = Vec::with_capacity(pieces.len());
         for slot in slots {
             match slot.into_inner() {
@@ -895,7 +840,7 @@ impl Remote {
     /// their queue is empty). Segments hold the cache, so without this the
     /// two would keep each other, and the workers, alive.
     pub(crate) fn shutdown(&self) {
-        self.prefetch.lock().take();
+        self.fetches.stop_workers();
         self.segs.write().clear();
     }
 

@@ -5,10 +5,111 @@
 
 use super::segment::{Backing, RemoteSeg};
 use super::{ChunkKey, Remote, RUN_CHUNKS, SPILL_SEGMENTS};
-use crate::chunks::fetch;
+use crate::chunks::fetch::{self, InFlight};
 use crate::format::SegId;
+use parking_lot::{Mutex, MutexGuard};
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+/// What a [`Remote`] is fetching and means to: chunk fetches in flight
+/// (on demand or ahead), the chunks queued for the fetch workers, the
+/// workers, and what streaming readers carry from segment to segment.
+/// Lock order: `inflight` → `queued`; the others alone.
+pub(super) struct Fetches {
+    /// Chunk fetches in flight (`chunks::fetch`): a reader that finds its
+    /// chunk on its way waits for it, then reads it from the cache.
+    inflight: Mutex<InFlight<ChunkKey, ()>>,
+    /// Chunks queued for read-ahead and not yet taken by a worker.
+    queued: Mutex<HashSet<ChunkKey>>,
+    /// Read-ahead jobs for the fetch workers, started on first use.
+    workers: Mutex<Option<crossbeam::channel::Sender<Run>>>,
+    /// Segments read-ahead looked for and did not find (it looks once).
+    absent: Mutex<HashSet<SegId>>,
+    /// The segment a streaming reader is about to enter, and its window.
+    stream: Mutex<Option<(SegId, u64)>>,
+    /// The read-ahead window after a random read.
+    base_window: u64,
+    /// Fetch workers, and GETs one read sends at once.
+    parallel: usize,
+}
+
+impl Fetches {
+    pub(super) fn new(base_window: u64, parallel: usize) -> Fetches {
+        Fetches {
+            inflight: Mutex::new(InFlight::new()),
+            queued: Mutex::new(HashSet::new()),
+            workers: Mutex::new(None),
+            absent: Mutex::new(HashSet::new()),
+            stream: Mutex::new(None),
+            base_window,
+            parallel: parallel.max(1),
+        }
+    }
+
+    /// The table of fetches in flight, locked (before `queued`).
+    pub(super) fn inflight(&self) -> MutexGuard<'_, InFlight<ChunkKey, ()>> {
+        self.inflight.lock()
+    }
+
+    /// Whether chunk `key` is being fetched.
+    pub(super) fn in_flight(&self, key: ChunkKey) -> bool {
+        self.inflight.lock().contains(&key)
+    }
+
+    /// Ends the claims on `keys` (landed or not) and wakes their waiters,
+    /// who look in the cache again (and fetch a chunk that did not land).
+    pub(super) fn release(&self, keys: impl IntoIterator<Item = ChunkKey>) {
+        let done: Vec<_> = {
+            let mut inflight = self.inflight.lock();
+            keys.into_iter().filter_map(|k| inflight.finish(&k)).collect()
+        };
+        for fetch in done {
+            fetch.done(());
+        }
+    }
+
+    /// Whether chunk `key` waits in read-ahead's queue.
+    pub(super) fn is_queued(&self, key: ChunkKey) -> bool {
+        self.queued.lock().contains(&key)
+    }
+
+    /// Takes chunk `key` out of read-ahead's queue (a reader fetches it).
+    pub(super) fn unqueue(&self, key: ChunkKey) {
+        self.queued.lock().remove(&key);
+    }
+
+    pub(super) fn base_window(&self) -> u64 {
+        self.base_window
+    }
+
+    pub(super) fn parallel(&self) -> usize {
+        self.parallel
+    }
+
+    /// The window a streaming reader brought from the segment before
+    /// `id`, if it is entering `id` (taken: it is carried once).
+    pub(super) fn take_stream(&self, id: SegId) -> Option<u64> {
+        let mut stream = self.stream.lock();
+        match *stream {
+            Some((next, w)) if next == id => {
+                *stream = None;
+                Some(w)
+            }
+            _ => None,
+        }
+    }
+
+    /// A streaming reader is about to enter segment `id` with `window`.
+    pub(super) fn stream_into(&self, id: SegId, window: u64) {
+        *self.stream.lock() = Some((id, window));
+    }
+
+    /// Lets the fetch workers end once their queue is empty.
+    pub(super) fn stop_workers(&self) {
+        self.workers.lock().take();
+    }
+}
 
 /// Work for the fetch workers: a run of `count` chunks from `first`, to
 /// fetch ahead of a reader with one GET.
@@ -27,7 +128,7 @@ impl RemoteSeg {
         // Claim the chunks nobody else has or is fetching.
         let mut claimed = Vec::new();
         {
-            let mut inflight = r.inflight.lock();
+            let mut inflight = r.fetches.inflight();
             for i in first..first + count {
                 let key = (self.id, i as u32);
                 if !r.chunks.present(key) && inflight.claim(key).is_some() {
@@ -57,7 +158,7 @@ impl RemoteSeg {
             r.ask_peers_each(self.id, &self.footer, claimed, &mut |i, bytes| {
                 let key = (self.id, i as u32);
                 r.land(self, &[(key, bytes.as_slice(), self.footer.chunk_range(i).0)]);
-                r.release([key]);
+                r.fetches.release([key]);
                 given.push(i);
             });
             let rest: Vec<usize> = claimed.iter().copied().filter(|i| !given.contains(i)).collect();
@@ -66,7 +167,7 @@ impl RemoteSeg {
                 (Some(&lo), Some(&hi)) => {
                     let (start, _) = self.footer.chunk_range(lo);
                     let (_, end) = self.footer.chunk_range(hi);
-                    r.gets.fetch_add(1, Ordering::Relaxed);
+                    r.counts.gets.inc();
                     match r.store.get_range(&self.key, start..end) {
                         Ok(bytes) => Some((start, bytes)),
                         Err(e) => {
@@ -82,11 +183,11 @@ impl RemoteSeg {
                     let (s, e) = self.footer.chunk_range(i);
                     match bytes.get((s - start) as usize..(e - start) as usize) {
                         Some(part) if self.footer.verify(i, part) => {
-                            r.fetched.fetch_add(part.len() as u64, Ordering::Relaxed);
+                            r.counts.fetched_bytes.add(part.len() as u64);
                             good.push(((self.id, i as u32), part, s));
                         }
                         _ => {
-                            r.retries.fetch_add(1, Ordering::Relaxed);
+                            r.counts.checksum_retries.inc();
                         }
                     }
                 }
@@ -97,7 +198,7 @@ impl RemoteSeg {
             good.sort_by_key(|g| g.2);
             r.land(self, &good);
         }
-        r.release(claimed.iter().map(|&i| (self.id, i as u32)));
+        r.fetches.release(claimed.iter().map(|&i| (self.id, i as u32)));
     }
 
     /// Keeps the `read_ahead` bytes after `end` coming: every chunk there
@@ -126,7 +227,7 @@ impl RemoteSeg {
         let mut id = self.id;
         for _ in 0..SPILL_SEGMENTS {
             id = id.next();
-            let known = r.segs.read().get(&id).cloned();
+            let known = r.seg(id);
             match known {
                 Some(seg) if matches!(seg.backing, Backing::Object { .. }) => {
                     r.enqueue_first(&seg, spill);
@@ -153,20 +254,20 @@ impl Remote {
     /// a shared branch through the owner), and fetching its WAL pieces
     /// ahead of them would pull bytes from the bucket nobody reads.
     fn open_ahead(self: &Arc<Self>, id: SegId, spill: u64) {
-        if !self.absent.lock().insert(id) {
+        if !self.fetches.absent.lock().insert(id) {
             return;
         }
         let remote = self.clone();
         let spawned = std::thread::Builder::new().name("arbor-open".into()).spawn(move || {
             if let Ok(Some(seg)) = remote.open_object(id) {
-                remote.absent.lock().remove(&id);
+                remote.fetches.absent.lock().remove(&id);
                 remote.enqueue_first(&seg, spill);
             }
         });
         if let Err(e) = spawned {
             // Read-ahead stops at this segment's end; the reader opens the next itself.
             tracing::warn!(error = %e, "cannot start a thread to open the next segment");
-            self.absent.lock().remove(&id);
+            self.fetches.absent.lock().remove(&id);
         }
     }
 
@@ -186,8 +287,8 @@ impl Remote {
         }
         let mut wanted: Vec<(u64, ())> = Vec::new();
         {
-            let inflight = self.inflight.lock();
-            let mut queued = self.queued.lock();
+            let inflight = self.fetches.inflight.lock();
+            let mut queued = self.fetches.queued.lock();
             for i in first..last {
                 let key = (seg.id, i as u32);
                 if self.chunks.present(key) || inflight.contains(&key) || !queued.insert(key) {
@@ -202,17 +303,17 @@ impl Remote {
     }
 
     fn enqueue(self: &Arc<Self>, job: Run) {
-        let mut tx = self.prefetch.lock();
+        let mut tx = self.fetches.workers.lock();
         if tx.is_none() {
             let (send, recv) = crossbeam::channel::unbounded::<Run>();
-            for n in 0..self.parallel {
+            for n in 0..self.fetches.parallel {
                 let recv = recv.clone();
                 let spawned = std::thread::Builder::new().name(format!("arbor-fetch-{n}")).spawn(move || {
                     for Run { seg, first, count } in recv {
                         // Chunks a reader took for itself meanwhile are no
                         // longer queued; fetch_run skips them.
                         {
-                            let mut queued = seg.remote.queued.lock();
+                            let mut queued = seg.remote.fetches.queued.lock();
                             for i in first..first + count {
                                 queued.remove(&(seg.id, i as u32));
                             }

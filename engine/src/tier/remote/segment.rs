@@ -74,7 +74,7 @@ impl RemoteSeg {
         let key = (self.id, i as u32);
         let mut run = 1;
         {
-            let mut inflight = r.inflight.lock();
+            let mut inflight = r.fetches.inflight();
             // Bounded: a fetch ends in at most GET_TRIES retried calls.
             for _ in 0..10_000 {
                 if r.chunks.present(key) {
@@ -88,14 +88,14 @@ impl RemoteSeg {
                 }
             }
             // A reader that caught up with read-ahead takes the chunks
-            // queued right after its own, for one larger GET.
-            let mut queued = r.queued.lock();
+            // queued right after its own, for one larger GET. Nothing is
+            // queued meanwhile: chunks are queued under `inflight`.
             while run < RUN_CHUNKS && i + run < self.footer.crcs.len() {
                 let next = (self.id, (i + run) as u32);
-                if !queued.contains(&next) || r.chunks.present(next) || inflight.claim(next).is_none() {
+                if !r.fetches.is_queued(next) || r.chunks.present(next) || inflight.claim(next).is_none() {
                     break;
                 }
-                queued.remove(&next);
+                r.fetches.unqueue(next);
                 run += 1;
             }
         }
@@ -115,13 +115,13 @@ impl RemoteSeg {
             }
             let (s, e) = self.footer.chunk_range(i);
             for attempt in 0..GET_TRIES {
-                r.gets.fetch_add(1, Ordering::Relaxed);
+                r.counts.gets.inc();
                 let bytes = r.store.get_range(&self.key, s..e)?;
                 if self.footer.verify(i, &bytes) {
-                    r.fetched.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    r.counts.fetched_bytes.add(bytes.len() as u64);
                     return Ok(bytes);
                 }
-                r.retries.fetch_add(1, Ordering::Relaxed);
+                r.counts.checksum_retries.inc();
                 tracing::warn!(seg = %self.id, chunk = i, attempt, got = bytes.len(), "chunk from the bucket failed its checksum; fetching again");
             }
             Err(Error::corrupted("segment chunk from the bucket", format!("{}#{i}", self.id)))
@@ -130,7 +130,7 @@ impl RemoteSeg {
             Ok(bytes) if !local => r.land(self, &[(key, bytes, self.footer.chunk_range(i).0)]),
             _ => {}
         }
-        r.release([key]);
+        r.fetches.release([key]);
         res.map(Some)
     }
 
@@ -142,7 +142,7 @@ impl RemoteSeg {
         // Chunks already on their way (read-ahead) are waited for in turn:
         // threads only help where GETs are still to be sent.
         let unclaimed = {
-            let inflight = self.remote.inflight.lock();
+            let inflight = self.remote.fetches.inflight();
             missing.iter().filter(|&&i| !inflight.contains(&(self.id, i as u32))).count()
         };
         if unclaimed <= 1 {
@@ -156,7 +156,7 @@ impl RemoteSeg {
         let next = AtomicU64::new(0);
         let results = Mutex::new(Vec::new());
         std::thread::scope(|s| {
-            for _ in 0..self.remote.parallel.min(missing.len()) {
+            for _ in 0..self.remote.fetches.parallel().min(missing.len()) {
                 s.spawn(|| loop {
                     let k = next.fetch_add(1, Ordering::Relaxed) as usize;
                     let Some(&i) = missing.get(k) else { break };
@@ -213,7 +213,7 @@ impl RemoteSeg {
         } else {
             off
         };
-        if r.chunks.present(key) || r.fetching(key) || r.queued.lock().contains(&key) {
+        if r.chunks.present(key) || r.fetches.in_flight(key) || r.fetches.is_queued(key) {
             return false;
         }
         let cstart = self.footer.chunk_range(i).0;
@@ -226,7 +226,7 @@ impl RemoteSeg {
             let Some(data) = self.footer.check_proved_part(i, leaves.clone(), &payload) else {
                 tracing::warn!(seg = %self.id, chunk = i, "a cache server sent a part of a chunk that fails its digest; reading the chunk");
                 peers.rejected(self.id, i as u32);
-                r.part_rejected.fetch_add(1, Ordering::Relaxed);
+                r.counts.part_rejected.inc();
                 return false;
             };
             let from = (within.start - leaves.start) as usize;
@@ -243,9 +243,9 @@ impl RemoteSeg {
         buf.copy_from_slice(&bytes);
         self.part_run.store(run, Ordering::Relaxed);
         self.last_end.store(end, Ordering::Relaxed);
-        self.window.store(r.read_ahead, Ordering::Relaxed);
-        r.peer_parts.fetch_add(1, Ordering::Relaxed);
-        r.peer_part_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.window.store(r.fetches.base_window(), Ordering::Relaxed);
+        r.counts.peer_parts.inc();
+        r.counts.peer_part_bytes.add(bytes.len() as u64);
         true
     }
 
@@ -282,19 +282,8 @@ impl RemoteSeg {
             self.part_run.store(u64::MAX, Ordering::Relaxed);
             // A reader that streamed to the end of the previous segment goes on
             // at the start of this one with the window it had there.
-            let carried = if prev == u64::MAX && off < cs {
-                let mut stream = self.remote.stream.lock();
-                match *stream {
-                    Some((id, w)) if id == self.id => {
-                        *stream = None;
-                        Some(w)
-                    }
-                    _ => None,
-                }
-            } else {
-                None
-            };
-            let base = self.remote.read_ahead;
+            let carried = if prev == u64::MAX && off < cs { self.remote.fetches.take_stream(self.id) } else { None };
+            let base = self.remote.fetches.base_window();
             if let Some(w) = carried {
                 self.window.store(w, Ordering::Relaxed);
                 self.read_ahead(end, w);
@@ -305,7 +294,7 @@ impl RemoteSeg {
                 self.window.store(grown, Ordering::Relaxed);
                 self.read_ahead(end, grown);
                 if end + cs >= self.footer.data_len {
-                    *self.remote.stream.lock() = Some((self.id.next(), grown));
+                    self.remote.fetches.stream_into(self.id.next(), grown);
                 }
             } else {
                 self.window.store(base, Ordering::Relaxed);
@@ -333,7 +322,7 @@ impl RemoteSeg {
                         Some(true) => {
                             file.read_exact_at(dst, from)?;
                             self.remote.chunks.touch(key);
-                            self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                            self.remote.counts.hits.inc();
                             filled = true;
                             break;
                         }
@@ -345,7 +334,7 @@ impl RemoteSeg {
                                 self.remote.chunks.mark_verified(key);
                                 dst.copy_from_slice(&whole[(from - cstart) as usize..(to - cstart) as usize]);
                                 self.remote.chunks.touch(key);
-                                self.remote.hits.fetch_add(1, Ordering::Relaxed);
+                                self.remote.counts.hits.inc();
                                 filled = true;
                                 break;
                             }
@@ -385,7 +374,7 @@ impl SegmentFile for RemoteSeg {
     fn unchecked_failed(&self, off: u64) {
         let i = off / self.chunk_size();
         tracing::warn!(seg = %self.id, chunk = i, off, "a part of a chunk from a cache server failed its checksum; reading the chunk");
-        self.remote.part_rejected.fetch_add(1, Ordering::Relaxed);
+        self.remote.counts.part_rejected.inc();
         if let Some(peers) = &self.remote.peers {
             peers.rejected(self.id, i as u32);
         }

@@ -185,7 +185,7 @@ impl Inner {
                     }
                 }
             }
-            self.retries.fetch_add(1, Ordering::Relaxed);
+            self.counts.retries.inc();
             if self.opts.timeout.is_some_and(|t| started.elapsed() >= t) {
                 return Err(errno_error(libc::EIO));
             }

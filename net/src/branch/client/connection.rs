@@ -242,7 +242,7 @@ impl Inner {
                 }
             }
         }
-        if self.sessions.fetch_add(1, Ordering::Relaxed) > 0 {
+        if !self.counts.sessions.inc_is_first() {
             tracing::info!(session = format!("{:016x}", info.session), "a new session with the owner");
         }
         *self.epoch.lock() = Some(info.epoch);

@@ -109,7 +109,7 @@ impl Files for BranchClient {
                 Err(crate::branch::reads::Failed::Owner(e)) => return Err(e),
                 Err(crate::branch::reads::Failed::Here(e)) => {
                     d.forget(ino);
-                    d.counters.failed.fetch_add(1, Ordering::Relaxed);
+                    d.counters.direct_failed.inc();
                     tracing::debug!(ino, off, error = %e, "a read from the segments failed; the owner reads it");
                 }
             }
@@ -120,8 +120,8 @@ impl Files for BranchClient {
         while n < buf.len() {
             let len = (buf.len() - n).min(MAX_READ as usize) as u32;
             let b = bytes(self.call(FileOp::Read { ino, off: off + n as u64, len }))?;
-            self.inner.owner_reads.fetch_add(1, Ordering::Relaxed);
-            self.inner.owner_bytes.fetch_add(b.len() as u64, Ordering::Relaxed);
+            self.inner.counts.owner_reads.inc();
+            self.inner.counts.owner_bytes.add(b.len() as u64);
             let got = b.len().min(len as usize);
             buf[n..n + got].copy_from_slice(&b[..got]);
             n += got;

@@ -69,6 +69,7 @@ use arbor_engine::clock::BootInstant;
 use arbor_engine::env::Timestamp;
 use arbor_engine::files::{Caller, Files, Invalidate, Lock};
 use arbor_engine::format::decode_value;
+use arbor_engine::metrics::Counter;
 use arbor_engine::volume::RequestTag;
 use arbor_engine::volume::{Attr, DirEntryOut, RenameMode, SetAttr, StatFs, XattrFlags};
 use arbor_engine::{Error, Result};
@@ -125,7 +126,7 @@ struct Locator {
     locate: Locate,
     state: Mutex<Located>,
     /// Lookups made (for tests and status).
-    lookups: AtomicU64,
+    lookups: Counter,
 }
 
 struct Located {
@@ -137,7 +138,7 @@ struct Located {
 
 impl Locator {
     fn new(locate: Locate) -> Locator {
-        Locator { locate, state: Mutex::new(Located { last: None, wait: LOCATE_MIN }), lookups: AtomicU64::new(0) }
+        Locator { locate, state: Mutex::new(Located { last: None, wait: LOCATE_MIN }), lookups: Counter::new() }
     }
 
     /// The owner's address, or `None` when no owner is recorded.
@@ -149,7 +150,7 @@ impl Locator {
                 return addr.clone();
             }
         }
-        self.lookups.fetch_add(1, Ordering::Relaxed);
+        self.lookups.inc();
         let found = (self.locate)();
         // Asked again: the owner is being looked for; wait longer next time.
         if s.last.is_some() {
@@ -300,16 +301,13 @@ struct Inner {
     abandoned: Mutex<HashMap<u64, u64>>,
     /// Held while a new session is set up (writes are resent under it).
     opening: Mutex<()>,
-    retries: AtomicU64,
-    sessions: AtomicU64,
+    counts: ClientCounters,
     /// Whether the current outage was already logged.
     outage: AtomicBool,
     /// A new owner was met since the event thread last dropped what the
     /// kernel caches of this mount's open files.
     owner_changed: AtomicBool,
     direct: Option<DirectReads>,
-    owner_reads: AtomicU64,
-    owner_bytes: AtomicU64,
     /// Each write waits for the owner's answer (see
     /// [`BranchClient::write_synchronously`]).
     synchronous: AtomicBool,
@@ -325,29 +323,34 @@ pub struct BranchClient {
     events: Mutex<Option<(tokio::sync::oneshot::Sender<()>, std::thread::JoinHandle<()>)>>,
 }
 
-/// What a client mount has seen of its owner.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct BranchClientStats {
-    pub owner: Option<String>,
-    /// Attempts that failed and were tried again.
-    pub retries: u64,
-    /// Sessions opened (more than one: the owner restarted or dropped us).
-    pub sessions: u64,
-    pub open_files: usize,
-    /// Reads this mount made from the disk's segments itself, and their bytes.
-    pub direct_reads: u64,
-    pub direct_bytes: u64,
-    /// Reads the owner answered (bytes not in the bucket yet, or no segments here).
-    pub owner_reads: u64,
-    pub owner_bytes: u64,
-    /// Locates asked of the owner.
-    pub locates: u64,
-    /// Lookups of the owner's address (the owner record in the bucket, or
-    /// `--server`): one at the start, then during an outage after 50 ms,
-    /// 100 ms, … up to one per 2 s, shared by every thread.
-    pub owner_lookups: u64,
-    /// Reads from the segments that failed and went to the owner.
-    pub direct_failed: u64,
+arbor_engine::counters! {
+    /// What a client mount counts of its owner.
+    struct ClientCounters;
+    /// What a client mount has seen of its owner.
+    #[derive(PartialEq, Eq)]
+    pub struct BranchClientStats {
+        /// Attempts that failed and were tried again.
+        retries: Counter,
+        /// Sessions opened (more than one: the owner restarted or dropped us).
+        sessions: Counter,
+        /// Reads the owner answered (bytes not in the bucket yet, or no segments here).
+        owner_reads: Counter,
+        owner_bytes: Counter,
+    } and {
+        owner: Option<String>,
+        open_files: usize,
+        /// Reads this mount made from the disk's segments itself, and their bytes.
+        direct_reads: u64,
+        direct_bytes: u64,
+        /// Locates asked of the owner.
+        locates: u64,
+        /// Lookups of the owner's address (the owner record in the bucket, or
+        /// `--server`): one at the start, then during an outage after 50 ms,
+        /// 100 ms, … up to one per 2 s, shared by every thread.
+        owner_lookups: u64,
+        /// Reads from the segments that failed and went to the owner.
+        direct_failed: u64,
+    }
 }
 
 fn errno_error(errno: i32) -> Error {
@@ -386,12 +389,9 @@ impl BranchClient {
             lane_socks: Default::default(),
             abandoned: Mutex::new(HashMap::new()),
             opening: Mutex::new(()),
-            retries: AtomicU64::new(0),
-            sessions: AtomicU64::new(0),
+            counts: ClientCounters::default(),
             outage: AtomicBool::new(false),
             owner_changed: AtomicBool::new(false),
-            owner_reads: AtomicU64::new(0),
-            owner_bytes: AtomicU64::new(0),
             synchronous: AtomicBool::new(false),
         });
         // An owner starting (or restarting) does not answer yet: waited
@@ -431,19 +431,16 @@ impl BranchClient {
     }
 
     pub fn stats(&self) -> BranchClientStats {
-        let owner = self.inner.pool.lock().addr.clone();
+        let direct = self.inner.direct.as_ref().map(|d| d.counters.snapshot()).unwrap_or_default();
         BranchClientStats {
-            owner,
-            retries: self.inner.retries.load(Ordering::Relaxed),
-            owner_lookups: self.inner.locator.lookups.load(Ordering::Relaxed),
-            sessions: self.inner.sessions.load(Ordering::Relaxed),
+            owner: self.inner.pool.lock().addr.clone(),
             open_files: self.inner.open.lock().len(),
-            direct_reads: self.inner.direct.as_ref().map_or(0, |d| d.counters.direct_reads.load(Ordering::Relaxed)),
-            direct_bytes: self.inner.direct.as_ref().map_or(0, |d| d.counters.direct_bytes.load(Ordering::Relaxed)),
-            owner_reads: self.inner.owner_reads.load(Ordering::Relaxed),
-            owner_bytes: self.inner.owner_bytes.load(Ordering::Relaxed),
-            locates: self.inner.direct.as_ref().map_or(0, |d| d.counters.locates.load(Ordering::Relaxed)),
-            direct_failed: self.inner.direct.as_ref().map_or(0, |d| d.counters.failed.load(Ordering::Relaxed)),
+            direct_reads: direct.direct_reads,
+            direct_bytes: direct.direct_bytes,
+            locates: direct.locates,
+            owner_lookups: self.inner.locator.lookups.get(),
+            direct_failed: direct.direct_failed,
+            ..self.inner.counts.snapshot()
         }
     }
 
