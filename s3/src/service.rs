@@ -466,6 +466,18 @@ impl Arbor {
     }
 }
 
+/// The bytes of `size` a Range header asks for, and its Content-Range.
+/// No byte of an empty object is satisfiable (RFC 9110 14.1.2): s3s
+/// gives `0..0` for a suffix of one, which has no last byte to show.
+fn satisfiable(r: &Range, size: u64) -> S3Result<(std::ops::Range<u64>, String)> {
+    let r = r.check(size)?;
+    if r.is_empty() {
+        return Err(s3_error!(InvalidRange));
+    }
+    let shown = format!("bytes {}-{}/{size}", r.start, r.end - 1);
+    Ok((r, shown))
+}
+
 /// The source of a copy: its tree and key.
 fn copy_source(cs: &CopySource) -> S3Result<(String, String)> {
     match cs {
@@ -602,6 +614,13 @@ impl S3 for Arbor {
         Err(S3Error::with_message(S3ErrorCode::AccessDenied, "buckets are the disk's branches and checkpoints"))
     }
 
+    /// Browser form uploads are not served: the server in front refuses
+    /// them before reading a body ([`crate::is_form_post`]); this is the
+    /// second line, should one reach here.
+    async fn post_object(&self, _req: S3Request<PostObjectInput>) -> S3Result<S3Response<PostObjectOutput>> {
+        Err(s3_error!(NotImplemented, "POST uploads (HTML forms) are not served: PUT the object"))
+    }
+
     async fn head_object(&self, req: S3Request<HeadObjectInput>) -> S3Result<S3Response<HeadObjectOutput>> {
         let i = req.input;
         let tree = self.tree(&i.bucket, false).await?;
@@ -620,8 +639,8 @@ impl S3 for Arbor {
         let (content_length, content_range) = match &i.range {
             None => (size, None),
             Some(r) => {
-                let r = r.check(size)?;
-                (r.end - r.start, Some(format!("bytes {}-{}/{size}", r.start, r.end - 1)))
+                let (r, shown) = satisfiable(r, size)?;
+                (r.end - r.start, Some(shown))
             }
         };
         let t = tree.clone();
@@ -676,8 +695,7 @@ impl S3 for Arbor {
         let (range, content_range) = match &i.range {
             None => (0..size, None),
             Some(r) => {
-                let r = r.check(size)?;
-                let shown = format!("bytes {}-{}/{size}", r.start, r.end - 1);
+                let (r, shown) = satisfiable(r, size)?;
                 (r, Some(shown))
             }
         };
@@ -1251,5 +1269,30 @@ impl S3 for Arbor {
             uploads: Some(list),
             ..Default::default()
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(h: &str) -> Range {
+        Range::parse(h).expect("a range")
+    }
+
+    #[test]
+    fn no_range_of_an_empty_object_is_satisfiable() {
+        for h in ["bytes=-1", "bytes=-100", "bytes=0-", "bytes=0-0"] {
+            let e = satisfiable(&range(h), 0).expect_err(h);
+            assert_eq!(*e.code(), S3ErrorCode::InvalidRange, "{h}");
+        }
+    }
+
+    #[test]
+    fn ranges_of_a_small_object() {
+        assert_eq!(satisfiable(&range("bytes=-1"), 5).expect("suffix"), (4..5, "bytes 4-4/5".into()));
+        assert_eq!(satisfiable(&range("bytes=-9"), 5).expect("long suffix"), (0..5, "bytes 0-4/5".into()));
+        assert_eq!(satisfiable(&range("bytes=2-"), 5).expect("open"), (2..5, "bytes 2-4/5".into()));
+        assert!(satisfiable(&range("bytes=5-"), 5).is_err());
     }
 }

@@ -809,3 +809,77 @@ fn copies_and_completed_uploads_share_bytes_instead_of_writing_them() {
         drop(e);
     });
 }
+
+/// A browser form upload (POST of multipart/form-data, signed or not)
+/// is answered 501 before its body is read: s3s would otherwise hold
+/// the form's file in memory before checking who sent it.
+#[test]
+fn form_uploads_are_refused_before_their_bodies_are_read() {
+    use std::io::{Read, Write};
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let addr = e.s3.trim_start_matches("http://").to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).expect("connect");
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(10))).expect("timeout");
+    let b = "arbor-form-boundary";
+    let head = format!(
+        "POST /main HTTP/1.1\r\nHost: {addr}\r\nContent-Type: multipart/form-data; boundary={b}\r\n\
+         Content-Length: {}\r\n\r\n--{b}\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nposted\r\n\
+         --{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\
+         Content-Type: application/octet-stream\r\n\r\n",
+        64 << 20
+    );
+    sock.write_all(head.as_bytes()).expect("send the head");
+    sock.write_all(&[7u8; 64 << 10]).expect("send some of the file");
+    // The answer comes while almost all of the 64 MiB is unsent.
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).expect("an answer before the body is sent");
+        assert!(n > 0, "closed without an answer: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+    drop(sock);
+    runtime().block_on(async {
+        let c = client(&e.s3, AK, SK);
+        let err = c.head_object().bucket("main").key("posted").send().await.expect_err("no object");
+        assert_eq!(failure(err).0, 404);
+    });
+}
+
+/// No byte range of an empty object is satisfiable: a suffix range of
+/// one (`bytes=-1`) is 416 as `bytes=0-` is, on a GET and a HEAD, of an
+/// empty file and of a folder marker.
+#[test]
+fn ranges_of_empty_objects_are_unsatisfiable() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        c.put_object().bucket("main").key("empty").body(Vec::new().into()).send().await.expect("put empty");
+        c.put_object().bucket("main").key("dir/").body(Vec::new().into()).send().await.expect("put folder");
+        for key in ["empty", "dir/"] {
+            for range in ["bytes=-1", "bytes=-100", "bytes=0-"] {
+                let got = c.get_object().bucket("main").key(key).range(range).send().await;
+                assert_eq!(failure(got.expect_err("get")), (416, "InvalidRange".into()), "GET {key} {range}");
+                let got = c.head_object().bucket("main").key(key).range(range).send().await;
+                assert_eq!(failure(got.expect_err("head")).0, 416, "HEAD {key} {range}");
+            }
+            let whole = c.get_object().bucket("main").key(key).send().await.expect("get whole");
+            assert_eq!(whole.content_length(), Some(0));
+        }
+        let got = c.get_object().bucket("main").key("empty").range("bytes=-1").send().await;
+        assert!(got.is_err());
+        c.put_object().bucket("main").key("one").body(b"x".to_vec().into()).send().await.expect("put");
+        let got = c.get_object().bucket("main").key("one").range("bytes=-5").send().await.expect("suffix");
+        assert_eq!(got.content_range(), Some("bytes 0-0/1"));
+    });
+}
