@@ -20,6 +20,7 @@
 //! the disk ([`service`]) and the server around it.
 
 pub mod auth;
+pub mod conn;
 pub mod list;
 pub mod multipart;
 pub mod names;
@@ -28,7 +29,7 @@ pub mod store;
 
 use arbor_node::serve::Roots;
 use arbor_node::{Error, Result};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use s3s::config::{S3Config, StaticConfigProvider};
 use s3s::host::{S3Host, VirtualHost};
 use s3s::service::{S3Service, S3ServiceBuilder};
@@ -191,25 +192,26 @@ pub fn start(opts: &Options, roots: Roots) -> Result<Endpoint> {
                     return;
                 }
             };
-            let http = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let mut http = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            http.http1().timer(TokioTimer::new()).header_read_timeout(conn::HEADER_READ_TIMEOUT);
+            http.http2().timer(TokioTimer::new());
             let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+            let slots = Arc::new(tokio::sync::Semaphore::new(conn::MAX_CONNECTIONS));
             loop {
-                let socket = tokio::select! {
-                    r = listener.accept() => match r {
-                        Ok((s, _)) => s,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "S3 endpoint: accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
+                let (socket, slot) = tokio::select! {
+                    r = accept(&listener, &slots) => match r {
+                        Some(accepted) => accepted,
+                        None => continue,
                     },
                     _ = &mut rx => break,
                 };
                 let _ = socket.set_nodelay(true);
-                let conn = http.serve_connection(TokioIo::new(socket), service.clone());
+                let io = TokioIo::new(conn::Stalling::new(socket, conn::SEND_STALL_TIMEOUT));
+                let conn = http.serve_connection(io, service.clone());
                 let conn = graceful.watch(conn.into_owned());
                 tokio::spawn(async move {
                     let _ = conn.await;
+                    drop(slot);
                 });
             }
             // Requests in flight are answered (a PUT placed and synced)
@@ -224,6 +226,23 @@ pub fn start(opts: &Options, roots: Roots) -> Result<Endpoint> {
         rt.shutdown_timeout(Duration::from_secs(5));
     })?;
     Ok(Endpoint { addr, buckets: served, stop: Some(tx), thread: Some(thread) })
+}
+
+/// The next connection, once fewer than [`conn::MAX_CONNECTIONS`] are
+/// open; `None` after a failed accept (retried after a pause).
+async fn accept(
+    listener: &tokio::net::TcpListener,
+    slots: &Arc<tokio::sync::Semaphore>,
+) -> Option<(tokio::net::TcpStream, tokio::sync::OwnedSemaphorePermit)> {
+    let slot = slots.clone().acquire_owned().await.ok()?;
+    match listener.accept().await {
+        Ok((s, _)) => Some((s, slot)),
+        Err(e) => {
+            tracing::warn!(error = %e, "S3 endpoint: accept failed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            None
+        }
+    }
 }
 
 impl Endpoint {

@@ -1,5 +1,6 @@
 //! The S3 operations over the roots of one `arbor serve`.
 
+use crate::conn::BODY_IDLE_TIMEOUT;
 use crate::list::{self, Entry};
 use crate::multipart;
 use crate::names::{self, Bucket as Named};
@@ -299,6 +300,21 @@ struct Received {
     sums: s3s::dto::Checksum,
 }
 
+/// The next chunk of a request body; RequestTimeout if the client sends
+/// nothing for [`BODY_IDLE_TIMEOUT`].
+async fn next_chunk(body: &mut StreamingBlob) -> S3Result<Option<Bytes>> {
+    match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.next()).await {
+        Err(_) => Err(S3Error::with_message(
+            S3ErrorCode::RequestTimeout,
+            format!("the body paused for more than {} s", BODY_IDLE_TIMEOUT.as_secs()),
+        )),
+        Ok(None) => Ok(None),
+        Ok(Some(chunk)) => {
+            chunk.map(Some).map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))
+        }
+    }
+}
+
 /// Writes `body` to a new temporary file of `tree`, a chunk at a time
 /// (one write in flight while the next chunk arrives), hashing it.
 async fn receive(tree: &Tree, body: Option<StreamingBlob>, mut sums: ChecksumHasher) -> S3Result<Received> {
@@ -319,8 +335,7 @@ async fn receive(tree: &Tree, body: Option<StreamingBlob>, mut sums: ChecksumHas
         }
     }
     if let Some(mut body) = body {
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))?;
+        while let Some(chunk) = next_chunk(&mut body).await? {
             md5.update(&chunk);
             sums.update(&chunk);
             buf.extend_from_slice(&chunk);
@@ -751,8 +766,7 @@ impl S3 for Arbor {
         if key.folder {
             let mut body = i.body;
             if let Some(b) = body.as_mut() {
-                while let Some(chunk) = b.next().await {
-                    let chunk = chunk.map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))?;
+                while let Some(chunk) = next_chunk(b).await? {
                     if !chunk.is_empty() {
                         return Err(S3Error::with_message(
                             S3ErrorCode::InvalidArgument,

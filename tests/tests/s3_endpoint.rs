@@ -883,3 +883,31 @@ fn ranges_of_empty_objects_are_unsatisfiable() {
         assert_eq!(got.content_range(), Some("bytes 0-0/1"));
     });
 }
+
+/// A client that sends half a request head is disconnected once the
+/// head-read timeout (30 s) passes, instead of holding a connection and
+/// a task forever.
+#[test]
+fn a_connection_sending_half_a_head_is_closed() {
+    use std::io::{Read, Write};
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let addr = e.s3.trim_start_matches("http://").to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).expect("connect");
+    sock.write_all(format!("GET /main HTTP/1.1\r\nHost: {addr}\r\nX-Half: ").as_bytes()).expect("send half a head");
+    let started = std::time::Instant::now();
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(60))).expect("timeout");
+    let mut buf = [0u8; 1024];
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("still open after {:?}: {e}", started.elapsed()),
+        }
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(45), "closed after {:?}", started.elapsed());
+}
