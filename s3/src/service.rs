@@ -4,7 +4,7 @@ use crate::conn::BODY_IDLE_TIMEOUT;
 use crate::list::{self, Entry};
 use crate::multipart;
 use crate::names::{self, Bucket as Named};
-use crate::store::{self, parse_key, s3_err, Key, Meta, Tree, IO_SIZE};
+use crate::store::{self, parse_key, s3_err, Key, Meta, Onto, Tree, IO_SIZE};
 use arbor_engine::files::Files;
 use arbor_engine::volume::{Attr, ROOT_INO};
 use arbor_node::serve::Roots;
@@ -18,6 +18,13 @@ use s3s::{s3_error, S3Error, S3ErrorCode, S3Request, S3Response, S3Result, S3};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::SystemTime;
+
+/// Keys one DeleteObjects may name (as S3).
+const MAX_DELETE_KEYS: usize = 1000;
+
+/// How often a request looks a key up again when the file it found was
+/// replaced by another PUT before it could open it.
+const RETRIES: usize = 8;
 
 /// Checkpoints kept open at once (each holds its tree's cache).
 const OPEN_CHECKPOINTS: usize = 16;
@@ -446,10 +453,19 @@ impl Arbor {
     async fn stat(tree: &Tree, key: &Key) -> S3Result<Option<(Attr, String)>> {
         let (t, k) = (tree.clone(), key.clone());
         blocking(move || {
-            Ok(t.stat(&k)?.map(|p| {
+            // A PUT replacing the key may delete the file between its
+            // lookup and the read of its ETag: that is no answer (its ETag
+            // would be a derived one), the key is looked up again.
+            for _ in 0..RETRIES {
+                let Some(p) = t.stat(&k)? else { return Ok(None) };
                 let e = t.etag(&p.attr);
-                (p.attr, e)
-            }))
+                match t.files.getattr(p.attr.ino) {
+                    Ok(_) => return Ok(Some((p.attr, e))),
+                    Err(e) if e.errno() == libc::ENOENT => continue,
+                    Err(e) => return Err(s3_err(e, "getattr")),
+                }
+            }
+            Err(s3_error!(SlowDown, "the key kept being replaced"))
         })
         .await
     }
@@ -463,14 +479,14 @@ impl Arbor {
         r: Received,
         etag: String,
         meta: Meta,
-        no_replace: bool,
+        onto: Onto,
     ) -> S3Result<Attr> {
         let (t, k, shown) = (tree.clone(), key.clone(), shown.to_string());
         let mut temp = r.temp;
         let (dir, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
         let placed = blocking(move || {
             let a = t.label(ino, &etag, &meta)?;
-            t.place(dir, &name, ino, &k, &shown, no_replace)?;
+            t.place(dir, &name, ino, &k, &shown, &onto)?;
             Ok(a)
         })
         .await;
@@ -531,7 +547,7 @@ fn check_copy_conditions(
 
 /// What a copy read from its source.
 struct Copied {
-    temp: (u64, Vec<u8>, u64),
+    temp: Temp,
     md5: [u8; 16],
     meta: Meta,
 }
@@ -547,21 +563,53 @@ async fn copy_into_temp(
     if_modified_since: Option<Timestamp>,
     if_unmodified_since: Option<Timestamp>,
 ) -> S3Result<Copied> {
+    let conds = SourceConditions { if_match, if_none_match, if_modified_since, if_unmodified_since };
     blocking(move || {
-        let p = src.stat(&key)?.ok_or_else(|| s3_error!(NoSuchKey))?;
+        for _ in 0..RETRIES {
+            match copy_once(&src, &key, &dst, range.as_deref(), &conds)? {
+                Some(c) => return Ok(c),
+                None => continue,
+            }
+        }
+        Err(s3_error!(SlowDown, "the source kept being replaced"))
+    })
+    .await
+}
+
+/// The conditions of a copy's source, as sent.
+struct SourceConditions {
+    if_match: Option<ETagCondition>,
+    if_none_match: Option<ETagCondition>,
+    if_modified_since: Option<Timestamp>,
+    if_unmodified_since: Option<Timestamp>,
+}
+
+/// One try of [`copy_into_temp`]; `None` if the source was replaced
+/// (its file deleted) between its lookup and its open.
+fn copy_once(src: &Tree, key: &Key, dst: &Tree, range: Option<&str>, c: &SourceConditions) -> S3Result<Option<Copied>> {
+    {
+        let p = src.stat(key)?.ok_or_else(|| s3_error!(NoSuchKey))?;
         let etag = src.etag(&p.attr);
         check_copy_conditions(
             &etag,
             store::mtime(&p.attr),
-            if_match.as_ref(),
-            if_none_match.as_ref(),
-            if_modified_since.as_ref(),
-            if_unmodified_since.as_ref(),
+            c.if_match.as_ref(),
+            c.if_none_match.as_ref(),
+            c.if_modified_since.as_ref(),
+            c.if_unmodified_since.as_ref(),
         )?;
         let meta = src.meta(p.attr.ino);
         let size = if key.folder { 0 } else { p.attr.size };
-        let (start, end) = copy_range(range.as_deref(), size)?;
-        let a = if key.folder { p.attr } else { src.files.open(p.attr.ino).map_err(|e| s3_err(e, "open"))? };
+        let (start, end) = copy_range(range, size)?;
+        let a = if key.folder {
+            p.attr
+        } else {
+            match src.files.open(p.attr.ino) {
+                Ok(a) => a,
+                Err(e) if e.errno() == libc::ENOENT => return Ok(None),
+                Err(e) => return Err(s3_err(e, "open")),
+            }
+        };
         // A whole object whose ETag is the MD5 of its bytes needs no read.
         let known_md5 = (start == 0 && end == size)
             .then(|| store::unhex(etag.trim_matches('"')))
@@ -572,9 +620,11 @@ async fn copy_into_temp(
             let _ = src.files.release(a.ino);
         }
         let (dir, name, ino, md5) = copied?;
-        Ok(Copied { temp: (dir, name, ino), md5, meta })
-    })
-    .await
+        // Guarded from here: a client gone before the copy is placed
+        // leaves no temporary file.
+        let temp = Temp { tree: dst.clone(), dir, name, ino, placed: false };
+        Ok(Some(Copied { temp, md5, meta }))
+    }
 }
 
 #[async_trait::async_trait]
@@ -684,16 +734,24 @@ impl S3 for Arbor {
         // Opened before its size is read: the bytes streamed are the
         // file's as it is now, even if another PUT replaces it meanwhile.
         let found = blocking(move || {
-            let Some(p) = t.stat(&k)? else { return Ok(None) };
-            if k.folder {
-                let e = t.etag(&p.attr);
-                let meta = t.meta(p.attr.ino);
-                return Ok(Some((p.attr, e, None, meta)));
+            for _ in 0..RETRIES {
+                let Some(p) = t.stat(&k)? else { return Ok(None) };
+                if k.folder {
+                    let e = t.etag(&p.attr);
+                    let meta = t.meta(p.attr.ino);
+                    return Ok(Some((p.attr, e, None, meta)));
+                }
+                // Replaced (and so deleted) since the lookup: look again.
+                let a = match t.files.open(p.attr.ino) {
+                    Ok(a) => a,
+                    Err(e) if e.errno() == libc::ENOENT => continue,
+                    Err(e) => return Err(s3_err(e, "open")),
+                };
+                let held = Held { files: t.files.clone(), ino: a.ino };
+                let e = t.etag(&a);
+                return Ok(Some((a, e, Some(held), t.meta(p.attr.ino))));
             }
-            let a = t.files.open(p.attr.ino).map_err(|e| s3_err(e, "open"))?;
-            let held = Held { files: t.files.clone(), ino: a.ino };
-            let e = t.etag(&a);
-            Ok(Some((a, e, Some(held), t.meta(p.attr.ino))))
+            Err(s3_error!(SlowDown, "the key kept being replaced"))
         })
         .await?;
         let (attr, etag, held, meta) = found.ok_or_else(|| s3_error!(NoSuchKey))?;
@@ -757,12 +815,20 @@ impl S3 for Arbor {
             crc64nvme: i.checksum_crc64nvme,
         };
         let no_replace = i.if_none_match.as_ref().is_some_and(ETagCondition::is_any);
-        if let Some(cond) = &i.if_match {
-            match Self::stat(&tree, &key).await? {
-                Some((_, etag)) if matches(cond, &etag) => {}
-                _ => return Err(s3_error!(PreconditionFailed)),
+        // Checked before the body is received, to fail early, and again
+        // where the file is renamed onto the key, atomically.
+        let onto = match &i.if_match {
+            Some(cond) => {
+                match Self::stat(&tree, &key).await? {
+                    Some((_, etag)) if matches(cond, &etag) => {}
+                    Some(_) => return Err(s3_error!(PreconditionFailed)),
+                    None => return Err(s3_error!(NoSuchKey, "If-Match: there is no object at the key")),
+                }
+                Onto::Matching(cond.clone())
             }
-        }
+            None if no_replace => Onto::Absent,
+            None => Onto::Any,
+        };
         if key.folder {
             let mut body = i.body;
             if let Some(b) = body.as_mut() {
@@ -775,11 +841,8 @@ impl S3 for Arbor {
                     }
                 }
             }
-            if no_replace && Self::stat(&tree, &key).await?.is_some() {
-                return Err(s3_error!(PreconditionFailed));
-            }
             let (t, k, shown) = (tree.clone(), key.clone(), i.key.clone());
-            blocking(move || t.put_folder(&k, &shown)).await?;
+            blocking(move || t.put_folder(&k, &shown, no_replace)).await?;
             return Ok(S3Response::new(PutObjectOutput {
                 e_tag: Some(ETag::Strong(store::EMPTY_MD5.into())),
                 ..Default::default()
@@ -808,7 +871,7 @@ impl S3 for Arbor {
             i.cache_control,
             i.metadata,
         );
-        Self::finish_put(&tree, &key, &i.key, r, md5.clone(), meta, no_replace).await?;
+        Self::finish_put(&tree, &key, &i.key, r, md5.clone(), meta, onto).await?;
         Ok(S3Response::new(PutObjectOutput {
             e_tag: Some(ETag::Strong(md5)),
             checksum_crc32: sums.checksum_crc32,
@@ -833,10 +896,16 @@ impl S3 for Arbor {
         let tree = self.tree(&i.bucket, true).await?;
         let quiet = i.delete.quiet.unwrap_or(false);
         let objects = i.delete.objects;
+        if objects.len() > MAX_DELETE_KEYS {
+            return Err(S3Error::with_message(
+                S3ErrorCode::MalformedXML,
+                format!("a DeleteObjects request names at most {MAX_DELETE_KEYS} keys"),
+            ));
+        }
         let (deleted, errors) = blocking(move || {
             let (mut deleted, mut errors) = (Vec::new(), Vec::new());
             for o in objects {
-                match parse_key(&o.key).and_then(|k| tree.delete(&k)) {
+                match parse_key(&o.key).and_then(|k| tree.unlink(&k)) {
                     Ok(()) => {
                         if !quiet {
                             deleted.push(DeletedObject { key: Some(o.key), ..Default::default() })
@@ -850,6 +919,8 @@ impl S3 for Arbor {
                     }),
                 }
             }
+            // One sync for all: none is answered deleted before it.
+            tree.sync()?;
             Ok((deleted, errors))
         })
         .await?;
@@ -1010,10 +1081,8 @@ impl S3 for Arbor {
             c.meta
         };
         let md5 = store::hex(&c.md5);
-        let (dir, name, ino) = c.temp;
-        let temp = Temp { tree: dst.clone(), dir, name, ino, placed: false };
-        let r = Received { temp, size: 0, md5: c.md5, sums: Default::default() };
-        let a = Self::finish_put(&dst, &key, &i.key, r, md5.clone(), meta, false).await?;
+        let r = Received { temp: c.temp, size: 0, md5: c.md5, sums: Default::default() };
+        let a = Self::finish_put(&dst, &key, &i.key, r, md5.clone(), meta, Onto::Any).await?;
         Ok(S3Response::new(CopyObjectOutput {
             copy_object_result: Some(CopyObjectResult {
                 e_tag: Some(ETag::Strong(md5)),
@@ -1132,8 +1201,8 @@ impl S3 for Arbor {
         )
         .await?;
         let md5 = store::hex(&c.md5);
-        let (tmp, name, ino) = c.temp;
-        let mut temp = Temp { tree: tree.clone(), dir: tmp, name: name.clone(), ino, placed: false };
+        let mut temp = c.temp;
+        let (tmp, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
         let (t, e, n) = (tree.clone(), md5.clone(), i.part_number);
         let a = blocking(move || {
             let a = t.label(ino, &e, &Meta::default())?;
@@ -1168,17 +1237,14 @@ impl S3 for Arbor {
                 .ok_or_else(|| s3_error!(InvalidPart, "a part without its ETag"))?;
             asked.push((n, etag));
         }
-        if let Some(cond) = &i.if_match {
-            match Self::stat(&tree, &key).await? {
-                Some((_, etag)) if matches(cond, &etag) => {}
-                _ => return Err(s3_error!(PreconditionFailed)),
-            }
-        }
-        if i.if_none_match.as_ref().is_some_and(ETagCondition::is_any) && Self::stat(&tree, &key).await?.is_some() {
-            return Err(s3_error!(PreconditionFailed));
-        }
+        // Checked where the joined file is renamed onto the key.
+        let onto = match (&i.if_match, &i.if_none_match) {
+            (Some(cond), _) => Onto::Matching(cond.clone()),
+            (None, Some(c)) if c.is_any() => Onto::Absent,
+            _ => Onto::Any,
+        };
         let (t, id, k, shown) = (tree.clone(), i.upload_id.clone(), key.clone(), i.key.clone());
-        let (etag, _) = blocking(move || t.complete_upload(&id, &k, &shown, &asked)).await?;
+        let (etag, _) = blocking(move || t.complete_upload(&id, &k, &shown, &asked, &onto)).await?;
         Ok(S3Response::new(CompleteMultipartUploadOutput {
             bucket: Some(i.bucket),
             key: Some(i.key),

@@ -911,3 +911,118 @@ fn a_connection_sending_half_a_head_is_closed() {
     }
     assert!(started.elapsed() < std::time::Duration::from_secs(45), "closed after {:?}", started.elapsed());
 }
+
+/// Requests racing on one key or folder, in bounded rounds: a folder
+/// marker PUT racing a DELETE that prunes its folder stays once
+/// acknowledged; a PUT under a folder being pruned, a listing while
+/// folders are pruned and a GET while its key is overwritten never
+/// answer 404, and a GET gives one whole version.
+#[test]
+fn requests_racing_on_one_namespace() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        let put = |key: &str, body: Vec<u8>| c.put_object().bucket("main").key(key).body(body.into()).send();
+        let del = |key: &str| c.delete_object().bucket("main").key(key).send();
+        for round in 0..100 {
+            put("race/b", b"x".to_vec()).await.expect("put race/b");
+            let (d, p) = tokio::join!(del("race/b"), put("race/", Vec::new()));
+            d.expect("delete race/b");
+            p.expect("put race/");
+            let marker = c.head_object().bucket("main").key("race/").send().await;
+            assert!(marker.is_ok(), "round {round}: the acknowledged marker race/ is gone: {marker:?}");
+            del("race/").await.expect("delete race/");
+
+            put("p/x", b"x".to_vec()).await.expect("put p/x");
+            let (d, p) = tokio::join!(del("p/x"), put("p/y", b"y".to_vec()));
+            d.expect("delete p/x");
+            assert!(p.is_ok(), "round {round}: a PUT under a folder being pruned failed: {p:?}");
+            del("p/y").await.expect("delete p/y");
+        }
+
+        for i in 0..60 {
+            put(&format!("l/k{i:02}/o"), b"o".to_vec()).await.expect("put");
+        }
+        let deleting = async {
+            for i in 0..60 {
+                del(&format!("l/k{i:02}/o")).await.expect("delete");
+            }
+        };
+        let listing = async {
+            for _ in 0..60 {
+                let l = c.list_objects_v2().bucket("main").prefix("l/").send().await;
+                assert!(l.is_ok(), "a listing while folders are pruned failed: {l:?}");
+            }
+        };
+        tokio::join!(deleting, listing);
+
+        let (a, b) = (pattern(300 << 10, 1), pattern(300 << 10, 2));
+        put("ow", a.clone()).await.expect("put ow");
+        let writing = async {
+            for i in 0..60 {
+                put("ow", if i % 2 == 0 { b.clone() } else { a.clone() }).await.expect("overwrite");
+            }
+        };
+        let reading = async {
+            for _ in 0..60 {
+                let got = c.get_object().bucket("main").key("ow").send().await;
+                let got = got.unwrap_or_else(|e| panic!("a GET of a key being overwritten failed: {e:?}"));
+                let bytes = got.body.collect().await.expect("body").into_bytes();
+                assert!(bytes[..] == a[..] || bytes[..] == b[..], "a GET gave neither version");
+                let head = c.head_object().bucket("main").key("ow").send().await.expect("head");
+                let etag = head.e_tag().unwrap_or("").trim_matches('"').to_string();
+                assert!(etag == md5_hex(&a) || etag == md5_hex(&b), "HEAD gave ETag {etag}");
+            }
+        };
+        tokio::join!(writing, reading);
+    });
+}
+
+/// Conditional writes racing: of two uploads completed at once onto an
+/// absent key with If-None-Match: *, one succeeds and the other is 412;
+/// of two PUTs with the same If-Match, one is 412.
+#[test]
+fn racing_conditional_writes_are_atomic() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        for round in 0..20 {
+            let key = format!("cond/k{round}");
+            let mut done = Vec::new();
+            for n in 0..2u32 {
+                let up = c.create_multipart_upload().bucket("main").key(&key).send().await.expect("create");
+                let id = up.upload_id().expect("id").to_string();
+                let etag = upload_part(&c, &key, &id, 1, &pattern(1000, n)).await;
+                done.push((id, etag));
+            }
+            let complete = |(id, etag): &(String, String)| {
+                let r = c.complete_multipart_upload().bucket("main").key(&key).upload_id(id);
+                r.multipart_upload(completed(&[(1, etag)])).if_none_match("*").send()
+            };
+            let (x, y) = tokio::join!(complete(&done[0]), complete(&done[1]));
+            let failed: Vec<u16> =
+                [x.err().map(|e| failure(e).0), y.err().map(|e| failure(e).0)].into_iter().flatten().collect();
+            assert_eq!(failed, [412], "round {round}: both or neither completed");
+
+            let base = c.put_object().bucket("main").key(&key).body(b"base".to_vec().into()).send().await;
+            let etag = base.expect("put base").e_tag().expect("etag").to_string();
+            let put = |body: &'static [u8]| {
+                c.put_object().bucket("main").key(&key).if_match(&etag).body(body.to_vec().into()).send()
+            };
+            let (x, y) = tokio::join!(put(b"one"), put(b"two"));
+            let failed: Vec<u16> =
+                [x.err().map(|e| failure(e).0), y.err().map(|e| failure(e).0)].into_iter().flatten().collect();
+            assert_eq!(failed, [412], "round {round}: both or neither If-Match PUT placed");
+        }
+        let missing = c.put_object().bucket("main").key("cond/none").if_match("\"abc\"").body(b"x".to_vec().into());
+        assert_eq!(failure(missing.send().await.expect_err("no key")), (404, "NoSuchKey".into()));
+    });
+}
