@@ -497,6 +497,19 @@ impl Arbor {
     }
 }
 
+/// Whether a V1 marker is a common prefix a listing of `prefix` with
+/// `delimiter` can give: past the prefix, something that ends at the
+/// delimiter's first occurrence. A marker equal to the prefix (or a key
+/// ending in the delimiter further in) is not, and skipping everything
+/// under it would skip the page's keys.
+fn is_common_prefix(marker: &str, prefix: &str, delimiter: &str) -> bool {
+    if delimiter.is_empty() {
+        return false;
+    }
+    let Some(rest) = marker.strip_prefix(prefix) else { return false };
+    !rest.is_empty() && rest.find(delimiter) == Some(rest.len() - delimiter.len())
+}
+
 /// The bytes of `size` a Range header asks for, and its Content-Range.
 /// No byte of an empty object is satisfiable (RFC 9110 14.1.2): s3s
 /// gives `0..0` for a suffix of one, which has no last byte to show.
@@ -937,8 +950,9 @@ impl S3 for Arbor {
             .list_objects_v2(req.map_input(|i| {
                 // A V1 marker may be a common prefix the page before
                 // ended with: everything under it is skipped too.
+                let prefix = i.prefix.as_deref().unwrap_or("");
                 let (token, start_after) = match (&i.marker, &i.delimiter) {
-                    (Some(m), Some(d)) if !d.is_empty() && m.ends_with(d.as_str()) => {
+                    (Some(m), Some(d)) if is_common_prefix(m, prefix, d) => {
                         (Some(format!("p{}", store::hex(m.as_bytes()))), None)
                     }
                     _ => (None, i.marker),
@@ -1366,6 +1380,20 @@ mod tests {
             let e = satisfiable(&range(h), 0).expect_err(h);
             assert_eq!(*e.code(), S3ErrorCode::InvalidRange, "{h}");
         }
+    }
+
+    #[test]
+    fn a_v1_marker_is_a_common_prefix_only_as_a_listing_gives_one() {
+        assert!(is_common_prefix("a/b/", "a/", "/"));
+        assert!(is_common_prefix("b/", "", "/"));
+        assert!(is_common_prefix("a/b--", "a/", "--"));
+        // The prefix itself, as a marker: a/x is still to come.
+        assert!(!is_common_prefix("a/", "a/", "/"));
+        // A key ending in the delimiter deeper down is a key (a marker).
+        assert!(!is_common_prefix("a/b/c/", "a/", "/"));
+        assert!(!is_common_prefix("a/b", "a/", "/"));
+        assert!(!is_common_prefix("b/", "a/", "/"));
+        assert!(!is_common_prefix("a/b/", "a/", ""));
     }
 
     #[test]

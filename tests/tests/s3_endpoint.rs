@@ -1026,3 +1026,31 @@ fn racing_conditional_writes_are_atomic() {
         assert_eq!(failure(missing.send().await.expect_err("no key")), (404, "NoSuchKey".into()));
     });
 }
+
+/// ListObjects (V1) with the prefix itself as the marker lists what is
+/// under the prefix: a marker is taken as a common prefix (everything
+/// under it skipped) only if the listing could have given it as one.
+#[test]
+fn a_v1_marker_equal_to_the_prefix_skips_nothing() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        for key in ["a/", "a/x", "a/y/z"] {
+            c.put_object().bucket("main").key(key).body(Vec::new().into()).send().await.expect("put");
+        }
+        let page = c.list_objects().bucket("main").prefix("a/").delimiter("/").max_keys(1).send().await;
+        let page = page.expect("page 1");
+        let keys: Vec<&str> = page.contents().iter().filter_map(|o| o.key()).collect();
+        assert_eq!(keys, ["a/"]);
+        let marker = page.next_marker().expect("a next marker").to_string();
+        let page = c.list_objects().bucket("main").prefix("a/").delimiter("/").marker(&marker).send().await;
+        let page = page.expect("page 2");
+        let keys: Vec<&str> = page.contents().iter().filter_map(|o| o.key()).collect();
+        let prefixes: Vec<&str> = page.common_prefixes().iter().filter_map(|p| p.prefix()).collect();
+        assert_eq!((keys, prefixes), (vec!["a/x"], vec!["a/y/"]));
+    });
+}
