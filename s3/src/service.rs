@@ -6,6 +6,7 @@ use crate::multipart;
 use crate::names::{self, Bucket as Named};
 use crate::store::{self, parse_key, s3_err, Key, Meta, Onto, Tree, IO_SIZE};
 use arbor_engine::files::Files;
+use arbor_engine::format::Addr;
 use arbor_engine::volume::{Attr, ROOT_INO};
 use arbor_node::serve::Roots;
 use bytes::Bytes;
@@ -32,7 +33,8 @@ const OPEN_CHECKPOINTS: usize = 16;
 /// The service: buckets are the roots of the disk.
 pub struct Arbor {
     roots: Roots,
-    checkpoints: Mutex<HashMap<String, Tree>>,
+    /// Open checkpoints by bucket and the commit their record names.
+    checkpoints: Mutex<HashMap<(String, Addr), Tree>>,
 }
 
 /// Runs `f` off the async threads.
@@ -423,29 +425,33 @@ impl Arbor {
         }
     }
 
+    /// The tree of checkpoint `name` of `branch`. The checkpoint's
+    /// record is read on every use (it is small): a deleted checkpoint is
+    /// NoSuchBucket at once, and one deleted and made again under its name
+    /// serves its new tree, never the old one kept open here.
     async fn checkpoint_tree(&self, bucket: &str, branch: &str, name: &str) -> S3Result<Tree> {
-        if let Some(t) = self.checkpoints.lock().get(bucket) {
+        let (roots, b, n) = (self.roots.clone(), branch.to_string(), name.to_string());
+        let commit = blocking(move || {
+            Ok(match roots.checkpoint(&n) {
+                Ok(info) if info.branch == b && names::checkpoint_bucket(&b, &n).is_some() => Some(info.commit),
+                _ => None,
+            })
+        })
+        .await?
+        .ok_or_else(|| s3_error!(NoSuchBucket))?;
+        let at = (bucket.to_string(), commit);
+        if let Some(t) = self.checkpoints.lock().get(&at) {
             return Ok(t.clone());
         }
-        let (roots, branch, name) = (self.roots.clone(), branch.to_string(), name.to_string());
-        let opened = blocking(move || {
-            let info = match roots.checkpoint(&name) {
-                Ok(i) => i,
-                Err(_) => return Ok(None),
-            };
-            if info.branch != branch || names::checkpoint_bucket(&branch, &name).is_none() {
-                return Ok(None);
-            }
-            let files = roots.open_checkpoint(&name).map_err(|e| s3_error!(InternalError, "{e}"))?;
-            Ok(Some(Tree::new(files)))
-        })
-        .await?;
-        let t = opened.ok_or_else(|| s3_error!(NoSuchBucket))?;
+        let (roots, n) = (self.roots.clone(), name.to_string());
+        let files = blocking(move || roots.open_checkpoint(&n).map_err(|e| s3_error!(InternalError, "{e}"))).await?;
+        let t = Tree::new(files);
         let mut open = self.checkpoints.lock();
         if open.len() >= OPEN_CHECKPOINTS {
             open.clear();
         }
-        open.insert(bucket.to_string(), t.clone());
+        open.retain(|(b, _), _| b != bucket);
+        open.insert(at, t.clone());
         Ok(t)
     }
 

@@ -1054,3 +1054,38 @@ fn a_v1_marker_equal_to_the_prefix_skips_nothing() {
         assert_eq!((keys, prefixes), (vec!["a/x"], vec!["a/y/"]));
     });
 }
+
+/// A checkpoint's bucket follows the checkpoint: deleted, it is
+/// NoSuchBucket; made again under the same name, it serves the new
+/// checkpoint's objects, not the old tree the server had open.
+#[test]
+fn a_checkpoint_bucket_follows_its_checkpoint() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let mnt = s.dir.path().join("mnt");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    let m = Mount::start(s.disk_str(), &mnt, &["--token-file", &e.token]);
+    let at = mnt.to_str().expect("utf8");
+    runtime().block_on(async {
+        let c = client(&e.s3, AK, SK);
+        let put = |body: &'static [u8]| c.put_object().bucket("main").key("k").body(body.to_vec().into()).send();
+        let get = || async {
+            let got = c.get_object().bucket("main--cp").key("k").send().await;
+            got.expect("get from the checkpoint").body.collect().await.expect("body").into_bytes().to_vec()
+        };
+        put(b"first").await.expect("put");
+        arbor_ok(&["checkpoints", "create", at, "cp"]);
+        assert_eq!(get().await, b"first");
+        arbor_ok(&["checkpoints", "delete", at, "cp"]);
+        let gone = c.get_object().bucket("main--cp").key("k").send().await.expect_err("deleted");
+        assert_eq!(failure(gone), (404, "NoSuchBucket".into()));
+        put(b"second").await.expect("put");
+        arbor_ok(&["checkpoints", "create", at, "cp"]);
+        assert_eq!(get().await, b"second");
+    });
+    m.unmount();
+    e.serve.stop();
+}
