@@ -503,6 +503,16 @@ impl Arbor {
     }
 }
 
+/// A GET or HEAD of one part of an object (`partNumber`) is not served:
+/// the parts of a completed upload are not kept apart. Refused rather
+/// than answered with the whole object.
+fn refuse_part_number(n: Option<PartNumber>) -> S3Result<()> {
+    match n {
+        Some(_) => Err(s3_error!(NotImplemented, "GET and HEAD by partNumber are not served")),
+        None => Ok(()),
+    }
+}
+
 /// Whether a V1 marker is a common prefix a listing of `prefix` with
 /// `delimiter` can give: past the prefix, something that ends at the
 /// delimiter's first occurrence. A marker equal to the prefix (or a key
@@ -707,6 +717,7 @@ impl S3 for Arbor {
 
     async fn head_object(&self, req: S3Request<HeadObjectInput>) -> S3Result<S3Response<HeadObjectOutput>> {
         let i = req.input;
+        refuse_part_number(i.part_number)?;
         let tree = self.tree(&i.bucket, false).await?;
         let key = parse_key(&i.key)?;
         let (attr, etag) = Self::stat(&tree, &key).await?.ok_or_else(|| s3_error!(NoSuchKey))?;
@@ -747,6 +758,7 @@ impl S3 for Arbor {
 
     async fn get_object(&self, req: S3Request<GetObjectInput>) -> S3Result<S3Response<GetObjectOutput>> {
         let i = req.input;
+        refuse_part_number(i.part_number)?;
         let tree = self.tree(&i.bucket, false).await?;
         let key = parse_key(&i.key)?;
         let (t, k) = (tree.clone(), key.clone());
@@ -1076,6 +1088,13 @@ impl S3 for Arbor {
                 "a folder marker holds no bytes to copy to",
             ));
         }
+        let replace = i.metadata_directive.as_ref().is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
+        if src_bucket == i.bucket && src_key == i.key && !replace {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidRequest,
+                "a copy of an object onto itself must change its metadata (x-amz-metadata-directive: REPLACE)",
+            ));
+        }
         let c = copy_into_temp(
             src,
             skey,
@@ -1087,7 +1106,6 @@ impl S3 for Arbor {
             i.copy_source_if_unmodified_since,
         )
         .await?;
-        let replace = i.metadata_directive.as_ref().is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
         let meta = if replace {
             meta_of(
                 i.content_type,

@@ -1089,3 +1089,25 @@ fn a_checkpoint_bucket_follows_its_checkpoint() {
     m.unmount();
     e.serve.stop();
 }
+
+/// As S3: a copy of an object onto itself that keeps its metadata is
+/// 400 InvalidRequest; a GET or HEAD by partNumber is refused (501), not
+/// answered with the whole object.
+#[test]
+fn self_copies_without_new_metadata_and_part_gets_are_refused() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        c.put_object().bucket("main").key("k").body(b"bytes".to_vec().into()).send().await.expect("put");
+        let copy = c.copy_object().bucket("main").key("k").copy_source("main/k").send().await;
+        assert_eq!(failure(copy.expect_err("onto itself")), (400, "InvalidRequest".into()));
+        let got = c.get_object().bucket("main").key("k").part_number(1).send().await;
+        assert_eq!(failure(got.expect_err("by part")), (501, "NotImplemented".into()));
+        let got = c.head_object().bucket("main").key("k").part_number(1).send().await;
+        assert_eq!(failure(got.expect_err("by part")).0, 501);
+    });
+}
