@@ -1111,3 +1111,30 @@ fn self_copies_without_new_metadata_and_part_gets_are_refused() {
         assert_eq!(failure(got.expect_err("by part")).0, 501);
     });
 }
+
+/// A DeleteObjects of more than 1000 keys is refused (MalformedXML, as
+/// S3) and deletes nothing; one of 1000 deletes them all.
+#[test]
+fn delete_objects_names_at_most_1000_keys() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        c.put_object().bucket("main").key("d/0").body(b"x".to_vec().into()).send().await.expect("put");
+        let ids = |n: usize| {
+            let objects = (0..n)
+                .map(|i| aws_sdk_s3::types::ObjectIdentifier::builder().key(format!("d/{i}")).build().expect("id"));
+            aws_sdk_s3::types::Delete::builder().set_objects(Some(objects.collect())).build().expect("delete")
+        };
+        let many = c.delete_objects().bucket("main").delete(ids(1001)).send().await;
+        assert_eq!(failure(many.expect_err("1001 keys")), (400, "MalformedXML".into()));
+        c.head_object().bucket("main").key("d/0").send().await.expect("still there");
+        let done = c.delete_objects().bucket("main").delete(ids(1000)).send().await.expect("1000 keys");
+        assert_eq!(done.deleted().len(), 1000);
+        let gone = c.head_object().bucket("main").key("d/0").send().await;
+        assert_eq!(failure(gone.expect_err("deleted")).0, 404);
+    });
+}
