@@ -1154,3 +1154,45 @@ fn a_get_while_its_key_is_overwritten_gives_one_whole_version() {
         tokio::join!(writing, reading);
     });
 }
+
+/// A PUT whose body stops arriving is answered 400 RequestTimeout once
+/// it has paused 60 s, instead of holding its connection and temporary
+/// file for as long as the client keeps the socket; nothing is placed.
+#[test]
+fn a_put_whose_body_stalls_times_out() {
+    use std::io::{Read, Write};
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let c = client(&e.s3, AK, SK);
+    let conf = aws_sdk_s3::presigning::PresigningConfig::expires_in(std::time::Duration::from_secs(600)).expect("conf");
+    let url = runtime()
+        .block_on(c.put_object().bucket("main").key("stalled").presigned(conf))
+        .expect("presign")
+        .uri()
+        .to_string();
+    let path = url.strip_prefix(&e.s3).expect("a URL of the endpoint");
+    let addr = e.s3.trim_start_matches("http://").to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).expect("connect");
+    let head = format!("PUT {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 100\r\n\r\n0123456789");
+    sock.write_all(head.as_bytes()).expect("send");
+    let started = std::time::Instant::now();
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(120))).expect("timeout");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).unwrap_or_else(|e| panic!("no answer after {:?}: {e}", started.elapsed()));
+        assert!(n > 0, "closed without an answer");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answer = String::from_utf8_lossy(&answer).to_string();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let waited = started.elapsed();
+    assert!((50..90).contains(&waited.as_secs()), "answered after {waited:?}: {answer}");
+    runtime().block_on(async {
+        let gone = c.head_object().bucket("main").key("stalled").send().await;
+        assert_eq!(failure(gone.expect_err("nothing placed")).0, 404);
+    });
+}
