@@ -20,6 +20,7 @@
 //! the disk ([`service`]) and the server around it.
 
 pub mod auth;
+pub mod conn;
 pub mod list;
 pub mod multipart;
 pub mod names;
@@ -28,10 +29,12 @@ pub mod store;
 
 use arbor_node::serve::Roots;
 use arbor_node::{Error, Result};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use s3s::config::{S3Config, StaticConfigProvider};
 use s3s::host::{S3Host, VirtualHost};
-use s3s::service::S3ServiceBuilder;
+use s3s::service::{S3Service, S3ServiceBuilder};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// What `--s3`, `--s3-keys` and `--s3-domain` say.
@@ -81,6 +84,61 @@ impl S3Host for Hosts {
     }
 }
 
+/// What s3s may hold in memory of a request. POST form uploads are
+/// refused before s3s sees them ([`RefuseForms`]); should one get
+/// through, its file and fields may not be big.
+fn config() -> S3Config {
+    let mut c = S3Config::default();
+    c.post_object_max_file_size = 0;
+    c.form_max_field_size = 8 << 10;
+    c.form_max_fields_size = 64 << 10;
+    c.form_max_parts = 32;
+    c
+}
+
+/// Whether a request is a browser form upload (`POST` of
+/// `multipart/form-data`). s3s reads such a form, its file part in
+/// memory, before it checks who sent it: an unsigned form is anonymous
+/// and refused only after the whole body arrived.
+pub fn is_form_post<B>(req: &http::Request<B>) -> bool {
+    req.method() == http::Method::POST
+        && req
+            .headers()
+            .get_all(http::header::CONTENT_TYPE)
+            .iter()
+            .any(|v| v.to_str().is_ok_and(|t| t.trim_start().to_ascii_lowercase().starts_with("multipart/form-data")))
+}
+
+/// The S3 service behind a guard that answers form uploads 501 before
+/// reading their bodies.
+#[derive(Clone)]
+struct RefuseForms(S3Service);
+
+impl hyper::service::Service<http::Request<hyper::body::Incoming>> for RefuseForms {
+    type Response = s3s::HttpResponse;
+    type Error = s3s::HttpError;
+    type Future = futures::future::BoxFuture<'static, std::result::Result<s3s::HttpResponse, s3s::HttpError>>;
+
+    fn call(&self, req: http::Request<hyper::body::Incoming>) -> Self::Future {
+        if is_form_post(&req) {
+            return Box::pin(futures::future::ready(Ok(refusal())));
+        }
+        hyper::service::Service::call(&self.0, req)
+    }
+}
+
+/// 501 NotImplemented, as S3 XML, closing the connection (the form's
+/// body is never read).
+fn refusal() -> s3s::HttpResponse {
+    let xml = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NotImplemented</Code>\
+        <Message>POST uploads (HTML forms) are not served: PUT the object</Message></Error>";
+    let mut r = http::Response::new(s3s::Body::from(xml.to_string()));
+    *r.status_mut() = http::StatusCode::NOT_IMPLEMENTED;
+    r.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/xml"));
+    r.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+    r
+}
+
 /// The endpoint, serving on threads of its own until [`Endpoint::stop`].
 pub struct Endpoint {
     addr: std::net::SocketAddr,
@@ -116,7 +174,8 @@ pub fn start(opts: &Options, roots: Roots) -> Result<Endpoint> {
         domains.push(DEFAULT_DOMAIN.into());
     }
     builder.set_host(Hosts(domains));
-    let service = builder.build();
+    builder.set_config(Arc::new(StaticConfigProvider::new(Arc::new(config()))));
+    let service = RefuseForms(builder.build());
 
     let listener = std::net::TcpListener::bind(&opts.listen)
         .map_err(|e| Error::Invalid(format!("--s3 {}: cannot listen: {e}", opts.listen)))?;
@@ -133,25 +192,26 @@ pub fn start(opts: &Options, roots: Roots) -> Result<Endpoint> {
                     return;
                 }
             };
-            let http = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let mut http = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            http.http1().timer(TokioTimer::new()).header_read_timeout(conn::HEADER_READ_TIMEOUT);
+            http.http2().timer(TokioTimer::new());
             let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+            let slots = Arc::new(tokio::sync::Semaphore::new(conn::MAX_CONNECTIONS));
             loop {
-                let socket = tokio::select! {
-                    r = listener.accept() => match r {
-                        Ok((s, _)) => s,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "S3 endpoint: accept failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                            continue;
-                        }
+                let (socket, slot) = tokio::select! {
+                    r = accept(&listener, &slots) => match r {
+                        Some(accepted) => accepted,
+                        None => continue,
                     },
                     _ = &mut rx => break,
                 };
                 let _ = socket.set_nodelay(true);
-                let conn = http.serve_connection(TokioIo::new(socket), service.clone());
+                let io = TokioIo::new(conn::Stalling::new(socket, conn::SEND_STALL_TIMEOUT));
+                let conn = http.serve_connection(io, service.clone());
                 let conn = graceful.watch(conn.into_owned());
                 tokio::spawn(async move {
                     let _ = conn.await;
+                    drop(slot);
                 });
             }
             // Requests in flight are answered (a PUT placed and synced)
@@ -166,6 +226,23 @@ pub fn start(opts: &Options, roots: Roots) -> Result<Endpoint> {
         rt.shutdown_timeout(Duration::from_secs(5));
     })?;
     Ok(Endpoint { addr, buckets: served, stop: Some(tx), thread: Some(thread) })
+}
+
+/// The next connection, once fewer than [`conn::MAX_CONNECTIONS`] are
+/// open; `None` after a failed accept (retried after a pause).
+async fn accept(
+    listener: &tokio::net::TcpListener,
+    slots: &Arc<tokio::sync::Semaphore>,
+) -> Option<(tokio::net::TcpStream, tokio::sync::OwnedSemaphorePermit)> {
+    let slot = slots.clone().acquire_owned().await.ok()?;
+    match listener.accept().await {
+        Ok((s, _)) => Some((s, slot)),
+        Err(e) => {
+            tracing::warn!(error = %e, "S3 endpoint: accept failed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            None
+        }
+    }
 }
 
 impl Endpoint {

@@ -13,7 +13,7 @@
 
 use crate::store::{s3_err, Tree, HIDDEN};
 use arbor_engine::volume::{Attr, FileKind, ROOT_INO};
-use s3s::S3Result;
+use s3s::{S3ErrorCode, S3Result};
 
 /// One key found.
 pub struct Found {
@@ -102,10 +102,18 @@ impl<'a> Walk<'a> {
                 if key <= self.after && !self.after.starts_with(&key) {
                     continue;
                 }
-                self.enter(ino, key.clone())?;
+                // A folder a DELETE pruned since its parent was read is
+                // gone, with every key under it: skipped.
+                match self.enter(ino, key.clone()) {
+                    Err(e) if *e.code() == S3ErrorCode::NoSuchKey => continue,
+                    r => r?,
+                }
                 if key > self.after && key.starts_with(&self.prefix) && self.tree.is_marked(ino)? {
-                    let attr = self.tree.files.getattr(ino).map_err(|e| s3_err(e, "getattr"))?;
-                    return Ok(Some(Found { key, attr }));
+                    match self.tree.files.getattr(ino) {
+                        Ok(attr) => return Ok(Some(Found { key, attr })),
+                        Err(e) if e.errno() == libc::ENOENT => continue,
+                        Err(e) => return Err(s3_err(e, "getattr")),
+                    }
                 }
                 continue;
             }
@@ -228,13 +236,13 @@ mod tests {
         for k in keys {
             let key = parse_key(k).expect("key");
             if key.folder {
-                tree.put_folder(&key, k).expect("folder");
+                tree.put_folder(&key, k, false).expect("folder");
                 continue;
             }
             let (dir, name, ino) = tree.temp_file().expect("temp");
             tree.files.write(ino, 0, k.as_bytes()).expect("write");
             tree.label(ino, &crate::store::md5_hex(k.as_bytes()), &Meta::default()).expect("label");
-            tree.place(dir, &name, ino, &key, k, false).expect("place");
+            tree.place(dir, &name, ino, &key, k, &crate::store::Onto::Any).expect("place");
         }
         tree
     }

@@ -1,13 +1,13 @@
 //! Multipart uploads, kept under the hidden folder of the branch:
 //! `.arbor-s3/uploads/<id>/upload` (what the upload is for, as JSON) and
 //! `part-NNNNN` (each part, with its ETag). CompleteMultipartUpload
-//! concatenates the parts into a temporary file and places it like a
-//! PUT: the engine has no extent clone, so the parts' bytes are copied
-//! once (read and written through the branch), not shared. Uploads
+//! joins the parts into a temporary file and places it like a PUT: the
+//! parts' extents are shared with it (cloned), their bytes copied only
+//! where a tree cannot share them. Uploads
 //! survive a restart of the server, as S3's do, until completed or
 //! aborted.
 
-use crate::store::{conflict, copy_bytes, hex, s3_err, unhex, unique_name, Key, Meta, Tree};
+use crate::store::{conflict, copy_bytes, hex, s3_err, unhex, unique_name, Key, Meta, Onto, Tree};
 use arbor_engine::volume::{Attr, FileKind, RenameMode};
 use s3s::crypto::{Checksum, Md5};
 use s3s::{s3_error, S3Error, S3ErrorCode, S3Result};
@@ -134,9 +134,13 @@ impl Tree {
     pub fn abort_upload(&self, id: &str) -> S3Result<()> {
         check_id(id)?;
         let dir = self.upload_dir(id)?.ok_or_else(no_upload)?;
-        for e in self.entries(dir)? {
+        // The record last: an abort cut short leaves an upload that is
+        // still listed, and can be aborted again, not parts no upload
+        // names.
+        for e in self.entries(dir)?.into_iter().filter(|e| e.name != RECORD) {
             let _ = self.files.unlink(dir, &e.name);
         }
+        let _ = self.files.unlink(dir, RECORD);
         let h =
             self.files.lookup(arbor_engine::volume::ROOT_INO, crate::store::HIDDEN).map_err(|e| s3_err(e, "lookup"))?;
         let u = self.files.lookup(h.ino, b"uploads").map_err(|e| s3_err(e, "lookup"))?;
@@ -157,6 +161,7 @@ impl Tree {
         key: &Key,
         shown: &str,
         asked: &[(i32, String)],
+        onto: &Onto,
     ) -> S3Result<(String, Attr)> {
         let (dir, up) = self.upload(id, Some(shown))?;
         if asked.is_empty() {
@@ -199,7 +204,7 @@ impl Tree {
                 at += size;
             }
             let a = self.label(ino, &etag, &up.meta)?;
-            self.place(tmp, &name, ino, key, shown, false)?;
+            self.place(tmp, &name, ino, key, shown, onto)?;
             Ok(a)
         })();
         match done {

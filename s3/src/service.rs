@@ -1,10 +1,12 @@
 //! The S3 operations over the roots of one `arbor serve`.
 
+use crate::conn::BODY_IDLE_TIMEOUT;
 use crate::list::{self, Entry};
 use crate::multipart;
 use crate::names::{self, Bucket as Named};
-use crate::store::{self, parse_key, s3_err, Key, Meta, Tree, IO_SIZE};
+use crate::store::{self, parse_key, s3_err, Key, Meta, Onto, Tree, IO_SIZE};
 use arbor_engine::files::Files;
+use arbor_engine::format::Addr;
 use arbor_engine::volume::{Attr, ROOT_INO};
 use arbor_node::serve::Roots;
 use bytes::Bytes;
@@ -18,13 +20,21 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+/// Keys one DeleteObjects may name (as S3).
+const MAX_DELETE_KEYS: usize = 1000;
+
+/// How often a request looks a key up again when the file it found was
+/// replaced by another PUT before it could open it.
+const RETRIES: usize = 8;
+
 /// Checkpoints kept open at once (each holds its tree's cache).
 const OPEN_CHECKPOINTS: usize = 16;
 
 /// The service: buckets are the roots of the disk.
 pub struct Arbor {
     roots: Roots,
-    checkpoints: Mutex<HashMap<String, Tree>>,
+    /// Open checkpoints by bucket and the commit their record names.
+    checkpoints: Mutex<HashMap<(String, Addr), Tree>>,
 }
 
 /// Runs `f` off the async threads.
@@ -299,6 +309,21 @@ struct Received {
     sums: s3s::dto::Checksum,
 }
 
+/// The next chunk of a request body; RequestTimeout if the client sends
+/// nothing for [`BODY_IDLE_TIMEOUT`].
+async fn next_chunk(body: &mut StreamingBlob) -> S3Result<Option<Bytes>> {
+    match tokio::time::timeout(BODY_IDLE_TIMEOUT, body.next()).await {
+        Err(_) => Err(S3Error::with_message(
+            S3ErrorCode::RequestTimeout,
+            format!("the body paused for more than {} s", BODY_IDLE_TIMEOUT.as_secs()),
+        )),
+        Ok(None) => Ok(None),
+        Ok(Some(chunk)) => {
+            chunk.map(Some).map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))
+        }
+    }
+}
+
 /// Writes `body` to a new temporary file of `tree`, a chunk at a time
 /// (one write in flight while the next chunk arrives), hashing it.
 async fn receive(tree: &Tree, body: Option<StreamingBlob>, mut sums: ChecksumHasher) -> S3Result<Received> {
@@ -319,8 +344,7 @@ async fn receive(tree: &Tree, body: Option<StreamingBlob>, mut sums: ChecksumHas
         }
     }
     if let Some(mut body) = body {
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))?;
+        while let Some(chunk) = next_chunk(&mut body).await? {
             md5.update(&chunk);
             sums.update(&chunk);
             buf.extend_from_slice(&chunk);
@@ -401,29 +425,33 @@ impl Arbor {
         }
     }
 
+    /// The tree of checkpoint `name` of `branch`. The checkpoint's
+    /// record is read on every use (it is small): a deleted checkpoint is
+    /// NoSuchBucket at once, and one deleted and made again under its name
+    /// serves its new tree, never the old one kept open here.
     async fn checkpoint_tree(&self, bucket: &str, branch: &str, name: &str) -> S3Result<Tree> {
-        if let Some(t) = self.checkpoints.lock().get(bucket) {
+        let (roots, b, n) = (self.roots.clone(), branch.to_string(), name.to_string());
+        let commit = blocking(move || {
+            Ok(match roots.checkpoint(&n) {
+                Ok(info) if info.branch == b && names::checkpoint_bucket(&b, &n).is_some() => Some(info.commit),
+                _ => None,
+            })
+        })
+        .await?
+        .ok_or_else(|| s3_error!(NoSuchBucket))?;
+        let at = (bucket.to_string(), commit);
+        if let Some(t) = self.checkpoints.lock().get(&at) {
             return Ok(t.clone());
         }
-        let (roots, branch, name) = (self.roots.clone(), branch.to_string(), name.to_string());
-        let opened = blocking(move || {
-            let info = match roots.checkpoint(&name) {
-                Ok(i) => i,
-                Err(_) => return Ok(None),
-            };
-            if info.branch != branch || names::checkpoint_bucket(&branch, &name).is_none() {
-                return Ok(None);
-            }
-            let files = roots.open_checkpoint(&name).map_err(|e| s3_error!(InternalError, "{e}"))?;
-            Ok(Some(Tree::new(files)))
-        })
-        .await?;
-        let t = opened.ok_or_else(|| s3_error!(NoSuchBucket))?;
+        let (roots, n) = (self.roots.clone(), name.to_string());
+        let files = blocking(move || roots.open_checkpoint(&n).map_err(|e| s3_error!(InternalError, "{e}"))).await?;
+        let t = Tree::new(files);
         let mut open = self.checkpoints.lock();
         if open.len() >= OPEN_CHECKPOINTS {
             open.clear();
         }
-        open.insert(bucket.to_string(), t.clone());
+        open.retain(|(b, _), _| b != bucket);
+        open.insert(at, t.clone());
         Ok(t)
     }
 
@@ -431,10 +459,19 @@ impl Arbor {
     async fn stat(tree: &Tree, key: &Key) -> S3Result<Option<(Attr, String)>> {
         let (t, k) = (tree.clone(), key.clone());
         blocking(move || {
-            Ok(t.stat(&k)?.map(|p| {
+            // A PUT replacing the key may delete the file between its
+            // lookup and the read of its ETag: that is no answer (its ETag
+            // would be a derived one), the key is looked up again.
+            for _ in 0..RETRIES {
+                let Some(p) = t.stat(&k)? else { return Ok(None) };
                 let e = t.etag(&p.attr);
-                (p.attr, e)
-            }))
+                match t.files.getattr(p.attr.ino) {
+                    Ok(_) => return Ok(Some((p.attr, e))),
+                    Err(e) if e.errno() == libc::ENOENT => continue,
+                    Err(e) => return Err(s3_err(e, "getattr")),
+                }
+            }
+            Err(s3_error!(SlowDown, "the key kept being replaced"))
         })
         .await
     }
@@ -448,14 +485,14 @@ impl Arbor {
         r: Received,
         etag: String,
         meta: Meta,
-        no_replace: bool,
+        onto: Onto,
     ) -> S3Result<Attr> {
         let (t, k, shown) = (tree.clone(), key.clone(), shown.to_string());
         let mut temp = r.temp;
         let (dir, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
         let placed = blocking(move || {
             let a = t.label(ino, &etag, &meta)?;
-            t.place(dir, &name, ino, &k, &shown, no_replace)?;
+            t.place(dir, &name, ino, &k, &shown, &onto)?;
             Ok(a)
         })
         .await;
@@ -464,6 +501,41 @@ impl Arbor {
         }
         placed
     }
+}
+
+/// A GET or HEAD of one part of an object (`partNumber`) is not served:
+/// the parts of a completed upload are not kept apart. Refused rather
+/// than answered with the whole object.
+fn refuse_part_number(n: Option<PartNumber>) -> S3Result<()> {
+    match n {
+        Some(_) => Err(s3_error!(NotImplemented, "GET and HEAD by partNumber are not served")),
+        None => Ok(()),
+    }
+}
+
+/// Whether a V1 marker is a common prefix a listing of `prefix` with
+/// `delimiter` can give: past the prefix, something that ends at the
+/// delimiter's first occurrence. A marker equal to the prefix (or a key
+/// ending in the delimiter further in) is not, and skipping everything
+/// under it would skip the page's keys.
+fn is_common_prefix(marker: &str, prefix: &str, delimiter: &str) -> bool {
+    if delimiter.is_empty() {
+        return false;
+    }
+    let Some(rest) = marker.strip_prefix(prefix) else { return false };
+    !rest.is_empty() && rest.find(delimiter) == Some(rest.len() - delimiter.len())
+}
+
+/// The bytes of `size` a Range header asks for, and its Content-Range.
+/// No byte of an empty object is satisfiable (RFC 9110 14.1.2): s3s
+/// gives `0..0` for a suffix of one, which has no last byte to show.
+fn satisfiable(r: &Range, size: u64) -> S3Result<(std::ops::Range<u64>, String)> {
+    let r = r.check(size)?;
+    if r.is_empty() {
+        return Err(s3_error!(InvalidRange));
+    }
+    let shown = format!("bytes {}-{}/{size}", r.start, r.end - 1);
+    Ok((r, shown))
 }
 
 /// The source of a copy: its tree and key.
@@ -504,7 +576,7 @@ fn check_copy_conditions(
 
 /// What a copy read from its source.
 struct Copied {
-    temp: (u64, Vec<u8>, u64),
+    temp: Temp,
     md5: [u8; 16],
     meta: Meta,
 }
@@ -520,21 +592,53 @@ async fn copy_into_temp(
     if_modified_since: Option<Timestamp>,
     if_unmodified_since: Option<Timestamp>,
 ) -> S3Result<Copied> {
+    let conds = SourceConditions { if_match, if_none_match, if_modified_since, if_unmodified_since };
     blocking(move || {
-        let p = src.stat(&key)?.ok_or_else(|| s3_error!(NoSuchKey))?;
+        for _ in 0..RETRIES {
+            match copy_once(&src, &key, &dst, range.as_deref(), &conds)? {
+                Some(c) => return Ok(c),
+                None => continue,
+            }
+        }
+        Err(s3_error!(SlowDown, "the source kept being replaced"))
+    })
+    .await
+}
+
+/// The conditions of a copy's source, as sent.
+struct SourceConditions {
+    if_match: Option<ETagCondition>,
+    if_none_match: Option<ETagCondition>,
+    if_modified_since: Option<Timestamp>,
+    if_unmodified_since: Option<Timestamp>,
+}
+
+/// One try of [`copy_into_temp`]; `None` if the source was replaced
+/// (its file deleted) between its lookup and its open.
+fn copy_once(src: &Tree, key: &Key, dst: &Tree, range: Option<&str>, c: &SourceConditions) -> S3Result<Option<Copied>> {
+    {
+        let p = src.stat(key)?.ok_or_else(|| s3_error!(NoSuchKey))?;
         let etag = src.etag(&p.attr);
         check_copy_conditions(
             &etag,
             store::mtime(&p.attr),
-            if_match.as_ref(),
-            if_none_match.as_ref(),
-            if_modified_since.as_ref(),
-            if_unmodified_since.as_ref(),
+            c.if_match.as_ref(),
+            c.if_none_match.as_ref(),
+            c.if_modified_since.as_ref(),
+            c.if_unmodified_since.as_ref(),
         )?;
         let meta = src.meta(p.attr.ino);
         let size = if key.folder { 0 } else { p.attr.size };
-        let (start, end) = copy_range(range.as_deref(), size)?;
-        let a = if key.folder { p.attr } else { src.files.open(p.attr.ino).map_err(|e| s3_err(e, "open"))? };
+        let (start, end) = copy_range(range, size)?;
+        let a = if key.folder {
+            p.attr
+        } else {
+            match src.files.open(p.attr.ino) {
+                Ok(a) => a,
+                Err(e) if e.errno() == libc::ENOENT => return Ok(None),
+                Err(e) => return Err(s3_err(e, "open")),
+            }
+        };
         // A whole object whose ETag is the MD5 of its bytes needs no read.
         let known_md5 = (start == 0 && end == size)
             .then(|| store::unhex(etag.trim_matches('"')))
@@ -545,9 +649,11 @@ async fn copy_into_temp(
             let _ = src.files.release(a.ino);
         }
         let (dir, name, ino, md5) = copied?;
-        Ok(Copied { temp: (dir, name, ino), md5, meta })
-    })
-    .await
+        // Guarded from here: a client gone before the copy is placed
+        // leaves no temporary file.
+        let temp = Temp { tree: dst.clone(), dir, name, ino, placed: false };
+        Ok(Some(Copied { temp, md5, meta }))
+    }
 }
 
 #[async_trait::async_trait]
@@ -602,8 +708,16 @@ impl S3 for Arbor {
         Err(S3Error::with_message(S3ErrorCode::AccessDenied, "buckets are the disk's branches and checkpoints"))
     }
 
+    /// Browser form uploads are not served: the server in front refuses
+    /// them before reading a body ([`crate::is_form_post`]); this is the
+    /// second line, should one reach here.
+    async fn post_object(&self, _req: S3Request<PostObjectInput>) -> S3Result<S3Response<PostObjectOutput>> {
+        Err(s3_error!(NotImplemented, "POST uploads (HTML forms) are not served: PUT the object"))
+    }
+
     async fn head_object(&self, req: S3Request<HeadObjectInput>) -> S3Result<S3Response<HeadObjectOutput>> {
         let i = req.input;
+        refuse_part_number(i.part_number)?;
         let tree = self.tree(&i.bucket, false).await?;
         let key = parse_key(&i.key)?;
         let (attr, etag) = Self::stat(&tree, &key).await?.ok_or_else(|| s3_error!(NoSuchKey))?;
@@ -620,8 +734,8 @@ impl S3 for Arbor {
         let (content_length, content_range) = match &i.range {
             None => (size, None),
             Some(r) => {
-                let r = r.check(size)?;
-                (r.end - r.start, Some(format!("bytes {}-{}/{size}", r.start, r.end - 1)))
+                let (r, shown) = satisfiable(r, size)?;
+                (r.end - r.start, Some(shown))
             }
         };
         let t = tree.clone();
@@ -644,22 +758,31 @@ impl S3 for Arbor {
 
     async fn get_object(&self, req: S3Request<GetObjectInput>) -> S3Result<S3Response<GetObjectOutput>> {
         let i = req.input;
+        refuse_part_number(i.part_number)?;
         let tree = self.tree(&i.bucket, false).await?;
         let key = parse_key(&i.key)?;
         let (t, k) = (tree.clone(), key.clone());
         // Opened before its size is read: the bytes streamed are the
         // file's as it is now, even if another PUT replaces it meanwhile.
         let found = blocking(move || {
-            let Some(p) = t.stat(&k)? else { return Ok(None) };
-            if k.folder {
-                let e = t.etag(&p.attr);
-                let meta = t.meta(p.attr.ino);
-                return Ok(Some((p.attr, e, None, meta)));
+            for _ in 0..RETRIES {
+                let Some(p) = t.stat(&k)? else { return Ok(None) };
+                if k.folder {
+                    let e = t.etag(&p.attr);
+                    let meta = t.meta(p.attr.ino);
+                    return Ok(Some((p.attr, e, None, meta)));
+                }
+                // Replaced (and so deleted) since the lookup: look again.
+                let a = match t.files.open(p.attr.ino) {
+                    Ok(a) => a,
+                    Err(e) if e.errno() == libc::ENOENT => continue,
+                    Err(e) => return Err(s3_err(e, "open")),
+                };
+                let held = Held { files: t.files.clone(), ino: a.ino };
+                let e = t.etag(&a);
+                return Ok(Some((a, e, Some(held), t.meta(p.attr.ino))));
             }
-            let a = t.files.open(p.attr.ino).map_err(|e| s3_err(e, "open"))?;
-            let held = Held { files: t.files.clone(), ino: a.ino };
-            let e = t.etag(&a);
-            Ok(Some((a, e, Some(held), t.meta(p.attr.ino))))
+            Err(s3_error!(SlowDown, "the key kept being replaced"))
         })
         .await?;
         let (attr, etag, held, meta) = found.ok_or_else(|| s3_error!(NoSuchKey))?;
@@ -676,8 +799,7 @@ impl S3 for Arbor {
         let (range, content_range) = match &i.range {
             None => (0..size, None),
             Some(r) => {
-                let r = r.check(size)?;
-                let shown = format!("bytes {}-{}/{size}", r.start, r.end - 1);
+                let (r, shown) = satisfiable(r, size)?;
                 (r, Some(shown))
             }
         };
@@ -724,17 +846,24 @@ impl S3 for Arbor {
             crc64nvme: i.checksum_crc64nvme,
         };
         let no_replace = i.if_none_match.as_ref().is_some_and(ETagCondition::is_any);
-        if let Some(cond) = &i.if_match {
-            match Self::stat(&tree, &key).await? {
-                Some((_, etag)) if matches(cond, &etag) => {}
-                _ => return Err(s3_error!(PreconditionFailed)),
+        // Checked before the body is received, to fail early, and again
+        // where the file is renamed onto the key, atomically.
+        let onto = match &i.if_match {
+            Some(cond) => {
+                match Self::stat(&tree, &key).await? {
+                    Some((_, etag)) if matches(cond, &etag) => {}
+                    Some(_) => return Err(s3_error!(PreconditionFailed)),
+                    None => return Err(s3_error!(NoSuchKey, "If-Match: there is no object at the key")),
+                }
+                Onto::Matching(cond.clone())
             }
-        }
+            None if no_replace => Onto::Absent,
+            None => Onto::Any,
+        };
         if key.folder {
             let mut body = i.body;
             if let Some(b) = body.as_mut() {
-                while let Some(chunk) = b.next().await {
-                    let chunk = chunk.map_err(|e| S3Error::with_message(S3ErrorCode::IncompleteBody, e.to_string()))?;
+                while let Some(chunk) = next_chunk(b).await? {
                     if !chunk.is_empty() {
                         return Err(S3Error::with_message(
                             S3ErrorCode::InvalidArgument,
@@ -743,11 +872,8 @@ impl S3 for Arbor {
                     }
                 }
             }
-            if no_replace && Self::stat(&tree, &key).await?.is_some() {
-                return Err(s3_error!(PreconditionFailed));
-            }
             let (t, k, shown) = (tree.clone(), key.clone(), i.key.clone());
-            blocking(move || t.put_folder(&k, &shown)).await?;
+            blocking(move || t.put_folder(&k, &shown, no_replace)).await?;
             return Ok(S3Response::new(PutObjectOutput {
                 e_tag: Some(ETag::Strong(store::EMPTY_MD5.into())),
                 ..Default::default()
@@ -776,7 +902,7 @@ impl S3 for Arbor {
             i.cache_control,
             i.metadata,
         );
-        Self::finish_put(&tree, &key, &i.key, r, md5.clone(), meta, no_replace).await?;
+        Self::finish_put(&tree, &key, &i.key, r, md5.clone(), meta, onto).await?;
         Ok(S3Response::new(PutObjectOutput {
             e_tag: Some(ETag::Strong(md5)),
             checksum_crc32: sums.checksum_crc32,
@@ -801,10 +927,16 @@ impl S3 for Arbor {
         let tree = self.tree(&i.bucket, true).await?;
         let quiet = i.delete.quiet.unwrap_or(false);
         let objects = i.delete.objects;
+        if objects.len() > MAX_DELETE_KEYS {
+            return Err(S3Error::with_message(
+                S3ErrorCode::MalformedXML,
+                format!("a DeleteObjects request names at most {MAX_DELETE_KEYS} keys"),
+            ));
+        }
         let (deleted, errors) = blocking(move || {
             let (mut deleted, mut errors) = (Vec::new(), Vec::new());
             for o in objects {
-                match parse_key(&o.key).and_then(|k| tree.delete(&k)) {
+                match parse_key(&o.key).and_then(|k| tree.unlink(&k)) {
                     Ok(()) => {
                         if !quiet {
                             deleted.push(DeletedObject { key: Some(o.key), ..Default::default() })
@@ -818,6 +950,8 @@ impl S3 for Arbor {
                     }),
                 }
             }
+            // One sync for all: none is answered deleted before it.
+            tree.sync()?;
             Ok((deleted, errors))
         })
         .await?;
@@ -834,8 +968,9 @@ impl S3 for Arbor {
             .list_objects_v2(req.map_input(|i| {
                 // A V1 marker may be a common prefix the page before
                 // ended with: everything under it is skipped too.
+                let prefix = i.prefix.as_deref().unwrap_or("");
                 let (token, start_after) = match (&i.marker, &i.delimiter) {
-                    (Some(m), Some(d)) if !d.is_empty() && m.ends_with(d.as_str()) => {
+                    (Some(m), Some(d)) if is_common_prefix(m, prefix, d) => {
                         (Some(format!("p{}", store::hex(m.as_bytes()))), None)
                     }
                     _ => (None, i.marker),
@@ -953,6 +1088,13 @@ impl S3 for Arbor {
                 "a folder marker holds no bytes to copy to",
             ));
         }
+        let replace = i.metadata_directive.as_ref().is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
+        if src_bucket == i.bucket && src_key == i.key && !replace {
+            return Err(S3Error::with_message(
+                S3ErrorCode::InvalidRequest,
+                "a copy of an object onto itself must change its metadata (x-amz-metadata-directive: REPLACE)",
+            ));
+        }
         let c = copy_into_temp(
             src,
             skey,
@@ -964,7 +1106,6 @@ impl S3 for Arbor {
             i.copy_source_if_unmodified_since,
         )
         .await?;
-        let replace = i.metadata_directive.as_ref().is_some_and(|d| d.as_str() == MetadataDirective::REPLACE);
         let meta = if replace {
             meta_of(
                 i.content_type,
@@ -978,10 +1119,8 @@ impl S3 for Arbor {
             c.meta
         };
         let md5 = store::hex(&c.md5);
-        let (dir, name, ino) = c.temp;
-        let temp = Temp { tree: dst.clone(), dir, name, ino, placed: false };
-        let r = Received { temp, size: 0, md5: c.md5, sums: Default::default() };
-        let a = Self::finish_put(&dst, &key, &i.key, r, md5.clone(), meta, false).await?;
+        let r = Received { temp: c.temp, size: 0, md5: c.md5, sums: Default::default() };
+        let a = Self::finish_put(&dst, &key, &i.key, r, md5.clone(), meta, Onto::Any).await?;
         Ok(S3Response::new(CopyObjectOutput {
             copy_object_result: Some(CopyObjectResult {
                 e_tag: Some(ETag::Strong(md5)),
@@ -1100,8 +1239,8 @@ impl S3 for Arbor {
         )
         .await?;
         let md5 = store::hex(&c.md5);
-        let (tmp, name, ino) = c.temp;
-        let mut temp = Temp { tree: tree.clone(), dir: tmp, name: name.clone(), ino, placed: false };
+        let mut temp = c.temp;
+        let (tmp, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
         let (t, e, n) = (tree.clone(), md5.clone(), i.part_number);
         let a = blocking(move || {
             let a = t.label(ino, &e, &Meta::default())?;
@@ -1136,17 +1275,14 @@ impl S3 for Arbor {
                 .ok_or_else(|| s3_error!(InvalidPart, "a part without its ETag"))?;
             asked.push((n, etag));
         }
-        if let Some(cond) = &i.if_match {
-            match Self::stat(&tree, &key).await? {
-                Some((_, etag)) if matches(cond, &etag) => {}
-                _ => return Err(s3_error!(PreconditionFailed)),
-            }
-        }
-        if i.if_none_match.as_ref().is_some_and(ETagCondition::is_any) && Self::stat(&tree, &key).await?.is_some() {
-            return Err(s3_error!(PreconditionFailed));
-        }
+        // Checked where the joined file is renamed onto the key.
+        let onto = match (&i.if_match, &i.if_none_match) {
+            (Some(cond), _) => Onto::Matching(cond.clone()),
+            (None, Some(c)) if c.is_any() => Onto::Absent,
+            _ => Onto::Any,
+        };
         let (t, id, k, shown) = (tree.clone(), i.upload_id.clone(), key.clone(), i.key.clone());
-        let (etag, _) = blocking(move || t.complete_upload(&id, &k, &shown, &asked)).await?;
+        let (etag, _) = blocking(move || t.complete_upload(&id, &k, &shown, &asked, &onto)).await?;
         Ok(S3Response::new(CompleteMultipartUploadOutput {
             bucket: Some(i.bucket),
             key: Some(i.key),
@@ -1251,5 +1387,44 @@ impl S3 for Arbor {
             uploads: Some(list),
             ..Default::default()
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(h: &str) -> Range {
+        Range::parse(h).expect("a range")
+    }
+
+    #[test]
+    fn no_range_of_an_empty_object_is_satisfiable() {
+        for h in ["bytes=-1", "bytes=-100", "bytes=0-", "bytes=0-0"] {
+            let e = satisfiable(&range(h), 0).expect_err(h);
+            assert_eq!(*e.code(), S3ErrorCode::InvalidRange, "{h}");
+        }
+    }
+
+    #[test]
+    fn a_v1_marker_is_a_common_prefix_only_as_a_listing_gives_one() {
+        assert!(is_common_prefix("a/b/", "a/", "/"));
+        assert!(is_common_prefix("b/", "", "/"));
+        assert!(is_common_prefix("a/b--", "a/", "--"));
+        // The prefix itself, as a marker: a/x is still to come.
+        assert!(!is_common_prefix("a/", "a/", "/"));
+        // A key ending in the delimiter deeper down is a key (a marker).
+        assert!(!is_common_prefix("a/b/c/", "a/", "/"));
+        assert!(!is_common_prefix("a/b", "a/", "/"));
+        assert!(!is_common_prefix("b/", "a/", "/"));
+        assert!(!is_common_prefix("a/b/", "a/", ""));
+    }
+
+    #[test]
+    fn ranges_of_a_small_object() {
+        assert_eq!(satisfiable(&range("bytes=-1"), 5).expect("suffix"), (4..5, "bytes 4-4/5".into()));
+        assert_eq!(satisfiable(&range("bytes=-9"), 5).expect("long suffix"), (0..5, "bytes 0-4/5".into()));
+        assert_eq!(satisfiable(&range("bytes=2-"), 5).expect("open"), (2..5, "bytes 2-4/5".into()));
+        assert!(satisfiable(&range("bytes=5-"), 5).is_err());
     }
 }

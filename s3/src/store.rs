@@ -175,6 +175,34 @@ impl Meta {
 /// Folders from the root, each `(parent, name, inode)`.
 type Chain = Vec<(u64, Vec<u8>, u64)>;
 
+/// Held around the short steps that change the folders of a bucket:
+/// making a key's folders and renaming its file there, marking a folder,
+/// deleting a key and pruning the folders it alone kept. Never held while
+/// a body is received nor during a sync. Without it a DELETE's pruning
+/// could remove a folder a PUT had just made or marked, and two
+/// conditional PUTs could both pass their check. One for the process:
+/// the steps are short, and all buckets' are in one engine anyway.
+static NAMESPACE: parking_lot::Mutex<()> = parking_lot::const_mutex(());
+
+/// What a PUT may find at its key.
+#[derive(Clone, Debug)]
+pub enum Onto {
+    /// Anything (an object is replaced).
+    Any,
+    /// Nothing (`If-None-Match: *`), else PreconditionFailed.
+    Absent,
+    /// An object whose ETag matches (`If-Match`), else PreconditionFailed
+    /// (NoSuchKey if there is no object).
+    Matching(s3s::dto::ETagCondition),
+}
+
+fn cond_matches(c: &s3s::dto::ETagCondition, etag: &str) -> bool {
+    match c {
+        s3s::dto::ETagCondition::Any => true,
+        s3s::dto::ETagCondition::ETag(e) => e.value() == etag,
+    }
+}
+
 /// The root of one bucket.
 #[derive(Clone)]
 pub struct Tree {
@@ -380,14 +408,35 @@ impl Tree {
     }
 
     /// Renames temporary file `name` of folder `dir` onto `key`, then
-    /// syncs (see the module's doc). `no_replace`: fail with
-    /// PreconditionFailed if the key exists (`If-None-Match: *`).
-    pub fn place(&self, dir: u64, name: &[u8], ino: u64, key: &Key, shown: &str, no_replace: bool) -> S3Result<()> {
-        // A DELETE may remove a folder this PUT just made (it was empty):
-        // the rename then finds no folder, and goes again.
+    /// syncs (see the module's doc). `onto` says what may be at the key:
+    /// checked and renamed under the namespace lock, so two conditional
+    /// PUTs cannot both pass their check.
+    pub fn place(&self, dir: u64, name: &[u8], ino: u64, key: &Key, shown: &str, onto: &Onto) -> S3Result<()> {
+        {
+            let _ns = NAMESPACE.lock();
+            self.place_locked(dir, name, key, shown, onto)?;
+        }
+        self.files.fsync(ino).map_err(|e| s3_err(e, "fsync"))
+    }
+
+    fn place_locked(&self, dir: u64, name: &[u8], key: &Key, shown: &str, onto: &Onto) -> S3Result<()> {
+        // A folder this PUT needs may be removed by a mount's rmdir
+        // between its mkdir and the rename (an S3 DELETE waits for the
+        // namespace lock): the PUT goes again.
         for _ in 0..5 {
-            let parent = self.make_folders(key.parents(), shown)?;
-            if let Some(there) = self.lookup(parent, key.name())? {
+            let parent = match self.make_folders(key.parents(), shown) {
+                Err(e) if *e.code() == S3ErrorCode::NoSuchKey => continue,
+                r => r?,
+            };
+            let there = self.lookup(parent, key.name())?;
+            if let Onto::Matching(cond) = onto {
+                match &there {
+                    Some(a) if a.kind == FileKind::Regular && cond_matches(cond, &self.etag(a)) => {}
+                    Some(a) if a.kind == FileKind::Regular => return Err(s3_error!(PreconditionFailed)),
+                    _ => return Err(s3_error!(NoSuchKey, "If-Match: there is no object at the key")),
+                }
+            }
+            if let Some(there) = there {
                 if there.kind == FileKind::Directory {
                     let in_use = self.is_marked(there.ino)?
                         || match self.files.rmdir(parent, key.name()) {
@@ -404,11 +453,9 @@ impl Tree {
                     return Err(conflict(format!("key {shown:?} is a special file (a link or device) on the disk")));
                 }
             }
-            let mode = if no_replace { RenameMode::NoReplace } else { RenameMode::Plain };
+            let mode = if matches!(onto, Onto::Absent) { RenameMode::NoReplace } else { RenameMode::Plain };
             match self.files.rename(dir, name, parent, key.name(), mode) {
-                Ok(()) => {
-                    return self.files.fsync(ino).map_err(|e| s3_err(e, "fsync"));
-                }
+                Ok(()) => return Ok(()),
                 Err(e) if e.errno() == libc::ENOENT => continue,
                 Err(e) if e.errno() == libc::EEXIST => {
                     return Err(s3_error!(PreconditionFailed, "the key exists (If-None-Match: *)"))
@@ -422,17 +469,51 @@ impl Tree {
         Err(s3_error!(InternalError, "the key's folders kept being removed under the PUT"))
     }
 
-    /// Makes folder marker `key` (its folders too), durably.
-    pub fn put_folder(&self, key: &Key, shown: &str) -> S3Result<Attr> {
-        let ino = self.make_folders(&key.segs, shown)?;
-        self.files.setxattr(ino, FOLDER_XATTR, b"", XattrFlags::Any).map_err(|e| s3_err(e, "setxattr"))?;
+    /// Makes folder marker `key` (its folders too), durably. `absent`:
+    /// fail with PreconditionFailed if the marker is there
+    /// (`If-None-Match: *`).
+    pub fn put_folder(&self, key: &Key, shown: &str, absent: bool) -> S3Result<Attr> {
+        let ino = {
+            let _ns = NAMESPACE.lock();
+            let mut made = None;
+            for _ in 0..5 {
+                match self.make_folders(&key.segs, shown) {
+                    Err(e) if *e.code() == S3ErrorCode::NoSuchKey => continue,
+                    r => {
+                        made = Some(r?);
+                        break;
+                    }
+                }
+            }
+            let ino = made.ok_or_else(|| s3_error!(InternalError, "the key's folders kept being removed"))?;
+            let flags = if absent { XattrFlags::Create } else { XattrFlags::Any };
+            match self.files.setxattr(ino, FOLDER_XATTR, b"", flags) {
+                Ok(()) => ino,
+                Err(e) if e.errno() == libc::EEXIST => return Err(s3_error!(PreconditionFailed)),
+                Err(e) => return Err(s3_err(e, "setxattr")),
+            }
+        };
         self.files.fsync(ino).map_err(|e| s3_err(e, "fsync"))?;
         self.files.getattr(ino).map_err(|e| s3_err(e, "getattr"))
     }
 
     /// Deletes the object at `key` if there is one (and the folders that
-    /// only it kept), durably.
+    /// only it kept), durably: synced even if the key was already absent,
+    /// since the DELETE that removed it may not have synced yet.
     pub fn delete(&self, key: &Key) -> S3Result<()> {
+        self.unlink(key)?;
+        self.sync()
+    }
+
+    /// Syncs the tree: what was deleted stays deleted.
+    pub fn sync(&self) -> S3Result<()> {
+        self.files.fsync(ROOT_INO).map_err(|e| s3_err(e, "fsync"))
+    }
+
+    /// Deletes the object at `key` if there is one, and the folders only
+    /// it kept, without syncing ([`Tree::delete`], or many and one sync).
+    pub fn unlink(&self, key: &Key) -> S3Result<()> {
+        let _ns = NAMESPACE.lock();
         let segs = if key.folder { &key.segs[..] } else { key.parents() };
         let Some(chain) = self.folders(segs)? else { return Ok(()) };
         let mut keep = chain.len();
@@ -445,7 +526,7 @@ impl Tree {
             }
             keep -= 1;
             if self.files.rmdir(parent, &name).is_err() {
-                return self.files.fsync(ino).map_err(|e| s3_err(e, "fsync"));
+                return Ok(());
             }
         } else {
             let parent = chain.last().map_or(ROOT_INO, |c| c.2);
@@ -460,13 +541,15 @@ impl Tree {
             }
         }
         // The folders only this object kept go with it (none is an
-        // object: S3 would list no prefix for them).
+        // object: S3 would list no prefix for them). Under the namespace
+        // lock no PUT of a marker or of a key below can come between the
+        // check and the rmdir.
         for (parent, name, ino) in chain[..keep].iter().rev() {
             if self.is_marked(*ino)? || self.files.rmdir(*parent, name).is_err() {
                 break;
             }
         }
-        self.files.fsync(ROOT_INO).map_err(|e| s3_err(e, "fsync"))
+        Ok(())
     }
 
     /// Copies bytes `start..end` of file `src` of `from` (held open) to

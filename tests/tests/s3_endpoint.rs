@@ -809,3 +809,390 @@ fn copies_and_completed_uploads_share_bytes_instead_of_writing_them() {
         drop(e);
     });
 }
+
+/// A browser form upload (POST of multipart/form-data, signed or not)
+/// is answered 501 before its body is read: s3s would otherwise hold
+/// the form's file in memory before checking who sent it.
+#[test]
+fn form_uploads_are_refused_before_their_bodies_are_read() {
+    use std::io::{Read, Write};
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let addr = e.s3.trim_start_matches("http://").to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).expect("connect");
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(10))).expect("timeout");
+    let b = "arbor-form-boundary";
+    let head = format!(
+        "POST /main HTTP/1.1\r\nHost: {addr}\r\nContent-Type: multipart/form-data; boundary={b}\r\n\
+         Content-Length: {}\r\n\r\n--{b}\r\nContent-Disposition: form-data; name=\"key\"\r\n\r\nposted\r\n\
+         --{b}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\
+         Content-Type: application/octet-stream\r\n\r\n",
+        64 << 20
+    );
+    sock.write_all(head.as_bytes()).expect("send the head");
+    sock.write_all(&[7u8; 64 << 10]).expect("send some of the file");
+    // The answer comes while almost all of the 64 MiB is unsent.
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).expect("an answer before the body is sent");
+        assert!(n > 0, "closed without an answer: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+    drop(sock);
+    runtime().block_on(async {
+        let c = client(&e.s3, AK, SK);
+        let err = c.head_object().bucket("main").key("posted").send().await.expect_err("no object");
+        assert_eq!(failure(err).0, 404);
+    });
+}
+
+/// No byte range of an empty object is satisfiable: a suffix range of
+/// one (`bytes=-1`) is 416 as `bytes=0-` is, on a GET and a HEAD, of an
+/// empty file and of a folder marker.
+#[test]
+fn ranges_of_empty_objects_are_unsatisfiable() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        c.put_object().bucket("main").key("empty").body(Vec::new().into()).send().await.expect("put empty");
+        c.put_object().bucket("main").key("dir/").body(Vec::new().into()).send().await.expect("put folder");
+        for key in ["empty", "dir/"] {
+            for range in ["bytes=-1", "bytes=-100", "bytes=0-"] {
+                let got = c.get_object().bucket("main").key(key).range(range).send().await;
+                assert_eq!(failure(got.expect_err("get")), (416, "InvalidRange".into()), "GET {key} {range}");
+                let got = c.head_object().bucket("main").key(key).range(range).send().await;
+                assert_eq!(failure(got.expect_err("head")).0, 416, "HEAD {key} {range}");
+            }
+            let whole = c.get_object().bucket("main").key(key).send().await.expect("get whole");
+            assert_eq!(whole.content_length(), Some(0));
+        }
+        let got = c.get_object().bucket("main").key("empty").range("bytes=-1").send().await;
+        assert!(got.is_err());
+        c.put_object().bucket("main").key("one").body(b"x".to_vec().into()).send().await.expect("put");
+        let got = c.get_object().bucket("main").key("one").range("bytes=-5").send().await.expect("suffix");
+        assert_eq!(got.content_range(), Some("bytes 0-0/1"));
+    });
+}
+
+/// A client that sends half a request head is disconnected once the
+/// head-read timeout (30 s) passes, instead of holding a connection and
+/// a task forever.
+#[test]
+fn a_connection_sending_half_a_head_is_closed() {
+    use std::io::{Read, Write};
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let addr = e.s3.trim_start_matches("http://").to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).expect("connect");
+    sock.write_all(format!("GET /main HTTP/1.1\r\nHost: {addr}\r\nX-Half: ").as_bytes()).expect("send half a head");
+    let started = std::time::Instant::now();
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(60))).expect("timeout");
+    let mut buf = [0u8; 1024];
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("still open after {:?}: {e}", started.elapsed()),
+        }
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(45), "closed after {:?}", started.elapsed());
+}
+
+/// Requests racing on one key or folder, in bounded rounds: a folder
+/// marker PUT racing a DELETE that prunes its folder stays once
+/// acknowledged; a PUT under a folder being pruned and a listing while
+/// folders are pruned never answer 404.
+#[test]
+fn requests_racing_on_one_namespace() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        let put = |key: &str, body: Vec<u8>| c.put_object().bucket("main").key(key).body(body.into()).send();
+        let del = |key: &str| c.delete_object().bucket("main").key(key).send();
+        for round in 0..100 {
+            put("race/b", b"x".to_vec()).await.expect("put race/b");
+            let (d, p) = tokio::join!(del("race/b"), put("race/", Vec::new()));
+            d.expect("delete race/b");
+            p.expect("put race/");
+            let marker = c.head_object().bucket("main").key("race/").send().await;
+            assert!(marker.is_ok(), "round {round}: the acknowledged marker race/ is gone: {marker:?}");
+            del("race/").await.expect("delete race/");
+
+            put("p/x", b"x".to_vec()).await.expect("put p/x");
+            let (d, p) = tokio::join!(del("p/x"), put("p/y", b"y".to_vec()));
+            d.expect("delete p/x");
+            assert!(p.is_ok(), "round {round}: a PUT under a folder being pruned failed: {p:?}");
+            del("p/y").await.expect("delete p/y");
+        }
+
+        for i in 0..60 {
+            put(&format!("l/k{i:02}/o"), b"o".to_vec()).await.expect("put");
+        }
+        let deleting = async {
+            for i in 0..60 {
+                del(&format!("l/k{i:02}/o")).await.expect("delete");
+            }
+        };
+        let listing = async {
+            for _ in 0..60 {
+                let l = c.list_objects_v2().bucket("main").prefix("l/").send().await;
+                assert!(l.is_ok(), "a listing while folders are pruned failed: {l:?}");
+            }
+        };
+        tokio::join!(deleting, listing);
+    });
+}
+
+/// Conditional writes racing: of two uploads completed at once onto an
+/// absent key with If-None-Match: *, one succeeds and the other is 412;
+/// of two PUTs with the same If-Match, one is 412.
+#[test]
+fn racing_conditional_writes_are_atomic() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        for round in 0..20 {
+            let key = format!("cond/k{round}");
+            let mut done = Vec::new();
+            for n in 0..2u32 {
+                let up = c.create_multipart_upload().bucket("main").key(&key).send().await.expect("create");
+                let id = up.upload_id().expect("id").to_string();
+                let etag = upload_part(&c, &key, &id, 1, &pattern(1000, n)).await;
+                done.push((id, etag));
+            }
+            let complete = |(id, etag): &(String, String)| {
+                let r = c.complete_multipart_upload().bucket("main").key(&key).upload_id(id);
+                r.multipart_upload(completed(&[(1, etag)])).if_none_match("*").send()
+            };
+            let (x, y) = tokio::join!(complete(&done[0]), complete(&done[1]));
+            let failed: Vec<u16> =
+                [x.err().map(|e| failure(e).0), y.err().map(|e| failure(e).0)].into_iter().flatten().collect();
+            assert_eq!(failed, [412], "round {round}: both or neither completed");
+
+            let base = c.put_object().bucket("main").key(&key).body(b"base".to_vec().into()).send().await;
+            let etag = base.expect("put base").e_tag().expect("etag").to_string();
+            let put = |body: &'static [u8]| {
+                c.put_object().bucket("main").key(&key).if_match(&etag).body(body.to_vec().into()).send()
+            };
+            let (x, y) = tokio::join!(put(b"one"), put(b"two"));
+            let failed: Vec<u16> =
+                [x.err().map(|e| failure(e).0), y.err().map(|e| failure(e).0)].into_iter().flatten().collect();
+            assert_eq!(failed, [412], "round {round}: both or neither If-Match PUT placed");
+        }
+        let missing = c.put_object().bucket("main").key("cond/none").if_match("\"abc\"").body(b"x".to_vec().into());
+        assert_eq!(failure(missing.send().await.expect_err("no key")), (404, "NoSuchKey".into()));
+    });
+}
+
+/// ListObjects (V1) with the prefix itself as the marker lists what is
+/// under the prefix: a marker is taken as a common prefix (everything
+/// under it skipped) only if the listing could have given it as one.
+#[test]
+fn a_v1_marker_equal_to_the_prefix_skips_nothing() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        for key in ["a/", "a/x", "a/y/z"] {
+            c.put_object().bucket("main").key(key).body(Vec::new().into()).send().await.expect("put");
+        }
+        let page = c.list_objects().bucket("main").prefix("a/").delimiter("/").max_keys(1).send().await;
+        let page = page.expect("page 1");
+        let keys: Vec<&str> = page.contents().iter().filter_map(|o| o.key()).collect();
+        assert_eq!(keys, ["a/"]);
+        let marker = page.next_marker().expect("a next marker").to_string();
+        let page = c.list_objects().bucket("main").prefix("a/").delimiter("/").marker(&marker).send().await;
+        let page = page.expect("page 2");
+        let keys: Vec<&str> = page.contents().iter().filter_map(|o| o.key()).collect();
+        let prefixes: Vec<&str> = page.common_prefixes().iter().filter_map(|p| p.prefix()).collect();
+        assert_eq!((keys, prefixes), (vec!["a/x"], vec!["a/y/"]));
+    });
+}
+
+/// A checkpoint's bucket follows the checkpoint: deleted, it is
+/// NoSuchBucket; made again under the same name, it serves the new
+/// checkpoint's objects, not the old tree the server had open.
+#[test]
+fn a_checkpoint_bucket_follows_its_checkpoint() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let mnt = s.dir.path().join("mnt");
+    std::fs::create_dir_all(&mnt).expect("mkdir");
+    let m = Mount::start(s.disk_str(), &mnt, &["--token-file", &e.token]);
+    let at = mnt.to_str().expect("utf8");
+    runtime().block_on(async {
+        let c = client(&e.s3, AK, SK);
+        let put = |body: &'static [u8]| c.put_object().bucket("main").key("k").body(body.to_vec().into()).send();
+        let get = || async {
+            let got = c.get_object().bucket("main--cp").key("k").send().await;
+            got.expect("get from the checkpoint").body.collect().await.expect("body").into_bytes().to_vec()
+        };
+        put(b"first").await.expect("put");
+        arbor_ok(&["checkpoints", "create", at, "cp"]);
+        assert_eq!(get().await, b"first");
+        arbor_ok(&["checkpoints", "delete", at, "cp"]);
+        let gone = c.get_object().bucket("main--cp").key("k").send().await.expect_err("deleted");
+        assert_eq!(failure(gone), (404, "NoSuchBucket".into()));
+        put(b"second").await.expect("put");
+        arbor_ok(&["checkpoints", "create", at, "cp"]);
+        assert_eq!(get().await, b"second");
+    });
+    m.unmount();
+    e.serve.stop();
+}
+
+/// As S3: a copy of an object onto itself that keeps its metadata is
+/// 400 InvalidRequest; a GET or HEAD by partNumber is refused (501), not
+/// answered with the whole object.
+#[test]
+fn self_copies_without_new_metadata_and_part_gets_are_refused() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        c.put_object().bucket("main").key("k").body(b"bytes".to_vec().into()).send().await.expect("put");
+        let copy = c.copy_object().bucket("main").key("k").copy_source("main/k").send().await;
+        assert_eq!(failure(copy.expect_err("onto itself")), (400, "InvalidRequest".into()));
+        let got = c.get_object().bucket("main").key("k").part_number(1).send().await;
+        assert_eq!(failure(got.expect_err("by part")), (501, "NotImplemented".into()));
+        let got = c.head_object().bucket("main").key("k").part_number(1).send().await;
+        assert_eq!(failure(got.expect_err("by part")).0, 501);
+    });
+}
+
+/// A DeleteObjects of more than 1000 keys is refused (MalformedXML, as
+/// S3) and deletes nothing; one of 1000 deletes them all.
+#[test]
+fn delete_objects_names_at_most_1000_keys() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        c.put_object().bucket("main").key("d/0").body(b"x".to_vec().into()).send().await.expect("put");
+        let ids = |n: usize| {
+            let objects = (0..n)
+                .map(|i| aws_sdk_s3::types::ObjectIdentifier::builder().key(format!("d/{i}")).build().expect("id"));
+            aws_sdk_s3::types::Delete::builder().set_objects(Some(objects.collect())).build().expect("delete")
+        };
+        let many = c.delete_objects().bucket("main").delete(ids(1001)).send().await;
+        assert_eq!(failure(many.expect_err("1001 keys")), (400, "MalformedXML".into()));
+        c.head_object().bucket("main").key("d/0").send().await.expect("still there");
+        let done = c.delete_objects().bucket("main").delete(ids(1000)).send().await.expect("1000 keys");
+        assert_eq!(done.deleted().len(), 1000);
+        let gone = c.head_object().bucket("main").key("d/0").send().await;
+        assert_eq!(failure(gone.expect_err("deleted")).0, 404);
+    });
+}
+
+/// A GET or HEAD racing PUTs that overwrite its key never answers 404,
+/// and a GET streams one whole version: the file it opened stays
+/// readable after a rename replaces it, until the GET releases it (the
+/// engine must keep a replaced file that is open, as it keeps an
+/// unlinked one).
+#[test]
+fn a_get_while_its_key_is_overwritten_gives_one_whole_version() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    runtime().block_on(async {
+        let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+        let c = client(&e.s3, AK, SK);
+        let put = |key: &str, body: Vec<u8>| c.put_object().bucket("main").key(key).body(body.into()).send();
+        let (a, b) = (pattern(300 << 10, 1), pattern(300 << 10, 2));
+        put("ow", a.clone()).await.expect("put ow");
+        let writing = async {
+            for i in 0..60 {
+                put("ow", if i % 2 == 0 { b.clone() } else { a.clone() }).await.expect("overwrite");
+            }
+        };
+        let reading = async {
+            for _ in 0..60 {
+                let got = c.get_object().bucket("main").key("ow").send().await;
+                let got = got.unwrap_or_else(|e| panic!("a GET of a key being overwritten failed: {e:?}"));
+                let bytes = got.body.collect().await.expect("body").into_bytes();
+                assert!(bytes[..] == a[..] || bytes[..] == b[..], "a GET gave neither version");
+                let head = c.head_object().bucket("main").key("ow").send().await.expect("head");
+                let etag = head.e_tag().unwrap_or("").trim_matches('"').to_string();
+                assert!(etag == md5_hex(&a) || etag == md5_hex(&b), "HEAD gave ETag {etag}");
+            }
+        };
+        tokio::join!(writing, reading);
+    });
+}
+
+/// A PUT whose body stops arriving is answered 400 RequestTimeout once
+/// it has paused 60 s, instead of holding its connection and temporary
+/// file for as long as the client keeps the socket; nothing is placed.
+#[test]
+fn a_put_whose_body_stalls_times_out() {
+    use std::io::{Read, Write};
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let e = start_endpoint(s.disk_str(), s.dir.path(), &[]);
+    let c = client(&e.s3, AK, SK);
+    let conf = aws_sdk_s3::presigning::PresigningConfig::expires_in(std::time::Duration::from_secs(600)).expect("conf");
+    let url = runtime()
+        .block_on(c.put_object().bucket("main").key("stalled").presigned(conf))
+        .expect("presign")
+        .uri()
+        .to_string();
+    let path = url.strip_prefix(&e.s3).expect("a URL of the endpoint");
+    let addr = e.s3.trim_start_matches("http://").to_string();
+    let mut sock = std::net::TcpStream::connect(&addr).expect("connect");
+    let head = format!("PUT {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 100\r\n\r\n0123456789");
+    sock.write_all(head.as_bytes()).expect("send");
+    let started = std::time::Instant::now();
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(120))).expect("timeout");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = sock.read(&mut buf).unwrap_or_else(|e| panic!("no answer after {:?}: {e}", started.elapsed()));
+        assert!(n > 0, "closed without an answer");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answer = String::from_utf8_lossy(&answer).to_string();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let waited = started.elapsed();
+    assert!((50..90).contains(&waited.as_secs()), "answered after {waited:?}: {answer}");
+    runtime().block_on(async {
+        let gone = c.head_object().bucket("main").key("stalled").send().await;
+        assert_eq!(failure(gone.expect_err("nothing placed")).0, 404);
+    });
+}
