@@ -48,6 +48,9 @@ pub struct MountArgs {
     pub allow_suid_devices: bool,
     /// A keeper holds the FUSE connection and restarts the server on it.
     pub restartable: bool,
+    /// `arbor keeper`'s socket: it holds the FUSE connection, and a mount
+    /// started again takes it from there.
+    pub keeper: Option<PathBuf>,
     /// Where to serve `/metrics` (`None`: nowhere).
     pub metrics: Option<std::net::SocketAddr>,
 }
@@ -223,7 +226,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     if crate::keeper::wanted(args.restartable) {
         return crate::keeper::run(&arbor_fs::mount_path(&args.mountpoint));
     }
-    let resume = crate::keeper::resume_device();
+    let holder = crate::keeper::Holder::of(args.keeper.as_deref());
+    let resume = holder.take_over(&arbor_fs::mount_path(&args.mountpoint))?;
     let p = prepare(args, resume.is_some())?;
     let opts = OpenOptions {
         segment_size: args.segment_size,
@@ -242,12 +246,12 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
                 suid_devices: args.allow_suid_devices,
                 transport: crate::settings::fuse().transport,
                 direct_writes: crate::settings::fuse().direct_writes,
-                restartable: crate::keeper::is_child(),
+                restartable: holder.restartable(),
                 ..MountOptions::default()
             };
             let name = args.root_name().to_string();
             let servers = p.cache_client.clone();
-            let at = crate::remote_mount::At { disk: &p.disk, mountpoint: &p.mountpoint, resume };
+            let at = crate::remote_mount::At { disk: &p.disk, mountpoint: &p.mountpoint, resume, holder: &holder };
             return crate::remote_mount::mount(at, name, files, &fuse_opts, servers, args.metrics);
         }
     };
@@ -268,7 +272,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         threads: args.threads,
         transport: crate::settings::fuse().transport,
         direct_writes: crate::settings::fuse().direct_writes,
-        restartable: crate::keeper::is_child(),
+        restartable: holder.restartable(),
         ..MountOptions::default()
     };
     let resuming = resume.is_some();
@@ -278,8 +282,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         None => arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
             .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?,
     };
-    if let (false, Some(dev)) = (resuming, handle.device()) {
-        crate::keeper::hand_over(dev)?;
+    if let Some(dev) = handle.device() {
+        holder.hand_over(&p.mountpoint, dev, resuming)?;
     }
     let _ = fuse_counters.set(handle.counters().clone());
     let fuse = handle.transport().describe();
@@ -350,6 +354,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
     let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
+    holder.released(&p.mountpoint);
     // It holds the volume: gone before the volume closes.
     drop(endpoint);
     drop(maintain_stop);
@@ -432,7 +437,11 @@ impl ControlState {
 /// file, and returns once the file system answers.
 /// Starts the mount process; returns its log and the FUSE transport it uses.
 pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
-    let p = prepare(args, false)?;
+    // A live connection the keeper holds is taken over by the mount
+    // process (this copy only says there is one).
+    let holder = crate::keeper::Holder::of(args.keeper.as_deref());
+    let resuming = holder.take_over(&arbor_fs::mount_path(&args.mountpoint))?.is_some();
+    let p = prepare(args, resuming)?;
     let log_path = p.disk.log_path(args.root_name());
     let mountpoint = p.mountpoint.clone();
     // The server opens the disk (and its cache directory) itself.
@@ -486,8 +495,10 @@ fn show_upload_progress<T>(mountpoint: &Path, req: &std::thread::ScopedJoinHandl
 }
 
 /// Unmounts through the control socket (which waits for the final
-/// commit), or detaches a mount whose server is gone.
-pub fn unmount(mountpoint: &Path) -> Result<()> {
+/// commit), or detaches a mount whose server is gone (after telling its
+/// keeper, if given, to let its connection go: a held connection would
+/// keep the dead mount waiting for a server instead of failing).
+pub fn unmount(mountpoint: &Path, keeper: Option<&Path>) -> Result<()> {
     let waited = std::thread::scope(|s| {
         let req = s.spawn(|| control::request(mountpoint, json!({"op": "unmount"})));
         show_upload_progress(mountpoint, &req);
@@ -496,6 +507,11 @@ pub fn unmount(mountpoint: &Path) -> Result<()> {
     if let Err(e) = waited {
         if !arbor_fs::is_mountpoint(mountpoint) {
             return Err(e);
+        }
+        if let Some(k) = keeper {
+            if let Err(e) = crate::keeper::client::Client::new(k).release(&arbor_fs::mount_path(mountpoint)) {
+                eprintln!("note: {e:#}");
+            }
         }
         arbor_fs::recover_stale_mount(mountpoint)?;
         if arbor_fs::is_mountpoint(mountpoint) {

@@ -22,6 +22,7 @@ pub struct At<'a> {
     pub disk: &'a Arc<Disk>,
     pub mountpoint: &'a Path,
     pub resume: Option<std::os::fd::OwnedFd>,
+    pub holder: &'a crate::keeper::Holder,
 }
 
 pub fn mount(
@@ -53,8 +54,8 @@ pub fn mount(
         None => arbor_fs::mount(files.clone(), mountpoint, opts)
             .with_context(|| format!("cannot mount at {}", mountpoint.display()))?,
     };
-    if let (false, Some(dev)) = (resuming, handle.device()) {
-        crate::keeper::hand_over(dev)?;
+    if let Some(dev) = handle.device() {
+        at.holder.hand_over(mountpoint, dev, resuming)?;
     }
     let _ = fuse_counters.set(handle.counters().clone());
     files.follow(handle.invalidator())?;
@@ -113,6 +114,7 @@ pub fn mount(
         ),
         None => (json!({"ok": false, "error": "no op"}), false),
     })?;
+    at.holder.released(mountpoint);
     drop(endpoint);
     let closed = Files::close(&*files);
     stopped.report(closed.as_ref().map(|_| ()).map_err(|e| e.to_string()));

@@ -16,6 +16,7 @@
 pub mod identity;
 pub mod mounts;
 pub mod node;
+pub mod revive;
 pub mod stage;
 pub mod state;
 pub mod volume;
@@ -47,6 +48,9 @@ pub struct PluginOptions {
     pub state_dir: PathBuf,
     /// The `arbor` binary that mounts volumes (normally this process's own).
     pub arbor_bin: PathBuf,
+    /// The socket of an `arbor keeper` outside the plugin's container:
+    /// volumes are mounted with `--keeper`, and served again at start.
+    pub keeper: Option<PathBuf>,
 }
 
 /// Why the plugin could not start or stopped serving.
@@ -74,8 +78,15 @@ pub fn socket_path(endpoint: &str) -> Result<PathBuf, Error> {
     Ok(PathBuf::from(path))
 }
 
-/// Serves Identity and Node on the endpoint's Unix socket until SIGTERM or SIGINT.
+/// Serves Identity and Node on the endpoint's Unix socket until SIGTERM or
+/// SIGINT; with a keeper, first serves again the staged volumes whose mount
+/// processes died with an earlier plugin.
 pub fn run(opts: PluginOptions) -> Result<(), Error> {
+    if let Some(keeper) = &opts.keeper {
+        let state = state::State::open(&opts.state_dir)
+            .map_err(io_error(format!("state folder {}", opts.state_dir.display())))?;
+        revive::revive(&state, &opts.arbor_bin, keeper);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -22,6 +22,7 @@ use tonic::{Code, Request, Response, Status};
 pub struct NodeService {
     node_id: String,
     arbor: PathBuf,
+    keeper: Option<PathBuf>,
     state: State,
     locks: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -71,19 +72,29 @@ fn reader_only(mode: Mode) -> bool {
     matches!(mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
 }
 
-/// Whether a FUSE mount at `path` is there and answers (a mount whose
-/// process died fails with ENOTCONN).
-fn serving(path: &Path) -> Result<bool, Status> {
-    Ok(mounts::is_mounted(path).map_err(internal("reading the mount table"))? && mounts::answers(path))
-}
-
 impl NodeService {
     pub fn open(opts: &PluginOptions) -> std::io::Result<NodeService> {
         Ok(NodeService {
             node_id: opts.node_id.clone(),
             arbor: opts.arbor_bin.clone(),
+            keeper: opts.keeper.clone(),
             state: State::open(&opts.state_dir)?,
             locks: Default::default(),
+        })
+    }
+
+    /// Whether a FUSE mount at `path` is there and served. Without a
+    /// keeper, whether it answers (a mount whose process died fails with
+    /// ENOTCONN); with one, whether a mount process answers on its control
+    /// socket (a mount the keeper holds waits for a server, and would not
+    /// fail).
+    fn serving(&self, path: &Path) -> Result<bool, Status> {
+        if !mounts::is_mounted(path).map_err(internal("reading the mount table"))? {
+            return Ok(false);
+        }
+        Ok(match &self.keeper {
+            Some(_) => stage::served(&self.arbor, path),
+            None => mounts::answers(path),
         })
     }
 
@@ -144,14 +155,15 @@ impl NodeService {
                     old.staging_path.display()
                 )));
             }
-            if serving(&staging)? {
+            if self.serving(&staging)? {
                 return Ok(());
             }
             tracing::warn!(volume = id, staging = %staging.display(), "staged volume is not served; mounting it again");
         }
         std::fs::create_dir_all(&staging).map_err(internal("creating the staging path"))?;
         let files = stage::write_secrets(&self.state, id, &secrets).map_err(internal("writing the secrets"))?;
-        let args = stage::mount_args(&spec, &files, &self.state.cache_dir(id)).map_err(invalid)?;
+        let args =
+            stage::mount_args(&spec, &files, &self.state.cache_dir(id), self.keeper.as_deref()).map_err(invalid)?;
         // The record first: a plugin that dies while mounting finds it.
         self.state.put_stage(&record).map_err(internal("writing the volume's record"))?;
         tracing::info!(volume = id, staging = %staging.display(), disk = %spec.disk, root = ?spec.root, "staging");
@@ -195,7 +207,8 @@ impl NodeService {
                 )));
             }
             tracing::info!(volume = id, staging = %staging.display(), "unstaging");
-            stage::unmount(&self.arbor, &staging).map_err(|e| Status::internal(e.to_string()))?;
+            stage::unmount(&self.arbor, &staging, self.keeper.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
         }
         stage::remove_secrets(&self.state, id).map_err(internal("removing the secrets"))?;
         match std::fs::remove_dir_all(self.state.cache_dir(id)) {
@@ -223,7 +236,7 @@ impl NodeService {
                 "a checkpoint volume is read-only: publish it with a reader access mode",
             ));
         }
-        if !serving(&staging)? {
+        if !self.serving(&staging)? {
             return Err(Status::failed_precondition(format!(
                 "volume {id:?} is not mounted at {} (stage it again)",
                 staging.display()

@@ -125,6 +125,18 @@ impl State {
         remove_if_there(&self.publish_file(target))
     }
 
+    /// Every staged volume's record.
+    pub fn stages(&self) -> io::Result<Vec<StageRecord>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.dir.join("stage"))? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "json") {
+                out.extend(read::<StageRecord>(&path)?);
+            }
+        }
+        Ok(out)
+    }
+
     /// Every target recorded as published for `volume_id`.
     pub fn publishes_of(&self, volume_id: &str) -> io::Result<Vec<PublishRecord>> {
         let mut out = Vec::new();
@@ -173,7 +185,8 @@ mod tests {
             secrets_digest: "x".into(),
         };
         s.put_stage(&r).expect("put");
-        assert_eq!(State::open(&dir).expect("reopen").stage("vol/1").expect("read"), Some(r));
+        assert_eq!(State::open(&dir).expect("reopen").stage("vol/1").expect("read"), Some(r.clone()));
+        assert_eq!(s.stages().expect("list"), [r]);
         s.remove_stage("vol/1").expect("remove");
         s.remove_stage("vol/1").expect("again");
         assert_eq!(s.stage("vol/1").expect("read"), None);

@@ -112,3 +112,147 @@ fn a_client_mount_of_a_shared_branch_survives_kill_9_of_its_serving_process() {
     assert!(std::fs::read(other.mnt.join("held-open.bin")).expect("read") == hold_open_expected(rounds));
     other.unmount();
 }
+
+// ---- `arbor keeper`: the connection held outside the mount's process tree. ----
+
+/// Kills the mount's whole process group `KILLS` times while a loop holds
+/// `file` open there, starting `arbor mount --keeper` again with the same
+/// arguments after each kill; returns the mount left running, the loop's
+/// rounds and its worst round (ms).
+fn restart_under_a_loop(m: Mount, disk: &str, args: &[&str], file: &Path) -> (Mount, u64, u64) {
+    let mnt = m.mnt.clone();
+    let watcher = Watcher::start(&mnt);
+    let (mut lp, out) = HoldOpenLoop::start(file, LOOP_SECONDS);
+    let mut m = m;
+    for k in 0..KILLS {
+        std::thread::sleep(Duration::from_millis(1200));
+        if !lp.running() {
+            lp.finish(out);
+            panic!("the loop ended before kill {k}");
+        }
+        let old = m.child.id();
+        let t = Instant::now();
+        m.kill_group();
+        assert!(is_mounted(&mnt), "the kernel mount died with its process");
+        m = Mount::start_in_group(disk, &mnt, args, &restartable());
+        assert_ne!(m.child.id(), old);
+        eprintln!("kill {k}: served again {} ms after the kill", t.elapsed().as_millis());
+    }
+    assert!(lp.running(), "the loop ended before the last restart was survived");
+    let (rounds, worst) = lp.finish(out);
+    assert_eq!(watcher.finish(), 0, "statfs of the mount point failed while its process was restarted");
+    (m, rounds, worst)
+}
+
+#[test]
+fn a_mount_killed_with_its_whole_process_group_comes_back_on_the_same_kernel_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let keeper = Keeper::start(s.dir.path());
+    let args = ["--keeper", keeper.socket_str()];
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    let mnt = s.mnt.to_str().expect("utf8").to_string();
+    assert_eq!(keeper.held(), vec![mnt.clone()], "the keeper holds the new mount's connection");
+    assert!(status(&s.mnt)["keeper_pid"].is_null(), "no in-process keeper");
+    let fresh = status(&s.mnt)["fuse_transport"].as_str().unwrap_or_default().to_string();
+    assert!(!fresh.contains("taken over"), "{fresh}");
+
+    // A second mount process while one serves is refused, and changes nothing.
+    let out =
+        arbor_env(&["mount", s.disk_str(), &mnt, "--foreground", "--keeper", keeper.socket_str()], &restartable());
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("already served"));
+
+    let file = s.mnt.join("held-open.bin");
+    let started = Instant::now();
+    let (m, rounds, worst) = restart_under_a_loop(m, s.disk_str(), &args, &file);
+    eprintln!("{rounds} rounds in {:?}, {KILLS} restarts, worst round {worst} ms", started.elapsed());
+    check_after(&s.mnt, &file, rounds);
+    let st = status(&s.mnt);
+    assert!(st["fuse_transport"].as_str().is_some_and(|t| t.contains("taken over")), "{st}");
+    assert_eq!(keeper.held(), vec![mnt.clone()], "the keeper still holds the connection");
+
+    // A clean unmount: the keeper lets the connection go, and the bytes
+    // are durable.
+    m.unmount();
+    assert!(!is_mounted(&s.mnt));
+    assert!(keeper.held().is_empty(), "the keeper holds an unmounted connection");
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert!(std::fs::read(&file).expect("read after remount") == hold_open_expected(rounds), "bytes differ");
+    m.unmount();
+}
+
+#[test]
+fn a_keeper_never_hands_out_a_connection_whose_mount_is_gone_and_refuses_bad_requests() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let mut keeper = Keeper::start(s.dir.path());
+    let args = ["--keeper", keeper.socket_str()];
+    let mnt = s.mnt.to_str().expect("utf8").to_string();
+
+    // A mount point the keeper does not hold mounts fresh.
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    std::fs::write(s.mnt.join("kept.txt"), b"synced before the kill").expect("write");
+    arbor_ok(&["checkpoints", "create", &mnt, "before-kill"]);
+    assert_eq!(keeper.held(), vec![mnt.clone()]);
+
+    // The mount's process is killed, and its mount detached behind the
+    // keeper's back: the connection it holds is dead. A new mount must
+    // not take it over (it would serve nobody): it mounts fresh.
+    m.kill_group();
+    let out = std::process::Command::new("umount").arg("-l").arg(&s.mnt).output().expect("umount");
+    assert!(out.status.success(), "umount -l: {}", String::from_utf8_lossy(&out.stderr));
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    let st = status(&s.mnt);
+    assert!(!st["fuse_transport"].as_str().unwrap_or_default().contains("taken over"), "took a dead connection: {st}");
+    assert_eq!(std::fs::read(s.mnt.join("kept.txt")).expect("read"), b"synced before the kill");
+    assert_eq!(keeper.held(), vec![mnt.clone()], "the keeper holds the new mount's connection");
+
+    // Requests that are not the protocol get an error answer, and the
+    // keeper goes on serving.
+    let script = r#"
+import json, socket, sys
+def call(msgs):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sys.argv[1])
+    out = []
+    for m in msgs:
+        s.send(m)
+        r = s.recv(4096)
+        out.append(json.loads(r) if r else None)
+    return out
+hello = json.dumps({"hello": "arbor-keeper", "version": 1}).encode()
+print(json.dumps([
+    call([b"\xff not json"]),
+    call([json.dumps({"hello": "arbor-keeper", "version": 99}).encode()]),
+    call([json.dumps({"op": "list"}).encode()]),
+    call([hello, json.dumps({"op": "get"}).encode(), json.dumps({"op": "deposit", "mountpoint": "/x"}).encode(),
+          json.dumps({"op": "fly"}).encode(), json.dumps({"op": "get", "mountpoint": "/nowhere"}).encode()]),
+]))
+"#;
+    let out =
+        std::process::Command::new("python3").args(["-c", script, keeper.socket_str()]).output().expect("python3");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let answers: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let error = |a: &serde_json::Value| a["ok"] == false && a["error"].is_string();
+    assert!(error(&answers[0][0]), "not JSON: {answers}");
+    assert!(error(&answers[1][0]) && answers[1][0]["error"].as_str().is_some_and(|e| e.contains("version")));
+    assert!(error(&answers[2][0]), "a request before the hello: {answers}");
+    let after_hello = &answers[3];
+    assert_eq!(after_hello[0]["version"], 1);
+    assert!(error(&after_hello[1]) && error(&after_hello[2]) && error(&after_hello[3]), "{answers}");
+    assert_eq!(after_hello[4], serde_json::json!({"ok": true, "held": false}));
+    assert!(keeper.running(), "a bad request ended the keeper");
+    assert_eq!(keeper.held(), vec![mnt.clone()]);
+
+    // Its process killed, `arbor unmount --keeper` has the keeper let the
+    // connection go, and the dead mount is detached (a held one would wait
+    // for a server instead of failing).
+    m.kill_group();
+    arbor_ok(&["unmount", &mnt, "--keeper", keeper.socket_str()]);
+    assert!(!is_mounted(&s.mnt));
+    assert!(keeper.held().is_empty());
+}

@@ -1,0 +1,99 @@
+//! Who holds a mount's `/dev/fuse` file besides the process serving it,
+//! so that a successor can take the live connection over
+//! (`arbor_fs::resume`) when that process dies:
+//!
+//! - [`parent`]: the in-process keeper of `arbor mount --foreground
+//!   --restartable`, the serving process's parent, which restarts it. It
+//!   dies with its process tree (a `systemctl restart`, a container's).
+//! - [`service`]: `arbor keeper --socket PATH`, a process of its own that
+//!   holds the files of every mount started with `--keeper PATH`
+//!   ([`client`] is their side). A mount started again after its whole
+//!   process tree was killed takes its connection from there.
+//!
+//! [`Holder`] is the one seam `arbor mount` sees: where a live connection
+//! to take over comes from, and where a new one is handed. Both speak
+//! [`fds`] (`SCM_RIGHTS`).
+
+pub mod client;
+pub mod fds;
+mod parent;
+pub mod protocol;
+pub mod service;
+
+pub use parent::{is_child, keeper_pid, run, tell_keeper, wanted};
+
+use anyhow::{bail, Result};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::path::Path;
+
+/// Where a mount's FUSE connection is held outside its serving process.
+pub enum Holder {
+    /// Nowhere: the mount dies with its process.
+    Nobody,
+    /// The in-process keeper, this process's parent.
+    Parent,
+    /// `arbor keeper` at a socket.
+    Keeper(client::Client),
+}
+
+impl Holder {
+    /// The holder of this process's mount: its parent if it is a keeper's
+    /// serving child, else the keeper at `socket` if one is given.
+    pub fn of(socket: Option<&Path>) -> Holder {
+        match socket {
+            _ if is_child() => Holder::Parent,
+            Some(s) => Holder::Keeper(client::Client::new(s)),
+            None => Holder::Nobody,
+        }
+    }
+
+    /// Whether the mount may be taken over by another process (it is then
+    /// served on `/dev/fuse`, each change answered once it outlives this
+    /// process).
+    pub fn restartable(&self) -> bool {
+        !matches!(self, Holder::Nobody)
+    }
+
+    /// The live connection of the mount at `mountpoint` this process is to
+    /// take over, if there is one. A mount some running arbor still
+    /// serves is refused: two servers on one connection would be one too
+    /// many.
+    pub fn take_over(&self, mountpoint: &Path) -> Result<Option<OwnedFd>> {
+        match self {
+            Holder::Nobody => Ok(None),
+            Holder::Parent => Ok(parent::resume_device()),
+            Holder::Keeper(k) => {
+                if let Ok(s) = crate::control::request(mountpoint, serde_json::json!({"op": "status"})) {
+                    bail!("{} is already served by a running arbor (pid {})", mountpoint.display(), s["pid"]);
+                }
+                k.get(mountpoint)
+            }
+        }
+    }
+
+    /// Hands a copy of the mount's connection to the holder (`resuming`:
+    /// this process took it over from the holder).
+    pub fn hand_over(&self, mountpoint: &Path, dev: BorrowedFd<'_>, resuming: bool) -> Result<()> {
+        match self {
+            Holder::Nobody => Ok(()),
+            Holder::Parent if resuming => Ok(()),
+            Holder::Parent => parent::hand_over(dev),
+            // Again when resuming: a keeper restarted since holds nothing.
+            Holder::Keeper(k) => {
+                k.deposit(mountpoint, dev)?;
+                tracing::info!("the keeper holds the FUSE connection: this mount survives its process");
+                Ok(())
+            }
+        }
+    }
+
+    /// After a clean unmount: the holder lets the connection go at once
+    /// (an external keeper would see the mount gone a moment later).
+    pub fn released(&self, mountpoint: &Path) {
+        if let Holder::Keeper(k) = self {
+            if let Err(e) = k.release(mountpoint) {
+                tracing::warn!(error = %format!("{e:#}"), "cannot tell the keeper the mount is gone");
+            }
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! `arbor keeper --socket PATH`: holds the `/dev/fuse` file of mounts that
+//! run elsewhere, keyed by mount point, so that a mount process killed
+//! with everything around it (`systemctl restart`, a container's restart)
+//! comes back on the same kernel mount: its successor takes the file from
+//! here and the connection over (`arbor_fs::resume`).
+//!
+//! It opens no disk and serves no request of a mount. A file is dropped
+//! when its mount is gone (the mount point no longer in this process's
+//! mount table with the device it had, or the connection aborted), on a
+//! `release`, or when a new mount at the same path deposits its own; a
+//! dead connection is never handed out.
+
+use super::fds;
+use super::protocol::{HELLO, VERSION};
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How often held files are checked against the mount table.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a connection may stay silent before the keeper hangs up.
+const IDLE: i64 = 30;
+
+/// `/dev/fuse`'s device number (misc 229).
+const FUSE_MAJOR: u32 = 10;
+const FUSE_MINOR: u32 = 229;
+
+/// A mount's connection, and the device its mount had when it came.
+struct Held {
+    dev: OwnedFd,
+    device: String,
+}
+
+type Table = Arc<parking_lot::Mutex<HashMap<PathBuf, Held>>>;
+
+/// Serves until SIGTERM or SIGINT; the files it holds close with it (their
+/// mounts go on, served by their processes, without a keeper).
+pub fn run(socket: &Path) -> Result<()> {
+    let listener = bind(socket)?;
+    let table: Table = Default::default();
+    let t = table.clone();
+    std::thread::Builder::new().name("arbor-keeper-sweep".into()).spawn(move || loop {
+        std::thread::sleep(SWEEP_EVERY);
+        sweep(&t);
+    })?;
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM])?;
+    let path = socket.to_path_buf();
+    std::thread::spawn(move || {
+        if signals.forever().next().is_some() {
+            let _ = std::fs::remove_file(&path);
+            tracing::info!("stopped; the mounts it held go on without a keeper");
+            std::process::exit(0);
+        }
+    });
+    tracing::info!(socket = %socket.display(), version = VERSION, "keeping FUSE connections");
+    crate::session::tell_systemd(sd_notify::NotifyState::Ready);
+    loop {
+        let conn = fds::accept(listener.as_fd())?;
+        let t = table.clone();
+        std::thread::spawn(move || {
+            if let Err(e) = serve(&conn, &t) {
+                tracing::debug!(error = %e, "a connection ended");
+            }
+        });
+    }
+}
+
+/// Binds `socket` (0600): a stale file is replaced, a live keeper refused.
+fn bind(socket: &Path) -> Result<OwnedFd> {
+    if let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) {
+        arbor_engine::private::create_dir_all(dir)?;
+    }
+    if socket.exists() {
+        if fds::connect(socket).is_ok() {
+            bail!("a keeper already serves {}", socket.display());
+        }
+        std::fs::remove_file(socket)?;
+    }
+    let listener = fds::listen(socket).with_context(|| format!("cannot bind {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// One connection: the hello, then requests until the client hangs up.
+fn serve(conn: &OwnedFd, table: &Table) -> std::io::Result<()> {
+    fds::set_timeouts(conn, IDLE)?;
+    // SAFETY: plain syscall.
+    let me = unsafe { libc::geteuid() };
+    let uid = fds::peer_uid(conn)?;
+    if uid != 0 && uid != me {
+        tracing::warn!(uid, "refused a connection from another user");
+        return fds::send(conn.as_fd(), refusal("permission denied").as_bytes(), None);
+    }
+    let mut greeted = false;
+    while let Some((bytes, fd)) = fds::receive(conn.as_fd())? {
+        let (answer, give) = match serde_json::from_slice::<Value>(&bytes) {
+            Err(e) => (json!({"ok": false, "error": format!("bad request: {e}")}), None),
+            Ok(req) if !greeted => match hello(&req) {
+                Ok(a) => {
+                    greeted = true;
+                    (a, None)
+                }
+                Err(e) => {
+                    return fds::send(conn.as_fd(), refusal(&e).as_bytes(), None);
+                }
+            },
+            Ok(req) => handle(&req, fd, table),
+        };
+        let dev = give.as_ref().map(|d: &OwnedFd| d.as_fd());
+        fds::send(conn.as_fd(), answer.to_string().as_bytes(), dev)?;
+    }
+    Ok(())
+}
+
+fn refusal(error: &str) -> String {
+    json!({"ok": false, "error": error}).to_string()
+}
+
+fn hello(req: &Value) -> Result<Value, String> {
+    if req["hello"].as_str() != Some(HELLO) {
+        return Err(format!("expected a hello ({{\"hello\":\"{HELLO}\",\"version\":{VERSION}}}) first"));
+    }
+    match req["version"].as_u64() {
+        Some(VERSION) => Ok(json!({"ok": true, "version": VERSION, "pid": std::process::id()})),
+        v => Err(format!("this keeper speaks version {VERSION}, not {v:?}")),
+    }
+}
+
+/// Answers one request; the descriptor to send with the answer, if any.
+fn handle(req: &Value, fd: Option<OwnedFd>, table: &Table) -> (Value, Option<OwnedFd>) {
+    let done = match req["op"].as_str() {
+        Some("list") => {
+            let mut held: Vec<String> = table.lock().keys().map(|p| p.display().to_string()).collect();
+            held.sort();
+            Ok((json!({"ok": true, "mountpoints": held}), None))
+        }
+        Some(op @ ("deposit" | "get" | "release")) => mountpoint(req).and_then(|mp| match op {
+            "deposit" => deposit(table, mp, fd).map(|()| (json!({"ok": true}), None)),
+            "get" => Ok(get(table, &mp)),
+            _ => Ok((json!({"ok": true, "held": table.lock().remove(&mp).is_some()}), None)),
+        }),
+        other => Err(format!("unknown request {other:?}")),
+    };
+    done.unwrap_or_else(|e| (json!({"ok": false, "error": e}), None))
+}
+
+fn mountpoint(req: &Value) -> Result<PathBuf, String> {
+    let p = req["mountpoint"].as_str().ok_or("no mountpoint")?;
+    let p = Path::new(p);
+    if !p.is_absolute() {
+        return Err(format!("mountpoint {p:?} is not an absolute path"));
+    }
+    Ok(p.to_path_buf())
+}
+
+/// Keeps `fd` for the mount at `mp`: it must be `/dev/fuse`, and `mp` a
+/// FUSE mount this process sees.
+fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>) -> Result<(), String> {
+    let dev = fd.ok_or("a deposit carries the mount's /dev/fuse descriptor")?;
+    let st = nix::sys::stat::fstat(&dev).map_err(|e| format!("fstat: {e}"))?;
+    let fuse = libc::makedev(FUSE_MAJOR, FUSE_MINOR);
+    if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != fuse {
+        return Err("the descriptor is not /dev/fuse".into());
+    }
+    let device =
+        fuse_device(&mp)?.ok_or_else(|| format!("no FUSE mount at {} in the keeper's mount table", mp.display()))?;
+    if !connected(&dev) {
+        return Err("the connection is already over".into());
+    }
+    tracing::info!(mountpoint = %mp.display(), device, "holding");
+    table.lock().insert(mp, Held { dev, device });
+    Ok(())
+}
+
+/// A copy of the connection held for `mp`, if it is still live.
+fn get(table: &Table, mp: &Path) -> (Value, Option<OwnedFd>) {
+    let mut t = table.lock();
+    if let Some(h) = t.get(mp) {
+        if let Err(why) = live(mp, h) {
+            tracing::info!(mountpoint = %mp.display(), why, "dropping a dead connection");
+            t.remove(mp);
+        }
+    }
+    match t.get(mp).map(|h| h.dev.try_clone()) {
+        Some(Ok(copy)) => {
+            tracing::info!(mountpoint = %mp.display(), "handing the connection to a new server");
+            (json!({"ok": true, "held": true}), Some(copy))
+        }
+        Some(Err(e)) => (json!({"ok": false, "error": format!("cannot copy the descriptor: {e}")}), None),
+        None => (json!({"ok": true, "held": false}), None),
+    }
+}
+
+/// Drops every connection whose mount is gone.
+fn sweep(table: &Table) {
+    table.lock().retain(|mp, h| match live(mp, h) {
+        Ok(()) => true,
+        Err(why) => {
+            tracing::info!(mountpoint = %mp.display(), why, "dropping a connection");
+            false
+        }
+    });
+}
+
+/// Whether the connection held for `mp` still serves the mount there.
+fn live(mp: &Path, h: &Held) -> Result<(), String> {
+    if !connected(&h.dev) {
+        return Err("the connection was aborted".into());
+    }
+    match fuse_device(mp)? {
+        Some(d) if d == h.device => Ok(()),
+        Some(d) => Err(format!("another file system ({d}) is mounted there now")),
+        None => Err("unmounted".into()),
+    }
+}
+
+/// The device of the FUSE mount on top at `mp` (`MAJOR:MINOR`), if any.
+fn fuse_device(mp: &Path) -> Result<Option<String>, String> {
+    let at = arbor_csi::mounts::mounts_at(mp).map_err(|e| format!("reading the mount table: {e}"))?;
+    Ok(at.last().filter(|m| m.fs_type.starts_with("fuse")).map(|m| m.device.clone()))
+}
+
+/// False once the kernel ended the connection (an unmount, an abort):
+/// `poll` then reports an error on `/dev/fuse`.
+fn connected(dev: &OwnedFd) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut p = [PollFd::new(dev.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut p, PollTimeout::ZERO) {
+        Ok(_) => !p[0].revents().is_some_and(|r| r.intersects(PollFlags::POLLERR | PollFlags::POLLHUP)),
+        Err(_) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hellos_and_requests_that_are_refused() {
+        assert!(hello(&json!({"hello": HELLO, "version": VERSION})).is_ok());
+        assert!(hello(&json!({"hello": HELLO, "version": VERSION + 1})).is_err());
+        assert!(hello(&json!({"op": "list"})).is_err());
+        let table: Table = Default::default();
+        let refused = |req: Value| handle(&req, None, &table).0["error"].as_str().map(String::from);
+        assert!(refused(json!({"op": "nope"})).is_some_and(|e| e.contains("unknown")));
+        assert!(refused(json!({"op": "get"})).is_some_and(|e| e.contains("no mountpoint")));
+        assert!(refused(json!({"op": "get", "mountpoint": "rel/ative"})).is_some_and(|e| e.contains("absolute")));
+        assert!(refused(json!({"op": "deposit", "mountpoint": "/mnt"})).is_some_and(|e| e.contains("/dev/fuse")));
+        // Not /dev/fuse.
+        let file = tempfile::tempfile().expect("tempfile");
+        let (a, _) = handle(&json!({"op": "deposit", "mountpoint": "/mnt"}), Some(file.into()), &table);
+        assert!(a["error"].as_str().is_some_and(|e| e.contains("not /dev/fuse")), "{a}");
+        let (a, fd) = handle(&json!({"op": "get", "mountpoint": "/mnt"}), None, &table);
+        assert_eq!((a, fd.is_none()), (json!({"ok": true, "held": false}), true));
+        assert_eq!(handle(&json!({"op": "list"}), None, &table).0, json!({"ok": true, "mountpoints": []}));
+    }
+}
