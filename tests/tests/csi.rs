@@ -33,6 +33,11 @@ impl Plugin {
 
     /// With extra environment variables (an S3 endpoint, without credentials).
     fn start_env(dir: &Path, env: &[(&str, String)]) -> Plugin {
+        Self::start_with(dir, env, &[])
+    }
+
+    /// With extra environment variables and arguments.
+    fn start_with(dir: &Path, env: &[(&str, String)], args: &[&str]) -> Plugin {
         let socket = dir.join("csi.sock");
         let state = dir.join("csi-state");
         let log = dir.join("csi.log");
@@ -41,6 +46,7 @@ impl Plugin {
             .args(["csi", "--endpoint", &format!("unix://{}", socket.display()), "--node-id", "node-a"])
             .arg("--state-dir")
             .arg(&state)
+            .args(args)
             .envs(env.iter().map(|(k, v)| (*k, v)))
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&log).expect("log"))
@@ -195,6 +201,20 @@ fn processes_at(path: &Path, needle: &str) -> (usize, bool) {
         leaked |= has(&cmdline, needle.as_bytes()) || has(&environ, needle.as_bytes());
     }
     (n, leaked)
+}
+
+/// The processes whose command line mentions `path`.
+fn pids_at(path: &Path) -> Vec<libc::pid_t> {
+    let path = path.to_string_lossy();
+    let mut pids = Vec::new();
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else { continue };
+        if cmdline.windows(path.len()).any(|w| w == path.as_bytes()) {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 /// The identity and node calls the kubelet makes when it registers a plugin.
@@ -395,6 +415,74 @@ async fn a_pod_writing_a_branch_volume_sees_no_error_when_its_mount_process_and_
     node.node_unpublish_volume(unpublish_req("vol", &target)).await.expect("unpublish");
     node.node_unstage_volume(unstage_req("vol", &staging)).await.expect("unstage");
     assert!(!fuse_mounted_at(&staging));
+    // The owner has every byte.
+    let c = w.client("check");
+    assert!(std::fs::read(c.mnt.join("held-open.bin")).expect("read") == hold_open_expected(rounds));
+    c.unmount();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_writing_a_branch_volume_sees_no_error_when_the_plugin_container_restarts() {
+    let Some(w) = SharedWorld::start() else { return };
+    let dir = w.s.dir.path();
+    let env = [("ARBOR_FUSE", "auto".to_string())];
+    // The keeper runs outside the plugin's container (its own DaemonSet).
+    let keeper = Keeper::start(dir);
+    let with_keeper = ["--keeper", keeper.socket_str()];
+    let mut plugin = Plugin::start_with(dir, &env, &with_keeper);
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    let staging = dir.join("globalmount");
+    let target = dir.join("pods/p/volumes/data");
+    std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir");
+    let _cleanup = Cleanup { targets: vec![target.clone()], staging: vec![staging.clone()] };
+    let ctx = [("disk", w.s.disk_str()), ("branch", "main"), ("server", w.owner.addr.as_str())];
+    let (rwx, secrets) = (Mode::MultiNodeMultiWriter, [("token", TOKEN)]);
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &secrets)).await.expect("stage");
+    node.node_publish_volume(publish_req("vol", &staging, &target, rwx, false)).await.expect("publish");
+    assert_eq!(keeper.held(), vec![staging.to_string_lossy().into_owned()], "the keeper holds the staged mount");
+    assert_eq!(pids_at(&staging).len(), 1, "one mount process, no keeper of its own");
+
+    // A pod holds a file open and writes, fsyncs and reads it in a loop
+    // while the plugin's container restarts twice: the plugin and every
+    // mount process it started are killed at once, and a new plugin starts
+    // on the same state folder and keeper.
+    let file = target.join("held-open.bin");
+    let watcher = Watcher::start(&target);
+    let (mut lp, out) = HoldOpenLoop::start(&file, 7);
+    for restart in 0..2 {
+        std::thread::sleep(Duration::from_millis(1200));
+        assert!(lp.running(), "the loop ended before restart {restart}");
+        let mounts = pids_at(&staging);
+        assert!(!mounts.is_empty(), "no mount process at {}", staging.display());
+        let t = std::time::Instant::now();
+        plugin.stop();
+        for pid in mounts {
+            // SAFETY: a signal to a mount process the plugin started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        wait_until("every mount process to die", Duration::from_secs(10), || pids_at(&staging).is_empty());
+        assert!(fuse_mounted_at(&staging), "the kernel mount died with its processes");
+        plugin = Plugin::start_with(dir, &env, &with_keeper);
+        serving_pid(&staging, None);
+        eprintln!("restart {restart}: served again {} ms after the kill", t.elapsed().as_millis());
+    }
+    assert!(lp.running(), "the loop ended before the last restart was survived");
+    let (rounds, worst) = lp.finish(out);
+    assert_eq!(watcher.finish(), 0, "statfs of the pod's target failed");
+    eprintln!("{rounds} rounds, worst round {worst} ms");
+    assert!(std::fs::read(&file).expect("read") == hold_open_expected(rounds), "bytes differ after the restarts");
+    check_hold_open_files(&file, rounds);
+    assert!(plugin.log_text().contains("serving again"), "{}", plugin.log_text());
+
+    // The kubelet's repeated calls get the same answers; then unpublish and
+    // unstage leave no mount, and the keeper holds nothing.
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &secrets)).await.expect("stage again");
+    node.node_publish_volume(publish_req("vol", &staging, &target, rwx, false)).await.expect("publish again");
+    node.node_unpublish_volume(unpublish_req("vol", &target)).await.expect("unpublish");
+    node.node_unstage_volume(unstage_req("vol", &staging)).await.expect("unstage");
+    assert!(!fuse_mounted_at(&staging) && !is_mounted(&target), "a mount is left");
+    assert!(keeper.held().is_empty(), "the keeper still holds {:?}", keeper.held());
     // The owner has every byte.
     let c = w.client("check");
     assert!(std::fs::read(c.mnt.join("held-open.bin")).expect("read") == hold_open_expected(rounds));
