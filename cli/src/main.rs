@@ -308,8 +308,11 @@ struct MountCmd {
     /// it back from there when started again on a mount point it holds:
     /// the mount survives this process and every process around it (kill
     /// -9, `systemctl restart`, a container's restart); open files stall
-    /// until `arbor mount` runs again with the same arguments. Each change
-    /// is answered once it outlives the process, as with --restartable.
+    /// until `arbor mount` runs again with the same arguments. SIGTERM
+    /// makes what was answered durable and exits leaving the mount to the
+    /// keeper (so `systemctl restart` restarts it in place); SIGINT and
+    /// `arbor unmount` unmount. Each change is answered once it outlives
+    /// the process, as with --restartable.
     #[arg(long, value_name = "SOCKET")]
     keeper: Option<PathBuf>,
     /// Serve `GET /metrics` (Prometheus text: FUSE operations, bucket calls,

@@ -353,7 +353,12 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         invalidate: invalidate.clone(),
     };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
-    let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
+    let hand_over = holder.outlives_process().then(|| {
+        let vol = vol.clone();
+        Box::new(move || vol.sync_all().and_then(|_| vol.commit()).map_err(|e| e.to_string()))
+            as crate::session::HandOver
+    });
+    let stopped = serve_until_stopped(handle, control, hand_over, move |req, tx| ctl.handle(&args_view, req, tx))?;
     holder.released(&p.mountpoint);
     // It holds the volume: gone before the volume closes.
     drop(endpoint);

@@ -63,7 +63,9 @@ pub fn mount(
     let fuse = (handle.transport().clone(), handle.counters().clone());
     tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), resuming, "mounted through the owner");
     let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
-    let stopped = serve_until_stopped(handle, control, move |req, tx| match req["op"].as_str() {
+    // Each write was answered once the owner had it (`write_synchronously`).
+    let hand_over = at.holder.outlives_process().then(|| Box::new(|| Ok(())) as crate::session::HandOver);
+    let stopped = serve_until_stopped(handle, control, hand_over, move |req, tx| match req["op"].as_str() {
         Some("status") => {
             let s = view.stats();
             let mut result = json!({

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 pub enum Event {
     Stop(&'static str),
+    /// SIGTERM to a mount an `arbor keeper` holds: leave it to the keeper.
+    HandOver,
     /// Unmount, then report how closing the volume went.
     Unmount(mpsc::Sender<Result<(), String>>),
 }
@@ -31,21 +33,36 @@ impl Stopped {
     }
 }
 
+/// What SIGTERM does to a mount whose connection an `arbor keeper` holds:
+/// this makes what the process answered durable, and the process then
+/// exits without unmounting. The kernel mount stays, held by the keeper,
+/// and the next `arbor mount --keeper` there takes it over: a `systemctl
+/// restart` restarts the mount in place. (SIGINT, SIGHUP and `arbor
+/// unmount` still unmount.)
+pub type HandOver = Box<dyn FnOnce() -> Result<(), String> + Send>;
+
 /// Answers control requests with `handle` until a signal, an unmount
-/// request, or an unmount from outside, then unmounts.
+/// request, or an unmount from outside, then unmounts; or, on SIGTERM
+/// with a `hand_over`, runs it and exits leaving the mount in place.
 pub fn serve_until_stopped(
     handle: arbor_fs::MountHandle,
     control: control::Server,
+    hand_over: Option<HandOver>,
     handle_req: impl Fn(&Value, &mpsc::Sender<Event>) -> (Value, bool) + Send + Sync + 'static,
 ) -> Result<Stopped> {
     let (tx, rx) = mpsc::channel();
     let sig_tx = tx.clone();
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    let term_hands_over = hand_over.is_some();
     std::thread::spawn(move || {
-        if signals.forever().next().is_some() {
-            let _ = sig_tx.send(Event::Stop("signal"));
+        if let Some(sig) = signals.forever().next() {
+            let _ = sig_tx.send(match sig {
+                libc::SIGTERM if term_hands_over => Event::HandOver,
+                _ => Event::Stop("signal"),
+            });
         }
     });
+    let mut hand_over = hand_over;
     let (replied_tx, replied_rx) = mpsc::channel::<()>();
     std::thread::spawn(move || {
         control.serve(|req| handle_req(req, &tx));
@@ -63,6 +80,16 @@ pub fn serve_until_stopped(
             Ok(Event::Unmount(a)) => {
                 ack = Some(a);
                 break true;
+            }
+            Ok(Event::HandOver) => {
+                let flushed = hand_over.take().map_or(Ok(()), |f| f());
+                match &flushed {
+                    Ok(()) => tracing::info!("SIGTERM: everything answered is durable; the keeper keeps the mount"),
+                    Err(e) => tracing::error!(error = e, "SIGTERM: a final sync failed; the keeper keeps the mount"),
+                }
+                // No unmount: the session's handle must not be dropped,
+                // and nothing else is left to do.
+                std::process::exit(if flushed.is_ok() { 0 } else { 1 });
             }
             Err(mpsc::RecvTimeoutError::Timeout) if handle.is_finished() => break false,
             Err(mpsc::RecvTimeoutError::Timeout) => {}

@@ -186,16 +186,24 @@ impl Mount {
     /// [`Mount::start_in_group`]), as `systemctl restart` or a container's
     /// restart kills every process; returns once none of them is left. The
     /// kernel mount stays (a keeper may hold its connection).
-    pub fn kill_group(mut self) {
+    pub fn kill_group(self) {
+        self.signal_group(libc::SIGKILL);
+    }
+
+    /// `signal` to the mount's whole process group (SIGTERM: as `systemctl
+    /// stop` or `restart` does); returns how the mount process ended, once
+    /// none of the group is left.
+    pub fn signal_group(mut self, signal: libc::c_int) -> std::process::ExitStatus {
         let pgid = self.child.id() as libc::pid_t;
         // SAFETY: a signal to the process group this test started.
-        assert_eq!(unsafe { libc::kill(-pgid, libc::SIGKILL) }, 0, "kill -9 -{pgid}");
-        let _ = self.child.wait();
+        assert_eq!(unsafe { libc::kill(-pgid, signal) }, 0, "kill -{signal} -{pgid}");
+        let status = self.child.wait().expect("wait");
         // SAFETY: signal 0 only asks whether a process of the group is left.
         wait_until("every process of the group to die", Duration::from_secs(10), || unsafe {
             libc::kill(-pgid, 0) != 0
         });
         std::mem::forget(self);
+        status
     }
 
     fn spawn(

@@ -54,6 +54,12 @@ impl Holder {
         !matches!(self, Holder::Nobody)
     }
 
+    /// Whether the mount outlives its whole process tree (`arbor keeper`
+    /// holds it): SIGTERM then leaves it in place for the next process.
+    pub fn outlives_process(&self) -> bool {
+        matches!(self, Holder::Keeper(_))
+    }
+
     /// The live connection of the mount at `mountpoint` this process is to
     /// take over, if there is one. A mount some running arbor still
     /// serves is refused: two servers on one connection would be one too
