@@ -114,6 +114,7 @@ pub async fn serve(opts: PluginOptions, stop: impl std::future::Future<Output = 
     let node = node::NodeService::open(&opts)
         .map(node::NodeServer::new)
         .map_err(io_error(format!("state folder {}", opts.state_dir.display())))?;
+    let watcher = tokio::spawn(node.clone().watch());
     let identity = identity::IdentityService;
     tracing::info!(endpoint = %path.display(), node = %opts.node_id, driver = DRIVER_NAME, "CSI plugin serving");
     let served = tonic::transport::Server::builder()
@@ -121,6 +122,7 @@ pub async fn serve(opts: PluginOptions, stop: impl std::future::Future<Output = 
         .add_service(proto::node_server::NodeServer::new(node))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), stop)
         .await;
+    watcher.abort();
     let _ = std::fs::remove_file(&path);
     served?;
     Ok(())

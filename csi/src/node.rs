@@ -304,9 +304,45 @@ impl NodeService {
 #[derive(Clone)]
 pub struct NodeServer(Arc<NodeService>);
 
+/// With a keeper, how often the plugin looks for staged volumes whose
+/// mount process died alone (the OOM killer, a kill -9): their pods stall
+/// until then.
+pub const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl NodeServer {
     pub fn new(service: NodeService) -> NodeServer {
         NodeServer(Arc::new(service))
+    }
+
+    /// With a keeper: every [`WATCH_EVERY`], starts a mount process for each
+    /// staged volume whose kernel mount is there and not served (under the
+    /// volume's lock, so never during its stage or unstage). Without one,
+    /// returns at once (the in-process keeper restarts its own child).
+    pub async fn watch(self) {
+        let Some(keeper) = self.0.keeper.clone() else { return };
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            let records = match self.0.state.stages() {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the staged volumes' records");
+                    continue;
+                }
+            };
+            for r in records {
+                let (id, keeper) = (r.volume_id.clone(), keeper.clone());
+                let revived = self
+                    .0
+                    .with_volume(&id, move |n| Ok(crate::revive::revive_one(&n.state, &n.arbor, &keeper, &r)))
+                    .await;
+                match revived {
+                    Ok(Ok(true)) => tracing::warn!(volume = id, "its mount process had died; serving it again"),
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => tracing::warn!(volume = id, error = e, "cannot serve the staged volume again"),
+                    Err(s) => tracing::warn!(volume = id, error = s.message(), "cannot serve the staged volume again"),
+                }
+            }
+        }
     }
 }
 

@@ -30,8 +30,9 @@ pub fn revive(state: &State, arbor: &Path, keeper: &Path) {
     }
 }
 
-/// Whether it started a mount process for the volume.
-fn revive_one(state: &State, arbor: &Path, keeper: &Path, r: &StageRecord) -> Result<bool, String> {
+/// Serves the volume again if it is mounted and not served; whether it
+/// started a mount process for it.
+pub fn revive_one(state: &State, arbor: &Path, keeper: &Path, r: &StageRecord) -> Result<bool, String> {
     let mounted = mounts::is_mounted(&r.staging_path).map_err(|e| format!("reading the mount table: {e}"))?;
     // Gone: the kubelet's next stage mounts it. Served: nothing to do.
     if !mounted || stage::served(arbor, &r.staging_path) {

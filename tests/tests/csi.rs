@@ -422,7 +422,7 @@ async fn a_pod_writing_a_branch_volume_sees_no_error_when_its_mount_process_and_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_writing_a_branch_volume_sees_no_error_when_the_plugin_container_restarts() {
+async fn a_pod_writing_a_branch_volume_sees_no_error_when_the_plugin_container_restarts_or_its_mount_process_dies() {
     let Some(w) = SharedWorld::start() else { return };
     let dir = w.s.dir.path();
     let env = [("ARBOR_FUSE", "auto".to_string())];
@@ -443,28 +443,35 @@ async fn a_pod_writing_a_branch_volume_sees_no_error_when_the_plugin_container_r
     assert_eq!(pids_at(&staging).len(), 1, "one mount process, no keeper of its own");
 
     // A pod holds a file open and writes, fsyncs and reads it in a loop
-    // while the plugin's container restarts twice: the plugin and every
+    // while the plugin's container restarts twice (the plugin and every
     // mount process it started are killed at once, and a new plugin starts
-    // on the same state folder and keeper.
+    // on the same state folder and keeper), then the mount process alone
+    // is killed (the plugin notices and starts another).
     let file = target.join("held-open.bin");
     let watcher = Watcher::start(&target);
-    let (mut lp, out) = HoldOpenLoop::start(&file, 7);
-    for restart in 0..2 {
+    let (mut lp, out) = HoldOpenLoop::start(&file, 10);
+    for restart in 0..3 {
         std::thread::sleep(Duration::from_millis(1200));
         assert!(lp.running(), "the loop ended before restart {restart}");
         let mounts = pids_at(&staging);
         assert!(!mounts.is_empty(), "no mount process at {}", staging.display());
         let t = std::time::Instant::now();
-        plugin.stop();
+        let container = restart < 2;
+        if container {
+            plugin.stop();
+        }
         for pid in mounts {
             // SAFETY: a signal to a mount process the plugin started.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
         wait_until("every mount process to die", Duration::from_secs(10), || pids_at(&staging).is_empty());
         assert!(fuse_mounted_at(&staging), "the kernel mount died with its processes");
-        plugin = Plugin::start_with(dir, &env, &with_keeper);
+        if container {
+            plugin = Plugin::start_with(dir, &env, &with_keeper);
+        }
         serving_pid(&staging, None);
-        eprintln!("restart {restart}: served again {} ms after the kill", t.elapsed().as_millis());
+        let what = if container { "the plugin and its mount process" } else { "the mount process alone" };
+        eprintln!("restart {restart} ({what}): served again {} ms after the kill", t.elapsed().as_millis());
     }
     assert!(lp.running(), "the loop ended before the last restart was survived");
     let (rounds, worst) = lp.finish(out);
