@@ -265,3 +265,34 @@ print(json.dumps([
     assert!(!is_mounted(&s.mnt));
     assert!(keeper.held().is_empty());
 }
+
+#[test]
+fn a_restarted_keeper_learns_the_connections_of_running_mounts_again() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let keeper = Keeper::start(s.dir.path());
+    let socket = keeper.socket_str().to_string();
+    let args = ["--keeper", socket.as_str()];
+    let mnt = s.mnt.to_str().expect("utf8").to_string();
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    std::fs::write(s.mnt.join("before.txt"), b"written before the keeper restarted").expect("write");
+
+    // The keeper dies (kill -9) and starts again, holding nothing: the
+    // mount goes on serving, and hands the new keeper its connection.
+    drop(keeper);
+    assert!(statfs_ok(&s.mnt), "the mount died with its keeper");
+    let keeper = Keeper::start(s.dir.path());
+    wait_until("the mount to hand the new keeper its connection", Duration::from_secs(20), || {
+        keeper.held() == vec![mnt.clone()]
+    });
+
+    // So the mount survives its process again.
+    m.kill_group();
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    assert!(status(&s.mnt)["fuse_transport"].as_str().is_some_and(|t| t.contains("taken over")));
+    assert_eq!(std::fs::read(s.mnt.join("before.txt")).expect("read"), b"written before the keeper restarted");
+    m.unmount();
+    assert!(keeper.held().is_empty());
+}

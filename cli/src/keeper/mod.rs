@@ -23,8 +23,13 @@ pub mod service;
 pub use parent::{is_child, keeper_pid, run, tell_keeper, wanted};
 
 use anyhow::{bail, Result};
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
+use std::time::Duration;
+
+/// How often a mount hands `arbor keeper` its connection again, so that a
+/// keeper restarted since (holding nothing) learns it.
+pub const DEPOSIT_EVERY: Duration = Duration::from_secs(5);
 
 /// Where a mount's FUSE connection is held outside its serving process.
 pub enum Holder {
@@ -84,10 +89,13 @@ impl Holder {
             Holder::Nobody => Ok(()),
             Holder::Parent if resuming => Ok(()),
             Holder::Parent => parent::hand_over(dev),
-            // Again when resuming: a keeper restarted since holds nothing.
+            // Again when resuming, and every DEPOSIT_EVERY: a keeper
+            // restarted since holds nothing.
             Holder::Keeper(k) => {
                 k.deposit(mountpoint, dev)?;
                 tracing::info!("the keeper holds the FUSE connection: this mount survives its process");
+                let (k, mp, dev) = (k.clone(), mountpoint.to_path_buf(), dev.try_clone_to_owned()?);
+                std::thread::Builder::new().name("arbor-deposit".into()).spawn(move || deposit_again(&k, &mp, &dev))?;
                 Ok(())
             }
         }
@@ -100,6 +108,29 @@ impl Holder {
             if let Err(e) = k.release(mountpoint) {
                 tracing::warn!(error = %format!("{e:#}"), "cannot tell the keeper the mount is gone");
             }
+        }
+    }
+}
+
+/// Hands the keeper the connection every [`DEPOSIT_EVERY`] for as long as
+/// this process serves it (a deposit after the unmount is refused: the
+/// keeper finds no such mount). Says once when the keeper is away, and
+/// when it is back.
+fn deposit_again(k: &client::Client, mountpoint: &Path, dev: &OwnedFd) {
+    let mut away = false;
+    loop {
+        std::thread::sleep(DEPOSIT_EVERY);
+        match k.deposit(mountpoint, dev.as_fd()) {
+            Ok(()) if away => {
+                tracing::info!("the keeper holds the FUSE connection again");
+                away = false;
+            }
+            Ok(()) => {}
+            Err(e) if !away => {
+                tracing::warn!(error = %format!("{e:#}"), "the keeper does not hold the FUSE connection: this mount dies with its process until it is back");
+                away = true;
+            }
+            Err(_) => {}
         }
     }
 }

@@ -61,7 +61,16 @@ pub fn run(socket: &Path) -> Result<()> {
     tracing::info!(socket = %socket.display(), version = VERSION, "keeping FUSE connections");
     crate::session::tell_systemd(sd_notify::NotifyState::Ready);
     loop {
-        let conn = fds::accept(listener.as_fd())?;
+        // A failed accept (out of descriptors, say) must not end the
+        // keeper: every mount it holds would lose its keeper with it.
+        let conn = match fds::accept(listener.as_fd()) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot accept a connection");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
         let t = table.clone();
         std::thread::spawn(move || {
             if let Err(e) = serve(&conn, &t) {
@@ -173,8 +182,13 @@ fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>) -> Result<(), String
     if !connected(&dev) {
         return Err("the connection is already over".into());
     }
-    tracing::info!(mountpoint = %mp.display(), device, "holding");
-    table.lock().insert(mp, Held { dev, device });
+    let mut t = table.lock();
+    // Mounts deposit again now and then (for a keeper started since):
+    // the same connection again is no news.
+    if t.get(&mp).is_none_or(|h| h.device != device) {
+        tracing::info!(mountpoint = %mp.display(), device, "holding");
+    }
+    t.insert(mp, Held { dev, device });
     Ok(())
 }
 
