@@ -144,6 +144,7 @@ impl NodeService {
             attributes: attributes_key(&req.volume_context),
             capability: cap,
             secrets_digest: secrets.digest(),
+            waiting_for_secrets: false,
         };
         if let Some(old) = self.state.stage(id).map_err(internal("reading the volume's record"))? {
             if old.staging_path != record.staging_path
@@ -161,19 +162,75 @@ impl NodeService {
             tracing::warn!(volume = id, staging = %staging.display(), "staged volume is not served; mounting it again");
         }
         std::fs::create_dir_all(&staging).map_err(internal("creating the staging path"))?;
-        let files = stage::write_secrets(&self.state, id, &secrets).map_err(internal("writing the secrets"))?;
+        if req.secrets.is_empty()
+            && stage::mount_args(&spec, &stage::SecretFiles::default(), Path::new("/"), None).is_err()
+        {
+            // Its secrets may come with each publish (`nodePublishSecretRef`).
+            tracing::info!(volume = id, staging = %staging.display(), "staged without secrets: mounting at the first publish");
+            let record = StageRecord { waiting_for_secrets: true, ..record };
+            return self.state.put_stage(&record).map_err(internal("writing the volume's record"));
+        }
+        self.mount_staged(id, &spec, &staging, &secrets, &record)
+    }
+
+    /// Mounts a staged volume at `staging` with `secrets`, its record
+    /// written first (a plugin that dies while mounting finds it); undone
+    /// if the mount fails.
+    fn mount_staged(
+        &self,
+        id: &str,
+        spec: &VolumeSpec,
+        staging: &Path,
+        secrets: &Secrets,
+        record: &StageRecord,
+    ) -> Result<(), Status> {
+        let files = stage::write_secrets(&self.state, id, secrets).map_err(internal("writing the secrets"))?;
         let args =
-            stage::mount_args(&spec, &files, &self.state.cache_dir(id), self.keeper.as_deref()).map_err(invalid)?;
-        // The record first: a plugin that dies while mounting finds it.
-        self.state.put_stage(&record).map_err(internal("writing the volume's record"))?;
+            stage::mount_args(spec, &files, &self.state.cache_dir(id), self.keeper.as_deref()).map_err(invalid)?;
+        self.state.put_stage(record).map_err(internal("writing the volume's record"))?;
         tracing::info!(volume = id, staging = %staging.display(), disk = %spec.disk, root = ?spec.root, "staging");
-        if let Err(e) = stage::mount(&self.arbor, &spec, &staging, &args, &files) {
+        if let Err(e) = stage::mount(&self.arbor, spec, staging, &args, &files) {
             let _ = self.state.remove_stage(id);
             let _ = stage::remove_secrets(&self.state, id);
             return Err(match e {
                 StageError::NotFound(m) => Status::not_found(m),
                 StageError::Failed(m) => Status::internal(m),
             });
+        }
+        Ok(())
+    }
+
+    /// What a publish's secrets (`nodePublishSecretRef`) do: a volume
+    /// staged without the secrets it needs is mounted now, with them; a
+    /// volume already mounted takes none (one mount serves every pod on
+    /// the node), so other secrets than it was mounted with are refused.
+    fn publish_secrets(
+        &self,
+        id: &str,
+        staging: &Path,
+        staged: &StageRecord,
+        given: &HashMap<String, String>,
+    ) -> Result<(), Status> {
+        let secrets = Secrets::parse(given).map_err(invalid)?;
+        if staged.waiting_for_secrets {
+            if given.is_empty() {
+                return Err(Status::failed_precondition(format!(
+                    "volume {id:?} was staged without secrets and its mount needs them (a \"token\"): give them in nodeStageSecretRef or nodePublishSecretRef"
+                )));
+            }
+            let ctx: HashMap<String, String> = staged.attributes.clone().into_iter().collect();
+            let spec = VolumeSpec::parse(&ctx).map_err(invalid)?;
+            let record = StageRecord { secrets_digest: secrets.digest(), waiting_for_secrets: false, ..staged.clone() };
+            tracing::info!(volume = id, "mounting with the publish's secrets");
+            return self.mount_staged(id, &spec, staging, &secrets, &record).inspect_err(|_| {
+                // Still staged, still waiting: the next publish tries again.
+                let _ = self.state.put_stage(staged);
+            });
+        }
+        if !given.is_empty() && secrets.digest() != staged.secrets_digest {
+            return Err(Status::failed_precondition(format!(
+                "volume {id:?} is mounted with other secrets than this publish's (nodePublishSecretRef): one mount serves every pod on the node, so every publish must give the secrets it was mounted with, or none"
+            )));
         }
         Ok(())
     }
@@ -236,6 +293,7 @@ impl NodeService {
                 "a checkpoint volume is read-only: publish it with a reader access mode",
             ));
         }
+        self.publish_secrets(id, &staging, &staged, &req.secrets)?;
         if !self.serving(&staging)? {
             return Err(Status::failed_precondition(format!(
                 "volume {id:?} is not mounted at {} (stage it again)",

@@ -29,6 +29,10 @@ pub struct StageRecord {
     pub capability: String,
     /// A digest of the secrets' values (never the values).
     pub secrets_digest: String,
+    /// Staged without the secrets its mount needs: it is mounted at the
+    /// first publish, with that call's secrets (`nodePublishSecretRef`).
+    #[serde(default)]
+    pub waiting_for_secrets: bool,
 }
 
 /// A staged volume bound into a pod's target path.
@@ -183,6 +187,7 @@ mod tests {
             attributes: [("disk".to_string(), "/d".to_string())].into(),
             capability: "rw".into(),
             secrets_digest: "x".into(),
+            waiting_for_secrets: false,
         };
         s.put_stage(&r).expect("put");
         assert_eq!(State::open(&dir).expect("reopen").stage("vol/1").expect("read"), Some(r.clone()));

@@ -284,8 +284,15 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
         code(node.node_stage_volume(stage_req("vol-1", &staging, rwx, &both, &secrets)).await),
         Code::InvalidArgument
     );
-    let no_token = stage_req("vol-1", &staging, rwx, &ctx, &[]);
-    assert_eq!(code(node.node_stage_volume(no_token).await), Code::InvalidArgument);
+    // Without the token its mount needs, a stage mounts nothing (the
+    // secrets may come with each publish, nodePublishSecretRef), and a
+    // publish that gives none either is refused.
+    node.node_stage_volume(stage_req("vol-1", &staging, rwx, &ctx, &[])).await.expect("a stage waiting for secrets");
+    assert!(!fuse_mounted_at(&staging), "mounted without the token");
+    let no_secrets = node.node_publish_volume(publish_req("vol-1", &staging, &a, rwx, false)).await;
+    assert_eq!(code(no_secrets), Code::FailedPrecondition);
+    assert!(!is_mounted(&a));
+    node.node_unstage_volume(unstage_req("vol-1", &staging)).await.expect("unstage the waiting stage");
     let missing = [("disk", w.s.disk_str()), ("branch", "no-such-branch"), ("server", w.owner.addr.as_str())];
     assert_eq!(
         code(node.node_stage_volume(stage_req("vol-1", &staging, rwx, &missing, &secrets)).await),
@@ -360,6 +367,73 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
     // What pod a wrote is on the branch: the owner has it.
     let c = w.client("check");
     assert_eq!(std::fs::read(c.mnt.join("written-in-a")).expect("read through a client"), b"from pod a");
+    c.unmount();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_branch_volume_whose_token_comes_only_with_the_publish() {
+    let Some(w) = SharedWorld::start() else { return };
+    let dir = w.s.dir.path();
+    let plugin = Plugin::start(dir);
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    let staging = dir.join("globalmount");
+    let (a, b) = (dir.join("pods/a/volumes/data"), dir.join("pods/b/volumes/data"));
+    for t in [&a, &b] {
+        std::fs::create_dir_all(t.parent().expect("parent")).expect("mkdir");
+    }
+    let _cleanup = Cleanup { targets: vec![a.clone(), b.clone()], staging: vec![staging.clone()] };
+    let ctx = [("disk", w.s.disk_str()), ("branch", "main"), ("server", w.owner.addr.as_str())];
+    let rwx = Mode::MultiNodeMultiWriter;
+    let with = |target: &Path, secrets: &[(&str, &str)]| {
+        let mut r = publish_req("vol", &staging, target, rwx, false);
+        r.secrets = map(secrets);
+        r
+    };
+
+    // Staged without secrets (no nodeStageSecretRef): nothing is mounted
+    // until a publish brings the token.
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &[])).await.expect("stage");
+    assert!(!fuse_mounted_at(&staging));
+    let wrong_key = node.node_publish_volume(with(&a, &[("password", "x")])).await;
+    assert_eq!(code(wrong_key), Code::InvalidArgument, "an unknown secret key");
+    let no_token = node.node_publish_volume(with(&a, &[])).await;
+    assert_eq!(code(no_token), Code::FailedPrecondition);
+    let refused = node.node_publish_volume(with(&a, &[("token", "not-the-token")])).await;
+    assert!(refused.is_err() && !fuse_mounted_at(&staging), "mounted with a token the owner refuses");
+
+    // The first publish with the token mounts the volume with it, then
+    // binds the pod's target.
+    node.node_publish_volume(with(&a, &[("token", TOKEN)])).await.expect("publish with the token");
+    assert!(fuse_mounted_at(&staging));
+    let status: serde_json::Value =
+        serde_json::from_str(&arbor_ok(&["status", staging.to_str().expect("utf8"), "--json"])).expect("status json");
+    assert_eq!(status["owner"].as_str(), Some(w.owner.addr.as_str()), "mounted through the owner: {status}");
+    std::fs::write(a.join("from-a"), b"written with the publish's token").expect("write in a");
+    let (n, leaked) = processes_at(&staging, TOKEN);
+    assert!(n >= 1 && !leaked, "the token in a mount process's argv or environment");
+
+    // Another pod: the same token (or none) binds the same mount; another
+    // token is refused, since the mount has one already.
+    let other = node.node_publish_volume(with(&b, &[("token", "another-token")])).await;
+    let other = other.expect_err("a publish with other secrets");
+    assert_eq!(other.code(), Code::FailedPrecondition);
+    assert!(other.message().contains("other secrets"), "{other:?}");
+    assert!(!is_mounted(&b));
+    node.node_publish_volume(with(&b, &[("token", TOKEN)])).await.expect("publish b with the same token");
+    assert_eq!(std::fs::read(b.join("from-a")).expect("read in b"), b"written with the publish's token");
+    node.node_publish_volume(with(&b, &[])).await.expect("the same publish without secrets");
+
+    for t in [&a, &b] {
+        node.node_unpublish_volume(unpublish_req("vol", t)).await.expect("unpublish");
+    }
+    node.node_unstage_volume(unstage_req("vol", &staging)).await.expect("unstage");
+    assert!(!fuse_mounted_at(&staging));
+    assert!(walk(&plugin.state).iter().all(|p| !p.ends_with("token")), "a token file outlived its volume");
+    let c = w.client("check");
+    assert_eq!(
+        std::fs::read(c.mnt.join("from-a")).expect("read through a client"),
+        b"written with the publish's token"
+    );
     c.unmount();
 }
 
