@@ -130,4 +130,19 @@ mod tests {
         drop(a);
         assert!(receive(b.as_fd()).expect("end").is_none());
     }
+
+    #[test]
+    fn two_descriptors_in_one_message_are_refused_and_closed() {
+        let (a, b) = socket::socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)
+            .expect("socketpair");
+        let (f, g) = (tempfile::tempfile().expect("tempfile"), tempfile::tempfile().expect("tempfile"));
+        let fds = [f.as_raw_fd(), g.as_raw_fd()];
+        let cmsgs = [ControlMessage::ScmRights(&fds)];
+        sendmsg::<UnixAddr>(a.as_raw_fd(), &[IoSlice::new(b"two")], &cmsgs, MsgFlags::empty(), None).expect("send");
+        let e = receive(b.as_fd()).expect_err("two descriptors");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        // The socket goes on.
+        send(a.as_fd(), b"next", None).expect("send");
+        assert_eq!(receive(b.as_fd()).expect("receive").expect("a message").0, b"next");
+    }
 }

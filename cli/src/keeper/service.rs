@@ -107,7 +107,20 @@ fn serve(conn: &OwnedFd, table: &Table) -> std::io::Result<()> {
         return fds::send(conn.as_fd(), refusal("permission denied").as_bytes(), None);
     }
     let mut greeted = false;
-    while let Some((bytes, fd)) = fds::receive(conn.as_fd())? {
+    loop {
+        let (bytes, fd) = match fds::receive(conn.as_fd()) {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(()),
+            // Too many descriptors, or more than fit: refused, and the
+            // connection goes on.
+            Err(e)
+                if matches!(e.kind(), std::io::ErrorKind::InvalidInput) || e.raw_os_error() == Some(libc::ENOBUFS) =>
+            {
+                fds::send(conn.as_fd(), refusal(&format!("bad request: {e}")).as_bytes(), None)?;
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         let (answer, give) = match serde_json::from_slice::<Value>(&bytes) {
             Err(e) => (json!({"ok": false, "error": format!("bad request: {e}")}), None),
             Ok(req) if !greeted => match hello(&req) {
@@ -124,7 +137,6 @@ fn serve(conn: &OwnedFd, table: &Table) -> std::io::Result<()> {
         let dev = give.as_ref().map(|d: &OwnedFd| d.as_fd());
         fds::send(conn.as_fd(), answer.to_string().as_bytes(), dev)?;
     }
-    Ok(())
 }
 
 fn refusal(error: &str) -> String {
