@@ -223,7 +223,7 @@ fn a_keeper_never_hands_out_a_connection_whose_mount_is_gone_and_refuses_bad_req
     // Requests that are not the protocol get an error answer, and the
     // keeper goes on serving.
     let script = r#"
-import json, socket, sys
+import json, os, socket, sys
 def call(msgs):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     s.connect(sys.argv[1])
@@ -234,7 +234,18 @@ def call(msgs):
         out.append(json.loads(r) if r else None)
     return out
 hello = json.dumps({"hello": "arbor-keeper", "version": 1}).encode()
+def two_fds():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sys.argv[1])
+    s.send(hello)
+    s.recv(4096)
+    r, w = os.pipe()
+    socket.send_fds(s, [json.dumps({"op": "deposit", "mountpoint": "/x"}).encode()], [r, w])
+    first = json.loads(s.recv(4096))
+    s.send(json.dumps({"op": "list"}).encode())
+    return [first, json.loads(s.recv(4096))]
 print(json.dumps([
+    two_fds(),
     call([b"\xff not json"]),
     call([json.dumps({"hello": "arbor-keeper", "version": 99}).encode()]),
     call([json.dumps({"op": "list"}).encode()]),
@@ -247,10 +258,12 @@ print(json.dumps([
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let answers: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     let error = |a: &serde_json::Value| a["ok"] == false && a["error"].is_string();
-    assert!(error(&answers[0][0]), "not JSON: {answers}");
-    assert!(error(&answers[1][0]) && answers[1][0]["error"].as_str().is_some_and(|e| e.contains("version")));
-    assert!(error(&answers[2][0]), "a request before the hello: {answers}");
-    let after_hello = &answers[3];
+    assert!(error(&answers[0][0]), "two descriptors: {answers}");
+    assert_eq!(answers[0][1]["ok"], true, "the connection goes on after a bad request: {answers}");
+    assert!(error(&answers[1][0]), "not JSON: {answers}");
+    assert!(error(&answers[2][0]) && answers[2][0]["error"].as_str().is_some_and(|e| e.contains("version")));
+    assert!(error(&answers[3][0]), "a request before the hello: {answers}");
+    let after_hello = &answers[4];
     assert_eq!(after_hello[0]["version"], 1);
     assert!(error(&after_hello[1]) && error(&after_hello[2]) && error(&after_hello[3]), "{answers}");
     assert_eq!(after_hello[4], serde_json::json!({"ok": true, "held": false}));
