@@ -14,10 +14,9 @@ use serde_json::json;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Mounts branch `name` at `mountpoint` through its owner (`files`, the
-/// client connected to it), and serves until unmounted or signalled.
-/// Where a client mount goes: its disk, its mount point, and the
-/// `/dev/fuse` file of a live mount to take over (see `keeper.rs`).
+/// Where a client mount goes: its disk, its mount point, the `/dev/fuse`
+/// file of a live mount to take over, and who else holds its connection
+/// (see `keeper/`).
 pub struct At<'a> {
     pub disk: &'a Arc<Disk>,
     pub mountpoint: &'a Path,
@@ -25,6 +24,8 @@ pub struct At<'a> {
     pub holder: &'a crate::keeper::Holder,
 }
 
+/// Mounts branch `name` through its owner (`files`, the client connected
+/// to it), and serves until unmounted or signalled.
 pub fn mount(
     at: At<'_>,
     name: String,
