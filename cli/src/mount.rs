@@ -518,6 +518,13 @@ pub fn unmount(mountpoint: &Path, keeper: Option<&Path>) -> Result<()> {
                 eprintln!("note: {e:#}");
             }
         }
+        if !settles_within(mountpoint, HELD_PROBE) {
+            bail!(
+                "{} has no server and does not fail either: `arbor keeper` may hold its connection (start its `arbor mount --keeper` again, or `arbor unmount {} --keeper SOCKET`)",
+                mountpoint.display(),
+                mountpoint.display()
+            );
+        }
         arbor_fs::recover_stale_mount(mountpoint)?;
         if arbor_fs::is_mountpoint(mountpoint) {
             bail!("{} is mounted but not served by arbor on this node", mountpoint.display());
@@ -531,4 +538,22 @@ pub fn unmount(mountpoint: &Path, keeper: Option<&Path>) -> Result<()> {
         bail!("{} is still mounted a minute later (is a process using it?)", mountpoint.display());
     }
     Ok(())
+}
+
+/// How long `arbor unmount` waits for a mount without a server to answer
+/// or fail before it says why it may do neither.
+const HELD_PROBE: Duration = Duration::from_secs(5);
+
+/// Whether a `statfs` of the mount point returns (answered, or failed as a
+/// dead mount fails) within `wait`. A mount whose connection `arbor
+/// keeper` holds with no server waits instead; the probe's thread then
+/// waits with it, until the process exits.
+fn settles_within(mountpoint: &Path, wait: Duration) -> bool {
+    let (tx, rx) = mpsc::channel();
+    let mp = mountpoint.to_path_buf();
+    let probe = std::thread::Builder::new().name("arbor-probe".into()).spawn(move || {
+        let _ = nix::sys::statfs::statfs(&mp);
+        let _ = tx.send(());
+    });
+    probe.is_ok() && rx.recv_timeout(wait).is_ok()
 }

@@ -500,15 +500,17 @@ async fn a_pod_writing_a_branch_volume_sees_no_error_when_the_plugin_container_r
     let Some(w) = SharedWorld::start() else { return };
     let dir = w.s.dir.path();
     let env = [("ARBOR_FUSE", "auto".to_string())];
+    let staging = dir.join("globalmount");
+    let target = dir.join("pods/p/volumes/data");
+    std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir");
+    // Declared before the keeper, so dropped after it: a mount the keeper
+    // no longer holds fails at once, and is detached.
+    let _cleanup = Cleanup { targets: vec![target.clone()], staging: vec![staging.clone()] };
     // The keeper runs outside the plugin's container (its own DaemonSet).
     let keeper = Keeper::start(dir);
     let with_keeper = ["--keeper", keeper.socket_str()];
     let mut plugin = Plugin::start_with(dir, &env, &with_keeper);
     let mut node = NodeClient::new(connect(&plugin.socket).await);
-    let staging = dir.join("globalmount");
-    let target = dir.join("pods/p/volumes/data");
-    std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir");
-    let _cleanup = Cleanup { targets: vec![target.clone()], staging: vec![staging.clone()] };
     let ctx = [("disk", w.s.disk_str()), ("branch", "main"), ("server", w.owner.addr.as_str())];
     let (rwx, secrets) = (Mode::MultiNodeMultiWriter, [("token", TOKEN)]);
     node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &secrets)).await.expect("stage");

@@ -274,6 +274,13 @@ print(json.dumps([
     // connection go, and the dead mount is detached (a held one would wait
     // for a server instead of failing).
     m.kill_group();
+    // Without the keeper's socket, `arbor unmount` says why it can do
+    // nothing (the held mount would wait for a server forever).
+    let t = Instant::now();
+    let out = arbor(&["unmount", &mnt]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--keeper"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(30) && is_mounted(&s.mnt));
     arbor_ok(&["unmount", &mnt, "--keeper", keeper.socket_str()]);
     assert!(!is_mounted(&s.mnt));
     assert!(keeper.held().is_empty());
