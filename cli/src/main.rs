@@ -731,6 +731,12 @@ fn print_status(s: &serde_json::Value) {
         None => println!("branch       {}", get("branch")),
     }
     println!("server pid   {}", get("pid"));
+    if let Some(k) = s["keeper_pid"].as_u64() {
+        println!("keeper       pid {k}: holds the FUSE connection, restarts the server on it");
+    }
+    if let Some(k) = s["keeper_socket"].as_str() {
+        println!("keeper       `arbor keeper` at {k} holds the FUSE connection (the mount outlives this server)");
+    }
     println!(
         "fuse         {}, {} requests on the ring, {} write-only opens past the page cache",
         get("fuse_transport"),

@@ -148,6 +148,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         "checkpoint": args.checkpoint,
         "pid": std::process::id(),
         "keeper_pid": crate::keeper::keeper_pid(),
+        "keeper_socket": args.keeper,
         "read_only": s.read_only,
         "poisoned": s.poisoned,
         "io_backend": s.io_backend,

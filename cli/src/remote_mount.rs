@@ -64,6 +64,10 @@ pub fn mount(
     let fuse = (handle.transport().clone(), handle.counters().clone());
     tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), resuming, "mounted through the owner");
     let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
+    let keeper_socket = match at.holder {
+        crate::keeper::Holder::Keeper(k) => Some(k.socket().to_path_buf()),
+        _ => None,
+    };
     // Each write was answered once the owner had it (`write_synchronously`).
     let hand_over = at.holder.outlives_process().then(|| Box::new(|| Ok(())) as crate::session::HandOver);
     let stopped = serve_until_stopped(handle, control, hand_over, move |req, tx| match req["op"].as_str() {
@@ -75,6 +79,7 @@ pub fn mount(
                 "branch": name,
                 "pid": std::process::id(),
                 "keeper_pid": crate::keeper::keeper_pid(),
+                "keeper_socket": keeper_socket,
                 "read_only": false,
                 "owner": s.owner,
                 "owner_retries": s.retries,

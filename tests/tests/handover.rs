@@ -164,7 +164,11 @@ fn a_mount_killed_with_its_whole_process_group_comes_back_on_the_same_kernel_mou
     let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
     let mnt = s.mnt.to_str().expect("utf8").to_string();
     assert_eq!(keeper.held(), vec![mnt.clone()], "the keeper holds the new mount's connection");
-    assert!(status(&s.mnt)["keeper_pid"].is_null(), "no in-process keeper");
+    let st = status(&s.mnt);
+    assert!(st["keeper_pid"].is_null(), "no in-process keeper: {st}");
+    assert_eq!(st["keeper_socket"].as_str(), Some(keeper.socket_str()), "{st}");
+    let text = arbor_ok(&["status", &mnt]);
+    assert!(text.contains(&format!("`arbor keeper` at {}", keeper.socket_str())), "{text}");
     let fresh = status(&s.mnt)["fuse_transport"].as_str().unwrap_or_default().to_string();
     assert!(!fresh.contains("taken over"), "{fresh}");
 

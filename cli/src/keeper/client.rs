@@ -22,6 +22,10 @@ impl Client {
         Client { socket: socket.to_path_buf() }
     }
 
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
     /// A copy of the connection the keeper holds for `mountpoint`, if it
     /// holds a live one.
     pub fn get(&self, mountpoint: &Path) -> Result<Option<OwnedFd>> {
