@@ -320,3 +320,63 @@ fn a_restarted_keeper_learns_the_connections_of_running_mounts_again() {
     m.unmount();
     assert!(keeper.held().is_empty());
 }
+
+/// Sends SIGCONT to a process group on drop, so that a test that stopped
+/// it and then failed leaves a process its guards can stop.
+struct Resumes(libc::pid_t);
+
+impl Drop for Resumes {
+    fn drop(&mut self) {
+        // SAFETY: a signal to a process group this test started.
+        unsafe { libc::kill(-self.0, libc::SIGCONT) };
+    }
+}
+
+#[test]
+fn a_keeper_refuses_the_connection_while_its_server_lives_whatever_control_socket_the_newcomer_sees() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let keeper = Keeper::start(s.dir.path());
+    let args = ["--keeper", keeper.socket_str()];
+    let mnt = s.mnt.to_str().expect("utf8").to_string();
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    let old = m.child.id();
+    std::fs::write(s.mnt.join("before.txt"), b"served by the first process").expect("write");
+
+    // The server stopped (as a slow death, a frozen container): a newcomer
+    // whose control socket is elsewhere (its own /run/arbor, as in another
+    // container) sees no server there, and the keeper must refuse it.
+    let pgid = old as libc::pid_t;
+    // SAFETY: a signal to the process group this test started.
+    assert_eq!(unsafe { libc::kill(-pgid, libc::SIGSTOP) }, 0);
+    let resumes = Resumes(pgid);
+    let script = "mkdir -p /run/arbor && mount -t tmpfs arbor-test /run/arbor && exec \"$0\" \"$@\"";
+    let bin = arbor_bin();
+    let out = std::process::Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", script])
+        .arg(&bin)
+        .args(["mount", s.disk_str(), &mnt, "--foreground", "--keeper", keeper.socket_str()])
+        .envs(restartable())
+        .output()
+        .expect("unshare");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a second server started: {err}");
+    assert!(err.contains(&format!("still served by pid {old}")), "{err}");
+    drop(resumes);
+
+    // The first server goes on, alone.
+    assert_eq!(status(&s.mnt)["pid"].as_i64(), Some(i64::from(old)));
+    std::fs::write(s.mnt.join("after.txt"), b"still the first process").expect("write");
+    assert_eq!(keeper.held(), vec![mnt.clone()]);
+
+    // Once it is dead, a newcomer takes the connection over.
+    m.kill_group();
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    assert!(status(&s.mnt)["fuse_transport"].as_str().is_some_and(|t| t.contains("taken over")));
+    assert_eq!(std::fs::read(s.mnt.join("before.txt")).expect("read"), b"served by the first process");
+    assert_eq!(std::fs::read(s.mnt.join("after.txt")).expect("read"), b"still the first process");
+    m.unmount();
+    assert!(keeper.held().is_empty());
+}

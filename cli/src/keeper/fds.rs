@@ -105,6 +105,48 @@ pub fn peer_uid(sock: &OwnedFd) -> io::Result<u32> {
     Ok(socket::getsockopt(sock, socket::sockopt::PeerCredentials)?.uid())
 }
 
+/// A pidfd of the process at the other end of `sock` (`SO_PEERPIDFD`,
+/// Linux 6.5): it names that process, not its pid.
+pub fn peer_pidfd(sock: &OwnedFd) -> io::Result<OwnedFd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: fd and len are valid for getsockopt to fill.
+    let rc = unsafe {
+        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERPIDFD, (&raw mut fd).cast(), &mut len)
+    };
+    if rc != 0 || fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just gave us this descriptor.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A pidfd of the process `pid` now (which may not be the process that
+/// had that pid a moment ago).
+pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    if pid <= 0 {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    // SAFETY: plain syscall; a non-negative result is a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
+}
+
+/// Whether the process of `pidfd` has exited, waiting up to `ms` for it
+/// (a pidfd polls readable once its process is gone).
+pub fn exited(pidfd: &OwnedFd, ms: u16) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut p = [PollFd::new(std::os::fd::AsFd::as_fd(pidfd), PollFlags::POLLIN)];
+    match poll(&mut p, PollTimeout::from(ms)) {
+        Ok(n) => n > 0,
+        Err(_) => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -74,9 +74,7 @@ impl Holder {
             Holder::Nobody => Ok(None),
             Holder::Parent => Ok(parent::resume_device()),
             Holder::Keeper(k) => {
-                if let Ok(s) = crate::control::request(mountpoint, serde_json::json!({"op": "status"})) {
-                    bail!("{} is already served by a running arbor (pid {})", mountpoint.display(), s["pid"]);
-                }
+                refuse_if_served(mountpoint)?;
                 k.get(mountpoint)
             }
         }
@@ -109,6 +107,25 @@ impl Holder {
                 tracing::warn!(error = %format!("{e:#}"), "cannot tell the keeper the mount is gone");
             }
         }
+    }
+}
+
+/// Fails if an arbor of this node answers on the mount's control socket,
+/// or it cannot be told: only a socket that is not there, or that nobody
+/// listens on, means no server here. (The keeper refuses as well while a
+/// process that deposited the connection lives, whatever its socket.)
+fn refuse_if_served(mountpoint: &Path) -> Result<()> {
+    use std::io::ErrorKind::{ConnectionRefused, NotFound};
+    let path = crate::control::socket_path(mountpoint)?;
+    match std::os::unix::net::UnixStream::connect(&path) {
+        Err(e) if matches!(e.kind(), NotFound | ConnectionRefused) => Ok(()),
+        Err(e) => {
+            bail!("cannot tell whether a running arbor serves {} ({}: {e})", mountpoint.display(), path.display())
+        }
+        Ok(_) => match crate::control::request(mountpoint, serde_json::json!({"op": "status"})) {
+            Ok(s) => bail!("{} is already served by a running arbor (pid {})", mountpoint.display(), s["pid"]),
+            Err(e) => bail!("{} is already served by a running arbor ({e:#})", mountpoint.display()),
+        },
     }
 }
 

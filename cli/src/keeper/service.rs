@@ -31,11 +31,50 @@ const IDLE: i64 = 30;
 const FUSE_MAJOR: u32 = 10;
 const FUSE_MINOR: u32 = 229;
 
-/// A mount's connection, and the device its mount had when it came.
+/// A mount's connection, the device its mount had when it came, and the
+/// processes that deposited it (each may still serve it).
 struct Held {
     dev: OwnedFd,
     device: String,
+    servers: Vec<Peer>,
 }
+
+/// A client process, as the keeper sees it: its pid (in the keeper's PID
+/// namespace) and a pidfd, which says when that very process has exited
+/// however its pid is reused or whichever namespace it runs in.
+struct Peer {
+    pid: i32,
+    pidfd: Option<OwnedFd>,
+}
+
+impl Peer {
+    /// The process at the other end of `conn`: `SO_PEERPIDFD` (Linux 6.5),
+    /// else a pidfd opened from its pid, which a pid reused between the
+    /// connect and this call would fool.
+    fn of(conn: &OwnedFd) -> Peer {
+        let pid = nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials).map_or(0, |c| c.pid());
+        let pidfd = fds::peer_pidfd(conn).ok().or_else(|| fds::pidfd_open(pid).ok());
+        Peer { pid, pidfd }
+    }
+
+    fn try_clone(&self) -> Peer {
+        Peer { pid: self.pid, pidfd: self.pidfd.as_ref().and_then(|f| f.try_clone().ok()) }
+    }
+
+    /// Whether the process has not exited. Without a pidfd, a pid that
+    /// answers signal 0.
+    fn alive(&self) -> bool {
+        match &self.pidfd {
+            Some(fd) => !fds::exited(fd, 0),
+            // SAFETY: signal 0 only asks whether the process exists.
+            None => self.pid > 0 && unsafe { libc::kill(self.pid, 0) } == 0,
+        }
+    }
+}
+
+/// How long `get` waits for a previous server that is dying (a kill -9 in
+/// flight) before it refuses.
+const DYING: Duration = Duration::from_secs(2);
 
 type Table = Arc<parking_lot::Mutex<HashMap<PathBuf, Held>>>;
 
@@ -106,6 +145,7 @@ fn serve(conn: &OwnedFd, table: &Table) -> std::io::Result<()> {
         tracing::warn!(uid, "refused a connection from another user");
         return fds::send(conn.as_fd(), refusal("permission denied").as_bytes(), None);
     }
+    let peer = Peer::of(conn);
     let mut greeted = false;
     loop {
         let (bytes, fd) = match fds::receive(conn.as_fd()) {
@@ -132,7 +172,7 @@ fn serve(conn: &OwnedFd, table: &Table) -> std::io::Result<()> {
                     return fds::send(conn.as_fd(), refusal(&e).as_bytes(), None);
                 }
             },
-            Ok(req) => handle(&req, fd, table),
+            Ok(req) => handle(&req, fd, &peer, table),
         };
         let dev = give.as_ref().map(|d: &OwnedFd| d.as_fd());
         fds::send(conn.as_fd(), answer.to_string().as_bytes(), dev)?;
@@ -154,7 +194,7 @@ fn hello(req: &Value) -> Result<Value, String> {
 }
 
 /// Answers one request; the descriptor to send with the answer, if any.
-fn handle(req: &Value, fd: Option<OwnedFd>, table: &Table) -> (Value, Option<OwnedFd>) {
+fn handle(req: &Value, fd: Option<OwnedFd>, peer: &Peer, table: &Table) -> (Value, Option<OwnedFd>) {
     let done = match req["op"].as_str() {
         Some("list") => {
             let mut held: Vec<String> = table.lock().keys().map(|p| p.display().to_string()).collect();
@@ -162,7 +202,7 @@ fn handle(req: &Value, fd: Option<OwnedFd>, table: &Table) -> (Value, Option<Own
             Ok((json!({"ok": true, "mountpoints": held}), None))
         }
         Some(op @ ("deposit" | "get" | "release")) => mountpoint(req).and_then(|mp| match op {
-            "deposit" => deposit(table, mp, fd).map(|()| (json!({"ok": true}), None)),
+            "deposit" => deposit(table, mp, fd, peer).map(|()| (json!({"ok": true}), None)),
             "get" => Ok(get(table, &mp)),
             _ => Ok((json!({"ok": true, "held": table.lock().remove(&mp).is_some()}), None)),
         }),
@@ -181,8 +221,8 @@ fn mountpoint(req: &Value) -> Result<PathBuf, String> {
 }
 
 /// Keeps `fd` for the mount at `mp`: it must be `/dev/fuse`, and `mp` a
-/// FUSE mount this process sees.
-fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>) -> Result<(), String> {
+/// FUSE mount this process sees. `peer` is counted among its servers.
+fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>, peer: &Peer) -> Result<(), String> {
     let dev = fd.ok_or("a deposit carries the mount's /dev/fuse descriptor")?;
     let st = nix::sys::stat::fstat(&dev).map_err(|e| format!("fstat: {e}"))?;
     let fuse = libc::makedev(FUSE_MAJOR, FUSE_MINOR);
@@ -197,15 +237,39 @@ fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>) -> Result<(), String
     let mut t = table.lock();
     // Mounts deposit again now and then (for a keeper started since):
     // the same connection again is no news.
-    if t.get(&mp).is_none_or(|h| h.device != device) {
-        tracing::info!(mountpoint = %mp.display(), device, "holding");
-    }
-    t.insert(mp, Held { dev, device });
+    let mut servers = match t.remove(&mp) {
+        Some(h) if h.device == device => h.servers,
+        _ => {
+            tracing::info!(mountpoint = %mp.display(), device, "holding");
+            Vec::new()
+        }
+    };
+    servers.retain(|s| s.pid != peer.pid && s.alive());
+    servers.push(peer.try_clone());
+    t.insert(mp, Held { dev, device, servers });
     Ok(())
 }
 
-/// A copy of the connection held for `mp`, if it is still live.
+/// A copy of the connection held for `mp`, if it is still live and none
+/// of the processes that deposited it is alive: two servers reading one
+/// connection would each answer half of its requests. The control socket
+/// cannot tell (it is per user and per mount namespace); the pidfds can.
 fn get(table: &Table, mp: &Path) -> (Value, Option<OwnedFd>) {
+    let servers: Vec<Peer> =
+        table.lock().get(mp).map_or_else(Vec::new, |h| h.servers.iter().map(Peer::try_clone).collect());
+    let deadline = std::time::Instant::now() + DYING;
+    for s in &servers {
+        let wait = deadline.saturating_duration_since(std::time::Instant::now());
+        let exited = s
+            .pidfd
+            .as_ref()
+            .map_or_else(|| !s.alive(), |fd| fds::exited(fd, wait.as_millis().min(u128::from(u16::MAX)) as u16));
+        if !exited {
+            tracing::warn!(mountpoint = %mp.display(), pid = s.pid, "refused the connection: its server is alive");
+            let error = format!("{} is still served by pid {} (as the keeper sees it)", mp.display(), s.pid);
+            return (json!({"ok": false, "error": error}), None);
+        }
+    }
     let mut t = table.lock();
     if let Some(h) = t.get(mp) {
         if let Err(why) = live(mp, h) {
@@ -273,17 +337,18 @@ mod tests {
         assert!(hello(&json!({"hello": HELLO, "version": VERSION + 1})).is_err());
         assert!(hello(&json!({"op": "list"})).is_err());
         let table: Table = Default::default();
-        let refused = |req: Value| handle(&req, None, &table).0["error"].as_str().map(String::from);
+        let me = Peer { pid: 0, pidfd: None };
+        let refused = |req: Value| handle(&req, None, &me, &table).0["error"].as_str().map(String::from);
         assert!(refused(json!({"op": "nope"})).is_some_and(|e| e.contains("unknown")));
         assert!(refused(json!({"op": "get"})).is_some_and(|e| e.contains("no mountpoint")));
         assert!(refused(json!({"op": "get", "mountpoint": "rel/ative"})).is_some_and(|e| e.contains("absolute")));
         assert!(refused(json!({"op": "deposit", "mountpoint": "/mnt"})).is_some_and(|e| e.contains("/dev/fuse")));
         // Not /dev/fuse.
         let file = tempfile::tempfile().expect("tempfile");
-        let (a, _) = handle(&json!({"op": "deposit", "mountpoint": "/mnt"}), Some(file.into()), &table);
+        let (a, _) = handle(&json!({"op": "deposit", "mountpoint": "/mnt"}), Some(file.into()), &me, &table);
         assert!(a["error"].as_str().is_some_and(|e| e.contains("not /dev/fuse")), "{a}");
-        let (a, fd) = handle(&json!({"op": "get", "mountpoint": "/mnt"}), None, &table);
+        let (a, fd) = handle(&json!({"op": "get", "mountpoint": "/mnt"}), None, &me, &table);
         assert_eq!((a, fd.is_none()), (json!({"ok": true, "held": false}), true));
-        assert_eq!(handle(&json!({"op": "list"}), None, &table).0, json!({"ok": true, "mountpoints": []}));
+        assert_eq!(handle(&json!({"op": "list"}), None, &me, &table).0, json!({"ok": true, "mountpoints": []}));
     }
 }
