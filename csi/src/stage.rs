@@ -160,17 +160,51 @@ pub fn unmount(arbor: &Path, staging: &Path, keeper: Option<&Path>) -> Result<()
     run(cmd, "arbor unmount")
 }
 
+/// How long `served` waits for `arbor status` (which itself gives the
+/// mount 5 s to answer).
+pub const STATUS_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Whether an arbor mount process serves `staging` (its control socket
 /// answers `arbor status`). Unlike a `statfs`, this never waits on a
-/// mount whose connection a keeper holds and nobody serves.
+/// mount whose connection a keeper holds and nobody serves. A process
+/// that does not answer in time counts as serving: alive, unresponsive,
+/// and never to be replaced by a second server.
 pub fn served(arbor: &Path, staging: &Path) -> bool {
-    Command::new(arbor)
+    served_within(arbor, staging, STATUS_WAIT)
+}
+
+fn served_within(arbor: &Path, staging: &Path, wait: std::time::Duration) -> bool {
+    let child = Command::new(arbor)
         .arg("status")
         .arg(staging)
         .arg("--json")
         .stdin(Stdio::null())
-        .output()
-        .is_ok_and(|o| o.status.success())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else { return false };
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) if status.success() => return true,
+            Ok(Some(_)) => {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                return err.contains("alive but unresponsive");
+            }
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            Ok(None) | Err(_) => {
+                tracing::warn!(staging = %staging.display(), "arbor status does not answer: the mount process counts as alive");
+                let _ = child.kill();
+                let _ = child.wait();
+                return true;
+            }
+        }
+    }
 }
 
 fn run(mut cmd: Command, what: &str) -> Result<(), StageError> {
@@ -201,6 +235,37 @@ fn looks_missing(line: &str) -> bool {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    /// A stand-in for `arbor` that runs `body` as a shell script.
+    fn fake_arbor(name: &str, body: &str) -> std::path::PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("arbor-csi-{name}-{}", std::process::id()));
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write script");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        path
+    }
+
+    #[test]
+    fn a_mount_that_does_not_answer_counts_as_served_and_is_not_waited_on() {
+        let cases = [
+            ("hangs", "exec sleep 30", true),
+            (
+                "slow",
+                "echo 'arbor: the arbor mount at /s does not answer (waited 5s): alive but unresponsive' >&2; exit 1",
+                true,
+            ),
+            ("gone", "echo 'arbor: /s is not an arbor mount served on this node' >&2; exit 1", false),
+            ("serves", "echo '{}'", true),
+        ];
+        for (name, body, served) in cases {
+            let arbor = fake_arbor(name, body);
+            let t = std::time::Instant::now();
+            let got = served_within(&arbor, Path::new("/s"), std::time::Duration::from_millis(500));
+            let _ = std::fs::remove_file(&arbor);
+            assert_eq!(got, served, "{name}");
+            assert!(t.elapsed() < std::time::Duration::from_secs(10), "{name}: waited {:?}", t.elapsed());
+        }
+    }
 
     fn spec(pairs: &[(&str, &str)]) -> VolumeSpec {
         let ctx: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
