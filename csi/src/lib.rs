@@ -79,14 +79,11 @@ pub fn socket_path(endpoint: &str) -> Result<PathBuf, Error> {
 }
 
 /// Serves Identity and Node on the endpoint's Unix socket until SIGTERM or
-/// SIGINT; with a keeper, first serves again the staged volumes whose mount
-/// processes died with an earlier plugin.
+/// SIGINT; with a keeper, the watcher serves again, from its first round
+/// on, the staged volumes whose mount processes died with an earlier
+/// plugin. Not before the socket: a revival takes up to a minute a volume,
+/// and a plugin that answers no probe meanwhile is restarted, forever.
 pub fn run(opts: PluginOptions) -> Result<(), Error> {
-    if let Some(keeper) = &opts.keeper {
-        let state = state::State::open(&opts.state_dir)
-            .map_err(io_error(format!("state folder {}", opts.state_dir.display())))?;
-        revive::revive(&state, &opts.arbor_bin, keeper);
-    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -372,34 +372,41 @@ impl NodeServer {
         NodeServer(Arc::new(service))
     }
 
-    /// With a keeper: every [`WATCH_EVERY`], starts a mount process for each
-    /// staged volume whose kernel mount is there and not served (under the
-    /// volume's lock, so never during its stage or unstage). Without one,
-    /// returns at once (the in-process keeper restarts its own child).
+    /// With a keeper: at once, then every [`WATCH_EVERY`], starts a mount
+    /// process for each staged volume whose kernel mount is there and not
+    /// served (under the volume's lock, so never during its stage or
+    /// unstage), all volumes at once: one slow volume must not hold the
+    /// others back. Without one, returns at once (the in-process keeper
+    /// restarts its own child).
     pub async fn watch(self) {
         let Some(keeper) = self.0.keeper.clone() else { return };
         loop {
-            tokio::time::sleep(WATCH_EVERY).await;
             let records = match self.0.state.stages() {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the staged volumes' records");
-                    continue;
+                    Vec::new()
                 }
             };
-            for r in records {
-                let (id, keeper) = (r.volume_id.clone(), keeper.clone());
-                let revived = self
-                    .0
-                    .with_volume(&id, move |n| Ok(crate::revive::revive_one(&n.state, &n.arbor, &keeper, &r)))
-                    .await;
-                match revived {
-                    Ok(Ok(true)) => tracing::warn!(volume = id, "its mount process had died; serving it again"),
-                    Ok(Ok(false)) => {}
-                    Ok(Err(e)) => tracing::warn!(volume = id, error = e, "cannot serve the staged volume again"),
-                    Err(s) => tracing::warn!(volume = id, error = s.message(), "cannot serve the staged volume again"),
-                }
+            let rounds: Vec<_> =
+                records.into_iter().map(|r| tokio::spawn(self.clone().revive(r, keeper.clone()))).collect();
+            for round in rounds {
+                let _ = round.await;
             }
+            tokio::time::sleep(WATCH_EVERY).await;
+        }
+    }
+
+    /// One volume's round of [`NodeServer::watch`].
+    async fn revive(self, r: crate::state::StageRecord, keeper: std::path::PathBuf) {
+        let id = r.volume_id.clone();
+        let revived =
+            self.0.with_volume(&id, move |n| Ok(crate::revive::revive_one(&n.state, &n.arbor, &keeper, &r))).await;
+        match revived {
+            Ok(Ok(true)) => tracing::warn!(volume = id, "its mount process had died: serving again"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => tracing::warn!(volume = id, error = e, "cannot serve the staged volume again"),
+            Err(s) => tracing::warn!(volume = id, error = s.message(), "cannot serve the staged volume again"),
         }
     }
 }

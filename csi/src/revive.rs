@@ -1,6 +1,6 @@
 //! A plugin started again (its container restarted, its pod replaced on
-//! an upgrade) serves its staged volumes again before it answers the
-//! kubelet: every volume whose kernel mount outlived its `arbor mount`
+//! an upgrade) serves its staged volumes again from its watcher's first
+//! round, once it answers the kubelet: every volume whose kernel mount outlived its `arbor mount`
 //! process (killed with the old container) gets a new one, which takes
 //! the live connection from `arbor keeper` over. Pods using the volume
 //! see a stall, not an error.
