@@ -354,10 +354,9 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         invalidate: invalidate.clone(),
     };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
-    let hand_over = holder.outlives_process().then(|| {
-        let vol = vol.clone();
-        Box::new(move || vol.sync_all().and_then(|_| vol.commit()).map_err(|e| e.to_string()))
-            as crate::session::HandOver
+    let flushed = vol.clone();
+    let hand_over = holder.on_term(&p.mountpoint, handle.device(), move || {
+        flushed.sync_all().and_then(|_| flushed.commit()).map_err(|e| e.to_string())
     });
     let stopped = serve_until_stopped(handle, control, hand_over, move |req, tx| ctl.handle(&args_view, req, tx))?;
     holder.released(&p.mountpoint);

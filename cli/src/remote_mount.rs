@@ -69,7 +69,7 @@ pub fn mount(
         _ => None,
     };
     // Each write was answered once the owner had it (`write_synchronously`).
-    let hand_over = at.holder.outlives_process().then(|| Box::new(|| Ok(())) as crate::session::HandOver);
+    let hand_over = at.holder.on_term(mountpoint, handle.device(), || Ok(()));
     let stopped = serve_until_stopped(handle, control, hand_over, move |req, tx| match req["op"].as_str() {
         Some("status") => {
             let s = view.stats();

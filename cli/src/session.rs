@@ -39,7 +39,19 @@ impl Stopped {
 /// and the next `arbor mount --keeper` there takes it over: a `systemctl
 /// restart` restarts the mount in place. (SIGINT, SIGHUP and `arbor
 /// unmount` still unmount.)
-pub type HandOver = Box<dyn FnOnce() -> Result<(), String> + Send>;
+/// It first hands the keeper the connection again, and unmounts as any
+/// signal does unless the keeper says it holds it: a keeper down or
+/// restarted since holds nothing, and the mount would be left without a
+/// server or a connection (ENOTCONN).
+pub type HandOver = Box<dyn FnOnce() -> Handed + Send>;
+
+/// What a [`HandOver`] did.
+pub enum Handed {
+    /// The keeper holds the connection; the flush's result.
+    Kept(Result<(), String>),
+    /// The keeper does not hold it (why): the mount is to be unmounted.
+    NotHeld(String),
+}
 
 /// Answers control requests with `handle` until a signal, an unmount
 /// request, or an unmount from outside, then unmounts; or, on SIGTERM
@@ -82,7 +94,14 @@ pub fn serve_until_stopped(
                 break true;
             }
             Ok(Event::HandOver) => {
-                let flushed = hand_over.take().map_or(Ok(()), |f| f());
+                let flushed = match hand_over.take().map(|f| f()) {
+                    Some(Handed::Kept(flushed)) => flushed,
+                    Some(Handed::NotHeld(why)) => {
+                        tracing::warn!(why, "SIGTERM: the keeper does not hold the FUSE connection; unmounting");
+                        break true;
+                    }
+                    None => break true,
+                };
                 match &flushed {
                     Ok(()) => tracing::info!("SIGTERM: everything answered is durable; the keeper keeps the mount"),
                     Err(e) => tracing::error!(error = e, "SIGTERM: a final sync failed; the keeper keeps the mount"),

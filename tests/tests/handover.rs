@@ -380,3 +380,27 @@ fn a_keeper_refuses_the_connection_while_its_server_lives_whatever_control_socke
     m.unmount();
     assert!(keeper.held().is_empty());
 }
+
+#[test]
+fn sigterm_unmounts_cleanly_when_the_keeper_no_longer_holds_the_connection() {
+    if !fuse_available() {
+        return;
+    }
+    let s = Scratch::new();
+    let keeper = Keeper::start(s.dir.path());
+    let args = ["--keeper", keeper.socket_str()];
+    let m = Mount::start_in_group(s.disk_str(), &s.mnt, &args, &restartable());
+    std::fs::write(s.mnt.join("kept.txt"), b"flushed by the unmount").expect("write");
+    // The keeper dies (kill -9): it holds nothing now. SIGTERM must not
+    // leave a mount nobody serves and nobody holds.
+    drop(keeper);
+    let log = m.log.clone();
+    let status = m.signal_group(libc::SIGTERM);
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    assert!(status.success(), "SIGTERM: {status}; log: {log}");
+    assert!(log.contains("does not hold the FUSE connection; unmounting"), "{log}");
+    assert!(!is_mounted(&s.mnt), "a mount without a server or a keeper was left behind");
+    let m = Mount::start(s.disk_str(), &s.mnt, &[]);
+    assert_eq!(std::fs::read(s.mnt.join("kept.txt")).expect("read"), b"flushed by the unmount");
+    m.unmount();
+}

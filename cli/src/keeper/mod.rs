@@ -59,10 +59,24 @@ impl Holder {
         !matches!(self, Holder::Nobody)
     }
 
-    /// Whether the mount outlives its whole process tree (`arbor keeper`
-    /// holds it): SIGTERM then leaves it in place for the next process.
-    pub fn outlives_process(&self) -> bool {
-        matches!(self, Holder::Keeper(_))
+    /// What SIGTERM does when the mount may outlive its whole process tree
+    /// (`arbor keeper` holds it): hand the keeper the connection `dev`
+    /// again and, once it answers that it holds it, run `flush` and leave
+    /// the mount in place for the next process. `None` otherwise.
+    pub fn on_term(
+        &self,
+        mountpoint: &Path,
+        dev: Option<BorrowedFd<'_>>,
+        flush: impl FnOnce() -> Result<(), String> + Send + 'static,
+    ) -> Option<crate::session::HandOver> {
+        use crate::session::Handed;
+        let Holder::Keeper(k) = self else { return None };
+        let dev = dev?.try_clone_to_owned().ok()?;
+        let (k, mp) = (k.clone(), mountpoint.to_path_buf());
+        Some(Box::new(move || match k.deposit(&mp, dev.as_fd()) {
+            Ok(()) => Handed::Kept(flush()),
+            Err(e) => Handed::NotHeld(format!("{e:#}")),
+        }))
     }
 
     /// The live connection of the mount at `mountpoint` this process is to
