@@ -116,6 +116,7 @@ pub fn serve_until_stopped(
         }
     };
     tell_systemd(sd_notify::NotifyState::Stopping);
+    crate::keeper::unmounting();
     let ended = if unmount { handle.unmount() } else { handle.join() };
     if let Err(e) = ended {
         tracing::warn!(error = %e, "session ended with an error");

@@ -40,8 +40,8 @@ impl Client {
     }
 
     /// Gives the keeper a copy of the mount's connection.
-    pub fn deposit(&self, mountpoint: &Path, dev: BorrowedFd<'_>) -> Result<()> {
-        self.call(json!({"op": "deposit", "mountpoint": mountpoint}), Some(dev)).map(drop)
+    pub fn deposit(&self, mountpoint: &Path, device: &str, dev: BorrowedFd<'_>) -> Result<()> {
+        self.call(json!({"op": "deposit", "mountpoint": mountpoint, "device": device}), Some(dev)).map(drop)
     }
 
     /// Tells the keeper to let the connection go; whether it held one.

@@ -72,8 +72,9 @@ impl Holder {
         use crate::session::Handed;
         let Holder::Keeper(k) = self else { return None };
         let dev = dev?.try_clone_to_owned().ok()?;
+        let device = mount_device(mountpoint).ok()?;
         let (k, mp) = (k.clone(), mountpoint.to_path_buf());
-        Some(Box::new(move || match k.deposit(&mp, dev.as_fd()) {
+        Some(Box::new(move || match k.deposit(&mp, &device, dev.as_fd()) {
             Ok(()) => Handed::Kept(flush()),
             Err(e) => Handed::NotHeld(format!("{e:#}")),
         }))
@@ -104,10 +105,13 @@ impl Holder {
             // Again when resuming, and every DEPOSIT_EVERY: a keeper
             // restarted since holds nothing.
             Holder::Keeper(k) => {
-                k.deposit(mountpoint, dev)?;
+                let device = mount_device(mountpoint)?;
+                k.deposit(mountpoint, &device, dev)?;
                 tracing::info!("the keeper holds the FUSE connection: this mount survives its process");
                 let (k, mp, dev) = (k.clone(), mountpoint.to_path_buf(), dev.try_clone_to_owned()?);
-                std::thread::Builder::new().name("arbor-deposit".into()).spawn(move || deposit_again(&k, &mp, &dev))?;
+                std::thread::Builder::new()
+                    .name("arbor-deposit".into())
+                    .spawn(move || deposit_again(&k, &mp, &device, &dev))?;
                 Ok(())
             }
         }
@@ -143,15 +147,37 @@ fn refuse_if_served(mountpoint: &Path) -> Result<()> {
     }
 }
 
-/// Hands the keeper the connection every [`DEPOSIT_EVERY`] for as long as
-/// this process serves it (a deposit after the unmount is refused: the
-/// keeper finds no such mount). Says once when the keeper is away, and
-/// when it is back.
-fn deposit_again(k: &client::Client, mountpoint: &Path, dev: &OwnedFd) {
+/// Set once this process starts to unmount: its connection is no longer
+/// to be handed to anyone.
+static UNMOUNTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Stops handing the keeper the connection: the mount is being unmounted.
+pub fn unmounting() {
+    UNMOUNTING.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// The device (`MAJOR:MINOR`) of this process's FUSE mount at
+/// `mountpoint`, sent with each deposit so that the keeper files the
+/// connection under this mount and no other.
+fn mount_device(mountpoint: &Path) -> Result<String> {
+    match service::fuse_device(mountpoint) {
+        Ok(Some(d)) => Ok(d),
+        Ok(None) => bail!("no FUSE mount at {}", mountpoint.display()),
+        Err(e) => bail!("{e}"),
+    }
+}
+
+/// Hands the keeper the connection every [`DEPOSIT_EVERY`] until this
+/// process starts to unmount. Says once when the keeper is away, and when
+/// it is back.
+fn deposit_again(k: &client::Client, mountpoint: &Path, device: &str, dev: &OwnedFd) {
     let mut away = false;
     loop {
         std::thread::sleep(DEPOSIT_EVERY);
-        match k.deposit(mountpoint, dev.as_fd()) {
+        if UNMOUNTING.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        match k.deposit(mountpoint, device, dev.as_fd()) {
             Ok(()) if away => {
                 tracing::info!("the keeper holds the FUSE connection again");
                 away = false;

@@ -202,7 +202,7 @@ fn handle(req: &Value, fd: Option<OwnedFd>, peer: &Peer, table: &Table) -> (Valu
             Ok((json!({"ok": true, "mountpoints": held}), None))
         }
         Some(op @ ("deposit" | "get" | "release")) => mountpoint(req).and_then(|mp| match op {
-            "deposit" => deposit(table, mp, fd, peer).map(|()| (json!({"ok": true}), None)),
+            "deposit" => deposit(table, mp, req["device"].as_str(), fd, peer).map(|()| (json!({"ok": true}), None)),
             "get" => Ok(get(table, &mp)),
             _ => Ok((json!({"ok": true, "held": table.lock().remove(&mp).is_some()}), None)),
         }),
@@ -221,8 +221,10 @@ fn mountpoint(req: &Value) -> Result<PathBuf, String> {
 }
 
 /// Keeps `fd` for the mount at `mp`: it must be `/dev/fuse`, and `mp` a
-/// FUSE mount this process sees. `peer` is counted among its servers.
-fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>, peer: &Peer) -> Result<(), String> {
+/// FUSE mount this process sees, of the device the depositor's mount has
+/// (`claimed`: a connection is never filed under another mount that came
+/// to the path since). `peer` is counted among its servers.
+fn deposit(table: &Table, mp: PathBuf, claimed: Option<&str>, fd: Option<OwnedFd>, peer: &Peer) -> Result<(), String> {
     let dev = fd.ok_or("a deposit carries the mount's /dev/fuse descriptor")?;
     let st = nix::sys::stat::fstat(&dev).map_err(|e| format!("fstat: {e}"))?;
     let fuse = libc::makedev(FUSE_MAJOR, FUSE_MINOR);
@@ -231,6 +233,7 @@ fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>, peer: &Peer) -> Resu
     }
     let device =
         fuse_device(&mp)?.ok_or_else(|| format!("no FUSE mount at {} in the keeper's mount table", mp.display()))?;
+    same_mount(&mp, claimed, &device)?;
     if !connected(&dev) {
         return Err("the connection is already over".into());
     }
@@ -248,6 +251,16 @@ fn deposit(table: &Table, mp: PathBuf, fd: Option<OwnedFd>, peer: &Peer) -> Resu
     servers.push(peer.try_clone());
     t.insert(mp, Held { dev, device, servers });
     Ok(())
+}
+
+/// Whether the mount at `mp` (of device `found`) is the depositor's,
+/// whose device it `claimed`.
+fn same_mount(mp: &Path, claimed: Option<&str>, found: &str) -> Result<(), String> {
+    match claimed {
+        None => Err("a deposit names its mount's device".into()),
+        Some(c) if c == found => Ok(()),
+        Some(c) => Err(format!("the mount at {} is device {found}, not the depositor's {c}", mp.display())),
+    }
 }
 
 /// A copy of the connection held for `mp`, if it is still live and none
@@ -311,7 +324,7 @@ fn live(mp: &Path, h: &Held) -> Result<(), String> {
 }
 
 /// The device of the FUSE mount on top at `mp` (`MAJOR:MINOR`), if any.
-fn fuse_device(mp: &Path) -> Result<Option<String>, String> {
+pub fn fuse_device(mp: &Path) -> Result<Option<String>, String> {
     let at = arbor_csi::mounts::mounts_at(mp).map_err(|e| format!("reading the mount table: {e}"))?;
     Ok(at.last().filter(|m| m.fs_type.starts_with("fuse")).map(|m| m.device.clone()))
 }
@@ -347,6 +360,10 @@ mod tests {
         let file = tempfile::tempfile().expect("tempfile");
         let (a, _) = handle(&json!({"op": "deposit", "mountpoint": "/mnt"}), Some(file.into()), &me, &table);
         assert!(a["error"].as_str().is_some_and(|e| e.contains("not /dev/fuse")), "{a}");
+        let mnt = Path::new("/mnt");
+        assert!(same_mount(mnt, Some("0:41"), "0:41").is_ok());
+        assert!(same_mount(mnt, Some("0:41"), "0:42").is_err_and(|e| e.contains("not the depositor's 0:41")));
+        assert!(same_mount(mnt, None, "0:41").is_err());
         let (a, fd) = handle(&json!({"op": "get", "mountpoint": "/mnt"}), None, &me, &table);
         assert_eq!((a, fd.is_none()), (json!({"ok": true, "held": false}), true));
         assert_eq!(handle(&json!({"op": "list"}), None, &me, &table).0, json!({"ok": true, "mountpoints": []}));
