@@ -82,6 +82,7 @@ type Table = Arc<parking_lot::Mutex<HashMap<PathBuf, Held>>>;
 /// mounts go on, served by their processes, without a keeper).
 pub fn run(socket: &Path) -> Result<()> {
     let listener = bind(socket)?;
+    let bound = file_id(socket)?;
     let table: Table = Default::default();
     let t = table.clone();
     std::thread::Builder::new().name("arbor-keeper-sweep".into()).spawn(move || loop {
@@ -92,7 +93,7 @@ pub fn run(socket: &Path) -> Result<()> {
     let path = socket.to_path_buf();
     std::thread::spawn(move || {
         if signals.forever().next().is_some() {
-            let _ = std::fs::remove_file(&path);
+            remove_if_bound(&path, bound);
             tracing::info!("stopped; the mounts it held go on without a keeper");
             std::process::exit(0);
         }
@@ -116,6 +117,24 @@ pub fn run(socket: &Path) -> Result<()> {
                 tracing::debug!(error = %e, "a connection ended");
             }
         });
+    }
+}
+
+/// What tells the file at `path` from another there later: device, inode
+/// and change time (a freed inode number is soon given to the next file).
+type FileId = (u64, u64, i64, i64);
+
+fn file_id(path: &Path) -> std::io::Result<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
+/// Removes the socket at `path` if it is still the one this keeper bound
+/// (`bound`): a successor may have replaced it already, and its socket
+/// must stay.
+fn remove_if_bound(path: &Path, bound: FileId) {
+    if file_id(path).is_ok_and(|id| id == bound) {
+        let _ = std::fs::remove_file(path);
     }
 }
 
@@ -343,6 +362,22 @@ fn connected(dev: &OwnedFd) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stopping_keeper_removes_its_own_socket_and_no_successor_s() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("keeper.sock");
+        let ours = bind(&path).expect("bind");
+        let bound = file_id(&path).expect("id");
+        // A successor replaced it (this keeper looked stale to it).
+        drop(ours);
+        std::fs::remove_file(&path).expect("rm");
+        let _theirs = bind(&path).expect("bind again");
+        remove_if_bound(&path, bound);
+        assert!(path.exists(), "the successor's socket was removed");
+        remove_if_bound(&path, file_id(&path).expect("id"));
+        assert!(!path.exists(), "its own socket was left");
+    }
 
     #[test]
     fn hellos_and_requests_that_are_refused() {
