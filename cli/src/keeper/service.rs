@@ -8,7 +8,9 @@
 //! when its mount is gone (the mount point no longer in this process's
 //! mount table with the device it had, or the connection aborted), on a
 //! `release`, or when a new mount at the same path deposits its own; a
-//! dead connection is never handed out.
+//! dead connection is never handed out, nor one whose mount table cannot
+//! be read (it is kept), nor one a process that deposited it still lives
+//! to serve (its pidfd says so).
 
 use super::fds;
 use super::protocol::{HELLO, VERSION};
@@ -303,11 +305,13 @@ fn get(table: &Table, mp: &Path) -> (Value, Option<OwnedFd>) {
         }
     }
     let mut t = table.lock();
-    if let Some(h) = t.get(mp) {
-        if let Err(why) = live(mp, h) {
+    match t.get(mp).map(|h| live(mp, h)) {
+        Some(Live::Dead(why)) => {
             tracing::info!(mountpoint = %mp.display(), why, "dropping a dead connection");
             t.remove(mp);
         }
+        Some(Live::Unknown(why)) => return (json!({"ok": false, "error": why}), None),
+        Some(Live::Yes) | None => {}
     }
     match t.get(mp).map(|h| h.dev.try_clone()) {
         Some(Ok(copy)) => {
@@ -322,23 +326,43 @@ fn get(table: &Table, mp: &Path) -> (Value, Option<OwnedFd>) {
 /// Drops every connection whose mount is gone.
 fn sweep(table: &Table) {
     table.lock().retain(|mp, h| match live(mp, h) {
-        Ok(()) => true,
-        Err(why) => {
+        Live::Yes => true,
+        Live::Unknown(why) => {
+            tracing::warn!(mountpoint = %mp.display(), why, "keeping a connection it cannot check");
+            true
+        }
+        Live::Dead(why) => {
             tracing::info!(mountpoint = %mp.display(), why, "dropping a connection");
             false
         }
     });
 }
 
+/// Whether a held connection still serves its mount.
+enum Live {
+    Yes,
+    /// Its mount is gone (why): the connection is dropped.
+    Dead(String),
+    /// The mount table cannot be read (why): the connection is kept, and
+    /// handed to no one until it can be checked.
+    Unknown(String),
+}
+
 /// Whether the connection held for `mp` still serves the mount there.
-fn live(mp: &Path, h: &Held) -> Result<(), String> {
+fn live(mp: &Path, h: &Held) -> Live {
+    judge(h, fuse_device(mp))
+}
+
+/// [`live`], given what the mount table says is at the path now.
+fn judge(h: &Held, now: Result<Option<String>, String>) -> Live {
     if !connected(&h.dev) {
-        return Err("the connection was aborted".into());
+        return Live::Dead("the connection was aborted".into());
     }
-    match fuse_device(mp)? {
-        Some(d) if d == h.device => Ok(()),
-        Some(d) => Err(format!("another file system ({d}) is mounted there now")),
-        None => Err("unmounted".into()),
+    match now {
+        Err(e) => Live::Unknown(e),
+        Ok(Some(d)) if d == h.device => Live::Yes,
+        Ok(Some(d)) => Live::Dead(format!("another file system ({d}) is mounted there now")),
+        Ok(None) => Live::Dead("unmounted".into()),
     }
 }
 
@@ -362,6 +386,16 @@ fn connected(dev: &OwnedFd) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_is_kept_while_the_mount_table_cannot_be_read() {
+        let file = tempfile::tempfile().expect("tempfile");
+        let h = Held { dev: file.into(), device: "0:41".into(), servers: Vec::new() };
+        assert!(matches!(judge(&h, Err("EMFILE".into())), Live::Unknown(_)));
+        assert!(matches!(judge(&h, Ok(Some("0:41".into()))), Live::Yes));
+        assert!(matches!(judge(&h, Ok(Some("0:42".into()))), Live::Dead(_)));
+        assert!(matches!(judge(&h, Ok(None)), Live::Dead(_)));
+    }
 
     #[test]
     fn a_stopping_keeper_removes_its_own_socket_and_no_successor_s() {
