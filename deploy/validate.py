@@ -73,6 +73,36 @@ def arg_value(args, flag):
     return None
 
 
+def check_keeper(by_kind, plugin, mounts, volumes):
+    """The plugin's --keeper socket is served by arbor-fuse-keeper, a
+    DaemonSet of its own (not replaced with the plugin), in a host folder
+    both mount, and the keeper sees the kubelet's mounts as the host does."""
+    problems = []
+    sock = arg_value(plugin["args"], "--keeper")
+    if sock is None:
+        return ["the plugin runs without --keeper: its container's restart kills the pods' mounts"]
+    keepers = [d for d in by_kind.get("DaemonSet", []) if d["metadata"]["name"] == "arbor-fuse-keeper"]
+    if len(keepers) != 1:
+        return ["no DaemonSet arbor-fuse-keeper serves the plugin's --keeper socket"]
+    ds = keepers[0]
+    if ds["spec"].get("updateStrategy", {}).get("type") != "OnDelete":
+        problems.append("arbor-fuse-keeper is not updateStrategy OnDelete: an upgrade would drop the connections")
+    pod = ds["spec"]["template"]["spec"]
+    kvolumes = {v["name"]: v for v in pod["volumes"]}
+    c = pod["containers"][0]
+    if c["args"][0] != "keeper" or arg_value(c["args"], "--socket") != sock:
+        problems.append(f"arbor-fuse-keeper runs {c['args']}, not keeper --socket={sock}")
+    kmounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    d = os.path.dirname(sock)
+    host = lambda ms, vs: vs[ms[d]["name"]]["hostPath"]["path"] if d in ms else None
+    if host(mounts, volumes) is None or host(mounts, volumes) != host(kmounts, kvolumes):
+        problems.append(f"the plugin and arbor-fuse-keeper do not share the host folder of {d}")
+    kubelet = kmounts.get("/var/lib/kubelet")
+    if not kubelet or kubelet.get("mountPropagation") not in ("HostToContainer", "Bidirectional"):
+        problems.append("arbor-fuse-keeper does not see /var/lib/kubelet's mounts (HostToContainer propagation)")
+    return problems
+
+
 def check_references(objs, driver, attrs, secret_keys):
     problems = []
     by_kind = {}
@@ -121,6 +151,7 @@ def check_references(objs, driver, attrs, secret_keys):
         fuse = [m for m in plugin["volumeMounts"] if m["mountPath"] == "/dev/fuse"]
         if not fuse or volumes[fuse[0]["name"]]["hostPath"]["path"] != "/dev/fuse":
             problems.append("/dev/fuse is not given to the plugin")
+        problems += check_keeper(by_kind, plugin, mounts, volumes)
         for name in ("node-driver-registrar", "liveness-probe"):
             c = containers.get(name)
             if c is None:

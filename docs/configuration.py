@@ -13,7 +13,7 @@ COMMANDS = [
     ["checkpoints", "create"], ["checkpoints", "list"], ["checkpoints", "delete"],
     ["branches", "create"], ["branches", "list"], ["branches", "delete"], ["branches", "reset"], ["branches", "rename"],
     ["diff"], ["prefetch"], ["gc"], ["compact"], ["serve"], ["warm"], ["import"], ["export"], ["fsck"],
-    ["csi"],
+    ["csi"], ["keeper"],
 ]
 
 ENV = [

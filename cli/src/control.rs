@@ -114,6 +114,19 @@ impl Drop for Server {
     }
 }
 
+/// How long a mount has to answer `status`: a process that takes longer
+/// (stopped, wedged) is alive but unresponsive, and whoever asked must not
+/// wait on it forever (the node plugin holds a volume's lock meanwhile).
+/// Other requests (an unmount's flush, a checkpoint) take what they take.
+pub const STATUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Said in the error of a request a live mount did not answer in time.
+pub const UNRESPONSIVE: &str = "alive but unresponsive";
+
+fn answer_within(req: &Value) -> Option<std::time::Duration> {
+    (req["op"] == "status").then_some(STATUS_TIMEOUT)
+}
+
 /// Sends one request to the mount at `mountpoint` and returns its result.
 pub fn request(mountpoint: &Path, req: Value) -> Result<Value> {
     let path = socket_path(mountpoint)?;
@@ -123,13 +136,45 @@ pub fn request(mountpoint: &Path, req: Value) -> Result<Value> {
         }
         _ => anyhow!("cannot reach the arbor mount at {}: {}", mountpoint.display(), arbor_node::disk::io_cause(&e)),
     })?;
-    writeln!(stream, "{req}")?;
+    let limit = answer_within(&req);
+    stream.set_read_timeout(limit)?;
+    stream.set_write_timeout(limit)?;
+    let unresponsive = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => anyhow!(
+            "the arbor mount at {} does not answer (waited {:?}): {UNRESPONSIVE}",
+            mountpoint.display(),
+            limit.unwrap_or_default()
+        ),
+        _ => e.into(),
+    };
+    writeln!(stream, "{req}").map_err(unresponsive)?;
     let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line)?;
+    BufReader::new(&stream).read_line(&mut line).map_err(unresponsive)?;
     let reply: Value = serde_json::from_str(&line).context("bad reply from the mount")?;
     if reply["ok"] == json!(true) {
         Ok(reply["result"].clone())
     } else {
         bail!("{}", reply["error"].as_str().unwrap_or("request failed"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_request_to_a_mount_that_never_answers_fails_in_time() {
+        let mountpoint = std::env::temp_dir().join(format!("arbor-control-silent-{}", std::process::id()));
+        let path = socket_path(&mountpoint).expect("path");
+        arbor_engine::private::create_dir_all(path.parent().expect("dir")).expect("mkdir");
+        let _ = std::fs::remove_file(&path);
+        // Accepts (the kernel does, into the backlog) and never answers.
+        let listener = UnixListener::bind(&path).expect("bind");
+        let t = std::time::Instant::now();
+        let err = request(&mountpoint, json!({"op": "status"})).expect_err("no answer");
+        let _ = std::fs::remove_file(&path);
+        drop(listener);
+        assert!(format!("{err:#}").contains(UNRESPONSIVE), "{err:#}");
+        assert!(t.elapsed() < STATUS_TIMEOUT * 2, "waited {:?}", t.elapsed());
     }
 }

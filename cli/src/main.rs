@@ -50,7 +50,30 @@ enum Command {
     Mount(MountCmd),
     /// Unmount MOUNTPOINT, waiting until everything is durable and in the bucket.
     #[command(after_help = "Example:\n  arbor unmount /mnt/data")]
-    Unmount { mountpoint: PathBuf },
+    Unmount {
+        mountpoint: PathBuf,
+        /// The `arbor keeper` socket the mount was started with: if its
+        /// server is gone, the keeper lets the connection go, and the dead
+        /// mount is detached instead of waiting for a server.
+        #[arg(long, value_name = "SOCKET")]
+        keeper: Option<PathBuf>,
+    },
+    /// Hold the FUSE connections of mounts started with `--keeper SOCKET`,
+    /// so that a mount process killed with its whole process tree (a
+    /// `systemctl restart`, a container's restart) comes back on the same
+    /// kernel mount: its open files stall, then go on. Opens no disk.
+    #[command(
+        after_help = "Example:\n  arbor keeper --socket /run/arbor/keeper.sock\n  arbor mount /data/arbor-disk /mnt/data --foreground --keeper /run/arbor/keeper.sock"
+    )]
+    Keeper {
+        /// The Unix socket to serve on (made 0600).
+        #[arg(long)]
+        socket: PathBuf,
+        /// Print the mount points whose connections the running keeper
+        /// holds (JSON), and exit.
+        #[arg(long)]
+        list: bool,
+    },
     /// Show what the mount at MOUNTPOINT is doing.
     #[command(after_help = "Example:\n  arbor status /mnt/data --json")]
     Status {
@@ -279,8 +302,19 @@ struct MountCmd {
     /// on. Each change is then answered once it outlives the server (a
     /// write system call per change; a mount through an owner waits for
     /// the owner's answer to each write). `arbor csi` mounts this way.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "keeper")]
     restartable: bool,
+    /// Hand the FUSE connection to the `arbor keeper` at SOCKET, and take
+    /// it back from there when started again on a mount point it holds:
+    /// the mount survives this process and every process around it (kill
+    /// -9, `systemctl restart`, a container's restart); open files stall
+    /// until `arbor mount` runs again with the same arguments. SIGTERM
+    /// makes what was answered durable and exits leaving the mount to the
+    /// keeper (so `systemctl restart` restarts it in place); SIGINT and
+    /// `arbor unmount` unmount. Each change is answered once it outlives
+    /// the process, as with --restartable.
+    #[arg(long, value_name = "SOCKET")]
+    keeper: Option<PathBuf>,
     /// Serve `GET /metrics` (Prometheus text: FUSE operations, bucket calls,
     /// the chunk cache) on this address, e.g. 127.0.0.1:9101. No token: bind
     /// it where only the scraper reaches.
@@ -427,6 +461,12 @@ struct CsiCmd {
     /// Where the plugin keeps its volume records, secrets (0600) and caches.
     #[arg(long, default_value = arbor_csi::STATE_DIR)]
     state_dir: PathBuf,
+    /// Mount volumes with `arbor mount --keeper SOCKET` (an `arbor keeper`
+    /// outside this plugin's container), and on start serve again every
+    /// staged volume whose kernel mount outlived its mount process: pods
+    /// keep their files across a restart of the plugin's container.
+    #[arg(long, value_name = "SOCKET")]
+    keeper: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -504,6 +544,7 @@ fn run(cli: Cli) -> Result<()> {
             node_id: c.node_id,
             state_dir: std::path::absolute(c.state_dir)?,
             arbor_bin: std::env::current_exe()?,
+            keeper: c.keeper.map(std::path::absolute).transpose()?,
         })?,
         Command::Mount(m) => {
             let memory = memory_only(&m.cache_dir);
@@ -543,6 +584,7 @@ fn run(cli: Cli) -> Result<()> {
                 timeout: m.timeout.map(|t| t.0),
                 allow_suid_devices: m.allow_suid_devices,
                 restartable: m.restartable,
+                keeper: m.keeper.map(std::path::absolute).transpose()?,
                 metrics: m.metrics,
             };
             if m.foreground {
@@ -561,8 +603,12 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        Command::Unmount { mountpoint } => {
-            mount::unmount(&mountpoint)?;
+        Command::Keeper { socket, list: true } => {
+            println!("{}", json!(keeper::client::Client::new(&socket).list()?));
+        }
+        Command::Keeper { socket, list: false } => keeper::service::run(&socket)?,
+        Command::Unmount { mountpoint, keeper } => {
+            mount::unmount(&mountpoint, keeper.as_deref())?;
             println!("unmounted {}", mountpoint.display());
         }
         Command::Status { mountpoint, json } => {
@@ -685,6 +731,12 @@ fn print_status(s: &serde_json::Value) {
         None => println!("branch       {}", get("branch")),
     }
     println!("server pid   {}", get("pid"));
+    if let Some(k) = s["keeper_pid"].as_u64() {
+        println!("keeper       pid {k}: holds the FUSE connection, restarts the server on it");
+    }
+    if let Some(k) = s["keeper_socket"].as_str() {
+        println!("keeper       `arbor keeper` at {k} holds the FUSE connection (the mount outlives this server)");
+    }
     println!(
         "fuse         {}, {} requests on the ring, {} write-only opens past the page cache",
         get("fuse_transport"),
@@ -812,8 +864,9 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let foreground_mount = matches!(&cli.command, Command::Mount(m) if m.foreground)
         || matches!(&cli.command, Command::Serve(c) if c.foreground)
-        || matches!(&cli.command, Command::Csi(_));
-    if !matches!(&cli.command, Command::Mount(_) | Command::Serve(_) | Command::Csi(_)) {
+        || matches!(&cli.command, Command::Csi(_))
+        || matches!(&cli.command, Command::Keeper { list: false, .. });
+    if !matches!(&cli.command, Command::Mount(_) | Command::Serve(_) | Command::Csi(_) | Command::Keeper { .. }) {
         // A command whose output goes to `head` stops quietly when the
         // reader does, as other tools do, instead of failing to print.
         // (Sockets are written with MSG_NOSIGNAL and are not affected; the

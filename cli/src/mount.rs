@@ -48,6 +48,9 @@ pub struct MountArgs {
     pub allow_suid_devices: bool,
     /// A keeper holds the FUSE connection and restarts the server on it.
     pub restartable: bool,
+    /// `arbor keeper`'s socket: it holds the FUSE connection, and a mount
+    /// started again takes it from there.
+    pub keeper: Option<PathBuf>,
     /// Where to serve `/metrics` (`None`: nowhere).
     pub metrics: Option<std::net::SocketAddr>,
 }
@@ -145,6 +148,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         "checkpoint": args.checkpoint,
         "pid": std::process::id(),
         "keeper_pid": crate::keeper::keeper_pid(),
+        "keeper_socket": args.keeper,
         "read_only": s.read_only,
         "poisoned": s.poisoned,
         "io_backend": s.io_backend,
@@ -223,7 +227,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
     if crate::keeper::wanted(args.restartable) {
         return crate::keeper::run(&arbor_fs::mount_path(&args.mountpoint));
     }
-    let resume = crate::keeper::resume_device();
+    let holder = crate::keeper::Holder::of(args.keeper.as_deref());
+    let resume = holder.take_over(&arbor_fs::mount_path(&args.mountpoint))?;
     let p = prepare(args, resume.is_some())?;
     let opts = OpenOptions {
         segment_size: args.segment_size,
@@ -242,12 +247,12 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
                 suid_devices: args.allow_suid_devices,
                 transport: crate::settings::fuse().transport,
                 direct_writes: crate::settings::fuse().direct_writes,
-                restartable: crate::keeper::is_child(),
+                restartable: holder.restartable(),
                 ..MountOptions::default()
             };
             let name = args.root_name().to_string();
             let servers = p.cache_client.clone();
-            let at = crate::remote_mount::At { disk: &p.disk, mountpoint: &p.mountpoint, resume };
+            let at = crate::remote_mount::At { disk: &p.disk, mountpoint: &p.mountpoint, resume, holder: &holder };
             return crate::remote_mount::mount(at, name, files, &fuse_opts, servers, args.metrics);
         }
     };
@@ -268,7 +273,7 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         threads: args.threads,
         transport: crate::settings::fuse().transport,
         direct_writes: crate::settings::fuse().direct_writes,
-        restartable: crate::keeper::is_child(),
+        restartable: holder.restartable(),
         ..MountOptions::default()
     };
     let resuming = resume.is_some();
@@ -278,8 +283,8 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         None => arbor_fs::mount(vol.clone(), &p.mountpoint, &opts)
             .with_context(|| format!("cannot mount at {}", p.mountpoint.display()))?,
     };
-    if let (false, Some(dev)) = (resuming, handle.device()) {
-        crate::keeper::hand_over(dev)?;
+    if let Some(dev) = handle.device() {
+        holder.hand_over(&p.mountpoint, dev, resuming)?;
     }
     let _ = fuse_counters.set(handle.counters().clone());
     let fuse = handle.transport().describe();
@@ -349,7 +354,12 @@ pub fn run_foreground(args: &MountArgs) -> Result<()> {
         invalidate: invalidate.clone(),
     };
     let args_view = MountArgs { pre_fetch: Vec::new(), ..args.clone() };
-    let stopped = serve_until_stopped(handle, control, move |req, tx| ctl.handle(&args_view, req, tx))?;
+    let flushed = vol.clone();
+    let hand_over = holder.on_term(&p.mountpoint, handle.device(), move || {
+        flushed.sync_all().and_then(|_| flushed.commit()).map_err(|e| e.to_string())
+    });
+    let stopped = serve_until_stopped(handle, control, hand_over, move |req, tx| ctl.handle(&args_view, req, tx))?;
+    holder.released(&p.mountpoint);
     // It holds the volume: gone before the volume closes.
     drop(endpoint);
     drop(maintain_stop);
@@ -432,7 +442,11 @@ impl ControlState {
 /// file, and returns once the file system answers.
 /// Starts the mount process; returns its log and the FUSE transport it uses.
 pub fn spawn_background(args: &MountArgs) -> Result<(PathBuf, String)> {
-    let p = prepare(args, false)?;
+    // A live connection the keeper holds is taken over by the mount
+    // process (this copy only says there is one).
+    let holder = crate::keeper::Holder::of(args.keeper.as_deref());
+    let resuming = holder.take_over(&arbor_fs::mount_path(&args.mountpoint))?.is_some();
+    let p = prepare(args, resuming)?;
     let log_path = p.disk.log_path(args.root_name());
     let mountpoint = p.mountpoint.clone();
     // The server opens the disk (and its cache directory) itself.
@@ -486,8 +500,10 @@ fn show_upload_progress<T>(mountpoint: &Path, req: &std::thread::ScopedJoinHandl
 }
 
 /// Unmounts through the control socket (which waits for the final
-/// commit), or detaches a mount whose server is gone.
-pub fn unmount(mountpoint: &Path) -> Result<()> {
+/// commit), or detaches a mount whose server is gone (after telling its
+/// keeper, if given, to let its connection go: a held connection would
+/// keep the dead mount waiting for a server instead of failing).
+pub fn unmount(mountpoint: &Path, keeper: Option<&Path>) -> Result<()> {
     let waited = std::thread::scope(|s| {
         let req = s.spawn(|| control::request(mountpoint, json!({"op": "unmount"})));
         show_upload_progress(mountpoint, &req);
@@ -496,6 +512,18 @@ pub fn unmount(mountpoint: &Path) -> Result<()> {
     if let Err(e) = waited {
         if !arbor_fs::is_mountpoint(mountpoint) {
             return Err(e);
+        }
+        if let Some(k) = keeper {
+            if let Err(e) = crate::keeper::client::Client::new(k).release(&arbor_fs::mount_path(mountpoint)) {
+                eprintln!("note: {e:#}");
+            }
+        }
+        if !settles_within(mountpoint, HELD_PROBE) {
+            bail!(
+                "{} has no server and does not fail either: `arbor keeper` may hold its connection (start its `arbor mount --keeper` again, or `arbor unmount {} --keeper SOCKET`)",
+                mountpoint.display(),
+                mountpoint.display()
+            );
         }
         arbor_fs::recover_stale_mount(mountpoint)?;
         if arbor_fs::is_mountpoint(mountpoint) {
@@ -510,4 +538,22 @@ pub fn unmount(mountpoint: &Path) -> Result<()> {
         bail!("{} is still mounted a minute later (is a process using it?)", mountpoint.display());
     }
     Ok(())
+}
+
+/// How long `arbor unmount` waits for a mount without a server to answer
+/// or fail before it says why it may do neither.
+const HELD_PROBE: Duration = Duration::from_secs(5);
+
+/// Whether a `statfs` of the mount point returns (answered, or failed as a
+/// dead mount fails) within `wait`. A mount whose connection `arbor
+/// keeper` holds with no server waits instead; the probe's thread then
+/// waits with it, until the process exits.
+fn settles_within(mountpoint: &Path, wait: Duration) -> bool {
+    let (tx, rx) = mpsc::channel();
+    let mp = mountpoint.to_path_buf();
+    let probe = std::thread::Builder::new().name("arbor-probe".into()).spawn(move || {
+        let _ = nix::sys::statfs::statfs(&mp);
+        let _ = tx.send(());
+    });
+    probe.is_ok() && rx.recv_timeout(wait).is_ok()
 }

@@ -14,16 +14,18 @@ use serde_json::json;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Mounts branch `name` at `mountpoint` through its owner (`files`, the
-/// client connected to it), and serves until unmounted or signalled.
-/// Where a client mount goes: its disk, its mount point, and the
-/// `/dev/fuse` file of a live mount to take over (see `keeper.rs`).
+/// Where a client mount goes: its disk, its mount point, the `/dev/fuse`
+/// file of a live mount to take over, and who else holds its connection
+/// (see `keeper/`).
 pub struct At<'a> {
     pub disk: &'a Arc<Disk>,
     pub mountpoint: &'a Path,
     pub resume: Option<std::os::fd::OwnedFd>,
+    pub holder: &'a crate::keeper::Holder,
 }
 
+/// Mounts branch `name` through its owner (`files`, the client connected
+/// to it), and serves until unmounted or signalled.
 pub fn mount(
     at: At<'_>,
     name: String,
@@ -53,8 +55,8 @@ pub fn mount(
         None => arbor_fs::mount(files.clone(), mountpoint, opts)
             .with_context(|| format!("cannot mount at {}", mountpoint.display()))?,
     };
-    if let (false, Some(dev)) = (resuming, handle.device()) {
-        crate::keeper::hand_over(dev)?;
+    if let Some(dev) = handle.device() {
+        at.holder.hand_over(mountpoint, dev, resuming)?;
     }
     let _ = fuse_counters.set(handle.counters().clone());
     files.follow(handle.invalidator())?;
@@ -62,7 +64,13 @@ pub fn mount(
     let fuse = (handle.transport().clone(), handle.counters().clone());
     tracing::info!(mountpoint = %mountpoint.display(), disk = %d.url, branch = %name, %owner, fuse = %fuse.0.describe(), resuming, "mounted through the owner");
     let (url, mp, view) = (d.url.clone(), mountpoint.to_path_buf(), files.clone());
-    let stopped = serve_until_stopped(handle, control, move |req, tx| match req["op"].as_str() {
+    let keeper_socket = match at.holder {
+        crate::keeper::Holder::Keeper(k) => Some(k.socket().to_path_buf()),
+        _ => None,
+    };
+    // Each write was answered once the owner had it (`write_synchronously`).
+    let hand_over = at.holder.on_term(mountpoint, handle.device(), || Ok(()));
+    let stopped = serve_until_stopped(handle, control, hand_over, move |req, tx| match req["op"].as_str() {
         Some("status") => {
             let s = view.stats();
             let mut result = json!({
@@ -71,6 +79,7 @@ pub fn mount(
                 "branch": name,
                 "pid": std::process::id(),
                 "keeper_pid": crate::keeper::keeper_pid(),
+                "keeper_socket": keeper_socket,
                 "read_only": false,
                 "owner": s.owner,
                 "owner_retries": s.retries,
@@ -113,6 +122,7 @@ pub fn mount(
         ),
         None => (json!({"ok": false, "error": "no op"}), false),
     })?;
+    at.holder.released(mountpoint);
     drop(endpoint);
     let closed = Files::close(&*files);
     stopped.report(closed.as_ref().map(|_| ()).map_err(|e| e.to_string()));

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 pub enum Event {
     Stop(&'static str),
+    /// SIGTERM to a mount an `arbor keeper` holds: leave it to the keeper.
+    HandOver,
     /// Unmount, then report how closing the volume went.
     Unmount(mpsc::Sender<Result<(), String>>),
 }
@@ -31,21 +33,48 @@ impl Stopped {
     }
 }
 
+/// What SIGTERM does to a mount whose connection an `arbor keeper` holds:
+/// this makes what the process answered durable, and the process then
+/// exits without unmounting. The kernel mount stays, held by the keeper,
+/// and the next `arbor mount --keeper` there takes it over: a `systemctl
+/// restart` restarts the mount in place. (SIGINT, SIGHUP and `arbor
+/// unmount` still unmount.)
+/// It first hands the keeper the connection again, and unmounts as any
+/// signal does unless the keeper says it holds it: a keeper down or
+/// restarted since holds nothing, and the mount would be left without a
+/// server or a connection (ENOTCONN).
+pub type HandOver = Box<dyn FnOnce() -> Handed + Send>;
+
+/// What a [`HandOver`] did.
+pub enum Handed {
+    /// The keeper holds the connection; the flush's result.
+    Kept(Result<(), String>),
+    /// The keeper does not hold it (why): the mount is to be unmounted.
+    NotHeld(String),
+}
+
 /// Answers control requests with `handle` until a signal, an unmount
-/// request, or an unmount from outside, then unmounts.
+/// request, or an unmount from outside, then unmounts; or, on SIGTERM
+/// with a `hand_over`, runs it and exits leaving the mount in place.
 pub fn serve_until_stopped(
     handle: arbor_fs::MountHandle,
     control: control::Server,
+    hand_over: Option<HandOver>,
     handle_req: impl Fn(&Value, &mpsc::Sender<Event>) -> (Value, bool) + Send + Sync + 'static,
 ) -> Result<Stopped> {
     let (tx, rx) = mpsc::channel();
     let sig_tx = tx.clone();
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGINT, libc::SIGTERM, libc::SIGHUP])?;
+    let term_hands_over = hand_over.is_some();
     std::thread::spawn(move || {
-        if signals.forever().next().is_some() {
-            let _ = sig_tx.send(Event::Stop("signal"));
+        if let Some(sig) = signals.forever().next() {
+            let _ = sig_tx.send(match sig {
+                libc::SIGTERM if term_hands_over => Event::HandOver,
+                _ => Event::Stop("signal"),
+            });
         }
     });
+    let mut hand_over = hand_over;
     let (replied_tx, replied_rx) = mpsc::channel::<()>();
     std::thread::spawn(move || {
         control.serve(|req| handle_req(req, &tx));
@@ -64,12 +93,30 @@ pub fn serve_until_stopped(
                 ack = Some(a);
                 break true;
             }
+            Ok(Event::HandOver) => {
+                let flushed = match hand_over.take().map(|f| f()) {
+                    Some(Handed::Kept(flushed)) => flushed,
+                    Some(Handed::NotHeld(why)) => {
+                        tracing::warn!(why, "SIGTERM: the keeper does not hold the FUSE connection; unmounting");
+                        break true;
+                    }
+                    None => break true,
+                };
+                match &flushed {
+                    Ok(()) => tracing::info!("SIGTERM: everything answered is durable; the keeper keeps the mount"),
+                    Err(e) => tracing::error!(error = e, "SIGTERM: a final sync failed; the keeper keeps the mount"),
+                }
+                // No unmount: the session's handle must not be dropped,
+                // and nothing else is left to do.
+                std::process::exit(if flushed.is_ok() { 0 } else { 1 });
+            }
             Err(mpsc::RecvTimeoutError::Timeout) if handle.is_finished() => break false,
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => break true,
         }
     };
     tell_systemd(sd_notify::NotifyState::Stopping);
+    crate::keeper::unmounting();
     let ended = if unmount { handle.unmount() } else { handle.join() };
     if let Err(e) = ended {
         tracing::warn!(error = %e, "session ended with an error");

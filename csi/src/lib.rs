@@ -16,6 +16,7 @@
 pub mod identity;
 pub mod mounts;
 pub mod node;
+pub mod revive;
 pub mod stage;
 pub mod state;
 pub mod volume;
@@ -47,6 +48,9 @@ pub struct PluginOptions {
     pub state_dir: PathBuf,
     /// The `arbor` binary that mounts volumes (normally this process's own).
     pub arbor_bin: PathBuf,
+    /// The socket of an `arbor keeper` outside the plugin's container:
+    /// volumes are mounted with `--keeper`, and served again at start.
+    pub keeper: Option<PathBuf>,
 }
 
 /// Why the plugin could not start or stopped serving.
@@ -74,7 +78,11 @@ pub fn socket_path(endpoint: &str) -> Result<PathBuf, Error> {
     Ok(PathBuf::from(path))
 }
 
-/// Serves Identity and Node on the endpoint's Unix socket until SIGTERM or SIGINT.
+/// Serves Identity and Node on the endpoint's Unix socket until SIGTERM or
+/// SIGINT; with a keeper, the watcher serves again, from its first round
+/// on, the staged volumes whose mount processes died with an earlier
+/// plugin. Not before the socket: a revival takes up to a minute a volume,
+/// and a plugin that answers no probe meanwhile is restarted, forever.
 pub fn run(opts: PluginOptions) -> Result<(), Error> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -103,6 +111,7 @@ pub async fn serve(opts: PluginOptions, stop: impl std::future::Future<Output = 
     let node = node::NodeService::open(&opts)
         .map(node::NodeServer::new)
         .map_err(io_error(format!("state folder {}", opts.state_dir.display())))?;
+    let watcher = tokio::spawn(node.clone().watch());
     let identity = identity::IdentityService;
     tracing::info!(endpoint = %path.display(), node = %opts.node_id, driver = DRIVER_NAME, "CSI plugin serving");
     let served = tonic::transport::Server::builder()
@@ -110,6 +119,7 @@ pub async fn serve(opts: PluginOptions, stop: impl std::future::Future<Output = 
         .add_service(proto::node_server::NodeServer::new(node))
         .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), stop)
         .await;
+    watcher.abort();
     let _ = std::fs::remove_file(&path);
     served?;
     Ok(())

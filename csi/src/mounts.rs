@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 /// One line of `/proc/self/mountinfo`, the fields the plugin needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MountEntry {
+    /// The mounted file system's device, `MAJOR:MINOR` (a FUSE mount's
+    /// connection: a new mount at the same path has another).
+    pub device: String,
     pub mount_point: PathBuf,
     pub fs_type: String,
     pub read_only: bool,
@@ -41,10 +44,11 @@ pub fn parse(text: &str) -> Vec<MountEntry> {
         .filter_map(|line| {
             let (before, after) = line.split_once(" - ")?;
             let fields: Vec<&str> = before.split(' ').collect();
+            let device = fields.get(2)?.to_string();
             let mount_point = unescape(fields.get(4)?);
             let read_only = fields.get(5)?.split(',').any(|o| o == "ro");
             let fs_type = after.split(' ').next()?.to_string();
-            Some(MountEntry { mount_point, fs_type, read_only })
+            Some(MountEntry { device, mount_point, fs_type, read_only })
         })
         .collect()
 }
@@ -133,6 +137,7 @@ mod tests {
         assert_eq!(m[0].fs_type, "ext3");
         assert!(!m[0].read_only);
         assert_eq!(m[1].fs_type, "fuse.arbor");
+        assert_eq!((m[0].device.as_str(), m[1].device.as_str()), ("98:0", "0:44"));
         assert!(m[1].read_only);
     }
 }

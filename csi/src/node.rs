@@ -22,6 +22,7 @@ use tonic::{Code, Request, Response, Status};
 pub struct NodeService {
     node_id: String,
     arbor: PathBuf,
+    keeper: Option<PathBuf>,
     state: State,
     locks: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -71,19 +72,29 @@ fn reader_only(mode: Mode) -> bool {
     matches!(mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
 }
 
-/// Whether a FUSE mount at `path` is there and answers (a mount whose
-/// process died fails with ENOTCONN).
-fn serving(path: &Path) -> Result<bool, Status> {
-    Ok(mounts::is_mounted(path).map_err(internal("reading the mount table"))? && mounts::answers(path))
-}
-
 impl NodeService {
     pub fn open(opts: &PluginOptions) -> std::io::Result<NodeService> {
         Ok(NodeService {
             node_id: opts.node_id.clone(),
             arbor: opts.arbor_bin.clone(),
+            keeper: opts.keeper.clone(),
             state: State::open(&opts.state_dir)?,
             locks: Default::default(),
+        })
+    }
+
+    /// Whether a FUSE mount at `path` is there and served. Without a
+    /// keeper, whether it answers (a mount whose process died fails with
+    /// ENOTCONN); with one, whether a mount process answers on its control
+    /// socket (a mount the keeper holds waits for a server, and would not
+    /// fail).
+    fn serving(&self, path: &Path) -> Result<bool, Status> {
+        if !mounts::is_mounted(path).map_err(internal("reading the mount table"))? {
+            return Ok(false);
+        }
+        Ok(match &self.keeper {
+            Some(_) => stage::served(&self.arbor, path),
+            None => mounts::answers(path),
         })
     }
 
@@ -133,6 +144,7 @@ impl NodeService {
             attributes: attributes_key(&req.volume_context),
             capability: cap,
             secrets_digest: secrets.digest(),
+            waiting_for_secrets: false,
         };
         if let Some(old) = self.state.stage(id).map_err(internal("reading the volume's record"))? {
             if old.staging_path != record.staging_path
@@ -144,24 +156,81 @@ impl NodeService {
                     old.staging_path.display()
                 )));
             }
-            if serving(&staging)? {
+            if self.serving(&staging)? {
                 return Ok(());
             }
             tracing::warn!(volume = id, staging = %staging.display(), "staged volume is not served; mounting it again");
         }
         std::fs::create_dir_all(&staging).map_err(internal("creating the staging path"))?;
-        let files = stage::write_secrets(&self.state, id, &secrets).map_err(internal("writing the secrets"))?;
-        let args = stage::mount_args(&spec, &files, &self.state.cache_dir(id)).map_err(invalid)?;
-        // The record first: a plugin that dies while mounting finds it.
-        self.state.put_stage(&record).map_err(internal("writing the volume's record"))?;
+        if req.secrets.is_empty()
+            && stage::mount_args(&spec, &stage::SecretFiles::default(), Path::new("/"), None).is_err()
+        {
+            // Its secrets may come with each publish (`nodePublishSecretRef`).
+            tracing::info!(volume = id, staging = %staging.display(), "staged without secrets: mounting at the first publish");
+            let record = StageRecord { waiting_for_secrets: true, ..record };
+            return self.state.put_stage(&record).map_err(internal("writing the volume's record"));
+        }
+        self.mount_staged(id, &spec, &staging, &secrets, &record)
+    }
+
+    /// Mounts a staged volume at `staging` with `secrets`, its record
+    /// written first (a plugin that dies while mounting finds it); undone
+    /// if the mount fails.
+    fn mount_staged(
+        &self,
+        id: &str,
+        spec: &VolumeSpec,
+        staging: &Path,
+        secrets: &Secrets,
+        record: &StageRecord,
+    ) -> Result<(), Status> {
+        let files = stage::write_secrets(&self.state, id, secrets).map_err(internal("writing the secrets"))?;
+        let args =
+            stage::mount_args(spec, &files, &self.state.cache_dir(id), self.keeper.as_deref()).map_err(invalid)?;
+        self.state.put_stage(record).map_err(internal("writing the volume's record"))?;
         tracing::info!(volume = id, staging = %staging.display(), disk = %spec.disk, root = ?spec.root, "staging");
-        if let Err(e) = stage::mount(&self.arbor, &spec, &staging, &args, &files) {
+        if let Err(e) = stage::mount(&self.arbor, spec, staging, &args, &files) {
             let _ = self.state.remove_stage(id);
             let _ = stage::remove_secrets(&self.state, id);
             return Err(match e {
                 StageError::NotFound(m) => Status::not_found(m),
                 StageError::Failed(m) => Status::internal(m),
             });
+        }
+        Ok(())
+    }
+
+    /// What a publish's secrets (`nodePublishSecretRef`) do: a volume
+    /// staged without the secrets it needs is mounted now, with them; a
+    /// volume already mounted takes none (one mount serves every pod on
+    /// the node), so other secrets than it was mounted with are refused.
+    fn publish_secrets(
+        &self,
+        id: &str,
+        staging: &Path,
+        staged: &StageRecord,
+        given: &HashMap<String, String>,
+    ) -> Result<(), Status> {
+        let secrets = Secrets::parse(given).map_err(invalid)?;
+        if staged.waiting_for_secrets {
+            if given.is_empty() {
+                return Err(Status::failed_precondition(format!(
+                    "volume {id:?} was staged without secrets and its mount needs them (a \"token\"): give them in nodeStageSecretRef or nodePublishSecretRef"
+                )));
+            }
+            let ctx: HashMap<String, String> = staged.attributes.clone().into_iter().collect();
+            let spec = VolumeSpec::parse(&ctx).map_err(invalid)?;
+            let record = StageRecord { secrets_digest: secrets.digest(), waiting_for_secrets: false, ..staged.clone() };
+            tracing::info!(volume = id, "mounting with the publish's secrets");
+            return self.mount_staged(id, &spec, staging, &secrets, &record).inspect_err(|_| {
+                // Still staged, still waiting: the next publish tries again.
+                let _ = self.state.put_stage(staged);
+            });
+        }
+        if !given.is_empty() && secrets.digest() != staged.secrets_digest {
+            return Err(Status::failed_precondition(format!(
+                "volume {id:?} is mounted with other secrets than this publish's (nodePublishSecretRef): one mount serves every pod on the node, so every publish must give the secrets it was mounted with, or none"
+            )));
         }
         Ok(())
     }
@@ -195,7 +264,8 @@ impl NodeService {
                 )));
             }
             tracing::info!(volume = id, staging = %staging.display(), "unstaging");
-            stage::unmount(&self.arbor, &staging).map_err(|e| Status::internal(e.to_string()))?;
+            stage::unmount(&self.arbor, &staging, self.keeper.as_deref())
+                .map_err(|e| Status::internal(e.to_string()))?;
         }
         stage::remove_secrets(&self.state, id).map_err(internal("removing the secrets"))?;
         match std::fs::remove_dir_all(self.state.cache_dir(id)) {
@@ -223,7 +293,8 @@ impl NodeService {
                 "a checkpoint volume is read-only: publish it with a reader access mode",
             ));
         }
-        if !serving(&staging)? {
+        self.publish_secrets(id, &staging, &staged, &req.secrets)?;
+        if !self.serving(&staging)? {
             return Err(Status::failed_precondition(format!(
                 "volume {id:?} is not mounted at {} (stage it again)",
                 staging.display()
@@ -291,9 +362,52 @@ impl NodeService {
 #[derive(Clone)]
 pub struct NodeServer(Arc<NodeService>);
 
+/// With a keeper, how often the plugin looks for staged volumes whose
+/// mount process died alone (the OOM killer, a kill -9): their pods stall
+/// until then.
+pub const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl NodeServer {
     pub fn new(service: NodeService) -> NodeServer {
         NodeServer(Arc::new(service))
+    }
+
+    /// With a keeper: at once, then every [`WATCH_EVERY`], starts a mount
+    /// process for each staged volume whose kernel mount is there and not
+    /// served (under the volume's lock, so never during its stage or
+    /// unstage), all volumes at once: one slow volume must not hold the
+    /// others back. Without one, returns at once (the in-process keeper
+    /// restarts its own child).
+    pub async fn watch(self) {
+        let Some(keeper) = self.0.keeper.clone() else { return };
+        loop {
+            let records = match self.0.state.stages() {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the staged volumes' records");
+                    Vec::new()
+                }
+            };
+            let rounds: Vec<_> =
+                records.into_iter().map(|r| tokio::spawn(self.clone().revive(r, keeper.clone()))).collect();
+            for round in rounds {
+                let _ = round.await;
+            }
+            tokio::time::sleep(WATCH_EVERY).await;
+        }
+    }
+
+    /// One volume's round of [`NodeServer::watch`].
+    async fn revive(self, r: crate::state::StageRecord, keeper: std::path::PathBuf) {
+        let id = r.volume_id.clone();
+        let revived =
+            self.0.with_volume(&id, move |n| Ok(crate::revive::revive_one(&n.state, &n.arbor, &keeper, &r))).await;
+        match revived {
+            Ok(Ok(true)) => tracing::warn!(volume = id, "its mount process had died: serving again"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => tracing::warn!(volume = id, error = e, "cannot serve the staged volume again"),
+            Err(s) => tracing::warn!(volume = id, error = s.message(), "cannot serve the staged volume again"),
+        }
     }
 }
 

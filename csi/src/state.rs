@@ -29,6 +29,10 @@ pub struct StageRecord {
     pub capability: String,
     /// A digest of the secrets' values (never the values).
     pub secrets_digest: String,
+    /// Staged without the secrets its mount needs: it is mounted at the
+    /// first publish, with that call's secrets (`nodePublishSecretRef`).
+    #[serde(default)]
+    pub waiting_for_secrets: bool,
 }
 
 /// A staged volume bound into a pod's target path.
@@ -125,6 +129,18 @@ impl State {
         remove_if_there(&self.publish_file(target))
     }
 
+    /// Every staged volume's record.
+    pub fn stages(&self) -> io::Result<Vec<StageRecord>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.dir.join("stage"))? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "json") {
+                out.extend(read::<StageRecord>(&path)?);
+            }
+        }
+        Ok(out)
+    }
+
     /// Every target recorded as published for `volume_id`.
     pub fn publishes_of(&self, volume_id: &str) -> io::Result<Vec<PublishRecord>> {
         let mut out = Vec::new();
@@ -171,9 +187,11 @@ mod tests {
             attributes: [("disk".to_string(), "/d".to_string())].into(),
             capability: "rw".into(),
             secrets_digest: "x".into(),
+            waiting_for_secrets: false,
         };
         s.put_stage(&r).expect("put");
-        assert_eq!(State::open(&dir).expect("reopen").stage("vol/1").expect("read"), Some(r));
+        assert_eq!(State::open(&dir).expect("reopen").stage("vol/1").expect("read"), Some(r.clone()));
+        assert_eq!(s.stages().expect("list"), [r]);
         s.remove_stage("vol/1").expect("remove");
         s.remove_stage("vol/1").expect("again");
         assert_eq!(s.stage("vol/1").expect("read"), None);

@@ -296,8 +296,8 @@ pub fn resume<F: Files + ?Sized>(
     let fs = Arc::new(ArborFs::new(vol, opts.read_ahead, opts.direct_writes));
     fs.outlive_process();
     // Handles the dead process gave out stay with the kernel's open files:
-    // new ones must not repeat them.
-    fs.skip_handles(u64::from(std::process::id()) << 32);
+    // new ones must not repeat them, nor be taken for theirs.
+    fs.skip_handles(crate::resume::incarnation() << 32);
     // Before Linux 6.9 what the dead process read and did not answer
     // would wait forever (holding its folder's lock, so every later change
     // there would too): the mount is given up instead.

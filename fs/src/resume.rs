@@ -209,8 +209,36 @@ fn write_answer(dev: &OwnedFd, unique: u64, answer: Result<Vec<u8>, fuser::Errno
     Ok(())
 }
 
+/// The high half of every handle this process gives out when it resumes a
+/// connection: random, nonzero, 31 bits. Not the pid: a process revived in
+/// a fresh PID namespace has its predecessor's pid, and would then count
+/// the releases of the predecessor's opens (never counted here) as its
+/// own, freeing an unlinked file still open.
+pub fn incarnation() -> u64 {
+    let mut b = [0u8; 4];
+    // SAFETY: b is valid for 4 bytes.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    let mut r = u64::from(u32::from_le_bytes(b));
+    if n != 4 {
+        // No entropy source: the clock, mixed with the pid.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        r = u64::from(t.subsec_nanos()) ^ (t.as_secs() << 7) ^ u64::from(std::process::id()).rotate_left(17);
+    }
+    match r & 0x7fff_ffff {
+        0 => 1,
+        x => x,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn two_incarnations_in_one_pid_have_different_handle_prefixes() {
+        let (a, b) = (super::incarnation(), super::incarnation());
+        assert_ne!(a, b, "a process revived with its predecessor's pid would share its handles");
+        assert!((1..1 << 31).contains(&a) && (1..1 << 31).contains(&b), "{a:#x} {b:#x}");
+    }
+
     use super::*;
 
     #[test]

@@ -148,6 +148,72 @@ impl Mount {
     /// Mounts with `arbor` run under `wrapper` (e.g. `unshare -pf`, for a
     /// process in a PID namespace of its own, or `faketime`).
     pub fn start_under(wrapper: &[&str], disk: &str, mnt: &Path, extra: &[&str], env: &[(&str, String)]) -> Mount {
+        let child = Self::spawn(wrapper, disk, mnt, extra, env, |_| {});
+        let log = mnt.with_extension(format!("log-{}", std::process::id()));
+        let mut m = Mount { child, mnt: mnt.to_path_buf(), log };
+        wait_until("the mount", Duration::from_secs(30), || {
+            if let Ok(Some(status)) = m.child.try_wait() {
+                panic!("arbor mount exited with {status}: {}", std::fs::read_to_string(&m.log).unwrap_or_default());
+            }
+            // A stale mount from a killed server is listed too, but answers ENOTCONN.
+            is_mounted(&m.mnt) && std::fs::read_dir(&m.mnt).is_ok() && statfs_ok(&m.mnt)
+        });
+        m
+    }
+
+    /// Mounts as a process group of its own (as a service manager starts
+    /// one, so that [`Mount::kill_group`] kills all of it and nothing
+    /// else), and returns once `arbor status` answers: a mount point whose
+    /// connection a keeper holds waits for its server, so nothing here
+    /// touches the mount itself before one answers.
+    pub fn start_in_group(disk: &str, mnt: &Path, extra: &[&str], env: &[(&str, String)]) -> Mount {
+        use std::os::unix::process::CommandExt;
+        let child = Self::spawn(&[], disk, mnt, extra, env, |cmd| {
+            cmd.process_group(0);
+        });
+        let log = mnt.with_extension(format!("log-{}", std::process::id()));
+        let mut m = Mount { child, mnt: mnt.to_path_buf(), log };
+        wait_until("the mount's server", Duration::from_secs(30), || {
+            if let Ok(Some(status)) = m.child.try_wait() {
+                panic!("arbor mount exited with {status}: {}", std::fs::read_to_string(&m.log).unwrap_or_default());
+            }
+            is_mounted(&m.mnt) && arbor(&["status", m.mnt.to_str().expect("utf8"), "--json"]).status.success()
+        });
+        m
+    }
+
+    /// kill -9 of the mount's whole process group (started with
+    /// [`Mount::start_in_group`]), as `systemctl restart` or a container's
+    /// restart kills every process; returns once none of them is left. The
+    /// kernel mount stays (a keeper may hold its connection).
+    pub fn kill_group(self) {
+        self.signal_group(libc::SIGKILL);
+    }
+
+    /// `signal` to the mount's whole process group (SIGTERM: as `systemctl
+    /// stop` or `restart` does); returns how the mount process ended, once
+    /// none of the group is left.
+    pub fn signal_group(mut self, signal: libc::c_int) -> std::process::ExitStatus {
+        let pgid = self.child.id() as libc::pid_t;
+        // SAFETY: a signal to the process group this test started.
+        assert_eq!(unsafe { libc::kill(-pgid, signal) }, 0, "kill -{signal} -{pgid}");
+        let status = self.child.wait().expect("wait");
+        // SAFETY: signal 0 only asks whether a process of the group is left.
+        wait_until("every process of the group to die", Duration::from_secs(10), || unsafe {
+            libc::kill(-pgid, 0) != 0
+        });
+        std::mem::forget(self);
+        status
+    }
+
+    fn spawn(
+        wrapper: &[&str],
+        disk: &str,
+        mnt: &Path,
+        extra: &[&str],
+        env: &[(&str, String)],
+        adjust: impl FnOnce(&mut Command),
+    ) -> Child {
         let log = mnt.with_extension(format!("log-{}", std::process::id()));
         let log_file = std::fs::File::create(&log).expect("log");
         let bin = arbor_bin();
@@ -160,24 +226,14 @@ impl Mount {
         if !wrapper.is_empty() {
             cmd.arg(&bin);
         }
-        let child = cmd
-            .args(["mount", disk, mnt.to_str().expect("utf8"), "--foreground"])
+        cmd.args(["mount", disk, mnt.to_str().expect("utf8"), "--foreground"])
             .args(extra)
             .envs(env.iter().map(|(k, v)| (*k, v)))
             .stdin(Stdio::null())
             .stdout(log_file.try_clone().expect("log"))
-            .stderr(log_file)
-            .spawn()
-            .expect("spawn arbor mount");
-        let mut m = Mount { child, mnt: mnt.to_path_buf(), log };
-        wait_until("the mount", Duration::from_secs(30), || {
-            if let Ok(Some(status)) = m.child.try_wait() {
-                panic!("arbor mount exited with {status}: {}", std::fs::read_to_string(&m.log).unwrap_or_default());
-            }
-            // A stale mount from a killed server is listed too, but answers ENOTCONN.
-            is_mounted(&m.mnt) && std::fs::read_dir(&m.mnt).is_ok() && statfs_ok(&m.mnt)
-        });
-        m
+            .stderr(log_file);
+        adjust(&mut cmd);
+        cmd.spawn().expect("spawn arbor mount")
     }
 
     /// kill -9: no flush, no unmount; the mountpoint is left stale.
@@ -211,6 +267,55 @@ impl Mount {
 impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new(arbor_bin()).args(["unmount", self.mnt.to_str().unwrap_or("")]).output();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `arbor keeper` on a socket in `dir`; killed on drop.
+pub struct Keeper {
+    child: Child,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Keeper {
+    pub fn start(dir: &Path) -> Keeper {
+        let socket = dir.join("keeper.sock");
+        let log = dir.join("keeper.log");
+        let child = Command::new(arbor_bin())
+            .args(["keeper", "--socket", socket.to_str().expect("utf8")])
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).expect("log"))
+            .stderr(std::fs::OpenOptions::new().append(true).open(&log).expect("log"))
+            .spawn()
+            .expect("spawn arbor keeper");
+        let mut k = Keeper { child, socket, log };
+        wait_until("arbor keeper to listen", Duration::from_secs(20), || {
+            if let Ok(Some(status)) = k.child.try_wait() {
+                panic!("arbor keeper exited with {status}: {}", std::fs::read_to_string(&k.log).unwrap_or_default());
+            }
+            arbor(&["keeper", "--socket", k.socket_str(), "--list"]).status.success()
+        });
+        k
+    }
+
+    pub fn socket_str(&self) -> &str {
+        self.socket.to_str().expect("utf8")
+    }
+
+    /// The mount points whose connections it holds.
+    pub fn held(&self) -> Vec<String> {
+        serde_json::from_str(&arbor_ok(&["keeper", "--socket", self.socket_str(), "--list"])).expect("a JSON list")
+    }
+
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

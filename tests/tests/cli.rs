@@ -472,6 +472,8 @@ fn the_configuration_page_lists_every_flag_and_variable() {
         &["import"],
         &["export"],
         &["fsck"],
+        &["csi"],
+        &["keeper"],
     ];
     let mut missing = Vec::new();
     for cmd in commands {

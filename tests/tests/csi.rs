@@ -33,6 +33,11 @@ impl Plugin {
 
     /// With extra environment variables (an S3 endpoint, without credentials).
     fn start_env(dir: &Path, env: &[(&str, String)]) -> Plugin {
+        Self::start_with(dir, env, &[])
+    }
+
+    /// With extra environment variables and arguments.
+    fn start_with(dir: &Path, env: &[(&str, String)], args: &[&str]) -> Plugin {
         let socket = dir.join("csi.sock");
         let state = dir.join("csi-state");
         let log = dir.join("csi.log");
@@ -41,6 +46,7 @@ impl Plugin {
             .args(["csi", "--endpoint", &format!("unix://{}", socket.display()), "--node-id", "node-a"])
             .arg("--state-dir")
             .arg(&state)
+            .args(args)
             .envs(env.iter().map(|(k, v)| (*k, v)))
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&log).expect("log"))
@@ -197,6 +203,20 @@ fn processes_at(path: &Path, needle: &str) -> (usize, bool) {
     (n, leaked)
 }
 
+/// The processes whose command line mentions `path`.
+fn pids_at(path: &Path) -> Vec<libc::pid_t> {
+    let path = path.to_string_lossy();
+    let mut pids = Vec::new();
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else { continue };
+        if cmdline.windows(path.len()).any(|w| w == path.as_bytes()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
 /// The identity and node calls the kubelet makes when it registers a plugin.
 async fn registration(channel: &Channel) {
     let mut id = IdentityClient::new(channel.clone());
@@ -264,8 +284,15 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
         code(node.node_stage_volume(stage_req("vol-1", &staging, rwx, &both, &secrets)).await),
         Code::InvalidArgument
     );
-    let no_token = stage_req("vol-1", &staging, rwx, &ctx, &[]);
-    assert_eq!(code(node.node_stage_volume(no_token).await), Code::InvalidArgument);
+    // Without the token its mount needs, a stage mounts nothing (the
+    // secrets may come with each publish, nodePublishSecretRef), and a
+    // publish that gives none either is refused.
+    node.node_stage_volume(stage_req("vol-1", &staging, rwx, &ctx, &[])).await.expect("a stage waiting for secrets");
+    assert!(!fuse_mounted_at(&staging), "mounted without the token");
+    let no_secrets = node.node_publish_volume(publish_req("vol-1", &staging, &a, rwx, false)).await;
+    assert_eq!(code(no_secrets), Code::FailedPrecondition);
+    assert!(!is_mounted(&a));
+    node.node_unstage_volume(unstage_req("vol-1", &staging)).await.expect("unstage the waiting stage");
     let missing = [("disk", w.s.disk_str()), ("branch", "no-such-branch"), ("server", w.owner.addr.as_str())];
     assert_eq!(
         code(node.node_stage_volume(stage_req("vol-1", &staging, rwx, &missing, &secrets)).await),
@@ -344,6 +371,73 @@ async fn a_branch_volume_through_its_owner_staged_once_and_bound_into_pods() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_branch_volume_whose_token_comes_only_with_the_publish() {
+    let Some(w) = SharedWorld::start() else { return };
+    let dir = w.s.dir.path();
+    let plugin = Plugin::start(dir);
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    let staging = dir.join("globalmount");
+    let (a, b) = (dir.join("pods/a/volumes/data"), dir.join("pods/b/volumes/data"));
+    for t in [&a, &b] {
+        std::fs::create_dir_all(t.parent().expect("parent")).expect("mkdir");
+    }
+    let _cleanup = Cleanup { targets: vec![a.clone(), b.clone()], staging: vec![staging.clone()] };
+    let ctx = [("disk", w.s.disk_str()), ("branch", "main"), ("server", w.owner.addr.as_str())];
+    let rwx = Mode::MultiNodeMultiWriter;
+    let with = |target: &Path, secrets: &[(&str, &str)]| {
+        let mut r = publish_req("vol", &staging, target, rwx, false);
+        r.secrets = map(secrets);
+        r
+    };
+
+    // Staged without secrets (no nodeStageSecretRef): nothing is mounted
+    // until a publish brings the token.
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &[])).await.expect("stage");
+    assert!(!fuse_mounted_at(&staging));
+    let wrong_key = node.node_publish_volume(with(&a, &[("password", "x")])).await;
+    assert_eq!(code(wrong_key), Code::InvalidArgument, "an unknown secret key");
+    let no_token = node.node_publish_volume(with(&a, &[])).await;
+    assert_eq!(code(no_token), Code::FailedPrecondition);
+    let refused = node.node_publish_volume(with(&a, &[("token", "not-the-token")])).await;
+    assert!(refused.is_err() && !fuse_mounted_at(&staging), "mounted with a token the owner refuses");
+
+    // The first publish with the token mounts the volume with it, then
+    // binds the pod's target.
+    node.node_publish_volume(with(&a, &[("token", TOKEN)])).await.expect("publish with the token");
+    assert!(fuse_mounted_at(&staging));
+    let status: serde_json::Value =
+        serde_json::from_str(&arbor_ok(&["status", staging.to_str().expect("utf8"), "--json"])).expect("status json");
+    assert_eq!(status["owner"].as_str(), Some(w.owner.addr.as_str()), "mounted through the owner: {status}");
+    std::fs::write(a.join("from-a"), b"written with the publish's token").expect("write in a");
+    let (n, leaked) = processes_at(&staging, TOKEN);
+    assert!(n >= 1 && !leaked, "the token in a mount process's argv or environment");
+
+    // Another pod: the same token (or none) binds the same mount; another
+    // token is refused, since the mount has one already.
+    let other = node.node_publish_volume(with(&b, &[("token", "another-token")])).await;
+    let other = other.expect_err("a publish with other secrets");
+    assert_eq!(other.code(), Code::FailedPrecondition);
+    assert!(other.message().contains("other secrets"), "{other:?}");
+    assert!(!is_mounted(&b));
+    node.node_publish_volume(with(&b, &[("token", TOKEN)])).await.expect("publish b with the same token");
+    assert_eq!(std::fs::read(b.join("from-a")).expect("read in b"), b"written with the publish's token");
+    node.node_publish_volume(with(&b, &[])).await.expect("the same publish without secrets");
+
+    for t in [&a, &b] {
+        node.node_unpublish_volume(unpublish_req("vol", t)).await.expect("unpublish");
+    }
+    node.node_unstage_volume(unstage_req("vol", &staging)).await.expect("unstage");
+    assert!(!fuse_mounted_at(&staging));
+    assert!(walk(&plugin.state).iter().all(|p| !p.ends_with("token")), "a token file outlived its volume");
+    let c = w.client("check");
+    assert_eq!(
+        std::fs::read(c.mnt.join("from-a")).expect("read through a client"),
+        b"written with the publish's token"
+    );
+    c.unmount();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_writing_a_branch_volume_sees_no_error_when_its_mount_process_and_the_plugin_are_killed() {
     let Some(w) = SharedWorld::start() else { return };
     let dir = w.s.dir.path();
@@ -395,6 +489,83 @@ async fn a_pod_writing_a_branch_volume_sees_no_error_when_its_mount_process_and_
     node.node_unpublish_volume(unpublish_req("vol", &target)).await.expect("unpublish");
     node.node_unstage_volume(unstage_req("vol", &staging)).await.expect("unstage");
     assert!(!fuse_mounted_at(&staging));
+    // The owner has every byte.
+    let c = w.client("check");
+    assert!(std::fs::read(c.mnt.join("held-open.bin")).expect("read") == hold_open_expected(rounds));
+    c.unmount();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_writing_a_branch_volume_sees_no_error_when_the_plugin_container_restarts_or_its_mount_process_dies() {
+    let Some(w) = SharedWorld::start() else { return };
+    let dir = w.s.dir.path();
+    let env = [("ARBOR_FUSE", "auto".to_string())];
+    let staging = dir.join("globalmount");
+    let target = dir.join("pods/p/volumes/data");
+    std::fs::create_dir_all(target.parent().expect("parent")).expect("mkdir");
+    // Declared before the keeper, so dropped after it: a mount the keeper
+    // no longer holds fails at once, and is detached.
+    let _cleanup = Cleanup { targets: vec![target.clone()], staging: vec![staging.clone()] };
+    // The keeper runs outside the plugin's container (its own DaemonSet).
+    let keeper = Keeper::start(dir);
+    let with_keeper = ["--keeper", keeper.socket_str()];
+    let mut plugin = Plugin::start_with(dir, &env, &with_keeper);
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    let ctx = [("disk", w.s.disk_str()), ("branch", "main"), ("server", w.owner.addr.as_str())];
+    let (rwx, secrets) = (Mode::MultiNodeMultiWriter, [("token", TOKEN)]);
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &secrets)).await.expect("stage");
+    node.node_publish_volume(publish_req("vol", &staging, &target, rwx, false)).await.expect("publish");
+    assert_eq!(keeper.held(), vec![staging.to_string_lossy().into_owned()], "the keeper holds the staged mount");
+    assert_eq!(pids_at(&staging).len(), 1, "one mount process, no keeper of its own");
+
+    // A pod holds a file open and writes, fsyncs and reads it in a loop
+    // while the plugin's container restarts twice (the plugin and every
+    // mount process it started are killed at once, and a new plugin starts
+    // on the same state folder and keeper), then the mount process alone
+    // is killed (the plugin notices and starts another).
+    let file = target.join("held-open.bin");
+    let watcher = Watcher::start(&target);
+    let (mut lp, out) = HoldOpenLoop::start(&file, 10);
+    for restart in 0..3 {
+        std::thread::sleep(Duration::from_millis(1200));
+        assert!(lp.running(), "the loop ended before restart {restart}");
+        let mounts = pids_at(&staging);
+        assert!(!mounts.is_empty(), "no mount process at {}", staging.display());
+        let t = std::time::Instant::now();
+        let container = restart < 2;
+        if container {
+            plugin.stop();
+        }
+        for pid in mounts {
+            // SAFETY: a signal to a mount process the plugin started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        wait_until("every mount process to die", Duration::from_secs(10), || pids_at(&staging).is_empty());
+        assert!(fuse_mounted_at(&staging), "the kernel mount died with its processes");
+        if container {
+            plugin = Plugin::start_with(dir, &env, &with_keeper);
+        }
+        serving_pid(&staging, None);
+        let what = if container { "the plugin and its mount process" } else { "the mount process alone" };
+        eprintln!("restart {restart} ({what}): served again {} ms after the kill", t.elapsed().as_millis());
+    }
+    assert!(lp.running(), "the loop ended before the last restart was survived");
+    let (rounds, worst) = lp.finish(out);
+    assert_eq!(watcher.finish(), 0, "statfs of the pod's target failed");
+    eprintln!("{rounds} rounds, worst round {worst} ms");
+    assert!(std::fs::read(&file).expect("read") == hold_open_expected(rounds), "bytes differ after the restarts");
+    check_hold_open_files(&file, rounds);
+    assert!(plugin.log_text().contains("serving again"), "{}", plugin.log_text());
+
+    // The kubelet's repeated calls get the same answers; then unpublish and
+    // unstage leave no mount, and the keeper holds nothing.
+    let mut node = NodeClient::new(connect(&plugin.socket).await);
+    node.node_stage_volume(stage_req("vol", &staging, rwx, &ctx, &secrets)).await.expect("stage again");
+    node.node_publish_volume(publish_req("vol", &staging, &target, rwx, false)).await.expect("publish again");
+    node.node_unpublish_volume(unpublish_req("vol", &target)).await.expect("unpublish");
+    node.node_unstage_volume(unstage_req("vol", &staging)).await.expect("unstage");
+    assert!(!fuse_mounted_at(&staging) && !is_mounted(&target), "a mount is left");
+    assert!(keeper.held().is_empty(), "the keeper still holds {:?}", keeper.held());
     // The owner has every byte.
     let c = w.client("check");
     assert!(std::fs::read(c.mnt.join("held-open.bin")).expect("read") == hold_open_expected(rounds));

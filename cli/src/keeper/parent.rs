@@ -1,4 +1,4 @@
-//! The keeper: `arbor mount --foreground` holds the mount's `/dev/fuse`
+//! The in-process keeper: `arbor mount --foreground --restartable` holds the mount's `/dev/fuse`
 //! file and runs the process that serves it as its child. When that child
 //! dies (kill -9, OOM, a panic) while the mount is still there, the keeper
 //! starts another one on the same file, which takes the connection over
@@ -12,7 +12,7 @@
 //! (`SCM_RIGHTS`); later children inherit that file.
 
 use anyhow::Result;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
@@ -64,7 +64,9 @@ pub fn resume_device() -> Option<OwnedFd> {
 /// keeper, nothing.
 pub fn hand_over(dev: BorrowedFd<'_>) -> Result<()> {
     let Some(sock) = std::env::var(KEEPER_FD).ok().and_then(|s| s.parse::<RawFd>().ok()) else { return Ok(()) };
-    send_fd(sock, dev.as_raw_fd())?;
+    // SAFETY: the keeper's socket, open for this process's whole life.
+    let sock = unsafe { BorrowedFd::borrow_raw(sock) };
+    super::fds::send(sock, b"device", Some(dev))?;
     tracing::info!("the keeper holds the FUSE connection: this process can be restarted under the mount");
     Ok(())
 }
@@ -75,39 +77,12 @@ pub fn hand_over(dev: BorrowedFd<'_>) -> Result<()> {
 /// keeper.
 pub fn tell_keeper(state: &str) -> bool {
     let Some(sock) = std::env::var(KEEPER_FD).ok().and_then(|s| s.parse::<RawFd>().ok()) else { return false };
-    // SAFETY: a valid socket and buffer.
-    let sent = unsafe { libc::send(sock, state.as_ptr().cast(), state.len(), 0) };
-    if sent < 0 {
-        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot tell the keeper {state}");
+    // SAFETY: the keeper's socket, open for this process's whole life.
+    let sock = unsafe { BorrowedFd::borrow_raw(sock) };
+    if let Err(e) = super::fds::send(sock, state.as_bytes(), None) {
+        tracing::warn!(error = %e, "cannot tell the keeper {state}");
     }
     true
-}
-
-fn send_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    let byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_ptr() as *mut _, iov_len: 1 };
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: a zeroed msghdr is valid; every pointer set below outlives the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer has room for one header with one fd.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
-    }
-    // SAFETY: a valid socket and message.
-    if unsafe { libc::sendmsg(sock, &msg, 0) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// One message from a child: a descriptor, or a text (a state for
@@ -118,36 +93,11 @@ enum Message {
 }
 
 fn receive(sock: &UnixDatagram) -> Option<Message> {
-    let mut text = [0u8; 256];
-    let mut iov = libc::iovec { iov_base: text.as_mut_ptr().cast(), iov_len: text.len() };
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: as in send_fd.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    let n = loop {
-        // SAFETY: a valid socket and message; MSG_CMSG_CLOEXEC keeps the fd ours.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return None;
-        }
-    };
-    // SAFETY: the kernel filled the control buffer.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-            let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
-            return Some(Message::Device(OwnedFd::from_raw_fd(fd)));
-        }
-    }
-    Some(Message::Text(String::from_utf8_lossy(&text[..n]).into_owned()))
+    let (text, fd) = super::fds::receive(sock.as_fd()).ok()??;
+    Some(match fd {
+        Some(fd) => Message::Device(fd),
+        None => Message::Text(String::from_utf8_lossy(&text).into_owned()),
+    })
 }
 
 /// The keeper's marker: every message a dead child sent before it is read.
