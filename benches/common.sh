@@ -20,6 +20,24 @@ bw() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; r
 lat() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1]))["jobs"][0]; print(j["read"]["clat_ns"]["percentile"][sys.argv[2]]/1000)' "$@"; }
 median() { python3 -c 'import statistics,sys; print(statistics.median(float(x) for x in sys.argv[1:]))' "$@"; }
 
+# write_stream PATH MIB: MIB writes of 1 MiB of bytes that are not zeros
+# to PATH opened write-only, then fsync, as a checkpoint writer makes them
+# (torch.save, safetensors, numpy.save, dd; fio opens read-write); MiB/s.
+write_stream() {
+  python3 - "$1" "$2" <<'PY'
+import os, sys, time
+path, mib = sys.argv[1], int(sys.argv[2])
+block = os.urandom(1 << 20)
+t = time.perf_counter()
+with open(path, "wb") as f:
+    for _ in range(mib):
+        f.write(block)
+    f.flush()
+    os.fsync(f.fileno())
+print(mib / (time.perf_counter() - t))
+PY
+}
+
 # smallfiles DIR N: create N files of 4 KiB, stat each, list, unlink each; files/s.
 smallfiles() {
   python3 - "$1" "$2" <<'PY'

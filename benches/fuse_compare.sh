@@ -44,22 +44,7 @@ seqwrite() { touch_memory "$work" "$touch_mib"; fio --name=w --directory="$1" --
 # The same writes as a checkpoint writer makes them: the file opened
 # write-only (torch.save, safetensors, numpy.save, dd; fio opens read-write),
 # 1 MiB writes of bytes that are not zeros, fsync at the end.
-seqwrite_wo() {
-  touch_memory "$work" "$touch_mib"
-  python3 - "$1" "$touch_mib" <<'PY'
-import os, sys, time
-path, mib = sys.argv[1], int(sys.argv[2])
-block = os.urandom(1 << 20)
-t = time.perf_counter()
-with open(path, "wb") as f:
-    for _ in range(mib):
-        f.write(block)
-    f.flush()
-    os.fsync(f.fileno())
-print(mib / (time.perf_counter() - t))
-PY
-  rm -f "$1"
-}
+seqwrite_wo() { touch_memory "$work" "$touch_mib"; write_stream "$1" "$touch_mib"; rm -f "$1"; }
 seqread() { drop_caches; touch_memory "$work" "$touch_mib"; fio --name=r --directory="$1" --filename=big --rw=read --bs=1M --size="$size" --output-format=json --output="$2" >/dev/null; }
 warmread() { fio --name=r --directory="$1" --filename="${3:-big}" --rw=read --bs=1M --size="$size" --invalidate=0 --output-format=json --output="$2" >/dev/null; }
 randread() { drop_caches; fio --name=rr --directory="$1" --filename=big --rw=randread --bs=4k --size="$size" --runtime=15 --time_based --output-format=json --output="$2" >/dev/null; }

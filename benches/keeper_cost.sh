@@ -44,23 +44,7 @@ mount_side() { # side extra…
 mount_side plain
 mount_side kept --restartable
 
-# 1 MiB writes of bytes that are not zeros to a write-only open, fsync at
-# the end (a checkpoint writer); MiB/s.
-seqwrite_wo() {
-  python3 - "$1" "$size" <<'PY'
-import os, sys, time
-path, mib = sys.argv[1], int(sys.argv[2])
-block = os.urandom(1 << 20)
-t = time.perf_counter()
-with open(path, "wb") as f:
-    for _ in range(mib):
-        f.write(block)
-    f.flush()
-    os.fsync(f.fileno())
-print(mib / (time.perf_counter() - t))
-PY
-  rm -f "$1"
-}
+seqwrite_wo() { write_stream "$1" "$size"; rm -f "$1"; }
 declare -A R
 for r in $(seq "$runs"); do
   echo "run $r/$runs" >&2
