@@ -828,13 +828,24 @@ pub(crate) fn dispatch<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply
     }
 }
 
+/// Whether a resent CREATE that finds its name already there must be
+/// refused (EIO) rather than answered as done: with `O_EXCL` on files
+/// other nodes change too, the name may be another node's, made while
+/// this request was in flight, and two callers would each believe they
+/// made it (a lock file taken twice). Nothing tells the two apart.
+fn resent_exclusive_create_is_ambiguous(shared: bool, open_flags: u32) -> bool {
+    shared && open_flags as i32 & libc::O_EXCL != 0
+}
+
 /// Answers a request the kernel sent again after the process that first
 /// read it died (`FUSE_NOTIFY_RESEND`, see `resume.rs`): that process may
 /// have applied it before it died. The kernel keeps the directories of a
 /// create, link, unlink or rename locked from the first send until the
 /// answer, so a name already there (or already gone) is this request's
-/// own doing, and it is answered as done. Other requests are applied
-/// again (a write of the same bytes at the same place changes nothing).
+/// own doing, and it is answered as done — but for an exclusive create on
+/// a shared tree, which no node-local lock covers (EIO). Other requests
+/// are applied again (a write of the same bytes at the same place changes
+/// nothing).
 pub(crate) fn dispatch_resent<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -> Reply {
     let (h, p) = (&r.head, r.payload);
     // An exchange the dead process may have applied would swap the names
@@ -852,6 +863,9 @@ pub(crate) fn dispatch_resent<F: Files + ?Sized>(fs: &ArborFs<F>, r: &Request) -
     match (h.opcode, first) {
         (op::CREATE, Err(e)) if e == Errno::EEXIST => {
             let [open, ..] = arg::<[u32; 4]>(r.op)?;
+            if resent_exclusive_create_is_ambiguous(fs.is_shared(), open) {
+                return Err(Errno::EIO);
+            }
             let e = found(h.nodeid, name(p)?.0).map_err(|_| Errno::EEXIST)?;
             let flags = fs.open(e.attr.ino.0, open as i32)?;
             let mut out = entry_out(&e).as_bytes().to_vec();
@@ -1309,6 +1323,20 @@ mod tests {
         // A link whose name is already there (the dead process made it).
         let link = resent(&fs, op::LINK, ROOT_INO, ino.as_bytes(), b"g\0").expect("link, sent again");
         assert_eq!(nodeid(&link), ino);
+    }
+
+    #[test]
+    fn an_exclusive_create_sent_again_on_a_shared_tree_is_ambiguous() {
+        let excl = (libc::O_RDWR | libc::O_CREAT | libc::O_EXCL) as u32;
+        assert!(resent_exclusive_create_is_ambiguous(true, excl));
+        assert!(!resent_exclusive_create_is_ambiguous(false, excl), "node-local: the kernel's lock covers it");
+        assert!(!resent_exclusive_create_is_ambiguous(true, (libc::O_RDWR | libc::O_CREAT) as u32));
+        // On a local tree the exclusive create sent again is answered as done.
+        let fs = arbor();
+        let create = words(&[excl, libc::S_IFREG | 0o644, 0, 0]);
+        let ino = nodeid(&call(&fs, op::CREATE, ROOT_INO, &create, b"lock\0").1);
+        let again = resent(&fs, op::CREATE, ROOT_INO, &create, b"lock\0").expect("done");
+        assert_eq!(nodeid(&again), ino);
     }
 
     #[test]
