@@ -10,13 +10,13 @@ pub type Fuse = (Arc<arbor_fs::Transport>, Arc<arbor_fs::Counters>);
 /// Adds what `status` says of a mount's FUSE side to `status`: the
 /// transport, its requests, and what reached arbor.
 pub fn with_fuse(status: &mut Value, (transport, c): &Fuse) {
-    use arbor_fs::Op;
+    use arbor_fs::FuseOp;
     let fuse = json!({
         "fuse_transport": transport.describe(),
         "fuse_ring_requests": transport.ring_requests(),
-        "fuse_read_requests": c.ops.count(Op::Read),
-        "fuse_lookup_requests": c.ops.count(Op::Lookup),
-        "fuse_getxattr_requests": c.ops.count(Op::Getxattr),
+        "fuse_read_requests": c.ops.count(FuseOp::Read),
+        "fuse_lookup_requests": c.ops.count(FuseOp::Lookup),
+        "fuse_getxattr_requests": c.ops.count(FuseOp::Getxattr),
         "fuse_direct_write_opens": c.direct_opens.get(),
         "kernel_read_ahead": c.kernel_read_ahead.get(),
     });

@@ -1,5 +1,5 @@
 use crate::direct::DirectWrites;
-use crate::ops::{Op, OpMetrics};
+use crate::ops::{FuseOp, OpMetrics};
 use arbor_engine::files::{Caller, Files, Lock};
 use arbor_engine::metrics::{Counter, Exposition, Gauge};
 use arbor_engine::volume::{Attr, DirEntryOut, FileKind, RenameMode, SetAttr, StatFs, TimeSet, XattrFlags};
@@ -170,7 +170,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     /// Runs operation `op` in its span and counts it; a change is written
     /// out first when [`Self::outlive_process`] asks for it.
-    fn run<T>(&self, op: Op, ino: u64, f: impl FnOnce() -> Answer<T>) -> Answer<T> {
+    fn run<T>(&self, op: FuseOp, ino: u64, f: impl FnOnce() -> Answer<T>) -> Answer<T> {
         let r = self.counters.ops.run(op, ino, f)?;
         if self.write_out.load(std::sync::atomic::Ordering::Relaxed) && changes(op) {
             answer(self.vol.write_out())?;
@@ -227,7 +227,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn lookup(&self, parent: u64, name: &[u8]) -> Answer<Entry> {
-        self.run(Op::Lookup, parent, || {
+        self.run(FuseOp::Lookup, parent, || {
             match self.vol.lookup(parent, name) {
                 // Node 0 is "no such name, and remember that for TTL": the
                 // kernel keeps a negative entry (and drops it itself when the
@@ -250,7 +250,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn getattr(&self, ino: u64) -> Answer<FileAttr> {
-        self.run(Op::Getattr, ino, || answer(self.vol.getattr(ino)).map(|a| file_attr(&a)))
+        self.run(FuseOp::Getattr, ino, || answer(self.vol.getattr(ino)).map(|a| file_attr(&a)))
     }
 
     /// A SETATTR by `caller` (see [`Files::setattr_by`]). `kill_suidgid`:
@@ -265,7 +265,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// trip to the owner that also waited for every write in flight).
     /// The answer carries the attributes after: nothing cached to drop.
     pub fn setattr(&self, ino: u64, change: SetAttr, caller: Caller, kill_suidgid: bool) -> Answer<FileAttr> {
-        self.run(Op::Setattr, ino, || {
+        self.run(FuseOp::Setattr, ino, || {
             answer(self.vol.setattr_by(ino, change, caller, kill_suidgid)).map(|a| file_attr(&a))
         })
     }
@@ -289,7 +289,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn readlink(&self, ino: u64) -> Answer<Vec<u8>> {
-        self.run(Op::Readlink, ino, || answer(self.vol.readlink(ino)))
+        self.run(FuseOp::Readlink, ino, || answer(self.vol.readlink(ino)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -303,34 +303,34 @@ impl<F: Files + ?Sized> ArborFs<F> {
         uid: u32,
         gid: u32,
     ) -> Answer<Entry> {
-        self.run(Op::Mknod, parent, || {
+        self.run(FuseOp::Mknod, parent, || {
             let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
             self.entry(self.vol.create(parent, name, mode, uid, gid, rdev))
         })
     }
 
     pub fn mkdir(&self, parent: u64, name: &[u8], mode: u32, umask: u32, uid: u32, gid: u32) -> Answer<Entry> {
-        self.run(Op::Mkdir, parent, || {
+        self.run(FuseOp::Mkdir, parent, || {
             let perm = (mode & 0o7777 & !umask) as u16;
             self.entry(self.vol.mkdir(parent, name, perm, uid, gid))
         })
     }
 
     pub fn unlink(&self, parent: u64, name: &[u8]) -> Answer<()> {
-        self.run(Op::Unlink, parent, || answer(self.vol.unlink(parent, name)))
+        self.run(FuseOp::Unlink, parent, || answer(self.vol.unlink(parent, name)))
     }
 
     pub fn rmdir(&self, parent: u64, name: &[u8]) -> Answer<()> {
-        self.run(Op::Rmdir, parent, || answer(self.vol.rmdir(parent, name)))
+        self.run(FuseOp::Rmdir, parent, || answer(self.vol.rmdir(parent, name)))
     }
 
     pub fn symlink(&self, parent: u64, name: &[u8], target: &[u8], uid: u32, gid: u32) -> Answer<Entry> {
-        self.run(Op::Symlink, parent, || self.entry(self.vol.symlink(parent, name, target, uid, gid)))
+        self.run(FuseOp::Symlink, parent, || self.entry(self.vol.symlink(parent, name, target, uid, gid)))
     }
 
     /// `flags` are `renameat2`'s.
     pub fn rename(&self, parent: u64, name: &[u8], new_parent: u64, new_name: &[u8], flags: u32) -> Answer<()> {
-        self.run(Op::Rename, parent, || {
+        self.run(FuseOp::Rename, parent, || {
             let mode = match flags {
                 0 => RenameMode::Plain,
                 libc::RENAME_NOREPLACE => RenameMode::NoReplace,
@@ -342,11 +342,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn link(&self, ino: u64, new_parent: u64, new_name: &[u8]) -> Answer<Entry> {
-        self.run(Op::Link, ino, || self.entry(self.vol.link(ino, new_parent, new_name)))
+        self.run(FuseOp::Link, ino, || self.entry(self.vol.link(ino, new_parent, new_name)))
     }
 
     pub fn open(&self, ino: u64, flags: i32) -> Answer<FopenFlags> {
-        self.run(Op::Open, ino, || {
+        self.run(FuseOp::Open, ino, || {
             match self.vol.open(ino) {
                 Ok(a) => Ok(self.open_flags(&a, flags)),
                 // In a shared tree a name the kernel still caches can point at
@@ -362,13 +362,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     /// Directories need no per-open state.
     pub fn opendir(&self, ino: u64) -> Answer<FopenFlags> {
-        self.run(Op::Opendir, ino, || Ok(FopenFlags::empty()))
+        self.run(FuseOp::Opendir, ino, || Ok(FopenFlags::empty()))
     }
 
     /// Fills `buf` from `offset` (short at end of file) and says how much
     /// of it holds the file's bytes.
     pub fn read(&self, ino: u64, offset: u64, buf: &mut [u8]) -> Answer<usize> {
-        self.run(Op::Read, ino, || answer(self.vol.read_into(ino, offset, buf)))
+        self.run(FuseOp::Read, ino, || answer(self.vol.read_into(ino, offset, buf)))
             .inspect(|n| self.counters.read_bytes.add(*n as u64))
     }
 
@@ -378,7 +378,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// file as the owner has it (the kernel placed it at the end it last
     /// saw), and the kernel's cached size is dropped.
     pub fn write(&self, ino: u64, offset: u64, data: &[u8], kill_suidgid: bool, append: bool) -> Answer<u32> {
-        self.run(Op::Write, ino, || {
+        self.run(FuseOp::Write, ino, || {
             if append && self.vol.is_shared() {
                 let (n, _) = answer(self.vol.write_appending(ino, offset, data, kill_suidgid))?;
                 self.drop_cached_attrs(ino);
@@ -407,7 +407,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
         // The kernel takes a u32 count back: at most 1 GiB a call, as
         // Linux's own copies are cut.
         let len = len.min(1 << 30);
-        self.run(Op::CopyFileRange, ino_out, || {
+        self.run(FuseOp::CopyFileRange, ino_out, || {
             let n = answer(self.vol.clone_range(ino_in, off_in, ino_out, off_out, len))?;
             self.drop_cached_attrs(ino_out);
             Ok(n as u32)
@@ -416,7 +416,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn flush(&self, ino: u64, lock_owner: u64) -> Answer<()> {
-        self.run(Op::Flush, ino, || {
+        self.run(FuseOp::Flush, ino, || {
             if self.vol.is_shared() {
                 // Writes still on their way reach the owner before close
                 // returns (close-to-open).
@@ -457,7 +457,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     /// `flags`: those the file was opened with; `fh`: its handle.
     pub fn release(&self, ino: u64, fh: u64, flags: i32, lock_owner: Option<u64>) -> Answer<()> {
-        self.run(Op::Release, ino, || {
+        self.run(FuseOp::Release, ino, || {
             self.direct.released(ino, flags);
             // The last close of an open file drops its flock. The kernel sends
             // this after close returned, and names the lock owner by the open
@@ -504,13 +504,13 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn fsync(&self, ino: u64) -> Answer<()> {
-        self.run(Op::Fsync, ino, || answer(self.vol.fsync(ino)))
+        self.run(FuseOp::Fsync, ino, || answer(self.vol.fsync(ino)))
     }
 
     /// Calls `add(entry)` for each entry from `offset` until it returns
     /// true (the reply is full).
     pub fn readdir(&self, ino: u64, offset: u64, add: &mut dyn FnMut(DirEntryOut) -> bool) -> Answer<()> {
-        self.run(Op::Readdir, ino, || answer(self.vol.readdir(ino, offset, &mut |e| !add(e))))
+        self.run(FuseOp::Readdir, ino, || answer(self.vol.readdir(ino, offset, &mut |e| !add(e))))
     }
 
     /// Whether READDIRPLUS is worth offering: it costs a `getattr` per
@@ -532,7 +532,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
         entry_size: fn(&[u8]) -> usize,
         add: &mut dyn FnMut(&DirEntryOut, &Entry) -> bool,
     ) -> Answer<()> {
-        self.run(Op::Readdirplus, ino, || {
+        self.run(FuseOp::Readdirplus, ino, || {
             // The listing first, then the attributes: no volume call runs
             // inside another's callback.
             let mut listed = Vec::new();
@@ -557,11 +557,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn statfs(&self) -> Answer<StatFs> {
-        self.run(Op::Statfs, 0, || answer(self.vol.statfs()))
+        self.run(FuseOp::Statfs, 0, || answer(self.vol.statfs()))
     }
 
     pub fn setxattr(&self, ino: u64, name: &[u8], value: &[u8], flags: i32) -> Answer<()> {
-        self.run(Op::Setxattr, ino, || {
+        self.run(FuseOp::Setxattr, ino, || {
             let flags = match flags {
                 0 => XattrFlags::Any,
                 libc::XATTR_CREATE => XattrFlags::Create,
@@ -573,11 +573,11 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn getxattr(&self, ino: u64, name: &[u8], size: u32) -> Answer<Xattr> {
-        self.run(Op::Getxattr, ino, || answer(self.vol.getxattr(ino, name)).and_then(|v| xattr_answer(v, size)))
+        self.run(FuseOp::Getxattr, ino, || answer(self.vol.getxattr(ino, name)).and_then(|v| xattr_answer(v, size)))
     }
 
     pub fn listxattr(&self, ino: u64, size: u32) -> Answer<Xattr> {
-        self.run(Op::Listxattr, ino, || {
+        self.run(FuseOp::Listxattr, ino, || {
             let names = answer(self.vol.listxattr(ino))?;
             let mut buf = Vec::new();
             for n in names {
@@ -589,7 +589,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn removexattr(&self, ino: u64, name: &[u8]) -> Answer<()> {
-        self.run(Op::Removexattr, ino, || answer(self.vol.removexattr(ino, name)))
+        self.run(FuseOp::Removexattr, ino, || answer(self.vol.removexattr(ino, name)))
     }
 
     /// `flags`: the open's (`O_WRONLY`, `O_TRUNC`, ...).
@@ -604,7 +604,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
         uid: u32,
         gid: u32,
     ) -> Answer<(Entry, FopenFlags)> {
-        self.run(Op::Create, parent, || {
+        self.run(FuseOp::Create, parent, || {
             let mode = (mode & libc::S_IFMT) | (mode & 0o7777 & !umask);
             let a = answer(self.vol.create_open(parent, name, mode, uid, gid))?;
             let flags = self.open_flags(&a, flags);
@@ -613,7 +613,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     }
 
     pub fn fallocate(&self, ino: u64, offset: u64, length: u64, mode: i32, caller: Caller) -> Answer<()> {
-        self.run(Op::Fallocate, ino, || {
+        self.run(FuseOp::Fallocate, ino, || {
             // Space is never reserved (holes cost nothing and the bucket has no
             // quota to run out of); plain fallocate only extends the size.
             if mode != 0 {
@@ -632,7 +632,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// The lock that would conflict with `asked`, or `asked` with type
     /// `F_UNLCK` when none would.
     pub fn getlk(&self, ino: u64, lock_owner: u64, asked: Lock) -> Answer<Lock> {
-        self.run(Op::Getlk, ino, || {
+        self.run(FuseOp::Getlk, ino, || {
             let asked = checked_lock(asked)?;
             match answer(self.vol.getlk(ino, lock_owner, asked))? {
                 Some(l) => Ok(l),
@@ -643,7 +643,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
     /// `fh`: the handle of the open file the lock is taken through.
     pub fn setlk(&self, ino: u64, fh: u64, lock_owner: u64, lock: Lock, sleep: bool) -> Answer<()> {
-        self.run(Op::Setlk, ino, || {
+        self.run(FuseOp::Setlk, ino, || {
             let l = checked_lock(lock)?;
             if l.typ != libc::F_UNLCK {
                 self.locked.lock().insert(ino);
@@ -675,7 +675,7 @@ impl<F: Files + ?Sized> ArborFs<F> {
     /// request answers (Python asks on every `open()` whether a file is a
     /// terminal); the kernel does not remember it, so it is not logged.
     pub fn ioctl(&self) -> Answer<()> {
-        self.run(Op::Ioctl, 0, || Err(Errno::from_i32(libc::ENOTTY)))
+        self.run(FuseOp::Ioctl, 0, || Err(Errno::from_i32(libc::ENOTTY)))
     }
 
     /// The final commit, once no request can arrive any more.
@@ -688,23 +688,23 @@ impl<F: Files + ?Sized> ArborFs<F> {
 
 /// Whether an operation may change the tree (and so leave a record in the
 /// engine's log).
-fn changes(op: Op) -> bool {
+fn changes(op: FuseOp) -> bool {
     matches!(
         op,
-        Op::Setattr
-            | Op::Mknod
-            | Op::Mkdir
-            | Op::Unlink
-            | Op::Rmdir
-            | Op::Symlink
-            | Op::Rename
-            | Op::Link
-            | Op::Write
-            | Op::Release
-            | Op::Setxattr
-            | Op::Removexattr
-            | Op::Create
-            | Op::Fallocate
+        FuseOp::Setattr
+            | FuseOp::Mknod
+            | FuseOp::Mkdir
+            | FuseOp::Unlink
+            | FuseOp::Rmdir
+            | FuseOp::Symlink
+            | FuseOp::Rename
+            | FuseOp::Link
+            | FuseOp::Write
+            | FuseOp::Release
+            | FuseOp::Setxattr
+            | FuseOp::Removexattr
+            | FuseOp::Create
+            | FuseOp::Fallocate
     )
 }
 

@@ -18,5 +18,5 @@ pub use mount::{
     is_mountpoint, mount, mount_path, recover_stale_mount, resume, Invalidator, MountHandle, MountOptions, THREADS,
 };
 pub use notify::Notify;
-pub use ops::{Op, OpMetrics};
+pub use ops::{FuseOp, OpMetrics};
 pub use ring::{RingChoice, Transport};

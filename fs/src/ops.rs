@@ -14,13 +14,13 @@ macro_rules! ops {
     ($($op:ident => $name:literal),* $(,)?) => {
         /// One kind of FUSE request.
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-        pub enum Op { $($op),* }
+        pub enum FuseOp { $($op),* }
 
-        impl Op {
-            pub const ALL: &'static [Op] = &[$(Op::$op),*];
+        impl FuseOp {
+            pub const ALL: &'static [FuseOp] = &[$(FuseOp::$op),*];
 
             pub fn name(self) -> &'static str {
-                match self { $(Op::$op => $name),* }
+                match self { $(FuseOp::$op => $name),* }
             }
         }
     };
@@ -51,13 +51,13 @@ pub struct OpMetrics {
 
 impl Default for OpMetrics {
     fn default() -> Self {
-        OpMetrics { costs: Op::ALL.iter().map(|_| Costs::default()).collect() }
+        OpMetrics { costs: FuseOp::ALL.iter().map(|_| Costs::default()).collect() }
     }
 }
 
 impl OpMetrics {
     /// Runs `f`, the operation `op` on inode `ino`, in its span, and counts it.
-    pub fn run<T>(&self, op: Op, ino: u64, f: impl FnOnce() -> Result<T, Errno>) -> Result<T, Errno> {
+    pub fn run<T>(&self, op: FuseOp, ino: u64, f: impl FnOnce() -> Result<T, Errno>) -> Result<T, Errno> {
         let span = tracing::debug_span!("fuse", op = op.name(), ino);
         let _in = span.enter();
         let start = Instant::now();
@@ -71,17 +71,17 @@ impl OpMetrics {
     }
 
     /// Operations `op` answered so far, failed or not.
-    pub fn count(&self, op: Op) -> u64 {
+    pub fn count(&self, op: FuseOp) -> u64 {
         self.costs[op as usize].latency.snapshot().count()
     }
 
     /// Operations `op` that failed (an errno answered).
-    pub fn errors(&self, op: Op) -> u64 {
+    pub fn errors(&self, op: FuseOp) -> u64 {
         self.costs[op as usize].errors.get()
     }
 
     pub fn render(&self, page: &mut Exposition) {
-        for &op in Op::ALL {
+        for &op in FuseOp::ALL {
             let c = &self.costs[op as usize];
             page.histogram(
                 "arbor_fuse_request_seconds",
@@ -90,7 +90,7 @@ impl OpMetrics {
                 &c.latency.snapshot(),
             );
         }
-        for &op in Op::ALL {
+        for &op in FuseOp::ALL {
             page.counter(
                 "arbor_fuse_errors_total",
                 "FUSE requests answered with an error, by operation.",
@@ -108,19 +108,19 @@ mod tests {
     #[test]
     fn every_operation_is_counted_under_its_own_name() {
         let m = OpMetrics::default();
-        let _ = m.run(Op::Write, 5, || Ok(3));
-        let _ = m.run(Op::Write, 5, || Ok(3));
-        let _: Result<(), _> = m.run(Op::Fsync, 5, || Err(Errno::EIO));
-        assert_eq!((m.count(Op::Write), m.count(Op::Fsync), m.count(Op::Read)), (2, 1, 0));
-        assert_eq!((m.errors(Op::Write), m.errors(Op::Fsync)), (0, 1));
+        let _ = m.run(FuseOp::Write, 5, || Ok(3));
+        let _ = m.run(FuseOp::Write, 5, || Ok(3));
+        let _: Result<(), _> = m.run(FuseOp::Fsync, 5, || Err(Errno::EIO));
+        assert_eq!((m.count(FuseOp::Write), m.count(FuseOp::Fsync), m.count(FuseOp::Read)), (2, 1, 0));
+        assert_eq!((m.errors(FuseOp::Write), m.errors(FuseOp::Fsync)), (0, 1));
         let mut page = Exposition::new();
         m.render(&mut page);
         let s = arbor_engine::metrics::parse(&page.finish()).expect("parses");
         let count = |op| arbor_engine::metrics::find(&s, "arbor_fuse_request_seconds_count", &[("op", op)]);
         assert_eq!((count("write"), count("fsync"), count("ioctl")), (Some(2.0), Some(1.0), Some(0.0)));
-        let mut names: Vec<_> = Op::ALL.iter().map(|o| o.name()).collect();
+        let mut names: Vec<_> = FuseOp::ALL.iter().map(|o| o.name()).collect();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), Op::ALL.len());
+        assert_eq!(names.len(), FuseOp::ALL.len());
     }
 }

@@ -764,6 +764,9 @@ fn a_server_killed_mid_upload_leaves_no_partial_object() {
         m.unmount();
     }
     e.serve.stop();
+    // And the disk the kills left is whole.
+    let fsck = arbor(&["fsck", s.disk_str()]);
+    assert!(fsck.status.success(), "fsck after the kills: {}", String::from_utf8_lossy(&fsck.stdout));
 }
 
 /// A copy within a bucket and a completed multipart upload share their
