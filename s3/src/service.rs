@@ -559,21 +559,6 @@ fn copy_range(r: Option<&str>, size: u64) -> S3Result<(u64, u64)> {
     Ok((a, b + 1))
 }
 
-/// The conditions of a copy's source: a failed one is 412 (never 304).
-fn check_copy_conditions(
-    etag: &str,
-    modified: SystemTime,
-    if_match: Option<&ETagCondition>,
-    if_none_match: Option<&ETagCondition>,
-    if_modified_since: Option<&Timestamp>,
-    if_unmodified_since: Option<&Timestamp>,
-) -> S3Result<()> {
-    match check_conditions(etag, modified, if_match, if_none_match, if_modified_since, if_unmodified_since) {
-        Err(e) if *e.code() == S3ErrorCode::NotModified => Err(s3_error!(PreconditionFailed)),
-        r => r,
-    }
-}
-
 /// What a copy read from its source.
 struct Copied {
     temp: Temp,
@@ -581,18 +566,29 @@ struct Copied {
     meta: Meta,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The source conditions of a CopyObject or UploadPartCopy input (two
+/// types with the same four fields).
+macro_rules! copy_conditions {
+    ($i:expr) => {
+        SourceConditions {
+            if_match: $i.copy_source_if_match,
+            if_none_match: $i.copy_source_if_none_match,
+            if_modified_since: $i.copy_source_if_modified_since,
+            if_unmodified_since: $i.copy_source_if_unmodified_since,
+        }
+    };
+}
+
+/// Copies `range` of `src`'s `key` into a temporary file of `dst` if the
+/// source meets `conds`, looking the key up again if it is replaced
+/// between its lookup and its open.
 async fn copy_into_temp(
     src: Tree,
     key: Key,
     dst: Tree,
     range: Option<String>,
-    if_match: Option<ETagCondition>,
-    if_none_match: Option<ETagCondition>,
-    if_modified_since: Option<Timestamp>,
-    if_unmodified_since: Option<Timestamp>,
+    conds: SourceConditions,
 ) -> S3Result<Copied> {
-    let conds = SourceConditions { if_match, if_none_match, if_modified_since, if_unmodified_since };
     blocking(move || {
         for _ in 0..RETRIES {
             match copy_once(&src, &key, &dst, range.as_deref(), &conds)? {
@@ -613,20 +609,25 @@ struct SourceConditions {
     if_unmodified_since: Option<Timestamp>,
 }
 
+impl SourceConditions {
+    /// A failed condition of a copy's source is 412 (never 304).
+    fn check(&self, etag: &str, modified: SystemTime) -> S3Result<()> {
+        let (m, n) = (self.if_match.as_ref(), self.if_none_match.as_ref());
+        match check_conditions(etag, modified, m, n, self.if_modified_since.as_ref(), self.if_unmodified_since.as_ref())
+        {
+            Err(e) if *e.code() == S3ErrorCode::NotModified => Err(s3_error!(PreconditionFailed)),
+            r => r,
+        }
+    }
+}
+
 /// One try of [`copy_into_temp`]; `None` if the source was replaced
 /// (its file deleted) between its lookup and its open.
 fn copy_once(src: &Tree, key: &Key, dst: &Tree, range: Option<&str>, c: &SourceConditions) -> S3Result<Option<Copied>> {
     {
         let p = src.stat(key)?.ok_or_else(|| s3_error!(NoSuchKey))?;
         let etag = src.etag(&p.attr);
-        check_copy_conditions(
-            &etag,
-            store::mtime(&p.attr),
-            c.if_match.as_ref(),
-            c.if_none_match.as_ref(),
-            c.if_modified_since.as_ref(),
-            c.if_unmodified_since.as_ref(),
-        )?;
+        c.check(&etag, store::mtime(&p.attr))?;
         let meta = src.meta(p.attr.ino);
         let size = if key.folder { 0 } else { p.attr.size };
         let (start, end) = copy_range(range, size)?;
@@ -1095,17 +1096,7 @@ impl S3 for Arbor {
                 "a copy of an object onto itself must change its metadata (x-amz-metadata-directive: REPLACE)",
             ));
         }
-        let c = copy_into_temp(
-            src,
-            skey,
-            dst.clone(),
-            None,
-            i.copy_source_if_match,
-            i.copy_source_if_none_match,
-            i.copy_source_if_modified_since,
-            i.copy_source_if_unmodified_since,
-        )
-        .await?;
+        let c = copy_into_temp(src, skey, dst.clone(), None, copy_conditions!(i)).await?;
         let meta = if replace {
             meta_of(
                 i.content_type,
@@ -1227,17 +1218,7 @@ impl S3 for Arbor {
         let (src_bucket, src_key) = copy_source(&i.copy_source)?;
         let src = self.tree(&src_bucket, false).await?;
         let skey = parse_key(&src_key)?;
-        let c = copy_into_temp(
-            src,
-            skey,
-            tree.clone(),
-            i.copy_source_range,
-            i.copy_source_if_match,
-            i.copy_source_if_none_match,
-            i.copy_source_if_modified_since,
-            i.copy_source_if_unmodified_since,
-        )
-        .await?;
+        let c = copy_into_temp(src, skey, tree.clone(), i.copy_source_range, copy_conditions!(i)).await?;
         let md5 = store::hex(&c.md5);
         let mut temp = c.temp;
         let (tmp, name, ino) = (temp.dir, temp.name.clone(), temp.ino);
