@@ -723,9 +723,26 @@ mod tests {
         /// Open, and GETs waiting at the gate.
         gate: Mutex<(bool, usize)>,
         cv: Condvar,
+        /// Those GETs panic instead of waiting.
+        panics: std::sync::atomic::AtomicBool,
     }
 
     impl GatedStore {
+        fn new(gated: &'static str) -> Arc<GatedStore> {
+            Arc::new(GatedStore {
+                inner: MemObjectStore::new(),
+                gated,
+                gate: Mutex::new((false, 0)),
+                cv: Condvar::new(),
+                panics: false.into(),
+            })
+        }
+
+        fn source(&self, key: &str, body: &[u8]) -> Source {
+            let etag = self.put(key, body).expect("put");
+            Source { bucket: "b".into(), key: key.into(), size: body.len() as u64, etag, version: None }
+        }
+
         fn open(&self) {
             self.gate.lock().0 = true;
             self.cv.notify_all();
@@ -762,6 +779,9 @@ mod tests {
         }
         fn get_range_if(&self, key: &str, range: std::ops::Range<u64>, etag: &str, v: Option<&str>) -> Result<Vec<u8>> {
             if key == self.gated && range.start >= 2 * CHUNK {
+                if self.panics.load(std::sync::atomic::Ordering::SeqCst) {
+                    panic!("a GET panics");
+                }
                 let mut gate = self.gate.lock();
                 gate.1 += 1;
                 self.cv.notify_all();
@@ -788,18 +808,9 @@ mod tests {
 
     #[test]
     fn a_read_is_not_held_up_by_a_full_read_ahead_queue() {
-        let store = Arc::new(GatedStore {
-            inner: MemObjectStore::new(),
-            gated: "stream",
-            gate: Mutex::new((false, 0)),
-            cv: Condvar::new(),
-        });
-        let put = |key: &str, body: &[u8]| {
-            let etag = store.put(key, body).expect("put");
-            Source { bucket: "b".into(), key: key.into(), size: body.len() as u64, etag, version: None }
-        };
+        let store = GatedStore::new("stream");
         let (stream_body, other_body) = (body(30 * CHUNK, 1), body(8 * CHUNK, 2));
-        let (stream, other) = (put("stream", &stream_body), put("other", &other_body));
+        let (stream, other) = (store.source("stream", &stream_body), store.source("other", &other_body));
         // Two workers: the read-ahead of the streaming reader below is
         // three runs (chunks 9-16, 17-24, 25-29), two of them at the gate
         // and one queued behind them.
@@ -856,5 +867,54 @@ mod tests {
         assert_eq!(c.etag_check(&src, b"jello"), None);
         let big = Source { size: CHUNK + 1, ..src };
         assert_eq!(Counters::default().etag_check(&big, body), None);
+    }
+
+    /// Runs `f` on a thread of its own: its result, or `None` if it did
+    /// not end within ten seconds (a read or drain left waiting).
+    fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(10)).ok()
+    }
+
+    #[test]
+    fn a_fetch_that_panics_finishes_its_waiters_and_the_workers_go_on() {
+        let store = GatedStore::new("stream");
+        store.panics.store(true, std::sync::atomic::Ordering::SeqCst);
+        let stream_body = body(30 * CHUNK, 3);
+        let stream = store.source("stream", &stream_body);
+        let mut reader = SourceReader::new(FixedSources::with("b", store.clone()), None, None);
+        reader.workers = Workers::new("test-source", 1);
+        let reader = Arc::new(reader);
+        let read = |off: u64| {
+            let (reader, stream) = (reader.clone(), stream.clone());
+            within(move || {
+                let mut buf = vec![0u8; CHUNK as usize];
+                reader.read(&stream, off, &mut buf).map(|()| buf)
+            })
+        };
+        read(0).expect("ended").expect("first read");
+        // Sequential: the runs fetched ahead (chunks 9 on) panic on the worker.
+        read(CHUNK).expect("ended").expect("sequential read");
+        let r = reader.clone();
+        within(move || r.drain()).expect("drained after the panics");
+        // A read that needs a chunk whose fetch panics fails; it is not left waiting.
+        let err = read(9 * CHUNK).expect("a read of a panicking fetch ended").expect_err("failed");
+        assert_eq!(err.errno(), libc::EIO, "{err}");
+        // Nothing was left claimed: once GETs work, every chunk reads, and
+        // the worker that saw the panics fetches ahead again.
+        store.panics.store(false, std::sync::atomic::Ordering::SeqCst);
+        store.open();
+        for i in 9..12 {
+            let got = read(i * CHUNK).expect("ended").expect("read");
+            assert!(got == stream_body[(i * CHUNK) as usize..((i + 1) * CHUNK) as usize], "chunk {i}");
+        }
+        let r = reader.clone();
+        within(move || r.drain()).expect("drained");
+        let gets = reader.stats().gets;
+        read(20 * CHUNK).expect("ended").expect("read ahead");
+        assert_eq!(reader.stats().gets, gets, "chunk 20 was fetched ahead by the worker");
     }
 }
