@@ -5,11 +5,12 @@
 //! What a fetch is, which chunks a window covers, and which runs a reader
 //! fetches itself stay with the reader (`tier/remote`, `source`). A
 //! reader's own misses never wait for this pool: each reader fetches them
-//! on the caller's thread, so a full read-ahead queue delays nobody.
+//! itself, on the caller's thread (or threads of the read's own), so a
+//! full read-ahead queue delays nobody.
 
 use crossbeam::channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Work for a fetch worker: one run of chunks (one GET), not one chunk.
@@ -18,7 +19,8 @@ pub(crate) type Job = Box<dyn FnOnce() + Send>;
 /// A lazily started pool of at most `max` named fetch worker threads, fed
 /// by a channel of [`Job`]s. A job that panics is caught there: the worker
 /// goes on, and the job itself must have finished its chunks' waiters
-/// (each reader's job does). Lock order: `crew` → `state.jobs`.
+/// (each reader's job does). Its locks, `crew` and `state.jobs`, are
+/// each taken alone.
 pub(crate) struct Workers {
     name: &'static str,
     max: usize,
@@ -36,11 +38,12 @@ struct Crew {
     counts: Arc<CrewCounts>,
 }
 
-/// A crew's workers running, and those waiting for a job.
+/// A crew's workers running, and its spare ones: workers that came for a
+/// job less jobs queued (below 0, jobs wait for a worker).
 #[derive(Default)]
 struct CrewCounts {
     live: AtomicUsize,
-    waiting: AtomicUsize,
+    spare: AtomicIsize,
 }
 
 /// Jobs submitted and not yet finished (and its change), and worker
@@ -59,8 +62,8 @@ impl Workers {
         Workers { name, max: max.max(1), crew: Mutex::new(None), state: Arc::new(state) }
     }
 
-    /// Queues `job`. A worker is started when none is left waiting for
-    /// it and fewer than `max` run; a job no worker can take (none could be
+    /// Queues `job`. A worker is started when none is spare for it and
+    /// fewer than `max` run; a job no worker can take (none could be
     /// started) runs on the caller's thread, so every job runs.
     pub(crate) fn submit(&self, job: Job) {
         *self.state.jobs.lock() += 1;
@@ -70,11 +73,11 @@ impl Workers {
                 let (send, recv) = crossbeam::channel::unbounded();
                 Crew { send, recv, counts: Arc::default() }
             });
-            // Jobs queued already take the workers waiting now.
-            if crew.send.len() >= crew.counts.waiting.load(Ordering::Acquire) {
+            if crew.counts.spare.fetch_sub(1, Ordering::AcqRel) <= 0 {
                 self.start_worker(crew);
             }
             if crew.counts.live.load(Ordering::Acquire) == 0 {
+                crew.counts.spare.fetch_add(1, Ordering::AcqRel);
                 Err(job)
             } else {
                 crew.send.send(job).map_err(|e| e.into_inner())
@@ -142,12 +145,12 @@ impl Workers {
 impl State {
     /// A worker's life: jobs until its crew's channel closes.
     fn work(&self, recv: &Receiver<Job>, crew: &CrewCounts) {
-        loop {
-            crew.waiting.fetch_add(1, Ordering::AcqRel);
-            let job = recv.recv();
-            crew.waiting.fetch_sub(1, Ordering::AcqRel);
-            let Ok(job) = job else { break };
+        // Spare until a job submitted counts it taken; spare again before
+        // its job counts as finished, so the next job after a drain finds it.
+        crew.spare.fetch_add(1, Ordering::AcqRel);
+        while let Ok(job) = recv.recv() {
             run(job);
+            crew.spare.fetch_add(1, Ordering::AcqRel);
             self.finished();
         }
         crew.live.fetch_sub(1, Ordering::AcqRel);
@@ -293,6 +296,15 @@ mod tests {
     fn every_job_runs_and_drain_waits_for_all() {
         let pool = Workers::new("test-fetch", 3);
         let done = Arc::new(AtomicUsize::new(0));
+        // One job at a time needs one worker.
+        for _ in 0..5 {
+            let done = done.clone();
+            pool.submit(Box::new(move || {
+                done.fetch_add(1, Ordering::SeqCst);
+            }));
+            pool.drain();
+        }
+        assert_eq!((done.swap(0, Ordering::SeqCst), pool.live()), (5, 1), "jobs done, workers started");
         for _ in 0..20 {
             let done = done.clone();
             pool.submit(Box::new(move || {

@@ -29,7 +29,8 @@
 //!   and `Workers`, the lazily started pool of fetch worker threads its
 //!   runs go to (one job a run, a panicking job caught, `drain` to wait
 //!   for every job, `stop` to let the workers end). A reader's own misses
-//!   never queue there: each reader fetches them on the caller's thread.
+//!   never queue there: each reader fetches them itself, on the caller's
+//!   thread.
 //! - `policy.rs`: **the eviction policy of every cache here**, the one
 //!   place to change it: each cache keeps its chunks in a
 //!   [`policy::Ledger`], which ranks them and picks the victims as the

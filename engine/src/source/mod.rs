@@ -111,7 +111,8 @@ const RUN: usize = 8;
 const IN_FLIGHT: usize = 64;
 /// Fetch workers for read-ahead at most: one per chunk that may be in
 /// flight, as many GETs at once as a thread per run sent (a reader that
-/// goes on a chunk per read claims runs of one chunk).
+/// goes on a chunk per read claims runs of one chunk; streaming 1 GiB in
+/// 1 MiB reads from a store taking 60 ms a GET ran at 690 MiB/s either way).
 const FETCH_WORKERS: usize = IN_FLIGHT;
 
 /// [`Source::id`], built once per read and shared by the ids of its chunks.
