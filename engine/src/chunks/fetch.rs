@@ -73,6 +73,16 @@ impl<K: Eq + Hash + Clone, T: Clone> InFlight<K, T> {
     pub(crate) fn finish(&mut self, key: &K) -> Option<Arc<Fetch<T>>> {
         self.pending.remove(key)
     }
+
+    /// Ends the claim on `key` if `fetch` is the fetch in flight there:
+    /// whether it was (a fetch finished twice leaves a later claim alone).
+    pub(crate) fn finish_fetch(&mut self, key: &K, fetch: &Fetch<T>) -> bool {
+        let mine = self.pending.get(key).is_some_and(|f| std::ptr::eq(Arc::as_ptr(f), fetch));
+        if mine {
+            self.pending.remove(key);
+        }
+        mine
+    }
 }
 
 impl<T: Clone> Fetch<T> {

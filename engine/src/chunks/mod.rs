@@ -21,7 +21,16 @@
 //!   (`runs`); used by the segment reader (`tier/remote`) and
 //!   `SourceReader` (`source`), which keep what a fetch is (a ranged GET
 //!   of a segment object checked against its footer, a conditional GET of
-//!   a source object checked against its ETag) and when to read ahead.
+//!   a source object checked against its ETag).
+//! - `ahead.rs`: read-ahead, the same for both readers: `Window` and
+//!   `Stream`, what a sequential read is and how far ahead of it to fetch
+//!   (each reader passes its sizes: the segment reader's window grows
+//!   fourfold per read to a cap, the source reader's stays at 64 chunks),
+//!   and `Workers`, the lazily started pool of fetch worker threads its
+//!   runs go to (one job a run, a panicking job caught, `drain` to wait
+//!   for every job, `stop` to let the workers end). A reader's own misses
+//!   never queue there: each reader fetches them itself, on the caller's
+//!   thread.
 //! - `policy.rs`: **the eviction policy of every cache here**, the one
 //!   place to change it: each cache keeps its chunks in a
 //!   [`policy::Ledger`], which ranks them and picks the victims as the
@@ -34,11 +43,12 @@
 //! counts, evicted bytes, hits, damaged files, is a `metrics::Counter`; a
 //! cache with a `*Stats` of its own declares both with `counters!`).
 //!
-//! Not here: the read-ahead windows and the threads fetches run on
-//! (a segment reader's fetch workers in `tier/remote/prefetch.rs`, a
-//! source reader's thread per run in `source/mod.rs`), which still
-//! differ.
+//! Not here: which chunks a window covers and how a reader fetches them
+//! (`tier/remote/prefetch.rs` queues whole aligned runs and carries a
+//! window into a writer's next segments; `source/mod.rs` claims a window's
+//! chunks under its cap of fetches in flight), and what a fetch is.
 
+pub(crate) mod ahead;
 mod cache;
 pub(crate) mod fetch;
 mod memory;

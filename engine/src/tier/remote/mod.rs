@@ -8,8 +8,11 @@
 //! - `segment.rs`: one segment in the bucket, its footer, on-demand chunk
 //!   fetches and reads (`SegmentFile`);
 //! - `prefetch.rs`: `Fetches` (what is in flight, queued, and carried
-//!   from segment to segment), read-ahead, the fetch workers, and
-//!   streaming across a writer's segments;
+//!   from segment to segment), read-ahead and its runs for the fetch
+//!   workers, and streaming across a writer's segments; the window's
+//!   growth and the worker pool are `chunks::ahead`'s, shared with the
+//!   source reader. On-demand fetches run on the reader's thread;
+//!   read-ahead runs on the workers;
 //! - this file: `Remote`, which opens segments (objects, or the WAL pieces
 //!   of a segment never sealed) and owns the rest.
 //!
@@ -517,9 +520,8 @@ impl Remote {
             key: segment_key(id),
             footer,
             backing,
-            last_end: AtomicU64::new(u64::MAX),
+            stream: crate::chunks::ahead::Stream::new(self.fetches.base_window()),
             part_run: AtomicU64::new(u64::MAX),
-            window: AtomicU64::new(self.fetches.base_window()),
             ahead: AtomicU64::new(0),
             landing: parking_lot::Mutex::new(()),
             me: me.clone(),

@@ -1,10 +1,13 @@
-//! Read-ahead: a sequential reader's window grows fourfold per read up
-//! to `MAX_READ_AHEAD`; the chunks in it are queued as runs of up to
-//! [`RUN_CHUNKS`] neighbours, each one job and one GET for a pool of fetch
-//! workers, and the window runs on into the writer's next segments.
+//! Read-ahead of segments: a sequential reader's window (the shared
+//! `chunks::ahead::Window`, here fourfold per read up to
+//! `MAX_READ_AHEAD`) covers chunks that are queued as runs of up to
+//! [`RUN_CHUNKS`] neighbours, each one job and one GET for the remote's
+//! pool of fetch workers (`chunks::ahead::Workers`), and the window runs
+//! on into the writer's next segments.
 
 use super::segment::{Backing, RemoteSeg};
 use super::{ChunkKey, Remote, RUN_CHUNKS, SPILL_SEGMENTS};
+use crate::chunks::ahead::{Window, Workers};
 use crate::chunks::fetch::{self, InFlight};
 use crate::format::SegId;
 use parking_lot::{Mutex, MutexGuard};
@@ -22,8 +25,8 @@ pub(super) struct Fetches {
     inflight: Mutex<InFlight<ChunkKey, ()>>,
     /// Chunks queued for read-ahead and not yet taken by a worker.
     queued: Mutex<HashSet<ChunkKey>>,
-    /// Read-ahead jobs for the fetch workers, started on first use.
-    workers: Mutex<Option<crossbeam::channel::Sender<Run>>>,
+    /// The fetch workers read-ahead's runs go to, started on first use.
+    workers: Workers,
     /// Segments read-ahead looked for and did not find (it looks once).
     absent: Mutex<HashSet<SegId>>,
     /// The segment a streaming reader is about to enter, and its window.
@@ -39,7 +42,7 @@ impl Fetches {
         Fetches {
             inflight: Mutex::new(InFlight::new()),
             queued: Mutex::new(HashSet::new()),
-            workers: Mutex::new(None),
+            workers: Workers::new("arbor-fetch", parallel.max(1)),
             absent: Mutex::new(HashSet::new()),
             stream: Mutex::new(None),
             base_window,
@@ -83,6 +86,13 @@ impl Fetches {
         self.base_window
     }
 
+    /// How a reader of a segment with chunks of `chunk_size` sizes its
+    /// window: from the configured one, fourfold per read up to `max`; a
+    /// read up to a chunk past the last one's end goes on from it.
+    pub(super) fn window(&self, max: u64, chunk_size: u64) -> Window {
+        Window::growing(self.base_window, max, chunk_size)
+    }
+
     pub(super) fn parallel(&self) -> usize {
         self.parallel
     }
@@ -107,22 +117,16 @@ impl Fetches {
 
     /// Lets the fetch workers end once their queue is empty.
     pub(super) fn stop_workers(&self) {
-        self.workers.lock().take();
+        self.workers.stop();
     }
-}
-
-/// Work for the fetch workers: a run of `count` chunks from `first`, to
-/// fetch ahead of a reader with one GET.
-pub(super) struct Run {
-    seg: Arc<RemoteSeg>,
-    first: usize,
-    count: usize,
 }
 
 impl RemoteSeg {
     /// Read-ahead: fetches chunks `first..first + count` (those no other
     /// thread has or brings) with one ranged GET, checking each chunk on
-    /// its own. A chunk that fails its check is left for an on-demand fetch.
+    /// its own. A chunk that fails its check is left for an on-demand
+    /// fetch; so is every chunk of a fetch that panicked (its claims are
+    /// released, and the waiters look again).
     fn fetch_run(&self, first: usize, count: usize) {
         let r = &self.remote;
         // Claim the chunks nobody else has or is fetching.
@@ -136,7 +140,11 @@ impl RemoteSeg {
                 }
             }
         }
-        self.fetch_claimed(&claimed);
+        let fetch = std::panic::AssertUnwindSafe(|| self.fetch_claimed(&claimed));
+        if std::panic::catch_unwind(fetch).is_err() {
+            tracing::error!(seg = %self.id, first, count, "a read-ahead fetch panicked");
+            r.fetches.release(claimed.iter().map(|&i| (self.id, i as u32)));
+        }
     }
 
     /// Fetches `claimed` (ascending chunk numbers the caller claimed in
@@ -298,37 +306,25 @@ impl Remote {
             }
         }
         for run in fetch::runs(wanted, RUN_CHUNKS, true) {
-            self.enqueue(Run { seg: seg.clone(), first: run[0].0 as usize, count: run.len() });
+            let (seg, first, count) = (seg.clone(), run[0].0 as usize, run.len());
+            self.fetches.workers.submit(Box::new(move || seg.fetch_queued(first, count)));
         }
     }
+}
 
-    fn enqueue(self: &Arc<Self>, job: Run) {
-        let mut tx = self.fetches.workers.lock();
-        if tx.is_none() {
-            let (send, recv) = crossbeam::channel::unbounded::<Run>();
-            for n in 0..self.fetches.parallel {
-                let recv = recv.clone();
-                let spawned = std::thread::Builder::new().name(format!("arbor-fetch-{n}")).spawn(move || {
-                    for Run { seg, first, count } in recv {
-                        // Chunks a reader took for itself meanwhile are no
-                        // longer queued; fetch_run skips them.
-                        {
-                            let mut queued = seg.remote.fetches.queued.lock();
-                            for i in first..first + count {
-                                queued.remove(&(seg.id, i as u32));
-                            }
-                        }
-                        seg.fetch_run(first, count);
-                    }
-                });
-                if let Err(e) = spawned {
-                    tracing::warn!(error = %e, "cannot start a fetch worker");
-                }
+impl RemoteSeg {
+    /// A fetch worker's job: the run of `count` chunks from `first`
+    /// queued for read-ahead.
+    fn fetch_queued(&self, first: usize, count: usize) {
+        let r = &self.remote;
+        // Chunks a reader took for itself meanwhile are no longer queued;
+        // fetch_run skips them.
+        {
+            let mut queued = r.fetches.queued.lock();
+            for i in first..first + count {
+                queued.remove(&(self.id, i as u32));
             }
-            *tx = Some(send);
         }
-        if let Some(tx) = tx.as_ref() {
-            let _ = tx.send(job);
-        }
+        self.fetch_run(first, count);
     }
 }

@@ -3,6 +3,7 @@
 //! through the chunk cache.
 
 use super::{Remote, GET_TRIES, PART_MAX, RUN_CHUNKS};
+use crate::chunks::ahead::{Step, Stream, Window};
 use crate::chunks::fetch::Claim;
 use crate::device::{Checked, SegmentFile};
 use crate::error::{Error, Result};
@@ -29,15 +30,14 @@ pub(crate) struct RemoteSeg {
     pub(super) key: String,
     pub(crate) footer: Footer,
     pub(super) backing: Backing,
-    /// End of the last read, to spot sequential readers.
-    pub(super) last_end: AtomicU64,
+    /// Where the last read ended and the read-ahead window
+    /// (`chunks::ahead`): the configured size after a random read, growing
+    /// fourfold with each sequential one up to `Remote::max_window`.
+    pub(super) stream: Stream,
     /// Where the reads answered with parts of chunks since the last other
     /// read began (`u64::MAX`: none), to tell the rest of a small read (the
     /// next record's blocks) from a reader going on.
     pub(super) part_run: AtomicU64,
-    /// The read-ahead window: the configured size after a random read,
-    /// growing fourfold with each sequential one up to `Remote::max_window`.
-    pub(super) window: AtomicU64,
     /// The chunk read-ahead has looked at up to (exclusive) since the
     /// reader last streamed into this segment: every chunk before it was
     /// present, on its way or queued then, so the next read's window is
@@ -60,6 +60,11 @@ impl RemoteSeg {
         (end.min(self.footer.data_len).div_ceil(self.chunk_size()) as usize)
             .next_multiple_of(RUN_CHUNKS)
             .min(self.footer.crcs.len())
+    }
+
+    /// How this segment's readers size their read-ahead window.
+    pub(super) fn window(&self) -> Window {
+        self.remote.fetches.window(self.remote.max_window(), self.chunk_size())
     }
 
     pub(super) fn chunk_size(&self) -> u64 {
@@ -202,9 +207,9 @@ impl RemoteSeg {
         // than `read_at`'s test, which takes a read up to a chunk further
         // on as streaming: for random readers of files that share a
         // segment, one read in 64 would start read-ahead.)
-        let prev = self.last_end.load(Ordering::Relaxed);
+        let prev = self.stream.last_end();
         let run = self.part_run.load(Ordering::Relaxed);
-        let run = if prev != u64::MAX && off >= prev && off <= prev + PART_MAX {
+        let run = if prev.is_some_and(|prev| off >= prev && off <= prev + PART_MAX) {
             if run == u64::MAX || end - run.min(off) > PART_MAX {
                 self.part_run.store(u64::MAX, Ordering::Relaxed);
                 return false;
@@ -242,8 +247,7 @@ impl RemoteSeg {
         }
         buf.copy_from_slice(&bytes);
         self.part_run.store(run, Ordering::Relaxed);
-        self.last_end.store(end, Ordering::Relaxed);
-        self.window.store(r.fetches.base_window(), Ordering::Relaxed);
+        self.stream.restart(&self.window(), end);
         r.counts.peer_parts.inc();
         r.counts.peer_part_bytes.add(bytes.len() as u64);
         true
@@ -278,27 +282,19 @@ impl RemoteSeg {
         let cs = self.chunk_size();
         let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
         if streaming {
-            let prev = self.last_end.swap(end, Ordering::Relaxed);
             self.part_run.store(u64::MAX, Ordering::Relaxed);
             // A reader that streamed to the end of the previous segment goes on
             // at the start of this one with the window it had there.
-            let carried = if prev == u64::MAX && off < cs { self.remote.fetches.take_stream(self.id) } else { None };
-            let base = self.remote.fetches.base_window();
-            if let Some(w) = carried {
-                self.window.store(w, Ordering::Relaxed);
-                self.read_ahead(end, w);
-            } else if prev != u64::MAX && off <= prev.saturating_add(cs) && end > prev {
-                // Sequential: the window grows fast (x4 a read) to its largest.
-                let w = self.window.load(Ordering::Relaxed);
-                let grown = if base == 0 { 0 } else { (w * 4).clamp(base, self.remote.max_window().max(base)) };
-                self.window.store(grown, Ordering::Relaxed);
-                self.read_ahead(end, grown);
-                if end + cs >= self.footer.data_len {
-                    self.remote.fetches.stream_into(self.id.next(), grown);
+            let carried = || if off < cs { self.remote.fetches.take_stream(self.id) } else { None };
+            match self.stream.read(&self.window(), off, end, carried) {
+                Step::Carried(w) => self.read_ahead(end, w),
+                Step::Sequential(w) => {
+                    self.read_ahead(end, w);
+                    if end + cs >= self.footer.data_len {
+                        self.remote.fetches.stream_into(self.id.next(), w);
+                    }
                 }
-            } else {
-                self.window.store(base, Ordering::Relaxed);
-                self.ahead.store(0, Ordering::Relaxed);
+                Step::Random => self.ahead.store(0, Ordering::Relaxed),
             }
         }
         let mut fetched = self.fetch_all(&chunks)?;
