@@ -71,7 +71,7 @@ bucket_bytes() { cat "$work/bucket-bytes"; }
 kill9() { { kill -9 "$1"; wait "$1"; } 2>/dev/null || true; }
 kill_owner_mid_stream() { # dir saved
   stream "$1" "$2"
-  for _ in $(seq 300); do [ "$(wc -l < "$2")" -ge 8 ] && break; sleep 0.05; done
+  for _ in $(seq 300); do [ -e "$2" ] && [ "$(wc -l < "$2")" -ge 8 ] && break; sleep 0.05; done
   kill9 "$owner_pid"; t0=$(now)
 }
 
