@@ -8,7 +8,7 @@
 
 use super::remote::{CacheStats, Remote};
 use crate::bucket::ObjectStore;
-use crate::chunks::ChunkSource;
+use crate::chunks::{ChunkSource, ChunkStore};
 use crate::error::Result;
 use crate::format::SegId;
 use std::ops::Range;
@@ -59,7 +59,7 @@ impl SegmentCache {
             None => (std::path::PathBuf::new(), true),
         };
         Ok(SegmentCache {
-            remote: Remote::new(store, dir, capacity, 0, 1, memory, sources)?,
+            remote: Remote::new(store, dir, ChunkStore::new(capacity), 0, 1, memory, sources)?,
             leaves: quick_cache::sync::Cache::new(LEAF_HASHES_KEPT),
         })
     }
@@ -181,6 +181,12 @@ impl SegmentCache {
     /// Evicts every chunk not used since the clock read `tick`.
     pub fn evict_unused_since(&self, tick: u64) {
         self.remote.evict_unused_since(tick + 1);
+    }
+
+    /// The chunk store this cache keeps its chunks in (of `capacity`
+    /// bytes): a server's chunk files of imported objects go in it too.
+    pub fn chunk_store(&self) -> Arc<ChunkStore> {
+        self.remote.chunk_store().clone()
     }
 
     /// Counters: bytes cached, fetched from the bucket, evicted, hits.
