@@ -801,9 +801,10 @@ fn print_status(s: &serde_json::Value) {
         }
         let c = &s["cache"];
         println!(
-            "cache        {} of {}, {} fetched in {} GETs, {} segment footers found kept here, {} read from the bucket",
-            HumanBytes(c["bytes"].as_u64().unwrap_or(0)),
+            "cache        {} of {} ({} imported files' chunks), {} fetched in {} GETs, {} segment footers found kept here, {} read from the bucket",
+            HumanBytes(c["bytes"].as_u64().unwrap_or(0) + c["imported_bytes"].as_u64().unwrap_or(0)),
             HumanBytes(c["capacity"].as_u64().unwrap_or(0)),
+            HumanBytes(c["imported_bytes"].as_u64().unwrap_or(0)),
             HumanBytes(c["fetched_bytes"].as_u64().unwrap_or(0)),
             c["gets"].as_u64().unwrap_or(0),
             c["kept_footers"].as_u64().unwrap_or(0),

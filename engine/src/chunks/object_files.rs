@@ -66,6 +66,8 @@ crate::counters! {
         /// Files that failed their checks (removed, fetched again).
         damaged: Counter,
     } and {
+        /// Bytes of the chunk files, and the most the store they share
+        /// with segment chunks may hold.
         bytes: u64,
         capacity: u64,
     }

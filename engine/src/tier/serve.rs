@@ -1,8 +1,9 @@
 //! The chunk cache as a cache server uses it (`arbor serve`): chunks of
 //! sealed segment objects fetched from the bucket once, checked against
 //! the object's footer, kept on local disk (bounded, least recently used
-//! out first) and found again after a restart (checked again before they
-//! are served). The same code as a mount's cache, with no read-ahead: a
+//! out first, in one chunk store with the server's chunk files of imported
+//! objects) and found again after a restart (checked again before they are
+//! served). The same code as a mount's cache, with no read-ahead: a
 //! server holds the chunks its clients ask for, and with several servers
 //! each asks only for its own share.
 
