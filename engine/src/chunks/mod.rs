@@ -62,7 +62,6 @@ pub(crate) use memory::MemoryChunks;
 pub use object_files::{ChunkFiles, ChunkFilesStats, FileChunk};
 pub use peers::{ChunkRequest, ChunkSource, LateSources};
 pub(crate) use sparse::{is_data, punch_hole};
-pub use store::ChunkKey;
 pub use store::ChunkStore;
 pub(crate) use store::{Punched, SegChunk, SegmentFiles};
 

@@ -48,7 +48,7 @@ pub(crate) type Punched = (SegChunk, u32, u64);
 
 /// One chunk in the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ChunkKey {
+pub(crate) enum ChunkKey {
     /// Chunk `index` of a sealed segment object.
     Segment(SegId, u32),
     /// Chunk `index` of an imported object, by the hash of its id.
@@ -108,6 +108,10 @@ impl Held {
     }
 }
 
+/// The node's chunks on disk, of segments and of imported objects, in one
+/// budget of bytes and one order of eviction (see the module docs: what it
+/// keeps, where each kind's bytes are, and its locks). Shared as an `Arc`
+/// by the segment tier of a cache folder and the chunk files beside it.
 pub struct ChunkStore {
     capacity: u64,
     held: Mutex<Held>,
@@ -160,7 +164,7 @@ impl ChunkStore {
     }
 
     /// The store's clock: the tick of the newest use so far.
-    pub fn tick(&self) -> u64 {
+    pub(crate) fn tick(&self) -> u64 {
         self.held.lock().ledger.tick()
     }
 
@@ -195,23 +199,24 @@ impl ChunkStore {
         }
     }
 
-    pub fn contains(&self, key: impl Into<ChunkKey>) -> bool {
+    pub(crate) fn contains(&self, key: impl Into<ChunkKey>) -> bool {
         self.held.lock().ledger.contains(&key.into())
     }
 
     /// A use of chunk `key`.
-    pub fn touch(&self, key: impl Into<ChunkKey>) {
+    pub(crate) fn touch(&self, key: impl Into<ChunkKey>) {
         self.held.lock().ledger.touch(&key.into());
     }
 
     /// Drops one chunk (one that failed its check, or whose file is gone).
-    pub fn forget(&self, key: impl Into<ChunkKey>) {
+    pub(crate) fn forget(&self, key: impl Into<ChunkKey>) {
         self.held.lock().remove(&key.into());
     }
 
     /// Drops every chunk of segment `seg` (deleted, or its cache file
     /// started anew).
     pub(crate) fn forget_segment(&self, seg: SegId) {
+        // Segment chunks only: the bytes of object chunks stay as counted.
         self.held.lock().ledger.remove_where(|k| matches!(k, ChunkKey::Segment(s, _) if *s == seg));
     }
 
@@ -248,19 +253,17 @@ impl ChunkStore {
     /// (key, file length) at the cold end; a folder taken already is not
     /// looked at again. Another folder is refused: one store, one folder.
     pub(crate) fn open_objects(&self, dir: &Path, found: impl FnOnce() -> Vec<((u64, u64), u64)>) -> Result<()> {
-        let mut first = false;
+        // Another opener of the folder waits here until its chunks are in.
         let taken = self.objects.get_or_init(|| {
-            first = true;
+            let found = found();
+            let mut held = self.held.lock();
+            for ((hash, index), len) in found {
+                held.insert(ChunkKey::Object(hash, index), len, Spot::Object, true);
+            }
             dir.to_path_buf()
         });
         if taken != dir {
             return Err(Error::Invalid("a chunk store keeps the chunk files of one folder"));
-        }
-        if first {
-            let mut held = self.held.lock();
-            for ((hash, index), len) in found() {
-                held.insert(ChunkKey::Object(hash, index), len, Spot::Object, true);
-            }
         }
         self.evict_if_over();
         Ok(())
@@ -277,7 +280,7 @@ impl ChunkStore {
     /// When the store holds more than its capacity, drops the chunks its
     /// policy picks (the least recently used, of either kind, down to 90 %
     /// of it) and removes their bytes.
-    pub fn evict_if_over(&self) {
+    pub(crate) fn evict_if_over(&self) {
         if self.held.lock().ledger.weight() <= self.capacity {
             return;
         }
@@ -286,7 +289,7 @@ impl ChunkStore {
 
     /// Drops every chunk last used before tick `before`, of either kind:
     /// what nobody read for a while goes, however much room is left.
-    pub fn evict_unused_since(&self, before: u64) {
+    pub(crate) fn evict_unused_since(&self, before: u64) {
         self.evict(|ledger| ledger.unused_since(before));
     }
 
