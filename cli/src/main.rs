@@ -268,7 +268,7 @@ struct MountCmd {
     /// With --cache-dir none: how much chunk data the memory cache keeps.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_MEMORY))]
     cache_memory: disk::Size,
-    /// How much segment data the cache of an s3:// disk keeps, e.g. 50G.
+    /// How much chunk data (segments' and imported files') the cache of an s3:// disk keeps, e.g. 50G.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
     cache_size: disk::Size,
     /// local: fsync is durable on this node, the bucket catches up in the background;
