@@ -63,7 +63,7 @@ pub use object_files::{ChunkFiles, ChunkFilesStats, FileChunk};
 pub use peers::{ChunkRequest, ChunkSource, LateSources};
 pub(crate) use sparse::{is_data, punch_hole};
 pub use store::ChunkStore;
-pub(crate) use store::{Punched, SegChunk, SegmentFiles};
+pub(crate) use store::{PlacedChunk, SegChunk, SegmentFiles};
 
 /// FNV-1a, 64 bits: how chunk files are named and cache servers weighed
 /// (the same on every host and build).

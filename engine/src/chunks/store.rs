@@ -43,8 +43,8 @@ use std::sync::{Arc, OnceLock, Weak};
 /// A segment chunk: (segment, chunk index).
 pub(crate) type SegChunk = (SegId, u32);
 
-/// A segment chunk evicted: its key, length and offset in its cache file.
-pub(crate) type Punched = (SegChunk, u32, u64);
+/// A segment chunk and where it lies in its cache file: key, length, offset.
+pub(crate) type PlacedChunk = (SegChunk, u32, u64);
 
 /// One chunk in the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -75,7 +75,7 @@ enum Spot {
 /// The owner of the segment chunks' sparse files: punches evicted chunks
 /// out of them. Called with the store's eviction lock held exclusively.
 pub(crate) trait SegmentFiles: Send + Sync {
-    fn punch(&self, victims: &[Punched]);
+    fn punch(&self, victims: &[PlacedChunk]);
 }
 
 /// The ledger and the bytes of its object chunks (the rest are segment
@@ -224,7 +224,7 @@ impl ChunkStore {
     /// (found in a cache file from before) go to the cold end and are
     /// checked when first read: a crash may have left a chunk half written,
     /// and a punched partial block reads as zeros yet counts as data.
-    pub(crate) fn insert_segments(&self, chunks: &[Punched], old: bool) {
+    pub(crate) fn insert_segments(&self, chunks: &[PlacedChunk], old: bool) {
         let mut held = self.held.lock();
         for &((seg, i), len, off) in chunks {
             held.insert(ChunkKey::Segment(seg, i), len as u64, Spot::Segment { len, off, verified: !old }, old);
@@ -351,10 +351,10 @@ mod tests {
 
     /// A segment tier's stand-in: records what it was asked to punch.
     #[derive(Default)]
-    struct Punches(Mutex<Vec<Punched>>);
+    struct Punches(Mutex<Vec<PlacedChunk>>);
 
     impl SegmentFiles for Punches {
-        fn punch(&self, victims: &[Punched]) {
+        fn punch(&self, victims: &[PlacedChunk]) {
             self.0.lock().extend_from_slice(victims);
         }
     }

@@ -32,7 +32,7 @@ mod segment;
 
 use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
 use crate::bucket::ObjectStore;
-use crate::chunks::{is_data, punch_hole, ChunkRequest, ChunkSource, ChunkStore, Punched, SegmentFiles};
+use crate::chunks::{is_data, punch_hole, ChunkRequest, ChunkSource, ChunkStore, PlacedChunk, SegmentFiles};
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
@@ -252,7 +252,7 @@ impl Remote {
 
     /// Marks chunks present, then evicts if the store grew past its
     /// capacity. `old` chunks go to the cold end.
-    fn add(&self, keys: &[Punched], old: bool) {
+    fn add(&self, keys: &[PlacedChunk], old: bool) {
         self.chunks.insert_segments(keys, old);
         self.evict_if_over();
     }
@@ -286,7 +286,7 @@ impl Remote {
 impl SegmentFiles for Remote {
     /// Punches evicted chunks out of their segments' cache files (the
     /// store holds its eviction lock exclusively meanwhile).
-    fn punch(&self, victims: &[Punched]) {
+    fn punch(&self, victims: &[PlacedChunk]) {
         {
             let mut by_seg: HashMap<SegId, Vec<(u32, u64)>> = HashMap::new();
             for &((seg, _), len, off) in victims {
@@ -338,7 +338,7 @@ impl Remote {
             fs::rename(local, &path)?;
             self.adopted.lock().insert(id);
             let file = File::options().read(true).write(true).open(&path)?;
-            let chunks: Vec<Punched> = (0..footer.crcs.len())
+            let chunks: Vec<PlacedChunk> = (0..footer.crcs.len())
                 .map(|i| {
                     let (s, e) = footer.chunk_range(i);
                     ((id, i as u32), (e - s) as u32, s)
@@ -708,7 +708,7 @@ impl Remote {
             file.set_len(0)?;
             file.set_len(footer.data_len)?;
         } else {
-            let present: Vec<Punched> = (0..footer.crcs.len())
+            let present: Vec<PlacedChunk> = (0..footer.crcs.len())
                 .filter_map(|i| {
                     let (s, e) = footer.chunk_range(i);
                     is_data(&file, s, e).then_some(((id, i as u32), (e - s) as u32, s))
