@@ -298,6 +298,9 @@ impl ChunkStore {
     /// presence check and its pread, then chunk files removed.
     fn evict(&self, pick: impl FnOnce(&mut Ledger<ChunkKey, Spot>) -> Vec<(ChunkKey, u64, Spot)>) {
         let mut files = Vec::new();
+        // Dropped once the lock is released: should it be the segment
+        // tier's last handle, the tier goes with no lock of the store held.
+        let mut owner = None;
         {
             let _x = self.evicting.write();
             let victims = {
@@ -320,11 +323,14 @@ impl ChunkStore {
                     (ChunkKey::Segment(..), Spot::Object) => {}
                 }
             }
-            let owner = self.segments.lock().as_ref().and_then(Weak::upgrade);
-            if let (false, Some(owner)) = (punched.is_empty(), owner) {
-                owner.punch(&punched);
+            if !punched.is_empty() {
+                owner = self.segments.lock().as_ref().and_then(Weak::upgrade);
+                if let Some(owner) = &owner {
+                    owner.punch(&punched);
+                }
             }
         }
+        drop(owner);
         if let Some(dir) = self.objects.get() {
             for key in files {
                 let _ = std::fs::remove_file(object_files::path(dir, key));
