@@ -268,7 +268,7 @@ struct MountCmd {
     /// With --cache-dir none: how much chunk data the memory cache keeps.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_MEMORY))]
     cache_memory: disk::Size,
-    /// How much segment data the cache of an s3:// disk keeps, e.g. 50G.
+    /// How much chunk data (segments' and imported files') the cache of an s3:// disk keeps, e.g. 50G.
     #[arg(long, default_value_t = disk::Size(arbor_engine::tier::CACHE_SIZE))]
     cache_size: disk::Size,
     /// local: fsync is durable on this node, the bucket catches up in the background;
@@ -801,9 +801,10 @@ fn print_status(s: &serde_json::Value) {
         }
         let c = &s["cache"];
         println!(
-            "cache        {} of {}, {} fetched in {} GETs, {} segment footers found kept here, {} read from the bucket",
-            HumanBytes(c["bytes"].as_u64().unwrap_or(0)),
+            "cache        {} of {} ({} imported files' chunks), {} fetched in {} GETs, {} segment footers found kept here, {} read from the bucket",
+            HumanBytes(c["bytes"].as_u64().unwrap_or(0) + c["imported_bytes"].as_u64().unwrap_or(0)),
             HumanBytes(c["capacity"].as_u64().unwrap_or(0)),
+            HumanBytes(c["imported_bytes"].as_u64().unwrap_or(0)),
             HumanBytes(c["fetched_bytes"].as_u64().unwrap_or(0)),
             c["gets"].as_u64().unwrap_or(0),
             c["kept_footers"].as_u64().unwrap_or(0),

@@ -171,6 +171,7 @@ fn status(p: &Prepared, args: &MountArgs, vol: &Volume, fuse: &Fuse) -> Value {
         })),
         "cache": tier.as_ref().map(|t| json!({
             "bytes": t.cache.cached_bytes,
+            "imported_bytes": t.cache.object_bytes,
             "capacity": t.cache.capacity,
             "gets": t.cache.gets,
             "fetched_bytes": t.cache.fetched_bytes,

@@ -69,7 +69,10 @@ impl Sources {
         for (name, help, v) in counters {
             page.counter(name, help, &[], v);
         }
-        page.gauge("arbor_mount_cache_resident_bytes", "Bytes of chunks in the cache.", &[], c.cached_bytes as f64);
+        let resident = (c.cached_bytes + c.object_bytes) as f64;
+        page.gauge("arbor_mount_cache_resident_bytes", "Bytes of chunks in the cache.", &[], resident);
+        let imported = c.object_bytes as f64;
+        page.gauge("arbor_mount_cache_imported_bytes", "Of those, bytes of imported files' chunks.", &[], imported);
         page.gauge("arbor_mount_cache_capacity_bytes", "The cache's size limit.", &[], c.capacity as f64);
         page.gauge("arbor_mount_pending_upload_bytes", "Bytes not in the bucket yet.", &[], t.pending_bytes as f64);
     }

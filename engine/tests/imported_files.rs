@@ -251,13 +251,13 @@ fn an_import_crashed_anywhere_recovers_a_prefix_and_a_rerun_completes_it() {
 
 #[test]
 fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch() {
-    use arbor_engine::chunks::ChunkFiles;
+    use arbor_engine::chunks::{ChunkFiles, ChunkStore};
     let w = World::new();
     let files_dir = tempfile::tempdir().expect("tempdir");
     let body = pattern((5 << 20) + 777, 3);
     let chunks = body.len().div_ceil(1 << 20) as u64;
     let open = || {
-        let files = ChunkFiles::open(files_dir.path(), 64 << 20, None).expect("files");
+        let files = ChunkFiles::open(files_dir.path(), &ChunkStore::new(64 << 20)).expect("files");
         let cfg = Config { source_files: Some(files), ..w.cfg() };
         Volume::open(Arc::new(w.dev.clone()), cfg).expect("open")
     };
@@ -286,7 +286,7 @@ fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch
     assert_eq!((s.gets, s.from_disk), (0, chunks), "every chunk from disk: {s:?}");
     vol.close().expect("close");
     // Nor is the bucket needed then: a volume that cannot open it reads.
-    let files = ChunkFiles::open(files_dir.path(), 64 << 20, None).expect("files");
+    let files = ChunkFiles::open(files_dir.path(), &ChunkStore::new(64 << 20)).expect("files");
     let no_bucket = Config {
         source_files: Some(files),
         sources: Arc::new(arbor_engine::source::FixedSources::default()),
@@ -325,4 +325,98 @@ fn chunks_kept_on_local_disk_serve_the_next_volume_and_damage_costs_only_a_fetch
     let vol = Volume::open(Arc::new(w.dev.clone()), w.cfg()).expect("open without the files");
     let err = vol.read(ino, 0, 1 << 20).expect_err("changed");
     assert_eq!(err.errno(), libc::EIO, "{err}");
+}
+
+#[test]
+fn imported_chunks_and_segment_chunks_share_one_budget_and_give_way_to_each_other() {
+    use arbor_engine::chunks::ChunkFiles;
+    use arbor_engine::head::HeadDevice;
+    use arbor_engine::tier::{BucketDevice, Durability, TierConfig};
+    let disk: Arc<dyn ObjectStore> = Arc::new(MemObjectStore::new());
+    let corpus = Arc::new(MemObjectStore::new());
+    let cache = tempfile::tempdir().expect("tempdir");
+    let tier = TierConfig {
+        durability: Durability::Local,
+        chunk_size: 64 << 10,
+        read_ahead: 256 << 10,
+        drain_timeout: Some(std::time::Duration::from_secs(60)),
+        ..TierConfig::default()
+    };
+    let cfg = || Config {
+        commit_interval: None,
+        segment_size: 1 << 20,
+        env: TestEnv::new(5),
+        sources: FixedSources::with("corpus", corpus.clone()),
+        ..Config::default()
+    };
+    // A writer puts 6 MiB in segments and imports a 6 MiB object.
+    let written = pattern(6 << 20, 8);
+    let object = pattern(6 << 20, 9);
+    {
+        let dev = BucketDevice::open(disk.clone(), &cache.path().join("writer"), tier.clone()).expect("device");
+        let vol = Volume::open(HeadDevice::new(dev.clone(), disk.clone(), "main"), cfg()).expect("open");
+        let ino = vol.create(ROOT_INO, b"written", libc::S_IFREG | 0o644, 0, 0, 0).expect("create").ino;
+        for (i, part) in written.chunks(1 << 20).enumerate() {
+            vol.write(ino, (i << 20) as u64, part).expect("write");
+        }
+        let etag = corpus.put("object", &object).expect("put");
+        let source =
+            Source { bucket: "corpus".into(), key: "object".into(), size: object.len() as u64, etag, version: None };
+        vol.import(ROOT_INO, b"object", 0o644, (0, 0), source, Timestamp { secs: 1_700_000_000, nanos: 0 })
+            .expect("import");
+        vol.close().expect("close");
+    }
+
+    // A reader with a cold cache folder of 3 MiB for both kinds of chunk.
+    let capacity = 3 << 20;
+    let folder = cache.path().join("reader");
+    let dev = BucketDevice::open(disk.clone(), &folder, TierConfig { cache_size: capacity, ..tier }).expect("device");
+    let files = ChunkFiles::open(&folder.join("objects"), &dev.chunk_store()).expect("files");
+    let reader = || {
+        let cfg = Config { read_only: true, source_files: Some(files.clone()), ..cfg() };
+        Volume::open(HeadDevice::new(dev.clone(), disk.clone(), "main"), cfg).expect("open")
+    };
+    let read_all = |vol: &Volume, name: &[u8], want: &[u8]| {
+        let ino = vol.lookup(ROOT_INO, name).expect("lookup").ino;
+        for (i, part) in want.chunks(1 << 20).enumerate() {
+            assert!(vol.read(ino, (i << 20) as u64, 1 << 20).expect("read") == part, "chunk {i}");
+        }
+    };
+    // (segment bytes, imported bytes), checked against the one budget and
+    // the files in the objects folder.
+    let held = || {
+        let s = dev.stats().cache;
+        assert_eq!(s.capacity, capacity);
+        assert!(s.cached_bytes + s.object_bytes <= capacity, "over the one budget: {s:?}");
+        let on_disk: u64 = std::fs::read_dir(folder.join("objects"))
+            .expect("objects")
+            .flatten()
+            .flat_map(|sub| std::fs::read_dir(sub.path()).expect("sub").flatten())
+            .map(|f| f.metadata().expect("meta").len())
+            .sum();
+        assert_eq!(on_disk, s.object_bytes, "the chunk files follow the store");
+        (s.cached_bytes, s.object_bytes)
+    };
+
+    let vol = reader();
+    read_all(&vol, b"written", &written);
+    let (segments, objects) = held();
+    assert!(segments > capacity / 2 && objects == 0, "segment chunks fill the store: {segments} {objects}");
+    read_all(&vol, b"object", &object);
+    // Its chunk files land once their readers have them.
+    vol.close().expect("close");
+    let (after, objects) = held();
+    assert!(objects > capacity / 2, "imported chunks were kept: {objects}");
+    assert!(after < segments, "segment chunks gave way to imported ones: {after} of {segments}");
+    assert_eq!(vol.source_stats().disk_capacity, capacity, "one capacity, reported by both");
+    drop(vol);
+
+    // The segments read again (a new volume: nothing in its memory) push
+    // the imported chunks out in turn.
+    let vol = reader();
+    read_all(&vol, b"written", &written);
+    vol.close().expect("close");
+    let (segments, objects) = held();
+    assert!(segments > capacity / 2 && objects == 0, "imported chunks gave way: {segments} {objects}");
+    assert!(dev.stats().cache.evicted_bytes >= 12 << 20, "{:?}", dev.stats().cache);
 }

@@ -204,8 +204,8 @@ fn open_cache(opts: &ServeOptions, d: &Disk, sources: Option<Arc<dyn ChunkSource
 }
 
 /// The reader of imported files' source objects, with their chunks on
-/// disk beside the segment chunks in the same `cache_size` budget (they
-/// give way to segment chunks).
+/// disk beside the segment chunks in the segment cache's chunk store (one
+/// `cache_size` budget, one order of eviction for both).
 fn open_objects(
     opts: &ServeOptions,
     d: &Disk,
@@ -217,9 +217,7 @@ fn open_objects(
     let files = match (&cache.segments, &cache.dir) {
         (Some(segments), Some(dir)) => {
             let dir = dir.join("objects");
-            let segments = segments.clone();
-            let others: arbor_engine::chunks::Others = Box::new(move || segments.stats().cached_bytes);
-            let files = ChunkFiles::open(&dir, opts.cache_size, Some(others))
+            let files = ChunkFiles::open(&dir, &segments.chunk_store())
                 .context(format!("cannot open cache folder {}", dir.display()))?;
             Some(files)
         }

@@ -22,7 +22,7 @@
 use crate::catalog::Catalog;
 use crate::error::{Error, Result};
 use arbor_engine::bucket::{LocalFolderStore, ObjectStore, ObservedStore, RetryPolicy, RetryStore, S3Config, S3Store};
-use arbor_engine::chunks::{ChunkFiles, ChunkSource, Others};
+use arbor_engine::chunks::{ChunkFiles, ChunkSource, ChunkStore};
 use arbor_engine::device::{Device, FileDevice};
 use arbor_engine::head::LeaseConfig;
 use arbor_engine::io::IoMode;
@@ -123,6 +123,8 @@ pub struct Disk {
     opts: DiskOptions,
     catalog: OnceLock<Arc<Catalog>>,
     tier: OnceLock<Arc<BucketDevice>>,
+    /// Imported files' chunks on this node, once a mount asked for them.
+    source_files: OnceLock<Arc<ChunkFiles>>,
     /// Set when the mount's cache folder was in use and this process took
     /// a folder of its own.
     own_cache: OnceLock<PathBuf>,
@@ -306,6 +308,7 @@ impl Disk {
             opts,
             catalog: OnceLock::new(),
             tier: OnceLock::new(),
+            source_files: OnceLock::new(),
             own_cache: OnceLock::new(),
         })
     }
@@ -580,21 +583,28 @@ impl Disk {
     }
 
     /// Where a mount keeps imported files' chunks on this node: the
-    /// `objects` folder of its cache folder, in the same `--cache-size`
-    /// budget as the segment chunks (to which they give way). `None` for a
-    /// command, or a cache in memory only.
+    /// `objects` folder of its cache folder, in the chunk store of the
+    /// segment tier (one `--cache-size` budget, one order of eviction for
+    /// both kinds of chunk); a local-folder disk's store holds them alone.
+    /// Opened once per process. `None` for a command, or a cache in memory
+    /// only.
     pub fn source_files(self: &Arc<Self>) -> Result<Option<Arc<ChunkFiles>>> {
         if self.opts.mount.is_none() || self.opts.cache.memory {
             return Ok(None);
         }
-        let disk = Arc::downgrade(self);
-        // Asked at every chunk kept: the cache's byte count alone.
-        let segments: Others =
-            Box::new(move || disk.upgrade().and_then(|d| d.tier.get().map(|t| t.cached_bytes())).unwrap_or(0));
+        if let Some(files) = self.source_files.get() {
+            return Ok(Some(files.clone()));
+        }
+        // The segment tier (an s3 disk's) is opened with the catalog.
+        self.catalog()?;
+        let store = match self.tier.get() {
+            Some(tier) => tier.chunk_store(),
+            None => ChunkStore::new(self.opts.cache.size),
+        };
         let dir = self.cache_dir().join("objects");
-        let files = ChunkFiles::open(&dir, self.opts.cache.size, Some(segments))
+        let files = ChunkFiles::open(&dir, &store)
             .map_err(|e| fail(e.errno(), format!("cannot open cache directory {}: {e}", dir.display())))?;
-        Ok(Some(files))
+        Ok(Some(self.source_files.get_or_init(|| files).clone()))
     }
 
     /// Where a background mount of `name` logs.

@@ -28,7 +28,7 @@
 
 use arbor_benches::{env_usize, median, print_table, Row};
 use arbor_engine::bucket::{ObjectStore, S3Store};
-use arbor_engine::chunks::ChunkFiles;
+use arbor_engine::chunks::{ChunkFiles, ChunkStore};
 use arbor_engine::device::FileDevice;
 use arbor_engine::env::Timestamp;
 use arbor_engine::io::IoMode;
@@ -52,7 +52,7 @@ fn fresh(base: &Path, name: &str) -> PathBuf {
 /// A volume in `dir`; with `files`, keeping imported chunks there as a
 /// mount does in its cache folder.
 fn volume(dir: &Path, store: &Arc<S3Store>, files: Option<&Path>) -> Arc<Volume> {
-    let files = files.map(|f| ChunkFiles::open(f, 8 << 30, None).expect("chunk files"));
+    let files = files.map(|f| ChunkFiles::open(f, &ChunkStore::new(8 << 30)).expect("chunk files"));
     let cfg = Config {
         commit_interval: None,
         sources: FixedSources::with(S3_BUCKET, store.clone()),

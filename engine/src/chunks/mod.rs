@@ -5,13 +5,24 @@
 //! checked by its reader (a segment chunk against its object's footer, an
 //! object chunk file against its own crc32c).
 //!
-//! - `cache.rs`: `ChunkCache`, segment chunks in sparse files (one per
-//!   object, on the cache folder's disk or in memory files), holes punched
-//!   on eviction, and the lock that keeps a reader's pread and a punch
-//!   apart; used by the bucket tier's segment reader (`tier/remote`).
-//! - `memory.rs`: `MemoryChunks`, imported objects' chunks in memory.
-//! - `object_files.rs`: [`ChunkFiles`], imported objects' chunks on local disk,
-//!   one file each, kept across restarts.
+//! - `store.rs`: [`ChunkStore`], **the node's one budget of chunks on
+//!   disk**: one capacity, one ledger over segment chunks and imported
+//!   objects' chunk files alike (an insert of either kind may evict the
+//!   other), one eviction path and its count of evicted bytes, and the
+//!   lock that keeps a reader's pread and a hole punch apart. A mount's
+//!   segment tier (`tier/remote`) and its chunk files share one store
+//!   ([`ChunkStore`] says how, and the lock order); a memory-only mount's
+//!   store holds segment chunks alone.
+//! - `sparse.rs`: where a segment chunk's bytes are, a sparse file per
+//!   segment object (on the cache folder's disk or in memory files), holes
+//!   punched on eviction; the files are the segment tier's, which punches
+//!   for the store.
+//! - `object_files.rs`: [`ChunkFiles`], where an imported object's chunk's
+//!   bytes are: one file each, checked on read, kept across restarts.
+//! - `memory.rs`: `MemoryChunks`, imported objects' chunks in memory: one
+//!   source reader's working set (a staging area before the chunk files,
+//!   bounded by a count of chunks), not the node's disk budget, so it keeps
+//!   a ledger of its own.
 //! - `peers.rs`: [`ChunkSource`], chunks from cache servers (`arbor serve`)
 //!   or another cache of this process, asked before the bucket.
 //! - `fetch.rs`: fetches in flight (`InFlight`): each chunk
@@ -34,8 +45,8 @@
 //! - `policy.rs`: **the eviction policy of every cache here**, the one
 //!   place to change it: each cache keeps its chunks in a
 //!   [`policy::Ledger`], which ranks them and picks the victims as the
-//!   cache's [`policy::Policy`] says (the three policies are constants
-//!   there).
+//!   cache's [`policy::Policy`] says (the two policies, the store's and
+//!   the memory chunks', are constants there).
 //!
 //! This room imports nothing from the modules that use it (`tier`,
 //! `source`, `volume`): only the format, the error type, checksums,
@@ -49,17 +60,20 @@
 //! chunks under its cap of fetches in flight), and what a fetch is.
 
 pub(crate) mod ahead;
-mod cache;
 pub(crate) mod fetch;
 mod memory;
 mod object_files;
 mod peers;
 pub mod policy;
+mod sparse;
+mod store;
 
-pub(crate) use cache::{is_data, punch_hole, ChunkCache};
 pub(crate) use memory::MemoryChunks;
-pub use object_files::{ChunkFiles, ChunkFilesStats, FileChunk, Others};
+pub use object_files::{ChunkFiles, ChunkFilesStats, FileChunk};
 pub use peers::{ChunkRequest, ChunkSource, LateSources};
+pub(crate) use sparse::{is_data, punch_hole};
+pub use store::ChunkStore;
+pub(crate) use store::{PlacedChunk, SegChunk, SegmentFiles};
 
 /// FNV-1a, 64 bits: how chunk files are named and cache servers weighed
 /// (the same on every host and build).

@@ -1,6 +1,7 @@
 //! Source-object chunks on local disk: a node's second cache behind the
-//! memory one, kept across restarts, bounded by bytes, evicted as
-//! [`super::policy::OBJECT_FILES`] says (least recently used out first).
+//! memory one, kept across restarts, in the [`ChunkStore`]'s budget (which
+//! ranks and evicts them together with the segment chunks, and removes an
+//! evicted chunk's file).
 //!
 //! An object version's chunk never changes (its id names the ETag), so a
 //! cached chunk needs no invalidation; it needs only to be the bytes that
@@ -12,9 +13,8 @@
 //! bytes. Nothing is fsynced: a file lost in a crash is only a miss.
 
 use super::fnv1a;
-use super::policy::{Ledger, OBJECT_FILES};
+use super::store::{ChunkKey, ChunkStore};
 use crate::error::Result;
-use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,16 +26,10 @@ const HEADER: usize = 8 + 4 + 4 + 4;
 /// (hash of the object id, chunk index).
 type Key = (u64, u64);
 
-/// Bytes some other cache holds in the same budget (a mount's segment
-/// chunks): these chunks give way to them.
-pub type Others = Box<dyn Fn() -> u64 + Send + Sync>;
-
 pub struct ChunkFiles {
     dir: PathBuf,
-    capacity: u64,
-    others: Option<Others>,
-    /// Each chunk's file length, in the order they leave.
-    state: Mutex<Ledger<Key, ()>>,
+    /// Which chunks are here, in the node's one budget.
+    store: Arc<ChunkStore>,
     counts: ChunkFilesCounters,
     /// Numbers temporary file names (two writers of one chunk never share one).
     tmp: AtomicU64,
@@ -72,71 +66,52 @@ crate::counters! {
         /// Files that failed their checks (removed, fetched again).
         damaged: Counter,
     } and {
+        /// Bytes of the chunk files, and the most the store they share
+        /// with segment chunks may hold.
         bytes: u64,
         capacity: u64,
     }
 }
 
 impl ChunkFiles {
-    /// Opens (creating it) the folder `dir`, finds the chunks already
-    /// there, and keeps at most `capacity` bytes of them, fewer when
-    /// `others` (if given) holds some of the same budget.
-    pub fn open(dir: &Path, capacity: u64, others: Option<Others>) -> Result<Arc<ChunkFiles>> {
+    /// Opens (creating it) the folder `dir` in `store`, which takes the
+    /// chunks already there at its cold end (they leave first) and keeps
+    /// them within its one budget, beside the segment chunks. A folder the
+    /// store holds already is not looked at again; another one is refused.
+    pub fn open(dir: &Path, store: &Arc<ChunkStore>) -> Result<Arc<ChunkFiles>> {
         crate::private::create_dir_all(dir)?;
-        let mut found: Vec<(std::time::SystemTime, Key, u64)> = Vec::new();
-        for sub in std::fs::read_dir(dir)?.flatten() {
-            let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
-            for f in files.flatten() {
-                let name = f.file_name();
-                let Some(key) = name.to_str().and_then(parse_name) else {
-                    // A temporary file a crash left behind.
-                    let _ = std::fs::remove_file(f.path());
-                    continue;
-                };
-                if let Ok(m) = f.metadata() {
-                    found.push((m.modified().unwrap_or(std::time::UNIX_EPOCH), key, m.len()));
-                }
-            }
-        }
-        found.sort();
-        let mut state = Ledger::new(OBJECT_FILES);
-        for (_, key, len) in found {
-            state.insert(key, len, (), false);
-        }
-        let files = Arc::new(ChunkFiles {
+        store.open_objects(dir, || found(dir))?;
+        Ok(Arc::new(ChunkFiles {
             dir: dir.to_path_buf(),
-            capacity,
-            others,
-            state: Mutex::new(state),
+            store: store.clone(),
             counts: ChunkFilesCounters::default(),
             tmp: AtomicU64::new(0),
-        });
-        files.trim();
-        Ok(files)
+        }))
     }
 
     fn key(id: &str, index: u64) -> Key {
         (fnv1a(id.as_bytes()), index)
     }
 
-    fn path(&self, (hash, index): Key) -> PathBuf {
-        self.dir.join(format!("{:02x}", hash >> 56)).join(format!("{hash:016x}-{index}"))
+    fn path(&self, key: Key) -> PathBuf {
+        path(&self.dir, key)
     }
 
     /// Chunk `index` of object `id`, if it is here and passes its checks.
     pub fn get(&self, id: &str, index: u64) -> Option<FileChunk> {
         let key = Self::key(id, index);
-        if !self.state.lock().contains(&key) {
+        let in_store = ChunkKey::Object(key.0, key.1);
+        if !self.store.contains(in_store) {
             return None;
         }
         let path = self.path(key);
         let Ok(file) = std::fs::read(&path) else {
-            self.state.lock().remove(&key);
+            self.store.forget(in_store);
             return None;
         };
         match check(&file, id) {
             Some(start) => {
-                self.state.lock().touch(&key);
+                self.store.touch(in_store);
                 self.counts.hits.inc();
                 Some(FileChunk { file, start })
             }
@@ -148,7 +123,7 @@ impl ChunkFiles {
                     tracing::warn!(file = %path.display(), "a cached chunk failed its checksum; fetching it again");
                 }
                 let _ = std::fs::remove_file(&path);
-                self.state.lock().remove(&key);
+                self.store.forget(in_store);
                 None
             }
         }
@@ -183,10 +158,7 @@ impl ChunkFiles {
             std::fs::rename(&tmp, &path)
         };
         match write() {
-            Ok(()) => {
-                self.state.lock().insert(key, (header.len() + body.len()) as u64, (), false);
-                self.trim();
-            }
+            Ok(()) => self.store.insert_object(key, (header.len() + body.len()) as u64),
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot cache a chunk on disk");
@@ -194,19 +166,41 @@ impl ChunkFiles {
         }
     }
 
-    /// Removes the chunks the policy picks until the budget holds.
-    fn trim(&self) {
-        let others = self.others.as_ref().map_or(0, |f| f());
-        let budget = self.capacity.saturating_sub(others);
-        let victims = self.state.lock().trim(budget);
-        for (key, _, ()) in victims {
-            let _ = std::fs::remove_file(self.path(key));
+    pub fn stats(&self) -> ChunkFilesStats {
+        ChunkFilesStats { bytes: self.store.object_bytes(), capacity: self.store.capacity(), ..self.counts.snapshot() }
+    }
+}
+
+/// Where chunk `key` of a chunk-files folder `dir` is kept.
+pub(super) fn path(dir: &Path, (hash, index): Key) -> PathBuf {
+    dir.join(format!("{:02x}", hash >> 56)).join(format!("{hash:016x}-{index}"))
+}
+
+/// The length of the file keeping a chunk of `body_len` bytes of object `id`.
+#[cfg(test)]
+pub(super) fn file_len(id: &str, body_len: usize) -> u64 {
+    (HEADER + id.len() + body_len) as u64
+}
+
+/// The chunks in folder `dir` (key, file length); temporary files a crash
+/// left behind are removed.
+fn found(dir: &Path) -> Vec<(Key, u64)> {
+    let mut found = Vec::new();
+    let Ok(subs) = std::fs::read_dir(dir) else { return Vec::new() };
+    for sub in subs.flatten() {
+        let Ok(files) = std::fs::read_dir(sub.path()) else { continue };
+        for f in files.flatten() {
+            let name = f.file_name();
+            let Some(key) = name.to_str().and_then(parse_name) else {
+                let _ = std::fs::remove_file(f.path());
+                continue;
+            };
+            if let Ok(m) = f.metadata() {
+                found.push((key, m.len()));
+            }
         }
     }
-
-    pub fn stats(&self) -> ChunkFilesStats {
-        ChunkFilesStats { bytes: self.state.lock().weight(), capacity: self.capacity, ..self.counts.snapshot() }
-    }
+    found
 }
 
 /// `<hash>-<index>`, the name of a chunk's file.
@@ -251,7 +245,7 @@ mod tests {
     #[test]
     fn chunks_come_back_across_a_reopen_and_damage_is_a_counted_miss() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let files = ChunkFiles::open(dir.path(), 1 << 20, None).expect("open");
+        let files = ChunkFiles::open(dir.path(), &ChunkStore::new(1 << 20)).expect("open");
         assert!(files.get(ID, 0).is_none());
         files.put(ID, 0, b"chunk zero");
         files.put(ID, 7, &[7u8; 1000]);
@@ -260,7 +254,7 @@ mod tests {
         assert!(files.get("corpus\0shards/a.tar\0\"etag-2\"", 0).is_none());
         drop(files);
 
-        let files = ChunkFiles::open(dir.path(), 1 << 20, None).expect("reopen");
+        let files = ChunkFiles::open(dir.path(), &ChunkStore::new(1 << 20)).expect("reopen");
         assert_eq!(files.get(ID, 7).as_deref(), Some(&[7u8; 1000][..]));
         // Flip one byte of chunk 7's body on disk.
         let path = files.path(ChunkFiles::key(ID, 7));
@@ -279,11 +273,13 @@ mod tests {
     }
 
     #[test]
-    fn the_least_recently_used_chunks_leave_first_and_others_take_their_share() {
+    fn the_least_recently_used_chunks_leave_first_and_segment_chunks_take_their_share() {
         let dir = tempfile::tempdir().expect("tempdir");
         let body = vec![1u8; 1000];
         let one = (HEADER + ID.len() + body.len()) as u64;
-        let files = ChunkFiles::open(dir.path(), 3 * one, None).expect("open");
+        // Three chunks fit, and trimming to 90 % still keeps three.
+        let capacity = (3 * one).div_ceil(9) * 10;
+        let files = ChunkFiles::open(dir.path(), &ChunkStore::new(capacity)).expect("open");
         for i in 0..3 {
             files.put(ID, i, &body);
         }
@@ -295,8 +291,11 @@ mod tests {
         }
         assert_eq!(files.stats().bytes, 3 * one);
         drop(files);
-        // Reopened with a budget another cache fills two thirds of.
-        let files = ChunkFiles::open(dir.path(), 3 * one, Some(Box::new(move || 2 * one))).expect("reopen");
+        // Reopened in a store whose segment chunks fill two thirds of it.
+        let store = ChunkStore::new(capacity);
+        let seg = crate::format::SegId { writer: 1, seq: 1 };
+        store.insert_segments(&[((seg, 0), one as u32, 0), ((seg, 1), one as u32, one)], false);
+        let files = ChunkFiles::open(dir.path(), &store).expect("reopen");
         assert_eq!(files.stats().bytes, one, "trimmed to what is left of the budget");
         let on_disk = walk(dir.path());
         assert_eq!(on_disk, 1, "the files follow");

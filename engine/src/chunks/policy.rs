@@ -7,11 +7,12 @@
 //! for the victims ([`Ledger::trim`]); it never picks them itself.
 //!
 //! Today's policies, one per cache:
-//! - [`SEGMENT_CHUNKS`] (segment chunks in sparse files, `ChunkCache`):
-//!   least recently used first; once over its capacity, down to 90 % of it
-//!   (holes are punched in batches, under the eviction lock);
-//! - [`OBJECT_FILES`] (imported objects' chunk files, `ChunkFiles`): least
-//!   recently used first, down to its budget;
+//! - [`CHUNK_STORE`] (the node's one budget of chunks on disk,
+//!   `ChunkStore`: segment chunks in sparse files and imported objects'
+//!   chunk files, ranked together): least recently used first, whatever
+//!   the kind; once over its capacity, down to 90 % of it (holes are
+//!   punched in batches, under the eviction lock, and a batch frees room
+//!   for more than one insert of either kind);
 //! - [`OBJECT_MEMORY`] (imported objects' chunks in memory, `MemoryChunks`):
 //!   first in, first out (a hit moves nothing: streaming readers read a
 //!   chunk once, and the chunks of one GET leave together), down to its
@@ -51,10 +52,8 @@ impl Policy {
     }
 }
 
-/// Segment chunks in sparse files (`ChunkCache`).
-pub const SEGMENT_CHUNKS: Policy = Policy { order: Order::LeastRecentlyUsed, trim_to_tenths: 9 };
-/// Imported objects' chunks on local disk ([`super::ChunkFiles`]).
-pub const OBJECT_FILES: Policy = Policy { order: Order::LeastRecentlyUsed, trim_to_tenths: 10 };
+/// The node's chunks on disk, of both kinds ([`super::ChunkStore`]).
+pub const CHUNK_STORE: Policy = Policy { order: Order::LeastRecentlyUsed, trim_to_tenths: 9 };
 /// Imported objects' chunks in memory (`MemoryChunks`).
 pub const OBJECT_MEMORY: Policy = Policy { order: Order::FirstIn, trim_to_tenths: 10 };
 
@@ -211,7 +210,7 @@ mod tests {
 
     #[test]
     fn least_recently_used_leaves_first_down_to_the_low_water_mark() {
-        let mut l: Ledger<u32, ()> = Ledger::new(SEGMENT_CHUNKS);
+        let mut l: Ledger<u32, ()> = Ledger::new(CHUNK_STORE);
         for k in 1..=4 {
             l.insert(k, 300, (), false);
         }
@@ -237,7 +236,7 @@ mod tests {
 
     #[test]
     fn cold_chunks_leave_before_any_other_and_unused_ones_go_by_tick() {
-        let mut l: Ledger<u32, ()> = Ledger::new(OBJECT_FILES);
+        let mut l: Ledger<u32, ()> = Ledger::new(CHUNK_STORE);
         l.insert(5, 10, (), false);
         l.insert(7, 10, (), true);
         assert_eq!(l.rank(&7), Some(0));

@@ -25,9 +25,10 @@
 //! bucket: those are taken from the server on its word (its token).
 //!
 //! A mount (and a server) also keeps the chunks it fetched on local disk
-//! ([`ChunkFiles`], in its cache folder): memory, then disk, then the
-//! servers, then the bucket. The caches themselves, and their eviction
-//! policy, live in [`crate::chunks`].
+//! ([`ChunkFiles`], in its cache folder, within the node's one chunk store
+//! beside the segment chunks): memory, then disk, then the servers, then
+//! the bucket. The caches themselves, and their eviction policy, live in
+//! [`crate::chunks`].
 
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
 use crate::chunks::ahead::{Stream, Window, Workers};
@@ -188,8 +189,9 @@ crate::counters! {
         /// Chunks a server gave that failed that check (read from the bucket).
         server_rejected: Counter,
     } and {
-        /// The local chunk files: bytes held, the most they may hold, and
-        /// files that failed their checks.
+        /// The local chunk files: bytes held, the most the node's chunk
+        /// store may hold (shared with the segment chunks of the same cache
+        /// folder), and files that failed their checks.
         disk_bytes: u64,
         disk_capacity: u64,
         disk_damaged: u64,

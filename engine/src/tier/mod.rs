@@ -31,7 +31,7 @@ pub use remote::CacheStats;
 pub use serve::{SegmentCache, ServedChunk};
 
 use crate::bucket::ObjectStore;
-use crate::chunks::{ChunkRequest, ChunkSource};
+use crate::chunks::{ChunkRequest, ChunkSource, ChunkStore};
 use crate::device::{Device, FileDevice, Replica, SegmentFile};
 use crate::error::{Error, Result};
 use crate::format::{Addr, SegId};
@@ -72,7 +72,8 @@ pub const READ_AHEAD: u64 = 4 << 20;
 #[derive(Clone, Debug)]
 pub struct TierConfig {
     pub durability: Durability,
-    /// Bytes of uploaded and fetched segment data the cache keeps.
+    /// Bytes of uploaded and fetched segment data the cache keeps, with
+    /// the chunk files of imported objects that share its chunk store.
     pub cache_size: u64,
     /// How far ahead of a sequential reader chunks are fetched.
     pub read_ahead: u64,
@@ -192,7 +193,7 @@ impl BucketDevice {
         let remote = Remote::new(
             store.clone(),
             cache_dir.join("chunks"),
-            cfg.cache_size,
+            ChunkStore::new(cfg.cache_size),
             cfg.read_ahead,
             cfg.parallel_gets,
             cfg.memory_cache,
@@ -238,6 +239,14 @@ impl BucketDevice {
     /// the local segments).
     pub fn cached_bytes(&self) -> u64 {
         self.shared.remote.stats().cached_bytes
+    }
+
+    /// The node's chunk store this tier keeps its segment chunks in (of
+    /// `cache_size` bytes): imported objects' chunk files in the same
+    /// cache folder go in it too ([`crate::chunks::ChunkFiles::open`]),
+    /// one budget for both.
+    pub fn chunk_store(&self) -> Arc<ChunkStore> {
+        self.shared.remote.chunk_store().clone()
     }
 
     pub fn stats(&self) -> TierStats {

@@ -1,14 +1,15 @@
 //! The chunk cache as a cache server uses it (`arbor serve`): chunks of
 //! sealed segment objects fetched from the bucket once, checked against
 //! the object's footer, kept on local disk (bounded, least recently used
-//! out first) and found again after a restart (checked again before they
-//! are served). The same code as a mount's cache, with no read-ahead: a
+//! out first, in one chunk store with the server's chunk files of imported
+//! objects) and found again after a restart (checked again before they are
+//! served). The same code as a mount's cache, with no read-ahead: a
 //! server holds the chunks its clients ask for, and with several servers
 //! each asks only for its own share.
 
 use super::remote::{CacheStats, Remote};
 use crate::bucket::ObjectStore;
-use crate::chunks::ChunkSource;
+use crate::chunks::{ChunkSource, ChunkStore};
 use crate::error::Result;
 use crate::format::SegId;
 use std::ops::Range;
@@ -59,7 +60,7 @@ impl SegmentCache {
             None => (std::path::PathBuf::new(), true),
         };
         Ok(SegmentCache {
-            remote: Remote::new(store, dir, capacity, 0, 1, memory, sources)?,
+            remote: Remote::new(store, dir, ChunkStore::new(capacity), 0, 1, memory, sources)?,
             leaves: quick_cache::sync::Cache::new(LEAF_HASHES_KEPT),
         })
     }
@@ -181,6 +182,12 @@ impl SegmentCache {
     /// Evicts every chunk not used since the clock read `tick`.
     pub fn evict_unused_since(&self, tick: u64) {
         self.remote.evict_unused_since(tick + 1);
+    }
+
+    /// The chunk store this cache keeps its chunks in (of `capacity`
+    /// bytes): a server's chunk files of imported objects go in it too.
+    pub fn chunk_store(&self) -> Arc<ChunkStore> {
+        self.remote.chunk_store().clone()
     }
 
     /// Counters: bytes cached, fetched from the bucket, evicted, hits.

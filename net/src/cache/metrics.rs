@@ -32,7 +32,10 @@ pub(crate) struct Metrics {
 pub(crate) struct CacheGauges {
     pub bucket_bytes: u64,
     pub bucket_gets: u64,
+    /// Bytes of chunks of both kinds in the cache's one budget, and of
+    /// those the imported objects' chunk files.
     pub resident_bytes: u64,
+    pub imported_bytes: u64,
     pub capacity: u64,
     pub evicted_bytes: u64,
     /// Connections open now (not the cache's, but read at the same time).
@@ -106,6 +109,12 @@ impl Metrics {
         counter(&mut out, "arbor_cache_bucket_gets_total", "GET requests sent to the bucket.", cache.bucket_gets);
         counter(&mut out, "arbor_cache_evicted_bytes_total", "Bytes evicted from the cache.", cache.evicted_bytes);
         gauge(&mut out, "arbor_cache_resident_bytes", "Bytes of chunks in the cache.", cache.resident_bytes);
+        gauge(
+            &mut out,
+            "arbor_cache_imported_bytes",
+            "Of those, bytes of imported objects' chunk files.",
+            cache.imported_bytes,
+        );
         gauge(&mut out, "arbor_cache_capacity_bytes", "The cache's size limit.", cache.capacity);
         gauge(&mut out, "arbor_open_connections", "Connections open now, of every kind.", cache.open_connections);
         out.histogram("arbor_cache_request_seconds", "Time to answer a chunk request.", &[], &self.latency.snapshot());
@@ -136,6 +145,7 @@ mod tests {
             bucket_bytes: 7,
             bucket_gets: 1,
             resident_bytes: 5,
+            imported_bytes: 2,
             capacity: 10,
             evicted_bytes: 0,
             open_connections: 0,
@@ -147,6 +157,7 @@ mod tests {
         assert_eq!(sample(&text, "arbor_cache_request_seconds_count"), Some(3.0));
         let parsed = arbor_engine::metrics::parse(&text).expect("Prometheus text");
         assert_eq!(arbor_engine::metrics::find(&parsed, "arbor_cache_resident_bytes", &[]), Some(5.0));
+        assert_eq!(arbor_engine::metrics::find(&parsed, "arbor_cache_imported_bytes", &[]), Some(2.0));
         assert_eq!(sample(&text, "arbor_cache_hits_total"), Some(3.0));
         assert_eq!(sample(&text, "arbor_cache_bucket_bytes_total"), Some(7.0));
         let sum = sample(&text, "arbor_cache_request_seconds_sum").expect("sum");

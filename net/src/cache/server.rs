@@ -470,7 +470,8 @@ impl ChunkService {
         self.metrics.render(&CacheGauges {
             bucket_bytes: s.fetched_bytes + o.fetched_bytes,
             bucket_gets: s.gets + o.gets,
-            resident_bytes: s.cached_bytes,
+            resident_bytes: s.cached_bytes + s.object_bytes,
+            imported_bytes: s.object_bytes,
             capacity: s.capacity,
             evicted_bytes: s.evicted_bytes,
             open_connections: self.admission.open() as u64,

@@ -1,8 +1,12 @@
 //! Reading segments that live in the bucket: ranged GETs of aligned
 //! chunks, each verified against the object's footer before use, kept in
-//! the chunk cache ([`crate::chunks::ChunkCache`]: which chunks are on
-//! local disk, sparse files with holes punched on eviction, and the lock
-//! that keeps a reader's pread and a hole punch apart).
+//! the node's chunk store ([`crate::chunks::ChunkStore`]: which chunks are
+//! on local disk, of segments and of imported objects, in one budget, and
+//! the lock that keeps a reader's pread and a hole punch apart). The
+//! segment chunks' bytes are in this tier's sparse cache files, one per
+//! segment: `Remote` registers with the store as the
+//! [`crate::chunks::SegmentFiles`] that punches the chunks it evicts, an
+//! eviction an insert of either kind may start.
 //!
 //! Rooms, one job each:
 //! - `segment.rs`: one segment in the bucket, its footer, on-demand chunk
@@ -17,9 +21,12 @@
 //!   of a segment never sealed) and owns the rest.
 //!
 //! Lock order (a thread holding one may take those after it, never before):
-//! `opening` → `chunks` eviction lock (`ChunkCache::exclusive`/`hold`) →
-//! `segs` → `fetches.inflight` → `fetches.queued` → the chunk index →
-//! `fetches.stream`, `fetches.absent`, `adopted`, `fetches.workers`. A
+//! `opening` → `chunks` eviction lock (`ChunkStore::exclusive`/`hold`; an
+//! eviction started by an imported chunk's insert takes it too, then calls
+//! `Remote::punch`) → `segs` → `fetches.inflight` → `fetches.queued` → the
+//! store's ledger → `fetches.stream`, `fetches.absent`, `adopted`,
+//! `fetches.workers`. The store's ledger is never held across a call into
+//! this tier, and `RemoteSeg::landing` is released before an eviction. A
 //! fetch's outcome (`chunks::fetch::Fetch`) is taken alone: its waiters
 //! wait on it with `inflight` released.
 
@@ -28,7 +35,7 @@ mod segment;
 
 use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
 use crate::bucket::ObjectStore;
-use crate::chunks::{is_data, punch_hole, ChunkCache, ChunkRequest, ChunkSource};
+use crate::chunks::{is_data, punch_hole, ChunkRequest, ChunkSource, ChunkStore, PlacedChunk, SegmentFiles};
 use crate::device::SegmentFile;
 use crate::error::{Error, Result};
 use crate::format::SegId;
@@ -42,7 +49,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-type ChunkKey = (SegId, u32);
+type ChunkKey = crate::chunks::SegChunk;
 
 /// Remote segments whose handles are kept (each holds a descriptor).
 const MAX_OPEN: usize = 1024;
@@ -118,10 +125,13 @@ crate::counters! {
         /// GET each, two for a footer longer than 16 KiB).
         bucket_footers: Counter,
     } and {
-        /// Bytes of chunks on local disk, and the most there may be.
+        /// Bytes of segment chunks on local disk (or in memory files), of
+        /// imported objects' chunk files, and the most the two may hold
+        /// together (the node's chunk store, one budget).
         cached_bytes: u64,
+        object_bytes: u64,
         capacity: u64,
-        /// Bytes of chunks evicted since the start.
+        /// Bytes of chunks of either kind evicted since the start.
         evicted_bytes: u64,
     }
 }
@@ -132,8 +142,9 @@ pub(crate) struct Remote {
     /// Chunks live in anonymous memory files (memfd), never on a disk:
     /// for nodes without a local SSD. Nothing survives the process.
     memory: bool,
-    /// Which chunks are on local disk, and evicting them.
-    chunks: ChunkCache<ChunkKey>,
+    /// Which chunks are on local disk, and evicting them: the node's one
+    /// budget, shared with the chunk files of imported objects.
+    chunks: Arc<ChunkStore>,
     segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
     /// Segments this node wrote whose files became cached copies: reads
     /// through an older local handle go through the cache instead.
@@ -152,7 +163,7 @@ impl Remote {
     pub(crate) fn new(
         store: Arc<dyn ObjectStore>,
         dir: PathBuf,
-        capacity: u64,
+        chunks: Arc<ChunkStore>,
         read_ahead: u64,
         parallel: usize,
         memory: bool,
@@ -161,18 +172,26 @@ impl Remote {
         if !memory {
             crate::private::create_dir_all(&dir)?;
         }
-        Ok(Arc::new(Remote {
+        let remote = Arc::new(Remote {
             store,
             dir,
             memory,
-            chunks: ChunkCache::new(capacity),
+            chunks,
             segs: RwLock::new(HashMap::new()),
             adopted: Mutex::new(HashSet::new()),
             opening: Mutex::new(()),
             peers,
             fetches: Fetches::new(read_ahead, parallel),
             counts: RemoteCounters::default(),
-        }))
+        });
+        let punches: Arc<dyn SegmentFiles> = remote.clone();
+        remote.chunks.register_segments(Arc::downgrade(&punches));
+        Ok(remote)
+    }
+
+    /// The node's chunk store this tier keeps its chunks in.
+    pub(crate) fn chunk_store(&self) -> &Arc<ChunkStore> {
+        &self.chunks
     }
 
     /// Asks the cache servers for chunks `wanted` of segment `seg` (with
@@ -210,7 +229,8 @@ impl Remote {
 
     pub(crate) fn stats(&self) -> CacheStats {
         CacheStats {
-            cached_bytes: self.chunks.bytes(),
+            cached_bytes: self.chunks.segment_bytes(),
+            object_bytes: self.chunks.object_bytes(),
             capacity: self.chunks.capacity(),
             evicted_bytes: self.chunks.evicted_bytes(),
             ..self.counts.snapshot()
@@ -233,10 +253,10 @@ impl Remote {
         self.evict_if_over();
     }
 
-    /// Marks chunks present, then evicts if the cache grew past its
+    /// Marks chunks present, then evicts if the store grew past its
     /// capacity. `old` chunks go to the cold end.
-    fn add(&self, keys: &[(ChunkKey, u32, u64)], old: bool) {
-        self.chunks.insert(keys, old);
+    fn add(&self, keys: &[PlacedChunk], old: bool) {
+        self.chunks.insert_segments(keys, old);
         self.evict_if_over();
     }
 
@@ -249,23 +269,27 @@ impl Remote {
         MAX_READ_AHEAD.min(self.chunks.capacity() / 4)
     }
 
-    /// The chunk cache's clock (see [`ChunkCache::tick`]).
+    /// The chunk store's clock (see [`ChunkStore::tick`]).
     pub(crate) fn tick(&self) -> u64 {
         self.chunks.tick()
     }
 
-    /// Evicts every chunk last used before tick `before`.
+    /// Evicts every chunk (of either kind) last used before tick `before`.
     pub(crate) fn evict_unused_since(&self, before: u64) {
-        self.chunks.evict_unused_since(before, |victims| self.punch(victims));
+        self.chunks.evict_unused_since(before);
     }
 
-    /// Evicts down to 90 % of the capacity when over it, punching the
-    /// victims out of their segments' cache files.
+    /// Evicts down to 90 % of the store's capacity when over it; the store
+    /// calls back [`SegmentFiles::punch`] for segment chunks.
     fn evict_if_over(&self) {
-        self.chunks.evict_if_over(|victims| self.punch(victims));
+        self.chunks.evict_if_over();
     }
+}
 
-    fn punch(&self, victims: &[(ChunkKey, u32, u64)]) {
+impl SegmentFiles for Remote {
+    /// Punches evicted chunks out of their segments' cache files (the
+    /// store holds its eviction lock exclusively meanwhile).
+    fn punch(&self, victims: &[PlacedChunk]) {
         {
             let mut by_seg: HashMap<SegId, Vec<(u32, u64)>> = HashMap::new();
             for &((seg, _), len, off) in victims {
@@ -290,7 +314,9 @@ impl Remote {
             }
         }
     }
+}
 
+impl Remote {
     /// A segment this node wrote and has just uploaded: its file becomes
     /// the cached copy, every chunk present.
     /// Done while no read of the old local file is under way (they hold
@@ -315,7 +341,7 @@ impl Remote {
             fs::rename(local, &path)?;
             self.adopted.lock().insert(id);
             let file = File::options().read(true).write(true).open(&path)?;
-            let chunks: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
+            let chunks: Vec<PlacedChunk> = (0..footer.crcs.len())
                 .map(|i| {
                     let (s, e) = footer.chunk_range(i);
                     ((id, i as u32), (e - s) as u32, s)
@@ -324,7 +350,7 @@ impl Remote {
             self.keep_footer(id, &footer);
             self.segs.write().remove(&id);
             self.insert_seg(id, footer, Backing::Object { file });
-            self.chunks.insert(&chunks, false);
+            self.chunks.insert_segments(&chunks, false);
         }
         self.evict_if_over();
         Ok(())
@@ -406,7 +432,7 @@ impl Remote {
     /// Whether chunk `index` of segment `id` is cached here (checked since
     /// this process started or not).
     pub(crate) fn holds(&self, id: SegId, index: u32) -> bool {
-        self.chunks.present((id, index))
+        self.chunks.contains((id, index))
     }
 
     /// Bytes `within` (all of it when `None`) of chunk `index` of `seg` if
@@ -451,7 +477,7 @@ impl Remote {
         }
         let key = (seg.id, index);
         let _no_eviction = self.chunks.hold();
-        let there = if checked { self.chunks.verified(key) == Some(true) } else { self.chunks.present(key) };
+        let there = if checked { self.chunks.verified(key) == Some(true) } else { self.chunks.contains(key) };
         if !there {
             return None;
         }
@@ -680,11 +706,11 @@ impl Remote {
         if file.metadata()?.len() != footer.data_len {
             // A new cache file, or one from another life of this name: start empty.
             let _no_readers = self.chunks.exclusive();
-            self.chunks.forget_where(|k| k.0 == id);
+            self.chunks.forget_segment(id);
             file.set_len(0)?;
             file.set_len(footer.data_len)?;
         } else {
-            let present: Vec<(ChunkKey, u32, u64)> = (0..footer.crcs.len())
+            let present: Vec<PlacedChunk> = (0..footer.crcs.len())
                 .filter_map(|i| {
                     let (s, e) = footer.chunk_range(i);
                     is_data(&file, s, e).then_some(((id, i as u32), (e - s) as u32, s))
@@ -851,7 +877,7 @@ impl Remote {
         self.segs.write().remove(&id);
         self.adopted.lock().remove(&id);
         let _x = self.chunks.exclusive();
-        self.chunks.forget_where(|k| k.0 == id);
+        self.chunks.forget_segment(id);
         let _ = fs::remove_file(self.path(id));
         let _ = fs::remove_file(self.footer_path(id));
         let _ = fs::remove_file(self.dir.join(format!("{}{OLD_FOOTER_SUFFIX}", id.file_name())));

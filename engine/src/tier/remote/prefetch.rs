@@ -135,7 +135,7 @@ impl RemoteSeg {
             let mut inflight = r.fetches.inflight();
             for i in first..first + count {
                 let key = (self.id, i as u32);
-                if !r.chunks.present(key) && inflight.claim(key).is_some() {
+                if !r.chunks.contains(key) && inflight.claim(key).is_some() {
                     claimed.push(i);
                 }
             }
@@ -299,7 +299,7 @@ impl Remote {
             let mut queued = self.fetches.queued.lock();
             for i in first..last {
                 let key = (seg.id, i as u32);
-                if self.chunks.present(key) || inflight.contains(&key) || !queued.insert(key) {
+                if self.chunks.contains(key) || inflight.contains(&key) || !queued.insert(key) {
                     continue;
                 }
                 wanted.push((i as u64, ()));

@@ -82,7 +82,7 @@ impl RemoteSeg {
             let mut inflight = r.fetches.inflight();
             // Bounded: a fetch ends in at most GET_TRIES retried calls.
             for _ in 0..10_000 {
-                if r.chunks.present(key) {
+                if r.chunks.contains(key) {
                     return Ok(None);
                 }
                 match inflight.join(key) {
@@ -97,7 +97,7 @@ impl RemoteSeg {
             // queued meanwhile: chunks are queued under `inflight`.
             while run < RUN_CHUNKS && i + run < self.footer.crcs.len() {
                 let next = (self.id, (i + run) as u32);
-                if !r.fetches.is_queued(next) || r.chunks.present(next) || inflight.claim(next).is_none() {
+                if !r.fetches.is_queued(next) || r.chunks.contains(next) || inflight.claim(next).is_none() {
                     break;
                 }
                 r.fetches.unqueue(next);
@@ -142,7 +142,7 @@ impl RemoteSeg {
     /// Fetches the missing chunks of `chunks`, up to `parallel` at a time.
     fn fetch_all(&self, chunks: &[usize]) -> Result<HashMap<usize, Vec<u8>>> {
         let missing: Vec<usize> =
-            chunks.iter().copied().filter(|&i| !self.remote.chunks.present((self.id, i as u32))).collect();
+            chunks.iter().copied().filter(|&i| !self.remote.chunks.contains((self.id, i as u32))).collect();
         let mut got = HashMap::new();
         // Chunks already on their way (read-ahead) are waited for in turn:
         // threads only help where GETs are still to be sent.
@@ -218,7 +218,7 @@ impl RemoteSeg {
         } else {
             off
         };
-        if r.chunks.present(key) || r.fetches.in_flight(key) || r.fetches.is_queued(key) {
+        if r.chunks.contains(key) || r.fetches.in_flight(key) || r.fetches.is_queued(key) {
             return false;
         }
         let cstart = self.footer.chunk_range(i).0;
