@@ -75,9 +75,10 @@ crate::counters! {
 
 impl ChunkFiles {
     /// Opens (creating it) the folder `dir` in `store`, which takes the
-    /// chunks already there at its cold end (they leave first) and keeps
-    /// them within its one budget, beside the segment chunks. A folder the
-    /// store holds already is not looked at again; another one is refused.
+    /// chunks already there at its cold end (they leave first, the least
+    /// recently written of them first) and keeps them within its one
+    /// budget, beside the segment chunks. A folder the store holds already
+    /// is not looked at again; another one is refused.
     pub fn open(dir: &Path, store: &Arc<ChunkStore>) -> Result<Arc<ChunkFiles>> {
         crate::private::create_dir_all(dir)?;
         store.open_objects(dir, || found(dir))?;
@@ -182,8 +183,8 @@ pub(super) fn file_len(id: &str, body_len: usize) -> u64 {
     (HEADER + id.len() + body_len) as u64
 }
 
-/// The chunks in folder `dir` (key, file length); temporary files a crash
-/// left behind are removed.
+/// The chunks in folder `dir` (key, file length), the least recently
+/// written first; temporary files a crash left behind are removed.
 fn found(dir: &Path) -> Vec<(Key, u64)> {
     let mut found = Vec::new();
     let Ok(subs) = std::fs::read_dir(dir) else { return Vec::new() };
@@ -196,11 +197,12 @@ fn found(dir: &Path) -> Vec<(Key, u64)> {
                 continue;
             };
             if let Ok(m) = f.metadata() {
-                found.push((key, m.len()));
+                found.push((m.modified().ok(), key, m.len()));
             }
         }
     }
-    found
+    found.sort_unstable();
+    found.into_iter().map(|(_, key, len)| (key, len)).collect()
 }
 
 /// `<hash>-<index>`, the name of a chunk's file.

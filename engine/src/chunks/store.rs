@@ -223,11 +223,17 @@ impl ChunkStore {
     /// Marks segment chunks (key, length, offset) present. `old` chunks
     /// (found in a cache file from before) go to the cold end and are
     /// checked when first read: a crash may have left a chunk half written,
-    /// and a punched partial block reads as zeros yet counts as data.
+    /// and a punched partial block reads as zeros yet counts as data. An
+    /// `old` chunk the store holds already (its file opened again in this
+    /// process) keeps its place and its check.
     pub(crate) fn insert_segments(&self, chunks: &[PlacedChunk], old: bool) {
         let mut held = self.held.lock();
         for &((seg, i), len, off) in chunks {
-            held.insert(ChunkKey::Segment(seg, i), len as u64, Spot::Segment { len, off, verified: !old }, old);
+            let key = ChunkKey::Segment(seg, i);
+            if old && held.ledger.contains(&key) {
+                continue;
+            }
+            held.insert(key, len as u64, Spot::Segment { len, off, verified: !old }, old);
         }
     }
 
@@ -250,8 +256,9 @@ impl ChunkStore {
     }
 
     /// Takes `dir` as the chunk-files folder, with the chunks found there
-    /// (key, file length) at the cold end; a folder taken already is not
-    /// looked at again. Another folder is refused: one store, one folder.
+    /// (key, file length; the least recently written first) at the cold
+    /// end; a folder taken already is not looked at again. Another folder
+    /// is refused: one store, one folder.
     pub(crate) fn open_objects(&self, dir: &Path, found: impl FnOnce() -> Vec<((u64, u64), u64)>) -> Result<()> {
         // Another opener of the folder waits here until its chunks are in.
         let taken = self.objects.get_or_init(|| {
@@ -517,6 +524,47 @@ mod tests {
         assert_eq!(*punches.0.lock(), vec![((s, 5), one as u32, 5 * one)]);
         assert!(files.get(ID, 0).is_none() && files_in(dir.path()) == 0);
         assert_eq!((store.segment_bytes(), store.object_bytes()), (3 * one, 0));
+    }
+
+    #[test]
+    fn chunks_found_again_keep_their_place_and_their_check() {
+        let store = ChunkStore::new(1 << 20);
+        let s = seg(4);
+        store.insert_segments(&[((s, 0), 10, 0), ((s, 1), 10, 10)], false);
+        store.touch(ChunkKey::Segment(s, 1));
+        let hot = store.rank(ChunkKey::Segment(s, 1));
+        // The segment's cache file is opened again and its chunks found.
+        store.insert_segments(&[((s, 0), 10, 0), ((s, 1), 10, 10), ((s, 2), 10, 20)], true);
+        assert_eq!((store.verified((s, 1)), store.rank(ChunkKey::Segment(s, 1))), (Some(true), hot), "used: stays");
+        assert_eq!(store.verified((s, 0)), Some(true));
+        assert_eq!((store.verified((s, 2)), store.rank(ChunkKey::Segment(s, 2))), (Some(false), Some(0)), "new: cold");
+        assert_eq!(store.bytes(), 30);
+    }
+
+    #[test]
+    fn chunk_files_found_at_open_leave_oldest_first() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![3u8; 1000];
+        let one = object_files::file_len(ID, body.len());
+        let hash = super::super::fnv1a(ID.as_bytes());
+        {
+            let earlier = ChunkStore::new(1 << 30);
+            let files = ChunkFiles::open(dir.path(), &earlier).expect("files");
+            for i in 0..4 {
+                files.put(ID, i, &body);
+            }
+        }
+        // Chunk 3 was written longest ago, then 1, 0 and 2.
+        let now = std::time::SystemTime::now();
+        for (i, age) in [(3, 400), (1, 300), (0, 200), (2, 100)] {
+            let f = File::options().write(true).open(object_files::path(dir.path(), (hash, i))).expect("file");
+            f.set_modified(now - std::time::Duration::from_secs(age)).expect("mtime");
+        }
+        // Room for three of the four: trimmed to 90 %, two stay.
+        let store = ChunkStore::new(3 * one);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        let kept: Vec<u64> = (0..4).filter(|&i| files.get(ID, i).is_some()).collect();
+        assert_eq!(kept, vec![0, 2], "the two written last stay");
     }
 
     #[test]
