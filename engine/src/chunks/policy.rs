@@ -202,6 +202,31 @@ impl<K: Clone + Eq + Hash + Ord, V> Ledger<K, V> {
         out
     }
 
+    /// The chunks [`Ledger::trim`] would drop now (key, value), in the
+    /// order it would drop them, left in place.
+    pub fn trimmed(&self, capacity: u64) -> impl Iterator<Item = (&K, &V)> {
+        let target = if self.weight <= capacity { self.weight } else { self.policy.low_water(capacity) };
+        let mut left = self.weight;
+        self.order
+            .iter()
+            .map(|(_, _, key)| (key, &self.entries[key]))
+            .take_while(move |(_, e)| {
+                let take = left > target;
+                left = left.saturating_sub(e.weight);
+                take
+            })
+            .map(|(key, e)| (key, &e.value))
+    }
+
+    /// The chunks [`Ledger::unused_since`] would drop now (key, value),
+    /// in order, left in place.
+    pub fn unused(&self, before: u64) -> impl Iterator<Item = (&K, &V)> {
+        self.order
+            .iter()
+            .take_while(move |(rank, _, _)| *rank < before)
+            .map(|(_, _, key)| (key, &self.entries[key].value))
+    }
+
     /// Drops every chunk ranked before `before` (for least recently used:
     /// not used since the clock read `before`), whatever the room.
     pub fn unused_since(&mut self, before: u64) -> Vec<(K, u64, V)> {
@@ -228,6 +253,8 @@ mod tests {
             l.insert(k, 300, (), false);
         }
         l.touch(&1);
+        assert_eq!(l.trimmed(1000).map(|v| *v.0).collect::<Vec<_>>(), vec![2], "what trim would drop");
+        assert_eq!(l.trimmed(1200).count(), 0, "nothing: not over");
         let out: Vec<u32> = l.trim(1000).into_iter().map(|v| v.0).collect();
         assert_eq!(out, vec![2], "1200 > 1000: down to 900, 1 was used since");
         assert_eq!(l.weight(), 900);
@@ -255,6 +282,7 @@ mod tests {
         assert_eq!(l.rank(&7), Some(0));
         let mark = l.tick() + 1;
         l.insert(9, 10, (), false);
+        assert_eq!(l.unused(mark).map(|v| *v.0).collect::<Vec<_>>(), vec![7, 5], "what unused_since would drop");
         let out: Vec<u32> = l.unused_since(mark).into_iter().map(|v| v.0).collect();
         assert_eq!(out, vec![7, 5]);
         assert_eq!((l.len(), l.weight()), (1, 10));

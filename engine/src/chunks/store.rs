@@ -23,11 +23,14 @@
 //! call out of the store. A reader of segment chunks holds `evicting`
 //! shared ([`ChunkStore::hold`]) from "is the chunk present" to the end of
 //! its pread, and fresh segment bytes land under it too
-//! ([`ChunkStore::land`]); an eviction holds it exclusively while it picks
-//! its victims and punches them, so a punch never races a read, nor follows
-//! fresh bytes. Chunk files are removed after `evicting` is released: their
-//! readers read a whole file at once, which an unlink does not cut short,
-//! and a reader that finds a file gone forgets the chunk.
+//! ([`ChunkStore::land`]); an eviction whose victims hold a segment chunk
+//! holds it exclusively while it picks them and punches, so a punch never
+//! races a read, nor follows fresh bytes. Chunk files need no such lock:
+//! their readers read a whole file at once, which an unlink does not cut
+//! short, and a reader that finds a file gone forgets the chunk. So an
+//! eviction of chunk files alone never takes `evicting` (never waits for a
+//! segment reader, who may be sending to a slow client), and chunk files
+//! are removed after it is released.
 
 use super::object_files;
 use super::policy::{Ledger, CHUNK_STORE};
@@ -70,6 +73,34 @@ enum Spot {
     Segment { len: u32, off: u64, verified: bool },
     /// In its own file.
     Object,
+}
+
+/// Which chunks an eviction drops.
+#[derive(Clone, Copy, Debug)]
+enum Pick {
+    /// Down to the policy's low water mark, if over the capacity.
+    Over,
+    /// Every chunk last used before this tick.
+    UnusedSince(u64),
+}
+
+impl Pick {
+    /// Whether the chunks this would drop now hold a segment chunk.
+    fn any_segment(self, ledger: &Ledger<ChunkKey, Spot>, capacity: u64) -> bool {
+        let segment = |(_, spot): (&ChunkKey, &Spot)| matches!(spot, Spot::Segment { .. });
+        match self {
+            Pick::Over => ledger.trimmed(capacity).any(segment),
+            Pick::UnusedSince(before) => ledger.unused(before).any(segment),
+        }
+    }
+
+    /// Drops the chunks this picks: (key, weight, where).
+    fn take(self, ledger: &mut Ledger<ChunkKey, Spot>, capacity: u64) -> Vec<(ChunkKey, u64, Spot)> {
+        match self {
+            Pick::Over => ledger.trim(capacity),
+            Pick::UnusedSince(before) => ledger.unused_since(before),
+        }
+    }
 }
 
 /// The owner of the segment chunks' sparse files: punches evicted chunks
@@ -291,35 +322,53 @@ impl ChunkStore {
         if self.held.lock().ledger.weight() <= self.capacity {
             return;
         }
-        self.evict(|ledger| ledger.trim(self.capacity));
+        self.evict(Pick::Over);
     }
 
     /// Drops every chunk last used before tick `before`, of either kind:
     /// what nobody read for a while goes, however much room is left.
     pub(crate) fn evict_unused_since(&self, before: u64) {
-        self.evict(|ledger| ledger.unused_since(before));
+        self.evict(Pick::UnusedSince(before));
     }
 
     /// Drops the chunks `pick` takes from the ledger and removes their
-    /// bytes: segment chunks punched while no reader is between its
-    /// presence check and its pread, then chunk files removed.
-    fn evict(&self, pick: impl FnOnce(&mut Ledger<ChunkKey, Spot>) -> Vec<(ChunkKey, u64, Spot)>) {
+    /// bytes.
+    fn evict(&self, pick: Pick) {
+        let files = self.drop_victims(pick);
+        self.remove_files(files);
+    }
+
+    /// Drops the chunks `pick` takes from the ledger and punches the
+    /// segment chunks among them out, while no reader is between its
+    /// presence check and its pread; the chunk files to remove. Only an
+    /// eviction with segment chunks to punch takes the eviction lock: one
+    /// of chunk files alone never waits for a segment reader (a server may
+    /// hold one across a send to a slow client).
+    fn drop_victims(&self, pick: Pick) -> Vec<(u64, u64)> {
         let mut files = Vec::new();
         // Dropped once the lock is released: should it be the segment
         // tier's last handle, the tier goes with no lock of the store held.
         let mut owner = None;
         {
-            let _x = self.evicting.write();
-            let victims = {
+            let mut exclusive = None;
+            let victims = loop {
                 let mut held = self.held.lock();
-                let victims = pick(&mut held.ledger);
+                if exclusive.is_none() && pick.any_segment(&held.ledger, self.capacity) {
+                    // Picked again under the lock: what was picked before
+                    // may have been fetched again since, its fresh bytes
+                    // landed, which a punch must not follow.
+                    drop(held);
+                    exclusive = Some(self.evicting.write());
+                    continue;
+                }
+                let victims = pick.take(&mut held.ledger, self.capacity);
                 for (_, weight, spot) in &victims {
                     held.gone(*weight, spot);
                 }
-                victims
+                break victims;
             };
             if victims.is_empty() {
-                return;
+                return files;
             }
             self.evicted.add(victims.iter().map(|v| v.1).sum());
             let mut punched = Vec::new();
@@ -338,8 +387,13 @@ impl ChunkStore {
             }
         }
         drop(owner);
+        files
+    }
+
+    /// Removes the files of evicted chunk files `keys`.
+    fn remove_files(&self, keys: Vec<(u64, u64)>) {
         if let Some(dir) = self.objects.get() {
-            for key in files {
+            for key in keys {
                 let _ = std::fs::remove_file(object_files::path(dir, key));
             }
         }
@@ -565,6 +619,37 @@ mod tests {
         let files = ChunkFiles::open(dir.path(), &store).expect("files");
         let kept: Vec<u64> = (0..4).filter(|&i| files.get(ID, i).is_some()).collect();
         assert_eq!(kept, vec![0, 2], "the two written last stay");
+    }
+
+    #[test]
+    fn evicting_chunk_files_alone_does_not_wait_for_a_segment_reader() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![4u8; 1000];
+        let one = object_files::file_len(ID, body.len());
+        let (store, punches) = with_punches(3 * one);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        for i in 0..3 {
+            files.put(ID, i, &body);
+        }
+        store.insert_segments(&[((seg(1), 0), 10, 0)], false);
+        // A reader of segment chunks is between its presence check and its
+        // pread (or a server is sending a chunk to a slow client).
+        let reading = store.hold();
+        let (done, put) = std::sync::mpsc::channel();
+        let writer = {
+            let files = files.clone();
+            let body = body.clone();
+            std::thread::spawn(move || {
+                files.put(ID, 3, &body);
+                let _ = done.send(());
+            })
+        };
+        let finished = put.recv_timeout(std::time::Duration::from_secs(10));
+        drop(reading);
+        writer.join().expect("writer");
+        assert!(finished.is_ok(), "the put waited for the segment reader");
+        assert!(punches.0.lock().is_empty() && store.contains((seg(1), 0)), "only chunk files left");
+        assert_eq!((store.object_bytes(), files_in(dir.path()) as u64), (2 * one, 2));
     }
 
     #[test]

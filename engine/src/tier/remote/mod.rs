@@ -22,8 +22,8 @@
 //!
 //! Lock order (a thread holding one may take those after it, never before):
 //! `opening` → `chunks` eviction lock (`ChunkStore::exclusive`/`hold`; an
-//! eviction started by an imported chunk's insert takes it too, then calls
-//! `Remote::punch`) → `segs` → `fetches.inflight` → `fetches.queued` → the
+//! eviction with segment chunks to punch takes it, whichever kind of
+//! insert started it, then calls `Remote::punch`) → `segs` → `fetches.inflight` → `fetches.queued` → the
 //! store's ledger → `fetches.stream`, `fetches.absent`, `adopted`,
 //! `fetches.workers`. The store's ledger is never held across a call into
 //! this tier, and `RemoteSeg::landing` is released before an eviction. A
