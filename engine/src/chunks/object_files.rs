@@ -10,7 +10,9 @@
 //! body's crc32c and length, the full object id) and the body. A read
 //! checks all of them: a file that fails is removed and counted, and the
 //! chunk is fetched again — a damaged cache costs a fetch, never wrong
-//! bytes. Nothing is fsynced: a file lost in a crash is only a miss.
+//! bytes. Nothing is fsynced: a file lost in a crash is only a miss. The
+//! store renames a file into place and counts it in one step, and removes
+//! one only with its entry, so what it counts is what the folder holds.
 
 use super::fnv1a;
 use super::store::{ChunkKey, ChunkStore};
@@ -101,18 +103,15 @@ impl ChunkFiles {
     /// Chunk `index` of object `id`, if it is here and passes its checks.
     pub fn get(&self, id: &str, index: u64) -> Option<FileChunk> {
         let key = Self::key(id, index);
-        let in_store = ChunkKey::Object(key.0, key.1);
-        if !self.store.contains(in_store) {
-            return None;
-        }
+        let put = self.store.object(key)?;
         let path = self.path(key);
         let Ok(file) = std::fs::read(&path) else {
-            self.store.forget(in_store);
+            self.store.forget_object(key, put);
             return None;
         };
         match check(&file, id) {
             Some(start) => {
-                self.store.touch(in_store);
+                self.store.touch(ChunkKey::Object(key.0, key.1));
                 self.counts.hits.inc();
                 Some(FileChunk { file, start })
             }
@@ -123,8 +122,7 @@ impl ChunkFiles {
                     self.counts.damaged.inc();
                     tracing::warn!(file = %path.display(), "a cached chunk failed its checksum; fetching it again");
                 }
-                let _ = std::fs::remove_file(&path);
-                self.store.forget(in_store);
+                self.store.forget_object(key, put);
                 None
             }
         }
@@ -156,14 +154,13 @@ impl ChunkFiles {
             };
             f.write_all(&header)?;
             f.write_all(body)?;
-            std::fs::rename(&tmp, &path)
+            drop(f);
+            let len = (header.len() + body.len()) as u64;
+            self.store.insert_object(key, len, || std::fs::rename(&tmp, &path))
         };
-        match write() {
-            Ok(()) => self.store.insert_object(key, (header.len() + body.len()) as u64),
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot cache a chunk on disk");
-            }
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(dir = %self.dir.display(), error = %e, "cannot cache a chunk on disk");
         }
     }
 

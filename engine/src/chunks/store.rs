@@ -18,9 +18,11 @@
 //! store holds segment chunks alone.
 //!
 //! Locks, in order: `evicting` → the segment tier's locks (its punch
-//! runs under `evicting`) → `held`. `held` and `segments` are taken alone:
-//! nothing else is taken while either is held, and neither is held across a
-//! call out of the store. A reader of segment chunks holds `evicting`
+//! runs under `evicting`) → `held`, and `files` → `held`. `held` and
+//! `segments` are innermost: nothing else is taken while either is held,
+//! and neither is held across a call out of the store. `files` is taken
+//! with no other lock of the store held, never across a call out of it.
+//! A reader of segment chunks holds `evicting`
 //! shared ([`ChunkStore::hold`]) from "is the chunk present" to the end of
 //! its pread, and fresh segment bytes land under it too
 //! ([`ChunkStore::land`]); an eviction whose victims hold a segment chunk
@@ -30,7 +32,12 @@
 //! short, and a reader that finds a file gone forgets the chunk. So an
 //! eviction of chunk files alone never takes `evicting` (never waits for a
 //! segment reader, who may be sending to a slow client), and chunk files
-//! are removed after it is released.
+//! are removed after it is released. What keeps the ledger true to the
+//! folder is `files`: a put renames its file into place and inserts its
+//! chunk under it, and an eviction removes a file under it only if its
+//! chunk was not put again since it was picked; a reader that lost a file
+//! (or found it damaged) forgets the chunk only if it is still the put it
+//! found.
 
 use super::object_files;
 use super::policy::{Ledger, CHUNK_STORE};
@@ -71,8 +78,10 @@ enum Spot {
     /// At `off` of its segment's cache file; `verified`: checked in this
     /// process.
     Segment { len: u32, off: u64, verified: bool },
-    /// In its own file.
-    Object,
+    /// In its own file, put there by the store's `put`th insert of a chunk
+    /// file: a reader that lost a file forgets the chunk only if it was not
+    /// put again since.
+    Object { put: u64 },
 }
 
 /// Which chunks an eviction drops.
@@ -114,12 +123,14 @@ pub(crate) trait SegmentFiles: Send + Sync {
 struct Held {
     ledger: Ledger<ChunkKey, Spot>,
     object_bytes: u64,
+    /// Chunk files inserted so far.
+    puts: u64,
 }
 
 impl Held {
     fn insert(&mut self, key: ChunkKey, weight: u64, spot: Spot, cold: bool) {
         self.remove(&key);
-        if let Spot::Object = spot {
+        if let Spot::Object { .. } = spot {
             self.object_bytes += weight;
         }
         self.ledger.insert(key, weight, spot, cold);
@@ -133,9 +144,16 @@ impl Held {
 
     /// Accounts for a chunk the ledger dropped.
     fn gone(&mut self, weight: u64, spot: &Spot) {
-        if let Spot::Object = spot {
+        if let Spot::Object { .. } = spot {
             self.object_bytes -= weight;
         }
+    }
+
+    /// Holds chunk file `key` of `len` bytes.
+    fn insert_object(&mut self, (hash, index): (u64, u64), len: u64, cold: bool) {
+        self.puts += 1;
+        let spot = Spot::Object { put: self.puts };
+        self.insert(ChunkKey::Object(hash, index), len, spot, cold);
     }
 }
 
@@ -147,6 +165,10 @@ pub struct ChunkStore {
     capacity: u64,
     held: Mutex<Held>,
     evicting: RwLock<()>,
+    /// A chunk file's name in the folder and its entry in the ledger change
+    /// together under it: a put's rename and insert, a removal by an
+    /// eviction or a reader and the look at the ledger before it.
+    files: Mutex<()>,
     evicted: Counter,
     /// The chunk-files folder, once [`super::ChunkFiles`] opened it.
     objects: OnceLock<PathBuf>,
@@ -161,8 +183,9 @@ impl ChunkStore {
     pub fn new(capacity: u64) -> Arc<ChunkStore> {
         Arc::new(ChunkStore {
             capacity,
-            held: Mutex::new(Held { ledger: Ledger::new(CHUNK_STORE), object_bytes: 0 }),
+            held: Mutex::new(Held { ledger: Ledger::new(CHUNK_STORE), object_bytes: 0, puts: 0 }),
             evicting: RwLock::new(()),
+            files: Mutex::new(()),
             evicted: Counter::new(),
             objects: OnceLock::new(),
             segments: Mutex::new(None),
@@ -295,8 +318,8 @@ impl ChunkStore {
         let taken = self.objects.get_or_init(|| {
             let found = found();
             let mut held = self.held.lock();
-            for ((hash, index), len) in found {
-                held.insert(ChunkKey::Object(hash, index), len, Spot::Object, true);
+            for (key, len) in found {
+                held.insert_object(key, len, true);
             }
             dir.to_path_buf()
         });
@@ -307,12 +330,49 @@ impl ChunkStore {
         Ok(())
     }
 
-    /// Marks the chunk file of `key` (hash of the object id, index)
-    /// present, `len` bytes long, then evicts if the store is over its
-    /// capacity.
-    pub(crate) fn insert_object(&self, (hash, index): (u64, u64), len: u64) {
-        self.held.lock().insert(ChunkKey::Object(hash, index), len, Spot::Object, false);
+    /// Puts the chunk file of `key` (hash of the object id, index) in
+    /// place with `place` and, if it is, marks it present, `len` bytes
+    /// long; then evicts if the store is over its capacity.
+    pub(crate) fn insert_object(
+        &self,
+        key: (u64, u64),
+        len: u64,
+        place: impl FnOnce() -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        {
+            let _files = self.files.lock();
+            place()?;
+            self.held.lock().insert_object(key, len, false);
+        }
         self.evict_if_over();
+        Ok(())
+    }
+
+    /// Which put of chunk file `key` the store holds, if any (for
+    /// [`ChunkStore::forget_object`]).
+    pub(crate) fn object(&self, (hash, index): (u64, u64)) -> Option<u64> {
+        match self.held.lock().ledger.get(&ChunkKey::Object(hash, index)) {
+            Some(Spot::Object { put }) => Some(*put),
+            _ => None,
+        }
+    }
+
+    /// Drops chunk file `key` and removes its file (one that failed its
+    /// check, or is gone), if the store still holds put `put` of it, as
+    /// its reader found it: a chunk put again since is another file.
+    pub(crate) fn forget_object(&self, (hash, index): (u64, u64), put: u64) {
+        let _files = self.files.lock();
+        let key = ChunkKey::Object(hash, index);
+        {
+            let mut held = self.held.lock();
+            if !matches!(held.ledger.get(&key), Some(Spot::Object { put: p }) if *p == put) {
+                return;
+            }
+            held.remove(&key);
+        }
+        if let Some(dir) = self.objects.get() {
+            let _ = std::fs::remove_file(object_files::path(dir, (hash, index)));
+        }
     }
 
     /// When the store holds more than its capacity, drops the chunks its
@@ -376,7 +436,7 @@ impl ChunkStore {
                 match (key, spot) {
                     (ChunkKey::Segment(seg, i), Spot::Segment { len, off, .. }) => punched.push(((seg, i), len, off)),
                     (ChunkKey::Object(hash, index), _) => files.push((hash, index)),
-                    (ChunkKey::Segment(..), Spot::Object) => {}
+                    (ChunkKey::Segment(..), Spot::Object { .. }) => {}
                 }
             }
             if !punched.is_empty() {
@@ -390,12 +450,21 @@ impl ChunkStore {
         files
     }
 
-    /// Removes the files of evicted chunk files `keys`.
+    /// Removes the files of evicted chunk files `keys`, but for those put
+    /// again since they were picked (a file of that name now is the new
+    /// one).
     fn remove_files(&self, keys: Vec<(u64, u64)>) {
-        if let Some(dir) = self.objects.get() {
-            for key in keys {
-                let _ = std::fs::remove_file(object_files::path(dir, key));
-            }
+        let Some(dir) = self.objects.get() else { return };
+        if keys.is_empty() {
+            return;
+        }
+        let _files = self.files.lock();
+        let keys: Vec<(u64, u64)> = {
+            let held = self.held.lock();
+            keys.into_iter().filter(|&(hash, index)| !held.ledger.contains(&ChunkKey::Object(hash, index))).collect()
+        };
+        for key in keys {
+            let _ = std::fs::remove_file(object_files::path(dir, key));
         }
     }
 
@@ -650,6 +719,52 @@ mod tests {
         assert!(finished.is_ok(), "the put waited for the segment reader");
         assert!(punches.0.lock().is_empty() && store.contains((seg(1), 0)), "only chunk files left");
         assert_eq!((store.object_bytes(), files_in(dir.path()) as u64), (2 * one, 2));
+    }
+
+    /// Bytes of the chunk files in a chunk-files folder.
+    fn bytes_in(dir: &Path) -> u64 {
+        let subs = std::fs::read_dir(dir).expect("dir").flatten();
+        subs.flat_map(|s| std::fs::read_dir(s.path()).expect("sub").flatten())
+            .map(|f| f.metadata().expect("len").len())
+            .sum()
+    }
+
+    #[test]
+    fn a_chunk_file_put_again_while_it_is_evicted_stays_counted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![5u8; 1000];
+        let store = ChunkStore::new(1 << 20);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        files.put(ID, 0, &body);
+        let mark = store.tick() + 1;
+        files.put(ID, 1, &body);
+        // An eviction drops chunk 0 from the ledger; before it removes the
+        // file, the chunk is fetched again and put.
+        let gone = store.drop_victims(Pick::UnusedSince(mark));
+        files.put(ID, 0, &body);
+        store.remove_files(gone);
+        assert_eq!(store.object_bytes(), bytes_in(dir.path()), "the ledger counts the bytes on disk");
+        assert!(files.get(ID, 0).is_some(), "the chunk put again is there");
+    }
+
+    #[test]
+    fn a_reader_that_lost_a_chunk_file_does_not_forget_it_put_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![6u8; 1000];
+        let store = ChunkStore::new(1 << 20);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        files.put(ID, 0, &body);
+        let key = (super::super::fnv1a(ID.as_bytes()), 0);
+        // A reader finds chunk 0 present; an eviction removes it before
+        // the reader reads its file; a put brings it back before the
+        // reader, who found no file, forgets it.
+        let found = store.object(key).expect("present");
+        store.evict_unused_since(store.tick() + 1);
+        assert!(std::fs::read(object_files::path(dir.path(), key)).is_err());
+        files.put(ID, 0, &body);
+        store.forget_object(key, found);
+        assert_eq!(store.object_bytes(), bytes_in(dir.path()), "the ledger counts the bytes on disk");
+        assert!(files.get(ID, 0).is_some(), "the chunk put again is there");
     }
 
     #[test]
