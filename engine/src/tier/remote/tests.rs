@@ -59,3 +59,17 @@ fn a_chunk_landed_through_a_handle_let_go_is_read_right_through_the_next() {
     assert!((0..3).all(|i| read(&third, i) == chunk(i)), "fetched again");
     remote.shutdown();
 }
+
+#[test]
+fn an_evicted_chunk_is_punched_out_of_a_handle_let_go() {
+    let (remote, id, data) = memory_tier();
+    let seg = remote.open(id).expect("open").expect("segment");
+    land(&remote, &seg, &data, 1);
+    let Backing::Object { file } = &seg.backing else { panic!("a segment object") };
+    let (s, e) = seg.footer.chunk_range(1);
+    assert!(is_data(file, s, e), "landed");
+    let_go(&remote, id);
+    remote.evict_unused_since(remote.tick() + 1);
+    assert!(!is_data(file, s, e), "its memory given back");
+    remote.shutdown();
+}
