@@ -10,7 +10,9 @@
 //! body's crc32c and length, the full object id) and the body. A read
 //! checks all of them: a file that fails is removed and counted, and the
 //! chunk is fetched again — a damaged cache costs a fetch, never wrong
-//! bytes. Nothing is fsynced: a file lost in a crash is only a miss.
+//! bytes. Nothing is fsynced: a file lost in a crash is only a miss. The
+//! store renames a file into place and counts it in one step, and removes
+//! one only with its entry, so what it counts is what the folder holds.
 
 use super::fnv1a;
 use super::store::{ChunkKey, ChunkStore};
@@ -75,9 +77,10 @@ crate::counters! {
 
 impl ChunkFiles {
     /// Opens (creating it) the folder `dir` in `store`, which takes the
-    /// chunks already there at its cold end (they leave first) and keeps
-    /// them within its one budget, beside the segment chunks. A folder the
-    /// store holds already is not looked at again; another one is refused.
+    /// chunks already there at its cold end (they leave first, the least
+    /// recently written of them first) and keeps them within its one
+    /// budget, beside the segment chunks. A folder the store holds already
+    /// is not looked at again; another one is refused.
     pub fn open(dir: &Path, store: &Arc<ChunkStore>) -> Result<Arc<ChunkFiles>> {
         crate::private::create_dir_all(dir)?;
         store.open_objects(dir, || found(dir))?;
@@ -100,18 +103,15 @@ impl ChunkFiles {
     /// Chunk `index` of object `id`, if it is here and passes its checks.
     pub fn get(&self, id: &str, index: u64) -> Option<FileChunk> {
         let key = Self::key(id, index);
-        let in_store = ChunkKey::Object(key.0, key.1);
-        if !self.store.contains(in_store) {
-            return None;
-        }
+        let put = self.store.object(key)?;
         let path = self.path(key);
         let Ok(file) = std::fs::read(&path) else {
-            self.store.forget(in_store);
+            self.store.forget_object(key, put);
             return None;
         };
         match check(&file, id) {
             Some(start) => {
-                self.store.touch(in_store);
+                self.store.touch(ChunkKey::Object(key.0, key.1));
                 self.counts.hits.inc();
                 Some(FileChunk { file, start })
             }
@@ -122,8 +122,7 @@ impl ChunkFiles {
                     self.counts.damaged.inc();
                     tracing::warn!(file = %path.display(), "a cached chunk failed its checksum; fetching it again");
                 }
-                let _ = std::fs::remove_file(&path);
-                self.store.forget(in_store);
+                self.store.forget_object(key, put);
                 None
             }
         }
@@ -155,14 +154,13 @@ impl ChunkFiles {
             };
             f.write_all(&header)?;
             f.write_all(body)?;
-            std::fs::rename(&tmp, &path)
+            drop(f);
+            let len = (header.len() + body.len()) as u64;
+            self.store.insert_object(key, len, || std::fs::rename(&tmp, &path))
         };
-        match write() {
-            Ok(()) => self.store.insert_object(key, (header.len() + body.len()) as u64),
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot cache a chunk on disk");
-            }
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(dir = %self.dir.display(), error = %e, "cannot cache a chunk on disk");
         }
     }
 
@@ -182,8 +180,8 @@ pub(super) fn file_len(id: &str, body_len: usize) -> u64 {
     (HEADER + id.len() + body_len) as u64
 }
 
-/// The chunks in folder `dir` (key, file length); temporary files a crash
-/// left behind are removed.
+/// The chunks in folder `dir` (key, file length), the least recently
+/// written first; temporary files a crash left behind are removed.
 fn found(dir: &Path) -> Vec<(Key, u64)> {
     let mut found = Vec::new();
     let Ok(subs) = std::fs::read_dir(dir) else { return Vec::new() };
@@ -196,11 +194,12 @@ fn found(dir: &Path) -> Vec<(Key, u64)> {
                 continue;
             };
             if let Ok(m) = f.metadata() {
-                found.push((key, m.len()));
+                found.push((m.modified().ok(), key, m.len()));
             }
         }
     }
-    found
+    found.sort_unstable();
+    found.into_iter().map(|(_, key, len)| (key, len)).collect()
 }
 
 /// `<hash>-<index>`, the name of a chunk's file.

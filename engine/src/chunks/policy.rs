@@ -19,7 +19,9 @@
 //!   count.
 //!
 //! Chunks found on disk from an earlier process are inserted `cold`: at
-//! the cold end (rank 0), whatever the order.
+//! the cold end (rank 0), before every chunk used in this process, and
+//! among themselves in the order they were inserted (the oldest found
+//! first leaves first).
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::Hash;
@@ -59,6 +61,9 @@ pub const OBJECT_MEMORY: Policy = Policy { order: Order::FirstIn, trim_to_tenths
 
 struct Entry<V> {
     rank: u64,
+    /// The order of leaving among chunks of one rank: 0 for a used one
+    /// (its tick is its own), the count of cold inserts for a cold one.
+    seq: u64,
     weight: u64,
     value: V,
 }
@@ -68,15 +73,17 @@ pub struct Ledger<K, V> {
     policy: Policy,
     /// The clock: advanced by every insert and every use.
     tick: u64,
+    /// Cold inserts so far.
+    cold: u64,
     entries: HashMap<K, Entry<V>>,
-    /// (rank, key), the next to leave first.
-    order: BTreeSet<(u64, K)>,
+    /// (rank, seq, key), the next to leave first.
+    order: BTreeSet<(u64, u64, K)>,
     weight: u64,
 }
 
 impl<K: Clone + Eq + Hash + Ord, V> Ledger<K, V> {
     pub fn new(policy: Policy) -> Ledger<K, V> {
-        Ledger { policy, tick: 0, entries: HashMap::new(), order: BTreeSet::new(), weight: 0 }
+        Ledger { policy, tick: 0, cold: 0, entries: HashMap::new(), order: BTreeSet::new(), weight: 0 }
     }
 
     /// The tick of the newest insert or use so far.
@@ -119,22 +126,28 @@ impl<K: Clone + Eq + Hash + Ord, V> Ledger<K, V> {
         self.entries.get(key).map(|e| (e.rank, &e.value))
     }
 
-    /// Holds `value` as chunk `key` of `weight`, at the cold end if `cold`.
-    /// A chunk held already takes the new value and weight; it moves as a
-    /// use would move it, or to the cold end if `cold`.
+    /// Holds `value` as chunk `key` of `weight`, at the cold end if `cold`
+    /// (after the chunks inserted cold before it). A chunk held already
+    /// takes the new value and weight; it moves as a use would move it, or
+    /// to the cold end if `cold`.
     pub fn insert(&mut self, key: K, weight: u64, value: V, cold: bool) {
         self.tick += 1;
-        let fresh = if cold { 0 } else { self.tick };
-        let rank = match self.entries.get(&key) {
-            Some(e) if !cold && self.policy.order == Order::FirstIn => e.rank,
+        let fresh = if cold {
+            self.cold += 1;
+            (0, self.cold)
+        } else {
+            (self.tick, 0)
+        };
+        let (rank, seq) = match self.entries.get(&key) {
+            Some(e) if !cold && self.policy.order == Order::FirstIn => (e.rank, e.seq),
             Some(e) => {
-                self.order.remove(&(e.rank, key.clone()));
+                self.order.remove(&(e.rank, e.seq, key.clone()));
                 fresh
             }
             None => fresh,
         };
-        self.order.insert((rank, key.clone()));
-        if let Some(old) = self.entries.insert(key, Entry { rank, weight, value }) {
+        self.order.insert((rank, seq, key.clone()));
+        if let Some(old) = self.entries.insert(key, Entry { rank, seq, weight, value }) {
             self.weight -= old.weight;
         }
         self.weight += weight;
@@ -148,16 +161,16 @@ impl<K: Clone + Eq + Hash + Ord, V> Ledger<K, V> {
         }
         let tick = self.tick;
         if let Some(e) = self.entries.get_mut(key) {
-            self.order.remove(&(e.rank, key.clone()));
-            e.rank = tick;
-            self.order.insert((tick, key.clone()));
+            self.order.remove(&(e.rank, e.seq, key.clone()));
+            (e.rank, e.seq) = (tick, 0);
+            self.order.insert((tick, 0, key.clone()));
         }
     }
 
     /// Drops chunk `key`: its weight and value.
     pub fn remove(&mut self, key: &K) -> Option<(u64, V)> {
         let e = self.entries.remove(key)?;
-        self.order.remove(&(e.rank, key.clone()));
+        self.order.remove(&(e.rank, e.seq, key.clone()));
         self.weight -= e.weight;
         Some((e.weight, e.value))
     }
@@ -180,7 +193,7 @@ impl<K: Clone + Eq + Hash + Ord, V> Ledger<K, V> {
         }
         let target = self.policy.low_water(capacity);
         while self.weight > target {
-            let Some((_, key)) = self.order.pop_first() else { break };
+            let Some((_, _, key)) = self.order.pop_first() else { break };
             if let Some(e) = self.entries.remove(&key) {
                 self.weight -= e.weight;
                 out.push((key, e.weight, e.value));
@@ -189,12 +202,37 @@ impl<K: Clone + Eq + Hash + Ord, V> Ledger<K, V> {
         out
     }
 
+    /// The chunks [`Ledger::trim`] would drop now (key, value), in the
+    /// order it would drop them, left in place.
+    pub fn trimmed(&self, capacity: u64) -> impl Iterator<Item = (&K, &V)> {
+        let target = if self.weight <= capacity { self.weight } else { self.policy.low_water(capacity) };
+        let mut left = self.weight;
+        self.order
+            .iter()
+            .map(|(_, _, key)| (key, &self.entries[key]))
+            .take_while(move |(_, e)| {
+                let take = left > target;
+                left = left.saturating_sub(e.weight);
+                take
+            })
+            .map(|(key, e)| (key, &e.value))
+    }
+
+    /// The chunks [`Ledger::unused_since`] would drop now (key, value),
+    /// in order, left in place.
+    pub fn unused(&self, before: u64) -> impl Iterator<Item = (&K, &V)> {
+        self.order
+            .iter()
+            .take_while(move |(rank, _, _)| *rank < before)
+            .map(|(_, _, key)| (key, &self.entries[key].value))
+    }
+
     /// Drops every chunk ranked before `before` (for least recently used:
     /// not used since the clock read `before`), whatever the room.
     pub fn unused_since(&mut self, before: u64) -> Vec<(K, u64, V)> {
         let mut out = Vec::new();
-        while self.order.first().is_some_and(|(rank, _)| *rank < before) {
-            let Some((_, key)) = self.order.pop_first() else { break };
+        while self.order.first().is_some_and(|(rank, _, _)| *rank < before) {
+            let Some((_, _, key)) = self.order.pop_first() else { break };
             if let Some(e) = self.entries.remove(&key) {
                 self.weight -= e.weight;
                 out.push((key, e.weight, e.value));
@@ -215,6 +253,8 @@ mod tests {
             l.insert(k, 300, (), false);
         }
         l.touch(&1);
+        assert_eq!(l.trimmed(1000).map(|v| *v.0).collect::<Vec<_>>(), vec![2], "what trim would drop");
+        assert_eq!(l.trimmed(1200).count(), 0, "nothing: not over");
         let out: Vec<u32> = l.trim(1000).into_iter().map(|v| v.0).collect();
         assert_eq!(out, vec![2], "1200 > 1000: down to 900, 1 was used since");
         assert_eq!(l.weight(), 900);
@@ -242,8 +282,23 @@ mod tests {
         assert_eq!(l.rank(&7), Some(0));
         let mark = l.tick() + 1;
         l.insert(9, 10, (), false);
+        assert_eq!(l.unused(mark).map(|v| *v.0).collect::<Vec<_>>(), vec![7, 5], "what unused_since would drop");
         let out: Vec<u32> = l.unused_since(mark).into_iter().map(|v| v.0).collect();
         assert_eq!(out, vec![7, 5]);
         assert_eq!((l.len(), l.weight()), (1, 10));
+    }
+
+    #[test]
+    fn cold_chunks_leave_in_the_order_they_were_inserted() {
+        let mut l: Ledger<u32, ()> = Ledger::new(CHUNK_STORE);
+        l.insert(1, 10, (), false);
+        for k in [9, 3, 6] {
+            l.insert(k, 10, (), true);
+        }
+        let out: Vec<u32> = l.trim(30).into_iter().map(|v| v.0).collect();
+        assert_eq!(out, vec![9, 3], "the first found leaves first, whatever its key");
+        l.touch(&6);
+        let out: Vec<u32> = l.unused_since(l.tick()).into_iter().map(|v| v.0).collect();
+        assert_eq!(out, vec![1], "a used chunk is no longer cold");
     }
 }

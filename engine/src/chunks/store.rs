@@ -18,16 +18,26 @@
 //! store holds segment chunks alone.
 //!
 //! Locks, in order: `evicting` → the segment tier's locks (its punch
-//! runs under `evicting`) → `held`. `held` and `segments` are taken alone:
-//! nothing else is taken while either is held, and neither is held across a
-//! call out of the store. A reader of segment chunks holds `evicting`
+//! runs under `evicting`) → `held`, and `files` → `held`. `held` and
+//! `segments` are innermost: nothing else is taken while either is held,
+//! and neither is held across a call out of the store. `files` is taken
+//! with no other lock of the store held, never across a call out of it.
+//! A reader of segment chunks holds `evicting`
 //! shared ([`ChunkStore::hold`]) from "is the chunk present" to the end of
 //! its pread, and fresh segment bytes land under it too
-//! ([`ChunkStore::land`]); an eviction holds it exclusively while it picks
-//! its victims and punches them, so a punch never races a read, nor follows
-//! fresh bytes. Chunk files are removed after `evicting` is released: their
-//! readers read a whole file at once, which an unlink does not cut short,
-//! and a reader that finds a file gone forgets the chunk.
+//! ([`ChunkStore::land`]); an eviction whose victims hold a segment chunk
+//! holds it exclusively while it picks them and punches, so a punch never
+//! races a read, nor follows fresh bytes. Chunk files need no such lock:
+//! their readers read a whole file at once, which an unlink does not cut
+//! short, and a reader that finds a file gone forgets the chunk. So an
+//! eviction of chunk files alone never takes `evicting` (never waits for a
+//! segment reader, who may be sending to a slow client), and chunk files
+//! are removed after it is released. What keeps the ledger true to the
+//! folder is `files`: a put renames its file into place and inserts its
+//! chunk under it, and an eviction removes a file under it only if its
+//! chunk was not put again since it was picked; a reader that lost a file
+//! (or found it damaged) forgets the chunk only if it is still the put it
+//! found.
 
 use super::object_files;
 use super::policy::{Ledger, CHUNK_STORE};
@@ -68,8 +78,38 @@ enum Spot {
     /// At `off` of its segment's cache file; `verified`: checked in this
     /// process.
     Segment { len: u32, off: u64, verified: bool },
-    /// In its own file.
-    Object,
+    /// In its own file, put there by the store's `put`th insert of a chunk
+    /// file: a reader that lost a file forgets the chunk only if it was not
+    /// put again since.
+    Object { put: u64 },
+}
+
+/// Which chunks an eviction drops.
+#[derive(Clone, Copy, Debug)]
+enum Pick {
+    /// Down to the policy's low water mark, if over the capacity.
+    Over,
+    /// Every chunk last used before this tick.
+    UnusedSince(u64),
+}
+
+impl Pick {
+    /// Whether the chunks this would drop now hold a segment chunk.
+    fn any_segment(self, ledger: &Ledger<ChunkKey, Spot>, capacity: u64) -> bool {
+        let segment = |(_, spot): (&ChunkKey, &Spot)| matches!(spot, Spot::Segment { .. });
+        match self {
+            Pick::Over => ledger.trimmed(capacity).any(segment),
+            Pick::UnusedSince(before) => ledger.unused(before).any(segment),
+        }
+    }
+
+    /// Drops the chunks this picks: (key, weight, where).
+    fn take(self, ledger: &mut Ledger<ChunkKey, Spot>, capacity: u64) -> Vec<(ChunkKey, u64, Spot)> {
+        match self {
+            Pick::Over => ledger.trim(capacity),
+            Pick::UnusedSince(before) => ledger.unused_since(before),
+        }
+    }
 }
 
 /// The owner of the segment chunks' sparse files: punches evicted chunks
@@ -83,12 +123,14 @@ pub(crate) trait SegmentFiles: Send + Sync {
 struct Held {
     ledger: Ledger<ChunkKey, Spot>,
     object_bytes: u64,
+    /// Chunk files inserted so far.
+    puts: u64,
 }
 
 impl Held {
     fn insert(&mut self, key: ChunkKey, weight: u64, spot: Spot, cold: bool) {
         self.remove(&key);
-        if let Spot::Object = spot {
+        if let Spot::Object { .. } = spot {
             self.object_bytes += weight;
         }
         self.ledger.insert(key, weight, spot, cold);
@@ -102,9 +144,16 @@ impl Held {
 
     /// Accounts for a chunk the ledger dropped.
     fn gone(&mut self, weight: u64, spot: &Spot) {
-        if let Spot::Object = spot {
+        if let Spot::Object { .. } = spot {
             self.object_bytes -= weight;
         }
+    }
+
+    /// Holds chunk file `key` of `len` bytes.
+    fn insert_object(&mut self, (hash, index): (u64, u64), len: u64, cold: bool) {
+        self.puts += 1;
+        let spot = Spot::Object { put: self.puts };
+        self.insert(ChunkKey::Object(hash, index), len, spot, cold);
     }
 }
 
@@ -116,6 +165,10 @@ pub struct ChunkStore {
     capacity: u64,
     held: Mutex<Held>,
     evicting: RwLock<()>,
+    /// A chunk file's name in the folder and its entry in the ledger change
+    /// together under it: a put's rename and insert, a removal by an
+    /// eviction or a reader and the look at the ledger before it.
+    files: Mutex<()>,
     evicted: Counter,
     /// The chunk-files folder, once [`super::ChunkFiles`] opened it.
     objects: OnceLock<PathBuf>,
@@ -130,8 +183,9 @@ impl ChunkStore {
     pub fn new(capacity: u64) -> Arc<ChunkStore> {
         Arc::new(ChunkStore {
             capacity,
-            held: Mutex::new(Held { ledger: Ledger::new(CHUNK_STORE), object_bytes: 0 }),
+            held: Mutex::new(Held { ledger: Ledger::new(CHUNK_STORE), object_bytes: 0, puts: 0 }),
             evicting: RwLock::new(()),
+            files: Mutex::new(()),
             evicted: Counter::new(),
             objects: OnceLock::new(),
             segments: Mutex::new(None),
@@ -223,11 +277,17 @@ impl ChunkStore {
     /// Marks segment chunks (key, length, offset) present. `old` chunks
     /// (found in a cache file from before) go to the cold end and are
     /// checked when first read: a crash may have left a chunk half written,
-    /// and a punched partial block reads as zeros yet counts as data.
+    /// and a punched partial block reads as zeros yet counts as data. An
+    /// `old` chunk the store holds already (its file opened again in this
+    /// process) keeps its place and its check.
     pub(crate) fn insert_segments(&self, chunks: &[PlacedChunk], old: bool) {
         let mut held = self.held.lock();
         for &((seg, i), len, off) in chunks {
-            held.insert(ChunkKey::Segment(seg, i), len as u64, Spot::Segment { len, off, verified: !old }, old);
+            let key = ChunkKey::Segment(seg, i);
+            if old && held.ledger.contains(&key) {
+                continue;
+            }
+            held.insert(key, len as u64, Spot::Segment { len, off, verified: !old }, old);
         }
     }
 
@@ -250,15 +310,16 @@ impl ChunkStore {
     }
 
     /// Takes `dir` as the chunk-files folder, with the chunks found there
-    /// (key, file length) at the cold end; a folder taken already is not
-    /// looked at again. Another folder is refused: one store, one folder.
+    /// (key, file length; the least recently written first) at the cold
+    /// end; a folder taken already is not looked at again. Another folder
+    /// is refused: one store, one folder.
     pub(crate) fn open_objects(&self, dir: &Path, found: impl FnOnce() -> Vec<((u64, u64), u64)>) -> Result<()> {
         // Another opener of the folder waits here until its chunks are in.
         let taken = self.objects.get_or_init(|| {
             let found = found();
             let mut held = self.held.lock();
-            for ((hash, index), len) in found {
-                held.insert(ChunkKey::Object(hash, index), len, Spot::Object, true);
+            for (key, len) in found {
+                held.insert_object(key, len, true);
             }
             dir.to_path_buf()
         });
@@ -269,12 +330,49 @@ impl ChunkStore {
         Ok(())
     }
 
-    /// Marks the chunk file of `key` (hash of the object id, index)
-    /// present, `len` bytes long, then evicts if the store is over its
-    /// capacity.
-    pub(crate) fn insert_object(&self, (hash, index): (u64, u64), len: u64) {
-        self.held.lock().insert(ChunkKey::Object(hash, index), len, Spot::Object, false);
+    /// Puts the chunk file of `key` (hash of the object id, index) in
+    /// place with `place` and, if it is, marks it present, `len` bytes
+    /// long; then evicts if the store is over its capacity.
+    pub(crate) fn insert_object(
+        &self,
+        key: (u64, u64),
+        len: u64,
+        place: impl FnOnce() -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        {
+            let _files = self.files.lock();
+            place()?;
+            self.held.lock().insert_object(key, len, false);
+        }
         self.evict_if_over();
+        Ok(())
+    }
+
+    /// Which put of chunk file `key` the store holds, if any (for
+    /// [`ChunkStore::forget_object`]).
+    pub(crate) fn object(&self, (hash, index): (u64, u64)) -> Option<u64> {
+        match self.held.lock().ledger.get(&ChunkKey::Object(hash, index)) {
+            Some(Spot::Object { put }) => Some(*put),
+            _ => None,
+        }
+    }
+
+    /// Drops chunk file `key` and removes its file (one that failed its
+    /// check, or is gone), if the store still holds put `put` of it, as
+    /// its reader found it: a chunk put again since is another file.
+    pub(crate) fn forget_object(&self, (hash, index): (u64, u64), put: u64) {
+        let _files = self.files.lock();
+        let key = ChunkKey::Object(hash, index);
+        {
+            let mut held = self.held.lock();
+            if !matches!(held.ledger.get(&key), Some(Spot::Object { put: p }) if *p == put) {
+                return;
+            }
+            held.remove(&key);
+        }
+        if let Some(dir) = self.objects.get() {
+            let _ = std::fs::remove_file(object_files::path(dir, (hash, index)));
+        }
     }
 
     /// When the store holds more than its capacity, drops the chunks its
@@ -284,35 +382,53 @@ impl ChunkStore {
         if self.held.lock().ledger.weight() <= self.capacity {
             return;
         }
-        self.evict(|ledger| ledger.trim(self.capacity));
+        self.evict(Pick::Over);
     }
 
     /// Drops every chunk last used before tick `before`, of either kind:
     /// what nobody read for a while goes, however much room is left.
     pub(crate) fn evict_unused_since(&self, before: u64) {
-        self.evict(|ledger| ledger.unused_since(before));
+        self.evict(Pick::UnusedSince(before));
     }
 
     /// Drops the chunks `pick` takes from the ledger and removes their
-    /// bytes: segment chunks punched while no reader is between its
-    /// presence check and its pread, then chunk files removed.
-    fn evict(&self, pick: impl FnOnce(&mut Ledger<ChunkKey, Spot>) -> Vec<(ChunkKey, u64, Spot)>) {
+    /// bytes.
+    fn evict(&self, pick: Pick) {
+        let files = self.drop_victims(pick);
+        self.remove_files(files);
+    }
+
+    /// Drops the chunks `pick` takes from the ledger and punches the
+    /// segment chunks among them out, while no reader is between its
+    /// presence check and its pread; the chunk files to remove. Only an
+    /// eviction with segment chunks to punch takes the eviction lock: one
+    /// of chunk files alone never waits for a segment reader (a server may
+    /// hold one across a send to a slow client).
+    fn drop_victims(&self, pick: Pick) -> Vec<(u64, u64)> {
         let mut files = Vec::new();
         // Dropped once the lock is released: should it be the segment
         // tier's last handle, the tier goes with no lock of the store held.
         let mut owner = None;
         {
-            let _x = self.evicting.write();
-            let victims = {
+            let mut exclusive = None;
+            let victims = loop {
                 let mut held = self.held.lock();
-                let victims = pick(&mut held.ledger);
+                if exclusive.is_none() && pick.any_segment(&held.ledger, self.capacity) {
+                    // Picked again under the lock: what was picked before
+                    // may have been fetched again since, its fresh bytes
+                    // landed, which a punch must not follow.
+                    drop(held);
+                    exclusive = Some(self.evicting.write());
+                    continue;
+                }
+                let victims = pick.take(&mut held.ledger, self.capacity);
                 for (_, weight, spot) in &victims {
                     held.gone(*weight, spot);
                 }
-                victims
+                break victims;
             };
             if victims.is_empty() {
-                return;
+                return files;
             }
             self.evicted.add(victims.iter().map(|v| v.1).sum());
             let mut punched = Vec::new();
@@ -320,7 +436,7 @@ impl ChunkStore {
                 match (key, spot) {
                     (ChunkKey::Segment(seg, i), Spot::Segment { len, off, .. }) => punched.push(((seg, i), len, off)),
                     (ChunkKey::Object(hash, index), _) => files.push((hash, index)),
-                    (ChunkKey::Segment(..), Spot::Object) => {}
+                    (ChunkKey::Segment(..), Spot::Object { .. }) => {}
                 }
             }
             if !punched.is_empty() {
@@ -331,10 +447,24 @@ impl ChunkStore {
             }
         }
         drop(owner);
-        if let Some(dir) = self.objects.get() {
-            for key in files {
-                let _ = std::fs::remove_file(object_files::path(dir, key));
-            }
+        files
+    }
+
+    /// Removes the files of evicted chunk files `keys`, but for those put
+    /// again since they were picked (a file of that name now is the new
+    /// one).
+    fn remove_files(&self, keys: Vec<(u64, u64)>) {
+        let Some(dir) = self.objects.get() else { return };
+        if keys.is_empty() {
+            return;
+        }
+        let _files = self.files.lock();
+        let keys: Vec<(u64, u64)> = {
+            let held = self.held.lock();
+            keys.into_iter().filter(|&(hash, index)| !held.ledger.contains(&ChunkKey::Object(hash, index))).collect()
+        };
+        for key in keys {
+            let _ = std::fs::remove_file(object_files::path(dir, key));
         }
     }
 
@@ -517,6 +647,124 @@ mod tests {
         assert_eq!(*punches.0.lock(), vec![((s, 5), one as u32, 5 * one)]);
         assert!(files.get(ID, 0).is_none() && files_in(dir.path()) == 0);
         assert_eq!((store.segment_bytes(), store.object_bytes()), (3 * one, 0));
+    }
+
+    #[test]
+    fn chunks_found_again_keep_their_place_and_their_check() {
+        let store = ChunkStore::new(1 << 20);
+        let s = seg(4);
+        store.insert_segments(&[((s, 0), 10, 0), ((s, 1), 10, 10)], false);
+        store.touch(ChunkKey::Segment(s, 1));
+        let hot = store.rank(ChunkKey::Segment(s, 1));
+        // The segment's cache file is opened again and its chunks found.
+        store.insert_segments(&[((s, 0), 10, 0), ((s, 1), 10, 10), ((s, 2), 10, 20)], true);
+        assert_eq!((store.verified((s, 1)), store.rank(ChunkKey::Segment(s, 1))), (Some(true), hot), "used: stays");
+        assert_eq!(store.verified((s, 0)), Some(true));
+        assert_eq!((store.verified((s, 2)), store.rank(ChunkKey::Segment(s, 2))), (Some(false), Some(0)), "new: cold");
+        assert_eq!(store.bytes(), 30);
+    }
+
+    #[test]
+    fn chunk_files_found_at_open_leave_oldest_first() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![3u8; 1000];
+        let one = object_files::file_len(ID, body.len());
+        let hash = super::super::fnv1a(ID.as_bytes());
+        {
+            let earlier = ChunkStore::new(1 << 30);
+            let files = ChunkFiles::open(dir.path(), &earlier).expect("files");
+            for i in 0..4 {
+                files.put(ID, i, &body);
+            }
+        }
+        // Chunk 3 was written longest ago, then 1, 0 and 2.
+        let now = std::time::SystemTime::now();
+        for (i, age) in [(3, 400), (1, 300), (0, 200), (2, 100)] {
+            let f = File::options().write(true).open(object_files::path(dir.path(), (hash, i))).expect("file");
+            f.set_modified(now - std::time::Duration::from_secs(age)).expect("mtime");
+        }
+        // Room for three of the four: trimmed to 90 %, two stay.
+        let store = ChunkStore::new(3 * one);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        let kept: Vec<u64> = (0..4).filter(|&i| files.get(ID, i).is_some()).collect();
+        assert_eq!(kept, vec![0, 2], "the two written last stay");
+    }
+
+    #[test]
+    fn evicting_chunk_files_alone_does_not_wait_for_a_segment_reader() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![4u8; 1000];
+        let one = object_files::file_len(ID, body.len());
+        let (store, punches) = with_punches(3 * one);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        for i in 0..3 {
+            files.put(ID, i, &body);
+        }
+        store.insert_segments(&[((seg(1), 0), 10, 0)], false);
+        // A reader of segment chunks is between its presence check and its
+        // pread (or a server is sending a chunk to a slow client).
+        let reading = store.hold();
+        let (done, put) = std::sync::mpsc::channel();
+        let writer = {
+            let files = files.clone();
+            let body = body.clone();
+            std::thread::spawn(move || {
+                files.put(ID, 3, &body);
+                let _ = done.send(());
+            })
+        };
+        let finished = put.recv_timeout(std::time::Duration::from_secs(10));
+        drop(reading);
+        writer.join().expect("writer");
+        assert!(finished.is_ok(), "the put waited for the segment reader");
+        assert!(punches.0.lock().is_empty() && store.contains((seg(1), 0)), "only chunk files left");
+        assert_eq!((store.object_bytes(), files_in(dir.path()) as u64), (2 * one, 2));
+    }
+
+    /// Bytes of the chunk files in a chunk-files folder.
+    fn bytes_in(dir: &Path) -> u64 {
+        let subs = std::fs::read_dir(dir).expect("dir").flatten();
+        subs.flat_map(|s| std::fs::read_dir(s.path()).expect("sub").flatten())
+            .map(|f| f.metadata().expect("len").len())
+            .sum()
+    }
+
+    #[test]
+    fn a_chunk_file_put_again_while_it_is_evicted_stays_counted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![5u8; 1000];
+        let store = ChunkStore::new(1 << 20);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        files.put(ID, 0, &body);
+        let mark = store.tick() + 1;
+        files.put(ID, 1, &body);
+        // An eviction drops chunk 0 from the ledger; before it removes the
+        // file, the chunk is fetched again and put.
+        let gone = store.drop_victims(Pick::UnusedSince(mark));
+        files.put(ID, 0, &body);
+        store.remove_files(gone);
+        assert_eq!(store.object_bytes(), bytes_in(dir.path()), "the ledger counts the bytes on disk");
+        assert!(files.get(ID, 0).is_some(), "the chunk put again is there");
+    }
+
+    #[test]
+    fn a_reader_that_lost_a_chunk_file_does_not_forget_it_put_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let body = vec![6u8; 1000];
+        let store = ChunkStore::new(1 << 20);
+        let files = ChunkFiles::open(dir.path(), &store).expect("files");
+        files.put(ID, 0, &body);
+        let key = (super::super::fnv1a(ID.as_bytes()), 0);
+        // A reader finds chunk 0 present; an eviction removes it before
+        // the reader reads its file; a put brings it back before the
+        // reader, who found no file, forgets it.
+        let found = store.object(key).expect("present");
+        store.evict_unused_since(store.tick() + 1);
+        assert!(std::fs::read(object_files::path(dir.path(), key)).is_err());
+        files.put(ID, 0, &body);
+        store.forget_object(key, found);
+        assert_eq!(store.object_bytes(), bytes_in(dir.path()), "the ledger counts the bytes on disk");
+        assert!(files.get(ID, 0).is_some(), "the chunk put again is there");
     }
 
     #[test]

@@ -52,6 +52,13 @@ type Found = arbor_engine::Result<Option<(Vec<u8>, Option<bool>)>>;
 /// ones are read and written: two system calls cost more than the copy).
 const SEND_FILE_MIN: usize = 64 << 10;
 
+/// How long a chunk connection's write may wait for a client that stopped
+/// reading before the connection is dropped: a `sendfile` from the cache
+/// holds the cache's reader lock, which every eviction that punches (and
+/// so, behind it, every other reader) waits for. Five times a client's own
+/// timeout ([`super::client::TIMEOUT`]).
+const SEND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What a chunk request comes to, on either transport.
 enum Served {
     /// The bytes; whether they were cached already (`None`: a footer);
@@ -140,6 +147,7 @@ impl ChunkService {
         idle: &std::sync::atomic::AtomicBool,
     ) -> std::io::Result<()> {
         use crate::wire::frames::{read_frame, write_chunk_answer, ChunkAnswer, ChunkAsk};
+        stream.tcp().set_write_timeout(Some(SEND_TIMEOUT))?;
         loop {
             idle.store(true, Ordering::Release);
             stream.wait_readable()?;

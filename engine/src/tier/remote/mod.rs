@@ -22,16 +22,18 @@
 //!
 //! Lock order (a thread holding one may take those after it, never before):
 //! `opening` → `chunks` eviction lock (`ChunkStore::exclusive`/`hold`; an
-//! eviction started by an imported chunk's insert takes it too, then calls
-//! `Remote::punch`) → `segs` → `fetches.inflight` → `fetches.queued` → the
-//! store's ledger → `fetches.stream`, `fetches.absent`, `adopted`,
-//! `fetches.workers`. The store's ledger is never held across a call into
+//! eviction with segment chunks to punch takes it, whichever kind of
+//! insert started it, then calls `Remote::punch`) → `segs` → `let_go` →
+//! `fetches.inflight` → `fetches.queued` → the store's ledger →
+//! `fetches.stream`, `fetches.absent`, `adopted`, `fetches.workers`. The store's ledger is never held across a call into
 //! this tier, and `RemoteSeg::landing` is released before an eviction. A
 //! fetch's outcome (`chunks::fetch::Fetch`) is taken alone: its waiters
 //! wait on it with `inflight` released.
 
 mod prefetch;
 mod segment;
+#[cfg(test)]
+mod tests;
 
 use super::object::{segment_key, split_verified, wal_offset, wal_prefix, Footer, TRAILER_LEN};
 use crate::bucket::ObjectStore;
@@ -146,6 +148,14 @@ pub(crate) struct Remote {
     /// budget, shared with the chunk files of imported objects.
     chunks: Arc<ChunkStore>,
     segs: RwLock<HashMap<SegId, Arc<RemoteSeg>>>,
+    /// Segments read from a cache file that `segs` let go of (too many
+    /// open) while a reader or a fetch worker may still hold them: opening
+    /// one again takes that handle back rather than setting up its cache
+    /// file anew, so a segment's chunks are in one file at a time (a
+    /// memory-only cache's file is its handle's own: a second one would
+    /// hold none of the chunks the store counts, nor get those landed
+    /// through the first).
+    let_go: Mutex<HashMap<SegId, std::sync::Weak<RemoteSeg>>>,
     /// Segments this node wrote whose files became cached copies: reads
     /// through an older local handle go through the cache instead.
     adopted: Mutex<HashSet<SegId>>,
@@ -178,6 +188,7 @@ impl Remote {
             memory,
             chunks,
             segs: RwLock::new(HashMap::new()),
+            let_go: Mutex::new(HashMap::new()),
             adopted: Mutex::new(HashSet::new()),
             opening: Mutex::new(()),
             peers,
@@ -296,7 +307,7 @@ impl SegmentFiles for Remote {
                 by_seg.entry(seg).or_default().push((len, off));
             }
             for (seg, chunks) in by_seg {
-                let held = self.seg(seg);
+                let held = self.seg(seg).or_else(|| self.still_held(seg));
                 let opened;
                 let file = match held.as_deref().map(|s| &s.backing) {
                     Some(Backing::Object { file }) => file,
@@ -349,6 +360,8 @@ impl Remote {
                 .collect();
             self.keep_footer(id, &footer);
             self.segs.write().remove(&id);
+            // A handle let go of reads the file this one replaced.
+            self.let_go.lock().remove(&id);
             self.insert_seg(id, footer, Backing::Object { file });
             self.chunks.insert_segments(&chunks, false);
         }
@@ -553,8 +566,39 @@ impl Remote {
             me: me.clone(),
         });
         let mut segs = self.segs.write();
-        crate::device::bound_handles(&mut segs, MAX_OPEN);
+        self.bound_open(&mut segs);
         segs.entry(id).or_insert(seg).clone()
+    }
+
+    /// Lets go of a quarter of the open segments when [`MAX_OPEN`] are
+    /// open.
+    fn bound_open(&self, segs: &mut HashMap<SegId, Arc<RemoteSeg>>) {
+        if segs.len() >= MAX_OPEN {
+            let victims: Vec<SegId> = segs.keys().take(MAX_OPEN / 4).copied().collect();
+            self.let_go(segs, &victims);
+        }
+    }
+
+    /// Takes open segments `ids` out of `segs`, keeping track of those
+    /// read from a cache file until nobody holds them (see `let_go`).
+    fn let_go(&self, segs: &mut HashMap<SegId, Arc<RemoteSeg>>, ids: &[SegId]) {
+        let mut let_go = self.let_go.lock();
+        let_go.retain(|_, seg| seg.strong_count() > 0);
+        for id in ids {
+            if let Some(seg) = segs.remove(id).filter(|s| matches!(s.backing, Backing::Object { .. })) {
+                let_go.insert(*id, Arc::downgrade(&seg));
+            }
+        }
+    }
+
+    /// Segment `id` if `segs` let go of it and somebody still holds it.
+    fn still_held(&self, id: SegId) -> Option<Arc<RemoteSeg>> {
+        let mut let_go = self.let_go.lock();
+        let seg = let_go.get(&id)?.upgrade();
+        if seg.is_none() {
+            let_go.remove(&id);
+        }
+        seg
     }
 
     /// Segment `id` if it is open here (a segment object or WAL pieces).
@@ -589,6 +633,12 @@ impl Remote {
         let _one = self.opening.lock();
         if let Some(s) = self.segs.read().get(&id) {
             return Ok(Some(s.clone()));
+        }
+        if let Some(seg) = self.still_held(id) {
+            self.let_go.lock().remove(&id);
+            let mut segs = self.segs.write();
+            self.bound_open(&mut segs);
+            return Ok(Some(segs.entry(id).or_insert(seg).clone()));
         }
         let key = segment_key(id);
         if let Some(footer) = self.kept_footer(id, &key) {
@@ -870,11 +920,13 @@ impl Remote {
     pub(crate) fn shutdown(&self) {
         self.fetches.stop_workers();
         self.segs.write().clear();
+        self.let_go.lock().clear();
     }
 
     /// Forgets a deleted segment.
     pub(crate) fn remove(&self, id: SegId) {
         self.segs.write().remove(&id);
+        self.let_go.lock().remove(&id);
         self.adopted.lock().remove(&id);
         let _x = self.chunks.exclusive();
         self.chunks.forget_segment(id);
