@@ -39,7 +39,7 @@
 //!   fourfold per read to a cap, the source reader's stays at 64 chunks),
 //!   and `Workers`, the lazily started pool of fetch worker threads its
 //!   runs go to (one job a run, a panicking job caught, `drain` to wait
-//!   for every job, `stop` to let the workers end). A reader's own misses
+//!   for every job submitted before it, `stop` to let the workers end). A reader's own misses
 //!   never queue there: each reader fetches them itself, on the caller's
 //!   thread.
 //! - `policy.rs`: **the eviction policy of every cache here**, the one
