@@ -97,6 +97,17 @@ impl<T: Clone> Fetch<T> {
         self.cv.notify_all();
     }
 
+    /// As [`Fetch::done`], unless an outcome was recorded already (which
+    /// stays): how a fetch whose claim ended without one is finished.
+    pub(crate) fn done_if_unset(&self, outcome: T) {
+        let mut first = self.outcome.lock();
+        if first.is_none() {
+            *first = Some(outcome);
+            drop(first);
+            self.cv.notify_all();
+        }
+    }
+
     /// Waits for the outcome.
     pub(crate) fn wait(&self) -> T {
         let mut outcome = self.outcome.lock();

@@ -683,12 +683,16 @@ impl Counters {
 
 /// Records a fetch's result: cached if it worked, then its waiters woken.
 /// A fetch finished already (a panic finishes every chunk of its run)
-/// keeps its first outcome and leaves a later fetch of the chunk alone.
+/// keeps its first outcome and leaves a later fetch of the chunk alone;
+/// one whose claim ended with no outcome told (a panic in between) is
+/// told this one.
 fn finish(cache: &Mutex<Table>, object: &ObjectId, i: u64, p: &Pending, got: Outcome) {
     {
         let mut c = cache.lock();
         let id = (object.clone(), i);
         if !c.pending.finish_fetch(&id, p) {
+            drop(c);
+            p.done_if_unset(got);
             return;
         }
         if let Ok(b) = &got {
@@ -849,6 +853,23 @@ mod tests {
         reader.read(&stream, 9 * CHUNK, &mut buf).expect("read ahead");
         assert_eq!(buf, stream_body[9 * CHUNK as usize..10 * CHUNK as usize]);
         assert_eq!(reader.stats().gets, gets, "read from memory");
+    }
+
+    #[test]
+    fn a_fetch_left_without_an_outcome_is_finished_by_its_panic_handler() {
+        let cache = Mutex::new(Table::new(4));
+        let object: ObjectId = "o".into();
+        let id = (object.clone(), 3);
+        let Claim::Mine(p) = cache.lock().pending.join(id.clone()) else { panic!("claimed already") };
+        // A panic between ending the claim and telling the waiters leaves this.
+        assert!(cache.lock().pending.finish_fetch(&id, &p));
+        let panicked = || Err(Failed::Other("a source fetch panicked".into()));
+        finish(&cache, &object, 3, &p, panicked());
+        assert!(p.wait_for(Duration::ZERO).is_some_and(|o| o.is_err()), "its waiters were left waiting");
+        // A later claim of the chunk is left alone.
+        let Claim::Mine(later) = cache.lock().pending.join(id.clone()) else { panic!("claimed already") };
+        finish(&cache, &object, 3, &p, panicked());
+        assert!(cache.lock().pending.contains(&id) && later.wait_for(Duration::ZERO).is_none());
     }
 
     #[test]
