@@ -8,12 +8,16 @@
 use super::segment::{Backing, RemoteSeg};
 use super::{ChunkKey, Remote, RUN_CHUNKS, SPILL_SEGMENTS};
 use crate::chunks::ahead::{Window, Workers};
-use crate::chunks::fetch::{self, InFlight};
+use crate::chunks::fetch::{self, Fetch, InFlight};
 use crate::format::SegId;
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+/// A chunk (by number in its segment) this thread claimed, and the claim:
+/// what ends it, and only it.
+pub(super) type Claimed = (usize, Arc<Fetch<()>>);
 
 /// What a [`Remote`] is fetching and means to: chunk fetches in flight
 /// (on demand or ahead), the chunks queued for the fetch workers, the
@@ -60,14 +64,16 @@ impl Fetches {
         self.inflight.lock().contains(&key)
     }
 
-    /// Ends the claims on `keys` (landed or not) and wakes their waiters,
-    /// who look in the cache again (and fetch a chunk that did not land).
-    pub(super) fn release(&self, keys: impl IntoIterator<Item = ChunkKey>) {
+    /// Ends `claims` (their chunks landed or not) and wakes their
+    /// waiters, who look in the cache again (and fetch a chunk that did
+    /// not land). A claim ended already is left alone, and so is a later
+    /// claim of its chunk by another reader.
+    pub(super) fn release<'a>(&self, seg: SegId, claims: impl IntoIterator<Item = &'a Claimed>) {
         let done: Vec<_> = {
             let mut inflight = self.inflight.lock();
-            keys.into_iter().filter_map(|k| inflight.finish(&k)).collect()
+            claims.into_iter().filter(|(i, f)| inflight.finish_fetch(&(seg, *i as u32), f)).collect()
         };
-        for fetch in done {
+        for (_, fetch) in done {
             fetch.done(());
         }
     }
@@ -130,20 +136,23 @@ impl RemoteSeg {
     fn fetch_run(&self, first: usize, count: usize) {
         let r = &self.remote;
         // Claim the chunks nobody else has or is fetching.
-        let mut claimed = Vec::new();
+        let mut claimed: Vec<Claimed> = Vec::new();
         {
             let mut inflight = r.fetches.inflight();
             for i in first..first + count {
                 let key = (self.id, i as u32);
-                if !r.chunks.contains(key) && inflight.claim(key).is_some() {
-                    claimed.push(i);
+                if r.chunks.contains(key) {
+                    continue;
+                }
+                if let Some(claim) = inflight.claim(key) {
+                    claimed.push((i, claim));
                 }
             }
         }
         let fetch = std::panic::AssertUnwindSafe(|| self.fetch_claimed(&claimed));
         if std::panic::catch_unwind(fetch).is_err() {
             tracing::error!(seg = %self.id, first, count, "a read-ahead fetch panicked");
-            r.fetches.release(claimed.iter().map(|&i| (self.id, i as u32)));
+            r.fetches.release(self.id, &claimed);
         }
     }
 
@@ -151,7 +160,7 @@ impl RemoteSeg {
     /// `inflight`): from the cache servers, and the rest with one GET from
     /// the first to the last of them; lands those that pass their check
     /// and releases the claims.
-    pub(super) fn fetch_claimed(&self, claimed: &[usize]) {
+    pub(super) fn fetch_claimed(&self, claimed: &[Claimed]) {
         let r = &self.remote;
         if claimed.is_empty() {
             return;
@@ -162,17 +171,20 @@ impl RemoteSeg {
             // reader right behind read-ahead waits for its chunk, not for
             // the run. What they did not give comes from the bucket in one
             // GET spanning it.
+            let wanted: Vec<usize> = claimed.iter().map(|(i, _)| *i).collect();
             let mut given = Vec::new();
-            r.ask_peers_each(self.id, &self.footer, claimed, &mut |i, bytes| {
+            r.ask_peers_each(self.id, &self.footer, &wanted, &mut |i, bytes| {
                 let key = (self.id, i as u32);
                 r.land(self, &[(key, bytes.as_slice(), self.footer.chunk_range(i).0)]);
-                r.fetches.release([key]);
+                r.fetches.release(self.id, claimed.iter().filter(|(c, _)| *c == i));
                 given.push(i);
             });
-            let rest: Vec<usize> = claimed.iter().copied().filter(|i| !given.contains(i)).collect();
+            // A chunk a server gave was released as it landed: by the time
+            // the run ends another reader may have claimed it again.
+            let rest: Vec<&Claimed> = claimed.iter().filter(|(i, _)| !given.contains(i)).collect();
             let mut good: Vec<(ChunkKey, &[u8], u64)> = Vec::new();
             let fetched = match (rest.first(), rest.last()) {
-                (Some(&lo), Some(&hi)) => {
+                (Some(&&(lo, _)), Some(&&(hi, _))) => {
                     let (start, _) = self.footer.chunk_range(lo);
                     let (_, end) = self.footer.chunk_range(hi);
                     r.counts.gets.inc();
@@ -187,7 +199,7 @@ impl RemoteSeg {
                 _ => None,
             };
             if let Some((start, bytes)) = &fetched {
-                for &i in &rest {
+                for &&(i, _) in &rest {
                     let (s, e) = self.footer.chunk_range(i);
                     match bytes.get((s - start) as usize..(e - start) as usize) {
                         Some(part) if self.footer.verify(i, part) => {
@@ -205,8 +217,10 @@ impl RemoteSeg {
             // re-reads from the cache run slower).
             good.sort_by_key(|g| g.2);
             r.land(self, &good);
+            r.fetches.release(self.id, rest);
+            return;
         }
-        r.fetches.release(claimed.iter().map(|&i| (self.id, i as u32)));
+        r.fetches.release(self.id, claimed);
     }
 
     /// Keeps the `read_ahead` bytes after `end` coming: every chunk there
@@ -326,5 +340,76 @@ impl RemoteSeg {
             }
         }
         self.fetch_run(first, count);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::{MemObjectStore, ObjectStore};
+    use crate::chunks::{ChunkRequest, ChunkSource, ChunkStore};
+    use crate::tier::object::{segment_key, with_footer};
+
+    const CHUNK: u32 = 4096;
+
+    /// A cache server that gives every chunk asked for, and after the
+    /// first one runs `between` (what other readers do while the rest of
+    /// a run is on its way).
+    struct Server {
+        data: Vec<u8>,
+        between: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    }
+
+    impl ChunkSource for Server {
+        fn fetch(&self, _seg: SegId, wanted: &[ChunkRequest]) -> Vec<Option<Vec<u8>>> {
+            wanted.iter().map(|w| Some(self.data[w.range.start as usize..w.range.end as usize].to_vec())).collect()
+        }
+        fn fetch_each(&self, seg: SegId, wanted: &[ChunkRequest], got: &mut dyn FnMut(usize, Option<Vec<u8>>)) {
+            for (k, bytes) in self.fetch(seg, wanted).into_iter().enumerate() {
+                got(k, bytes);
+                let between = self.between.lock().take();
+                if let Some(between) = between {
+                    between();
+                }
+            }
+        }
+        fn rejected(&self, _seg: SegId, _index: u32) {}
+    }
+
+    /// A memory-only remote whose bucket holds one segment of `chunks`
+    /// chunks, given by `server` too; that segment, open.
+    fn one_segment(chunks: usize, server: &Arc<Server>) -> (Arc<Remote>, Arc<RemoteSeg>) {
+        let id = SegId { writer: 1, seq: 1 };
+        let store = Arc::new(MemObjectStore::new());
+        let (object, _) = with_footer(server.data[..chunks * CHUNK as usize].to_vec(), CHUNK);
+        store.put(&segment_key(id), &object).expect("put");
+        let peers: Arc<dyn ChunkSource> = server.clone();
+        let dir = std::env::temp_dir().join("arbor-unused");
+        let remote = Remote::new(store, dir, ChunkStore::new(1 << 20), 0, 2, true, Some(peers)).expect("remote");
+        let seg = remote.open(id).expect("open").expect("there");
+        (remote, seg)
+    }
+
+    #[test]
+    fn a_runs_release_leaves_a_later_claim_of_a_chunk_it_finished_alone() {
+        let data: Vec<u8> = (0..4 * CHUNK).map(|i| (i * 7 % 251) as u8).collect();
+        let server = Arc::new(Server { data, between: Mutex::new(None) });
+        let (remote, seg) = one_segment(2, &server);
+        let key = (seg.id, 0);
+        // Chunk 0 comes from the server and lands; then, while chunk 1 is
+        // on its way, it is evicted and another reader claims it again.
+        let later = Arc::new(Mutex::new(None));
+        let (r, l) = (remote.clone(), later.clone());
+        *server.between.lock() = Some(Box::new(move || {
+            assert!(r.chunks.contains(key), "chunk 0 landed");
+            r.chunks.forget(key);
+            *l.lock() = Some(r.fetches.inflight().claim(key).expect("chunk 0 free to claim"));
+        }));
+        seg.fetch_run(0, 2);
+        let later = later.lock().take().expect("claimed meanwhile");
+        assert!(remote.fetches.in_flight(key), "the run's release ended another reader's claim");
+        assert!(later.wait_for(std::time::Duration::ZERO).is_none(), "its waiters were woken");
+        assert!(remote.chunks.contains((seg.id, 1)) && !remote.fetches.in_flight((seg.id, 1)));
+        remote.shutdown();
     }
 }
