@@ -6,7 +6,9 @@
 //! fetches itself stay with the reader (`tier/remote`, `source`). A
 //! reader's own misses never wait for this pool: each reader fetches them
 //! itself, on the caller's thread (or threads of the read's own), so a
-//! full read-ahead queue delays nobody.
+//! full read-ahead queue delays nobody; and where no worker can be
+//! started, a run fetched ahead is given back to the reader, who fetches
+//! it after its own ([`Workers::offer`]).
 
 use crossbeam::channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
@@ -76,6 +78,15 @@ impl Workers {
     /// fewer than `max` run; a job no worker can take (none could be
     /// started) runs on the caller's thread, so every job runs.
     pub(crate) fn submit(&self, job: Job) {
+        if let Some(job) = self.offer(job) {
+            self.run_here(job);
+        }
+    }
+
+    /// As [`Workers::submit`], but a job no worker can take is given
+    /// back, for the caller to run ([`Workers::run_here`]) once its own
+    /// work is done: read-ahead after the read it is ahead of.
+    pub(crate) fn offer(&self, job: Job) -> Option<Job> {
         let ticket = self.state.opened();
         let rejected = {
             let mut crew = self.crew.lock();
@@ -93,10 +104,27 @@ impl Workers {
                 crew.send.send((ticket, job)).map_err(|e| e.into_inner().1)
             }
         };
-        if let Err(job) = rejected {
-            run(job);
-            self.state.finished(ticket);
+        match rejected {
+            Ok(()) => None,
+            Err(job) => {
+                self.state.finished(ticket);
+                Some(job)
+            }
         }
+    }
+
+    /// Runs `job` on the caller's thread, as a job of this pool (a drain
+    /// begun meanwhile waits for it).
+    pub(crate) fn run_here(&self, job: Job) {
+        let ticket = self.state.opened();
+        run(job);
+        self.state.finished(ticket);
+    }
+
+    #[cfg(test)]
+    /// A pool that can start no thread, as where the system refuses one.
+    pub(crate) fn threadless(name: &'static str) -> Workers {
+        Workers { max: 0, ..Workers::new(name, 1) }
     }
 
     /// Starts one more worker in `crew`, if fewer than `max` run there.

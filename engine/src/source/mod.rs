@@ -35,7 +35,7 @@
 //! [`crate::chunks`].
 
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
-use crate::chunks::ahead::{Stream, Window, Workers};
+use crate::chunks::ahead::{Job, Stream, Window, Workers};
 use crate::chunks::fetch::{self, Claim, Fetch, InFlight};
 use crate::chunks::{ChunkFiles, ChunkSource, MemoryChunks};
 use crate::error::{Error, Result};
@@ -442,10 +442,12 @@ impl SourceReader {
             }
             (mine, ahead)
         };
-        for run in ahead {
-            self.fetch_ahead(src, &object, run);
-        }
+        // Runs no worker can take are fetched here, after this read's own.
+        let later: Vec<Job> = ahead.into_iter().filter_map(|run| self.fetch_ahead(src, &object, run)).collect();
         self.fetch_now(src, &object, mine);
+        for job in later {
+            self.workers.run_here(job);
+        }
         for (i, p) in wait {
             have.push((i, p.wait()?));
         }
@@ -493,11 +495,13 @@ impl SourceReader {
     /// Has a fetch worker fetch `run`, consecutive chunks queued for
     /// read-ahead, and keep them in the chunk files. The worker claims
     /// the chunks when it takes the job, those still queued: a chunk a
-    /// read needed meanwhile was fetched by that read.
-    fn fetch_ahead(&self, src: &Source, object: &ObjectId, run: Vec<u64>) {
+    /// read needed meanwhile was fetched by that read. A job no worker can
+    /// take is given back, for the caller to run after its own fetches.
+    #[must_use]
+    fn fetch_ahead(&self, src: &Source, object: &ObjectId, run: Vec<u64>) -> Option<Job> {
         let fetch = self.fetcher(src.clone(), object.clone());
         let (cache, object, writer) = (self.cache.clone(), object.clone(), self.file_writer.clone());
-        self.workers.submit(Box::new(move || {
+        self.workers.offer(Box::new(move || {
             let claimed: Vec<_> = {
                 let mut c = cache.lock();
                 run.iter().filter_map(|&i| c.claim_queued(&object, i)).collect()
@@ -509,7 +513,7 @@ impl SourceReader {
                     writer.keep(&object, kept);
                 }
             }
-        }));
+        }))
     }
 
     /// The fetch of a run of consecutive chunks of `object` the caller
@@ -832,6 +836,8 @@ mod tests {
         cv: Condvar,
         /// Those GETs panic instead of waiting.
         panics: std::sync::atomic::AtomicBool,
+        /// Where each conditional GET of `gated` started, in turn.
+        starts: Mutex<Vec<u64>>,
     }
 
     impl GatedStore {
@@ -843,6 +849,7 @@ mod tests {
                 gate: Mutex::new((false, 0)),
                 cv: Condvar::new(),
                 panics: false.into(),
+                starts: Mutex::default(),
             })
         }
 
@@ -886,6 +893,9 @@ mod tests {
             self.inner.get_range(key, range)
         }
         fn get_range_if(&self, key: &str, range: std::ops::Range<u64>, etag: &str, v: Option<&str>) -> Result<Vec<u8>> {
+            if key == self.gated {
+                self.starts.lock().push(range.start / CHUNK);
+            }
             let through_from = self.through_from.load(std::sync::atomic::Ordering::SeqCst);
             if key == self.gated && range.start >= 2 * CHUNK && range.start < through_from {
                 if self.panics.load(std::sync::atomic::Ordering::SeqCst) {
@@ -1010,6 +1020,23 @@ mod tests {
             assert!(buf == stream_body[(i * CHUNK) as usize..((i + 1) * CHUNK) as usize], "chunk {i}");
         }
         assert_eq!(reader.stats().gets, 6, "every chunk read ahead was in memory");
+    }
+
+    #[test]
+    fn without_fetch_workers_a_read_fetches_its_own_chunks_before_read_ahead() {
+        let store = GatedStore::new("stream");
+        store.open();
+        let stream_body = body(30 * CHUNK, 5);
+        let stream = store.source("stream", &stream_body);
+        let mut reader = SourceReader::new(FixedSources::with("b", store.clone()), None, None);
+        reader.workers = Workers::threadless("test-source");
+        let mut buf = vec![0u8; CHUNK as usize];
+        reader.read(&stream, 0, &mut buf).expect("first read");
+        reader.read(&stream, CHUNK, &mut buf).expect("sequential read");
+        assert!(buf == stream_body[CHUNK as usize..2 * CHUNK as usize]);
+        assert_eq!(*store.starts.lock(), [0, 1, 9, 17, 25], "chunks 1-8, then the runs fetched ahead");
+        reader.read(&stream, 20 * CHUNK, &mut buf).expect("read ahead");
+        assert_eq!(reader.stats().gets, 5, "read ahead all the same");
     }
 
     #[test]

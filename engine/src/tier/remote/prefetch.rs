@@ -7,7 +7,7 @@
 
 use super::segment::{Backing, RemoteSeg};
 use super::{ChunkKey, Remote, RUN_CHUNKS, SPILL_SEGMENTS};
-use crate::chunks::ahead::{Window, Workers};
+use crate::chunks::ahead::{Job, Window, Workers};
 use crate::chunks::fetch::{self, Fetch, InFlight};
 use crate::format::SegId;
 use parking_lot::{Mutex, MutexGuard};
@@ -121,6 +121,14 @@ impl Fetches {
         *self.stream.lock() = Some((id, window));
     }
 
+    /// Runs `jobs`, read-ahead no fetch worker could take, on the
+    /// caller's thread: after the read they are ahead of.
+    pub(super) fn run_here(&self, jobs: Vec<Job>) {
+        for job in jobs {
+            self.workers.run_here(job);
+        }
+    }
+
     /// Lets the fetch workers end once their queue is empty.
     pub(super) fn stop_workers(&self) {
         self.workers.stop();
@@ -228,19 +236,23 @@ impl RemoteSeg {
     /// workers, so a sequential reader finds a full pipeline of GETs ahead
     /// of it. Past the segment's end the window continues into the next
     /// segment of the same writer, where a file written in one go goes on.
-    pub(super) fn read_ahead(&self, end: u64, window: u64) {
+    /// Returns the runs no fetch worker could take, for the caller to
+    /// fetch after its own chunks ([`Fetches::run_here`]).
+    #[must_use]
+    pub(super) fn read_ahead(&self, end: u64, window: u64) -> Vec<Job> {
         let r = &self.remote;
+        let mut later = Vec::new();
         if window == 0 {
-            return;
+            return later;
         }
-        let Some(me) = self.me.upgrade() else { return };
+        let Some(me) = self.me.upgrade() else { return later };
         let window_end = end + window;
         if end < self.footer.data_len {
             let first = (end / self.chunk_size()) as usize;
-            r.enqueue_chunks(&me, first, self.run_end(window_end));
+            later = r.enqueue_chunks(&me, first, self.run_end(window_end));
         }
         if !matches!(self.backing, Backing::Object { .. }) {
-            return;
+            return later;
         }
         // Past this segment's end the window goes on through the writer's
         // next segments. The next one is opened as soon as a reader streams
@@ -252,7 +264,7 @@ impl RemoteSeg {
             let known = r.seg(id);
             match known {
                 Some(seg) if matches!(seg.backing, Backing::Object { .. }) => {
-                    r.enqueue_first(&seg, spill);
+                    later.extend(r.enqueue_first(&seg, spill));
                     spill = spill.saturating_sub(seg.footer.data_len);
                     if spill == 0 {
                         break;
@@ -265,6 +277,7 @@ impl RemoteSeg {
                 }
             }
         }
+        later
     }
 }
 
@@ -283,7 +296,8 @@ impl Remote {
         let spawned = std::thread::Builder::new().name("arbor-open".into()).spawn(move || {
             if let Ok(Some(seg)) = remote.open_object(id) {
                 remote.fetches.absent.lock().remove(&id);
-                remote.enqueue_first(&seg, spill);
+                let later = remote.enqueue_first(&seg, spill);
+                remote.fetches.run_here(later);
             }
         });
         if let Err(e) = spawned {
@@ -293,19 +307,23 @@ impl Remote {
         }
     }
 
-    /// Queues the chunks holding the first `bytes` of `seg`, in whole runs.
-    fn enqueue_first(self: &Arc<Self>, seg: &Arc<RemoteSeg>, bytes: u64) {
-        self.enqueue_chunks(seg, 0, seg.run_end(bytes));
+    /// Queues the chunks holding the first `bytes` of `seg`, in whole
+    /// runs; the runs no worker could take.
+    #[must_use]
+    fn enqueue_first(self: &Arc<Self>, seg: &Arc<RemoteSeg>, bytes: u64) -> Vec<Job> {
+        self.enqueue_chunks(seg, 0, seg.run_end(bytes))
     }
 
     /// Queues chunks `first..last` of `seg` that are neither present, on
     /// their way nor queued, as jobs of up to [`RUN_CHUNKS`] neighbours
-    /// (split at multiples of it), each fetched with one GET.
-    fn enqueue_chunks(self: &Arc<Self>, seg: &Arc<RemoteSeg>, first: usize, last: usize) {
+    /// (split at multiples of it), each fetched with one GET; the runs no
+    /// worker could take.
+    #[must_use]
+    fn enqueue_chunks(self: &Arc<Self>, seg: &Arc<RemoteSeg>, first: usize, last: usize) -> Vec<Job> {
         // Chunks before `ahead` were looked at by an earlier read's window.
         let first = first.max(seg.ahead.fetch_max(last as u64, Ordering::Relaxed) as usize);
         if first >= last {
-            return;
+            return Vec::new();
         }
         let mut wanted: Vec<(u64, ())> = Vec::new();
         {
@@ -319,10 +337,11 @@ impl Remote {
                 wanted.push((i as u64, ()));
             }
         }
-        for run in fetch::runs(wanted, RUN_CHUNKS, true) {
+        let runs = fetch::runs(wanted, RUN_CHUNKS, true).into_iter().filter_map(|run| {
             let (seg, first, count) = (seg.clone(), run[0].0 as usize, run.len());
-            self.fetches.workers.submit(Box::new(move || seg.fetch_queued(first, count)));
-        }
+            self.fetches.workers.offer(Box::new(move || seg.fetch_queued(first, count)))
+        });
+        runs.collect()
     }
 }
 

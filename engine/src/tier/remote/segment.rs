@@ -288,15 +288,17 @@ impl RemoteSeg {
         };
         let cs = self.chunk_size();
         let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
+        // Read-ahead no fetch worker could take, fetched after this read's chunks.
+        let mut later = Vec::new();
         if streaming {
             self.part_run.store(u64::MAX, Ordering::Relaxed);
             // A reader that streamed to the end of the previous segment goes on
             // at the start of this one with the window it had there.
             let carried = || if off < cs { self.remote.fetches.take_stream(self.id) } else { None };
             match self.stream.read(&self.window(), off, end, carried) {
-                Step::Carried(w) => self.read_ahead(end, w),
+                Step::Carried(w) => later = self.read_ahead(end, w),
                 Step::Sequential(w) => {
-                    self.read_ahead(end, w);
+                    later = self.read_ahead(end, w);
                     if end + cs >= self.footer.data_len {
                         self.remote.fetches.stream_into(self.id.next(), w);
                     }
@@ -304,7 +306,11 @@ impl RemoteSeg {
                 Step::Random => self.ahead.store(0, Ordering::Relaxed),
             }
         }
-        let mut fetched = self.fetch_all(&chunks)?;
+        let fetched = self.fetch_all(&chunks);
+        // Run whether or not this read's fetches worked: their chunks are
+        // queued, and read-ahead queues a chunk once.
+        self.remote.fetches.run_here(later);
+        let mut fetched = fetched?;
         for &i in &chunks {
             let (cstart, cend) = self.footer.chunk_range(i);
             let (from, to) = (off.max(cstart), end.min(cend));
