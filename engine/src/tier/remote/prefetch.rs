@@ -409,6 +409,76 @@ mod tests {
         (remote, seg)
     }
 
+    /// A bucket that records where each ranged GET starts, in chunks.
+    #[derive(Default)]
+    struct Recorded {
+        inner: MemObjectStore,
+        starts: Mutex<Vec<u64>>,
+    }
+
+    impl ObjectStore for Recorded {
+        fn put(&self, key: &str, body: &[u8]) -> crate::error::Result<crate::bucket::ETag> {
+            self.inner.put(key, body)
+        }
+        fn put_if_absent(&self, key: &str, body: &[u8]) -> crate::error::Result<crate::bucket::ETag> {
+            self.inner.put_if_absent(key, body)
+        }
+        fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> crate::error::Result<crate::bucket::ETag> {
+            self.inner.put_if_match(key, body, etag)
+        }
+        fn get(&self, key: &str) -> crate::error::Result<(Vec<u8>, crate::bucket::ETag)> {
+            self.inner.get(key)
+        }
+        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> crate::error::Result<Vec<u8>> {
+            self.starts.lock().push(range.start / CHUNK as u64);
+            self.inner.get_range(key, range)
+        }
+        fn list(&self, prefix: &str) -> crate::error::Result<Vec<String>> {
+            self.inner.list(prefix)
+        }
+        fn size(&self, key: &str) -> crate::error::Result<u64> {
+            self.inner.size(key)
+        }
+        fn delete(&self, key: &str) -> crate::error::Result<()> {
+            self.inner.delete(key)
+        }
+    }
+
+    #[test]
+    fn without_fetch_workers_a_read_fetches_its_own_chunk_before_the_runs_it_queued() {
+        let id = SegId { writer: 1, seq: 1 };
+        let store = Arc::new(Recorded::default());
+        let data: Vec<u8> = (0..32 * CHUNK).map(|i| (i * 11 % 253) as u8).collect();
+        store.put(&segment_key(id), &with_footer(data.clone(), CHUNK).0).expect("put");
+        // A remote whose fetch workers cannot start, as where the system
+        // refuses threads.
+        let remote = Arc::new(Remote {
+            store: store.clone(),
+            dir: std::env::temp_dir().join("arbor-unused"),
+            memory: true,
+            chunks: ChunkStore::new(1 << 20),
+            segs: Default::default(),
+            adopted: Mutex::default(),
+            opening: Mutex::new(()),
+            peers: None,
+            fetches: Fetches { workers: Workers::threadless("test-fetch"), ..Fetches::new(8 * CHUNK as u64, 2) },
+            counts: Default::default(),
+        });
+        let punches: Arc<dyn crate::chunks::SegmentFiles> = remote.clone();
+        remote.chunks.register_segments(Arc::downgrade(&punches));
+        let seg = remote.open(id).expect("open").expect("there");
+        let mut buf = vec![0u8; CHUNK as usize];
+        crate::device::SegmentFile::read_at(&*seg, &mut buf, 0).expect("first read");
+        store.starts.lock().clear();
+        // Sequential: chunks 2-31 are queued ahead, in runs 2-7, 8-15,
+        // 16-23 and 24-31; the reader's own GET (chunk 1, with the seven
+        // queued chunks after it) goes first.
+        crate::device::SegmentFile::read_at(&*seg, &mut buf, CHUNK as u64).expect("sequential read");
+        assert!(buf == data[CHUNK as usize..2 * CHUNK as usize]);
+        assert_eq!(*store.starts.lock(), [1, 9, 16, 24]);
+        remote.shutdown();
+    }
+
     #[test]
     fn a_runs_release_leaves_a_later_claim_of_a_chunk_it_finished_alone() {
         let data: Vec<u8> = (0..4 * CHUNK).map(|i| (i * 7 % 251) as u8).collect();
