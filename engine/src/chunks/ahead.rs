@@ -6,10 +6,13 @@
 //! fetches itself stay with the reader (`tier/remote`, `source`). A
 //! reader's own misses never wait for this pool: each reader fetches them
 //! itself, on the caller's thread (or threads of the read's own), so a
-//! full read-ahead queue delays nobody.
+//! full read-ahead queue delays nobody; and where no worker can be
+//! started, a run fetched ahead is given back to the reader, who fetches
+//! it after its own ([`Workers::offer`]).
 
 use crossbeam::channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicIsize, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -17,10 +20,10 @@ use std::sync::Arc;
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
 /// A lazily started pool of at most `max` named fetch worker threads, fed
-/// by a channel of [`Job`]s. A job that panics is caught there: the worker
-/// goes on, and the job itself must have finished its chunks' waiters
-/// (each reader's job does). Its locks, `crew` and `state.jobs`, are
-/// each taken alone.
+/// by a channel of [`Job`]s, each numbered as it is submitted. A job that
+/// panics is caught there: the worker goes on, and the job itself must
+/// have finished its chunks' waiters (each reader's job does). Its locks,
+/// `crew` and `state.jobs`, are each taken alone.
 pub(crate) struct Workers {
     name: &'static str,
     max: usize,
@@ -33,8 +36,8 @@ pub(crate) struct Workers {
 
 /// One channel and the workers that take from it.
 struct Crew {
-    send: Sender<Job>,
-    recv: Receiver<Job>,
+    send: Sender<(u64, Job)>,
+    recv: Receiver<(u64, Job)>,
     counts: Arc<CrewCounts>,
 }
 
@@ -49,16 +52,25 @@ struct CrewCounts {
 /// Jobs submitted and not yet finished (and its change), and worker
 /// threads running, of any crew.
 struct State {
-    jobs: Mutex<usize>,
+    jobs: Mutex<Jobs>,
     idle_cv: Condvar,
     live: AtomicUsize,
+}
+
+/// The number the next job submitted gets, and those of the jobs not yet
+/// finished: a drain waits for the ones below the number it began at,
+/// not for jobs readers go on submitting meanwhile.
+#[derive(Default)]
+struct Jobs {
+    next: u64,
+    open: BTreeSet<u64>,
 }
 
 impl Workers {
     /// A pool of at most `max` (at least one) threads named `name-<n>`,
     /// none started yet.
     pub(crate) fn new(name: &'static str, max: usize) -> Workers {
-        let state = State { jobs: Mutex::new(0), idle_cv: Condvar::new(), live: AtomicUsize::new(0) };
+        let state = State { jobs: Mutex::default(), idle_cv: Condvar::new(), live: AtomicUsize::new(0) };
         Workers { name, max: max.max(1), crew: Mutex::new(None), state: Arc::new(state) }
     }
 
@@ -66,7 +78,16 @@ impl Workers {
     /// fewer than `max` run; a job no worker can take (none could be
     /// started) runs on the caller's thread, so every job runs.
     pub(crate) fn submit(&self, job: Job) {
-        *self.state.jobs.lock() += 1;
+        if let Some(job) = self.offer(job) {
+            self.run_here(job);
+        }
+    }
+
+    /// As [`Workers::submit`], but a job no worker can take is given
+    /// back, for the caller to run ([`Workers::run_here`]) once its own
+    /// work is done: read-ahead after the read it is ahead of.
+    pub(crate) fn offer(&self, job: Job) -> Option<Job> {
+        let ticket = self.state.opened();
         let rejected = {
             let mut crew = self.crew.lock();
             let crew = crew.get_or_insert_with(|| {
@@ -80,13 +101,30 @@ impl Workers {
                 crew.counts.spare.fetch_add(1, Ordering::AcqRel);
                 Err(job)
             } else {
-                crew.send.send(job).map_err(|e| e.into_inner())
+                crew.send.send((ticket, job)).map_err(|e| e.into_inner().1)
             }
         };
-        if let Err(job) = rejected {
-            run(job);
-            self.state.finished();
+        match rejected {
+            Ok(()) => None,
+            Err(job) => {
+                self.state.finished(ticket);
+                Some(job)
+            }
         }
+    }
+
+    /// Runs `job` on the caller's thread, as a job of this pool (a drain
+    /// begun meanwhile waits for it).
+    pub(crate) fn run_here(&self, job: Job) {
+        let ticket = self.state.opened();
+        run(job);
+        self.state.finished(ticket);
+    }
+
+    #[cfg(test)]
+    /// A pool that can start no thread, as where the system refuses one.
+    pub(crate) fn threadless(name: &'static str) -> Workers {
+        Workers { max: 0, ..Workers::new(name, 1) }
     }
 
     /// Starts one more worker in `crew`, if fewer than `max` run there.
@@ -107,26 +145,40 @@ impl Workers {
         }
     }
 
-    /// Waits until every job submitted so far has finished (and any
-    /// submitted meanwhile).
+    /// Waits until every job submitted so far has finished (not those
+    /// submitted meanwhile: readers going on cannot hold a drain up).
     pub(crate) fn drain(&self) {
-        let mut jobs = self.state.jobs.lock();
-        while *jobs > 0 {
-            self.state.idle_cv.wait(&mut jobs);
-        }
+        self.drain_to(self.submitted(), None);
     }
 
-    #[cfg(test)]
-    /// As [`Workers::drain`], for at most `timeout`: whether the pool is idle.
-    pub(crate) fn drain_within(&self, timeout: std::time::Duration) -> bool {
-        let deadline = std::time::Instant::now() + timeout;
+    /// The jobs submitted so far, counted: what a drain begun now waits for.
+    fn submitted(&self) -> u64 {
+        self.state.jobs.lock().next
+    }
+
+    /// Waits until the first `submitted` jobs have finished, until
+    /// `deadline` at most: whether they have.
+    fn drain_to(&self, submitted: u64, deadline: Option<std::time::Instant>) -> bool {
+        let done = |jobs: &Jobs| jobs.open.first().is_none_or(|&t| t >= submitted);
         let mut jobs = self.state.jobs.lock();
-        while *jobs > 0 {
-            if self.state.idle_cv.wait_until(&mut jobs, deadline).timed_out() {
-                return *jobs == 0;
+        while !done(&jobs) {
+            match deadline {
+                Some(d) => {
+                    if self.state.idle_cv.wait_until(&mut jobs, d).timed_out() {
+                        return done(&jobs);
+                    }
+                }
+                None => self.state.idle_cv.wait(&mut jobs),
             }
         }
         true
+    }
+
+    #[cfg(test)]
+    /// As [`Workers::drain`], for at most `timeout`: whether the jobs
+    /// submitted so far have finished.
+    pub(crate) fn drain_within(&self, timeout: std::time::Duration) -> bool {
+        self.drain_to(self.submitted(), Some(std::time::Instant::now() + timeout))
     }
 
     /// Lets the workers end once the jobs queued are done. A later
@@ -144,23 +196,34 @@ impl Workers {
 
 impl State {
     /// A worker's life: jobs until its crew's channel closes.
-    fn work(&self, recv: &Receiver<Job>, crew: &CrewCounts) {
+    fn work(&self, recv: &Receiver<(u64, Job)>, crew: &CrewCounts) {
         // Spare until a job submitted counts it taken; spare again before
         // its job counts as finished, so the next job after a drain finds it.
         crew.spare.fetch_add(1, Ordering::AcqRel);
-        while let Ok(job) = recv.recv() {
+        while let Ok((ticket, job)) = recv.recv() {
             run(job);
             crew.spare.fetch_add(1, Ordering::AcqRel);
-            self.finished();
+            self.finished(ticket);
         }
         crew.live.fetch_sub(1, Ordering::AcqRel);
         self.live.fetch_sub(1, Ordering::AcqRel);
     }
 
-    fn finished(&self) {
+    /// Numbers a job submitted, not yet finished.
+    fn opened(&self) -> u64 {
         let mut jobs = self.jobs.lock();
-        *jobs = jobs.saturating_sub(1);
-        if *jobs == 0 {
+        let ticket = jobs.next;
+        jobs.next += 1;
+        jobs.open.insert(ticket);
+        ticket
+    }
+
+    /// Job `ticket` has finished: a drain waiting for it may end.
+    fn finished(&self, ticket: u64) {
+        let mut jobs = self.jobs.lock();
+        let oldest = jobs.open.first() == Some(&ticket);
+        jobs.open.remove(&ticket);
+        if oldest {
             self.idle_cv.notify_all();
         }
     }
@@ -329,6 +392,32 @@ mod tests {
         }));
         assert!(!pool.drain_within(Duration::from_millis(50)), "idle while a job runs");
         gate.store(true, Ordering::SeqCst);
+        assert!(pool.drain_within(LONG));
+    }
+
+    #[test]
+    fn a_drain_waits_for_the_jobs_submitted_before_it_only() {
+        let pool = Workers::new("test-fetch", 2);
+        let gates = [Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false))];
+        let gated = |gate: &Arc<AtomicBool>| -> Job {
+            let gate = gate.clone();
+            Box::new(move || {
+                while !gate.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        pool.submit(gated(&gates[0]));
+        let before = pool.submitted();
+        // Submitted once the drain began, and still running when it ends.
+        pool.submit(gated(&gates[1]));
+        gates[0].store(true, Ordering::SeqCst);
+        assert!(
+            pool.drain_to(before, Some(Instant::now() + LONG)),
+            "a drain waited for a job submitted after it began"
+        );
+        assert!(!pool.drain_within(Duration::from_millis(20)), "idle while the later job runs");
+        gates[1].store(true, Ordering::SeqCst);
         assert!(pool.drain_within(LONG));
     }
 

@@ -31,7 +31,7 @@ pub(crate) struct Fetch<T> {
 /// What [`InFlight::join`] found.
 pub(crate) enum Claim<T> {
     /// Nobody was fetching the chunk: the caller now is, and must finish
-    /// it ([`InFlight::finish`], then [`Fetch::done`]), failed or not.
+    /// it ([`InFlight::finish_fetch`], then [`Fetch::done`]), failed or not.
     Mine(Arc<Fetch<T>>),
     /// Another thread is fetching it: wait for that.
     Theirs(Arc<Fetch<T>>),
@@ -68,14 +68,11 @@ impl<K: Eq + Hash + Clone, T: Clone> InFlight<K, T> {
     }
 
     /// Ends the claim on `key` (whose chunk the caller has made present,
-    /// or not): a later reader claims it again, so a failed fetch can be
-    /// retried. Its waiters are woken by [`Fetch::done`] on what this returns.
-    pub(crate) fn finish(&mut self, key: &K) -> Option<Arc<Fetch<T>>> {
-        self.pending.remove(key)
-    }
-
-    /// Ends the claim on `key` if `fetch` is the fetch in flight there:
-    /// whether it was (a fetch finished twice leaves a later claim alone).
+    /// or not) if `fetch` is the fetch in flight there: whether it was. A
+    /// later reader claims the chunk again, so a failed fetch can be
+    /// retried; a claim is ended by its own fetch only, so one ended
+    /// twice leaves a later claim alone. Its waiters are woken by
+    /// [`Fetch::done`].
     pub(crate) fn finish_fetch(&mut self, key: &K, fetch: &Fetch<T>) -> bool {
         let mine = self.pending.get(key).is_some_and(|f| std::ptr::eq(Arc::as_ptr(f), fetch));
         if mine {
@@ -95,6 +92,17 @@ impl<T: Clone> Fetch<T> {
     pub(crate) fn done(&self, outcome: T) {
         *self.outcome.lock() = Some(outcome);
         self.cv.notify_all();
+    }
+
+    /// As [`Fetch::done`], unless an outcome was recorded already (which
+    /// stays): how a fetch whose claim ended without one is finished.
+    pub(crate) fn done_if_unset(&self, outcome: T) {
+        let mut first = self.outcome.lock();
+        if first.is_none() {
+            *first = Some(outcome);
+            drop(first);
+            self.cv.notify_all();
+        }
     }
 
     /// Waits for the outcome.
@@ -167,7 +175,7 @@ mod tests {
             if let Ok(v) = &outcome {
                 t.0.insert(7, *v);
             }
-            t.1.finish(&7);
+            t.1.finish_fetch(&7, &mine);
         }
         mine.done(outcome.clone());
         outcome
@@ -218,10 +226,12 @@ mod tests {
         assert!(f.claim(1).is_none() && f.contains(&1));
         let Claim::Theirs(theirs) = f.join(1) else { panic!("claimed twice") };
         assert!(theirs.wait_for(Duration::from_millis(1)).is_none());
-        f.finish(&1).expect("claimed").done(());
+        assert!(f.finish_fetch(&1, &mine), "claimed");
+        mine.done(());
         assert_eq!(theirs.wait(), ());
         assert!(mine.wait_for(Duration::ZERO).is_some());
         assert!(f.claim(1).is_some(), "claimed again after it finished");
+        assert!(!f.finish_fetch(&1, &mine) && f.contains(&1), "an earlier fetch ended a later claim");
     }
 
     #[test]

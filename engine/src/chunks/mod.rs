@@ -39,7 +39,7 @@
 //!   fourfold per read to a cap, the source reader's stays at 64 chunks),
 //!   and `Workers`, the lazily started pool of fetch worker threads its
 //!   runs go to (one job a run, a panicking job caught, `drain` to wait
-//!   for every job, `stop` to let the workers end). A reader's own misses
+//!   for every job submitted before it, `stop` to let the workers end). A reader's own misses
 //!   never queue there: each reader fetches them itself, on the caller's
 //!   thread.
 //! - `policy.rs`: **the eviction policy of every cache here**, the one
@@ -56,8 +56,10 @@
 //!
 //! Not here: which chunks a window covers and how a reader fetches them
 //! (`tier/remote/prefetch.rs` queues whole aligned runs and carries a
-//! window into a writer's next segments; `source/mod.rs` claims a window's
-//! chunks under its cap of fetches in flight), and what a fetch is.
+//! window into a writer's next segments; `source/mod.rs` queues a window's
+//! chunks under its cap of fetches in flight or queued; both claim a
+//! queued run's chunks when a worker takes it, so a read that needs one
+//! first fetches it itself), and what a fetch is.
 
 pub(crate) mod ahead;
 pub(crate) mod fetch;

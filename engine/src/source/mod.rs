@@ -7,7 +7,9 @@
 //! fixed window of `AHEAD` chunks (`chunks::ahead::Window`), its runs
 //! fetched by the reader's pool of fetch workers (`chunks::ahead::Workers`),
 //! while a run holding a chunk the read needs is fetched on the reader's
-//! own thread, never behind read-ahead. An object changed or deleted
+//! own thread, never behind read-ahead: a worker claims a run's chunks
+//! only when it takes the run, so a chunk still queued is fetched by the
+//! read that needs it. An object changed or deleted
 //! since import fails the read with
 //! [`Error::SourceChanged`] (EIO, and a log line naming the object): never
 //! other bytes.
@@ -27,16 +29,19 @@
 //! A mount (and a server) also keeps the chunks it fetched on local disk
 //! ([`ChunkFiles`], in its cache folder, within the node's one chunk store
 //! beside the segment chunks): memory, then disk, then the servers, then
-//! the bucket. The caches themselves, and their eviction policy, live in
+//! the bucket. The chunk files are written by threads of their own, never
+//! by a fetch, and with a bound on the chunks waiting for them (past it a
+//! chunk is not kept). The caches themselves, and their eviction policy, live in
 //! [`crate::chunks`].
 
 use crate::bucket::{ObjectStore, RetryPolicy, S3Config};
-use crate::chunks::ahead::{Stream, Window, Workers};
+use crate::chunks::ahead::{Job, Stream, Window, Workers};
 use crate::chunks::fetch::{self, Claim, Fetch, InFlight};
 use crate::chunks::{ChunkFiles, ChunkSource, MemoryChunks};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub use crate::format::Source;
@@ -107,14 +112,21 @@ const CACHED_CHUNKS: usize = 96;
 const AHEAD: u64 = 64;
 /// Consecutive chunks fetched by one GET at most.
 const RUN: usize = 8;
-/// Chunk fetches in flight at most, read-ahead included (a reader's own
-/// misses always go).
+/// Chunk fetches in flight or queued for read-ahead at most (a reader's
+/// own misses always go).
 const IN_FLIGHT: usize = 64;
 /// Fetch workers for read-ahead at most: one per chunk that may be in
 /// flight, as many GETs at once as a thread per run sent (a reader that
 /// goes on a chunk per read claims runs of one chunk; streaming 1 GiB in
 /// 1 MiB reads from a store taking 60 ms a GET ran at 690 MiB/s either way).
 const FETCH_WORKERS: usize = IN_FLIGHT;
+/// Threads writing fetched chunks to the chunk files: a write to the page
+/// cache is much faster than a GET.
+const FILE_WRITERS: usize = 2;
+/// Chunks waiting to be written to the chunk files at most (as much
+/// memory as the chunks in memory and in flight): past that, a fetch's
+/// chunks are not kept.
+const KEEPING: usize = 2 * IN_FLIGHT;
 
 /// [`Source::id`], built once per read and shared by the ids of its chunks.
 type ObjectId = Arc<str>;
@@ -220,6 +232,8 @@ pub struct SourceReader {
     /// fetched on its thread), drained when the reader goes (so that what
     /// they fetched is on disk when its process ends).
     workers: Workers,
+    /// Writes fetched chunks to `files`, if any.
+    file_writer: Option<Arc<FileWriter>>,
 }
 
 impl Drop for SourceReader {
@@ -241,6 +255,10 @@ struct Table {
     /// Fetches in flight, under the same lock as `memory`: a chunk is
     /// at hand or on its way in one look.
     pending: InFlight<ChunkId, Outcome>,
+    /// Chunks queued for read-ahead and not yet claimed: a fetch worker
+    /// claims them when it takes their run, and a read that needs one
+    /// first claims it itself (so no read waits for a worker).
+    queued: HashSet<ChunkId>,
     /// Where the last read of each object ended, and its window, to see
     /// sequential readers.
     ends: HashMap<ObjectId, Stream>,
@@ -248,7 +266,25 @@ struct Table {
 
 impl Table {
     fn new(capacity: usize) -> Table {
-        Table { memory: MemoryChunks::new(capacity), pending: InFlight::new(), ends: HashMap::new() }
+        Table {
+            memory: MemoryChunks::new(capacity),
+            pending: InFlight::new(),
+            queued: HashSet::new(),
+            ends: HashMap::new(),
+        }
+    }
+
+    /// Claims chunk `i` of `object` if it is still queued for read-ahead
+    /// (and so neither at hand nor on its way).
+    fn claim_queued(&mut self, object: &ObjectId, i: u64) -> Option<(u64, Arc<Pending>)> {
+        let id = (object.clone(), i);
+        if !self.queued.remove(&id) || self.memory.get(&id).is_some() {
+            return None;
+        }
+        match self.pending.join(id) {
+            Claim::Mine(p) => Some((i, p)),
+            Claim::Theirs(_) => None,
+        }
     }
 }
 
@@ -267,6 +303,7 @@ impl SourceReader {
             counters: Arc::default(),
             ahead: Window::fixed(AHEAD * CHUNK),
             servers,
+            file_writer: files.clone().map(FileWriter::new),
             files,
             workers: Workers::new("arbor-source", FETCH_WORKERS),
         }
@@ -283,6 +320,7 @@ impl SourceReader {
             counters: Arc::default(),
             ahead: Window::fixed(0),
             servers: None,
+            file_writer: files.clone().map(FileWriter::new),
             files,
             workers: Workers::new("arbor-source", FETCH_WORKERS),
         }
@@ -298,6 +336,9 @@ impl SourceReader {
     /// Waits for the fetches started so far (and their chunk files).
     pub fn drain(&self) {
         self.workers.drain();
+        if let Some(writer) = &self.file_writer {
+            writer.writers.drain();
+        }
     }
 
     /// Chunk `index` of `src` (the last one may be short) and whether it
@@ -342,10 +383,9 @@ impl SourceReader {
         let (first, last) = (off / CHUNK, (end - 1) / CHUNK);
         let mut have: Vec<(u64, Chunk)> = Vec::new();
         let mut wait: Vec<(u64, Arc<Pending>)> = Vec::new();
-        let mut start: Vec<(u64, Arc<Pending>)> = Vec::new();
         let object = object_id(src);
         let mut missed = false;
-        {
+        let (mine, ahead) = {
             let mut c = self.cache.lock();
             if c.ends.len() > 4096 && !c.ends.contains_key(&object) {
                 c.ends.clear();
@@ -353,47 +393,60 @@ impl SourceReader {
             let stream = c.ends.entry(object.clone()).or_insert_with(|| Stream::new(self.ahead.base));
             let ahead = stream.read(&self.ahead, off, end, || None).ahead();
             let ahead_end = (end + ahead).min(src.size);
+            // Chunks to fetch: those this read needs, claimed, and those
+            // ahead of it, queued.
+            let mut start: Vec<(u64, Option<Arc<Pending>>)> = Vec::new();
             for i in first..=(ahead_end - 1) / CHUNK {
                 let id = (object.clone(), i);
-                let needed = i <= last;
                 if let Some(b) = c.memory.get(&id) {
-                    if needed {
+                    if i <= last {
                         have.push((i, b.clone()));
+                        self.counters.counts.hits.inc();
                     }
-                } else if needed || c.pending.len() < IN_FLIGHT || c.pending.contains(&id) {
+                } else if i <= last {
+                    // Queued for read-ahead and not yet taken by a worker:
+                    // this read fetches it, not waiting for a worker.
+                    c.queued.remove(&id);
                     match c.pending.join(id) {
                         Claim::Theirs(p) => {
-                            if needed {
-                                wait.push((i, p));
-                            }
+                            wait.push((i, p));
+                            self.counters.counts.hits.inc();
                         }
                         Claim::Mine(p) => {
-                            if needed {
-                                wait.push((i, p.clone()));
-                                self.counters.counts.misses.inc();
-                                missed = true;
-                            }
-                            start.push((i, p));
-                            continue;
+                            wait.push((i, p.clone()));
+                            self.counters.counts.misses.inc();
+                            missed = true;
+                            start.push((i, Some(p)));
                         }
                     }
-                }
-                if needed {
-                    self.counters.counts.hits.inc();
+                } else if c.pending.len() + c.queued.len() < IN_FLIGHT
+                    && !c.pending.contains(&id)
+                    && c.queued.insert(id)
+                {
+                    start.push((i, None));
                 }
             }
-        }
-        if !start.is_empty() {
             // Consecutive chunks go in one GET, up to RUN of them: fewer,
-            // larger requests for a streaming reader. Runs fetched only
-            // ahead go to the workers; a run holding a chunk this read needs
-            // starts at once, never behind them.
-            let (mine, ahead): (Vec<_>, Vec<_>) =
-                fetch::runs(start, RUN, false).into_iter().partition(|run| run.iter().any(|(i, _)| *i <= last));
-            for run in ahead {
-                self.fetch_ahead(src, &object, run);
+            // larger requests for a streaming reader. A run holding a chunk
+            // this read needs starts at once, its other chunks claimed with
+            // it; runs fetched only ahead go to the workers.
+            let (mut mine, mut ahead) = (Vec::new(), Vec::new());
+            for run in fetch::runs(start, RUN, false) {
+                if run.iter().all(|(_, p)| p.is_none()) {
+                    ahead.push(run.into_iter().map(|(i, _)| i).collect::<Vec<u64>>());
+                    continue;
+                }
+                let claimed =
+                    run.into_iter().filter_map(|(i, p)| p.map(|p| (i, p)).or_else(|| c.claim_queued(&object, i)));
+                mine.push(claimed.collect::<Vec<_>>());
             }
-            self.fetch_now(src, &object, mine);
+            (mine, ahead)
+        };
+        // Runs no worker can take are fetched here, after this read's own.
+        let later: Vec<Job> = ahead.into_iter().filter_map(|run| self.fetch_ahead(src, &object, run)).collect();
+        self.fetch_now(src, &object, mine);
+        for job in later {
+            self.workers.run_here(job);
         }
         for (i, p) in wait {
             have.push((i, p.wait()?));
@@ -404,10 +457,12 @@ impl SourceReader {
     /// Fetches `runs`, each holding a chunk the caller needs, at once and
     /// never behind read-ahead: the first on the caller's thread, any
     /// others on threads of their own, all finished when this returns.
-    /// What they fetched is written to the chunk files by the workers,
+    /// What they fetched is written to the chunk files by the file writer,
     /// after the caller has its bytes.
     fn fetch_now(&self, src: &Source, object: &ObjectId, runs: Vec<Vec<(u64, Arc<Pending>)>>) {
-        let mut jobs = runs.into_iter().map(|run| self.fetch_job(src.clone(), object.clone(), run));
+        let fetch = self.fetcher(src.clone(), object.clone());
+        let fetch = &fetch;
+        let mut jobs = runs.into_iter().map(|run| move || fetch(run));
         let Some(first) = jobs.next() else { return };
         let others: Vec<Mutex<Option<_>>> = jobs.map(|job| Mutex::new(Some(job))).collect();
         let fetched = Mutex::new(Vec::new());
@@ -430,46 +485,53 @@ impl SourceReader {
             }
             run(&first);
         });
-        let Some(files) = self.files.clone() else { return };
-        let (object, fetched) = (object.clone(), fetched.into_inner());
-        if fetched.iter().any(|k| !k.is_empty()) {
-            self.workers.submit(Box::new(move || {
-                for kept in fetched {
-                    keep(&files, &object, kept);
-                }
-            }));
+        if let Some(writer) = &self.file_writer {
+            for kept in fetched.into_inner() {
+                writer.keep(object, kept);
+            }
         }
     }
 
-    /// Fetches `run`, consecutive chunks no other read fetches, ahead of
-    /// the reader on a fetch worker, and keeps them in the chunk files.
-    fn fetch_ahead(&self, src: &Source, object: &ObjectId, run: Vec<(u64, Arc<Pending>)>) {
-        let job = self.fetch_job(src.clone(), object.clone(), run);
-        let (object, files) = (object.clone(), self.files.clone());
-        self.workers.submit(Box::new(move || {
-            let kept = job();
-            if let Some(files) = &files {
-                keep(files, &object, kept);
+    /// Has a fetch worker fetch `run`, consecutive chunks queued for
+    /// read-ahead, and keep them in the chunk files. The worker claims
+    /// the chunks when it takes the job, those still queued: a chunk a
+    /// read needed meanwhile was fetched by that read. A job no worker can
+    /// take is given back, for the caller to run after its own fetches.
+    #[must_use]
+    fn fetch_ahead(&self, src: &Source, object: &ObjectId, run: Vec<u64>) -> Option<Job> {
+        let fetch = self.fetcher(src.clone(), object.clone());
+        let (cache, object, writer) = (self.cache.clone(), object.clone(), self.file_writer.clone());
+        self.workers.offer(Box::new(move || {
+            let claimed: Vec<_> = {
+                let mut c = cache.lock();
+                run.iter().filter_map(|&i| c.claim_queued(&object, i)).collect()
+            };
+            // Every claim is finished before the chunks go to the file writer.
+            let kept: Vec<Keep> = fetch::runs(claimed, RUN, false).into_iter().map(&fetch).collect();
+            if let Some(writer) = &writer {
+                for kept in kept {
+                    writer.keep(&object, kept);
+                }
             }
-        }));
+        }))
     }
 
-    /// The fetch of the consecutive chunks of `run`: from the local chunk
-    /// files, the cache servers, then the bucket (one GET for the rest),
-    /// each where the one before had nothing. Their waiters wake when they
-    /// are cached (or failed), a panic anywhere included. It returns what
-    /// it fetched from the servers and the bucket, for the chunk files.
-    fn fetch_job(
+    /// The fetch of a run of consecutive chunks of `object` the caller
+    /// claimed: from the local chunk files, the cache servers, then the
+    /// bucket (one GET for the rest), each where the one before had
+    /// nothing. Their waiters wake when they are cached (or failed), a
+    /// panic anywhere included. It returns what it fetched from the
+    /// servers and the bucket, for the chunk files.
+    fn fetcher(
         &self,
         src: Source,
         object: ObjectId,
-        run: Vec<(u64, Arc<Pending>)>,
-    ) -> impl FnOnce() -> Keep + Send + 'static {
+    ) -> impl Fn(Vec<(u64, Arc<Pending>)>) -> Keep + Send + Sync + 'static {
         let sources = self.sources.clone();
         let cache = self.cache.clone();
         let counters = self.counters.clone();
         let (servers, files) = (self.servers.clone(), self.files.clone());
-        move || {
+        move |run| {
             let fetch = std::panic::AssertUnwindSafe(|| {
                 let mut kept = Vec::new();
                 // Waiters sleep until every chunk is finished: a panic in
@@ -553,10 +615,50 @@ impl SourceReader {
 /// files.
 type Keep = Vec<(u64, Chunk)>;
 
-/// Keeps `kept` of `object` on local disk (once their readers have them).
-fn keep(files: &ChunkFiles, object: &ObjectId, kept: Keep) {
-    for (i, chunk) in kept {
-        files.put(object, i, chunk.bytes());
+/// Writes what fetches brought to the chunk files, once their readers
+/// have them, on threads of its own: no fetch waits for a disk. A chunk
+/// file is only a cache: past [`KEEPING`] chunks waiting, a fetch's
+/// chunks are not kept.
+struct FileWriter {
+    files: Arc<ChunkFiles>,
+    writers: Workers,
+    /// Chunks handed to `writers` and not yet written.
+    waiting: AtomicUsize,
+}
+
+impl FileWriter {
+    fn new(files: Arc<ChunkFiles>) -> Arc<FileWriter> {
+        Arc::new(FileWriter { files, writers: Workers::new("arbor-keep", FILE_WRITERS), waiting: AtomicUsize::new(0) })
+    }
+
+    /// Keeps `kept` of `object` on local disk, unless too many chunks wait.
+    fn keep(self: &Arc<Self>, object: &ObjectId, kept: Keep) {
+        let n = kept.len();
+        if n == 0 {
+            return;
+        }
+        if self.waiting.fetch_add(n, Ordering::AcqRel) + n > KEEPING {
+            self.waiting.fetch_sub(n, Ordering::AcqRel);
+            tracing::debug!(object = %object, chunks = n, "the chunk files are behind; these chunks are not kept");
+            return;
+        }
+        let (me, object) = (self.clone(), object.clone());
+        self.writers.submit(Box::new(move || {
+            let _written = Written(&me.waiting, n);
+            for (i, chunk) in kept {
+                me.files.put(&object, i, chunk.bytes());
+            }
+        }));
+    }
+}
+
+/// Counts `n` chunks no longer waiting in `waiting` when dropped (a
+/// write that panics included).
+struct Written<'a>(&'a AtomicUsize, usize);
+
+impl Drop for Written<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::AcqRel);
     }
 }
 
@@ -683,12 +785,16 @@ impl Counters {
 
 /// Records a fetch's result: cached if it worked, then its waiters woken.
 /// A fetch finished already (a panic finishes every chunk of its run)
-/// keeps its first outcome and leaves a later fetch of the chunk alone.
+/// keeps its first outcome and leaves a later fetch of the chunk alone;
+/// one whose claim ended with no outcome told (a panic in between) is
+/// told this one.
 fn finish(cache: &Mutex<Table>, object: &ObjectId, i: u64, p: &Pending, got: Outcome) {
     {
         let mut c = cache.lock();
         let id = (object.clone(), i);
         if !c.pending.finish_fetch(&id, p) {
+            drop(c);
+            p.done_if_unset(got);
             return;
         }
         if let Ok(b) = &got {
@@ -718,16 +824,20 @@ mod tests {
     use std::time::{Duration, Instant};
 
     /// A store whose conditional GETs of `gated` from its third chunk on
-    /// wait for the gate to open (read-ahead of a streaming reader's
-    /// object); every other call goes through.
+    /// (up to `through_from`) wait for the gate to open (read-ahead of a
+    /// streaming reader's object); every other call goes through.
     struct GatedStore {
         inner: MemObjectStore,
         gated: &'static str,
+        /// Where GETs go through the gate again.
+        through_from: std::sync::atomic::AtomicU64,
         /// Open, and GETs waiting at the gate.
         gate: Mutex<(bool, usize)>,
         cv: Condvar,
         /// Those GETs panic instead of waiting.
         panics: std::sync::atomic::AtomicBool,
+        /// Where each conditional GET of `gated` started, in turn.
+        starts: Mutex<Vec<u64>>,
     }
 
     impl GatedStore {
@@ -735,9 +845,11 @@ mod tests {
             Arc::new(GatedStore {
                 inner: MemObjectStore::new(),
                 gated,
+                through_from: u64::MAX.into(),
                 gate: Mutex::new((false, 0)),
                 cv: Condvar::new(),
                 panics: false.into(),
+                starts: Mutex::default(),
             })
         }
 
@@ -781,7 +893,11 @@ mod tests {
             self.inner.get_range(key, range)
         }
         fn get_range_if(&self, key: &str, range: std::ops::Range<u64>, etag: &str, v: Option<&str>) -> Result<Vec<u8>> {
-            if key == self.gated && range.start >= 2 * CHUNK {
+            if key == self.gated {
+                self.starts.lock().push(range.start / CHUNK);
+            }
+            let through_from = self.through_from.load(std::sync::atomic::Ordering::SeqCst);
+            if key == self.gated && range.start >= 2 * CHUNK && range.start < through_from {
                 if self.panics.load(std::sync::atomic::Ordering::SeqCst) {
                     panic!("a GET panics");
                 }
@@ -849,6 +965,78 @@ mod tests {
         reader.read(&stream, 9 * CHUNK, &mut buf).expect("read ahead");
         assert_eq!(buf, stream_body[9 * CHUNK as usize..10 * CHUNK as usize]);
         assert_eq!(reader.stats().gets, gets, "read from memory");
+    }
+
+    #[test]
+    fn a_fetch_left_without_an_outcome_is_finished_by_its_panic_handler() {
+        let cache = Mutex::new(Table::new(4));
+        let object: ObjectId = "o".into();
+        let id = (object.clone(), 3);
+        let Claim::Mine(p) = cache.lock().pending.join(id.clone()) else { panic!("claimed already") };
+        // A panic between ending the claim and telling the waiters leaves this.
+        assert!(cache.lock().pending.finish_fetch(&id, &p));
+        let panicked = || Err(Failed::Other("a source fetch panicked".into()));
+        finish(&cache, &object, 3, &p, panicked());
+        assert!(p.wait_for(Duration::ZERO).is_some_and(|o| o.is_err()), "its waiters were left waiting");
+        // A later claim of the chunk is left alone.
+        let Claim::Mine(later) = cache.lock().pending.join(id.clone()) else { panic!("claimed already") };
+        finish(&cache, &object, 3, &p, panicked());
+        assert!(cache.lock().pending.contains(&id) && later.wait_for(Duration::ZERO).is_none());
+    }
+
+    #[test]
+    fn a_read_of_a_chunk_queued_for_read_ahead_is_not_held_up_by_the_queue() {
+        let store = GatedStore::new("stream");
+        // Read-ahead's runs 9-16 and 17-24 wait at the gate, on both
+        // workers; run 25-29 is queued behind them, its GET not gated.
+        store.through_from.store(25 * CHUNK, std::sync::atomic::Ordering::SeqCst);
+        let stream_body = body(30 * CHUNK, 4);
+        let stream = store.source("stream", &stream_body);
+        let mut reader = SourceReader::new(FixedSources::with("b", store.clone()), None, None);
+        reader.workers = Workers::new("test-source", 2);
+        let mut buf = vec![0u8; CHUNK as usize];
+        reader.read(&stream, 0, &mut buf).expect("first read");
+        reader.read(&stream, CHUNK, &mut buf).expect("sequential read");
+        assert!(store.waiting(2), "read-ahead occupies both workers");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let got = std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut chunk = vec![0u8; CHUNK as usize];
+                let r = reader.read(&stream, 25 * CHUNK, &mut chunk).map(|()| chunk);
+                let _ = tx.send(r);
+            });
+            let got = rx.recv_timeout(Duration::from_secs(10));
+            store.open();
+            got
+        });
+        let got = got.expect("the read waited for a run queued for read-ahead").expect("read");
+        assert!(got == stream_body[25 * CHUNK as usize..26 * CHUNK as usize]);
+        // Each chunk was fetched once: 0, 1-8, 9-16, 17-24, 25 by the
+        // reader, and 26-29 by the worker that took the queued run.
+        reader.drain();
+        assert_eq!(reader.stats().gets, 6);
+        for i in 9..30 {
+            reader.read(&stream, i * CHUNK, &mut buf).expect("read ahead");
+            assert!(buf == stream_body[(i * CHUNK) as usize..((i + 1) * CHUNK) as usize], "chunk {i}");
+        }
+        assert_eq!(reader.stats().gets, 6, "every chunk read ahead was in memory");
+    }
+
+    #[test]
+    fn without_fetch_workers_a_read_fetches_its_own_chunks_before_read_ahead() {
+        let store = GatedStore::new("stream");
+        store.open();
+        let stream_body = body(30 * CHUNK, 5);
+        let stream = store.source("stream", &stream_body);
+        let mut reader = SourceReader::new(FixedSources::with("b", store.clone()), None, None);
+        reader.workers = Workers::threadless("test-source");
+        let mut buf = vec![0u8; CHUNK as usize];
+        reader.read(&stream, 0, &mut buf).expect("first read");
+        reader.read(&stream, CHUNK, &mut buf).expect("sequential read");
+        assert!(buf == stream_body[CHUNK as usize..2 * CHUNK as usize]);
+        assert_eq!(*store.starts.lock(), [0, 1, 9, 17, 25], "chunks 1-8, then the runs fetched ahead");
+        reader.read(&stream, 20 * CHUNK, &mut buf).expect("read ahead");
+        assert_eq!(reader.stats().gets, 5, "read ahead all the same");
     }
 
     #[test]

@@ -77,16 +77,22 @@ impl RemoteSeg {
         let Backing::Object { .. } = &self.backing else { return Ok(None) };
         let r = &self.remote;
         let key = (self.id, i as u32);
-        let mut run = 1;
+        // The claim on chunk `i`, and on those queued right after it.
+        let mut claimed = Vec::new();
         {
             let mut inflight = r.fetches.inflight();
             // Bounded: a fetch ends in at most GET_TRIES retried calls.
+            // Still waiting after that, this reader fetches the chunk
+            // without a claim (and ends none).
             for _ in 0..10_000 {
                 if r.chunks.contains(key) {
                     return Ok(None);
                 }
                 match inflight.join(key) {
-                    Claim::Mine(_) => break,
+                    Claim::Mine(mine) => {
+                        claimed.push((i, mine));
+                        break;
+                    }
                     Claim::Theirs(theirs) => {
                         MutexGuard::unlocked(&mut inflight, || theirs.wait_for(Duration::from_millis(100)));
                     }
@@ -95,19 +101,20 @@ impl RemoteSeg {
             // A reader that caught up with read-ahead takes the chunks
             // queued right after its own, for one larger GET. Nothing is
             // queued meanwhile: chunks are queued under `inflight`.
-            while run < RUN_CHUNKS && i + run < self.footer.crcs.len() {
-                let next = (self.id, (i + run) as u32);
-                if !r.fetches.is_queued(next) || r.chunks.contains(next) || inflight.claim(next).is_none() {
+            while !claimed.is_empty() && claimed.len() < RUN_CHUNKS && i + claimed.len() < self.footer.crcs.len() {
+                let next = (self.id, (i + claimed.len()) as u32);
+                if !r.fetches.is_queued(next) || r.chunks.contains(next) {
                     break;
                 }
+                let Some(claim) = inflight.claim(next) else { break };
                 r.fetches.unqueue(next);
-                run += 1;
+                claimed.push((i + claimed.len(), claim));
             }
         }
-        if run > 1 {
+        if claimed.len() > 1 {
             // Lands what passes its check; the caller reads it from the
             // cache (or comes back for a chunk that failed).
-            self.fetch_claimed(&(i..i + run).collect::<Vec<_>>());
+            self.fetch_claimed(&claimed);
             return Ok(None);
         }
         // A chunk another cache of this process gave is not copied into
@@ -135,7 +142,7 @@ impl RemoteSeg {
             Ok(bytes) if !local => r.land(self, &[(key, bytes, self.footer.chunk_range(i).0)]),
             _ => {}
         }
-        r.fetches.release([key]);
+        r.fetches.release(self.id, &claimed);
         res.map(Some)
     }
 
@@ -281,15 +288,17 @@ impl RemoteSeg {
         };
         let cs = self.chunk_size();
         let chunks: Vec<usize> = ((off / cs) as usize..=((end - 1) / cs) as usize).collect();
+        // Read-ahead no fetch worker could take, fetched after this read's chunks.
+        let mut later = Vec::new();
         if streaming {
             self.part_run.store(u64::MAX, Ordering::Relaxed);
             // A reader that streamed to the end of the previous segment goes on
             // at the start of this one with the window it had there.
             let carried = || if off < cs { self.remote.fetches.take_stream(self.id) } else { None };
             match self.stream.read(&self.window(), off, end, carried) {
-                Step::Carried(w) => self.read_ahead(end, w),
+                Step::Carried(w) => later = self.read_ahead(end, w),
                 Step::Sequential(w) => {
-                    self.read_ahead(end, w);
+                    later = self.read_ahead(end, w);
                     if end + cs >= self.footer.data_len {
                         self.remote.fetches.stream_into(self.id.next(), w);
                     }
@@ -297,7 +306,11 @@ impl RemoteSeg {
                 Step::Random => self.ahead.store(0, Ordering::Relaxed),
             }
         }
-        let mut fetched = self.fetch_all(&chunks)?;
+        let fetched = self.fetch_all(&chunks);
+        // Run whether or not this read's fetches worked: their chunks are
+        // queued, and read-ahead queues a chunk once.
+        self.remote.fetches.run_here(later);
+        let mut fetched = fetched?;
         for &i in &chunks {
             let (cstart, cend) = self.footer.chunk_range(i);
             let (from, to) = (off.max(cstart), end.min(cend));
