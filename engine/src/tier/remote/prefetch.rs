@@ -458,6 +458,7 @@ mod tests {
             memory: true,
             chunks: ChunkStore::new(1 << 20),
             segs: Default::default(),
+            let_go: Mutex::default(),
             adopted: Mutex::default(),
             opening: Mutex::new(()),
             peers: None,
