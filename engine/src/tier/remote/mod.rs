@@ -307,7 +307,12 @@ impl SegmentFiles for Remote {
                 by_seg.entry(seg).or_default().push((len, off));
             }
             for (seg, chunks) in by_seg {
-                let held = self.seg(seg).or_else(|| self.still_held(seg));
+                // Both maps under `segs`, so a handle moving from
+                // `let_go` back into `segs` is found in one of them.
+                let held = {
+                    let segs = self.segs.read();
+                    segs.get(&seg).cloned().or_else(|| self.still_held(seg))
+                };
                 let opened;
                 let file = match held.as_deref().map(|s| &s.backing) {
                     Some(Backing::Object { file }) => file,
@@ -359,9 +364,7 @@ impl Remote {
                 })
                 .collect();
             self.keep_footer(id, &footer);
-            self.segs.write().remove(&id);
-            // A handle let go of reads the file this one replaced.
-            self.let_go.lock().remove(&id);
+            self.forget_handles(id);
             self.insert_seg(id, footer, Backing::Object { file });
             self.chunks.insert_segments(&chunks, false);
         }
@@ -591,6 +594,15 @@ impl Remote {
         }
     }
 
+    /// Drops this tier's handles of segment `id`, open or let go of, both
+    /// under `segs`: an open racing this finds neither, and opens the
+    /// segment's file as it is now.
+    fn forget_handles(&self, id: SegId) {
+        let mut segs = self.segs.write();
+        segs.remove(&id);
+        self.let_go.lock().remove(&id);
+    }
+
     /// Segment `id` if `segs` let go of it and somebody still holds it.
     fn still_held(&self, id: SegId) -> Option<Arc<RemoteSeg>> {
         let mut let_go = self.let_go.lock();
@@ -634,11 +646,15 @@ impl Remote {
         if let Some(s) = self.segs.read().get(&id) {
             return Ok(Some(s.clone()));
         }
-        if let Some(seg) = self.still_held(id) {
-            self.let_go.lock().remove(&id);
+        {
+            // Taken back from `let_go` under `segs`, so an `adopt` or a
+            // `remove` (which clear both under it) cannot put it back.
             let mut segs = self.segs.write();
-            self.bound_open(&mut segs);
-            return Ok(Some(segs.entry(id).or_insert(seg).clone()));
+            let held = self.let_go.lock().remove(&id).and_then(|seg| seg.upgrade());
+            if let Some(seg) = held {
+                self.bound_open(&mut segs);
+                return Ok(Some(segs.entry(id).or_insert(seg).clone()));
+            }
         }
         let key = segment_key(id);
         if let Some(footer) = self.kept_footer(id, &key) {
@@ -925,8 +941,7 @@ impl Remote {
 
     /// Forgets a deleted segment.
     pub(crate) fn remove(&self, id: SegId) {
-        self.segs.write().remove(&id);
-        self.let_go.lock().remove(&id);
+        self.forget_handles(id);
         self.adopted.lock().remove(&id);
         let _x = self.chunks.exclusive();
         self.chunks.forget_segment(id);
