@@ -107,8 +107,13 @@ impl Workers {
         match rejected {
             Ok(()) => None,
             Err(job) => {
-                self.state.finished(ticket);
-                Some(job)
+                // Still this pool's job until it has run (or is dropped):
+                // a drain begun before the caller runs it waits for it.
+                let open = Open { state: self.state.clone(), ticket };
+                Some(Box::new(move || {
+                    let _open = open;
+                    job()
+                }))
             }
         }
     }
@@ -231,6 +236,19 @@ impl State {
 
 /// Runs `job`, catching a panic (its worker goes on; the job has finished
 /// its waiters itself).
+/// A job's number, finished when this goes (after the job ran, or with
+/// the job if it is dropped unrun).
+struct Open {
+    state: Arc<State>,
+    ticket: u64,
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.state.finished(self.ticket);
+    }
+}
+
 fn run(job: Job) {
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
         tracing::error!("a fetch job panicked; its worker goes on");
@@ -419,6 +437,21 @@ mod tests {
         assert!(!pool.drain_within(Duration::from_millis(20)), "idle while the later job runs");
         gates[1].store(true, Ordering::SeqCst);
         assert!(pool.drain_within(LONG));
+    }
+
+    #[test]
+    fn a_job_given_back_is_waited_for_until_it_has_run_or_is_dropped() {
+        let pool = Workers::threadless("test-fetch");
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = ran.clone();
+        let job = pool.offer(Box::new(move || r.store(true, Ordering::SeqCst))).expect("no worker: given back");
+        assert!(!pool.drain_within(Duration::from_millis(20)), "a drain ended before the job given back ran");
+        pool.run_here(job);
+        assert!(ran.load(Ordering::SeqCst));
+        assert!(pool.drain_within(LONG));
+        let dropped = pool.offer(Box::new(|| {})).expect("given back");
+        drop(dropped);
+        assert!(pool.drain_within(LONG), "a job dropped unrun kept the drain waiting");
     }
 
     #[test]
