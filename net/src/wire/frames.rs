@@ -160,13 +160,25 @@ pub fn write_chunk_head(w: &mut impl Write, buf: &mut Vec<u8>, hit: bool, len: u
 
 /// Sends bytes `off..off + len` of `file` on `stream` with `sendfile`:
 /// the kernel moves them from the page cache to the socket without a copy
-/// through this process. `len` on success.
-pub fn send_file(stream: &std::net::TcpStream, file: &std::fs::File, off: u64, len: usize) -> io::Result<usize> {
+/// through this process. `len` on success; `TimedOut` once `deadline` has
+/// passed with bytes left to send (a socket's write timeout bounds one
+/// call, not a client that keeps taking a few bytes at a time).
+pub fn send_file(
+    stream: &std::net::TcpStream,
+    file: &std::fs::File,
+    off: u64,
+    len: usize,
+    deadline: std::time::Instant,
+) -> io::Result<usize> {
     use std::os::fd::AsRawFd;
     let mut at = libc::off_t::try_from(off).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let mut left = len;
-    // Bounded: every round sends at least a byte or returns.
+    // Bounded: every round sends at least a byte or returns, and the
+    // rounds end at the deadline.
     while left > 0 {
+        if std::time::Instant::now() > deadline {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the client took too long to read a chunk"));
+        }
         // SAFETY: two valid descriptors, and `at` a valid offset the call
         // advances by what it sent.
         let n = unsafe { libc::sendfile(stream.as_raw_fd(), file.as_raw_fd(), &mut at, left) };
@@ -439,6 +451,44 @@ pub(crate) fn garbage_frames(mut each: impl FnMut(&[u8])) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_send_to_a_client_that_reads_a_little_at_a_time_ends_at_its_deadline() {
+        use std::io::Write as _;
+        let mut file = tempfile::tempfile().expect("file");
+        file.write_all(&vec![7u8; 32 << 20]).expect("fill");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (server, _) = listener.accept().expect("accept");
+        server.set_write_timeout(Some(std::time::Duration::from_millis(100))).expect("timeout");
+        // A client that takes 4 KiB every 10 ms: each sendfile moves some
+        // bytes, so only the deadline ends the send (32 MiB at this pace
+        // takes over a minute).
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut client = client;
+                let mut buf = [0u8; 4096];
+                for _ in 0..10_000 {
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) || matches!(client.read(&mut buf), Ok(0) | Err(_))
+                    {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+            })
+        };
+        let started = std::time::Instant::now();
+        let sent = send_file(&server, &file, 0, 32 << 20, started + std::time::Duration::from_millis(500));
+        let took = started.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(server);
+        reader.join().expect("reader");
+        let e = sent.expect_err("the whole chunk went to a client reading 400 KiB/s");
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(took < std::time::Duration::from_secs(20), "the send went on for {took:?}");
+    }
 
     #[test]
     fn parts_of_chunks_travel_after_their_frames_and_come_back_whole() {
