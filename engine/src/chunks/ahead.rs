@@ -152,6 +152,8 @@ impl Workers {
 
     /// Waits until every job submitted so far has finished (not those
     /// submitted meanwhile: readers going on cannot hold a drain up).
+    /// A job [`Workers::offer`] gave back counts until it has run or is
+    /// dropped, so a thread holding one must not wait for a drain.
     pub(crate) fn drain(&self) {
         self.drain_to(self.submitted(), None);
     }
@@ -234,8 +236,6 @@ impl State {
     }
 }
 
-/// Runs `job`, catching a panic (its worker goes on; the job has finished
-/// its waiters itself).
 /// A job's number, finished when this goes (after the job ran, or with
 /// the job if it is dropped unrun).
 struct Open {
@@ -249,6 +249,8 @@ impl Drop for Open {
     }
 }
 
+/// Runs `job`, catching a panic (its worker goes on; the job has finished
+/// its waiters itself).
 fn run(job: Job) {
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
         tracing::error!("a fetch job panicked; its worker goes on");
