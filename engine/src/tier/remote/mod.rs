@@ -352,6 +352,10 @@ impl Remote {
             return Ok(());
         }
         {
+            // No open of the segment meanwhile either: one that opened the
+            // cache file this rename replaces would keep a handle of the
+            // old file (holes where the new one has bytes).
+            let _no_opens = self.opening.lock();
             let _no_readers = self.chunks.exclusive();
             let path = self.path(id);
             fs::rename(local, &path)?;
