@@ -53,8 +53,9 @@ type Found = arbor_engine::Result<Option<(Vec<u8>, Option<bool>)>>;
 const SEND_FILE_MIN: usize = 64 << 10;
 
 /// How long a chunk connection's write may wait for a client that stopped
-/// reading, and how long one chunk's `sendfile` may take in all, before
-/// the connection is dropped: a `sendfile` from the cache
+/// reading, and how long one chunk's head and `sendfile` may take in all
+/// (give or take one write's wait: at most twice this), before the
+/// connection is dropped: a `sendfile` from the cache
 /// holds the cache's reader lock, which every eviction that punches (and
 /// so, behind it, every other reader) waits for. Five times a client's own
 /// timeout ([`super::client::TIMEOUT`]).
@@ -237,9 +238,10 @@ impl ChunkService {
                 return None;
             }
             let head = u32::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput));
+            let deadline = Instant::now() + SEND_TIMEOUT;
             Some(head.and_then(|len32| {
                 crate::wire::frames::write_chunk_head(stream, wbuf, true, len32)?;
-                crate::wire::frames::send_file(stream.tcp(), file, off, len, Instant::now() + SEND_TIMEOUT)
+                crate::wire::frames::send_file(stream.tcp(), file, off, len, deadline)
             }))
         });
         let m = &self.metrics;

@@ -152,6 +152,9 @@ pub fn write_chunk_answer(w: &mut impl Write, buf: &mut Vec<u8>, answer: &ChunkA
     }
 }
 
+/// The most [`send_file`] hands the kernel in one call.
+pub const SEND_SLICE: usize = 256 << 10;
+
 /// Sends the frame of a [`ChunkAnswer::Bytes`] of `len` bytes, for a
 /// sender that sends the bytes themselves some other way ([`send_file`]).
 pub fn write_chunk_head(w: &mut impl Write, buf: &mut Vec<u8>, hit: bool, len: u32) -> io::Result<()> {
@@ -161,8 +164,11 @@ pub fn write_chunk_head(w: &mut impl Write, buf: &mut Vec<u8>, hit: bool, len: u
 /// Sends bytes `off..off + len` of `file` on `stream` with `sendfile`:
 /// the kernel moves them from the page cache to the socket without a copy
 /// through this process. `len` on success; `TimedOut` once `deadline` has
-/// passed with bytes left to send (a socket's write timeout bounds one
-/// call, not a client that keeps taking a few bytes at a time).
+/// passed with bytes left to send. A socket's write timeout does not do
+/// that: it bounds a wait with no progress, so one `sendfile` to a client
+/// that keeps taking a few bytes at a time goes on for as long as the
+/// client likes. The bytes go [`SEND_SLICE`] at a time, the deadline
+/// looked at between slices.
 pub fn send_file(
     stream: &std::net::TcpStream,
     file: &std::fs::File,
@@ -181,7 +187,7 @@ pub fn send_file(
         }
         // SAFETY: two valid descriptors, and `at` a valid offset the call
         // advances by what it sent.
-        let n = unsafe { libc::sendfile(stream.as_raw_fd(), file.as_raw_fd(), &mut at, left) };
+        let n = unsafe { libc::sendfile(stream.as_raw_fd(), file.as_raw_fd(), &mut at, left.min(SEND_SLICE)) };
         match n {
             n if n > 0 => left -= n as usize,
             0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file ended before the chunk")),
@@ -460,10 +466,11 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
         let (server, _) = listener.accept().expect("accept");
-        server.set_write_timeout(Some(std::time::Duration::from_millis(100))).expect("timeout");
-        // A client that takes 4 KiB every 10 ms: each sendfile moves some
-        // bytes, so only the deadline ends the send (32 MiB at this pace
-        // takes over a minute).
+        // Longer than the deadline, and never reached: the client keeps
+        // taking bytes, so no wait of the sender's goes without progress.
+        server.set_write_timeout(Some(std::time::Duration::from_secs(2))).expect("timeout");
+        // A client that takes 4 KiB every 10 ms (32 MiB at this pace takes
+        // over a minute).
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let reader = {
             let stop = stop.clone();
