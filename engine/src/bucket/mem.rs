@@ -87,3 +87,62 @@ impl ObjectStore for MemObjectStore {
         Ok(())
     }
 }
+
+/// What a [`Watched`] store runs before each ranged GET.
+#[cfg(test)]
+pub(crate) trait BeforeGet: Send + Sync {
+    /// Runs before a ranged GET (`conditional`: a [`ObjectStore::get_range_if`])
+    /// of `range` of `key`; it may record, hold up or panic.
+    fn before_get(&self, key: &str, range: &Range<u64>, conditional: bool);
+}
+
+/// An in-memory store whose ranged GETs run `watch` first, every call then
+/// going to the store: for tests that count, order or hold up reads. The
+/// watch's own fields read through it (`Deref`).
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct Watched<W> {
+    pub(crate) inner: MemObjectStore,
+    pub(crate) watch: W,
+}
+
+#[cfg(test)]
+impl<W> std::ops::Deref for Watched<W> {
+    type Target = W;
+    fn deref(&self) -> &W {
+        &self.watch
+    }
+}
+
+#[cfg(test)]
+impl<W: BeforeGet> ObjectStore for Watched<W> {
+    fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.inner.put(key, body)
+    }
+    fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
+        self.inner.put_if_absent(key, body)
+    }
+    fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
+        self.inner.put_if_match(key, body, etag)
+    }
+    fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, range: Range<u64>) -> Result<Vec<u8>> {
+        self.watch.before_get(key, &range, false);
+        self.inner.get_range(key, range)
+    }
+    fn get_range_if(&self, key: &str, range: Range<u64>, etag: &str, version: Option<&str>) -> Result<Vec<u8>> {
+        self.watch.before_get(key, &range, true);
+        self.inner.get_range_if(key, range, etag, version)
+    }
+    fn list(&self, prefix: &str) -> Result<Vec<String>> {
+        self.inner.list(prefix)
+    }
+    fn size(&self, key: &str) -> Result<u64> {
+        self.inner.size(key)
+    }
+    fn delete(&self, key: &str) -> Result<()> {
+        self.inner.delete(key)
+    }
+}

@@ -13,6 +13,8 @@ pub use crash::{CrashStore, Step};
 pub use fault::{Fault, FaultStore};
 pub use local::LocalFolderStore;
 pub use mem::MemObjectStore;
+#[cfg(test)]
+pub(crate) use mem::{BeforeGet, Watched};
 pub use observed::{BucketMetrics, ObservedStore};
 pub use retry::{RetryPolicy, RetryStore};
 pub use s3::{S3Config, S3Store};

@@ -819,15 +819,14 @@ fn changed(src: &Source, e: Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bucket::{ETag, MemObjectStore};
+    use crate::bucket::MemObjectStore;
     use parking_lot::Condvar;
     use std::time::{Duration, Instant};
 
-    /// A store whose conditional GETs of `gated` from its third chunk on
-    /// (up to `through_from`) wait for the gate to open (read-ahead of a
-    /// streaming reader's object); every other call goes through.
-    struct GatedStore {
-        inner: MemObjectStore,
+    /// What holds up a store's conditional GETs of `gated` from its third
+    /// chunk on (up to `through_from`) until the gate opens (read-ahead of
+    /// a streaming reader's object); every other call goes through.
+    struct Gate {
         gated: &'static str,
         /// Where GETs go through the gate again.
         through_from: std::sync::atomic::AtomicU64,
@@ -840,17 +839,40 @@ mod tests {
         starts: Mutex<Vec<u64>>,
     }
 
+    type GatedStore = crate::bucket::Watched<Gate>;
+
+    impl crate::bucket::BeforeGet for Gate {
+        fn before_get(&self, key: &str, range: &std::ops::Range<u64>, conditional: bool) {
+            if !conditional || key != self.gated {
+                return;
+            }
+            self.starts.lock().push(range.start / CHUNK);
+            let through_from = self.through_from.load(std::sync::atomic::Ordering::SeqCst);
+            if range.start >= 2 * CHUNK && range.start < through_from {
+                if self.panics.load(std::sync::atomic::Ordering::SeqCst) {
+                    panic!("a GET panics");
+                }
+                let mut gate = self.gate.lock();
+                gate.1 += 1;
+                self.cv.notify_all();
+                while !gate.0 {
+                    self.cv.wait(&mut gate);
+                }
+            }
+        }
+    }
+
     impl GatedStore {
         fn new(gated: &'static str) -> Arc<GatedStore> {
-            Arc::new(GatedStore {
-                inner: MemObjectStore::new(),
+            let gate = Gate {
                 gated,
                 through_from: u64::MAX.into(),
                 gate: Mutex::new((false, 0)),
                 cv: Condvar::new(),
                 panics: false.into(),
                 starts: Mutex::default(),
-            })
+            };
+            Arc::new(crate::bucket::Watched { inner: MemObjectStore::new(), watch: gate })
         }
 
         fn source(&self, key: &str, body: &[u8]) -> Source {
@@ -873,51 +895,6 @@ mod tests {
                 }
             }
             true
-        }
-    }
-
-    impl ObjectStore for GatedStore {
-        fn put(&self, key: &str, body: &[u8]) -> Result<ETag> {
-            self.inner.put(key, body)
-        }
-        fn put_if_absent(&self, key: &str, body: &[u8]) -> Result<ETag> {
-            self.inner.put_if_absent(key, body)
-        }
-        fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> Result<ETag> {
-            self.inner.put_if_match(key, body, etag)
-        }
-        fn get(&self, key: &str) -> Result<(Vec<u8>, ETag)> {
-            self.inner.get(key)
-        }
-        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> Result<Vec<u8>> {
-            self.inner.get_range(key, range)
-        }
-        fn get_range_if(&self, key: &str, range: std::ops::Range<u64>, etag: &str, v: Option<&str>) -> Result<Vec<u8>> {
-            if key == self.gated {
-                self.starts.lock().push(range.start / CHUNK);
-            }
-            let through_from = self.through_from.load(std::sync::atomic::Ordering::SeqCst);
-            if key == self.gated && range.start >= 2 * CHUNK && range.start < through_from {
-                if self.panics.load(std::sync::atomic::Ordering::SeqCst) {
-                    panic!("a GET panics");
-                }
-                let mut gate = self.gate.lock();
-                gate.1 += 1;
-                self.cv.notify_all();
-                while !gate.0 {
-                    self.cv.wait(&mut gate);
-                }
-            }
-            self.inner.get_range_if(key, range, etag, v)
-        }
-        fn list(&self, prefix: &str) -> Result<Vec<String>> {
-            self.inner.list(prefix)
-        }
-        fn size(&self, key: &str) -> Result<u64> {
-            self.inner.size(key)
-        }
-        fn delete(&self, key: &str) -> Result<()> {
-            self.inner.delete(key)
         }
     }
 

@@ -409,40 +409,22 @@ mod tests {
         (remote, seg)
     }
 
-    /// A bucket that records where each ranged GET starts, in chunks.
+    /// Where each ranged GET of a bucket starts, in chunks.
     #[derive(Default)]
-    struct Recorded {
-        inner: MemObjectStore,
+    struct Starts {
         starts: Mutex<Vec<u64>>,
     }
 
-    impl ObjectStore for Recorded {
-        fn put(&self, key: &str, body: &[u8]) -> crate::error::Result<crate::bucket::ETag> {
-            self.inner.put(key, body)
-        }
-        fn put_if_absent(&self, key: &str, body: &[u8]) -> crate::error::Result<crate::bucket::ETag> {
-            self.inner.put_if_absent(key, body)
-        }
-        fn put_if_match(&self, key: &str, body: &[u8], etag: &str) -> crate::error::Result<crate::bucket::ETag> {
-            self.inner.put_if_match(key, body, etag)
-        }
-        fn get(&self, key: &str) -> crate::error::Result<(Vec<u8>, crate::bucket::ETag)> {
-            self.inner.get(key)
-        }
-        fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> crate::error::Result<Vec<u8>> {
-            self.starts.lock().push(range.start / CHUNK as u64);
-            self.inner.get_range(key, range)
-        }
-        fn list(&self, prefix: &str) -> crate::error::Result<Vec<String>> {
-            self.inner.list(prefix)
-        }
-        fn size(&self, key: &str) -> crate::error::Result<u64> {
-            self.inner.size(key)
-        }
-        fn delete(&self, key: &str) -> crate::error::Result<()> {
-            self.inner.delete(key)
+    impl crate::bucket::BeforeGet for Starts {
+        fn before_get(&self, _key: &str, range: &std::ops::Range<u64>, conditional: bool) {
+            if !conditional {
+                self.starts.lock().push(range.start / CHUNK as u64);
+            }
         }
     }
+
+    /// A bucket that records where each ranged GET starts.
+    type Recorded = crate::bucket::Watched<Starts>;
 
     #[test]
     fn without_fetch_workers_a_read_fetches_its_own_chunk_before_the_runs_it_queued() {
